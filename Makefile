@@ -1,0 +1,38 @@
+# Two commands set up everything on a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck pytest setup clean help
+
+help:
+	@echo "make demo   - set up .venv if needed, start the cloud verifier and run the edge client demo"
+	@echo "make test   - set up .venv if needed, run ruff, mypy and pytest (SLOW=1 adds slow tests)"
+	@echo "make setup  - only create/refresh the virtualenv"
+
+setup: $(STAMP)
+
+# Re-install only when the project metadata changes; the stamp makes re-runs fast.
+$(STAMP): pyproject.toml scripts/setup_venv.sh
+	PY=$(PY) VENV=$(VENV) bash scripts/setup_venv.sh
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m bench.demo
+
+test: $(STAMP) lint typecheck pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	SLOW=$(SLOW) $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

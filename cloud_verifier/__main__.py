@@ -1,0 +1,5 @@
+import sys
+
+from cloud_verifier.cli import main
+
+sys.exit(main())

@@ -1,0 +1,116 @@
+"""`cloud-verifier`: the verifier service's command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from cloud_verifier.config import ServerConfig
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    d = ServerConfig.from_env()
+    p = sub.add_parser(
+        "serve",
+        help="run the verifier service (WebSocket /v1/session, /healthz, /readyz, /metrics)",
+        description="Load the target model, measure its verify cost curve and serve edge clients. "
+        "Defaults come from ServerConfig and CLOUD_VERIFIER_<FLAG> environment variables.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=d.model,
+        help="target model: alias 'smollm2-135m' (packaged GGUF, fp32) or 'tiny' (seeded random "
+        "weights, SmolLM2 vocabulary), or a path to a .gguf file or a safetensors directory",
+    )
+    p.add_argument("--host", default=d.host, help="interface to listen on")
+    p.add_argument("--port", type=int, default=d.port, help="TCP port to listen on")
+    p.add_argument(
+        "--api-key-file",
+        default=d.api_key_file,
+        help="file with one API key per line, optionally followed by 'trusted'; without it "
+        "access is open and every client is untrusted",
+    )
+    p.add_argument(
+        "--trust-anonymous",
+        action="store_true",
+        default=d.trust_anonymous,
+        help="development only: let clients without a key use the stochastic modes mss/rrs",
+    )
+    p.add_argument(
+        "--max-sessions",
+        type=int,
+        default=d.max_sessions,
+        help="concurrent sessions; one more is refused with close code 1013",
+    )
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=d.max_pending,
+        help="conditional trees a session may queue besides the round in flight",
+    )
+    p.add_argument("--max-nodes", type=int, default=d.max_nodes, help="tree nodes per round")
+    p.add_argument("--max-depth", type=int, default=d.max_depth, help="tree depth per round")
+    p.add_argument("--max-context", type=int, default=d.max_context, help="committed tokens per session")
+    p.add_argument("--max-bytes", type=int, default=d.max_bytes, help="largest WebSocket message accepted")
+    p.add_argument(
+        "--token-budget",
+        type=int,
+        default=d.token_budget,
+        help="rows packed into one engine step; longer prefills are chunked",
+    )
+    p.add_argument("--kv-blocks", type=int, default=d.kv_blocks, help="KV blocks in the pool (0: automatic)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument(
+        "--dtype",
+        default=d.dtype,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)",
+    )
+    p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=d.idle_timeout_s,
+        dest="idle_timeout_s",
+        help="seconds without a message before a session is closed",
+    )
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: torch's default)")
+    p.add_argument(
+        "--no-measure-cost",
+        action="store_false",
+        dest="measure_cost",
+        default=d.measure_cost,
+        help="skip measuring the verify cost curve at start-up (advertise an estimate)",
+    )
+    p.add_argument(
+        "--log-level",
+        default=d.log_level,
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cloud-verifier",
+        description="Cloud verifier of edge-drafted token trees: exact tree-speculative decoding.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        print(
+            "cloud-verifier serve: not yet available (the verifier service is being built)", file=sys.stderr
+        )
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Configuration of the verifier service: one frozen dataclass, the CLI takes its defaults from it.
+
+Environment variables are read in one place, `ServerConfig.from_env`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = "smollm2-135m"  # alias (smollm2-135m, tiny) or a GGUF file / safetensors directory
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU; or float32 / bfloat16 / float16
+    device: str = "auto"  # auto: cuda if available, else cpu
+    api_key_file: str | None = None  # one key per line: "KEY [trusted]"
+    trust_anonymous: bool = False  # development: treat key-less clients as trusted (mss/rrs allowed)
+    max_sessions: int = 64
+    max_pending: int = 4  # conditional trees kept per session besides the one in flight
+    max_nodes: int = 64  # tree nodes per round
+    max_depth: int = 16
+    max_context: int = 4096  # committed tokens per session (prompt + output)
+    max_bytes: int = 1 << 20  # one WebSocket frame
+    token_budget: int = 512  # rows packed into one engine step (chunked prefill beyond it)
+    kv_blocks: int = 0  # 0: size the pool for max_sessions * max_context / 4
+    block_size: int = 16
+    idle_timeout_s: float = 300.0
+    ping_interval_s: float = 20.0
+    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    measure_cost: bool = True  # measure the verify cost curve at start-up
+    log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, base: ServerConfig | None = None) -> ServerConfig:
+        """Apply CLOUD_VERIFIER_<FIELD> environment variables (e.g. CLOUD_VERIFIER_PORT=9000)."""
+        cfg = base or cls()
+        updates: dict[str, object] = {}
+        for f in fields(cls):
+            raw = os.environ.get(f"CLOUD_VERIFIER_{f.name.upper()}")
+            if raw is None:
+                continue
+            default = getattr(cfg, f.name)
+            if isinstance(default, bool):
+                updates[f.name] = raw.lower() in ("1", "true", "yes", "on")
+            elif isinstance(default, int):
+                updates[f.name] = int(raw)
+            elif isinstance(default, float):
+                updates[f.name] = float(raw)
+            else:
+                updates[f.name] = raw
+        return replace(cfg, **updates)  # type: ignore[arg-type]

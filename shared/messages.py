@@ -1,0 +1,709 @@
+"""Protocol messages as typed dataclasses, and their msgpack codec (DESIGN section 3.2).
+
+Every frame is one msgpack map with a `type` key. Integer arrays travel as raw little-endian bytes
+(msgpack bin): token ids, parents and pointers as int32/uint32, q weights as uint16 holding
+`weight - 1`, drafter ids as uint8. Decoding enforces explicit size limits, accepts no extension
+types, no duplicate or unknown keys and no non-string keys, and never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+import numpy as np
+
+from shared.errors import ErrorCode, ProtocolError
+from shared.sparse import Q_TOTAL, SparseRows
+from shared.tree import Draws, TokenTree
+
+PROTOCOL_VERSION = 1
+MAX_U31 = (1 << 31) - 1
+MAX_U63 = (1 << 63) - 1
+
+
+class MsgType(str, enum.Enum):
+    HELLO = "hello"
+    WELCOME = "welcome"
+    PROMPT = "prompt"
+    TREE = "tree"
+    VERDICT = "verdict"
+    STALE = "stale"
+    ERROR = "error"
+    CANCEL = "cancel"
+    CLOSE = "close"
+
+
+class Mode(str, enum.Enum):
+    """Verification modes. `ar` is target-only decoding (the cloud-only baseline)."""
+
+    GREEDY = "greedy"
+    MATCH = "match"
+    MSS = "mss"
+    RRS = "rrs"
+    AR = "ar"
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether trees in this mode carry draws and q rows."""
+        return self in (Mode.MSS, Mode.RRS)
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Structural limits applied while decoding a frame, before any semantic check."""
+
+    max_bytes: int = 1 << 20  # one frame
+    max_nodes: int = 4096  # tree.tokens, tree.parents, verdict.accepted_nodes
+    max_tokens: int = 1 << 17  # prompt.tokens, verdict.tokens, cond
+    max_q_nnz: int = 1 << 20  # non-zeros of all q rows of one tree
+    max_list: int = 256  # eos_ids, stop_ids, allowed_modes, verify_cost_ms entries
+    max_str: int = 4096  # any string
+
+
+DEFAULT_WIRE_LIMITS = WireLimits()
+
+
+def _arr(a: Sequence[int] | np.ndarray, dtype: type = np.int32) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(a, dtype=np.int64).astype(dtype))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading a decoded map, naming the field on every failure
+
+
+class _Reader:
+    """Typed access to one decoded msgpack map; every error names `prefix.key`."""
+
+    def __init__(self, m: Any, prefix: str, limits: WireLimits) -> None:
+        if not isinstance(m, dict):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "expected a map", prefix or "frame", fatal=True)
+        self.m = m
+        self.prefix = prefix
+        self.limits = limits
+        self.used: set[str] = set()
+
+    def name(self, key: str) -> str:
+        return f"{self.prefix}.{key}" if self.prefix else key
+
+    def bad(self, key: str, message: str, code: ErrorCode = ErrorCode.BAD_MESSAGE) -> ProtocolError:
+        return ProtocolError(code, message, self.name(key), fatal=True)
+
+    def has(self, key: str) -> bool:
+        return key in self.m and self.m[key] is not None
+
+    def raw(self, key: str, default: Any = ...) -> Any:
+        self.used.add(key)
+        if key not in self.m or self.m[key] is None:
+            if default is ...:
+                raise self.bad(key, "missing")
+            return default
+        return self.m[key]
+
+    def integer(self, key: str, lo: int = 0, hi: int = MAX_U31, default: Any = ...) -> Any:
+        v = self.raw(key, default)
+        if v is default and default is not ...:
+            return v
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise self.bad(key, f"must be an integer, got {type(v).__name__}")
+        if not lo <= v <= hi:
+            raise self.bad(key, f"must be in [{lo}, {hi}], got {v}")
+        return v
+
+    def number(self, key: str, lo: float, hi: float, default: Any = ...) -> Any:
+        v = self.raw(key, default)
+        if v is default and default is not ...:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self.bad(key, f"must be a number, got {type(v).__name__}")
+        if not math.isfinite(v) or not lo <= v <= hi:
+            raise self.bad(key, f"must be a finite number in [{lo}, {hi}], got {v}")
+        return float(v)
+
+    def flag(self, key: str, default: Any = ...) -> Any:
+        v = self.raw(key, default)
+        if not isinstance(v, bool):
+            raise self.bad(key, f"must be a boolean, got {type(v).__name__}")
+        return v
+
+    def text(self, key: str, default: Any = ...) -> Any:
+        v = self.raw(key, default)
+        if v is default and default is not ...:
+            return v
+        if not isinstance(v, str):
+            raise self.bad(key, f"must be a string, got {type(v).__name__}")
+        if len(v) > self.limits.max_str:
+            raise self.bad(key, f"longer than {self.limits.max_str} characters", ErrorCode.LIMIT_EXCEEDED)
+        return v
+
+    def array(self, key: str, dtype: str, max_len: int, default: Any = ...) -> np.ndarray:
+        """Raw little-endian integer array; returned in native int32/int64."""
+        v = self.raw(key, default)
+        if v is default and default is not ...:
+            return np.zeros(0, dtype=np.int32) if v is None else _arr(v)
+        if not isinstance(v, bytes):
+            raise self.bad(
+                key, f"must be raw little-endian {dtype} bytes (msgpack bin), got {type(v).__name__}"
+            )
+        item = np.dtype(dtype).itemsize
+        if len(v) % item:
+            raise self.bad(key, f"byte length {len(v)} is not a multiple of {item} ({dtype})")
+        if len(v) // item > max_len:
+            raise self.bad(
+                key, f"{len(v) // item} entries is over the limit of {max_len}", ErrorCode.LIMIT_EXCEEDED
+            )
+        a = np.frombuffer(v, dtype=dtype)
+        return a.astype(np.int64 if dtype in ("<u4", "<i8") else np.int32)
+
+    def str_list(self, key: str) -> list[str]:
+        v = self.raw(key)
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise self.bad(key, "must be a list of strings")
+        if len(v) > self.limits.max_list:
+            raise self.bad(key, f"over {self.limits.max_list} entries", ErrorCode.LIMIT_EXCEEDED)
+        return v
+
+    def sub(self, key: str) -> _Reader:
+        return _Reader(self.raw(key), self.name(key), self.limits)
+
+    def finish(self) -> None:
+        extra = sorted(set(self.m) - self.used)
+        if extra:
+            raise self.bad(extra[0], "unknown field")
+
+
+def _b(a: np.ndarray, dtype: str = "<i4") -> bytes:
+    return np.ascontiguousarray(a).astype(dtype).tobytes()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Messages
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Client -> server, first frame."""
+
+    TYPE: ClassVar[MsgType] = MsgType.HELLO
+    vocab_fingerprint: str
+    version: int = PROTOCOL_VERSION
+    api_key: str | None = None
+    client: str | None = None  # free-form client name/version, for logs
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"version": self.version, "vocab_fingerprint": self.vocab_fingerprint}
+        if self.api_key is not None:
+            d["api_key"] = self.api_key
+        if self.client is not None:
+            d["client"] = self.client
+        return d
+
+    @classmethod
+    def from_wire(cls, r: _Reader) -> Hello:
+        return cls(
+            version=r.integer("version", 0, 1 << 16),
+            vocab_fingerprint=r.text("vocab_fingerprint"),
+            api_key=r.text("api_key", None),
+            client=r.text("client", None),
+        )
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """What the server advertises in `welcome.limits`."""
+
+    max_nodes: int = 64
+    max_depth: int = 16
+    max_pending: int = 4
+    max_bytes: int = 1 << 20
+    max_context: int = 4096
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "max_nodes": self.max_nodes,
+            "max_depth": self.max_depth,
+            "max_pending": self.max_pending,
+            "max_bytes": self.max_bytes,
+            "max_context": self.max_context,
+        }
+
+    @classmethod
+    def from_wire(cls, r: _Reader) -> SessionLimits:
+        out = cls(
+            max_nodes=r.integer("max_nodes", 0),
+            max_depth=r.integer("max_depth", 0),
+            max_pending=r.integer("max_pending", 0),
+            max_bytes=r.integer("max_bytes", 1),
+            max_context=r.integer("max_context", 1),
+        )
+        r.finish()
+        return out
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Server -> client answer to hello."""
+
+    TYPE: ClassVar[MsgType] = MsgType.WELCOME
+    session_id: str
+    model_id: str
+    vocab_size: int
+    eos_ids: tuple[int, ...]
+    allowed_modes: tuple[Mode, ...]
+    limits: SessionLimits
+    verify_cost_ms: dict[int, float]  # forward ms for N tree nodes, measured at start-up
+    vocab_fingerprint: str = ""
+    version: int = PROTOCOL_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "session_id": self.session_id,
+            "model_id": self.model_id,
+            "vocab_size": self.vocab_size,
+            "vocab_fingerprint": self.vocab_fingerprint,
+            "eos_ids": _b(np.asarray(self.eos_ids, dtype=np.int64)),
+            "allowed_modes": [m.value for m in self.allowed_modes],
+            "limits": self.limits.to_wire(),
+            # msgpack map keys must be strings (strict_map_key)
+            "verify_cost_ms": {str(k): float(v) for k, v in sorted(self.verify_cost_ms.items())},
+        }
+
+    @classmethod
+    def from_wire(cls, r: _Reader) -> Welcome:
+        modes = []
+        for m in r.str_list("allowed_modes"):
+            try:
+                modes.append(Mode(m))
+            except ValueError as exc:
+                raise r.bad("allowed_modes", f"unknown mode {m!r}") from exc
+        cost_raw = r.raw("verify_cost_ms")
+        if not isinstance(cost_raw, dict) or len(cost_raw) > r.limits.max_list:
+            raise r.bad("verify_cost_ms", "must be a map of node count (string) to milliseconds")
+        cost: dict[int, float] = {}
+        for k, v in cost_raw.items():
+            if (
+                not (isinstance(k, str) and k.isdigit())
+                or isinstance(v, bool)
+                or not isinstance(v, (int, float))
+            ):
+                raise r.bad("verify_cost_ms", "must map decimal node counts to numbers")
+            if not math.isfinite(v) or v < 0:
+                raise r.bad("verify_cost_ms", "milliseconds must be finite and >= 0")
+            cost[int(k)] = float(v)
+        return cls(
+            version=r.integer("version", 0, 1 << 16),
+            session_id=r.text("session_id"),
+            model_id=r.text("model_id"),
+            vocab_size=r.integer("vocab_size", 1),
+            vocab_fingerprint=r.text("vocab_fingerprint", ""),
+            eos_ids=tuple(r.array("eos_ids", "<i4", r.limits.max_list).tolist()),
+            allowed_modes=tuple(modes),
+            limits=SessionLimits.from_wire(r.sub("limits")),
+            verify_cost_ms=cost,
+        )
+
+
+def tree_to_wire(tree: TokenTree, d: dict[str, Any]) -> dict[str, Any]:
+    d["base"] = tree.base
+    d["cond"] = _b(tree.cond)
+    d["tokens"] = _b(tree.tokens)
+    d["parents"] = _b(tree.parents)
+    if tree.draws is not None:
+        dr = tree.draws
+        d["draws"] = {
+            "node": _b(dr.node),
+            "drafter": _b(dr.drafter, "u1"),
+            "qrow": _b(dr.qrow),
+            "q_ptr": _b(dr.q.ptr, "<u4"),
+            "q_ids": _b(dr.q.ids),
+            "q_wm1": _b(dr.q.weights - 1, "<u2"),  # weight - 1: weights are in [1, 65536]
+        }
+    return d
+
+
+def tree_from_wire(r: _Reader) -> TokenTree:
+    lim = r.limits
+    tokens = r.array("tokens", "<i4", lim.max_nodes)
+    parents = r.array("parents", "<i4", lim.max_nodes)
+    draws = None
+    if r.has("draws"):
+        dr = r.sub("draws")
+        q = SparseRows(
+            ptr=dr.array("q_ptr", "<u4", lim.max_q_nnz + 1).astype(np.int64),
+            ids=dr.array("q_ids", "<i4", lim.max_q_nnz),
+            weights=dr.array("q_wm1", "<u2", lim.max_q_nnz).astype(np.int64) + 1,
+        )
+        draws = Draws(
+            node=dr.array("node", "<i4", lim.max_q_nnz),
+            drafter=dr.array("drafter", "u1", lim.max_q_nnz),
+            qrow=dr.array("qrow", "<i4", lim.max_q_nnz),
+            q=q,
+        )
+        dr.finish()
+    else:
+        r.raw("draws", None)
+    return TokenTree(
+        tokens=tokens,
+        parents=parents,
+        base=r.integer("base", 0),
+        cond=r.array("cond", "<i4", lim.max_tokens),
+        draws=draws,
+    )
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Client -> server: start a generation (or, with continue_, add a turn to the cached context)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PROMPT
+    tokens: np.ndarray  # [P] int32, the new tokens (the whole prompt, or the next turn if continue_)
+    mode: Mode = Mode.GREEDY
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 128
+    stop_ids: tuple[int, ...] = ()
+    continue_: bool = False
+    tree: TokenTree | None = None  # optional first tree, verified right after prefill
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", _arr(self.tokens))
+        object.__setattr__(self, "mode", Mode(self.mode))
+        object.__setattr__(self, "stop_ids", tuple(int(x) for x in self.stop_ids))
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "tokens": _b(self.tokens),
+            "mode": self.mode.value,
+            "temperature": float(self.temperature),
+            "top_k": self.top_k,
+            "top_p": float(self.top_p),
+            "seed": self.seed,
+            "max_new_tokens": self.max_new_tokens,
+            "stop_ids": _b(np.asarray(self.stop_ids, dtype=np.int64)),
+            "continue": self.continue_,
+        }
+        if self.tree is not None:
+            d["tree"] = tree_to_wire(self.tree, {})
+        return d
+
+    @classmethod
+    def from_wire(cls, r: _Reader) -> Prompt:
+        mode_s = r.text("mode")
+        try:
+            mode = Mode(mode_s)
+        except ValueError as exc:
+            raise r.bad("mode", f"unknown mode {mode_s!r}; one of {[m.value for m in Mode]}") from exc
+        tree = None
+        if r.has("tree"):
+            tr = r.sub("tree")
+            tree = tree_from_wire(tr)
+            tr.finish()
+        else:
+            r.raw("tree", None)
+        return cls(
+            tokens=r.array("tokens", "<i4", r.limits.max_tokens),
+            mode=mode,
+            temperature=r.number("temperature", 0.0, 1e4, 0.0),
+            top_k=r.integer("top_k", 0, MAX_U31, 0),
+            top_p=r.number("top_p", 1e-9, 1.0, 1.0),
+            seed=r.integer("seed", 0, MAX_U63, 0),
+            max_new_tokens=r.integer("max_new_tokens", 1, MAX_U31, 128),
+            stop_ids=tuple(r.array("stop_ids", "<i4", r.limits.max_list, ()).tolist()),
+            continue_=r.flag("continue", False),
+            tree=tree,
+        )
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Client -> server: a token tree for round `round` (ids strictly increase within a session)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TREE
+    round: int
+    tree: TokenTree
+
+    def to_wire(self) -> dict[str, Any]:
+        return tree_to_wire(self.tree, {"round": self.round})
+
+    @classmethod
+    def from_wire(cls, r: _Reader) -> Tree:
+        return cls(round=r.integer("round", 1), tree=tree_from_wire(r))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Server -> client: the outcome of a round.
+
+    round 0 answers no tree: a prompt sent without one, a token of mode ar, or the end of a
+    cancelled generation. tokens = accepted path then the bonus, cut at the first stop id or at
+    max_new_tokens. next_round names a pending tree the server is already verifying.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.VERDICT
+    round: int
+    tokens: np.ndarray  # [k] int32
+    accepted_nodes: np.ndarray  # [a] int32 node indices of the verified tree
+    has_bonus: bool
+    committed_len: int  # length of the committed sequence after this verdict
+    next_round: int | None = None
+    verify_ms: float = 0.0
+    done: bool = False
+    reason: str | None = None  # when done: "stop", "length", "context", "cancelled"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", _arr(self.tokens))
+        object.__setattr__(self, "accepted_nodes", _arr(self.accepted_nodes))
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "round": self.round,
+            "tokens": _b(self.tokens),
+            "accepted_nodes": _b(self.accepted_nodes),
+            "has_bonus": self.has_bonus,
+            "committed_len": self.committed_len,
+            "verify_ms": float(self.verify_ms),
+            "done": self.done,
+        }
+        if self.next_round is not None:
+            d["next_round"] = self.next_round
+        if self.reason is not None:
+            d["reason"] = self.reason
+        return d
+
+    @classmethod
+    def from_wire(cls, r: _Reader) -> Verdict:
+        return cls(
+            round=r.integer("round", 0),
+            tokens=r.array("tokens", "<i4", r.limits.max_tokens),
+            accepted_nodes=r.array("accepted_nodes", "<i4", r.limits.max_nodes),
+            has_bonus=r.flag("has_bonus"),
+            committed_len=r.integer("committed_len", 0),
+            next_round=r.integer("next_round", 1, MAX_U31, None),
+            verify_ms=r.number("verify_ms", 0.0, 1e9, 0.0),
+            done=r.flag("done"),
+            reason=r.text("reason", None),
+        )
+
+
+@dataclass(frozen=True)
+class Stale:
+    """Server -> client: a tree that will never be verified (it can no longer match)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STALE
+    round: int
+    reason: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "reason": self.reason}
+
+    @classmethod
+    def from_wire(cls, r: _Reader) -> Stale:
+        return cls(round=r.integer("round", 1), reason=r.text("reason"))
+
+
+@dataclass(frozen=True)
+class Error:
+    """Either side: what was wrong, which field, and whether the connection ends."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    code: ErrorCode
+    message: str
+    field: str | None = None
+    fatal: bool = False
+    round: int | None = None  # the tree round it refers to (0: the prompt), when it refers to one
+
+    @classmethod
+    def from_exception(cls, exc: ProtocolError) -> Error:
+        return cls(exc.code, exc.message[:1000], exc.field, exc.fatal, exc.round)
+
+    def to_exception(self) -> ProtocolError:
+        return ProtocolError(self.code, self.message, self.field, fatal=self.fatal, round=self.round)
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"code": self.code.value, "message": self.message, "fatal": self.fatal}
+        if self.field is not None:
+            d["field"] = self.field
+        if self.round is not None:
+            d["round"] = self.round
+        return d
+
+    @classmethod
+    def from_wire(cls, r: _Reader) -> Error:
+        code_s = r.text("code")
+        try:
+            code = ErrorCode(code_s)
+        except ValueError:
+            code = ErrorCode.INTERNAL  # a newer peer's code: still an error, still readable
+        return cls(
+            code=code,
+            message=r.text("message"),
+            field=r.text("field", None),
+            fatal=r.flag("fatal"),
+            round=r.integer("round", 0, MAX_U31, None),
+        )
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Client -> server: end the current generation (the server answers with a done verdict)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CANCEL
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_wire(cls, r: _Reader) -> Cancel:
+        return cls()
+
+
+@dataclass(frozen=True)
+class Close:
+    """Either side: the session ends normally."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CLOSE
+    reason: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {} if self.reason is None else {"reason": self.reason}
+
+    @classmethod
+    def from_wire(cls, r: _Reader) -> Close:
+        return cls(reason=r.text("reason", None))
+
+
+Message = Hello | Welcome | Prompt | Tree | Verdict | Stale | Error | Cancel | Close
+M = TypeVar("M", bound=Message)
+
+_DECODERS: dict[str, Callable[[_Reader], Message]] = {
+    MsgType.HELLO.value: Hello.from_wire,
+    MsgType.WELCOME.value: Welcome.from_wire,
+    MsgType.PROMPT.value: Prompt.from_wire,
+    MsgType.TREE.value: Tree.from_wire,
+    MsgType.VERDICT.value: Verdict.from_wire,
+    MsgType.STALE.value: Stale.from_wire,
+    MsgType.ERROR.value: Error.from_wire,
+    MsgType.CANCEL.value: Cancel.from_wire,
+    MsgType.CLOSE.value: Close.from_wire,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Codec
+
+
+def encode(msg: Message) -> bytes:
+    """One frame: a msgpack map with `type` first."""
+    d: dict[str, Any] = {"type": msg.TYPE.value}
+    d.update(msg.to_wire())
+    out: bytes = msgpack.packb(d, use_bin_type=True)
+    return out
+
+
+def _pairs_no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate map key")
+    return out
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError("msgpack extension types are not accepted")
+
+
+def decode(data: bytes, limits: WireLimits = DEFAULT_WIRE_LIMITS) -> Message:
+    """Decode one frame or raise ProtocolError (fatal: the stream can no longer be trusted)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "frames are binary (msgpack), not text", "frame", fatal=True)
+    if len(data) > limits.max_bytes:
+        raise ProtocolError(
+            ErrorCode.TOO_LARGE,
+            f"frame of {len(data)} bytes is over the limit of {limits.max_bytes}",
+            "frame",
+            fatal=True,
+        )
+    try:
+        obj = msgpack.unpackb(
+            bytes(data),
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            object_pairs_hook=_pairs_no_duplicates,
+            ext_hook=_no_ext,
+            max_str_len=limits.max_str,
+            max_bin_len=limits.max_bytes,
+            max_array_len=limits.max_list,
+            max_map_len=64,
+            max_ext_len=0,
+        )
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many types: ExtraData, StackError, ValueError, ...
+        raise ProtocolError(
+            ErrorCode.BAD_FRAME, f"not a valid msgpack frame: {exc}", "frame", fatal=True
+        ) from exc
+    if not isinstance(obj, dict):
+        raise ProtocolError(ErrorCode.BAD_FRAME, "a frame must be a msgpack map", "frame", fatal=True)
+    r = _Reader(obj, "", limits)
+    kind = r.raw("type")
+    if not isinstance(kind, str) or kind not in _DECODERS:
+        raise ProtocolError(
+            ErrorCode.UNKNOWN_TYPE,
+            f"unknown message type {kind!r}; one of {sorted(_DECODERS)}",
+            "type",
+            fatal=True,
+        )
+    msg = _DECODERS[kind](r)
+    r.finish()
+    return msg
+
+
+@dataclass
+class FrameStats:
+    """Bytes and frames through one protocol object, for per-round accounting."""
+
+    frames_in: int = 0
+    frames_out: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    by_type_out: dict[str, int] = field(default_factory=dict)
+
+    def out(self, kind: MsgType, n: int) -> None:
+        self.frames_out += 1
+        self.bytes_out += n
+        self.by_type_out[kind.value] = self.by_type_out.get(kind.value, 0) + n
+
+    def inc(self, n: int) -> None:
+        self.frames_in += 1
+        self.bytes_in += n
+
+
+__all__ = [
+    "DEFAULT_WIRE_LIMITS",
+    "PROTOCOL_VERSION",
+    "Q_TOTAL",
+    "Cancel",
+    "Close",
+    "Error",
+    "FrameStats",
+    "Hello",
+    "Message",
+    "Mode",
+    "MsgType",
+    "Prompt",
+    "SessionLimits",
+    "Stale",
+    "Tree",
+    "Verdict",
+    "Welcome",
+    "WireLimits",
+    "decode",
+    "encode",
+]

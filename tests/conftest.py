@@ -1,0 +1,25 @@
+"""Suite-wide options: tests marked slow run only with SLOW=1; GPU tests skip without CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slow_on = os.environ.get("SLOW", "") not in ("", "0")
+    skip_slow = pytest.mark.skip(reason="slow test: run with SLOW=1")
+    gpu = False
+    try:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    except ImportError:
+        pass
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "slow" in item.keywords and not slow_on:
+            item.add_marker(skip_slow)
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(skip_gpu)

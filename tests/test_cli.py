@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from cloud_verifier.cli import build_parser as cloud_parser
+from edge_client.cli import build_parser as edge_parser
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+@pytest.mark.parametrize("parser", [cloud_parser(), edge_parser()], ids=["cloud-verifier", "edge-client"])
+def test_every_flag_is_explained(parser: argparse.ArgumentParser) -> None:
+    subs = _subparsers(parser)
+    assert subs
+    for name, sub in subs.items():
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help and len(action.help) > 10, (
+                f"{name} {action.option_strings or action.dest} lacks help"
+            )
+
+
+@pytest.mark.parametrize("module", ["cloud_verifier", "edge_client"])
+def test_python_m_help(module: str) -> None:
+    out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True)
+    assert "usage:" in out.stdout
