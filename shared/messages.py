@@ -673,12 +673,14 @@ class FrameStats:
     frames_out: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
-    by_type_out: dict[str, int] = field(default_factory=dict)
+    bytes_by_type_out: dict[str, int] = field(default_factory=dict)
+    frames_by_type_out: dict[str, int] = field(default_factory=dict)
 
     def out(self, kind: MsgType, n: int) -> None:
         self.frames_out += 1
         self.bytes_out += n
-        self.by_type_out[kind.value] = self.by_type_out.get(kind.value, 0) + n
+        self.bytes_by_type_out[kind.value] = self.bytes_by_type_out.get(kind.value, 0) + n
+        self.frames_by_type_out[kind.value] = self.frames_by_type_out.get(kind.value, 0) + 1
 
     def inc(self, n: int) -> None:
         self.frames_in += 1
