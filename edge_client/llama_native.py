@@ -1,0 +1,92 @@
+"""The llama.cpp model handle shared by the edge tokenizer and the llama.cpp drafter.
+
+llama-cpp-python's low-level API hands out raw pointers; this wrapper owns one `llama_model`, frees
+it exactly once (on `close()` or garbage collection) and reads GGUF metadata through it. llama.cpp's
+own log chatter is routed to the `edge_client.llama` logger (warnings and errors only), because a
+library embedded in an app must not write to the app's stderr.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as llama
+
+log = logging.getLogger("edge_client.llama")
+
+_GGML_LOG_LEVEL_WARN = 3
+_GGML_LOG_LEVEL_ERROR = 4
+_init_lock = threading.Lock()
+_log_callback: Any = None  # kept referenced: llama.cpp calls it for the life of the process
+
+
+def _on_log(level: int, text: bytes | None, _user: ctypes.c_void_p) -> None:
+    if text is None:
+        return
+    if level == _GGML_LOG_LEVEL_ERROR:
+        log.error("%s", text.decode("utf-8", "replace").rstrip())
+    elif level == _GGML_LOG_LEVEL_WARN:
+        log.warning("%s", text.decode("utf-8", "replace").rstrip())
+
+
+def init_backend() -> None:
+    """Initialise llama.cpp once per process and route its log through `logging`."""
+    global _log_callback
+    with _init_lock:
+        if _log_callback is not None:
+            return
+        _log_callback = llama.llama_log_callback(_on_log)
+        llama.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        llama.llama_backend_init()
+
+
+class NativeModel:
+    """One loaded GGUF model (weights, or only the vocabulary with `vocab_only`)."""
+
+    def __init__(self, path: str | Path, *, vocab_only: bool = False) -> None:
+        init_backend()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        params = llama.llama_model_default_params()
+        params.vocab_only = vocab_only
+        params.n_gpu_layers = 0  # the edge runs on the CPU; a GPU build would otherwise grab layers
+        ptr = llama.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            raise OSError(
+                f"llama.cpp could not load {self.path}: is it a GGUF model file of a supported architecture?"
+            )
+        self.ptr: Any = ptr
+        self.vocab: Any = llama.llama_model_get_vocab(ptr)
+        self.n_vocab = int(llama.llama_vocab_n_tokens(self.vocab))
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text, or None when the key is absent."""
+        size = 256
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = int(llama.llama_model_meta_val_str(self.ptr, key.encode(), buf, size))
+            if n < 0:
+                return None
+            if n < size:
+                return buf.raw[:n].decode("utf-8", "replace")
+            size = n + 1
+
+    @property
+    def n_layer(self) -> int:
+        return int(llama.llama_model_n_layer(self.ptr))
+
+    def close(self) -> None:
+        ptr, self.ptr = getattr(self, "ptr", None), None
+        if ptr:
+            llama.llama_model_free(ptr)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown may have torn down the module already
+            pass

@@ -1,0 +1,36 @@
+"""Fixtures shared by the edge tests: the packaged GGUF and the derived 8-block draft.
+
+The 8-block file is written once per test session into a temporary cache directory (about 4 s),
+so the tests never touch the user's real cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from edge_client import models
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    try:
+        return models.smollm2_gguf()
+    except models.ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def treespec_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """TREESPEC_CACHE pointed at a session temp dir for every test."""
+    path = tmp_path_factory.mktemp("treespec-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TREESPEC_CACHE", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def l8_path(smollm2_path: Path, treespec_cache: Path) -> Path:
+    return models.resolve_draft(models.L8_ALIAS)
