@@ -1,0 +1,336 @@
+"""Tree builders: shapes, ranks, budgets, draws and their statistics (edge_client/trees.py).
+
+Most tests use the model-free FakeDrafter (exact logits as a function of the prefix), so they can
+check every node against an independent computation; a few run the real llama.cpp draft.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_client.drafters import WorkspaceFullError
+from edge_client.drafters.llama_cpp import LlamaCppDrafter
+from edge_client.trees import (
+    DraftResult,
+    Sampling,
+    draft_dynamic,
+    draft_sequence,
+    draft_static,
+)
+from shared.sparse import Q_TOTAL
+from shared.tree import ExpansionConfig
+from tests.edge_client.fake_drafter import FakeDrafter, fake_logits
+from tests.stats import chi2_pvalue
+
+V = 64
+S = [3, 14, 15, 9, 26, 5]
+ALPHA = 1e-6
+
+
+def _logp(prefix: list[int]) -> np.ndarray:
+    x = fake_logits(prefix, V).astype(np.float64)
+    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+
+def _check_result(r: DraftResult, committed: list[int], cond: tuple[int, ...] = ()) -> None:
+    t = r.tree
+    n = t.num_nodes
+    assert t.base == len(committed) and t.cond.tolist() == list(cond)
+    assert r.node_prob.shape == r.path_prob.shape == r.workspace_ids.shape == (n,)
+    assert r.alt_tokens.shape[0] == r.alt_probs.shape[0] == n + 1
+    for i in range(n):
+        p = int(t.parents[i])
+        expect = r.node_prob[i] * (r.path_prob[p] if p >= 0 else 1.0)
+        assert r.path_prob[i] == pytest.approx(expect, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------ static
+@pytest.mark.parametrize("ks", [(1, 1, 3, 1, 1, 1, 1, 1), (2, 2, 2), (4,), (3, 1, 2)])
+def test_static_tree_is_the_expansion_of_top_k(ks: tuple[int, ...]) -> None:
+    d = FakeDrafter(V)
+    cfg = ExpansionConfig(ks)
+    r = draft_static(d, S, cfg)
+    t = r.tree
+    assert t.num_nodes == cfg.num_nodes
+    assert t.parents.tolist() == cfg.parents().tolist()
+    t.validate(V, 256, 16, stochastic=False)  # distinct siblings among others
+    for parent in [-1, *range(t.num_nodes)]:
+        kids = t.children_of(parent)
+        if not kids:
+            continue
+        prefix = S + (t.path_tokens(parent) if parent >= 0 else [])
+        logp = _logp(prefix)
+        assert [int(t.tokens[c]) for c in kids] == np.argsort(-logp, kind="stable")[: len(kids)].tolist()
+        for c in kids:
+            assert r.node_prob[c] == pytest.approx(math.exp(logp[t.tokens[c]]), rel=1e-5)
+    _check_result(r, S)
+    # one evaluation per level but the last; leaves are not evaluated
+    assert r.evaluations == len(ks) - 1
+    leaves = set(t.leaves())
+    assert all(
+        (r.workspace_ids[i] < 0) == (i in leaves and t.depth[i] == len(ks)) for i in range(t.num_nodes)
+    )
+
+
+def test_alternatives_are_the_drafts_top_tokens() -> None:
+    d = FakeDrafter(V)
+    r = draft_static(d, S, ExpansionConfig((2, 1)), alternatives=5)
+    logp = _logp(S)
+    assert r.alt_tokens[0].tolist() == np.argsort(-logp, kind="stable")[:5].tolist()
+    np.testing.assert_allclose(r.alt_probs[0], np.exp(np.sort(logp)[::-1][:5]), rtol=1e-5)
+    assert np.all(r.alt_tokens[1:3] >= 0)  # depth-1 nodes were evaluated
+    assert np.all(r.alt_tokens[3:] == -1)  # leaves were not
+
+
+def test_eval_leaves_evaluates_everything() -> None:
+    d = FakeDrafter(V)
+    r = draft_static(d, S, ExpansionConfig((2, 2)), eval_leaves=True)
+    assert np.all(r.workspace_ids >= 0) and np.all(r.alt_tokens >= 0)
+    assert d.num_nodes == 6 and r.evaluations == 2
+    leaf = r.tree.leaves()[0]
+    prefix = S + r.tree.path_tokens(leaf)
+    assert r.alt_tokens[leaf + 1, 0] == int(np.argmax(_logp(prefix)))
+
+
+def test_sequence_is_a_chain_of_the_greedy_path() -> None:
+    d = FakeDrafter(V)
+    r = draft_sequence(d, S, 6)
+    t = r.tree
+    assert t.parents.tolist() == [-1, 0, 1, 2, 3, 4]
+    prefix = list(S)
+    for tok in t.tokens.tolist():
+        assert tok == int(np.argmax(_logp(prefix)))
+        prefix.append(tok)
+
+
+def test_too_wide_a_tree_is_refused_before_drafting() -> None:
+    d = FakeDrafter(V, max_leaves=8)
+    with pytest.raises(WorkspaceFullError, match="max_leaves"):
+        draft_static(d, S, ExpansionConfig((4, 4, 2)))
+    assert d.stats.sync_calls == 0
+    draft_static(d, S, ExpansionConfig((4, 2, 4)))  # the last level is not evaluated: 8 leaves fit
+
+
+def test_mode_ar_drafts_nothing_and_stochastic_needs_sampling() -> None:
+    d = FakeDrafter(V)
+    with pytest.raises(ValueError, match="target-only"):
+        draft_static(d, S, mode="ar")
+    with pytest.raises(ValueError, match="sampling"):
+        draft_static(d, S, mode="mss")
+    with pytest.raises(ValueError, match="temperature"):
+        Sampling(temperature=0.0)
+    with pytest.raises(ValueError, match="static"):
+        draft_dynamic(d, S, 8, mode="rrs")
+
+
+# ------------------------------------------------------------------------------------ conditional
+def test_conditional_tree_from_a_fresh_sync() -> None:
+    d = FakeDrafter(V)
+    cond = (7, 8)
+    r = draft_static(d, S, ExpansionConfig((2, 1)), cond=cond)
+    _check_result(r, S, cond)
+    assert r.tree.committed_len == len(S) + 2
+    assert d.committed_tokens() == S + list(cond)
+    assert r.tree.tokens[0] == int(np.argmax(_logp(S + list(cond))))
+
+
+def test_conditional_tree_below_the_tree_in_flight() -> None:
+    d = FakeDrafter(V)
+    first = draft_static(d, S, ExpansionConfig((2, 2)), eval_leaves=True)
+    held = d.num_nodes
+    path = first.tree.path_tokens(first.tree.leaves()[0])  # assume this path accepted ...
+    bonus = int(first.alt_tokens[first.tree.leaves()[0] + 1, 1])  # ... and a second-choice bonus
+    cond = (*path, bonus)
+    r = draft_static(d, S, ExpansionConfig((2, 1)), cond=cond, reuse_workspace=True)
+    _check_result(r, S, cond)
+    assert d.num_nodes == held + 1 + 2  # the bonus node, then one evaluated level; the first tree stays
+    assert d.path_to(r.root_id)[:-1] == [
+        int(first.workspace_ids[i]) for i in first.tree.path(first.tree.leaves()[0])
+    ]
+    assert r.tree.tokens[0] == int(np.argmax(_logp(S + list(cond))))
+    with pytest.raises(ValueError, match="synced"):
+        draft_static(d, S[:-1], cond=cond, reuse_workspace=True)
+
+
+# ------------------------------------------------------------------------------------ dynamic
+def _best_first(budget: int, branch: int, max_depth: int) -> set[tuple[int, ...]]:
+    """Sequential best-first (one evaluation per node): the reference for width=1."""
+    heap: list[tuple[float, int, tuple[int, ...]]] = []
+    count = 0
+
+    def push(path: tuple[int, ...], base: float) -> None:
+        nonlocal count
+        logp = _logp(S + list(path))
+        for tok in np.argsort(-logp, kind="stable")[:branch].tolist():
+            heapq.heappush(heap, (-(base + logp[tok]), count, (*path, tok)))
+            count += 1
+
+    push((), 0.0)
+    chosen: set[tuple[int, ...]] = set()
+    while len(chosen) < budget:
+        neg, _, path = heapq.heappop(heap)
+        chosen.add(path)
+        if len(path) < max_depth:
+            push(path, -neg)
+    return chosen
+
+
+@pytest.mark.parametrize(("budget", "branch", "max_depth"), [(10, 3, 16), (24, 4, 5), (7, 1, 16)])
+def test_dynamic_with_width_one_is_exact_best_first(budget: int, branch: int, max_depth: int) -> None:
+    d = FakeDrafter(V)
+    r = draft_dynamic(d, S, budget, width=1, branch=branch, max_depth=max_depth)
+    assert r.tree.num_nodes == budget
+    assert r.tree.paths() == _best_first(budget, branch, max_depth)
+    r.tree.validate(V, budget, max_depth, stochastic=False)
+    _check_result(r, S)
+    assert r.evaluations == budget - 1  # every node but the last one chosen
+    if branch > 1:  # the left-out candidates are never better than a chosen node
+        assert r.frontier_probs.max() <= r.path_prob.min() * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("budget", [1, 5, 16, 40])
+def test_dynamic_batches_levels_and_respects_the_budget(budget: int) -> None:
+    d = FakeDrafter(V)
+    r = draft_dynamic(d, S, budget, width=16, branch=4, max_depth=6)
+    t = r.tree
+    assert t.num_nodes == budget
+    t.validate(V, budget, 6, stochastic=False)
+    _check_result(r, S)
+    assert r.evaluations <= max(1, budget - 1)
+    exact = _best_first(budget, 4, 6)
+    got = sum(float(np.exp(sum(_logp(S + list(p[:i]))[p[i]] for i in range(len(p))))) for p in t.paths())
+    best = sum(float(np.exp(sum(_logp(S + list(p[:i]))[p[i]] for i in range(len(p))))) for p in exact)
+    assert got >= 0.8 * best  # batching costs little expected length
+
+
+def test_dynamic_budget_over_the_workspace_is_refused() -> None:
+    d = FakeDrafter(V, max_nodes=16)
+    with pytest.raises(WorkspaceFullError, match="budget"):
+        draft_dynamic(d, S, 17)
+
+
+# ------------------------------------------------------------------------------------ stochastic
+@pytest.mark.parametrize("mode", ["mss", "rrs"])
+def test_stochastic_trees_carry_exact_draw_counts_and_rows(mode: str) -> None:
+    d = FakeDrafter(V)
+    cfg = ExpansionConfig((3, 2, 2))
+    sampling = Sampling(temperature=1.2, top_k=20, top_p=0.9, wire_top_k=8)
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        r = draft_static(d, S, cfg, mode=mode, sampling=sampling, rng=rng)
+        t = r.tree
+        draws = t.draws
+        assert draws is not None
+        t.validate(V, 64, 8, stochastic=True, without_replacement=(mode == "rrs"))
+        for parent in [-1, *range(t.num_nodes)]:
+            at = t.draws_at(parent)
+            if parent >= 0 and t.depth[parent] == cfg.depth:
+                assert not at
+                continue
+            prefix = S + (t.path_tokens(parent) if parent >= 0 else [])
+            q = sampling.q_row(fake_logits(prefix, V))
+            k = cfg.ks[t.depth[parent] if parent >= 0 else 0]
+            assert len(at) == (k if mode == "mss" else min(k, len(q)))  # fixed before drawing
+            assert len(q) <= 8
+            for dr in at:
+                row = draws.q.row(int(draws.qrow[dr]))
+                assert row.ids.tolist() == q.ids.tolist() and row.weights.tolist() == q.weights.tolist()
+                node = int(draws.node[dr])
+                assert r.node_prob[node] == pytest.approx(q.prob(int(t.tokens[node])), rel=1e-6)
+        assert draws.num_draws >= t.num_nodes
+
+
+def test_mss_duplicates_share_a_node_and_keep_their_draws() -> None:
+    d = FakeDrafter(V)
+    sampling = Sampling(temperature=0.3, wire_top_k=4)  # peaked: duplicates are common
+    r = draft_static(d, S, ExpansionConfig((6,)), mode="mss", sampling=sampling, rng=np.random.default_rng(1))
+    t = r.tree
+    assert t.draws is not None and t.draws.num_draws == 6
+    assert t.num_nodes < 6
+    assert sorted(set(t.draws.node.tolist())) == list(range(t.num_nodes))
+
+
+def _draw_counts(mode: str, sampling: Sampling, trees: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """First and second root draws over many independent trees ⟨2⟩: counts [V] each."""
+    d = FakeDrafter(V)
+    rng = np.random.default_rng(seed)
+    first = np.zeros(V)
+    second = np.zeros(V)
+    for _ in range(trees):
+        t = draft_static(d, S, ExpansionConfig((2,)), mode=mode, sampling=sampling, rng=rng).tree
+        assert t.draws is not None
+        toks = t.tokens[t.draws.node]
+        first[toks[0]] += 1
+        second[toks[1]] += 1
+    return first, second
+
+
+SAMPLING = Sampling(temperature=1.3, top_k=30, top_p=0.95, wire_top_k=24)
+
+
+@pytest.mark.parametrize("mode", ["mss", "rrs"])
+def test_draws_follow_q(mode: str) -> None:
+    """χ²: the first draw follows q; the second follows q (mss) or q without the first (rrs)."""
+    q = SAMPLING.q_row(fake_logits(S, V)).dense(V)
+    first, second = _draw_counts(mode, SAMPLING, 20000, seed=11)
+    assert chi2_pvalue(first, q) > ALPHA
+    if mode == "mss":
+        expect = q
+    else:  # P(second = y) = sum over x != y of q(x) q(y) / (1 - q(x))
+        expect = q * (q / (1 - np.minimum(q, 1 - 1e-12))).sum() - q * q / (1 - np.minimum(q, 1 - 1e-12))
+    assert chi2_pvalue(second, expect) > ALPHA
+    assert first.sum() == 20000
+
+
+def test_a_wrong_sampler_fails_the_same_check() -> None:
+    """The χ² check has power: draws at temperature 1.3 do not pass as the row at temperature 0.9."""
+    wrong = Sampling(temperature=0.9, top_k=30, top_p=0.95, wire_top_k=24).q_row(fake_logits(S, V)).dense(V)
+    first, _ = _draw_counts("mss", SAMPLING, 20000, seed=12)
+    assert chi2_pvalue(first, wrong) < ALPHA
+
+
+def test_q_rows_are_quantized_before_sampling() -> None:
+    q = SAMPLING.q_row(fake_logits(S, V))
+    assert int(q.weights.sum()) == Q_TOTAL and len(q) <= 24
+    p = np.exp(fake_logits(S, V).astype(np.float64) / 1.3)
+    p /= p.sum()
+    top = np.argsort(-p)[: len(q)]
+    assert sorted(top.tolist()) == q.ids.tolist()  # the row is the draft's top set
+
+
+# ------------------------------------------------------------------------------------ real draft
+@pytest.fixture(scope="module")
+def llama(smollm2_path: Path) -> LlamaCppDrafter:
+    return LlamaCppDrafter(smollm2_path, n_threads=1, max_context=512, max_nodes=128, max_leaves=64)
+
+
+def test_default_tree_on_the_real_draft(llama: LlamaCppDrafter) -> None:
+    tok = llama.tokenizer
+    s = tok.encode(tok.render_chat([{"role": "user", "content": "Name three colours."}]))
+    r = draft_static(llama, s)
+    t = r.tree
+    assert t.num_nodes == ExpansionConfig().num_nodes == 20
+    t.validate(tok.vocab_size, 64, 16, stochastic=False)
+    # the three siblings at depth 3 are the draft's top 3 there
+    branch = t.children_of(1)
+    logits = llama.logits_at(int(r.workspace_ids[1]))
+    assert [int(t.tokens[c]) for c in branch] == np.argsort(-logits, kind="stable")[:3].tolist()
+    assert 0 < r.expected_accepted <= 8
+    assert r.evaluations == 7
+
+
+def test_real_dynamic_and_rrs_trees(llama: LlamaCppDrafter) -> None:
+    tok = llama.tokenizer
+    s = tok.encode("The quick brown fox")
+    r = draft_dynamic(llama, s, 24, width=8)
+    assert r.tree.num_nodes == 24
+    r.tree.validate(tok.vocab_size, 64, 16, stochastic=False)
+    r = draft_static(
+        llama, s, mode="rrs", sampling=Sampling(temperature=0.8, top_p=0.95), rng=np.random.default_rng(0)
+    )
+    r.tree.validate(tok.vocab_size, 64, 16, stochastic=True, without_replacement=True)
