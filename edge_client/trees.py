@@ -121,19 +121,16 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64 of logits [..., V]."""
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
-
-
-def _top(logp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k largest entries of a row [V], descending: (ids [k] int64, values [k])."""
-    k = min(k, logp.size)
-    idx = np.argpartition(-logp, k - 1)[:k]
-    idx = idx[np.argsort(-logp[idx], kind="stable")]
-    return idx, logp[idx]
+def _top_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k most likely tokens after logits [V] at temperature 1, most likely first:
+    (ids [k] int64, log-probabilities [k] float64). Ranks the raw logits (argpartition, O(V)) and
+    normalizes only the chosen ones: no full-vocabulary softmax or sort."""
+    k = min(k, logits.size)
+    idx = np.argpartition(logits, logits.size - k)[logits.size - k :]  # no negated copy of the row
+    idx = idx[np.argsort(-logits[idx], kind="stable")]
+    m = float(logits[idx[0]])
+    lse = m + math.log(float(np.exp(logits - np.float32(m)).sum(dtype=np.float64)))
+    return idx, logits[idx].astype(np.float64) - lse
 
 
 def _mode(mode: Mode | str) -> Mode:
@@ -274,8 +271,7 @@ def draft_static(
                 assert sampling is not None and rng is not None
                 new.extend(_sample_children(acc, node, logits, k, m, sampling, rng))
             else:
-                logp = _log_softmax(logits)
-                ids, vals = _top(logp, max(k, alternatives))
+                ids, vals = _top_logp(logits, max(k, alternatives))
                 acc.set_alt(node + 1, ids, np.exp(vals))
                 for tok, lp in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
                     new.append(acc.add(node, tok, lp))
@@ -291,8 +287,7 @@ def draft_static(
                 order = np.argsort(-q.weights, kind="stable")
                 acc.set_alt(node + 1, q.ids[order], q.weights[order] / 65536.0)
             else:
-                logp = _log_softmax(logits)
-                ids, vals = _top(logp, alternatives)
+                ids, vals = _top_logp(logits, alternatives)
                 acc.set_alt(node + 1, ids, np.exp(vals))
     evals = drafter.stats.extend_calls - evals
     return acc.result(committed, cond, root_id, stochastic, np.zeros(0), t0, evals)
@@ -408,8 +403,7 @@ def draft_dynamic(
     order = itertools.count()  # FIFO among equal path probabilities
 
     def push_children(node: int, logits: np.ndarray) -> None:
-        logp = _log_softmax(logits)
-        ids, vals = _top(logp, max(branch, alternatives))
+        ids, vals = _top_logp(logits, max(branch, alternatives))
         acc.set_alt(node + 1, ids, np.exp(vals))
         top1.append(math.exp(float(vals[0])))
         base = acc.path_logp[node] if node >= 0 else 0.0
@@ -438,8 +432,7 @@ def draft_dynamic(
             if depth[node] < max_depth:
                 push_children(node, logits)
             else:
-                logp = _log_softmax(logits)
-                ids, vals = _top(logp, alternatives)
+                ids, vals = _top_logp(logits, alternatives)
                 acc.set_alt(node + 1, ids, np.exp(vals))
     frontier = np.sort(np.exp(np.asarray([-h[0] for h in heap], dtype=np.float64)))[::-1][:64]
     evals = drafter.stats.extend_calls - evals
