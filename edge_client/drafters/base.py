@@ -26,6 +26,8 @@ typically only the bonus token is new) and drops everything else.
 
 Arrays returned by `sync` and `extend` are float32 logits (not probabilities) and READ-ONLY: the
 drafter keeps them (`logits_at`) until the next `sync`, so callers that want to modify one copy it.
+
+A drafter is not thread-safe: call it from one thread at a time (the client drafts on a worker).
 """
 
 from __future__ import annotations
