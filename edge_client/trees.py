@@ -32,6 +32,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -293,9 +294,9 @@ def draft_static(
     return acc.result(committed, cond, root_id, stochastic, np.zeros(0), t0, evals)
 
 
-def draft_sequence(drafter: Drafter, committed: Sequence[int], depth: int, **kwargs: object) -> DraftResult:
+def draft_sequence(drafter: Drafter, committed: Sequence[int], depth: int, **options: Any) -> DraftResult:
     """A chain as deep as the tree: ⟨1,...,1⟩ of `depth` levels (same options as draft_static)."""
-    return draft_static(drafter, committed, ExpansionConfig((1,) * depth), **kwargs)  # type: ignore[arg-type]
+    return draft_static(drafter, committed, ExpansionConfig((1,) * depth), **options)
 
 
 def _sample_children(
