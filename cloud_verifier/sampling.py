@@ -1,0 +1,136 @@
+"""The target's sampling distribution p and target-only decoding (DESIGN section 4).
+
+`target_probs` turns target logits into p (temperature, then top-k, then top-p, as in HF
+`generate`); every verification algorithm tests drafts against this p. Sampling is by inverse CDF
+on ONE uniform per token, so it can be keyed: `keyed_uniform(seed, position)` is a counter-based
+uniform (splitmix64 of the session seed and the token's absolute position) shared by target-only
+decoding (`sample_next`, the server's mode `ar`) and sample-and-match verification. A seeded
+speculative run then emits exactly the tokens of a seeded target-only run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_TOP_P_FIRST_K = 256  # top-p looks at this many tokens first and widens only when they hold < top_p
+_BELOW_ONE = 1.0 - 2.0**-50  # keeps an inverse-CDF threshold strictly below the total
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The target's sampling parameters, applied to its logits before verification."""
+
+    temperature: float = 0.0  # 0 means greedy (p is one-hot at the argmax)
+    top_k: int = 0  # 0 = off; applied before any sort
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """p: the target's sampling distribution, float32, same shape as `logits` [..., V].
+
+    Temperature 0 gives a one-hot p at the argmax (first index on ties), so that every stochastic
+    algorithm reduces exactly to greedy decoding. top-k uses `torch.topk` (no full sort); top-p keeps
+    the smallest most-likely prefix whose mass reaches top_p (at least one token) and looks at the
+    top 256 tokens first, widening only when they hold less than top_p.
+    """
+    x = logits.float()
+    if params.greedy:
+        return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    vocab = x.shape[-1]
+    if 0 < params.top_k < vocab:
+        vals, idx = torch.topk(x, params.top_k, dim=-1)  # sorted, most likely first
+        kept = _top_p(torch.softmax(vals, -1), params.top_p)
+        return torch.zeros_like(x).scatter_(-1, idx, kept)
+    probs = torch.softmax(x, -1)
+    if params.top_p >= 1.0:
+        return probs
+    k = min(vocab, _TOP_P_FIRST_K)
+    while True:
+        vals, idx = torch.topk(probs, k, dim=-1)
+        # a sync, but only in top-p mode: widen until every row's prefix reaches top_p
+        if k == vocab or bool((vals.sum(-1) >= params.top_p).all()):
+            break
+        k = min(vocab, k * 8)
+    return torch.zeros_like(probs).scatter_(-1, idx, _top_p(vals, params.top_p))
+
+
+def _top_p(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Renormalised nucleus of probabilities sorted most likely first. [..., k] -> [..., k]."""
+    if top_p >= 1.0:
+        return sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    before = torch.cumsum(sorted_probs, -1) - sorted_probs  # mass strictly ahead of each token
+    kept = sorted_probs * (before < top_p)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer (a bijection of uint64), elementwise."""
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def keyed_uniforms(seeds: np.ndarray | int, positions: np.ndarray | int) -> np.ndarray:
+    """Counter-based uniforms in [0, 1) keyed by (seed, absolute position), float64, broadcast shape.
+
+    splitmix64: the stream of `seed` starts at mix64(seed) and advances by the golden gamma per
+    position; the top 53 bits of the mixed state give the uniform (an exact float64).
+    """
+    with np.errstate(over="ignore"):
+        s = np.asarray(seeds, dtype=np.int64).astype(np.uint64)
+        pos = np.asarray(positions, dtype=np.int64).astype(np.uint64)
+        h = _mix64(_mix64(np.atleast_1d(s)) + (pos + np.uint64(1)) * _GOLDEN)
+    out: np.ndarray = (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return out.reshape(np.broadcast_shapes(np.shape(seeds), np.shape(positions)))
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """The uniform in [0, 1) that samples the token at absolute `position` of session `seed`."""
+    return float(keyed_uniforms(seed, position))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Sample one token per row by inverse CDF: probs [T, V] (need not be normalised), u [T] in [0, 1).
+
+    Returns the first token whose CDF exceeds u * total, [T] int64. The CDF is accumulated in
+    float64, so each token's share is exact to ~1e-16 whatever V (a float32 running sum over 49,152
+    tokens could misplace ~1e-3 of the mass), and the threshold stays strictly below the total, so a
+    token with zero mass is never returned.
+    """
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)  # [T, V]
+    total = cdf[:, -1:]
+    threshold = torch.minimum(u.unsqueeze(-1) * total, total * _BELOW_ONE)
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """Target-only decoding of the token at absolute `position` from its logits [V].
+
+    Argmax at temperature 0, else inverse CDF of `target_probs` at `keyed_uniform(seed, position)`:
+    the same rule sample-and-match verification applies at every tree node.
+    """
+    if params.greedy:
+        return int(logits.argmax())
+    p = target_probs(logits.unsqueeze(0), params)
+    u = torch.tensor([keyed_uniform(seed, position)], dtype=torch.float64, device=logits.device)
+    return int(inverse_cdf(p, u)[0])

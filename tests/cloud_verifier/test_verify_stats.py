@@ -1,0 +1,73 @@
+"""Statistical proof of exactness on the production functions (DESIGN section 4, issue item 4).
+
+Each case runs `bench.verify_exactness.run_case`: >= 200,000 trials batched through
+`cloud_verifier.verify.verify_batch`, a fresh tree drafted from q every round, and a Pearson
+chi-square test of the joint distribution of the next 2 (3 for chains and <1,1,3>) output tokens
+against the target alone (cells with expected count < 5 pooled, reject at p < 1e-6). The wrong
+variants must be rejected by the same test. `SLOW=1` runs the full matrix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.verify_exactness import SHAPES, Case, full_matrix, run_case, tokens_per_round
+from cloud_verifier.sampling import SamplingParams
+
+SAMPLES = 200_000
+DEFAULT = [
+    Case("match", "merged", 1.0),
+    Case("naive", "chain", 0.5),
+    Case("mss", "specinfer", 1.0),
+    Case("rrs", "wide", 0.5),
+    # deliberately wrong, on shapes with >= 2 children on the walked path
+    Case("mss/unnormalised-residual", "merged", 1.0),
+    Case("mss/ratio-q-over-p", "wide", 0.5),
+    Case("mss/moves-1%-mass", "wide", 1.0),
+]
+
+
+def _check(case: Case) -> None:
+    r = run_case(case, SAMPLES)
+    verdict = "exact" if case.expected_exact else "a wrong variant"
+    assert r.passed, f"{case.label()} is {verdict} but p = {r.p_value:.3g}"
+
+
+@pytest.mark.parametrize("case", DEFAULT, ids=Case.label)
+def test_joint_output_distribution(case: Case) -> None:
+    _check(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [c for c in full_matrix() if c not in DEFAULT], ids=Case.label)
+def test_joint_output_distribution_full_matrix(case: Case) -> None:
+    _check(case)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_mss_accepts_at_least_as_many_as_naive_on_the_same_trees(temperature: float) -> None:
+    """SpecInfer Theorem 4.3, on every shape: the same sampled trees, verified both ways."""
+    for shape in SHAPES.values():
+        tpr = tokens_per_round(["naive", "mss"], shape, SamplingParams(temperature), 40_000, seed=1)
+        diff = tpr["mss"] - tpr["naive"]
+        se = float(diff.std()) / len(diff) ** 0.5
+        assert float(diff.mean()) >= -3 * se, (
+            shape.name,
+            float(tpr["mss"].mean()),
+            float(tpr["naive"].mean()),
+        )
+
+
+def test_rrs_accepts_at_least_as_many_as_mss_on_average() -> None:
+    """Drafting without replacement (rrs) gives at least the acceptance of mss, averaged over the
+    same draft/target pairs, shapes and temperatures (equal in law on chains: one draw per row)."""
+    means: dict[str, list[torch.Tensor]] = {"mss": [], "rrs": []}
+    for shape in SHAPES.values():
+        for temperature in (0.5, 1.0):
+            tpr = tokens_per_round(["mss", "rrs"], shape, SamplingParams(temperature), 40_000, seed=2)
+            for mode in means:
+                means[mode].append(tpr[mode])
+    rrs, mss = torch.cat(means["rrs"]), torch.cat(means["mss"])
+    se = (float(rrs.var()) / len(rrs) + float(mss.var()) / len(mss)) ** 0.5
+    assert float(rrs.mean()) >= float(mss.mean()) - 3 * se, (float(rrs.mean()), float(mss.mean()))
