@@ -1,0 +1,34 @@
+"""The cloud target: a Llama-family decoder with a packed tree-attention forward, its loaders
+(GGUF, safetensors) and tokenizer. See DESIGN sections 3.1, 5 and 6."""
+
+from cloud_verifier.kv_cache import KVCacheFull, PagedKVCache
+from cloud_verifier.model.config import ModelConfig, RopeScaling, make_tiny_config
+from cloud_verifier.model.generate import greedy_generate, prefill
+from cloud_verifier.model.llama import LlamaModel, SeqInput, check_input
+from cloud_verifier.model.rounds import decode_step, prefill_chunk, round_keep, tree_round
+from cloud_verifier.model.target import ALIASES, Target, load_target, smollm2_gguf_path
+from cloud_verifier.model.tokenizer import TargetTokenizer
+from cloud_verifier.model.weights import build_model
+
+__all__ = [
+    "ALIASES",
+    "KVCacheFull",
+    "LlamaModel",
+    "ModelConfig",
+    "PagedKVCache",
+    "RopeScaling",
+    "SeqInput",
+    "Target",
+    "TargetTokenizer",
+    "build_model",
+    "check_input",
+    "decode_step",
+    "greedy_generate",
+    "load_target",
+    "make_tiny_config",
+    "prefill",
+    "prefill_chunk",
+    "round_keep",
+    "smollm2_gguf_path",
+    "tree_round",
+]

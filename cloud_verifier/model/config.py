@@ -1,0 +1,158 @@
+"""The target's architecture: one frozen dataclass, read from GGUF metadata or a config.json.
+
+Covers the Llama family this runtime runs: Llama 2/3 (with Llama-3 `rope_scaling`), SmolLM2,
+Mistral-style dense models and Qwen2 (q/k/v biases). Anything else is refused by the loaders
+with the field that was not understood, rather than run with a silently wrong layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+SMOLLM2_VOCAB = 49152
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary-embedding frequency scaling.
+
+    kind "llama3": Llama 3.1's smooth low/high-frequency rescaling; kind "linear": positions
+    divided by `factor`. `freq_factors` (GGUF `rope_freqs.weight`, llama.cpp's precomputed form of
+    the llama3 rule) divides the base inverse frequencies directly when given.
+    """
+
+    kind: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    freq_factors: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    max_position: int = 8192
+    architecture: str = "llama"
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_parameters(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        per_layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * per_layer + h + head
+
+
+def make_tiny_config(vocab_size: int = SMOLLM2_VOCAB, seed: int = 0, **overrides: Any) -> ModelConfig:
+    """A small Llama (8 heads, 2 KV heads) that runs in milliseconds on a CPU.
+
+    `seed` is not part of the architecture; it is accepted so call sites read
+    `make_tiny_config(vocab, seed)` next to `build_model(config, seed, ...)`, and it varies nothing.
+    """
+    del seed
+    base = ModelConfig(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=2,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_embeddings=True,
+        max_position=8192,
+    )
+    return replace(base, **overrides)
+
+
+def rope_scaling_from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
+    """Parse config.json's `rope_scaling` (or transformers 5's `rope_parameters`)."""
+    if not raw:
+        return None
+    kind = str(raw.get("rope_type", raw.get("type", "default")))
+    if kind == "default":
+        return None
+    if kind == "llama3":
+        return RopeScaling(
+            kind="llama3",
+            factor=float(raw["factor"]),
+            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            original_max_position=int(raw.get("original_max_position_embeddings", 8192)),
+        )
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(raw["factor"]))
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+
+
+SUPPORTED_HF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+def config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
+    """A ModelConfig from a Hugging Face config.json dictionary."""
+    model_type = str(cfg.get("model_type", "llama"))
+    if model_type not in SUPPORTED_HF:
+        raise ValueError(f"config.json model_type {model_type!r} is not supported ({sorted(SUPPORTED_HF)})")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    rope_params = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    theta = cfg.get("rope_theta")
+    if theta is None and isinstance(cfg.get("rope_parameters"), Mapping):
+        theta = cfg["rope_parameters"].get("rope_theta")
+    qkv_bias = model_type == "qwen2" or bool(cfg.get("attention_bias", False))
+    return ModelConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(theta if theta is not None else 10000.0),
+        rope_scaling=rope_scaling_from_hf(rope_params),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        max_position=int(cfg.get("max_position_embeddings", 8192)),
+        architecture=SUPPORTED_HF[model_type],
+    )

@@ -1,0 +1,153 @@
+"""Loading a GGUF file: config from metadata, weights dequantized to float, tokenizer and template.
+
+llama.cpp's converter stores the q and k projections of `llama` models with their rows permuted
+per head (it evaluates RoPE on adjacent pairs, Hugging Face on the two halves of a head); the rows
+are permuted back here so every loader yields Hugging Face's layout. `qwen2` files are not
+permuted (llama.cpp runs those with the half-split RoPE).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from cloud_verifier.model.config import ModelConfig, RopeScaling
+from cloud_verifier.model.llama import LlamaModel
+from cloud_verifier.model.tokenizer import TargetTokenizer, bpe_from_gguf
+from cloud_verifier.model.weights import WeightAssigner
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+_PERMUTED_ARCHS = ("llama",)
+
+# llama.cpp tensor names -> Hugging Face names (blk.N.* handled by _BLOCK)
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+_TOP["output.weight"] = "lm_head.weight"
+_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def open_gguf(path: str | Path) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
+
+
+def field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP:
+        return _TOP[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
+        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}"
+    return None
+
+
+def config_from_gguf(reader: Any) -> ModelConfig:
+    arch = str(field(reader, "general.architecture"))
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(
+            f"GGUF general.architecture {arch!r} is not supported ({', '.join(SUPPORTED_ARCHS)})"
+        )
+
+    def key(name: str, default: Any = None) -> Any:
+        return field(reader, f"{arch}.{name}", default)
+
+    names = {t.name for t in reader.tensors}
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    vocab = key("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    if "rope_freqs.weight" in names:
+        freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        scaling = RopeScaling(kind="llama3", freq_factors=tuple(float(x) for x in np.asarray(freqs.data)))
+    elif key("rope.scaling.type") == "linear":
+        scaling = RopeScaling(kind="linear", factor=float(key("rope.scaling.factor")))
+    elif key("rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {key('rope.scaling.type')!r} is not supported")
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(key("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        tie_embeddings="output.weight" not in names,
+        qkv_bias="blk.0.attn_q.bias" in names,
+        max_position=int(key("context_length", 8192)),
+        architecture=arch,
+    )
+
+
+def tokenizer_from_gguf(reader: Any, path: str | Path) -> TargetTokenizer:
+    tokens = [str(t) for t in field(reader, "tokenizer.ggml.tokens")]
+    kind = field(reader, "tokenizer.ggml.model")
+    bos = field(reader, "tokenizer.ggml.bos_token_id")
+    eos = {
+        int(x)
+        for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+        if (x := field(reader, f"tokenizer.ggml.{k}")) is not None
+    }
+    template = field(reader, "tokenizer.chat_template")
+    add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", False))
+    if kind == "gpt2":
+        tok = bpe_from_gguf(
+            tokens,
+            [str(m) for m in field(reader, "tokenizer.ggml.merges", [])],
+            field(reader, "tokenizer.ggml.token_type"),
+            field(reader, "tokenizer.ggml.pre"),
+            None if bos is None else int(bos),
+            add_bos,
+        )
+    else:  # SentencePiece-style vocabularies: let transformers convert them
+        from transformers import AutoTokenizer
+
+        p = Path(path)
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name).backend_tokenizer
+    return TargetTokenizer(tok, tokens, template, None if bos is None else int(bos), sorted(eos))
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of q/k: rows (d/2 pairs of 2) -> (2 halves of d/2)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf_weights(reader: Any, model: LlamaModel, progress: bool = True) -> None:
+    from gguf.quants import dequantize
+
+    c = model.config
+    assigner = WeightAssigner(model)
+    permute = c.architecture in _PERMUTED_ARCHS
+    for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress):
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        arr = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape.tolist())])
+        if permute and (".q_proj." in name or ".k_proj." in name):
+            arr = unpermute_rows(arr, c.num_heads if ".q_proj." in name else c.num_kv_heads)
+        assigner.assign(name, torch.from_numpy(np.array(arr, dtype=np.float32)))
+    assigner.finish()

@@ -1,0 +1,293 @@
+"""Llama-family decoder with a packed tree-attention forward (SpecInfer's tree-based parallel decoding).
+
+One `forward_packed` call serves every ready sequence of an engine step: tree rounds (row 0 + the
+tree's nodes, attention limited by the topology-aware mask), chunked prefills (causal) and
+single-token decode steps. The rows of all sequences are concatenated so each weight matrix is
+read once per step for all of them (on a memory-bound device that is the whole point: verifying
+N rows costs about one decode step); only attention runs per sequence, over that sequence's paged
+KV cache. Projections are fused (q|k|v and gate|up) to halve the number of matmul launches, and
+the LM head runs only on the rows whose logits are asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cloud_verifier.kv_cache import PagedKVCache, SeqSlots
+from cloud_verifier.model import gemm
+from cloud_verifier.model.config import ModelConfig
+from cloud_verifier.model.rope import Rotary
+
+
+@dataclass
+class SeqInput:
+    """One sequence's rows in a packed forward.
+
+    Every row attends to all the sequence's cached positions [0, kv.cached_len(seq_id)) and to
+    the new rows that `tree_mask` allows (None: causal among the new rows).
+    """
+
+    seq_id: int  # KV-cache sequence id
+    tokens: torch.Tensor  # [n] int64, the new rows
+    positions: torch.Tensor  # [n] int64 absolute positions (RoPE)
+    tree_mask: torch.Tensor | None  # [n, n] bool, True = row i may attend to row j; None = causal
+    logit_rows: torch.Tensor  # [k] int64 indices into the n rows whose logits are wanted
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.numel())
+
+
+class DecoderLayer(nn.Module):
+    """Weights of one block; the computation lives in LlamaModel so the loop stays flat."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, qkv = config.hidden_size, config.q_size + 2 * config.kv_size
+        self.attn_norm = nn.Parameter(torch.empty(h, dtype=dtype, device=device))  # [hidden]
+        self.qkv = nn.Parameter(torch.empty(qkv, h, dtype=dtype, device=device))  # [q + 2 kv, hidden]
+        self.qkv_bias = (
+            nn.Parameter(torch.empty(qkv, dtype=dtype, device=device)) if config.qkv_bias else None
+        )  # [q + 2 kv]
+        self.o = nn.Parameter(torch.empty(h, config.q_size, dtype=dtype, device=device))  # [hidden, q]
+        self.mlp_norm = nn.Parameter(torch.empty(h, dtype=dtype, device=device))  # [hidden]
+        self.gate_up = nn.Parameter(
+            torch.empty(2 * config.intermediate_size, h, dtype=dtype, device=device)
+        )  # [2 inter, hidden]
+        self.down = nn.Parameter(
+            torch.empty(h, config.intermediate_size, dtype=dtype, device=device)
+        )  # [hidden, inter]
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Per-layer projection weights in the Gemm's prepared form (see gemm.py)."""
+
+    gemm: gemm.Gemm
+    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # qkv, o, gate_up, down
+    lm_head: torch.Tensor
+
+
+ATTENTION_MODES = ("model", "float64")
+
+
+class LlamaModel(nn.Module):
+    """The decoder. Weights are read-only once a forward has run: the first forward prepares
+    (packs) the projection weights; call `set_gemm` after changing weights in place.
+
+    Attention precision: "model" computes attention in the weights' dtype. "float64" (exact
+    mode) keeps the KV cache and attention in float64: a tree row and the same token decoded
+    alone then sum the same terms in different orders without it showing in float32, so tree
+    verification is bit-identical to incremental decoding (with oneDNN's batch-invariant
+    projections). On SmolLM2-135M fp32 attention leaves ~1e-4 of logit noise between the two;
+    exact mode costs 10-40% more per forward at a 128-token prefix, more at long prefixes.
+    """
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype, device: torch.device, gemm_kind: str = "auto"
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Parameter(
+            torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )  # [vocab, hidden]
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype, device=device))  # [hidden]
+        # [vocab, hidden]; the same Parameter as `embed` when the embeddings are tied
+        self.lm_head = (
+            self.embed
+            if config.tie_embeddings
+            else nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+        )
+        self.rotary = Rotary(config, device)
+        self.requires_grad_(False)
+        self.gemm_kind = gemm_kind
+        self._prepared: _Prepared | None = None
+        self.attn_dtype = dtype
+
+    def set_attention(self, mode: str) -> None:
+        """ "model" (attention in the weights' dtype) or "float64" (exact mode, see the class doc).
+        Caches made before the switch still work (converted per layer), at a cost."""
+        if mode not in ATTENTION_MODES:
+            raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
+        self.attn_dtype = torch.float64 if mode == "float64" else self.dtype
+
+    @property
+    def attention_mode(self) -> str:
+        return "float64" if self.attn_dtype == torch.float64 and self.dtype != torch.float64 else "model"
+
+    def set_gemm(self, kind: str) -> None:
+        """Choose the projection kernels ("auto", "onednn", "torch"); re-prepares lazily."""
+        gemm.choose(kind, self.device, self.dtype)
+        self.gemm_kind = kind
+        self._prepared = None
+
+    def prepare(self) -> _Prepared:
+        """Pack the projection weights for the chosen kernels (once; forwards call this)."""
+        if self._prepared is None:
+            g = gemm.Gemm(gemm.choose(self.gemm_kind, self.device, self.dtype))
+            layers = []
+            for layer in self.layers:
+                assert isinstance(layer, DecoderLayer)
+                layers.append((g.pack(layer.qkv), g.pack(layer.o), g.pack(layer.gate_up), g.pack(layer.down)))
+            self._prepared = _Prepared(g, layers, g.pack(self.lm_head))
+        return self._prepared
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        c = self.config
+        return PagedKVCache(
+            c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, self.attn_dtype, self.device
+        )
+
+    @torch.inference_mode()
+    def forward_packed(self, inputs: list[SeqInput], kv: PagedKVCache) -> list[torch.Tensor]:
+        """Run the rows of several sequences in one pass; per input, [k, vocab] float32 logits.
+
+        The new rows' K/V are written to each sequence's scratch slots (uncommitted until the
+        engine calls `kv.commit_rows`); a pool too small for them raises KVCacheFull before
+        anything is written.
+        """
+        if not inputs:
+            return []
+        c = self.config
+        plans = kv.reserve([(x.seq_id, x.num_rows) for x in inputs])
+        cached = [kv.cached_len(x.seq_id) for x in inputs]
+        masks = [
+            _attention_mask(x, n_cached, c.group_size, self.attn_dtype, self.device)
+            for x, n_cached in zip(inputs, cached, strict=True)
+        ]
+        tokens = torch.cat([x.tokens for x in inputs]).to(self.device)  # [T]
+        positions = torch.cat([x.positions for x in inputs]).to(self.device)  # [T]
+        write_slots = torch.cat([p.write for p in plans])  # [T]
+        cos, sin = self.rotary.tables(positions, self.dtype)  # [T, 1, head_dim] each
+        bounds = _row_bounds(inputs)
+        prep = self.prepare()
+        lin = prep.gemm.linear
+        h = F.embedding(tokens, self.embed)  # [T, hidden]
+        t, hd, inter = h.shape[0], c.head_dim, c.intermediate_size
+        qk_heads = c.num_heads + c.num_kv_heads
+        eps, norm_shape = c.rms_norm_eps, (c.hidden_size,)
+        for li, (layer, (w_qkv, w_o, w_gu, w_down)) in enumerate(zip(self.layers, prep.layers, strict=True)):
+            assert isinstance(layer, DecoderLayer)
+            qkv = lin(F.rms_norm(h, norm_shape, layer.attn_norm, eps), w_qkv, layer.qkv_bias)  # [T, q + 2 kv]
+            qk = self.rotary.apply(qkv[:, : qk_heads * hd].view(t, qk_heads, hd), cos, sin)
+            kv.write(
+                li, write_slots, qk[:, c.num_heads :], qkv[:, qk_heads * hd :].view(t, c.num_kv_heads, hd)
+            )
+            q = qk[:, : c.num_heads]  # [T, heads, head_dim]
+            if len(inputs) == 1:
+                o = self._attend(q, kv, li, plans[0], masks[0])  # [T, q]
+            else:
+                o = torch.cat(
+                    [
+                        self._attend(q[a:b], kv, li, plan, mask)
+                        for (a, b), plan, mask in zip(bounds, plans, masks, strict=True)
+                    ]
+                )
+            h = h + lin(o, w_o)
+            gu = lin(F.rms_norm(h, norm_shape, layer.mlp_norm, eps), w_gu)  # [T, 2 inter]
+            h = h + lin(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
+        return self._logits(h, inputs, bounds)
+
+    def _attend(
+        self, q: torch.Tensor, kv: PagedKVCache, layer: int, plan: SeqSlots, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q: [n, heads, head_dim] -> [n, heads * head_dim], over the sequence's cached + new keys.
+
+        Grouped-query attention without repeating K/V: the `group` query heads that share a KV
+        head are stacked along the row axis, so SDPA sees [kv_heads, group * n, head_dim] queries
+        against [kv_heads, L, head_dim] keys (the mask is repeated per group).
+        """
+        c = self.config
+        n, g = q.shape[0], c.group_size
+        k, v = kv.layer_kv(layer, plan.read)  # [kv_heads, L, head_dim] each
+        dt = self.attn_dtype
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)  # no-ops unless the precisions differ
+        if n == 1:
+            qg = q.reshape(c.num_kv_heads, g, c.head_dim)
+        else:
+            qg = (
+                q.reshape(n, c.num_kv_heads, g, c.head_dim)
+                .permute(1, 2, 0, 3)
+                .reshape(c.num_kv_heads, g * n, -1)
+            )
+        out = F.scaled_dot_product_attention(qg.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask)
+        out = out.to(self.dtype)
+        if n == 1:
+            return out.reshape(1, c.q_size)
+        return out.reshape(c.num_kv_heads, g, n, c.head_dim).permute(2, 0, 1, 3).reshape(n, c.q_size)
+
+    def _logits(
+        self, h: torch.Tensor, inputs: list[SeqInput], bounds: list[tuple[int, int]]
+    ) -> list[torch.Tensor]:
+        """h: [T, hidden] -> per input [k, vocab] float32: the final norm and LM head on wanted rows only."""
+        rows = torch.cat([x.logit_rows.to(self.device) + a for x, (a, _) in zip(inputs, bounds, strict=True)])
+        counts = [int(x.logit_rows.numel()) for x in inputs]
+        if rows.numel() == 0:
+            return [torch.empty(0, self.config.vocab_size, device=self.device) for _ in inputs]
+        x = F.rms_norm(
+            h.index_select(0, rows), (self.config.hidden_size,), self.norm, self.config.rms_norm_eps
+        )
+        prep = self.prepare()
+        logits = prep.gemm.linear(x, prep.lm_head).float()  # [sum k, vocab]
+        return list(logits.split(counts))
+
+
+def _row_bounds(inputs: list[SeqInput]) -> list[tuple[int, int]]:
+    out, a = [], 0
+    for x in inputs:
+        out.append((a, a + x.num_rows))
+        a += x.num_rows
+    return out
+
+
+def _attention_mask(
+    x: SeqInput, cached: int, group: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    """[group * n, cached + n] additive mask (0 = attend, -inf = not), or None when every row may
+    see every key (a single row).
+
+    Rows are ordered group-major to match the stacked GQA queries; the mask broadcasts over KV
+    heads. It is built once per forward in the model's dtype so no layer re-converts it.
+    """
+    n = x.num_rows
+    if n == 1:
+        return None
+    if x.tree_mask is not None:
+        allowed = x.tree_mask.to(device)
+    else:
+        allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
+    if cached:
+        allowed = torch.cat((torch.ones(n, cached, dtype=torch.bool, device=device), allowed), dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return mask.repeat(group, 1) if group > 1 else mask
+
+
+def check_input(x: SeqInput, vocab_size: int) -> None:
+    """Validate one SeqInput's shapes and ranges (at the engine boundary, not inside the forward)."""
+    n = x.num_rows
+    if x.tokens.dim() != 1 or x.positions.shape != x.tokens.shape:
+        raise ValueError("tokens and positions must be 1-D of one length")
+    if n == 0:
+        raise ValueError("a SeqInput needs at least one row")
+    if int(x.tokens.min()) < 0 or int(x.tokens.max()) >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    if x.tree_mask is not None:
+        if x.tree_mask.shape != (n, n) or x.tree_mask.dtype != torch.bool:
+            raise ValueError(f"tree_mask must be [{n}, {n}] bool")
+        if not bool(x.tree_mask.diagonal().all()):
+            raise ValueError("tree_mask must let every row attend to itself")
+    if x.logit_rows.numel() and (int(x.logit_rows.min()) < 0 or int(x.logit_rows.max()) >= n):
+        raise ValueError(f"logit_rows must be in [0, {n})")
