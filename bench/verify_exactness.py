@@ -94,7 +94,7 @@ SHAPES = {
     "chain": Shape("chain", ((1, 1, 1),), 3, 12),
     "specinfer": Shape("specinfer", ((1, 1, 3),), 3, 12),
     "wide": Shape("wide", ((4, 1),), 2, 27),
-    "merged": Shape("merged", ((2, 1), (1, 2)), 2, 27),
+    "merged": Shape("merged", ((2, 1), (2,)), 2, 27),  # leaves at depths 1 and 2
 }
 # the same wide root with duplicate draws kept as separate sibling nodes (also a valid tree)
 UNSHARED = Shape("wide-unshared", ((4, 1),), 2, 27, share=False)

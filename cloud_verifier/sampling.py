@@ -120,7 +120,8 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = torch.cumsum(probs, -1, dtype=torch.float64)  # [T, V]
     total = cdf[:, -1:]
     threshold = torch.minimum(u.unsqueeze(-1) * total, total * _BELOW_ONE)
-    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1)
+    # an all-zero row (no mass at all: a caller's bug) still gets an in-range token
+    return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:

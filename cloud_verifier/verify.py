@@ -24,11 +24,12 @@ Everything is batched over a leading trial dimension T (production calls it with
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from cloud_verifier.sampling import (
     SamplingParams,
@@ -145,6 +146,44 @@ class TreeBatch:
             torch.as_tensor(ids, device=device)[None],
             torch.as_tensor(probs, device=device)[None],
         )
+
+    @classmethod
+    def stack(cls, batches: Sequence[TreeBatch]) -> TreeBatch:
+        """The trials of several batches as one, padded to the largest N, K, R and row width (their
+        logits must be padded to the same N + 1 rows; padded rows are never visited)."""
+        n = max(b.tokens.shape[1] for b in batches)
+        k = max(b.slots.shape[2] for b in batches)
+        stochastic = {b.is_stochastic for b in batches}
+        if len(stochastic) != 1:
+            raise ValueError("cannot stack stochastic and deterministic trees")
+
+        def cat(xs: list[torch.Tensor], value: int | float, mode: str = "constant") -> torch.Tensor:
+            width = max(x.shape[-1] for x in xs)
+            rows = max(x.shape[-2] for x in xs) if xs[0].dim() == 3 else 0
+            out = []
+            for x in xs:
+                if x.shape[-1] < width:
+                    x = F.pad(
+                        x, (0, width - x.shape[-1]), mode=mode, value=None if mode != "constant" else value
+                    )
+                if rows and x.shape[-2] < rows:
+                    x = F.pad(x, (0, 0, 0, rows - x.shape[-2]), value=value)
+                out.append(x)
+            return torch.cat(out)
+
+        tokens = cat([b.tokens for b in batches], 0)
+        slots = cat([F.pad(b.slots, (0, k - b.slots.shape[2]), value=-1) for b in batches], -1)
+        lens = np.concatenate([b.committed_len for b in batches])
+        depth = max(b.depth for b in batches)
+        if not stochastic.pop():
+            return cls(tokens, slots, lens, depth)
+        qrow = cat(
+            [F.pad(b.qrow, (0, k - b.qrow.shape[2]), value=-1) for b in batches if b.qrow is not None], -1
+        )
+        ids = cat([b.q_ids.float() for b in batches if b.q_ids is not None], 0, "replicate").long()
+        probs = cat([b.q_probs for b in batches if b.q_probs is not None], 0.0)
+        assert slots.shape[1] == n + 1
+        return cls(tokens, slots, lens, depth, qrow, ids, probs)
 
 
 @dataclass(frozen=True)
@@ -304,7 +343,8 @@ def verify_rejection(
     """
     r = p
     nxt = torch.full_like(slots[:, 0], -1)
-    testing = valid = slots[:, 0] >= 0
+    testing = torch.ones_like(slots[:, 0], dtype=torch.bool)  # no draw accepted yet (leaves included)
+    valid = slots[:, 0] >= 0
     slot_tokens = slot_tokens.clamp(min=0)
     for k in range(slots.shape[1]):
         node = slots[:, k]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from cloud_verifier.sampling import (
     SamplingParams,
@@ -304,58 +305,53 @@ def test_speculation_emits_the_target_only_tokens_whatever_the_tree(params: Samp
 
 @pytest.mark.parametrize("mode", MODES)
 def test_single_tree_walk_equals_batched_walk(mode: str) -> None:
-    """verify_tree (T = 1, rows fetched as views) and verify_batch over many trials (index_select)
-    give the same result for the same trees and the same uniforms."""
+    """verify_tree / verify_batch with T = 1 (rows fetched as views) and verify_batch over a stack of
+    different trees (leaves at several depths; rows fetched by index_select) agree trial by trial,
+    given the same uniforms."""
     vocab = 30
     target, draft = bigram(vocab, 6)
     rng = np.random.default_rng(6)
     params = SamplingParams(0.9, top_p=0.95)
+    wr = mode in ("rrs", "greedy", "match")
+    shapes = [((2, 1), (2,)), ((1, 1, 3),), ((3,),), ((2, 2), (1, 1, 1)), ((1,),)]
     trees, roots = [], []
-    for _ in range(12):
+    for i in range(15):
         root = int(rng.integers(vocab))
-        wr = mode in ("rrs", "greedy", "match")
-        tree = merge(
-            [stochastic_tree(rng, draft, (2, 1), root, wr, 0), stochastic_tree(rng, draft, (2,), root, wr, 1)]
-        )
-        trees.append(
-            tree if mode not in ("greedy", "match") else TokenTree.build(tree.tokens, tree.parents, 5, [root])
-        )
-        roots.append(root)
-    gen = torch.Generator().manual_seed(0)
-    for tree, root in zip(trees, roots, strict=True):
-        logits = tree_logits(target, root, tree)
-        single = TreeBatch.from_tree(tree)
-        k = single.slots.shape[2]
-        u = Uniforms(
-            torch.rand(1, single.depth + 1, dtype=torch.float64, generator=gen),
-            torch.rand(1, single.depth + 1, k, generator=gen),
-        )
-        one = verify_batch(mode, single, logits[None], params, seeds=7, uniforms=u)
-        # the same tree three times, as trials 0..2 of a batch (trial 1 gets other uniforms)
-        three = TreeBatch(
-            single.tokens.expand(3, -1),
-            single.slots.expand(3, -1, -1),
-            np.repeat(single.committed_len, 3),
-            single.depth,
-            None if single.qrow is None else single.qrow.expand(3, -1, -1),
-            None if single.q_ids is None else single.q_ids.expand(3, -1, -1),
-            None if single.q_probs is None else single.q_probs.expand(3, -1, -1),
-        )
-        u3 = Uniforms(u.sample.repeat(3, 1), None if u.accept is None else u.accept.repeat(3, 1, 1))
-        u3.sample[1] = torch.rand(single.depth + 1, dtype=torch.float64, generator=gen)
-        many = verify_batch(
-            mode,
-            three,
-            logits[None].expand(3, -1, -1).contiguous(),
-            params,
-            seeds=np.array([7, 8, 7]),
-            uniforms=u3,
-        )
-        for i in (0, 2):
-            assert torch.equal(many.tokens[i], one.tokens[0]) and torch.equal(
-                many.accepted[i], one.accepted[0]
-            )
+        parts = [stochastic_tree(rng, draft, ks, root, wr, d) for d, ks in enumerate(shapes[i % len(shapes)])]
+        tree = merge(parts)
         if mode in ("greedy", "match"):
-            res = verify_tree(mode, tree, logits, params, seed=7)
-            assert res.tokens == one.tokens[0, : int(one.num_accepted[0]) + 1].tolist()
-            assert res.accepted_nodes == one.accepted[0, : int(one.num_accepted[0])].tolist()
+            tree = TokenTree.build(tree.tokens, tree.parents, 5 + i, [root])
+        trees.append(tree)
+        roots.append(root)
+    singles = [TreeBatch.from_tree(t) for t in trees]
+    n = max(t.num_nodes for t in trees)
+    steps = max(b.depth for b in singles) + 1
+    k = max(b.slots.shape[2] for b in singles)
+    gen = torch.Generator().manual_seed(0)
+    u = Uniforms(
+        torch.rand(len(trees), steps, dtype=torch.float64, generator=gen),
+        torch.rand(len(trees), steps, k, generator=gen),
+    )
+    logits = [tree_logits(target, root, tree) for tree, root in zip(trees, roots, strict=True)]
+    stacked = verify_batch(
+        mode,
+        TreeBatch.stack(singles),
+        torch.stack([F.pad(x, (0, 0, 0, n + 1 - x.shape[0])) for x in logits]),
+        params,
+        seeds=np.arange(len(trees)),
+        uniforms=u,
+    )
+    for i, (tree, single) in enumerate(zip(trees, singles, strict=True)):
+        d, kk = single.depth + 1, single.slots.shape[2]
+        ui = Uniforms(u.sample[i : i + 1, :d], None if u.accept is None else u.accept[i : i + 1, :d, :kk])
+        one = verify_batch(mode, single, logits[i][None], params, seeds=i, uniforms=ui)
+        m = int(one.num_accepted[0])
+        assert int(stacked.num_accepted[i]) == m
+        assert stacked.tokens[i, : m + 1].tolist() == one.tokens[0, : m + 1].tolist()
+        assert stacked.accepted[i, :m].tolist() == one.accepted[0, :m].tolist()
+        if mode in ("greedy", "match"):
+            res = verify_tree(mode, tree, logits[i], params, seed=i)
+            assert (res.accepted_nodes, res.tokens) == (
+                one.accepted[0, :m].tolist(),
+                one.tokens[0, : m + 1].tolist(),
+            )
