@@ -170,6 +170,7 @@ class Round:
     qrow: torch.Tensor | None  # [T, N + 1, K]
     q_probs: torch.Tensor | None  # [T, R, V]
     depth: int
+    drafted: tuple[torch.Tensor, ...] = ()  # each drafter's own tree tokens [T, n_d], before merging
 
     def batch(self, committed_len: np.ndarray) -> TreeBatch:
         if self.q_probs is None:
@@ -200,6 +201,7 @@ def draw_round(pair: Pair, shape: Shape, kind: str, root: torch.Tensor, gen: tor
             torch.from_numpy(qrow).expand(t, *qrow.shape) if stochastic else None,
             q[0] if stochastic else None,
             tree.max_depth,
+            tuple(toks),
         )
     return _merged_round(pair, parents, rows, toks, q, kind, root)
 
@@ -272,6 +274,7 @@ def _merged_round(
         torch.from_numpy(qrow[pid]) if stochastic else None,
         torch.cat(q, 1) if stochastic else None,
         max(tr.max_depth for tr, _ in trees),
+        tuple(toks),
     )
 
 

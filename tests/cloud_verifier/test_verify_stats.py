@@ -9,11 +9,24 @@ variants must be rejected by the same test. `SLOW=1` runs the full matrix.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from bench.verify_exactness import SHAPES, Case, full_matrix, run_case, tokens_per_round
+from bench.verify_exactness import (
+    SHAPES,
+    UNSHARED,
+    Case,
+    draw_round,
+    full_matrix,
+    pair_for,
+    run_case,
+    tokens_per_round,
+)
 from cloud_verifier.sampling import SamplingParams
+from cloud_verifier.verify import TreeBatch
+from shared import Q_TOTAL, SparseDist, SparseRows, TokenTree, merge
+from shared.tree import Draws, ExpansionConfig
 
 SAMPLES = 200_000
 DEFAULT = [
@@ -26,6 +39,50 @@ DEFAULT = [
     Case("mss/ratio-q-over-p", "wide", 0.5),
     Case("mss/moves-1%-mass", "wide", 1.0),
 ]
+
+
+@pytest.mark.parametrize("kind", ["distinct", "replacement", "without"])
+@pytest.mark.parametrize("shape", [*SHAPES.values(), UNSHARED], ids=lambda s: s.name)
+def test_harness_trees_are_what_the_edge_sends(shape: object, kind: str) -> None:
+    """The batched trees of the harness equal, trial by trial, `TreeBatch.from_tree` of the tree the
+    edge would send: each drafter's expansion tree with its draws and u16 q rows, merged by
+    `shared.tree.merge` (identical paths share a node; single drafters too unless share=False)."""
+    assert isinstance(shape, type(UNSHARED))
+    pair = pair_for(shape)
+    gen = torch.Generator().manual_seed(5)
+    root = torch.randint(0, pair.vocab, (60,), generator=gen)
+    rnd = draw_round(pair, shape, kind, root, gen)
+    stochastic = kind != "distinct"
+    for i in range(60):
+        parts = []
+        for d, ks in enumerate(shape.expansions):
+            parents = ExpansionConfig(ks).parents()
+            toks = rnd.drafted[d][i].numpy()
+            rows, qrow = [], np.zeros(parents.size, dtype=np.int32)
+            for p in np.unique(parents):
+                ctx = int(root[i]) if p < 0 else int(toks[p])
+                w = pair.drafts[d][ctx].numpy()
+                qrow[parents == p] = len(rows)
+                rows.append(SparseDist.from_weights(np.flatnonzero(w), w[w > 0]))
+            draws = Draws(np.arange(parents.size), np.full(parents.size, d), qrow, SparseRows.from_rows(rows))
+            parts.append(TokenTree.build(toks, parents, base=7, cond=[int(root[i])], draws=draws))
+        tree = merge(parts) if shape.share else parts[0]
+        if not stochastic:
+            tree = TokenTree.build(tree.tokens, tree.parents, tree.base, tree.cond)
+        tree.validate(pair.vocab, 64, 8, stochastic=stochastic, without_replacement=kind == "without")
+        want = TreeBatch.from_tree(tree)
+        n, k = tree.num_nodes, want.slots.shape[2]
+        assert rnd.tokens[i, :n].tolist() == want.tokens[0].tolist()
+        assert rnd.slots[i, : n + 1, :k].tolist() == want.slots[0].tolist()
+        assert bool((rnd.slots[i, : n + 1, k:] == -1).all()) and bool((rnd.slots[i, n + 1 :] == -1).all())
+        if stochastic:
+            assert rnd.qrow is not None and rnd.q_probs is not None and want.q_ids is not None
+            assert rnd.qrow[i, : n + 1, :k].tolist() == want.qrow[0].tolist()  # type: ignore[union-attr]
+            assert want.q_probs is not None
+            dense = torch.zeros(want.q_ids.shape[1], pair.vocab).scatter_add_(
+                1, want.q_ids[0], want.q_probs[0]
+            )
+            assert torch.equal(rnd.q_probs[i, : dense.shape[0]] * Q_TOTAL, dense * Q_TOTAL)
 
 
 def _check(case: Case) -> None:
