@@ -355,3 +355,25 @@ def test_single_tree_walk_equals_batched_walk(mode: str) -> None:
                 one.accepted[0, :m].tolist(),
                 one.tokens[0, : m + 1].tolist(),
             )
+
+
+@pytest.mark.gpu
+def test_verify_on_cuda() -> None:
+    """Where the logits live on a GPU, verification runs there: greedy and seeded match give the CPU's
+    tokens, and the stochastic modes run with a CUDA generator."""
+    target, draft = bigram(64, 7)
+    rng = np.random.default_rng(7)
+    params = SamplingParams(0.8, top_k=20)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for i in range(10):
+        root = i % 64
+        for mode in MODES:
+            tree = stochastic_tree(rng, draft, (2, 2, 1), root, mode != "mss" and mode != "naive")
+            if mode in ("greedy", "match"):
+                tree = TokenTree.build(tree.tokens, tree.parents, tree.base, tree.cond)
+            logits = tree_logits(target, root, tree)
+            got = verify_tree(mode, tree, logits.cuda(), params, seed=i, generator=gen)
+            if mode in ("greedy", "match"):
+                assert got == verify_tree(mode, tree, logits, params, seed=i)
+            assert got.accepted_nodes == (tree.path(got.accepted_nodes[-1]) if got.accepted_nodes else [])
+            assert 0 <= got.bonus < 64
