@@ -155,3 +155,30 @@ class WeightAssigner:
         if self.missing:
             shown = ", ".join(sorted(self.missing)[:5])
             raise ValueError(f"checkpoint lacks {len(self.missing)} tensor(s) the model needs: {shown}")
+
+
+def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face names, fused tensors split again (for saving a
+    safetensors checkpoint that transformers and `load_target` both read)."""
+    c = model.config
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = model.lm_head
+    q, kv, inter = c.q_size, c.kv_size, c.intermediate_size
+    for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = layer.attn_norm
+        out[p + "post_attention_layernorm.weight"] = layer.mlp_norm
+        out[p + "self_attn.q_proj.weight"] = layer.qkv[:q]
+        out[p + "self_attn.k_proj.weight"] = layer.qkv[q : q + kv]
+        out[p + "self_attn.v_proj.weight"] = layer.qkv[q + kv :]
+        if layer.qkv_bias is not None:
+            out[p + "self_attn.q_proj.bias"] = layer.qkv_bias[:q]
+            out[p + "self_attn.k_proj.bias"] = layer.qkv_bias[q : q + kv]
+            out[p + "self_attn.v_proj.bias"] = layer.qkv_bias[q + kv :]
+        out[p + "self_attn.o_proj.weight"] = layer.o
+        out[p + "mlp.gate_proj.weight"] = layer.gate_up[:inter]
+        out[p + "mlp.up_proj.weight"] = layer.gate_up[inter:]
+        out[p + "mlp.down_proj.weight"] = layer.down
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}

@@ -1,0 +1,131 @@
+"""Loaders: GGUF (llama.cpp layout, q/k permutation, rope_freqs) and safetensors directories give
+the model they were written from; transformers reads the same directories to the same logits;
+tokenizer, chat template, EOS ids and the vocabulary fingerprint come through."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cloud_verifier.model import build_model, load_target, smollm2_gguf_path
+from cloud_verifier.model.gguf_loader import config_from_gguf, open_gguf, unpermute_rows
+from shared.vocab import vocab_fingerprint
+from tests.cloud_verifier.checkpoints import (
+    MERGES,
+    config_for,
+    llama_cpp_permute,
+    logits_of,
+    small_vocab,
+    write_gguf,
+    write_hf_dir,
+)
+
+KINDS = ["llama", "llama3-untied", "qwen2"]
+TOKENS = [1, 40, 77, 3, 200, 9, 260, 2, 100, 55, 61, 30, 29, 150, 151]
+
+
+def test_unpermute_undoes_llama_cpp_permutation() -> None:
+    rng = np.random.default_rng(0)
+    for heads, rows, cols in ((8, 128, 16), (2, 32, 16), (3, 192, 1)):
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        assert np.array_equal(unpermute_rows(llama_cpp_permute(w, heads), heads), w)
+    b = rng.standard_normal(64).astype(np.float32)
+    assert np.array_equal(unpermute_rows(llama_cpp_permute(b, 4), 4), b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gguf_round_trip(tmp_path: Path, kind: str) -> None:
+    tokens, _ = small_vocab()
+    config = config_for(kind, len(tokens))
+    model = build_model(config, seed=1, dtype="float32", device="cpu")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, model, arch="qwen2" if kind == "qwen2" else "llama")
+    target = load_target(str(path), progress=False)
+    got = target.config
+    assert (got.num_heads, got.num_kv_heads, got.head_dim) == (8, 2, 16)
+    assert got.tie_embeddings == config.tie_embeddings and got.qkv_bias == config.qkv_bias
+    assert (got.rope_scaling is None) == (config.rope_scaling is None)
+    diff = (logits_of(target.model, TOKENS) - logits_of(model, TOKENS)).abs().max()
+    assert float(diff) <= 1e-5
+    assert target.eos_ids == (2,) and target.tokenizer.bos_id == 1
+    assert target.vocab_fingerprint == vocab_fingerprint(tokens)
+    assert target.model_id == "m"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_safetensors_round_trip(tmp_path: Path, kind: str) -> None:
+    tokens, _ = small_vocab()
+    model = build_model(config_for(kind, len(tokens)), seed=2, dtype="float32", device="cpu")
+    write_hf_dir(tmp_path / "ckpt", model, "qwen2" if kind == "qwen2" else "llama")
+    target = load_target(str(tmp_path / "ckpt"), progress=False)
+    assert target.config == model.config
+    assert float((logits_of(target.model, TOKENS) - logits_of(model, TOKENS)).abs().max()) == 0.0
+    assert target.eos_ids == (2,)
+    assert target.vocab_fingerprint == vocab_fingerprint(tokens)
+    text = target.tokenizer.apply_chat_template([{"role": "user", "content": "the cat in a hat"}])
+    assert text == "<|im_start|>user\nthe cat in a hat<|im_end|>\n<|im_start|>assistant\n"
+    ids = target.tokenizer.encode(text)
+    assert ids[0] == 1 and ids.count(2) == 1  # special tokens stay whole
+    assert target.tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_transformers_reads_the_same_logits(tmp_path: Path, kind: str) -> None:
+    """The reference implementation agrees on GQA, RoPE (with Llama 3 scaling), biases, tying."""
+    transformers = pytest.importorskip("transformers")
+    tokens, _ = small_vocab()
+    model = build_model(config_for(kind, len(tokens)), seed=3, dtype="float32", device="cpu")
+    write_hf_dir(tmp_path / "ckpt", model, "qwen2" if kind == "qwen2" else "llama")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)
+    with torch.no_grad():
+        want = ref(torch.tensor([TOKENS])).logits[0]
+    got = logits_of(model, TOKENS)
+    assert float((got - want).abs().max()) <= 1e-4
+
+
+def test_tokenizer_round_trips_bytes() -> None:
+    from cloud_verifier.model.tokenizer import bpe_from_gguf
+
+    tokens, types = small_vocab()
+    tok = bpe_from_gguf(tokens, MERGES, types, "smollm", 1, True)
+    ids = tok.encode("the 2024 café in a hat\n", add_special_tokens=True).ids
+    assert ids[0] == 1
+    assert tok.decode(ids[1:]) == "the 2024 café in a hat\n"
+    assert tokens.index("Ġthe") not in ids  # "the" starts the text: no space before it
+    assert tokens.index("Ġin") in ids
+
+
+def test_smollm2_metadata_tokenizer_and_fingerprint() -> None:
+    path = smollm2_gguf_path()
+    reader = open_gguf(path)
+    config = config_from_gguf(reader)
+    assert (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads) == (30, 576, 9, 3)
+    assert config.vocab_size == 49152 and config.tie_embeddings and config.rope_theta == 100000.0
+    stored = [
+        bytes(reader.fields["tokenizer.ggml.tokens"].parts[i])
+        for i in reader.fields["tokenizer.ggml.tokens"].data
+    ]
+    tiny = load_target("tiny", progress=False)
+    assert tiny.vocab_fingerprint == vocab_fingerprint(stored)
+    assert tiny.config.vocab_size == 49152 and (tiny.config.num_heads, tiny.config.num_kv_heads) == (8, 2)
+    assert tiny.eos_ids == (2,) and tiny.model_id == "tiny" and tiny.dtype == torch.float32
+    tok = tiny.tokenizer
+    assert tok.token_texts()[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 12+30?"}])
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is 12+30?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    ids = tok.encode(text)
+    assert ids[0] == 1 and ids.count(2) == 2
+    assert tok.decode(ids) == text
+    # SmolLM2 splits every digit (llama.cpp pre-tokenizer "smollm")
+    assert tok.encode("hello 12345 world") == [28120, 216, 33, 34, 35, 36, 37, 905]
+
+
+def test_unknown_names_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not an alias"):
+        load_target(str(tmp_path / "nothing-here"))
