@@ -264,3 +264,26 @@ def test_registry_names_and_errors() -> None:
     with pytest.raises(ValueError, match="llama_cpp"):
         backend_class("onnx-nope")
     assert backend_class("llama_cpp").name == "llama_cpp"
+
+
+# ------------------------------------------------------------------------------------ torch details
+def test_torch_tokenizer_matches_llama_cpp(smollm2_path: Path) -> None:
+    """The torch drafter's tokenizer (the cloud runtime's, adapted) and llama.cpp's agree."""
+    if not _torch_available():
+        pytest.skip("cloud_verifier.model (the torch runtime) is not available")
+    from edge_client.tokenizer import LlamaCppTokenizer
+
+    d = create_drafter("torch", "tiny", max_context=64, max_nodes=8)
+    try:
+        theirs, ours = d.tokenizer, LlamaCppTokenizer(smollm2_path)
+        assert theirs.fingerprint == ours.fingerprint == d.vocab_fingerprint()
+        assert theirs.eos_ids and set(theirs.eos_ids) <= set(ours.eos_ids)
+        for text in [PROMPT, "naïve café 你好 🙂\n\tend", "<|im_start|>user\nhi<|im_end|>"]:
+            ids = ours.encode(text)
+            assert theirs.encode(text) == ids
+            assert theirs.decode(ids) == ours.decode(ids)
+            assert theirs.decode(ids, special=True) == ours.decode(ids, special=True)
+        sample = range(0, ours.vocab_size, 97)
+        assert [theirs.token_bytes(i) for i in sample] == [ours.token_bytes(i) for i in sample]
+    finally:
+        d.close()
