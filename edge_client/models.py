@@ -69,7 +69,12 @@ def truncated_gguf(src: Path, dst: Path, blocks: int) -> Path:
     they compute in the full model. The file is written to a temporary name beside `dst` and renamed,
     so a concurrent reader never sees half a file and two writers do not corrupt each other.
     """
-    import gguf  # the `cloud` extra; imported here so that resolving the packaged alias needs nothing
+    try:
+        import gguf  # imported here: resolving the packaged alias needs nothing beyond the stdlib
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            f"writing {dst.name} needs the `gguf` package: pip install gguf (or treespec[cloud])"
+        ) from exc
 
     reader = gguf.GGUFReader(src)
     arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
