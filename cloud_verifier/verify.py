@@ -530,9 +530,11 @@ def verify_tree(
     """Verify one tree (the engine's call, once per session per round).
 
     logits: [N + 1, V] on the model's device, row 0 = the last committed token (DESIGN 3.1).
-    mode greedy / match / naive take any tree; mss / rrs need its draws and q rows. match keys its
-    sampler by (seed, absolute position) exactly like `sample_next`; naive, mss and rrs use
-    `generator` (on the logits' device).
+    mode greedy / match / naive take any tree; mss / rrs need its draws and q rows, and the tree must
+    have passed `TokenTree.validate` for the mode (every drawn token has mass in its q row; rrs:
+    without_replacement=True). match keys its sampler by (seed, absolute position) exactly like
+    `sample_next`; naive, mss and rrs use `generator` (on the logits' device). Syncs with the device
+    once per walked depth (plus once per tested draw in mss / rrs).
     """
     n = tree.num_nodes
     if logits.dim() != 2 or logits.shape[0] != n + 1:
