@@ -181,7 +181,7 @@ class LlamaModel(nn.Module):
         eps, norm_shape = c.rms_norm_eps, (c.hidden_size,)
         for li, (layer, (w_qkv, w_o, w_gu, w_down)) in enumerate(zip(self.layers, prep.layers, strict=True)):
             assert isinstance(layer, DecoderLayer)
-            qkv = lin(F.rms_norm(h, norm_shape, layer.attn_norm, eps), w_qkv, layer.qkv_bias)  # [T, q + 2 kv]
+            qkv = lin(rms_norm(h, norm_shape, layer.attn_norm, eps), w_qkv, layer.qkv_bias)  # [T, q + 2 kv]
             qk = self.rotary.apply(qkv[:, : qk_heads * hd].view(t, qk_heads, hd), cos, sin)
             kv.write(
                 li, write_slots, qk[:, c.num_heads :], qkv[:, qk_heads * hd :].view(t, c.num_kv_heads, hd)
@@ -197,7 +197,7 @@ class LlamaModel(nn.Module):
                     ]
                 )
             h = h + lin(o, w_o)
-            gu = lin(F.rms_norm(h, norm_shape, layer.mlp_norm, eps), w_gu)  # [T, 2 inter]
+            gu = lin(rms_norm(h, norm_shape, layer.mlp_norm, eps), w_gu)  # [T, 2 inter]
             h = h + lin(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
         return self._logits(h, inputs, bounds)
 
@@ -237,12 +237,17 @@ class LlamaModel(nn.Module):
         counts = [int(x.logit_rows.numel()) for x in inputs]
         if rows.numel() == 0:
             return [torch.empty(0, self.config.vocab_size, device=self.device) for _ in inputs]
-        x = F.rms_norm(
-            h.index_select(0, rows), (self.config.hidden_size,), self.norm, self.config.rms_norm_eps
-        )
+        x = rms_norm(h.index_select(0, rows), (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         prep = self.prepare()
         logits = prep.gemm.linear(x, prep.lm_head).float()  # [sum k, vocab]
         return list(logits.split(counts))
+
+
+def rms_norm(h: torch.Tensor, shape: tuple[int], weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h: [T, hidden]. Normalised in float32 even for bf16/fp16 weights, as the checkpoints were trained."""
+    if h.dtype == torch.float32:
+        return F.rms_norm(h, shape, weight, eps)
+    return F.rms_norm(h.float(), shape, weight.float(), eps).to(h.dtype)
 
 
 def _row_bounds(inputs: list[SeqInput]) -> list[tuple[int, int]]:

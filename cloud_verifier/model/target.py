@@ -79,12 +79,24 @@ def _finish(model: LlamaModel, tokenizer: TargetTokenizer, model_id: str, device
 
 
 def load_target(
-    name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True
+    name_or_path: str,
+    dtype: str = "auto",
+    device: str = "auto",
+    progress: bool = True,
+    attention: str = "model",
 ) -> Target:
     """Load a target by alias (smollm2-135m, tiny) or path (.gguf file, safetensors directory).
 
     dtype auto: float32 on CPU, bfloat16 on GPU; device auto: CUDA when available.
+    attention: "model" (attention in the weights' dtype) or "float64" (exact mode: tree rows
+    bit-identical to incremental decoding; see LlamaModel).
     """
+    target = _load(name_or_path, dtype, device, progress)
+    target.model.set_attention(attention)
+    return target
+
+
+def _load(name_or_path: str, dtype: str, device: str, progress: bool) -> Target:
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if name_or_path == "tiny":
