@@ -162,6 +162,8 @@ class LlamaModel(nn.Module):
         if not inputs:
             return []
         c = self.config
+        for x in inputs:
+            check_input(x, c.vocab_size)
         plans = kv.reserve([(x.seq_id, x.num_rows) for x in inputs])
         cached = [kv.cached_len(x.seq_id) for x in inputs]
         masks = [
@@ -196,9 +198,9 @@ class LlamaModel(nn.Module):
                         for (a, b), plan, mask in zip(bounds, plans, masks, strict=True)
                     ]
                 )
-            h = h + lin(o, w_o)
+            h += lin(o, w_o)
             gu = lin(rms_norm(h, norm_shape, layer.mlp_norm, eps), w_gu)  # [T, 2 inter]
-            h = h + lin(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
+            h += lin(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
         return self._logits(h, inputs, bounds)
 
     def _attend(
@@ -281,18 +283,25 @@ def _attention_mask(
 
 
 def check_input(x: SeqInput, vocab_size: int) -> None:
-    """Validate one SeqInput's shapes and ranges (at the engine boundary, not inside the forward)."""
+    """Refuse a malformed SeqInput before the forward reserves or writes anything.
+
+    Shapes are always checked; value ranges only for CPU tensors (on a GPU they would cost a
+    device sync per input; the engine validates ids where they arrive, DESIGN section 7).
+    """
     n = x.num_rows
     if x.tokens.dim() != 1 or x.positions.shape != x.tokens.shape:
         raise ValueError("tokens and positions must be 1-D of one length")
     if n == 0:
         raise ValueError("a SeqInput needs at least one row")
+    if x.tree_mask is not None and (x.tree_mask.shape != (n, n) or x.tree_mask.dtype != torch.bool):
+        raise ValueError(f"tree_mask must be [{n}, {n}] bool")
+    if x.logit_rows.dim() != 1:
+        raise ValueError("logit_rows must be 1-D")
+    if x.tokens.device.type != "cpu":
+        return
     if int(x.tokens.min()) < 0 or int(x.tokens.max()) >= vocab_size:
         raise ValueError(f"token ids must be in [0, {vocab_size})")
-    if x.tree_mask is not None:
-        if x.tree_mask.shape != (n, n) or x.tree_mask.dtype != torch.bool:
-            raise ValueError(f"tree_mask must be [{n}, {n}] bool")
-        if not bool(x.tree_mask.diagonal().all()):
-            raise ValueError("tree_mask must let every row attend to itself")
+    if x.tree_mask is not None and not bool(x.tree_mask.diagonal().all()):
+        raise ValueError("tree_mask must let every row attend to itself")
     if x.logit_rows.numel() and (int(x.logit_rows.min()) < 0 or int(x.logit_rows.max()) >= n):
         raise ValueError(f"logit_rows must be in [0, {n})")

@@ -211,3 +211,18 @@ def test_smollm2_tree_matches_incremental(smollm2: LlamaModel, seed: int, mode: 
     finally:
         smollm2.set_attention("model")
     print(f"smollm2-135m seed {seed} attention {mode}: max |Δlogit| = {worst:.3g}")
+
+
+def test_malformed_inputs_are_refused_before_reserving(tiny: LlamaModel) -> None:
+    kv = tiny.new_kv_cache(4, 16)
+    kv.add(0)
+    good = prefill_chunk(0, [1, 2, 3], 0)
+    bad = [
+        prefill_chunk(0, [1, tiny.config.vocab_size], 0),
+        tree_round(0, random_tree(random.Random(0), 3, 100, 1, []), [5]),
+    ]
+    bad[1].tree_mask = torch.zeros(4, 4, dtype=torch.bool)  # no row may attend to itself
+    for x in bad:
+        with pytest.raises(ValueError):
+            tiny.forward_packed([good, x] if x.seq_id != 0 else [x], kv)
+        assert kv.blocks_in_use == 0 and kv.scratch_len(0) == 0
