@@ -226,3 +226,25 @@ def test_malformed_inputs_are_refused_before_reserving(tiny: LlamaModel) -> None
         with pytest.raises(ValueError):
             tiny.forward_packed([good, x] if x.seq_id != 0 else [x], kv)
         assert kv.blocks_in_use == 0 and kv.scratch_len(0) == 0
+
+
+def test_fragmented_block_tables_read_the_same(tiny: LlamaModel) -> None:
+    """Sequences grown in turns end up with scattered blocks (gathered, not viewed): same logits."""
+    rng = random.Random(5)
+    vocab = tiny.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (90, 12, 12, 30)]
+    kv = tiny.new_kv_cache(52, 4)
+    for s in range(4):
+        kv.add(s)
+    for a in range(0, 90, 3):  # the sequences grow by 3 tokens in turn
+        for s, p in enumerate(prompts):
+            if a < len(p):
+                prefill(tiny, kv, s, p[a : a + 3])
+    trees = [random_tree(rng, 10, vocab, len(p) + 1, []) for p in prompts]  # tail: one token, 7
+    packed = tiny.forward_packed([tree_round(s, t, [7]) for s, t in enumerate(trees)], kv)
+    tables = [kv.block_table(s) for s in range(4)]
+    assert any(t != list(range(t[0], t[0] + len(t))) for t in tables)
+    for p, tree, got in zip(prompts, trees, packed, strict=True):
+        alone = straight_cache(tiny, p)
+        (want,) = tiny.forward_packed([tree_round(0, tree, [7])], alone)
+        assert max_diff(got, want) <= TOL
