@@ -442,6 +442,7 @@ class CaseResult:
 def full_matrix() -> list[Case]:
     cases = [Case(a, s, t) for a in ("match", "naive", "mss", "rrs") for s in SHAPES for t in (0.5, 1.0)]
     cases += [Case(a, "wide", 1.0, top_k=10, top_p=0.9) for a in ("match", "mss", "rrs")]
+    cases += [Case(a, "merged", 1.0, top_p=0.8) for a in ("match", "mss", "rrs")]
     cases += [Case("mss", UNSHARED.name, t) for t in (0.5, 1.0)]
     cases += [Case(w, s, t) for w in WRONG for s in ("wide", "merged") for t in (0.5, 1.0)]
     return cases

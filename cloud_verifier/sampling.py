@@ -48,8 +48,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
     Temperature 0 gives a one-hot p at the argmax (first index on ties), so that every stochastic
     algorithm reduces exactly to greedy decoding. top-k uses `torch.topk` (no full sort); top-p keeps
-    the smallest most-likely prefix whose mass reaches top_p (at least one token) and looks at the
-    top 256 tokens first, widening only when they hold less than top_p.
+    the smallest most-likely prefix whose mass reaches top_p (at least one token; tokens tied with
+    its last one are kept too), see `top_p_threshold`.
     """
     x = logits.float()
     if params.greedy:
@@ -64,14 +64,55 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(x, -1)
     if params.top_p >= 1.0:
         return probs
-    k = min(vocab, _TOP_P_FIRST_K)
-    while True:
-        vals, idx = torch.topk(probs, k, dim=-1)
-        # a sync, but only in top-p mode: widen until every row's prefix reaches top_p
-        if k == vocab or bool((vals.sum(-1) >= params.top_p).all()):
-            break
-        k = min(vocab, k * 8)
-    return torch.zeros_like(probs).scatter_(-1, idx, _top_p(vals, params.top_p))
+    threshold = top_p_threshold(probs.reshape(-1, vocab), params.top_p).reshape(*probs.shape[:-1], 1)
+    kept = probs * (probs >= threshold)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def top_p_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The smallest probability top-p keeps: min{p_i : mass of the tokens more likely than i < top_p}.
+
+    probs [T, V] float32 (a softmax). Returns [T, 1]; top-p keeps exactly the tokens with p >= it.
+    When every row's most likely token alone holds top_p that is its probability (one max);
+    otherwise a radix select over the float bits finds it in O(V) with no sort (a long flat tail can
+    put most of the vocabulary in the nucleus, where a full sort costs ~3 ms per 49,152-token row).
+    """
+    top = probs.amax(-1, keepdim=True)
+    if bool((top >= top_p).all()):  # a sync, only in top-p mode
+        return top
+    return _radix_threshold(probs, top_p)
+
+
+def _radix_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`top_p_threshold` by radix select: non-negative floats order like their int32 bits, so three
+    rounds of 10 bits (a 1024-bucket mass histogram each) pin down the threshold's bits. Only the
+    first round reads the whole row; the next two see the tokens of the chosen bucket. [T, 1]."""
+    t = probs.shape[0]
+    bits = probs.contiguous().view(torch.int32)  # p in [0, 1]: bit 30 is 0, so 3 x 10 bits cover it
+    p64 = probs.double()  # masses in float64: the boundary token's mass-ahead is exact to ~1e-16
+    digit = (bits >> 20).long()
+    mass = p64.new_zeros(t, 1024).scatter_add_(1, digit, p64)
+    value, above = _threshold_digit(mass, p64.new_zeros(t, 1), top_p)
+    row, col = (digit == value).nonzero(as_tuple=True)  # the chosen bucket's tokens (a sync)
+    cand_bits, weight = bits[row, col], p64[row, col]
+    for shift in (10, 0):
+        digit = ((cand_bits >> shift) & 1023).long()
+        mass = p64.new_zeros(t, 1024).index_put_((row, digit), weight, accumulate=True)
+        d, above = _threshold_digit(mass, above, top_p)
+        value = (value << 10) | d
+        weight = torch.where(digit == d[row, 0], weight, 0.0)
+    return value.int().view(torch.float32)
+
+
+def _threshold_digit(
+    mass: torch.Tensor, above: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last bucket d whose values, with every larger value, still hold top_p, and the mass
+    of the values above bucket d. mass [T, 1024] per bucket; above [T, 1] mass of the larger
+    buckets already passed. Returns d [T, 1] int64, above [T, 1]."""
+    after = mass.sum(-1, keepdim=True) - torch.cumsum(mass, -1)  # mass of buckets > d
+    d = ((after + mass + above >= top_p).sum(-1, keepdim=True) - 1).clamp_(min=0)
+    return d, above + after.gather(1, d)
 
 
 def _top_p(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:

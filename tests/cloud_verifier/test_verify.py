@@ -15,6 +15,7 @@ from cloud_verifier.sampling import (
     keyed_uniforms,
     sample_next,
     target_probs,
+    top_p_threshold,
 )
 from cloud_verifier.verify import (
     MODES,
@@ -119,6 +120,20 @@ def test_target_probs_top_k_top_p_match_reference(vocab: int) -> None:
             want = np.zeros(vocab)
             want[keep] = ref[keep] / ref[keep].sum()
             np.testing.assert_allclose(p[row], want, atol=1e-6)
+
+
+def test_top_p_threshold_is_exact() -> None:
+    """The radix select (and the one-max shortcut) return exactly the smallest kept probability of
+    the float64 sorted reference, on peaked and long-tailed rows."""
+    gen = torch.Generator().manual_seed(9)
+    for scale in (0.2, 1.0, 4.0, 12.0):
+        probs = torch.softmax(torch.randn(16, 5000, generator=gen) * scale, -1)
+        for top_p in (0.3, 0.9, 0.99):
+            got = top_p_threshold(probs, top_p)
+            for row in range(16):
+                s, _ = torch.sort(probs[row], descending=True)
+                before = s.double().cumsum(-1) - s.double()
+                assert float(got[row]) == float(s[before < top_p].min()), (scale, top_p, row)
 
 
 def test_sampling_params_validate() -> None:
