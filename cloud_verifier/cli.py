@@ -105,10 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        print(
-            "cloud-verifier serve: not yet available (the verifier service is being built)", file=sys.stderr
-        )
-        return 2
+        from dataclasses import fields, replace
+
+        from cloud_verifier.server import serve
+
+        base = ServerConfig.from_env()
+        updates = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if hasattr(args, f.name)}
+        serve(replace(base, **updates))
+        return 0
     return 2
 
 

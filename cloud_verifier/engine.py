@@ -1,0 +1,360 @@
+"""Continuous batching (Orca-style iteration-level scheduling) of every session's ready work.
+
+Each engine step packs the ready rounds of all sessions (chunked prefills, tree rounds, `ar` steps)
+up to a row budget into ONE forward of the target, verifies each session's round, commits the
+accepted rows' KV and hands the outcome back to the session on the event-loop thread. Sessions join
+and leave between steps; a round-robin start point keeps any session from starving. The forward runs
+on a worker thread, so pings, /readyz and other sessions' I/O keep flowing during a long prefill.
+
+A round's rows (DESIGN 3.1): the committed tokens not yet in the KV cache (normally just row 0, the
+previous bonus; the whole prompt at prefill) and then the tree nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cloud_verifier.kv_cache import KVCacheFull, PagedKVCache
+from cloud_verifier.model import SeqInput, Target, prefill_chunk, round_keep, tree_round
+from cloud_verifier.verify import SamplingParams, sample_next, verify_tree
+from shared.errors import ErrorCode, ProtocolError
+from shared.messages import Mode, Prompt
+from shared.tree import TokenTree
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """A round a session wants verified. round 0: the prompt's answer or an `ar` step."""
+
+    round: int
+    tree: TokenTree | None
+    ready_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class RoundResult:
+    """The outcome of one round, already cut at stop ids / max_new_tokens / max_context."""
+
+    round: int
+    tokens: list[int]
+    accepted_nodes: list[int]
+    has_bonus: bool
+    committed_len: int
+    verify_ms: float
+    done: bool
+    reason: str | None
+    tree_nodes: int = 0
+    accepted_depths: list[int] = field(default_factory=list)
+    round_s: float = 0.0
+    error: ProtocolError | None = None
+
+
+@dataclass
+class SeqState:
+    """The engine's view of one session's generation."""
+
+    sid: int
+    on_result: Callable[[RoundResult], None]
+    committed: list[int] = field(default_factory=list)
+    prompt_len: int = 0
+    mode: Mode = Mode.GREEDY
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0
+    generator: torch.Generator | None = None
+    max_new_tokens: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    job: Job | None = None
+    busy: bool = False
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    token_budget: int = 512  # rows per forward
+    max_context: int = 4096
+    batching: bool = True  # False: one session per forward (the baseline of bench.load)
+    stall_s: float = 120.0  # /readyz fails when work waits this long with no step finishing
+
+
+@dataclass
+class _Planned:
+    seq: SeqState
+    job: Job
+    pre: list[int]  # committed tokens fed first (the last one is row 0 when final)
+    final: bool  # the chunk that ends with row 0 (+ tree): verify it
+
+
+class Engine:
+    """Owns the target and the KV pool; everything but the forward runs on the event-loop thread."""
+
+    def __init__(self, target: Target, kv: PagedKVCache, config: EngineConfig | None = None) -> None:
+        self.target = target
+        self.kv = kv
+        self.config = config or EngineConfig()
+        self.eos_ids = frozenset(target.eos_ids)
+        self.seqs: dict[int, SeqState] = {}
+        self._next_sid = 1
+        self._rr = 0
+        self._wake = asyncio.Event()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self._task: asyncio.Task[None] | None = None
+        self.steps = 0
+        self.forwards = 0
+        self.last_step_end = time.monotonic()
+        self.on_step: Callable[[int, int, float], None] | None = None  # (rows, sessions, seconds)
+
+    # ------------------------------------------------------------------ sessions (loop thread)
+    def open(self, on_result: Callable[[RoundResult], None]) -> SeqState:
+        sid = self._next_sid
+        self._next_sid += 1
+        self.kv.add(sid)
+        s = SeqState(sid=sid, on_result=on_result)
+        self.seqs[sid] = s
+        return s
+
+    def close(self, s: SeqState) -> None:
+        """Forget a session; its KV blocks are freed now, or right after the step it is part of."""
+        s.closed = True
+        s.job = None
+        if not s.busy:
+            self._release(s)
+
+    def _release(self, s: SeqState) -> None:
+        if self.seqs.pop(s.sid, None) is not None:
+            self.kv.free(s.sid)
+
+    def start(self, s: SeqState, prompt: Prompt, committed: np.ndarray) -> None:
+        """Begin a generation: committed = cached context (if continuing) + the new prompt tokens."""
+        mode = prompt.mode
+        temp = 0.0 if mode is Mode.GREEDY else prompt.temperature
+        s.params = SamplingParams(temperature=temp, top_k=prompt.top_k, top_p=prompt.top_p)
+        s.mode = mode
+        s.seed = prompt.seed
+        s.generator = torch.Generator(device=self.target.device).manual_seed(prompt.seed)
+        new = [int(t) for t in committed]
+        cached = self.kv.cached_len(s.sid)
+        if cached and (len(new) <= cached or new[:cached] != s.committed[:cached]):
+            # a new conversation: the cached context is not a prefix of it
+            self.kv.free(s.sid)
+            self.kv.add(s.sid)
+        s.committed = new
+        s.prompt_len = len(new)
+        s.max_new_tokens = prompt.max_new_tokens
+        s.stop_ids = self.eos_ids | frozenset(prompt.stop_ids)
+        self.submit(s, 0, prompt.tree)
+
+    def submit(self, s: SeqState, round_id: int, tree: TokenTree | None) -> None:
+        if s.closed:
+            return
+        assert s.job is None, "one round in flight per session"
+        s.job = Job(round_id, tree)
+        self._wake.set()
+
+    @property
+    def pending_work(self) -> bool:
+        return any(s.job is not None and not s.busy for s in self.seqs.values())
+
+    def healthy(self) -> bool:
+        """False when the loop died, or work has waited stall_s with no step finishing."""
+        if self._task is None or self._task.done():
+            return False
+        return not (self.pending_work and time.monotonic() - self.last_step_end > self.config.stall_s)
+
+    # ------------------------------------------------------------------ the loop
+    def start_loop(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.pending_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = self._plan()
+            if not plan:
+                await asyncio.sleep(0.001)
+                continue
+            for p in plan:
+                p.seq.busy = True
+            t0 = time.perf_counter()
+            try:
+                outcomes = await loop.run_in_executor(self._executor, self._step, plan)
+            except Exception as exc:  # a bug must cost only the sessions of this step
+                log.exception("engine step failed")
+                failure = ProtocolError(ErrorCode.INTERNAL, f"verifier error: {exc}", None, fatal=True)
+                outcomes = [(p, None, failure) for p in plan]
+            dt = time.perf_counter() - t0
+            self.steps += 1
+            self.last_step_end = time.monotonic()
+            if self.on_step is not None:
+                self.on_step(sum(len(p.pre) + _nodes(p) for p in plan), len(plan), dt)
+            for p, result, err in outcomes:
+                self._finish(p, result, err, dt)
+            await asyncio.sleep(0)  # let sessions' I/O run between steps
+
+    def _plan(self) -> list[_Planned]:
+        ready = [s for s in self.seqs.values() if s.job is not None and not s.busy and not s.closed]
+        if not ready:
+            return []
+        ready.sort(key=lambda s: s.sid)
+        start = self._rr % len(ready)
+        ready = ready[start:] + ready[:start]
+        self._rr += 1
+        budget = self.config.token_budget
+        plan: list[_Planned] = []
+        for s in ready:
+            assert s.job is not None
+            pre = s.committed[self.kv.cached_len(s.sid) :]
+            nodes = s.job.tree.num_nodes if s.job.tree is not None else 0
+            if len(pre) + nodes <= budget:
+                plan.append(_Planned(s, s.job, pre, final=True))
+                budget -= len(pre) + nodes
+            elif len(pre) > 1 and budget > 0:
+                # chunked prefill: feed committed tokens now, keep row 0 (+ tree) for a later step
+                take = min(budget, len(pre) - 1)
+                plan.append(_Planned(s, s.job, pre[:take], final=False))
+                budget -= take
+            if budget <= 0 or not self.config.batching:
+                break
+        if not plan and ready:
+            # a single round larger than the budget with nothing to chunk: run it alone
+            s = ready[0]
+            assert s.job is not None
+            plan.append(_Planned(s, s.job, s.committed[self.kv.cached_len(s.sid) :], final=True))
+        return plan
+
+    # ------------------------------------------------------------------ worker thread
+    def _step(self, plan: list[_Planned]) -> list[tuple[_Planned, RoundResult | None, ProtocolError | None]]:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            try:
+                inputs = [self._inputs(p) for p in plan]
+                logits = self.target.model.forward_packed(inputs, self.kv)
+            except KVCacheFull:
+                if len(plan) == 1:
+                    err = ProtocolError(
+                        ErrorCode.BUSY,
+                        "the verifier's KV cache is full; retry later or shorten the context",
+                        None,
+                        round=plan[0].job.round,
+                    )
+                    return [(plan[0], None, err)]
+                half = len(plan) // 2  # fewer sessions this step; the rest wait for the next
+                for p in plan[half:]:
+                    p.seq.busy = False
+                return self._step(plan[:half])
+            self.forwards += 1
+            out: list[tuple[_Planned, RoundResult | None, ProtocolError | None]] = []
+            for p, lg in zip(plan, logits, strict=True):
+                if not p.final:
+                    self.kv.commit_rows(p.seq.sid, list(range(len(p.pre))))
+                    out.append((p, None, None))
+                    continue
+                out.append((p, self._verify(p, lg, t0), None))
+        return out
+
+    def _inputs(self, p: _Planned) -> SeqInput:
+        s = p.seq
+        tree = p.job.tree if p.final else None
+        if tree is None or tree.num_nodes == 0:
+            inp = prefill_chunk(s.sid, p.pre, self.kv.cached_len(s.sid), logits_last=p.final)
+        else:
+            inp = tree_round(s.sid, tree, p.pre, all_logits=False)
+        dev = self.target.device
+        if dev.type == "cpu":
+            return inp
+        mask = inp.tree_mask.to(dev) if inp.tree_mask is not None else None
+        return SeqInput(inp.seq_id, inp.tokens.to(dev), inp.positions.to(dev), mask, inp.logit_rows.to(dev))
+
+    def _verify(self, p: _Planned, logits: torch.Tensor, t0: float) -> RoundResult:
+        """Verify, cut at the stop conditions, commit KV. logits: [1 + N, V] (row 0, then the nodes)."""
+        s, tree = p.seq, p.job.tree
+        L = len(s.committed)
+        if tree is None or tree.num_nodes == 0:
+            tokens = [sample_next(logits[0], s.params, s.seed, L)]
+            accepted: list[int] = []
+        else:
+            res = verify_tree(_algorithm(s), tree, logits, s.params, seed=s.seed, generator=s.generator)
+            tokens, accepted = list(res.tokens), list(res.accepted_nodes)
+        generated = L - s.prompt_len
+        room_len = s.max_new_tokens - generated
+        room_ctx = self.config.max_context - L
+        room = max(1, min(room_len, room_ctx))
+        out: list[int] = []
+        reason = None
+        for t in tokens:
+            out.append(t)
+            if t in s.stop_ids:
+                reason = "stop"
+                break
+            if len(out) >= room:
+                reason = "length" if room_len <= room_ctx else "context"
+                break
+        has_bonus = len(out) == len(accepted) + 1
+        acc = accepted[: len(out)]
+        # the last committed token is never cached: keep the nodes before it
+        keep_nodes = accepted if has_bonus else acc[:-1]
+        self.kv.commit_rows(s.sid, round_keep(len(p.pre), keep_nodes))
+        depths = [int(tree.depth[i]) for i in acc] if tree is not None else []
+        return RoundResult(
+            round=p.job.round,
+            tokens=out,
+            accepted_nodes=acc,
+            has_bonus=has_bonus,
+            committed_len=L + len(out),
+            verify_ms=(time.perf_counter() - t0) * 1e3,
+            done=reason is not None,
+            reason=reason,
+            tree_nodes=tree.num_nodes if tree is not None else 0,
+            accepted_depths=depths,
+        )
+
+    # ------------------------------------------------------------------ back on the loop thread
+    def _finish(self, p: _Planned, result: RoundResult | None, err: ProtocolError | None, dt: float) -> None:
+        s = p.seq
+        s.busy = False
+        if s.closed:
+            self._release(s)
+            return
+        if result is None and err is None:
+            return  # a prefill chunk: the job stays ready for the next step
+        s.job = None
+        if err is not None:
+            self.kv.discard(s.sid)
+            result = RoundResult(
+                p.job.round, [], [], False, len(s.committed), dt * 1e3, True, "error", error=err
+            )
+        assert result is not None
+        result.round_s = time.perf_counter() - p.job.ready_at
+        s.committed.extend(result.tokens)
+        s.on_result(result)
+
+
+def _nodes(p: _Planned) -> int:
+    return p.job.tree.num_nodes if p.final and p.job.tree is not None else 0
+
+
+def _algorithm(s: SeqState) -> str:
+    if s.mode is Mode.MATCH and s.params.temperature == 0:
+        return "greedy"
+    return s.mode.value

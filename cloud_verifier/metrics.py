@@ -1,0 +1,65 @@
+"""Prometheus metrics of the verifier, in a registry of their own (one per app)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_NODE_BUCKETS = (0, 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
+_LEN_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.num_drafts = Counter("specdec_num_drafts", "Tree rounds verified", registry=r)
+        self.num_draft_tokens = Counter("specdec_num_draft_tokens", "Tree nodes verified", registry=r)
+        self.num_accepted_tokens = Counter("specdec_num_accepted_tokens", "Tree nodes accepted", registry=r)
+        self.accepted_per_pos = Counter(
+            "specdec_num_accepted_tokens_per_pos", "Accepted tree nodes by depth", ["position"], registry=r
+        )
+        self.emitted_tokens = Counter("specdec_emitted_tokens", "Tokens sent in verdicts", registry=r)
+        self.tree_nodes = Histogram(
+            "specdec_tree_nodes", "Nodes per verified tree", buckets=_NODE_BUCKETS, registry=r
+        )
+        self.accepted_len = Histogram(
+            "specdec_accepted_length", "Accepted nodes per round", buckets=_LEN_BUCKETS, registry=r
+        )
+        self.forward_seconds = Histogram(
+            "specdec_verify_forward_seconds",
+            "Seconds per engine forward (all sessions)",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.round_seconds = Histogram(
+            "specdec_round_seconds",
+            "Seconds from a round becoming ready to its verdict",
+            buckets=_SECONDS,
+            registry=r,
+        )
+        self.step_rows = Histogram(
+            "specdec_engine_step_rows", "Rows per engine forward", buckets=_NODE_BUCKETS, registry=r
+        )
+        self.step_sessions = Histogram(
+            "specdec_engine_step_sessions", "Sessions per engine forward", buckets=_LEN_BUCKETS, registry=r
+        )
+        self.sessions = Gauge("specdec_sessions", "Open sessions", registry=r)
+        self.kv_blocks_used = Gauge("specdec_kv_blocks_in_use", "KV blocks in use", registry=r)
+        self.kv_blocks_total = Gauge("specdec_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.cond_hits = Counter(
+            "specdec_conditional_tree_hits", "Pending trees verified with no round trip", registry=r
+        )
+        self.cond_stale = Counter("specdec_conditional_tree_stale", "Trees answered with stale", registry=r)
+        self.errors = Counter("specdec_errors", "Error frames sent", ["code"], registry=r)
+        self.rejected_sessions = Counter(
+            "specdec_rejected_sessions", "Connections refused (max sessions)", registry=r
+        )
+
+    def record_round(self, nodes: int, accepted_depths: list[int]) -> None:
+        self.num_drafts.inc()
+        self.num_draft_tokens.inc(nodes)
+        self.num_accepted_tokens.inc(len(accepted_depths))
+        for d in accepted_depths:
+            self.accepted_per_pos.labels(position=str(d)).inc()
+        self.tree_nodes.observe(nodes)
+        self.accepted_len.observe(len(accepted_depths))

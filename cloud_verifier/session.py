@@ -1,0 +1,195 @@
+"""One client connection on the server: the sans-I/O protocol, the engine and an outbox.
+
+Frames in go through `ServerProtocol`; its events start generations and rounds in the engine. The
+engine calls `on_result` on the event-loop thread after each step; the verdict goes through the
+protocol, which may name a pending conditional tree to verify next, and that tree is submitted at
+once, so it runs in the very next engine step with no round trip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from cloud_verifier.auth import AuthError, KeyStore, Principal
+from cloud_verifier.engine import Engine, RoundResult, SeqState
+from cloud_verifier.metrics import Metrics
+from shared.errors import CloseCode, ErrorCode, ProtocolError
+from shared.messages import Error, Mode, SessionLimits, Verdict, Welcome, encode
+from shared.protocol import (
+    CancelReceived,
+    ClosedByPeer,
+    ErrorSent,
+    HelloReceived,
+    PromptReceived,
+    ServerProtocol,
+    ServerState,
+    VerifyTree,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a welcome tells the client about the target."""
+
+    model_id: str
+    vocab_size: int
+    vocab_fingerprint: str
+    eos_ids: tuple[int, ...]
+    verify_cost_ms: dict[int, float]
+
+
+@dataclass(frozen=True)
+class CloseRequest:
+    code: int
+    reason: str
+
+
+class Session:
+    """Glue between one WebSocket, the protocol state machine and the engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        info: ModelInfo,
+        limits: SessionLimits,
+        keys: KeyStore,
+        metrics: Metrics,
+        bearer: str | None = None,
+    ) -> None:
+        self.engine = engine
+        self.info = info
+        self.keys = keys
+        self.metrics = metrics
+        self.bearer = bearer
+        self.proto = ServerProtocol(vocab_size=info.vocab_size, limits=limits)
+        self.outbox: asyncio.Queue[bytes | CloseRequest] = asyncio.Queue()
+        self.seq: SeqState | None = None
+        self.principal: Principal | None = None
+        self.last_activity = time.monotonic()
+        self.closed = False
+        self._stale_seen = 0
+
+    @property
+    def generating(self) -> bool:
+        return self.proto.state is ServerState.GENERATING
+
+    # ------------------------------------------------------------------ frames in
+    def receive(self, data: bytes) -> None:
+        self.last_activity = time.monotonic()
+        for ev in self.proto.receive(data):
+            try:
+                self._handle(ev)
+            except ProtocolError as exc:
+                self._error(self.proto.fail(exc))
+        self._flush()
+
+    def _handle(self, ev: object) -> None:
+        if isinstance(ev, HelloReceived):
+            self._on_hello(ev)
+        elif isinstance(ev, PromptReceived):
+            assert self.seq is not None
+            self.engine.start(self.seq, ev.prompt, ev.committed)
+        elif isinstance(ev, VerifyTree):
+            assert self.seq is not None
+            self.engine.submit(self.seq, ev.round, ev.tree)
+        elif isinstance(ev, CancelReceived):
+            pass  # the protocol ends the generation at the in-flight round's verdict (or already did)
+        elif isinstance(ev, ClosedByPeer):
+            self.close(CloseCode.NORMAL, "client closed")
+        elif isinstance(ev, ErrorSent):
+            self._error(ev)
+
+    def _on_hello(self, ev: HelloReceived) -> None:
+        hello = ev.hello
+        if hello.vocab_fingerprint != self.info.vocab_fingerprint:
+            raise ProtocolError(
+                ErrorCode.VOCAB_MISMATCH,
+                f"the draft vocabulary (fingerprint {hello.vocab_fingerprint[:12]}...) is not the target's "
+                f"({self.info.vocab_fingerprint[:12]}..., model {self.info.model_id}); "
+                "use a draft model with the target's tokenizer",
+                "vocab_fingerprint",
+                fatal=True,
+            )
+        try:
+            self.principal = self.keys.authenticate(hello.api_key or self.bearer)
+        except AuthError as exc:
+            raise ProtocolError(ErrorCode.UNAUTHORIZED, str(exc), "api_key", fatal=True) from exc
+        self.seq = self.engine.open(self._on_result)
+        self.proto.welcome(
+            Welcome(
+                session_id=f"{self.seq.sid}",
+                model_id=self.info.model_id,
+                vocab_size=self.info.vocab_size,
+                eos_ids=self.info.eos_ids,
+                allowed_modes=self.principal.allowed_modes,
+                limits=self.proto.limits,
+                verify_cost_ms=self.info.verify_cost_ms,
+                vocab_fingerprint=self.info.vocab_fingerprint,
+            )
+        )
+
+    def _error(self, ev: ErrorSent) -> None:
+        self.metrics.errors.labels(code=ev.error.code.value).inc()
+        if ev.error.fatal:
+            self.close(ev.close_code, ev.error.message[:120])
+
+    # ------------------------------------------------------------------ engine results
+    def _on_result(self, r: RoundResult) -> None:
+        if self.closed or self.seq is None:
+            return
+        m = self.metrics
+        if r.error is not None:
+            frame = encode(Error.from_exception(r.error))
+            self.outbox.put_nowait(frame)
+            self.metrics.errors.labels(code=r.error.code.value).inc()
+            if r.error.fatal:
+                self.close(r.error.close_code, r.error.message[:120])
+                return
+        if r.tree_nodes:
+            m.record_round(r.tree_nodes, r.accepted_depths)
+        m.emitted_tokens.inc(len(r.tokens))
+        m.round_seconds.observe(r.round_s)
+        nxt = self.proto.verdict(
+            Verdict(
+                round=r.round,
+                tokens=np.asarray(r.tokens, dtype=np.int32),
+                accepted_nodes=np.asarray(r.accepted_nodes, dtype=np.int32),
+                has_bonus=r.has_bonus,
+                committed_len=r.committed_len,
+                verify_ms=r.verify_ms,
+                done=r.done,
+                reason=r.reason,
+            )
+        )
+        if nxt is not None:
+            m.cond_hits.inc()
+            self.engine.submit(self.seq, nxt.round, nxt.tree)
+        elif self.generating and self.seq.mode is Mode.AR:
+            self.engine.submit(self.seq, 0, None)
+        self._flush()
+
+    # ------------------------------------------------------------------ frames out
+    def _flush(self) -> None:
+        stale = self.proto.stats.frames_by_type_out.get("stale", 0)
+        if stale > self._stale_seen:
+            self.metrics.cond_stale.inc(stale - self._stale_seen)
+            self._stale_seen = stale
+        for frame in self.proto.data_to_send():
+            self.outbox.put_nowait(frame)
+
+    def close(self, code: int, reason: str) -> None:
+        """Stop the session: free its KV now (or after its step) and ask the writer to close."""
+        if self.closed:
+            return
+        self._flush()  # frames already produced (e.g. the fatal error) go out before the close
+        self.closed = True
+        if self.seq is not None:
+            self.engine.close(self.seq)
+        self.outbox.put_nowait(CloseRequest(int(code), reason))
