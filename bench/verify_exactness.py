@@ -509,7 +509,7 @@ TIMING_EXPANSION = (2, 1, 2, 2, 1, 1, 1, 1, 1, 1)  # 64 nodes, depth 10
 TIMING_VOCAB = 49_152
 TIMING_NOTE = (
     "tree <2,1,2,2,1,1,1,1,1,1> (64 nodes, depth 10), V=49152; target logits N(0, 2^2) with one token "
-    "per row raised by 16 (p_max ~ 0.96); draft q = the same logits + N(0, 0.5^2), top-64, u16; "
+    "per row raised by 16 (p_max 0.8-0.99); draft q = the same logits + N(0, 0.5^2), top-64, u16; "
     "children drawn from q (mss/naive with replacement, rrs without, greedy/match: q's top tokens)"
 )
 
