@@ -8,7 +8,7 @@ with the field that was not understood, rather than run with a silently wrong la
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 SMOLLM2_VOCAB = 49152
@@ -47,7 +47,6 @@ class ModelConfig:
     qkv_bias: bool = False
     max_position: int = 8192
     architecture: str = "llama"
-    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
