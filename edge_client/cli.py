@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edge_client.client import TreeSpec
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,6 +80,12 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
     p.add_argument(
+        "--prespec",
+        action="store_true",
+        help="pre-speculate: draft conditional trees for the likely outcomes while a round is in flight",
+    )
+    p.add_argument("--threads", type=int, default=0, help="draft model threads (0: the backend's default)")
+    p.add_argument(
         "--json",
         action="store_true",
         help="print exactly one JSON object (text, prompt_tokens, tokens, stats) instead of streaming",
@@ -90,11 +102,89 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tree_spec(args: argparse.Namespace) -> TreeSpec:
+    from edge_client.client import TreeSpec
+    from shared.tree import ExpansionConfig
+
+    if args.sequence:
+        return TreeSpec("sequence", ExpansionConfig.parse(args.tree) if args.tree else ExpansionConfig())
+    if args.budget is not None:
+        return TreeSpec("budget", budget=args.budget)
+    return TreeSpec("static", ExpansionConfig.parse(args.tree) if args.tree else ExpansionConfig())
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from edge_client.client import EdgeClient, GenerationError
+    from edge_client.drafters.registry import create_drafter
+
+    try:
+        spec = _tree_spec(args)
+    except ValueError as exc:
+        print(f"edge-client: --tree: {exc}", file=sys.stderr)
+        return 2
+    opts = {"n_threads": args.threads} if args.threads else {}
+    drafter = create_drafter(args.drafter, args.draft, **opts)
+    out = sys.stdout
+    try:
+        async with EdgeClient(
+            args.server, drafter, api_key=args.api_key, tree=spec, prespec=args.prespec
+        ) as client:
+            async for chunk in client.generate(
+                args.prompt,
+                max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                mode=args.mode,
+                raw=args.raw,
+            ):
+                if not args.json:
+                    out.write(chunk)
+                    out.flush()
+            gen = client.last
+            assert gen is not None
+    except GenerationError as exc:
+        print(f"\nedge-client: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"\nedge-client: cannot reach the verifier at {args.server}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        drafter.close()
+    st = gen.stats
+    if args.json:
+        stats = {
+            "rounds": st.rounds,
+            "tau": st.tau,
+            "accepted_per_depth": st.accepted_per_depth,
+            "rtt_ms": st.as_dict()["rtt_ms"],
+            "verify_ms": st.as_dict()["verify_ms"],
+            "bytes_up": st.bytes_up,
+            "bytes_down": st.bytes_down,
+        }
+        line = {"text": gen.text, "prompt_tokens": gen.prompt_tokens, "tokens": gen.tokens, "stats": stats}
+        out.write(json.dumps(line, ensure_ascii=False) + "\n")
+    else:
+        d = st.as_dict()
+        out.write(
+            f"\n[{len(gen.tokens)} tokens in {st.rounds} rounds, tau {st.tau:.2f}, "
+            f"{st.ms_per_token:.1f} ms/token, "
+            f"verify {d['verify_ms']:.1f} ms, rtt {d['rtt_ms']:.1f} ms, draft {d['draft_ms']:.1f} ms, "
+            f"{st.bytes_up} B up / {st.bytes_down} B down, end: {gen.reason}]\n"
+        )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate":
-        print("edge-client generate: not yet available (the edge client is being built)", file=sys.stderr)
-        return 2
+        if args.mode in ("mss", "rrs") and args.budget is not None:
+            print(
+                "edge-client: --budget trees are for greedy/match; use --tree with mss/rrs", file=sys.stderr
+            )
+            return 2
+        return asyncio.run(_generate(args))
     return 2
 
 

@@ -148,13 +148,13 @@ def run_greedy(
 class LiveServer:
     """The real service on uvicorn, on a free loopback port, in a background thread."""
 
-    def __init__(self, config: ServerConfig = BASE, **overrides: Any) -> None:
+    def __init__(self, config: ServerConfig = BASE, target: Target | None = None, **overrides: Any) -> None:
         import threading
 
         import uvicorn
 
         cfg = replace(config, **overrides)
-        self.app = create_app(cfg, target=tiny())
+        self.app = create_app(cfg, target=target or tiny())
         self.server = uvicorn.Server(
             uvicorn.Config(
                 self.app,

@@ -134,12 +134,12 @@ def test_conditional_tree_hit_needs_no_client_message() -> None:
         assert isinstance(v0, Verdict)
         L = len(sess.proto.committed)
         # round 1: the next 3 reference tokens, then a wrong one: accepts 3, bonus = ref[L + 3]
-        chain = [*ref[L:L + 3], (ref[L + 3] + 1) % 49152]
+        chain = [*ref[L : L + 3], (ref[L + 3] + 1) % 49152]
         r1 = sess.tree(TokenTree.chain(chain, base=L))
         outcome = ref[L : L + 4]
         # while round 1 is in flight: a conditional tree for the right outcome and one for a wrong one
         hit = TokenTree.chain(ref[L + 4 : L + 7], base=L, cond=outcome)
-        miss = TokenTree.chain(ref[L + 4 : L + 7], base=L, cond=[*ref[L:L + 2], 7])
+        miss = TokenTree.chain(ref[L + 4 : L + 7], base=L, cond=[*ref[L : L + 2], 7])
         r2 = sess.tree(hit)
         r3 = sess.tree(miss)
         msgs = [sess.recv(), sess.recv()]

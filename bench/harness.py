@@ -1,0 +1,187 @@
+"""What the end-to-end benches share: Spec-Bench prompts, a verifier in its own process pinned to
+its own cores, the edge pinned to the others (DESIGN section 6), and the verifier's counters."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "spec_bench_dev.jsonl"
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    question_id: int
+    category: str
+    text: str
+
+
+def load_prompts(n: int, path: Path = PROMPTS) -> list[BenchPrompt]:
+    """n Spec-Bench prompts (first turns), taken round-robin over the categories so every category
+    is represented; deterministic."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"Spec-Bench prompts not found at {path} (the team kit sits beside the checkout)"
+        )
+    by_cat: dict[str, list[BenchPrompt]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            by_cat.setdefault(d["category"], []).append(
+                BenchPrompt(d["question_id"], d["category"], d["turns"][0])
+            )
+    out: list[BenchPrompt] = []
+    cats = sorted(by_cat)
+    i = 0
+    while len(out) < n and any(by_cat.values()):
+        lst = by_cat[cats[i % len(cats)]]
+        if lst:
+            out.append(lst.pop(0))
+        i += 1
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    """Disjoint CPU sets for the edge (this process) and the verifier (a child process)."""
+
+    edge: tuple[int, ...]
+    verifier: tuple[int, ...]
+
+    @classmethod
+    def auto(cls) -> CoreSplit:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+        if len(cores) < 2:
+            return cls(tuple(cores), tuple(cores))
+        half = max(1, len(cores) // 2)
+        return cls(tuple(cores[:half]), tuple(cores[half:]))
+
+    def describe(self) -> str:
+        shared = " (shared: fewer than 2 cores)" if set(self.edge) & set(self.verifier) else ""
+        return (
+            f"CPU allocation: edge (drafter, 1 thread) on cores {list(self.edge)}, "
+            f"verifier on cores {list(self.verifier)}{shared}"
+        )
+
+    def pin_edge(self) -> None:
+        if hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(self.edge))
+
+
+@dataclass
+class Verifier:
+    """A `cloud-verifier serve` child process."""
+
+    model: str
+    cores: Sequence[int] = ()
+    threads: int = 1
+    args: Sequence[str] = ()
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/session"
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> Verifier:
+        cmd = [
+            sys.executable,
+            "-m",
+            "cloud_verifier",
+            "serve",
+            "--model",
+            self.model,
+            "--port",
+            str(self.port),
+            "--threads",
+            str(self.threads),
+            "--log-level",
+            "warning",
+            *self.args,
+        ]
+        cores = set(self.cores)
+
+        def pin() -> None:
+            if cores and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, cores)
+
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"verifier-{self.port}.log"
+        log = self.log_path.open("wb")
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin, cwd=REPO, env=env
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the verifier exited ({self.proc.returncode}); see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.http + "/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"the verifier was not ready within {timeout} s; see {self.log_path}")
+            time.sleep(0.25)
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled Prometheus samples of the verifier, by name."""
+        with urllib.request.urlopen(self.http + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out: dict[str, float] = {}
+        for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*) ([0-9.eE+-]+)$", text, re.M):
+            out[m.group(1)] = float(m.group(2))
+        return out
+
+    def forwards(self) -> float:
+        """Target forward passes so far (every engine step is one forward)."""
+        return self.metrics().get("specdec_verify_forward_seconds_count", 0.0)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+
+    def __enter__(self) -> Verifier:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    """A plain text table."""
+    cells = [[str(h) for h in header]] + [
+        [f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
