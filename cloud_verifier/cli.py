@@ -60,6 +60,14 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         default=d.token_budget,
         help="rows packed into one engine step; longer prefills are chunked",
     )
+    p.add_argument(
+        "--no-batching",
+        action="store_false",
+        dest="batching",
+        default=d.batching,
+        help="verify one session's round per forward instead of packing all ready sessions "
+        "(the unbatched baseline, for measurements)",
+    )
     p.add_argument("--kv-blocks", type=int, default=d.kv_blocks, help="KV blocks in the pool (0: automatic)")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument(

@@ -25,6 +25,7 @@ class ServerConfig:
     max_context: int = 4096  # committed tokens per session (prompt + output)
     max_bytes: int = 1 << 20  # one WebSocket frame
     token_budget: int = 512  # rows packed into one engine step (chunked prefill beyond it)
+    batching: bool = True  # False: one session per engine forward (the baseline bench.load compares)
     kv_blocks: int = 0  # 0: size the pool for max_sessions * max_context / 4
     block_size: int = 16
     idle_timeout_s: float = 300.0

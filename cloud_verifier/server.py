@@ -70,7 +70,11 @@ async def _load(state: AppState, target: Target | None) -> None:
         if cfg.measure_cost:
             cost = await asyncio.to_thread(measure_verify_cost, target, kv)
             log.info("verify cost curve (N nodes: ms): %s", cost)
-        engine = Engine(target, kv, EngineConfig(token_budget=cfg.token_budget, max_context=cfg.max_context))
+        engine = Engine(
+            target,
+            kv,
+            EngineConfig(token_budget=cfg.token_budget, max_context=cfg.max_context, batching=cfg.batching),
+        )
         m = state.metrics
 
         def on_step(rows: int, sessions: int, seconds: float) -> None:
