@@ -24,10 +24,33 @@ from tqdm import tqdm
 from bench.harness import BenchPrompt, CoreSplit, Verifier, load_prompts, table
 from edge_client.client import EdgeClient, Generation, TreeSpec
 from edge_client.drafters.registry import create_drafter
+from edge_client.transport import LinkShape
 from shared.messages import Mode
 from shared.tree import ExpansionConfig
 
 MODES = ("ar", "sequence", "tree")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of generating that a bench compares: target-only, or a tree shape (+ pre-speculation)."""
+
+    ar: bool = False
+    tree: TreeSpec | None = None
+    prespec: bool = False
+
+
+def variants(names: Sequence[str], tree: ExpansionConfig) -> dict[str, Variant]:
+    table = {
+        "ar": Variant(ar=True),
+        "sequence": Variant(tree=TreeSpec("sequence", tree)),
+        "tree": Variant(tree=TreeSpec("static", tree)),
+        "tree_prespec": Variant(tree=TreeSpec("static", tree), prespec=True),
+        "sequence_prespec": Variant(tree=TreeSpec("sequence", tree), prespec=True),
+        "budget": Variant(tree=TreeSpec("budget")),
+        "budget_prespec": Variant(tree=TreeSpec("budget"), prespec=True),
+    }
+    return {n: table[n] for n in names}
 
 
 @dataclass
@@ -40,8 +63,30 @@ class ModeRuns:
     total_tokens: int = 0
     bytes_up: int = 0
     bytes_down: int = 0
+    hits: int = 0
+    decided: int = 0
+    hits_by_depth: dict[int, int] = field(default_factory=dict)
+    decided_by_depth: dict[int, int] = field(default_factory=dict)
 
-    def summary(self) -> dict[str, float]:
+    def add(self, gen: Generation, forwards: float) -> None:
+        st = gen.stats
+        n = max(len(gen.tokens), 1)
+        self.ms_per_token.append(st.ms_per_token)
+        self.tau.append(st.tau)
+        self.forwards_per_token.append(forwards / n)
+        self.tokens.append(gen.tokens)
+        self.rounds += st.rounds
+        self.total_tokens += len(gen.tokens)
+        self.bytes_up += st.bytes_up
+        self.bytes_down += st.bytes_down
+        self.hits += st.hits
+        self.decided += st.decided
+        for k, v in st.hits_by_depth.items():
+            self.hits_by_depth[k] = self.hits_by_depth.get(k, 0) + v
+        for k, v in st.decided_by_depth.items():
+            self.decided_by_depth[k] = self.decided_by_depth.get(k, 0) + v
+
+    def summary(self) -> dict[str, Any]:
         def med(x: list[float]) -> float:
             return round(statistics.median(x), 4) if x else 0.0
 
@@ -52,6 +97,11 @@ class ModeRuns:
             "tau_pooled": round(self.total_tokens / self.rounds, 4) if self.rounds else 0.0,
             "bytes_up_per_token": round(self.bytes_up / max(self.total_tokens, 1), 2),
             "bytes_down_per_token": round(self.bytes_down / max(self.total_tokens, 1), 2),
+            "hit_rate": round(self.hits / self.decided, 4) if self.decided else None,
+            "hit_rate_by_depth": {
+                str(k): round(self.hits_by_depth.get(k, 0) / n, 4)
+                for k, n in sorted(self.decided_by_depth.items())
+            },
         }
 
 
@@ -68,52 +118,49 @@ async def run_modes(
     on_chunk: Callable[[str, int, str], None] | None = None,
     modes: Sequence[str] = MODES,
     progress: bool = True,
+    link: LinkShape | None = None,
+    api_key: str | None = None,
 ) -> tuple[dict[str, ModeRuns], dict[str, list[float]]]:
-    """Each prompt in each mode; returns per-mode runs and the tree mode's tau per category."""
+    """Each prompt in each mode (interleaved prompt by prompt); per-mode runs and the tree mode's
+    tau per category. One session per mode, all through the same link."""
     runs = {m: ModeRuns() for m in modes}
     by_cat: dict[str, list[float]] = {}
-    ar_mode = Mode.AR
-    specs = {"sequence": TreeSpec("sequence", tree), "tree": TreeSpec("static", tree)}
-    async with EdgeClient(url, drafter, tree=TreeSpec("static", tree)) as client:
+    vs = variants(modes, tree)
+    clients = {
+        m: EdgeClient(url, drafter, tree=v.tree, prespec=v.prespec, link=link, api_key=api_key)
+        for m, v in vs.items()
+    }
+    for c in clients.values():
+        await c.connect()
+    try:
         # warm both sides up (first-call allocations, caches)
-        async for _ in client.generate("Hello", max_new_tokens=8, mode=spec_mode, temperature=temperature):
+        c0 = next(iter(clients.values()))
+        async for _ in c0.generate("Hello", max_new_tokens=8, mode=spec_mode, temperature=temperature):
             pass
         bar = tqdm(total=len(prompts) * len(modes), desc="e2e", disable=not progress, file=sys.stderr)
         for i, p in enumerate(prompts):
-            for m in modes:
-                mode = ar_mode if m == "ar" else spec_mode
+            for m, v in vs.items():
+                client = clients[m]
                 f0 = forwards()
-                text = []
                 async for chunk in client.generate(
                     p.text,
                     max_new_tokens=tokens,
                     temperature=temperature,
                     seed=seed + i,
-                    mode=mode,
-                    tree=specs.get(m),
-                    top_k=0,
-                    top_p=1.0,
+                    mode=Mode.AR if v.ar else spec_mode,
                 ):
-                    text.append(chunk)
                     if on_chunk is not None:
                         on_chunk(m, i, chunk)
                 gen: Generation | None = client.last
                 assert gen is not None
-                st = gen.stats
-                r = runs[m]
-                n = max(len(gen.tokens), 1)
-                r.ms_per_token.append(st.ms_per_token)
-                r.tau.append(st.tau)
-                r.forwards_per_token.append((forwards() - f0) / n)
-                r.tokens.append(gen.tokens)
-                r.rounds += st.rounds
-                r.total_tokens += len(gen.tokens)
-                r.bytes_up += st.bytes_up
-                r.bytes_down += st.bytes_down
+                runs[m].add(gen, forwards() - f0)
                 if m == "tree":
-                    by_cat.setdefault(p.category, []).append(st.tau)
+                    by_cat.setdefault(p.category, []).append(gen.stats.tau)
                 bar.update(1)
         bar.close()
+    finally:
+        for c in clients.values():
+            await c.close()
     return runs, by_cat
 
 

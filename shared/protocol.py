@@ -357,10 +357,11 @@ class ServerProtocol:
         except ProtocolError as exc:
             exc.round = rnd
             raise
-        if tree.cond.size > lim.max_depth + 1:
+        if tree.cond.size > 4 * (lim.max_depth + 1):
             raise ProtocolError(
                 ErrorCode.LIMIT_EXCEEDED,
-                f"cond longer than max_depth + 1 = {lim.max_depth + 1}",
+                f"cond longer than 4 * (max_depth + 1) = {4 * (lim.max_depth + 1)}: "
+                "speculation reaches at most 4 rounds ahead",
                 f"{fld}.cond",
                 round=rnd,
             )
@@ -482,12 +483,15 @@ class ClientProtocol:
         self._require(ClientState.IDLE)
         frame = self._send(msg)
         self.mode = msg.mode
-        base = list(self._context) if msg.continue_ else []
-        self.committed = base + [int(t) for t in msg.tokens]
+        self.committed = self.committed_for(msg)
         self.awaiting_prompt = True
         self.in_flight = 0
         self.state = ClientState.GENERATING
         return frame
+
+    def committed_for(self, msg: Prompt) -> list[int]:
+        """The committed sequence a prompt starts from: the context if it continues, then its tokens."""
+        return (list(self._context) if msg.continue_ else []) + [int(t) for t in msg.tokens]
 
     def tree(self, msg: Tree) -> bytes:
         self._require(ClientState.GENERATING)

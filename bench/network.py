@@ -1,0 +1,287 @@
+"""Latency over a network: target-only AR vs sequence vs tree vs tree + pre-speculation (DESIGN 6).
+
+For every round-trip time, every mode runs the same Spec-Bench prompts, greedy and at temperature
+0.7 (sample-and-match). The link is emulated either in the client's process (a delay and
+bandwidth shaper in its transport) or, with --proxy, by a TCP delay proxy run as a separate
+process between the client and the verifier (real sockets; `tc netem` is not available on these
+machines). Verifier and edge are pinned to disjoint cores.
+
+    python -m bench.network --proxy --rtt-ms 0,25,50,100 --prompts 20 --tokens 128 \\
+        --json bench/out/network.json --plot bench/out/network.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.e2e import run_modes
+from bench.harness import CoreSplit, Verifier, free_port, load_prompts, table
+from edge_client.drafters.registry import create_drafter
+from edge_client.transport import LinkShape
+from shared.messages import Mode
+from shared.tree import ExpansionConfig
+
+MODES = ("ar", "sequence", "tree", "tree_prespec")
+OPTIONAL = ("sequence_prespec", "budget", "budget_prespec")
+
+
+class Proxy:
+    """`python -m bench.netproxy` in its own process, on the edge's cores."""
+
+    def __init__(
+        self, target_port: int, rtt_ms: float, jitter_ms: float, mbps: float, cores: Sequence[int]
+    ) -> None:
+        self.port = free_port()
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "bench.netproxy",
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--target",
+            f"127.0.0.1:{target_port}",
+            "--delay-ms",
+            str(rtt_ms / 2),
+            "--jitter-ms",
+            str(jitter_ms),
+            "--bandwidth-mbps",
+            str(mbps),
+        ]
+        self.cores = set(cores)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Proxy:
+        import os
+        import socket
+
+        cores = self.cores
+
+        def pin() -> None:
+            if cores and hasattr(os, "sched_setaffinity"):
+                os.sched_setaffinity(0, cores)
+
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return self
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError("the delay proxy did not start") from None
+                time.sleep(0.05)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/session"
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.2), squeeze=False)
+    for ax, t in zip(axes[0], temps, strict=True):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            pts = sorted(
+                (r["rtt_ms"], r["ms_per_token"]) for r in rows if r["temperature"] == t and r["mode"] == mode
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax.set_title(f"{'greedy' if t == 0 else f'match, T={t}'}")
+        ax.set_xlabel("round-trip time (ms)")
+        ax.set_ylabel("ms per token (median)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.network",
+        description="ms/token against round-trip time for ar, sequence, tree and tree + pre-speculation.",
+    )
+    ap.add_argument("--rtt-ms", default="0,10,25,50,100", help="comma-separated round-trip times to emulate")
+    ap.add_argument(
+        "--prompts", type=int, default=20, help="Spec-Bench dev prompts (round-robin over categories)"
+    )
+    ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
+    ap.add_argument("--draft", default="smollm2-135m-q4", help="draft alias or GGUF path (llama.cpp)")
+    ap.add_argument("--model", default="smollm2-135m", help="target model of the verifier")
+    ap.add_argument("--tree", default="1,1,3,1,1,1,1,1", help="expansion config of the tree modes")
+    ap.add_argument("--temperatures", default="0,0.7", help="0 = greedy; others run sample-and-match")
+    ap.add_argument(
+        "--modes", default=",".join(MODES), help=f"modes to run, from {','.join(MODES + OPTIONAL)}"
+    )
+    ap.add_argument(
+        "--proxy",
+        action="store_true",
+        help="put a TCP delay proxy process on the path instead of the in-process link shaper",
+    )
+    ap.add_argument(
+        "--jitter-ms", type=float, default=0.0, help="jitter of the emulated link (never reorders)"
+    )
+    ap.add_argument("--bandwidth-mbps", type=float, default=0.0, help="bandwidth cap of the link (0: none)")
+    ap.add_argument(
+        "--max-pending", type=int, default=8, help="the verifier's max_pending (conditional trees)"
+    )
+    ap.add_argument("--json", default=None, help="write {'rows': [...]} to this file")
+    ap.add_argument("--plot", default=None, help="draw ms/token against RTT to this PNG")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    a = ap.parse_args(argv)
+    rtts = [float(x) for x in a.rtt_ms.split(",") if x]
+    temps = [float(x) for x in a.temperatures.split(",") if x]
+    modes = [m for m in a.modes.split(",") if m]
+    split = CoreSplit.auto()
+    print(split.describe(), flush=True)
+    print(f"link: {'TCP delay proxy process' if a.proxy else 'in-process shaper'}", flush=True)
+    prompts = load_prompts(a.prompts)
+    tree = ExpansionConfig.parse(a.tree)
+    rows: list[dict[str, Any]] = []
+    verifier = Verifier(
+        a.model, cores=split.verifier, threads=len(split.verifier), args=["--max-pending", str(a.max_pending)]
+    )
+    with verifier:
+        split.pin_edge()
+        drafter = create_drafter("llama_cpp", a.draft, n_threads=1)
+        try:
+            for rtt in rtts:
+                for temp in temps:
+                    mode = Mode.GREEDY if temp == 0 else Mode.MATCH
+                    if a.proxy:
+                        with Proxy(verifier.port, rtt, a.jitter_ms, a.bandwidth_mbps, split.edge) as proxy:
+                            runs, _ = asyncio.run(
+                                run_modes(
+                                    proxy.url,
+                                    drafter,
+                                    prompts,
+                                    a.tokens,
+                                    temp,
+                                    mode,
+                                    tree,
+                                    verifier.forwards,
+                                    modes=modes,
+                                    progress=not a.no_progress,
+                                )
+                            )
+                    else:
+                        link = LinkShape.rtt(rtt, a.jitter_ms, a.bandwidth_mbps)
+                        runs, _ = asyncio.run(
+                            run_modes(
+                                verifier.url,
+                                drafter,
+                                prompts,
+                                a.tokens,
+                                temp,
+                                mode,
+                                tree,
+                                verifier.forwards,
+                                modes=modes,
+                                progress=not a.no_progress,
+                                link=link,
+                            )
+                        )
+                    for m, r in runs.items():
+                        s = r.summary()
+                        rows.append(
+                            {
+                                "rtt_ms": rtt,
+                                "mode": m,
+                                "temperature": temp,
+                                "ms_per_token": s["ms_per_token"],
+                                "tau": s["tau"],
+                                "hit_rate": s["hit_rate"] if m.endswith("prespec") else None,
+                                "hit_rate_by_depth": s["hit_rate_by_depth"]
+                                if m.endswith("prespec")
+                                else None,
+                                "target_forwards_per_token": s["target_forwards_per_token"],
+                                "bytes_up_per_token": s["bytes_up_per_token"],
+                                "bytes_down_per_token": s["bytes_down_per_token"],
+                            }
+                        )
+                    print(f"rtt {rtt:g} ms, T={temp:g}: done", flush=True)
+        finally:
+            drafter.close()
+    print(f"\n{a.model} verifier, draft {a.draft}, {a.prompts} prompts x {a.tokens} tokens (medians)")
+    print(
+        table(
+            [
+                [
+                    r["rtt_ms"],
+                    r["temperature"],
+                    r["mode"],
+                    r["ms_per_token"],
+                    r["tau"],
+                    "-" if r["hit_rate"] is None else r["hit_rate"],
+                    r["target_forwards_per_token"],
+                    r["bytes_up_per_token"],
+                    r["bytes_down_per_token"],
+                ]
+                for r in rows
+            ],
+            ["rtt", "T", "mode", "ms/token", "tau", "hit", "fwd/token", "B up/tok", "B down/tok"],
+        )
+    )
+    _goals(rows)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"rows": rows, "config": vars(a)}, indent=2))
+    if a.plot:
+        plot(rows, a.plot)
+        print(f"plot: {a.plot}")
+    return 0
+
+
+def _goals(rows: list[dict[str, Any]]) -> None:
+    """Print the issue's goals as measured (benchmark figures, not tests)."""
+
+    def get(rtt: float, mode: str, t: float) -> float | None:
+        for r in rows:
+            if r["rtt_ms"] == rtt and r["mode"] == mode and r["temperature"] == t:
+                return float(r["ms_per_token"])
+        return None
+
+    for t in sorted({r["temperature"] for r in rows}):
+        tree50, pre50 = get(50, "tree", t), get(50, "tree_prespec", t)
+        if tree50 and pre50:
+            print(f"T={t:g}: at RTT 50 tree_prespec/tree = {pre50 / tree50:.3f} (goal <= 0.75)")
+        slower = [
+            r
+            for r in sorted({r["rtt_ms"] for r in rows})
+            if (get(r, "tree_prespec", t) or 0) > (get(r, "tree", t) or float("inf"))
+        ]
+        print(f"T={t:g}: RTTs where tree_prespec is slower than tree: {slower or 'none'}")
+        t0, t50 = get(0, "tree", t), get(50, "tree", t)
+        tau = next(
+            (r["tau"] for r in rows if r["rtt_ms"] == 50 and r["mode"] == "tree" and r["temperature"] == t),
+            None,
+        )
+        if t0 and t50 and tau:
+            print(
+                f"T={t:g}: tree ms/token at RTT 50 - at RTT 0 = {t50 - t0:.1f} "
+                f"(expected ~50/tau = {50 / tau:.1f})"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

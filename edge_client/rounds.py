@@ -1,0 +1,427 @@
+"""The rounds of one generation on the edge: draft, send, read verdicts, pre-speculate.
+
+Without pre-speculation each round is synchronous: draft a tree below the committed sequence, send
+it, wait for the verdict. With pre-speculation (SSD / Saguaro, see edge_client.prespec) the drafter
+keeps working while a round is in flight: it drafts conditional trees for the most likely outcomes
+of the tree in flight (and, going deeper, of those trees), most probable first, and sends each as
+soon as it is drafted. After a verdict the next tree is then usually already at the verifier (the
+verdict names it in `next_round`, or it is still on its way and will match on arrival); only on a
+miss does the edge draft synchronously.
+
+Bookkeeping. The drafter is synced to an *anchor* sequence; every tree is drafted in its workspace
+below `anchor + cond` (reuse_workspace), so conditional trees reuse the nodes of the trees they
+continue. A `Speculation` records a sent tree and the full committed sequence it assumes. On a
+miss the drafter is re-synced to the committed sequence (the anchor moves). When the workspace
+fills up during a run of hits, the anchor moves to the committed sequence and the tree in flight
+is replayed into the fresh workspace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import heapq
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from edge_client.budget import AcceptanceCalibration, choose_budget, geometric_gains
+from edge_client.drafters.base import Drafter, WorkspaceFullError
+from edge_client.prespec import ChoiceModel, Outcome, predict_outcomes, reach_probabilities, rebase, replay
+from edge_client.stats import GenerationStats
+from edge_client.trees import DraftResult, Sampling, draft_dynamic, draft_sequence, draft_static
+from shared.messages import Error, Mode, Prompt, Stale, Tree, Verdict, Welcome
+from shared.protocol import ClientState
+from shared.tree import ExpansionConfig
+
+if TYPE_CHECKING:
+    from edge_client.client import EdgeClient
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """The shape of the trees the edge drafts.
+
+    static:   SpecInfer expansion <k1..km> (`expansion`)
+    budget:   best-first tree of `budget` nodes (0: chosen each round from the server's cost curve)
+    sequence: a chain of `depth` tokens (default: as deep as the static tree)
+    """
+
+    kind: Literal["static", "budget", "sequence"] = "static"
+    expansion: ExpansionConfig = field(default_factory=ExpansionConfig)
+    budget: int = 0
+    depth: int = 0
+
+    @property
+    def chain_depth(self) -> int:
+        return self.depth or self.expansion.depth
+
+
+@dataclass(frozen=True)
+class PrespecConfig:
+    """How much to pre-speculate per round.
+
+    fanout:      conditional trees drafted for the outcomes of one tree (Saguaro's geometric
+                 allocation across accepted lengths, edge_client.prespec)
+    max_chain:   how many rounds ahead a speculation may reach (2: also the outcomes of a
+                 conditional tree, before the verdict that would start it)
+    byte_budget: bytes of conditional trees sent between two verdicts
+    allocation:  "geometric" (Saguaro) or "top" (simply the most likely outcomes)
+    r:           power-law exponent of the miss rate in the geometric rule
+    """
+
+    fanout: int = 3
+    max_chain: int = 3
+    byte_budget: int = 64 * 1024
+    allocation: str = "geometric"
+    r: float = 1.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one generation asks for, as the round driver needs it."""
+
+    mode: Mode
+    tree: TreeSpec
+    sampling: Sampling | None = None
+    rng: np.random.Generator | None = None
+
+
+@dataclass
+class Speculation:
+    """A tree that was sent: its draft, the committed sequence it assumes, and its odds."""
+
+    round: int
+    draft: DraftResult
+    full: tuple[int, ...]  # the committed sequence the tree assumes (its row 0 is full[-1])
+    prob: float  # estimated probability that it gets verified
+    parent: int | None  # the round whose outcome it assumes (None: drafted below the committed sequence)
+    sent_at: float = 0.0
+
+
+class RoundDriver:
+    """Runs the rounds of one generation and yields its verdicts in order (see the module docstring)."""
+
+    def __init__(
+        self,
+        client: EdgeClient,
+        req: Request,
+        prompt: Prompt,
+        stats: GenerationStats,
+        prespec: PrespecConfig | None,
+    ) -> None:
+        self.client = client
+        self.req = req
+        self.prompt = prompt
+        self.stats = stats
+        self.prespec = prespec if req.mode is not Mode.AR else None
+        self.drafter: Drafter | None = client.drafter
+        welcome = client.welcome
+        assert welcome is not None
+        self.welcome: Welcome = welcome
+        self.cancelled = False
+        self.specs: dict[int, Speculation] = {}
+        self.anchor: tuple[int, ...] = ()
+        self.heap: list[tuple[float, int, int, Outcome]] = []  # (-prob, order, parent round, outcome)
+        self._order = itertools.count()
+        self._bytes_since_verdict = 0
+        self._workspace_full = False
+        self._expanded: set[int] = set()
+        self.calibration: AcceptanceCalibration = client.calibration
+        self.choice: ChoiceModel = client.choice_model(
+            prompt.temperature if req.mode is not Mode.GREEDY else 0.0
+        )
+        self.in_flight: int | None = None
+
+    # ------------------------------------------------------------------ drafting (drafter thread)
+    async def _draft(self, fn: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.client.pool, fn)
+
+    def _shape(self, committed: Sequence[int], cond: Sequence[int], reuse: bool) -> DraftResult:
+        assert self.drafter is not None
+        spec, lim = self.req.tree, self.welcome.limits
+        leaves = self.prespec is not None  # outcomes at the leaves need their alternatives
+        kw: dict[str, Any] = {"cond": tuple(cond), "reuse_workspace": reuse, "eval_leaves": leaves}
+        if spec.kind == "sequence":
+            return draft_sequence(
+                self.drafter, committed, min(spec.chain_depth, lim.max_depth), mode=self.req.mode, **kw
+            )
+        if spec.kind == "budget":
+            return draft_dynamic(
+                self.drafter, committed, self._budget(), max_depth=lim.max_depth, mode=self.req.mode, **kw
+            )
+        return draft_static(
+            self.drafter,
+            committed,
+            spec.expansion,
+            mode=self.req.mode,
+            sampling=self.req.sampling,
+            rng=self.req.rng,
+            **kw,
+        )
+
+    def _budget(self) -> int:
+        assert self.drafter is not None
+        spec = self.req.tree
+        cap = min(self.welcome.limits.max_nodes, self.drafter.max_nodes // 2)
+        if spec.budget:
+            return min(spec.budget, cap)
+        last = self.client.last_draft
+        alpha = self.choice.alpha if self.choice.temperature == 0 else 0.7
+        if last is None:
+            gains = geometric_gains(alpha, cap)
+        else:
+            # the last tree's nodes as the target accepts them (ChoiceModel), what its frontier
+            # left out, and a deeper chain: a budget may grow past the last tree
+            deeper = alpha ** np.arange(last.tree.max_depth + 1, last.tree.max_depth + 1 + cap)
+            gains = np.concatenate([reach_probabilities(last, self.choice), last.frontier_probs, deeper])
+        st = self.drafter.stats
+        per_node = st.extend_ms / st.extend_nodes if st.extend_nodes else 0.0
+        rtt = 0.0 if self.prespec is not None else self.client.rtt_estimate_ms
+        return choose_budget(
+            self.welcome.verify_cost_ms,
+            gains,
+            rtt_ms=rtt,
+            draft_ms_per_node=per_node,
+            max_nodes=cap,
+        )
+
+    def _plain(self, committed: tuple[int, ...]) -> DraftResult:
+        """A tree below `committed`, drafter re-synced to it (the anchor moves)."""
+        self.anchor = committed
+        self._workspace_full = False
+        return self._shape(committed, (), reuse=False)
+
+    def _conditional(self, full: tuple[int, ...]) -> DraftResult | None:
+        """A tree below `full` (which extends the anchor), in the current workspace; None if full."""
+        if self._workspace_full:
+            return None
+        try:
+            return self._shape(self.anchor, full[len(self.anchor) :], reuse=True)
+        except WorkspaceFullError:
+            self._workspace_full = True
+            return None
+
+    def _reanchor(self, spec: Speculation, committed: tuple[int, ...]) -> DraftResult:
+        """Move the anchor to `committed` (= spec.full) and replay the tree in flight below it."""
+        assert self.drafter is not None
+        self.drafter.sync(committed)
+        self.anchor = committed
+        self._workspace_full = False
+        replay(self.drafter, spec.draft.tree)
+        return spec.draft
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> AsyncIterator[Verdict]:
+        client, st = self.client, self.stats
+        first: DraftResult | None = None
+        prompt_full = tuple(client.proto.committed_for(self.prompt))
+        if self.req.mode is not Mode.AR:
+            first = await self._draft(functools.partial(self._plain, prompt_full))
+            st.draft_ms.append(first.draft_ms)
+        prompt = self.prompt if first is None else _with_tree(self.prompt, first)
+        t_sent = time.perf_counter()
+        await client.send(client.proto.prompt(prompt))
+        if first is not None:
+            self.specs[0] = Speculation(0, first, prompt_full, 1.0, None, t_sent)
+            self._expand(0)
+        self.in_flight = 0
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        pump = asyncio.create_task(self._pump(queue))
+        try:
+            while True:
+                if self._can_prespeculate() and queue.empty():
+                    await self._prespeculate_one()
+                    continue
+                msg = await queue.get()
+                if isinstance(msg, BaseException):
+                    raise msg
+                if isinstance(msg, Error):
+                    raise client.refused(msg)
+                if isinstance(msg, Stale):
+                    self.specs.pop(msg.round, None)
+                    continue
+                if not isinstance(msg, Verdict):
+                    continue
+                reanchor = self._on_verdict(msg)
+                yield msg
+                if msg.done:
+                    return
+                if reanchor is not None:
+                    # a run of hits filled the workspace: move the anchor, replay the tree in flight
+                    spec, committed_now = reanchor
+                    await self._draft(functools.partial(self._reanchor, spec, committed_now))
+                    self._expanded.discard(spec.round)
+                    self._expand(spec.round)
+                if self.cancelled or self.req.mode is Mode.AR or self.in_flight is not None:
+                    continue
+                # a miss: draft synchronously below the committed sequence
+                committed = tuple(client.proto.committed)
+                self.heap.clear()
+                dr = await self._draft(functools.partial(self._plain, committed))
+                st.draft_ms.append(dr.draft_ms)
+                await self._send_tree(dr, committed, 1.0, None)
+        finally:
+            pump.cancel()
+
+    async def _pump(self, queue: asyncio.Queue[Any]) -> None:
+        while True:
+            try:
+                msg = await self.client.recv()
+            except BaseException as exc:  # a broken connection reaches the loop as an exception
+                await queue.put(exc)
+                return
+            await queue.put(msg)
+
+    async def _send_tree(
+        self, dr: DraftResult, full: tuple[int, ...], prob: float, parent: int | None
+    ) -> int:
+        client = self.client
+        rid = client.next_round()
+        wire = rebase(dr.tree, len(client.proto.committed))
+        frame = client.proto.tree(Tree(round=rid, tree=wire))
+        await client.send(frame)
+        self._bytes_since_verdict += len(frame)
+        self.specs[rid] = Speculation(rid, dr, full, prob, parent, time.perf_counter())
+        client.last_draft = dr
+        if self.in_flight is None and tuple(client.proto.committed) == full:
+            self.in_flight = rid
+        self._expand_all()
+        return rid
+
+    # ------------------------------------------------------------------ pre-speculation
+    def _ahead(self, spec: Speculation) -> int:
+        """How many unverified trees stand between the committed sequence and this one."""
+        n = 0
+        while spec.parent is not None and spec.parent in self.specs:
+            spec = self.specs[spec.parent]
+            n += 1
+        return n
+
+    def _expand_all(self) -> None:
+        """Queue the outcomes of every sent tree close enough to the committed sequence."""
+        cfg = self.prespec
+        if cfg is None:
+            return
+        for rid, spec in list(self.specs.items()):
+            if rid not in self._expanded and self._ahead(spec) < cfg.max_chain:
+                self._expand(rid)
+
+    def _expand(self, rid: int) -> None:
+        """Queue the likely outcomes of tree `rid` as candidates for conditional trees."""
+        cfg = self.prespec
+        spec = self.specs.get(rid)
+        if cfg is None or spec is None or rid in self._expanded:
+            return
+        self._expanded.add(rid)
+        for o in predict_outcomes(spec.draft, cfg.fanout, cfg.r, cfg.allocation, self.choice):
+            p = spec.prob * o.prob
+            heapq.heappush(self.heap, (-p, next(self._order), rid, o))
+
+    def _can_prespeculate(self) -> bool:
+        cfg = self.prespec
+        if cfg is None or self.cancelled or self.in_flight is None or not self.heap or self._workspace_full:
+            return False
+        proto = self.client.proto
+        if len(proto.outstanding) >= self.welcome.limits.max_pending + 1:
+            return False
+        return self._bytes_since_verdict < cfg.byte_budget
+
+    async def _prespeculate_one(self) -> None:
+        _, _, parent, outcome = heapq.heappop(self.heap)
+        spec = self.specs.get(parent)
+        if spec is None:
+            return
+        full = spec.full + outcome.cond
+        committed = tuple(self.client.proto.committed)
+        max_cond = self.welcome.limits.max_depth + 1
+        if not _extends(full, committed) or len(full) - len(committed) > 4 * max_cond:
+            return
+        prob = spec.prob * outcome.prob
+        t0 = time.perf_counter()
+        dr = await self._draft(functools.partial(self._conditional, full))
+        self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
+        if dr is None:
+            return
+        now = tuple(self.client.proto.committed)
+        if self.client.proto.state is not ClientState.GENERATING:
+            return  # the generation ended (its last verdict is waiting in the queue)
+        if self.cancelled or not (_extends(full, now) or full == now):
+            return  # a verdict arrived while drafting and ruled this outcome out
+        await self._send_tree(dr, full, prob, parent)
+        self.stats.prespec_sent += 1
+
+    # ------------------------------------------------------------------ verdicts
+    def _on_verdict(self, v: Verdict) -> tuple[Speculation, tuple[int, ...]] | None:
+        """Account a verdict; find the tree now in flight; returns what to re-anchor on, if needed."""
+        st, proto = self.stats, self.client.proto
+        now = time.perf_counter()
+        spec = self.specs.pop(v.round, None)
+        st.rounds += 1
+        st.tokens += len(v.tokens)
+        st.verify_ms.append(v.verify_ms)
+        if spec is not None:
+            tree = spec.draft.tree
+            st.tree_nodes.append(tree.num_nodes)
+            acc = v.accepted_nodes.tolist()
+            st.record_accepted([int(tree.depth[i]) for i in acc])
+            self.calibration.update(spec.draft.expected_accepted, len(acc))
+            if not tree.is_stochastic:
+                self.choice.observe(spec.draft, acc, v.tokens.tolist())
+            if spec.parent is None and self.in_flight == v.round:
+                rtt = max(0.0, (now - spec.sent_at) * 1e3 - v.verify_ms)
+                st.rtt_ms.append(rtt)
+                self.client.observe_rtt(rtt)
+        self._bytes_since_verdict = 0
+        committed = tuple(proto.committed)
+        nxt: int | None = v.next_round
+        if nxt is None and not v.done:
+            # a conditional tree still on its way to the server: it matches on arrival
+            matching = [r for r, s in self.specs.items() if s.full == committed and r in proto.outstanding]
+            nxt = max(matching) if matching else None
+        self.in_flight = None if v.done else nxt
+        if not v.done and not self.cancelled and self.req.mode is not Mode.AR:
+            st.record_outcome(len(v.accepted_nodes), nxt is not None)
+        # forget what can no longer happen
+        self.specs = {
+            r: s for r, s in self.specs.items() if _extends(s.full, committed) or s.full == committed
+        }
+        self.heap = [h for h in self.heap if h[2] in self.specs]
+        heapq.heapify(self.heap)
+        self._expand_all()
+        if self.in_flight is not None and self._workspace_full and self.in_flight in self.specs:
+            self.heap.clear()
+            return self.specs[self.in_flight], committed
+        return None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.heap.clear()
+
+
+def _extends(full: tuple[int, ...], committed: tuple[int, ...]) -> bool:
+    """full strictly extends committed (the tree is still to be verified)."""
+    return len(full) > len(committed) and full[: len(committed)] == committed
+
+
+def _with_tree(p: Prompt, dr: DraftResult) -> Prompt:
+    return Prompt(
+        tokens=p.tokens,
+        mode=p.mode,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        seed=p.seed,
+        max_new_tokens=p.max_new_tokens,
+        stop_ids=p.stop_ids,
+        continue_=p.continue_,
+        tree=dr.tree,
+    )
+
+
+__all__ = ["PrespecConfig", "Request", "RoundDriver", "Speculation", "TreeSpec"]

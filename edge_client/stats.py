@@ -1,0 +1,94 @@
+"""What a generation measured: rounds, tokens per round, acceptance, timings, bytes, pre-speculation."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    """Per-generation figures. tau = tokens per verdict (bonus included)."""
+
+    rounds: int = 0
+    tokens: int = 0
+    accepted_counts: list[int] = field(default_factory=list)  # rounds that accepted a node at depth d+1
+    rtt_ms: list[float] = field(default_factory=list)  # send -> verdict minus the server's verify ms
+    verify_ms: list[float] = field(default_factory=list)
+    draft_ms: list[float] = field(default_factory=list)  # drafting on the critical path (not pre-speculation)
+    tree_nodes: list[int] = field(default_factory=list)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    prespec_sent: int = 0  # conditional trees sent
+    prespec_ms: float = 0.0  # drafting time spent on them (off the critical path)
+    hits: int = 0  # verdicts after which the next tree was already at the server
+    decided: int = 0  # verdicts that left the generation running (the ones a hit could follow)
+    hits_by_depth: dict[int, int] = field(default_factory=dict)  # accepted length of the outcome -> hits
+    decided_by_depth: dict[int, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    first_token_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def accepted_per_depth(self) -> list[float]:
+        """Fraction of rounds that accepted a node at depth 1, 2, ..."""
+        return [c / self.rounds for c in self.accepted_counts] if self.rounds else []
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.wall_s * 1e3 / self.tokens if self.tokens else 0.0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.decided if self.decided else None
+
+    def hit_rate_by_depth(self) -> dict[int, float]:
+        return {k: self.hits_by_depth.get(k, 0) / n for k, n in sorted(self.decided_by_depth.items()) if n}
+
+    def record_accepted(self, depths: list[int]) -> None:
+        for d in depths:
+            while len(self.accepted_counts) < d:
+                self.accepted_counts.append(0)
+            self.accepted_counts[d - 1] += 1
+
+    def record_outcome(self, accepted: int, hit: bool) -> None:
+        self.decided += 1
+        self.decided_by_depth[accepted] = self.decided_by_depth.get(accepted, 0) + 1
+        if hit:
+            self.hits += 1
+            self.hits_by_depth[accepted] = self.hits_by_depth.get(accepted, 0) + 1
+
+    def as_dict(self) -> dict[str, Any]:
+        def med(x: list[float]) -> float:
+            return round(statistics.median(x), 3) if x else 0.0
+
+        return {
+            "rounds": self.rounds,
+            "tau": round(self.tau, 4),
+            "accepted_per_depth": [round(a, 4) for a in self.accepted_per_depth],
+            "rtt_ms": med(self.rtt_ms),
+            "verify_ms": med(self.verify_ms),
+            "draft_ms": med(self.draft_ms),
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "tokens": self.tokens,
+            "ms_per_token": round(self.ms_per_token, 3),
+            "prespec_sent": self.prespec_sent,
+            "hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
+            "hit_rate_by_depth": {str(k): round(v, 4) for k, v in self.hit_rate_by_depth().items()},
+        }
+
+
+@dataclass
+class Generation:
+    """The outcome of one `generate` call (also filled while streaming)."""
+
+    prompt_tokens: list[int]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    reason: str | None = None

@@ -1,0 +1,164 @@
+"""Pre-speculation: outcome prediction, Saguaro's fan-out, and exactness with it on and off."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from bench.harness import load_prompts
+from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
+from edge_client.drafters.registry import create_drafter
+from edge_client.prespec import ChoiceModel, geometric_fanout, predict_outcomes, rebase, replay
+from edge_client.transport import LinkShape
+from edge_client.trees import draft_static
+from shared.tree import ExpansionConfig, TokenTree
+from tests.cloud_verifier.service import LiveServer
+from tests.edge_client.fake_drafter import FakeDrafter
+
+
+def test_geometric_fanout_is_capped_and_decays() -> None:
+    p = [0.5, 0.25, 0.125, 0.0625]
+    f = geometric_fanout(p, [10, 10, 10, 10], 8, r=1.0)
+    assert sum(f) == 8
+    assert f == sorted(f, reverse=True)  # more guesses where an outcome is likely
+    # F_k proportional to P(k)^(1/2): ratios of sqrt(2) between neighbours
+    assert f[0] >= f[1] >= f[2] >= 1
+    capped = geometric_fanout(p, [1, 10, 10, 10], 8, r=1.0)
+    assert capped[0] == 1 and sum(capped) == 8  # the capacity depth 0 cannot use goes elsewhere
+    assert geometric_fanout(p, [1, 1, 0, 0], 8) == [1, 1, 0, 0]
+
+
+def test_predicted_outcomes_are_real_continuations() -> None:
+    d = FakeDrafter(64)
+    committed = [1, 2, 3]
+    dr = draft_static(d, committed, ExpansionConfig((1, 2, 1)), eval_leaves=True)
+    model = ChoiceModel(temperature=0.0)
+    outs = predict_outcomes(dr, 6, model=model, allocation="top")
+    assert len(outs) == 6
+    probs = [o.prob for o in outs]
+    assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0 + 1e-9
+    tree = dr.tree
+    for o in outs:
+        path = tree.path_tokens(o.node) if o.node >= 0 else []
+        assert list(o.cond) == [*path, o.bonus] and o.depth == len(path)
+        kids = {int(tree.tokens[c]) for c in tree.children_of(o.node)}
+        assert o.bonus not in kids  # a drafted child would have been accepted, not a bonus
+    # greedy: with alpha high, the most likely outcome accepts the whole top chain
+    confident = ChoiceModel(temperature=0.0, agree=99.0, tested=100.0)
+    best = predict_outcomes(dr, 1, model=confident, allocation="top")[0]
+    assert best.depth == tree.max_depth
+    assert best.bonus == int(dr.alt_tokens[best.node + 1][0])  # the draft's top token after the leaf
+    geo = predict_outcomes(dr, 6, model=model)
+    assert len(geo) == 6 and len({(o.node, o.bonus) for o in geo}) == 6
+
+
+def test_choice_model_learns_agreement() -> None:
+    d = FakeDrafter(64)
+    dr = draft_static(d, [5, 6], ExpansionConfig((1, 1)), eval_leaves=True)
+    m = ChoiceModel(temperature=0.0)
+    a0 = m.alpha
+    top = [int(dr.alt_tokens[0][0]), int(dr.alt_tokens[1][0]), int(dr.alt_tokens[2][0])]
+    for _ in range(20):
+        m.observe(dr, [0, 1], top)  # the target always agreed with the draft's top token
+    assert m.alpha > a0
+    for _ in range(40):
+        m.observe(dr, [], [(top[0] + 1) % 64])  # ... then never
+    assert m.alpha < a0
+
+
+def test_rebase_and_replay() -> None:
+    t = TokenTree.build([7, 8], [-1, 0], base=3, cond=[4, 5])
+    r = rebase(t, 4)
+    assert r.base == 4 and r.cond.tolist() == [5] and r.positions.tolist() == t.positions.tolist()
+    with pytest.raises(ValueError):
+        rebase(t, 6)
+    d = FakeDrafter(64)
+    dr = draft_static(d, [1, 2], ExpansionConfig((2, 1)))
+    d.sync([1, 2])  # drops the workspace
+    ids = replay(d, dr.tree)
+    assert [d.node_token(i) for i in ids] == dr.tree.tokens.tolist()
+    assert [d.node_parent(i) for i in ids] == [-1 if p < 0 else ids[p] for p in dr.tree.parents.tolist()]
+    assert replay(d, dr.tree) == ids  # nodes already present are reused
+
+
+def _run(
+    url: str, drafter: object, prompt: str, prespec: bool, rtt: float = 30.0, **kw: object
+) -> tuple[list[int], object]:
+    async def go() -> tuple[list[int], object]:
+        cfg = PrespecConfig(fanout=3) if prespec else False
+        async with EdgeClient(url, drafter, prespec=cfg, link=LinkShape.rtt(rtt), tree=TreeSpec()) as c:  # type: ignore[arg-type]
+            async for _ in c.generate(prompt, **kw):  # type: ignore[arg-type]
+                pass
+            assert c.last is not None
+            return c.last.tokens, c.last.stats
+
+    return asyncio.run(go())
+
+
+def test_prespec_on_and_off_give_the_same_tokens() -> None:
+    """Greedy and seeded match: identical output with pre-speculation on and off, and the
+    conditional trees really hit (the self-draft predicts its own outcomes well)."""
+    prompts = [p.text for p in load_prompts(2)]
+    drafter = create_drafter("torch", "tiny")
+    with LiveServer(max_pending=6) as srv:
+        for p in prompts:
+            off, _ = _run(srv.ws, drafter, p, False, max_new_tokens=40)
+            on, st = _run(srv.ws, drafter, p, True, max_new_tokens=40)
+            assert on == off
+            assert st.prespec_sent > 0 and st.hits > 0  # type: ignore[attr-defined]
+            m_off, _ = _run(
+                srv.ws, drafter, p, False, max_new_tokens=24, mode="match", temperature=0.8, seed=4
+            )
+            m_on, _ = _run(srv.ws, drafter, p, True, max_new_tokens=24, mode="match", temperature=0.8, seed=4)
+            assert m_on == m_off
+
+
+@pytest.mark.parametrize("mode", ["mss", "rrs"])
+def test_prespec_in_stochastic_modes_keeps_draws_valid(mode: str) -> None:
+    """Conditional trees in mss/rrs carry draws from q at their own assumed prefix; the verifier
+    validates every one (a bad draw would be an error frame and fail the generation)."""
+    drafter = create_drafter("torch", "tiny")
+    with LiveServer(trust_anonymous=True, max_pending=6) as srv:
+        # a long round trip: conditional trees leave before the verdict comes back
+        toks, st = _run(
+            srv.ws,
+            drafter,
+            "Once upon a time",
+            True,
+            rtt=300.0,
+            max_new_tokens=24,
+            mode=mode,
+            temperature=1.0,
+            seed=2,
+        )
+        assert len(toks) == 24 or toks[-1] == 2
+        assert st.prespec_sent > 0  # type: ignore[attr-defined]
+
+
+def test_misses_and_stales_end_to_end() -> None:
+    """A draft whose rankings are scrambled: its conditional trees mostly miss, come back stale,
+    and the client falls back to drafting synchronously; the output is still exactly the target's."""
+    from tests.cloud_verifier.service import tiny
+    from tests.edge_client.test_e2e import compare, greedy_with_gaps
+
+    drafter = create_drafter("torch", "tiny")
+    rng = np.random.default_rng(0)
+    evaluate = drafter._evaluate
+
+    def noisy(first: int, count: int) -> np.ndarray:
+        out = np.array(evaluate(first, count))
+        return out + rng.normal(0, 50.0, out.shape).astype(np.float32)  # scramble the ranking
+
+    drafter._evaluate = noisy  # type: ignore[method-assign]
+    p = load_prompts(1)[0].text
+    tok = drafter.tokenizer
+    prompt_tokens = tok.encode(tok.render_chat([{"role": "user", "content": p}]), add_special=False)
+    with LiveServer(max_pending=6) as srv:
+        toks, st = _run(srv.ws, drafter, p, True, rtt=300.0, max_new_tokens=16)
+        stale = srv.app.state.verifier.metrics.cond_stale._value.get()
+    ref, gaps = greedy_with_gaps(tiny(), prompt_tokens, 16)
+    compare(toks, ref, gaps)
+    assert st.prespec_sent > 0 and st.hit_rate is not None and st.hit_rate < 0.5  # type: ignore[attr-defined]
+    assert stale > 0
