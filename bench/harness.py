@@ -129,6 +129,7 @@ class Verifier:
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"verifier-{self.port}.log"
         log = self.log_path.open("wb")
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin, cwd=REPO, env=env
         )

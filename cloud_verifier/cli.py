@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -114,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from dataclasses import fields, replace
+
+        # sleeping OpenMP waiters: spinning barriers stall badly on shared cores (set before torch loads)
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
         from cloud_verifier.server import serve
 

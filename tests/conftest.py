@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+# Sleeping OpenMP waiters: spinning barriers stall ~30x when the suite shares cores with other
+# processes (the verifier threads, llama.cpp). Must be set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 
