@@ -77,6 +77,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)",
     )
+    p.add_argument(
+        "--attention",
+        default=d.attention,
+        choices=["model", "float64"],
+        help="attention arithmetic: 'model' (the weights' dtype) or 'float64' (exact mode: every tree row is "
+        "bit-identical to one-token decoding, so greedy output has no near-ties; ~10-30%% slower on CPU)",
+    )
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     p.add_argument(
         "--idle-timeout",

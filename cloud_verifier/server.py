@@ -64,7 +64,11 @@ async def _load(state: AppState, target: Target | None) -> None:
     cfg = state.config
     try:
         if target is None:
-            target = await asyncio.to_thread(load_target, cfg.model, cfg.dtype, cfg.device, True)
+            target = await asyncio.to_thread(
+                load_target, cfg.model, cfg.dtype, cfg.device, True, cfg.attention
+            )
+        elif target.model.attention_mode != cfg.attention:
+            target.model.set_attention(cfg.attention)
         kv = target.new_kv_cache(kv_blocks_for(cfg, target), cfg.block_size)
         cost = {1: 1.0}
         if cfg.measure_cost:

@@ -428,3 +428,26 @@ def test_malformed_inputs_hurt_nobody_else() -> None:
         while srv.engine.seqs and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not srv.engine.seqs and srv.engine.kv.blocks_in_use == 0
+
+
+def test_readyz_reports_loading_and_a_dead_engine() -> None:
+    from dataclasses import replace
+
+    from fastapi.testclient import TestClient
+
+    from cloud_verifier.server import create_app
+    from tests.cloud_verifier.service import BASE
+
+    app = create_app(replace(BASE, model="tiny"))  # loads the model itself, in the background
+    with TestClient(app) as client:
+        r = client.get("/readyz")
+        assert r.status_code == 503 and "loading" in r.json()["detail"]
+        assert client.get("/healthz").status_code == 200  # alive while loading
+        deadline = time.monotonic() + 120
+        while client.get("/readyz").status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        engine = app.state.verifier.engine
+        client.portal.call(engine.stop)  # the engine loop is gone
+        r = client.get("/readyz")
+        assert r.status_code == 503 and "engine" in r.json()["detail"]

@@ -253,3 +253,26 @@ def test_cli_json_is_one_line() -> None:
     }
     assert d["stats"]["tau"] == pytest.approx(len(d["tokens"]) / d["stats"]["rounds"])
     assert len(d["tokens"]) <= 12 and d["prompt_tokens"]
+
+
+def test_stop_strings_cut_the_text_and_cancel() -> None:
+    drafter = create_drafter("torch", "tiny")
+    with LiveServer() as srv:
+
+        async def go() -> tuple[str, str, object]:
+            async with EdgeClient(srv.ws, drafter) as c:
+                full = ""
+                async for chunk in c.generate("Say something", max_new_tokens=40):
+                    full += chunk
+                assert c.last is not None and len(full) > 4
+                stop = full[3:5]
+                cut = ""
+                async for chunk in c.generate("Say something", max_new_tokens=40, stop=[stop]):
+                    cut += chunk
+                assert c.last is not None
+                return full, cut, c.last
+
+        full, cut, gen = asyncio.run(go())
+    assert cut == full[: full.index(full[3:5])]
+    assert gen.reason == "stop_string"  # type: ignore[attr-defined]
+    drafter.close()
