@@ -172,14 +172,17 @@ class Tally:
     prompt_ms: list[float] = field(default_factory=list)  # round 0: prefill + the attached tree
     tokens: int = 0
     rounds: int = 0
+    prompt_tokens: int = 0  # prefill work sent (prompts whose first verdict came in time)
     sessions_completed: int = 0
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
 
-    def verdict(self, ms: float, tokens: int, first: bool) -> None:
+    def verdict(self, ms: float, tokens: int, first: int) -> None:
+        """first: the prompt's length on its round-0 verdict, else 0."""
         self.round_ms.append(ms)
         if first:
             self.prompt_ms.append(ms)
+            self.prompt_tokens += first
         self.tokens += tokens
         self.rounds += 1
 
@@ -240,7 +243,7 @@ async def _generate(
         )
         sent = loop.time()
         await ws.send(proto.prompt(prompt))
-        first = True
+        first = len(tokens)
         while True:
             left = deadline - loop.time()
             if left <= 0:
@@ -256,7 +259,7 @@ async def _generate(
             if not isinstance(msg, Verdict):
                 raise _RoundFailed(f"unexpected {msg.TYPE.value}")
             tally.verdict((loop.time() - sent) * 1e3, len(msg.tokens), first)
-            first = False
+            first = 0
             if msg.done:
                 tally.sessions_completed += 1
                 break
@@ -370,6 +373,7 @@ def summarize(
         "round_ms_p50": _r(percentile(tally.round_ms, 50)),
         "round_ms_p99": _r(percentile(tally.round_ms, 99)),
         "prompt_round_ms_p50": _r(percentile(tally.prompt_ms, 50)),
+        "prefill_tokens": tally.prompt_tokens,
         "rounds": tally.rounds,
         "tokens": tally.tokens,
         "tokens_per_round": round(tally.tokens / tally.rounds, 3) if tally.rounds else None,
@@ -402,25 +406,33 @@ def _fmt(x: Any, width: int, nd: int = 1) -> str:
     return f"{x!s:>{width}}"
 
 
+# (header, run key, decimals) of the printed table
+COLUMNS = (
+    ("clients", "clients", 0),
+    ("batching", "batching", 0),
+    ("sessions", "sessions_completed", 0),
+    ("errors", "errors", 0),
+    ("rounds", "rounds", 0),
+    ("tok/round", "tokens_per_round", 2),
+    ("tokens/s", "tokens_per_s", 1),
+    ("p50 ms", "round_ms_p50", 1),
+    ("p99 ms", "round_ms_p99", 1),
+    ("prompt p50", "prompt_round_ms_p50", 1),
+    ("prefill tok", "prefill_tokens", 0),
+    ("rounds/fwd", "rounds_per_forward", 2),
+    ("load1", "loadavg_1m_before", 2),
+)
+
+
 def print_table(result: dict[str, Any]) -> None:
     print(f"\nload: {result['model']} on {result['server']}, {result['seconds']:g} s per run, "
           f"greedy, {result['tokens']} new tokens per generation, prompt-lookup trees of "
           f"<= {result['nodes']} nodes, depth <= {result['depth']}")  # fmt: skip
     print(f"cpu: {result['cpu']}")
-    head = (
-        f"{'clients':>7} {'batching':>8} {'sessions':>8} {'errors':>6} {'rounds':>6} {'tok/round':>9} "
-        f"{'tokens/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'prompt p50':>10} {'rounds/fwd':>10} {'load1':>5}"
-    )
-    print(head)
+    print(" ".join(f"{head:>{max(len(head), 8)}}" for head, _, _ in COLUMNS))
     for r in result["runs"]:
-        batching = {True: "on", False: "off", None: "server"}[r["batching"]]
-        print(
-            f"{r['clients']:>7} {batching:>8} {r['sessions_completed']:>8} {r['errors']:>6} "
-            f"{r['rounds']:>6} {_fmt(r['tokens_per_round'], 9, 2)} {_fmt(r['tokens_per_s'], 9)} "
-            f"{_fmt(r['round_ms_p50'], 8)} {_fmt(r['round_ms_p99'], 8)} "
-            f"{_fmt(r['prompt_round_ms_p50'], 10)} {_fmt(r['rounds_per_forward'], 10, 2)} "
-            f"{_fmt(r['loadavg_1m_before'], 5, 2)}"
-        )
+        row = {**r, "batching": {True: "on", False: "off", None: "server"}[r["batching"]]}
+        print(" ".join(_fmt(row[key], max(len(head), 8), nd) for head, key, nd in COLUMNS))
     if result["batching_speedup"]:
         ratios = ", ".join(
             f"{c} clients {_fmt(v, 0, 2).strip()}x" for c, v in result["batching_speedup"].items()
