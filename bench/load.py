@@ -348,6 +348,38 @@ async def drive(
 
 
 # --------------------------------------------------------------------------------------- figures
+class OtherCpu:
+    """CPU time that other processes used during a run, in cores. The machine is shared: a busy
+    neighbour during one run of a batched/unbatched pair skews the ratio, and this shows it."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.busy0 = _machine_busy_s()
+        self.own0 = _own_cpu_s()
+
+    def cores(self) -> float | None:
+        busy = _machine_busy_s()
+        if busy is None or self.busy0 is None:
+            return None
+        others = (busy - self.busy0) - (_own_cpu_s() - self.own0)
+        return max(0.0, others) / max(time.monotonic() - self.t0, 1e-9)
+
+
+def _machine_busy_s() -> float | None:
+    """Seconds all CPUs spent busy since boot (Linux /proc/stat; None elsewhere)."""
+    try:
+        line = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in line[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """Nearest-rank percentile (no interpolation: p99 of few rounds is an observed round)."""
     if not values:
@@ -362,7 +394,12 @@ def _r(x: float | None, nd: int = 1) -> float | None:
 
 
 def summarize(
-    clients: int, batching: bool | None, seconds: float, tally: Tally, forwards: int | None, load1: float
+    clients: int,
+    batching: bool | None,
+    seconds: float,
+    tally: Tally,
+    forwards: int | None,
+    others: float | None,
 ) -> dict[str, Any]:
     run: dict[str, Any] = {
         "clients": clients,
@@ -380,7 +417,7 @@ def summarize(
         "seconds": seconds,
         "engine_forwards": forwards,
         "rounds_per_forward": round(tally.rounds / forwards, 3) if forwards else None,
-        "loadavg_1m_before": round(load1, 2),
+        "other_cpu_cores": _r(others, 2),
     }
     if tally.error_samples:
         run["error_samples"] = tally.error_samples
@@ -420,7 +457,7 @@ COLUMNS = (
     ("prompt p50", "prompt_round_ms_p50", 1),
     ("prefill tok", "prefill_tokens", 0),
     ("rounds/fwd", "rounds_per_forward", 2),
-    ("load1", "loadavg_1m_before", 2),
+    ("others cpu", "other_cpu_cores", 2),
 )
 
 
@@ -589,10 +626,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         one_run(1, True if target is not None else None, args.warmup, "warm-up")
     runs = []
     for clients, batching in plan if target is not None else [(n, None) for n in args.clients]:
-        load1 = os.getloadavg()[0]
+        meter = OtherCpu()
         name = {True: "batched", False: "unbatched", None: "server"}[batching]
         tally, forwards = one_run(clients, batching, args.seconds, f"{clients} clients, {name}")
-        runs.append(summarize(clients, batching, args.seconds, tally, forwards, load1))
+        runs.append(summarize(clients, batching, args.seconds, tally, forwards, meter.cores()))
     result: dict[str, Any] = {
         "runs": runs,
         "batching_speedup": speedups(runs),
