@@ -19,30 +19,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-
-class Direction:
-    """One direction of the link: a FIFO of (deliver_at, chunk)."""
-
-    def __init__(self, delay_ms: float, jitter_ms: float, mbps: float, rng: random.Random) -> None:
-        self.delay = delay_ms / 1e3
-        self.jitter = jitter_ms / 1e3
-        self.bytes_per_s = mbps * 1e6 / 8 if mbps > 0 else 0.0
-        self.rng = rng
-        self.link_free = 0.0
-        self.last = 0.0
-
-    def deliver_at(self, n: int) -> float:
-        now = time.monotonic()
-        start = max(now, self.link_free)
-        done = start + (n / self.bytes_per_s if self.bytes_per_s else 0.0)
-        self.link_free = done
-        at = done + self.delay + (self.rng.uniform(-self.jitter, self.jitter) if self.jitter else 0.0)
-        at = max(at, self.last)
-        self.last = at
-        return at
+from edge_client.transport import DelayLine
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d: Direction) -> None:
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d: DelayLine) -> None:
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
     async def deliver() -> None:
@@ -62,7 +42,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d: D
     try:
         while True:
             chunk = await reader.read(1 << 16)
-            await queue.put((d.deliver_at(len(chunk)), chunk))
+            await queue.put((d.arrival(len(chunk)), chunk))
             if not chunk:
                 break
         await task
@@ -97,8 +77,8 @@ async def run_proxy(
                 import socket
 
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        up = Direction(up_ms, jitter_ms, mbps, rng)
-        down = Direction(down_ms, jitter_ms, mbps, rng)
+        up = DelayLine(up_ms, jitter_ms, mbps, rng.randrange(1 << 30))
+        down = DelayLine(down_ms, jitter_ms, mbps, rng.randrange(1 << 30))
         await asyncio.gather(_pump(c_reader, s_writer, up), _pump(s_reader, c_writer, down))
 
     server = await asyncio.start_server(handle, *listen)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -168,27 +169,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rtt in rtts:
                 for temp in temps:
                     mode = Mode.GREEDY if temp == 0 else Mode.MATCH
-                    if a.proxy:
-                        with Proxy(verifier.port, rtt, a.jitter_ms, a.bandwidth_mbps, split.edge) as proxy:
-                            runs, _ = asyncio.run(
-                                run_modes(
-                                    proxy.url,
-                                    drafter,
-                                    prompts,
-                                    a.tokens,
-                                    temp,
-                                    mode,
-                                    tree,
-                                    verifier.forwards,
-                                    modes=modes,
-                                    progress=not a.no_progress,
-                                )
-                            )
-                    else:
-                        link = LinkShape.rtt(rtt, a.jitter_ms, a.bandwidth_mbps)
+                    with contextlib.ExitStack() as stack:
+                        url, link = verifier.url, None
+                        if a.proxy:
+                            proxy = Proxy(verifier.port, rtt, a.jitter_ms, a.bandwidth_mbps, split.edge)
+                            url = stack.enter_context(proxy).url
+                        else:
+                            link = LinkShape.rtt(rtt, a.jitter_ms, a.bandwidth_mbps)
                         runs, _ = asyncio.run(
                             run_modes(
-                                verifier.url,
+                                url,
                                 drafter,
                                 prompts,
                                 a.tokens,

@@ -95,8 +95,13 @@ class LinkShape:
         return cls(rtt_ms / 2, rtt_ms / 2, jitter_ms, bandwidth_mbps)
 
 
-class _Pipe:
-    """Delivers frames in order, each no earlier than sent + delay (+ jitter, + serialization)."""
+class DelayLine:
+    """One direction of an emulated link: when each chunk sent now arrives.
+
+    Chunks arrive in order, each no earlier than sent + serialization at the bandwidth cap + the
+    one-way delay (+ uniform jitter, clamped so it never reorders the stream). Used by the
+    in-process shaper here and by the TCP delay proxy (bench.netproxy).
+    """
 
     def __init__(self, delay_ms: float, jitter_ms: float, mbps: float, seed: int) -> None:
         self.delay = delay_ms / 1e3
@@ -123,8 +128,8 @@ class ShapedTransport:
     def __init__(self, inner: Transport, shape: LinkShape, seed: int = 0) -> None:
         self.inner = inner
         self.shape = shape
-        self._up = _Pipe(shape.up_ms, shape.jitter_ms, shape.bandwidth_mbps, seed)
-        self._down = _Pipe(shape.down_ms, shape.jitter_ms, shape.bandwidth_mbps, seed + 1)
+        self._up = DelayLine(shape.up_ms, shape.jitter_ms, shape.bandwidth_mbps, seed)
+        self._down = DelayLine(shape.down_ms, shape.jitter_ms, shape.bandwidth_mbps, seed + 1)
         self._out: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         self._in: asyncio.Queue[tuple[float, bytes | TransportClosed]] = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._pump_out()), asyncio.create_task(self._pump_in())]
