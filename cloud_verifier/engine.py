@@ -76,6 +76,7 @@ class SeqState:
     job: Job | None = None
     busy: bool = False
     closed: bool = False
+    active: bool = False  # a generation is running (its next round may come any moment)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,10 @@ class EngineConfig:
     max_context: int = 4096
     batching: bool = True  # False: one session per forward (the baseline of bench.load)
     stall_s: float = 120.0  # /readyz fails when work waits this long with no step finishing
+    # Before a step, wait up to this long (and at most a quarter of the last step) for sessions
+    # whose verdict just went out: their next tree is usually a loopback round trip away, and
+    # without the wait the clients settle into two groups that take turns (half-size batches).
+    gather_ms: float = 3.0
 
 
 @dataclass
@@ -111,6 +116,7 @@ class Engine:
         self.steps = 0
         self.forwards = 0
         self.last_step_end = time.monotonic()
+        self._last_step_s = 0.0
         self.on_step: Callable[[int, int, float], None] | None = None  # (rows, sessions, seconds)
 
     # ------------------------------------------------------------------ sessions (loop thread)
@@ -151,7 +157,12 @@ class Engine:
         s.prompt_len = len(new)
         s.max_new_tokens = prompt.max_new_tokens
         s.stop_ids = self.eos_ids | frozenset(prompt.stop_ids)
+        s.active = True
         self.submit(s, 0, prompt.tree)
+
+    def end(self, s: SeqState) -> None:
+        """The session's generation ended outside the engine (a cancel with no round in flight)."""
+        s.active = False
 
     def submit(self, s: SeqState, round_id: int, tree: TokenTree | None) -> None:
         if s.closed:
@@ -190,6 +201,7 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            await self._gather()
             plan = self._plan()
             if not plan:
                 await asyncio.sleep(0.001)
@@ -204,6 +216,7 @@ class Engine:
                 failure = ProtocolError(ErrorCode.INTERNAL, f"verifier error: {exc}", None, fatal=True)
                 outcomes = [(p, None, failure) for p in plan]
             dt = time.perf_counter() - t0
+            self._last_step_s = dt
             self.steps += 1
             self.last_step_end = time.monotonic()
             if self.on_step is not None:
@@ -211,6 +224,25 @@ class Engine:
             for p, result, err in outcomes:
                 self._finish(p, result, err, dt)
             await asyncio.sleep(0)  # let sessions' I/O run between steps
+
+    async def _gather(self) -> None:
+        """Give sessions that are between rounds a moment to join this step (see gather_ms)."""
+        cfg = self.config
+        if not cfg.batching or cfg.gather_ms <= 0:
+            return
+        deadline = time.perf_counter() + min(cfg.gather_ms / 1e3, self._last_step_s / 4)
+        while True:
+            between = [
+                s for s in self.seqs.values() if s.active and s.job is None and not s.busy and not s.closed
+            ]
+            left = deadline - time.perf_counter()
+            if not between or left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except TimeoutError:
+                return
 
     def _plan(self) -> list[_Planned]:
         ready = [s for s in self.seqs.values() if s.job is not None and not s.busy and not s.closed]
@@ -347,6 +379,8 @@ class Engine:
         assert result is not None
         result.round_s = time.perf_counter() - p.job.ready_at
         s.committed.extend(result.tokens)
+        if result.done:
+            s.active = False
         s.on_result(result)
 
 

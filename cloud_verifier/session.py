@@ -100,7 +100,9 @@ class Session:
             assert self.seq is not None
             self.engine.submit(self.seq, ev.round, ev.tree)
         elif isinstance(ev, CancelReceived):
-            pass  # the protocol ends the generation at the in-flight round's verdict (or already did)
+            # the protocol ends the generation at the in-flight round's verdict, or already did
+            if not ev.in_flight and self.seq is not None:
+                self.engine.end(self.seq)
         elif isinstance(ev, ClosedByPeer):
             self.close(CloseCode.NORMAL, "client closed")
         elif isinstance(ev, ErrorSent):
