@@ -108,7 +108,7 @@ def test_greedy_smollm2_llama_cpp_is_exact() -> None:
     """Default suite: the real pair, llama.cpp drafting, 2 prompts x 32 tokens."""
     prompts = [p.text for p in load_prompts(2)]
     drafter = create_drafter("llama_cpp", "smollm2-135m-q4", n_threads=1)
-    with LiveServer(target=smollm2()) as srv:
+    with LiveServer(target=smollm2(), max_context=4096) as srv:
         _check_greedy(smollm2(), srv.ws, drafter, prompts, 32, TreeSpec())
     drafter.close()
 
@@ -120,7 +120,7 @@ def test_greedy_10_prompts_64_tokens(backend: str) -> None:
     drafter = create_drafter(
         backend, "smollm2-135m-q4", **({"n_threads": 1} if backend == "llama_cpp" else {})
     )
-    with LiveServer(target=smollm2()) as srv:
+    with LiveServer(target=smollm2(), max_context=4096) as srv:
         ties = _check_greedy(smollm2(), srv.ws, drafter, prompts, 64, TreeSpec())
     drafter.close()
     print(f"{backend}: 10 prompts x 64 tokens, near-ties: {ties or 'none'}")
