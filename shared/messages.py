@@ -10,20 +10,29 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-import msgpack
 import numpy as np
 
 from shared.errors import ErrorCode, ProtocolError
 from shared.sparse import Q_TOTAL, SparseRows
 from shared.tree import Draws, TokenTree
+from shared.wire import (
+    DEFAULT_WIRE_LIMITS,
+    MAX_U31,
+    MAX_U63,
+    FrameStats,
+    Reader,
+    WireLimits,
+    as_ints,
+    le_bytes,
+    pack_frame,
+    unpack_frame,
+)
 
 PROTOCOL_VERSION = 1
-MAX_U31 = (1 << 31) - 1
-MAX_U63 = (1 << 63) - 1
 
 
 class MsgType(str, enum.Enum):
@@ -53,133 +62,6 @@ class Mode(str, enum.Enum):
         return self in (Mode.MSS, Mode.RRS)
 
 
-@dataclass(frozen=True)
-class WireLimits:
-    """Structural limits applied while decoding a frame, before any semantic check."""
-
-    max_bytes: int = 1 << 20  # one frame
-    max_nodes: int = 4096  # tree.tokens, tree.parents, verdict.accepted_nodes
-    max_tokens: int = 1 << 17  # prompt.tokens, verdict.tokens, cond
-    max_q_nnz: int = 1 << 20  # non-zeros of all q rows of one tree
-    max_list: int = 256  # eos_ids, stop_ids, allowed_modes, verify_cost_ms entries
-    max_str: int = 4096  # any string
-
-
-DEFAULT_WIRE_LIMITS = WireLimits()
-
-
-def _arr(a: Sequence[int] | np.ndarray, dtype: type = np.int32) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(a, dtype=np.int64).astype(dtype))
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reading a decoded map, naming the field on every failure
-
-
-class _Reader:
-    """Typed access to one decoded msgpack map; every error names `prefix.key`."""
-
-    def __init__(self, m: Any, prefix: str, limits: WireLimits) -> None:
-        if not isinstance(m, dict):
-            raise ProtocolError(ErrorCode.BAD_MESSAGE, "expected a map", prefix or "frame", fatal=True)
-        self.m = m
-        self.prefix = prefix
-        self.limits = limits
-        self.used: set[str] = set()
-
-    def name(self, key: str) -> str:
-        return f"{self.prefix}.{key}" if self.prefix else key
-
-    def bad(self, key: str, message: str, code: ErrorCode = ErrorCode.BAD_MESSAGE) -> ProtocolError:
-        return ProtocolError(code, message, self.name(key), fatal=True)
-
-    def has(self, key: str) -> bool:
-        return key in self.m and self.m[key] is not None
-
-    def raw(self, key: str, default: Any = ...) -> Any:
-        self.used.add(key)
-        if key not in self.m or self.m[key] is None:
-            if default is ...:
-                raise self.bad(key, "missing")
-            return default
-        return self.m[key]
-
-    def integer(self, key: str, lo: int = 0, hi: int = MAX_U31, default: Any = ...) -> Any:
-        v = self.raw(key, default)
-        if v is default and default is not ...:
-            return v
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise self.bad(key, f"must be an integer, got {type(v).__name__}")
-        if not lo <= v <= hi:
-            raise self.bad(key, f"must be in [{lo}, {hi}], got {v}")
-        return v
-
-    def number(self, key: str, lo: float, hi: float, default: Any = ...) -> Any:
-        v = self.raw(key, default)
-        if v is default and default is not ...:
-            return v
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise self.bad(key, f"must be a number, got {type(v).__name__}")
-        if not math.isfinite(v) or not lo <= v <= hi:
-            raise self.bad(key, f"must be a finite number in [{lo}, {hi}], got {v}")
-        return float(v)
-
-    def flag(self, key: str, default: Any = ...) -> Any:
-        v = self.raw(key, default)
-        if not isinstance(v, bool):
-            raise self.bad(key, f"must be a boolean, got {type(v).__name__}")
-        return v
-
-    def text(self, key: str, default: Any = ...) -> Any:
-        v = self.raw(key, default)
-        if v is default and default is not ...:
-            return v
-        if not isinstance(v, str):
-            raise self.bad(key, f"must be a string, got {type(v).__name__}")
-        if len(v) > self.limits.max_str:
-            raise self.bad(key, f"longer than {self.limits.max_str} characters", ErrorCode.LIMIT_EXCEEDED)
-        return v
-
-    def array(self, key: str, dtype: str, max_len: int, default: Any = ...) -> np.ndarray:
-        """Raw little-endian integer array; returned in native int32/int64."""
-        v = self.raw(key, default)
-        if v is default and default is not ...:
-            return np.zeros(0, dtype=np.int32) if v is None else _arr(v)
-        if not isinstance(v, bytes):
-            raise self.bad(
-                key, f"must be raw little-endian {dtype} bytes (msgpack bin), got {type(v).__name__}"
-            )
-        item = np.dtype(dtype).itemsize
-        if len(v) % item:
-            raise self.bad(key, f"byte length {len(v)} is not a multiple of {item} ({dtype})")
-        if len(v) // item > max_len:
-            raise self.bad(
-                key, f"{len(v) // item} entries is over the limit of {max_len}", ErrorCode.LIMIT_EXCEEDED
-            )
-        a = np.frombuffer(v, dtype=dtype)
-        return a.astype(np.int64 if dtype in ("<u4", "<i8") else np.int32)
-
-    def str_list(self, key: str) -> list[str]:
-        v = self.raw(key)
-        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-            raise self.bad(key, "must be a list of strings")
-        if len(v) > self.limits.max_list:
-            raise self.bad(key, f"over {self.limits.max_list} entries", ErrorCode.LIMIT_EXCEEDED)
-        return v
-
-    def sub(self, key: str) -> _Reader:
-        return _Reader(self.raw(key), self.name(key), self.limits)
-
-    def finish(self) -> None:
-        extra = sorted(set(self.m) - self.used)
-        if extra:
-            raise self.bad(extra[0], "unknown field")
-
-
-def _b(a: np.ndarray, dtype: str = "<i4") -> bytes:
-    return np.ascontiguousarray(a).astype(dtype).tobytes()
-
-
 # ---------------------------------------------------------------------------------------------------
 # Messages
 
@@ -203,7 +85,7 @@ class Hello:
         return d
 
     @classmethod
-    def from_wire(cls, r: _Reader) -> Hello:
+    def from_wire(cls, r: Reader) -> Hello:
         return cls(
             version=r.integer("version", 0, 1 << 16),
             vocab_fingerprint=r.text("vocab_fingerprint"),
@@ -232,7 +114,7 @@ class SessionLimits:
         }
 
     @classmethod
-    def from_wire(cls, r: _Reader) -> SessionLimits:
+    def from_wire(cls, r: Reader) -> SessionLimits:
         out = cls(
             max_nodes=r.integer("max_nodes", 0),
             max_depth=r.integer("max_depth", 0),
@@ -266,7 +148,7 @@ class Welcome:
             "model_id": self.model_id,
             "vocab_size": self.vocab_size,
             "vocab_fingerprint": self.vocab_fingerprint,
-            "eos_ids": _b(np.asarray(self.eos_ids, dtype=np.int64)),
+            "eos_ids": le_bytes(np.asarray(self.eos_ids, dtype=np.int64)),
             "allowed_modes": [m.value for m in self.allowed_modes],
             "limits": self.limits.to_wire(),
             # msgpack map keys must be strings (strict_map_key)
@@ -274,7 +156,7 @@ class Welcome:
         }
 
     @classmethod
-    def from_wire(cls, r: _Reader) -> Welcome:
+    def from_wire(cls, r: Reader) -> Welcome:
         modes = []
         for m in r.str_list("allowed_modes"):
             try:
@@ -310,23 +192,23 @@ class Welcome:
 
 def tree_to_wire(tree: TokenTree, d: dict[str, Any]) -> dict[str, Any]:
     d["base"] = tree.base
-    d["cond"] = _b(tree.cond)
-    d["tokens"] = _b(tree.tokens)
-    d["parents"] = _b(tree.parents)
+    d["cond"] = le_bytes(tree.cond)
+    d["tokens"] = le_bytes(tree.tokens)
+    d["parents"] = le_bytes(tree.parents)
     if tree.draws is not None:
         dr = tree.draws
         d["draws"] = {
-            "node": _b(dr.node),
-            "drafter": _b(dr.drafter, "u1"),
-            "qrow": _b(dr.qrow),
-            "q_ptr": _b(dr.q.ptr, "<u4"),
-            "q_ids": _b(dr.q.ids),
-            "q_wm1": _b(dr.q.weights - 1, "<u2"),  # weight - 1: weights are in [1, 65536]
+            "node": le_bytes(dr.node),
+            "drafter": le_bytes(dr.drafter, "u1"),
+            "qrow": le_bytes(dr.qrow),
+            "q_ptr": le_bytes(dr.q.ptr, "<u4"),
+            "q_ids": le_bytes(dr.q.ids),
+            "q_wm1": le_bytes(dr.q.weights - 1, "<u2"),  # weight - 1: weights are in [1, 65536]
         }
     return d
 
 
-def tree_from_wire(r: _Reader) -> TokenTree:
+def tree_from_wire(r: Reader) -> TokenTree:
     lim = r.limits
     tokens = r.array("tokens", "<i4", lim.max_nodes)
     parents = r.array("parents", "<i4", lim.max_nodes)
@@ -373,20 +255,20 @@ class Prompt:
     tree: TokenTree | None = None  # optional first tree, verified right after prefill
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", _arr(self.tokens))
+        object.__setattr__(self, "tokens", as_ints(self.tokens))
         object.__setattr__(self, "mode", Mode(self.mode))
         object.__setattr__(self, "stop_ids", tuple(int(x) for x in self.stop_ids))
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {
-            "tokens": _b(self.tokens),
+            "tokens": le_bytes(self.tokens),
             "mode": self.mode.value,
             "temperature": float(self.temperature),
             "top_k": self.top_k,
             "top_p": float(self.top_p),
             "seed": self.seed,
             "max_new_tokens": self.max_new_tokens,
-            "stop_ids": _b(np.asarray(self.stop_ids, dtype=np.int64)),
+            "stop_ids": le_bytes(np.asarray(self.stop_ids, dtype=np.int64)),
             "continue": self.continue_,
         }
         if self.tree is not None:
@@ -394,7 +276,7 @@ class Prompt:
         return d
 
     @classmethod
-    def from_wire(cls, r: _Reader) -> Prompt:
+    def from_wire(cls, r: Reader) -> Prompt:
         mode_s = r.text("mode")
         try:
             mode = Mode(mode_s)
@@ -433,7 +315,7 @@ class Tree:
         return tree_to_wire(self.tree, {"round": self.round})
 
     @classmethod
-    def from_wire(cls, r: _Reader) -> Tree:
+    def from_wire(cls, r: Reader) -> Tree:
         return cls(round=r.integer("round", 1), tree=tree_from_wire(r))
 
 
@@ -458,14 +340,14 @@ class Verdict:
     reason: str | None = None  # when done: "stop", "length", "context", "cancelled"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tokens", _arr(self.tokens))
-        object.__setattr__(self, "accepted_nodes", _arr(self.accepted_nodes))
+        object.__setattr__(self, "tokens", as_ints(self.tokens))
+        object.__setattr__(self, "accepted_nodes", as_ints(self.accepted_nodes))
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {
             "round": self.round,
-            "tokens": _b(self.tokens),
-            "accepted_nodes": _b(self.accepted_nodes),
+            "tokens": le_bytes(self.tokens),
+            "accepted_nodes": le_bytes(self.accepted_nodes),
             "has_bonus": self.has_bonus,
             "committed_len": self.committed_len,
             "verify_ms": float(self.verify_ms),
@@ -478,7 +360,7 @@ class Verdict:
         return d
 
     @classmethod
-    def from_wire(cls, r: _Reader) -> Verdict:
+    def from_wire(cls, r: Reader) -> Verdict:
         return cls(
             round=r.integer("round", 0),
             tokens=r.array("tokens", "<i4", r.limits.max_tokens),
@@ -504,7 +386,7 @@ class Stale:
         return {"round": self.round, "reason": self.reason}
 
     @classmethod
-    def from_wire(cls, r: _Reader) -> Stale:
+    def from_wire(cls, r: Reader) -> Stale:
         return cls(round=r.integer("round", 1), reason=r.text("reason"))
 
 
@@ -535,7 +417,7 @@ class Error:
         return d
 
     @classmethod
-    def from_wire(cls, r: _Reader) -> Error:
+    def from_wire(cls, r: Reader) -> Error:
         code_s = r.text("code")
         try:
             code = ErrorCode(code_s)
@@ -560,7 +442,7 @@ class Cancel:
         return {}
 
     @classmethod
-    def from_wire(cls, r: _Reader) -> Cancel:
+    def from_wire(cls, r: Reader) -> Cancel:
         return cls()
 
 
@@ -575,14 +457,14 @@ class Close:
         return {} if self.reason is None else {"reason": self.reason}
 
     @classmethod
-    def from_wire(cls, r: _Reader) -> Close:
+    def from_wire(cls, r: Reader) -> Close:
         return cls(reason=r.text("reason", None))
 
 
 Message = Hello | Welcome | Prompt | Tree | Verdict | Stale | Error | Cancel | Close
 M = TypeVar("M", bound=Message)
 
-_DECODERS: dict[str, Callable[[_Reader], Message]] = {
+_DECODERS: dict[str, Callable[[Reader], Message]] = {
     MsgType.HELLO.value: Hello.from_wire,
     MsgType.WELCOME.value: Welcome.from_wire,
     MsgType.PROMPT.value: Prompt.from_wire,
@@ -603,55 +485,12 @@ def encode(msg: Message) -> bytes:
     """One frame: a msgpack map with `type` first."""
     d: dict[str, Any] = {"type": msg.TYPE.value}
     d.update(msg.to_wire())
-    out: bytes = msgpack.packb(d, use_bin_type=True)
-    return out
-
-
-def _pairs_no_duplicates(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("duplicate map key")
-    return out
-
-
-def _no_ext(code: int, data: bytes) -> Any:
-    raise ValueError("msgpack extension types are not accepted")
+    return pack_frame(d)
 
 
 def decode(data: bytes, limits: WireLimits = DEFAULT_WIRE_LIMITS) -> Message:
     """Decode one frame or raise ProtocolError (fatal: the stream can no longer be trusted)."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ProtocolError(ErrorCode.BAD_FRAME, "frames are binary (msgpack), not text", "frame", fatal=True)
-    if len(data) > limits.max_bytes:
-        raise ProtocolError(
-            ErrorCode.TOO_LARGE,
-            f"frame of {len(data)} bytes is over the limit of {limits.max_bytes}",
-            "frame",
-            fatal=True,
-        )
-    try:
-        obj = msgpack.unpackb(
-            bytes(data),
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            object_pairs_hook=_pairs_no_duplicates,
-            ext_hook=_no_ext,
-            max_str_len=limits.max_str,
-            max_bin_len=limits.max_bytes,
-            max_array_len=limits.max_list,
-            max_map_len=64,
-            max_ext_len=0,
-        )
-    except ProtocolError:
-        raise
-    except Exception as exc:  # msgpack raises many types: ExtraData, StackError, ValueError, ...
-        raise ProtocolError(
-            ErrorCode.BAD_FRAME, f"not a valid msgpack frame: {exc}", "frame", fatal=True
-        ) from exc
-    if not isinstance(obj, dict):
-        raise ProtocolError(ErrorCode.BAD_FRAME, "a frame must be a msgpack map", "frame", fatal=True)
-    r = _Reader(obj, "", limits)
+    r = Reader(unpack_frame(data, limits), "", limits)
     kind = r.raw("type")
     if not isinstance(kind, str) or kind not in _DECODERS:
         raise ProtocolError(
@@ -663,28 +502,6 @@ def decode(data: bytes, limits: WireLimits = DEFAULT_WIRE_LIMITS) -> Message:
     msg = _DECODERS[kind](r)
     r.finish()
     return msg
-
-
-@dataclass
-class FrameStats:
-    """Bytes and frames through one protocol object, for per-round accounting."""
-
-    frames_in: int = 0
-    frames_out: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    bytes_by_type_out: dict[str, int] = field(default_factory=dict)
-    frames_by_type_out: dict[str, int] = field(default_factory=dict)
-
-    def out(self, kind: MsgType, n: int) -> None:
-        self.frames_out += 1
-        self.bytes_out += n
-        self.bytes_by_type_out[kind.value] = self.bytes_by_type_out.get(kind.value, 0) + n
-        self.frames_by_type_out[kind.value] = self.frames_by_type_out.get(kind.value, 0) + 1
-
-    def inc(self, n: int) -> None:
-        self.frames_in += 1
-        self.bytes_in += n
 
 
 __all__ = [

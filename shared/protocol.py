@@ -173,7 +173,7 @@ class ServerProtocol:
 
     def _send(self, msg: Message) -> None:
         frame = encode(msg)
-        self.stats.out(msg.TYPE, len(frame))
+        self.stats.out(msg.TYPE.value, len(frame))
         self._out.append(frame)
 
     def welcome(self, msg: Welcome) -> None:
@@ -466,7 +466,7 @@ class ClientProtocol:
                 f"{self.welcome_msg.limits.max_bytes}",
                 "frame",
             )
-        self.stats.out(msg.TYPE, len(frame))
+        self.stats.out(msg.TYPE.value, len(frame))
         return frame
 
     def _require(self, *states: ClientState) -> None:
