@@ -1,4 +1,4 @@
-"""Text on the edge: chat templates and incremental detokenization.
+"""Text on the edge: chat messages, incremental detokenization, stop strings.
 
 Detokenization works on bytes: a token may end in the middle of a UTF-8 character (byte-level BPE),
 so pieces are fed to an incremental decoder that holds an incomplete character back until the next
@@ -9,27 +9,8 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import jinja2
-import jinja2.sandbox
 
 Message = dict[str, str]
-
-
-def render_chat(
-    template: str, messages: Sequence[Message], add_generation_prompt: bool = True, **extra: Any
-) -> str:
-    """Render a chat template (the model's own, from its GGUF metadata) in a sandbox."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.TemplateError(message)
-
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(template).render(
-        messages=list(messages), add_generation_prompt=add_generation_prompt, **extra
-    )
 
 
 def as_messages(prompt: str | Sequence[Message]) -> list[Message]:
