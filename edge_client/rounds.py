@@ -19,6 +19,7 @@ is replayed into the fresh workspace.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -224,7 +225,7 @@ class RoundDriver:
         if self.req.mode is not Mode.AR:
             first = await self._draft(functools.partial(self._plain, prompt_full))
             st.draft_ms.append(first.draft_ms)
-        prompt = self.prompt if first is None else _with_tree(self.prompt, first)
+        prompt = self.prompt if first is None else dataclasses.replace(self.prompt, tree=first.tree)
         t_sent = time.perf_counter()
         await client.send(client.proto.prompt(prompt))
         if first is not None:
@@ -407,21 +408,6 @@ class RoundDriver:
 def _extends(full: tuple[int, ...], committed: tuple[int, ...]) -> bool:
     """full strictly extends committed (the tree is still to be verified)."""
     return len(full) > len(committed) and full[: len(committed)] == committed
-
-
-def _with_tree(p: Prompt, dr: DraftResult) -> Prompt:
-    return Prompt(
-        tokens=p.tokens,
-        mode=p.mode,
-        temperature=p.temperature,
-        top_k=p.top_k,
-        top_p=p.top_p,
-        seed=p.seed,
-        max_new_tokens=p.max_new_tokens,
-        stop_ids=p.stop_ids,
-        continue_=p.continue_,
-        tree=dr.tree,
-    )
 
 
 __all__ = ["PrespecConfig", "Request", "RoundDriver", "Speculation", "TreeSpec"]
