@@ -150,7 +150,13 @@ class RoundDriver:
         kw: dict[str, Any] = {"cond": tuple(cond), "reuse_workspace": reuse, "eval_leaves": leaves}
         if spec.kind == "sequence":
             return draft_sequence(
-                self.drafter, committed, min(spec.chain_depth, lim.max_depth), mode=self.req.mode, **kw
+                self.drafter,
+                committed,
+                min(spec.chain_depth, lim.max_depth),
+                mode=self.req.mode,
+                sampling=self.req.sampling,
+                rng=self.req.rng,
+                **kw,
             )
         if spec.kind == "budget":
             return draft_dynamic(

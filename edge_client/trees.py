@@ -260,7 +260,7 @@ def draft_static(
     if stochastic:
         if sampling is None or rng is None:
             raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...) and rng")
-    _check_room(drafter, config, eval_leaves)
+    _check_room(drafter, config, eval_leaves, fresh=not reuse_workspace)
     evals = drafter.stats.extend_calls
     root_id, root_logits = _anchor(drafter, committed, cond, reuse_workspace)
     acc = _Acc(alternatives)
@@ -341,12 +341,15 @@ def _evaluate(drafter: Drafter, acc: _Acc, nodes: list[int], root_id: int) -> li
     return [(n, out[j]) for j, n in enumerate(nodes)]
 
 
-def _check_room(drafter: Drafter, config: ExpansionConfig, eval_leaves: bool) -> None:
+def _check_room(drafter: Drafter, config: ExpansionConfig, eval_leaves: bool, fresh: bool) -> None:
+    """Refuse a tree the workspace cannot hold. fresh: the tree starts from a sync, which empties
+    the workspace first; otherwise it is drafted into the workspace as it is."""
     levels = np.cumprod(config.ks)
     evaluated = levels if eval_leaves else levels[:-1]
     nodes = int(evaluated.sum())
     leaves = int(evaluated[-1]) if evaluated.size else 0
-    if drafter.num_nodes + nodes > drafter.max_nodes or drafter.num_leaves + leaves > drafter.max_leaves:
+    in_use, used_leaves = (0, 0) if fresh else (drafter.num_nodes, drafter.num_leaves)
+    if in_use + nodes > drafter.max_nodes or used_leaves + leaves > drafter.max_leaves:
         raise WorkspaceFullError(
             f"tree {config} evaluates {nodes} nodes on {leaves} branches; the drafter holds "
             f"{drafter.max_nodes} nodes / {drafter.max_leaves} branches ({drafter.num_nodes} / "
@@ -390,7 +393,7 @@ def draft_dynamic(
         raise ValueError(f"dynamic trees are for greedy/match; mode {m.value} needs a static shape")
     if budget < 1 or width < 1 or branch < 1 or max_depth < 1:
         raise ValueError("budget, width, branch and max_depth must be positive")
-    if drafter.num_nodes + budget > drafter.max_nodes:
+    if (drafter.num_nodes if reuse_workspace else 0) + budget > drafter.max_nodes:
         raise WorkspaceFullError(
             f"a budget of {budget} nodes does not fit the drafter's workspace ({drafter.max_nodes} nodes, "
             f"{drafter.num_nodes} in use); lower the budget or raise max_nodes"

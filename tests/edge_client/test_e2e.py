@@ -194,6 +194,21 @@ def test_stochastic_modes_end_to_end_with_a_trusted_key(mode: str, tmp_path) -> 
         acc = st.accepted_per_depth  # type: ignore[attr-defined]
         print(f"{mode}: tau {st.tau:.2f}, acceptance per depth {np.round(acc, 2).tolist()}")  # type: ignore[attr-defined]
         assert st.tau > 1.5  # a self-draft at the target's temperature accepts most draws
+        # a "sequence" draft samples its chain from q as well
+        _, chain_toks, _ = asyncio.run(
+            _generate(
+                srv.ws,
+                drafter,
+                "Tell me a story.",
+                max_new_tokens=12,
+                mode=mode,
+                temperature=1.0,
+                seed=3,
+                api_key="edge-key",
+                tree=TreeSpec("sequence"),
+            )
+        )
+        assert len(chain_toks) == 12 or chain_toks[-1] in tiny().eos_ids
         with pytest.raises(GenerationError) as info:
             asyncio.run(
                 _generate(

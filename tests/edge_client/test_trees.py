@@ -334,3 +334,16 @@ def test_real_dynamic_and_rrs_trees(llama: LlamaCppDrafter) -> None:
         llama, s, mode="rrs", sampling=Sampling(temperature=0.8, top_p=0.95), rng=np.random.default_rng(0)
     )
     r.tree.validate(tok.vocab_size, 64, 16, stochastic=True, without_replacement=True)
+
+
+def test_a_fresh_tree_fits_after_a_full_workspace() -> None:
+    """A tree drafted from a sync starts with an empty workspace, however full it was before."""
+    d = FakeDrafter(64, max_nodes=24)
+    first = draft_static(d, [1, 2, 3], ExpansionConfig((2, 2, 2)), eval_leaves=True)
+    assert d.num_nodes == first.tree.num_nodes == 14
+    with pytest.raises(WorkspaceFullError):
+        draft_static(d, [1, 2, 3], ExpansionConfig((2, 2, 2)), eval_leaves=True, reuse_workspace=True)
+    again = draft_static(d, [1, 2, 3, 4], ExpansionConfig((2, 2, 2)), eval_leaves=True)
+    assert again.tree.num_nodes == 14
+    dyn = draft_dynamic(d, [1, 2, 3, 4, 5], 20)
+    assert dyn.tree.num_nodes == 20
