@@ -25,7 +25,6 @@ import logging
 import os
 import random
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,6 +37,7 @@ from tqdm import tqdm
 from bench.proposer import LookupConfig, propose
 from cloud_verifier.config import ServerConfig
 from cloud_verifier.model import Target, TargetTokenizer, load_target
+from cloud_verifier.server import ThreadedServer
 from shared.errors import ErrorCode
 from shared.messages import Error, Hello, Mode, Prompt, Stale, Tree, Verdict, Welcome
 from shared.protocol import ClientProtocol
@@ -104,52 +104,24 @@ class PromptCycle:
 
 
 # --------------------------------------------------------------------------------------- server
-class InProcessServer:
-    """The real service (uvicorn, WebSocket) on a free loopback port in a daemon thread, serving an
-    already-loaded target, so several runs (batched, unbatched) share one model load."""
+class InProcessServer(ThreadedServer):
+    """The real service in a daemon thread serving an already-loaded target, so several runs
+    (batched, unbatched) share one model load; its engine counts the forwards."""
 
     def __init__(self, config: ServerConfig, target: Target) -> None:
-        import uvicorn
-
-        from cloud_verifier.server import create_app
-
         # open access is what a loopback bench server wants: not worth a warning per run
         logging.getLogger("cloud_verifier.auth").setLevel(logging.ERROR)
-        self.app = create_app(config, target=target)
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                self.app,
-                host="127.0.0.1",
-                port=0,
-                log_level="warning",
-                ws="websockets-sansio",
-                ws_max_size=config.max_bytes,
-                lifespan="on",
-                timeout_graceful_shutdown=10,
-            )
-        )
-        self.thread = threading.Thread(target=self.server.run, name="verifier", daemon=True)
-        self.url = ""
+        super().__init__(config, target)
 
     def __enter__(self) -> InProcessServer:
-        self.thread.start()
-        deadline = time.monotonic() + 120
-        state = self.app.state.verifier
-        while not (self.server.started and state.ready):
-            if state.load_error or not self.thread.is_alive() or time.monotonic() > deadline:
-                raise BenchError(f"the verifier did not get ready: {state.load_error or 'timeout'}")
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"ws://127.0.0.1:{port}/v1/session"
+        try:
+            self.start(timeout=120)
+        except RuntimeError as exc:
+            raise BenchError(str(exc)) from exc
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        # the lifespan stops the engine after its step in flight, so runs never overlap
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-
     def forwards(self) -> int:
-        engine = self.app.state.verifier.engine
+        engine = self.state.engine
         return int(engine.forwards) if engine is not None else 0
 
 

@@ -236,3 +236,77 @@ def serve(config: ServerConfig) -> None:
         ws_ping_interval=config.ping_interval_s,
         ws_ping_timeout=config.ping_interval_s,
     )
+
+
+class ThreadedServer:
+    """The service on uvicorn in a daemon thread, on a free loopback port by default.
+
+    For embedding the verifier next to other code, and for tests and benches that serve an
+    already-loaded target: `with ThreadedServer(config, target) as srv: ... srv.url ...`.
+    """
+
+    def __init__(
+        self, config: ServerConfig, target: Target | None = None, host: str = "127.0.0.1", port: int = 0
+    ) -> None:
+        import threading
+
+        import uvicorn
+
+        self.config = config
+        self.app = create_app(config, target=target)
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host=host,
+                port=port,
+                log_level="warning",
+                ws="websockets-sansio",
+                ws_max_size=config.max_bytes,
+                ws_ping_interval=config.ping_interval_s,
+                ws_ping_timeout=config.ping_interval_s,
+                lifespan="on",
+                timeout_graceful_shutdown=10,
+            )
+        )
+        self.thread = threading.Thread(target=self.server.run, name="verifier", daemon=True)
+        self.host = host
+        self.port = port
+
+    @property
+    def state(self) -> AppState:
+        state: AppState = self.app.state.verifier
+        return state
+
+    @property
+    def url(self) -> str:
+        return f"ws://{self.host}:{self.port}/v1/session"
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 300.0) -> ThreadedServer:
+        """Start and wait until /readyz would answer 200 (RuntimeError if loading fails)."""
+        import time
+
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not (self.server.started and self.state.ready):
+            if self.state.load_error or not self.thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the verifier did not get ready: {self.state.load_error or 'timeout'}")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        """Stop serving; the lifespan stops the engine after its step in flight."""
+        self.server.should_exit = True
+        if self.thread.is_alive():
+            self.thread.join(timeout=60)
+
+    def __enter__(self) -> ThreadedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

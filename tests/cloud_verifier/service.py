@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from cloud_verifier.config import ServerConfig
 from cloud_verifier.model import Target, greedy_generate, load_target
-from cloud_verifier.server import create_app
+from cloud_verifier.server import ThreadedServer, create_app
 from shared.messages import Error, Hello, Message, Mode, Prompt, Stale, Tree, Verdict, Welcome
 from shared.protocol import ClientProtocol
 from shared.tree import TokenTree
@@ -145,52 +145,20 @@ def run_greedy(
         sess.tree(scripted_tree(rng, list(sess.proto.committed), ref, nodes))
 
 
-class LiveServer:
-    """The real service on uvicorn, on a free loopback port, in a background thread."""
+class LiveServer(ThreadedServer):
+    """The real service on uvicorn (loopback, free port) serving `tiny` unless told otherwise."""
 
     def __init__(self, config: ServerConfig = BASE, target: Target | None = None, **overrides: Any) -> None:
-        import threading
-
-        import uvicorn
-
-        cfg = replace(config, **overrides)
-        self.app = create_app(cfg, target=target or tiny())
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                self.app,
-                host="127.0.0.1",
-                port=0,
-                log_level="warning",
-                ws="websockets-sansio",
-                ws_max_size=cfg.max_bytes,
-                lifespan="on",
-            )
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        super().__init__(replace(config, **overrides), target=target or tiny())
 
     def __enter__(self) -> LiveServer:
-        import httpx
-
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not (self.server.started and self.server.servers):
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.http = f"http://127.0.0.1:{port}"
-        self.ws = f"ws://127.0.0.1:{port}/v1/session"
-        while httpx.get(self.http + "/readyz").status_code != 200:
-            assert time.monotonic() < deadline, "service not ready"
-            time.sleep(0.02)
+        self.start()
+        self.ws = self.url
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
     @property
     def engine(self) -> Any:
-        return self.app.state.verifier.engine
+        return self.state.engine
 
 
 class AsyncSession:
