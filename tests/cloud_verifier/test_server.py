@@ -217,6 +217,38 @@ def test_trust_policy_with_a_key_file(tmp_path) -> None:  # type: ignore[no-unty
                 v = sess.recv()
                 assert isinstance(v, Verdict)
             assert len(sess.proto.committed) == len(p) + 6
+            # malformed distributions: each an error naming the field, the session goes on
+            sess.prompt(Prompt(tokens=p, mode=Mode.MSS, temperature=1.0, max_new_tokens=6))
+            assert isinstance(sess.recv(), Verdict)
+            L = len(sess.proto.committed)
+            one = SparseRows(np.array([0, 1]), np.array([3], np.int32), np.array([65536], np.int64))
+            zero_mass = TokenTree.build(
+                [5],
+                [-1],
+                base=L,
+                draws=Draws(np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), one),
+            )
+            bad_sum = SparseRows(
+                np.array([0, 2]), np.array([3, 5], np.int32), np.array([30000, 30000], np.int64)
+            )
+            short = TokenTree.build(
+                [5],
+                [-1],
+                base=L,
+                draws=Draws(np.zeros(1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32), bad_sum),
+            )
+            for bad, fld in ((zero_mass, "tree.draws.qrow"), (short, "tree.draws.q_weights")):
+                sess.send_raw(encode(Tree(sess.proto.last_round + 1, bad)))
+                sess.proto.last_round += 1
+                e = sess.recv()
+                assert isinstance(e, Error) and e.code is ErrorCode.BAD_DISTRIBUTION and e.field == fld, e
+                assert not e.fatal
+            # negative weights cannot be written: a weight travels as u16 (weight - 1)
+            v = None
+            while v is None or not v.done:
+                sess.tree(_q_tree(len(sess.proto.committed), [3, 4, 11], [20000, 20000, 25536]))
+                v = sess.recv()
+                assert isinstance(v, Verdict)
 
 
 def test_max_sessions_answers_try_again_later() -> None:
@@ -334,7 +366,7 @@ BAD_CASES = [
         None,
     ),
     (
-        "draws in greedy mode (zero-mass q)",
+        "draws in a deterministic mode",
         True,
         lambda L: encode(Tree(1, _q_tree(L, [5], [65536]))),
         ErrorCode.BAD_TREE,
