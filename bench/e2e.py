@@ -67,6 +67,13 @@ class ModeRuns:
     decided: int = 0
     hits_by_depth: dict[int, int] = field(default_factory=dict)
     decided_by_depth: dict[int, int] = field(default_factory=dict)
+    # over every generation: drafting on the critical path (one entry per synchronous draft), the
+    # server's verify time and the network time (send -> verdict minus verify) per round, and the
+    # pre-speculative drafting done off the critical path
+    round_draft_ms: list[float] = field(default_factory=list)
+    round_verify_ms: list[float] = field(default_factory=list)
+    round_rtt_ms: list[float] = field(default_factory=list)
+    prespec_ms: float = 0.0
 
     def add(self, gen: Generation, forwards: float) -> None:
         st = gen.stats
@@ -85,6 +92,10 @@ class ModeRuns:
             self.hits_by_depth[k] = self.hits_by_depth.get(k, 0) + v
         for k, v in st.decided_by_depth.items():
             self.decided_by_depth[k] = self.decided_by_depth.get(k, 0) + v
+        self.round_draft_ms.extend(st.draft_ms)
+        self.round_verify_ms.extend(st.verify_ms)
+        self.round_rtt_ms.extend(st.rtt_ms)
+        self.prespec_ms += st.prespec_ms
 
     def summary(self) -> dict[str, Any]:
         def med(x: list[float]) -> float:
@@ -102,6 +113,11 @@ class ModeRuns:
                 str(k): round(self.hits_by_depth.get(k, 0) / n, 4)
                 for k, n in sorted(self.decided_by_depth.items())
             },
+            # mean over rounds: a round whose tree was pre-speculated drafts nothing on the path
+            "draft_ms_per_round": round(sum(self.round_draft_ms) / self.rounds, 4) if self.rounds else 0.0,
+            "verify_ms_per_round": med(self.round_verify_ms),
+            "rtt_ms_per_round": med(self.round_rtt_ms),
+            "prespec_draft_ms_per_round": round(self.prespec_ms / self.rounds, 4) if self.rounds else 0.0,
         }
 
 

@@ -207,6 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "target_forwards_per_token": s["target_forwards_per_token"],
                                 "bytes_up_per_token": s["bytes_up_per_token"],
                                 "bytes_down_per_token": s["bytes_down_per_token"],
+                                "draft_ms_per_round": s["draft_ms_per_round"],
+                                "verify_ms_per_round": s["verify_ms_per_round"],
+                                "rtt_ms_per_round": s["rtt_ms_per_round"],
+                                "prespec_draft_ms_per_round": s["prespec_draft_ms_per_round"],
                             }
                         )
                     print(f"rtt {rtt:g} ms, T={temp:g}: done", flush=True)
@@ -226,10 +230,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r["target_forwards_per_token"],
                     r["bytes_up_per_token"],
                     r["bytes_down_per_token"],
+                    r["draft_ms_per_round"],
+                    r["verify_ms_per_round"],
+                    r["rtt_ms_per_round"],
                 ]
                 for r in rows
             ],
-            ["rtt", "T", "mode", "ms/token", "tau", "hit", "fwd/token", "B up/tok", "B down/tok"],
+            [
+                "rtt",
+                "T",
+                "mode",
+                "ms/token",
+                "tau",
+                "hit",
+                "fwd/token",
+                "B up/tok",
+                "B down/tok",
+                "draft ms/rnd",
+                "verify ms/rnd",
+                "net ms/rnd",
+            ],
         )
     )
     _goals(rows)
