@@ -22,7 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.harness import BenchPrompt, CoreSplit, Verifier, load_prompts, table
-from edge_client.client import EdgeClient, Generation, TreeSpec
+from edge_client.client import EdgeClient, Generation, PrespecConfig, TreeSpec
 from edge_client.drafters.registry import create_drafter
 from edge_client.transport import LinkShape
 from shared.messages import Mode
@@ -37,7 +37,7 @@ class Variant:
 
     ar: bool = False
     tree: TreeSpec | None = None
-    prespec: bool = False
+    prespec: bool | PrespecConfig = False
 
 
 def variants(names: Sequence[str], tree: ExpansionConfig) -> dict[str, Variant]:
@@ -46,6 +46,8 @@ def variants(names: Sequence[str], tree: ExpansionConfig) -> dict[str, Variant]:
         "sequence": Variant(tree=TreeSpec("sequence", tree)),
         "tree": Variant(tree=TreeSpec("static", tree)),
         "tree_prespec": Variant(tree=TreeSpec("static", tree), prespec=True),
+        # pre-speculation without the cost gate: every predicted outcome up to the fan-out
+        "tree_prespec_ungated": Variant(tree=TreeSpec("static", tree), prespec=PrespecConfig(gate=False)),
         "sequence_prespec": Variant(tree=TreeSpec("sequence", tree), prespec=True),
         "budget": Variant(tree=TreeSpec("budget")),
         "budget_prespec": Variant(tree=TreeSpec("budget"), prespec=True),
@@ -74,6 +76,7 @@ class ModeRuns:
     round_verify_ms: list[float] = field(default_factory=list)
     round_rtt_ms: list[float] = field(default_factory=list)
     prespec_ms: float = 0.0
+    prespec_sent: int = 0
 
     def add(self, gen: Generation, forwards: float) -> None:
         st = gen.stats
@@ -96,6 +99,7 @@ class ModeRuns:
         self.round_verify_ms.extend(st.verify_ms)
         self.round_rtt_ms.extend(st.rtt_ms)
         self.prespec_ms += st.prespec_ms
+        self.prespec_sent += st.prespec_sent
 
     def summary(self) -> dict[str, Any]:
         def med(x: list[float]) -> float:
@@ -118,6 +122,7 @@ class ModeRuns:
             "verify_ms_per_round": med(self.round_verify_ms),
             "rtt_ms_per_round": med(self.round_rtt_ms),
             "prespec_draft_ms_per_round": round(self.prespec_ms / self.rounds, 4) if self.rounds else 0.0,
+            "prespec_trees_per_round": round(self.prespec_sent / self.rounds, 4) if self.rounds else 0.0,
         }
 
 

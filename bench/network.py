@@ -31,7 +31,7 @@ from shared.messages import Mode
 from shared.tree import ExpansionConfig
 
 MODES = ("ar", "sequence", "tree", "tree_prespec")
-OPTIONAL = ("sequence_prespec", "budget", "budget_prespec")
+OPTIONAL = ("tree_prespec_ungated", "sequence_prespec", "budget", "budget_prespec")
 
 
 class Proxy:
@@ -200,10 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "temperature": temp,
                                 "ms_per_token": s["ms_per_token"],
                                 "tau": s["tau"],
-                                "hit_rate": s["hit_rate"] if m.endswith("prespec") else None,
-                                "hit_rate_by_depth": s["hit_rate_by_depth"]
-                                if m.endswith("prespec")
-                                else None,
+                                "hit_rate": s["hit_rate"] if "prespec" in m else None,
+                                "hit_rate_by_depth": s["hit_rate_by_depth"] if "prespec" in m else None,
                                 "target_forwards_per_token": s["target_forwards_per_token"],
                                 "bytes_up_per_token": s["bytes_up_per_token"],
                                 "bytes_down_per_token": s["bytes_down_per_token"],
@@ -211,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "verify_ms_per_round": s["verify_ms_per_round"],
                                 "rtt_ms_per_round": s["rtt_ms_per_round"],
                                 "prespec_draft_ms_per_round": s["prespec_draft_ms_per_round"],
+                                "prespec_trees_per_round": s["prespec_trees_per_round"],
                             }
                         )
                     print(f"rtt {rtt:g} ms, T={temp:g}: done", flush=True)

@@ -19,6 +19,13 @@ F_k proportional to P(k)^(1/(1+r)), where P(k) is the probability that exactly k
 accepted; with a per-depth acceptance rate a, P(k) ~ a^k (1 - a) and the fan-out decays
 geometrically with k, capped by the guesses available at that depth. Within depth k the F_k most
 likely (node, bonus) pairs are taken.
+
+Cost gate (worth_drafting). The edge drafts on one thread, so a speculative draft still running
+when a verdict arrives delays the synchronous draft a miss needs. Each candidate is drafted only
+while its expected saving (a hit takes the drafting and the round trip off the critical path)
+outweighs its expected cost (a miss waits for what is left of the draft). Where hits are rare and
+the round trip short (sampling at RTT 0) it drafts almost nothing and costs what plain trees cost;
+where the round trip is long it drafts freely, since the drafts end before the verdict comes.
 """
 
 from __future__ import annotations
@@ -232,6 +239,35 @@ def predict_outcomes(
         path = tree.path_tokens(j) if j >= 0 else []
         out.append(Outcome(j, int(toks[i]), float(probs[i]), int(depth[i]), (*path, int(toks[i]))))
     return out
+
+
+def worth_drafting(
+    p_hit: float, p_fallback: float, draft_ms: float, rtt_ms: float, time_left_ms: float
+) -> bool:
+    """The cost gate: is drafting one more conditional tree now expected to save time?
+
+    The edge drafts on one thread, so a speculative draft still running when the verdict in flight
+    arrives delays the synchronous fallback draft that a miss needs. Drafting pays off when
+
+        p_hit * (rtt_ms + draft_ms)  >=  p_fallback * max(0, draft_ms - time_left_ms)
+
+    gain: with probability p_hit the tree is verified with no round trip and no drafting on the
+    critical path (both are what a synchronous round would have cost); loss: with probability
+    p_fallback the next verdict matches no conditional tree, and the fallback waits for whatever
+    of this draft is left when the verdict arrives (time_left_ms from now).
+
+    p_hit:        probability that this tree is verified (given the tree in flight is)
+    p_fallback:   probability that the next verdict needs a synchronous draft, with this tree sent
+    draft_ms:     expected drafting time of one tree
+    rtt_ms:       expected round trip
+    time_left_ms: expected time until the verdict in flight arrives
+    """
+    for name, v in (("p_hit", p_hit), ("p_fallback", p_fallback)):
+        if not 0.0 <= v <= 1.0 + 1e-9:
+            raise ValueError(f"{name} must be a probability, got {v}")
+    gain = p_hit * (max(rtt_ms, 0.0) + max(draft_ms, 0.0))
+    loss = p_fallback * max(0.0, draft_ms - max(time_left_ms, 0.0))
+    return gain >= loss
 
 
 def rebase(tree: TokenTree, known: int) -> TokenTree:

@@ -32,7 +32,15 @@ import numpy as np
 
 from edge_client.budget import AcceptanceCalibration, choose_budget, geometric_gains
 from edge_client.drafters.base import Drafter, WorkspaceFullError
-from edge_client.prespec import ChoiceModel, Outcome, predict_outcomes, reach_probabilities, rebase, replay
+from edge_client.prespec import (
+    ChoiceModel,
+    Outcome,
+    predict_outcomes,
+    reach_probabilities,
+    rebase,
+    replay,
+    worth_drafting,
+)
 from edge_client.stats import GenerationStats
 from edge_client.trees import DraftResult, Sampling, draft_dynamic, draft_sequence, draft_static
 from shared.messages import Error, Mode, Prompt, Stale, Tree, Verdict, Welcome
@@ -73,6 +81,9 @@ class PrespecConfig:
     byte_budget: bytes of conditional trees sent between two verdicts
     allocation:  "geometric" (Saguaro) or "top" (simply the most likely outcomes)
     r:           power-law exponent of the miss rate in the geometric rule
+    gate:        draft a conditional tree only when its expected saving (hit: no drafting and no
+                 round trip on the critical path) outweighs its expected cost (miss: the fallback
+                 draft waits for it on the edge's one drafting thread); edge_client.prespec.worth_drafting
     """
 
     fanout: int = 3
@@ -80,6 +91,7 @@ class PrespecConfig:
     byte_budget: int = 64 * 1024
     allocation: str = "geometric"
     r: float = 1.0
+    gate: bool = True
 
 
 @dataclass(frozen=True)
@@ -137,6 +149,10 @@ class RoundDriver:
             prompt.temperature if req.mode is not Mode.GREEDY else 0.0
         )
         self.in_flight: int | None = None
+        # running estimates for the cost gate (PrespecConfig.gate)
+        self._draft_est_ms: float | None = None
+        self._verify_est_ms = 0.0
+        self._verdict_due: float | None = None  # perf_counter time the verdict in flight is expected
 
     # ------------------------------------------------------------------ drafting (drafter thread)
     async def _draft(self, fn: Callable[[], Any]) -> Any:
@@ -231,11 +247,13 @@ class RoundDriver:
         if self.req.mode is not Mode.AR:
             first = await self._draft(functools.partial(self._plain, prompt_full))
             st.draft_ms.append(first.draft_ms)
+            self._note_draft(first.draft_ms)
         prompt = self.prompt if first is None else dataclasses.replace(self.prompt, tree=first.tree)
         t_sent = time.perf_counter()
         await client.send(client.proto.prompt(prompt))
         if first is not None:
             self.specs[0] = Speculation(0, first, prompt_full, 1.0, None, t_sent)
+            self._verdict_due = t_sent + (client.rtt_estimate_ms + self._verify_est_ms) / 1e3
             self._expand(0)
         self.in_flight = 0
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -272,6 +290,7 @@ class RoundDriver:
                 self.heap.clear()
                 dr = await self._draft(functools.partial(self._plain, committed))
                 st.draft_ms.append(dr.draft_ms)
+                self._note_draft(dr.draft_ms)
                 await self._send_tree(dr, committed, 1.0, None)
         finally:
             pump.cancel()
@@ -298,6 +317,8 @@ class RoundDriver:
         client.last_draft = dr
         if self.in_flight is None and tuple(client.proto.committed) == full:
             self.in_flight = rid
+            sent = self.specs[rid].sent_at
+            self._verdict_due = sent + (client.rtt_estimate_ms + self._verify_est_ms) / 1e3
         self._expand_all()
         return rid
 
@@ -337,7 +358,33 @@ class RoundDriver:
         proto = self.client.proto
         if len(proto.outstanding) >= self.welcome.limits.max_pending + 1:
             return False
-        return self._bytes_since_verdict < cfg.byte_budget
+        if self._bytes_since_verdict >= cfg.byte_budget:
+            return False
+        if cfg.gate and not self._worth_next():
+            self.stats.prespec_gated += 1
+            return False
+        return True
+
+    def _note_draft(self, ms: float) -> None:
+        e = self._draft_est_ms
+        self._draft_est_ms = ms if e is None else 0.7 * e + 0.3 * ms
+
+    def _worth_next(self) -> bool:
+        """The cost gate (edge_client.prespec.worth_drafting) for the most likely candidate."""
+        if self._draft_est_ms is None or self.in_flight is None:
+            return True
+        neg_p, _, parent, _ = self.heap[0]
+        live = self.specs.get(self.in_flight)
+        base = live.prob if live is not None and live.prob > 0 else 1.0
+        p_hit = min(1.0, -neg_p / base)
+        # the outcomes of the tree in flight that already have a conditional tree at the server
+        cover = sum(s.prob for s in self.specs.values() if s.parent == self.in_flight) / base
+        if parent == self.in_flight:
+            cover += p_hit
+        p_fallback = min(1.0, max(0.0, 1.0 - cover))
+        due = self._verdict_due
+        left = 0.0 if due is None else (due - time.perf_counter()) * 1e3
+        return worth_drafting(p_hit, p_fallback, self._draft_est_ms, self.client.rtt_estimate_ms, left)
 
     async def _prespeculate_one(self) -> None:
         _, _, parent, outcome = heapq.heappop(self.heap)
@@ -355,6 +402,7 @@ class RoundDriver:
         self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
         if dr is None:
             return
+        self._note_draft(dr.draft_ms)
         now = tuple(self.client.proto.committed)
         if self.client.proto.state is not ClientState.GENERATING:
             return  # the generation ended (its last verdict is waiting in the queue)
@@ -372,6 +420,8 @@ class RoundDriver:
         st.rounds += 1
         st.tokens += len(v.tokens)
         st.verify_ms.append(v.verify_ms)
+        e = self._verify_est_ms
+        self._verify_est_ms = v.verify_ms if not e else 0.7 * e + 0.3 * v.verify_ms
         if spec is not None:
             tree = spec.draft.tree
             st.tree_nodes.append(tree.num_nodes)
@@ -392,6 +442,8 @@ class RoundDriver:
             matching = [r for r, s in self.specs.items() if s.full == committed and r in proto.outstanding]
             nxt = max(matching) if matching else None
         self.in_flight = None if v.done else nxt
+        # a conditional tree that matched is verified right away: its verdict follows in one verify
+        self._verdict_due = None if nxt is None else now + self._verify_est_ms / 1e3
         if not v.done and not self.cancelled and self.req.mode is not Mode.AR:
             st.record_outcome(len(v.accepted_nodes), nxt is not None)
         # forget what can no longer happen

@@ -10,7 +10,14 @@ import pytest
 from bench.harness import load_prompts
 from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
 from edge_client.drafters.registry import create_drafter
-from edge_client.prespec import ChoiceModel, geometric_fanout, predict_outcomes, rebase, replay
+from edge_client.prespec import (
+    ChoiceModel,
+    geometric_fanout,
+    predict_outcomes,
+    rebase,
+    replay,
+    worth_drafting,
+)
 from edge_client.transport import LinkShape
 from edge_client.trees import draft_static
 from shared.tree import ExpansionConfig, TokenTree
@@ -84,10 +91,12 @@ def test_rebase_and_replay() -> None:
 
 
 def _run(
-    url: str, drafter: object, prompt: str, prespec: bool, rtt: float = 30.0, **kw: object
+    url: str, drafter: object, prompt: str, prespec: bool | PrespecConfig, rtt: float = 30.0, **kw: object
 ) -> tuple[list[int], object]:
     async def go() -> tuple[list[int], object]:
-        cfg = PrespecConfig(fanout=3) if prespec else False
+        cfg: PrespecConfig | bool = prespec
+        if prespec is True:
+            cfg = PrespecConfig(fanout=3)
         async with EdgeClient(url, drafter, prespec=cfg, link=LinkShape.rtt(rtt), tree=TreeSpec()) as c:  # type: ignore[arg-type]
             async for _ in c.generate(prompt, **kw):  # type: ignore[arg-type]
                 pass
@@ -162,3 +171,46 @@ def test_misses_and_stales_end_to_end() -> None:
     compare(toks, ref, gaps)
     assert st.prespec_sent > 0 and st.hit_rate is not None and st.hit_rate < 0.5  # type: ignore[attr-defined]
     assert stale > 0
+
+
+def test_cost_gate_weighs_the_saving_against_the_delayed_fallback() -> None:
+    # a likely outcome: drafting it saves a whole draft on the critical path
+    assert worth_drafting(0.8, 0.2, draft_ms=200.0, rtt_ms=0.0, time_left_ms=35.0)
+    # an unlikely one with the verdict about to arrive: the fallback would wait for it
+    assert not worth_drafting(0.2, 0.8, draft_ms=200.0, rtt_ms=0.0, time_left_ms=35.0)
+    # the same outcome pays off when the round trip it saves is long
+    assert worth_drafting(0.2, 0.8, draft_ms=200.0, rtt_ms=500.0, time_left_ms=35.0)
+    # a draft that ends before the verdict arrives costs nothing on the critical path
+    assert worth_drafting(0.01, 1.0, draft_ms=50.0, rtt_ms=0.0, time_left_ms=80.0)
+    # nothing to gain: never worth a delay
+    assert not worth_drafting(0.0, 1.0, draft_ms=50.0, rtt_ms=0.0, time_left_ms=10.0)
+    with pytest.raises(ValueError, match="p_hit"):
+        worth_drafting(1.5, 0.2, draft_ms=1.0, rtt_ms=0.0, time_left_ms=0.0)
+    with pytest.raises(ValueError, match="p_fallback"):
+        worth_drafting(0.5, -0.1, draft_ms=1.0, rtt_ms=0.0, time_left_ms=0.0)
+
+
+def test_cost_gate_holds_back_unlikely_trees_on_a_slow_drafter() -> None:
+    """A slow drafter with scrambled rankings and no round trip: the gate drafts fewer conditional
+    trees (less drafting off the critical path) than pre-speculation without it, and the output is
+    the same either way."""
+    import time
+
+    drafter = create_drafter("torch", "tiny")
+    rng = np.random.default_rng(1)
+    evaluate = drafter._evaluate
+
+    def slow_noisy(first: int, count: int) -> np.ndarray:
+        time.sleep(0.02)
+        out = np.array(evaluate(first, count))
+        return out + rng.normal(0, 50.0, out.shape).astype(np.float32)
+
+    drafter._evaluate = slow_noisy  # type: ignore[method-assign]
+    p = load_prompts(1)[0].text
+    with LiveServer(max_pending=6) as srv:
+        gated, st_g = _run(srv.ws, drafter, p, PrespecConfig(fanout=3), rtt=0.0, max_new_tokens=12)
+        free, st_f = _run(srv.ws, drafter, p, PrespecConfig(fanout=3, gate=False), rtt=0.0, max_new_tokens=12)
+    assert gated == free
+    assert st_g.prespec_gated > 0 and st_f.prespec_gated == 0  # type: ignore[attr-defined]
+    # without the gate the drafter spends time on trees the verdict overtakes (mostly never sent)
+    assert st_g.prespec_ms < st_f.prespec_ms  # type: ignore[attr-defined]
