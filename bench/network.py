@@ -213,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             }
                         )
                     print(f"rtt {rtt:g} ms, T={temp:g}: done", flush=True)
+                    _write(a, rows, complete=False)  # a crash later keeps what is measured
         finally:
             drafter.close()
     print(f"\n{a.model} verifier, draft {a.draft}, {a.prompts} prompts x {a.tokens} tokens (medians)")
@@ -252,13 +253,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     _goals(rows)
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"rows": rows, "config": vars(a)}, indent=2))
+    _write(a, rows, complete=True)
     if a.plot:
         plot(rows, a.plot)
         print(f"plot: {a.plot}")
     return 0
+
+
+def _write(a: argparse.Namespace, rows: list[dict[str, Any]], complete: bool) -> None:
+    """The JSON file, rewritten after every RTT x temperature block (`complete` false until the end)."""
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"rows": rows, "complete": complete, "config": vars(a)}
+        Path(a.json).write_text(json.dumps(doc, indent=2))
 
 
 def _goals(rows: list[dict[str, Any]]) -> None:

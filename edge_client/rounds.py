@@ -270,19 +270,24 @@ class RoundDriver:
                     raise client.refused(msg)
                 if isinstance(msg, Stale):
                     self.specs.pop(msg.round, None)
+                    if msg.round != self.in_flight or client.proto.state is not ClientState.GENERATING:
+                        continue
+                    # the tree taken for current (one still on its way when the verdict came) was
+                    # refused after all: nothing is in flight, draft below the committed sequence
+                    self.in_flight = None
+                elif isinstance(msg, Verdict):
+                    reanchor = self._on_verdict(msg)
+                    yield msg
+                    if msg.done:
+                        return
+                    if reanchor is not None:
+                        # a run of hits filled the workspace: move the anchor, replay the tree in flight
+                        spec, committed_now = reanchor
+                        await self._draft(functools.partial(self._reanchor, spec, committed_now))
+                        self._expanded.discard(spec.round)
+                        self._expand(spec.round)
+                else:
                     continue
-                if not isinstance(msg, Verdict):
-                    continue
-                reanchor = self._on_verdict(msg)
-                yield msg
-                if msg.done:
-                    return
-                if reanchor is not None:
-                    # a run of hits filled the workspace: move the anchor, replay the tree in flight
-                    spec, committed_now = reanchor
-                    await self._draft(functools.partial(self._reanchor, spec, committed_now))
-                    self._expanded.discard(spec.round)
-                    self._expand(spec.round)
                 if self.cancelled or self.req.mode is Mode.AR or self.in_flight is not None:
                     continue
                 # a miss: draft synchronously below the committed sequence
@@ -291,6 +296,11 @@ class RoundDriver:
                 dr = await self._draft(functools.partial(self._plain, committed))
                 st.draft_ms.append(dr.draft_ms)
                 self._note_draft(dr.draft_ms)
+                now = client.proto
+                if now.state is not ClientState.GENERATING or tuple(now.committed) != committed:
+                    # a verdict came in while drafting (the generation may even have ended): this
+                    # tree can no longer be current; the verdict waits in the queue and decides
+                    continue
                 await self._send_tree(dr, committed, 1.0, None)
         finally:
             pump.cancel()
