@@ -290,7 +290,10 @@ class RoundDriver:
                     continue
                 if self.cancelled or self.req.mode is Mode.AR or self.in_flight is not None:
                     continue
-                # a miss: draft synchronously below the committed sequence
+                # a miss: draft synchronously below the committed sequence. The pump decodes ahead of
+                # this loop, so later verdicts may already be queued (and the generation over).
+                if client.proto.state is not ClientState.GENERATING:
+                    continue
                 committed = tuple(client.proto.committed)
                 self.heap.clear()
                 dr = await self._draft(functools.partial(self._plain, committed))
@@ -299,7 +302,7 @@ class RoundDriver:
                 now = client.proto
                 if now.state is not ClientState.GENERATING or tuple(now.committed) != committed:
                     # a verdict came in while drafting (the generation may even have ended): this
-                    # tree can no longer be current; the verdict waits in the queue and decides
+                    # tree is not current; the verdict waits in the queue and decides what follows
                     continue
                 await self._send_tree(dr, committed, 1.0, None)
         finally:
