@@ -263,7 +263,7 @@ class RoundDriver:
                 if self._can_prespeculate() and queue.empty():
                     await self._prespeculate_one()
                     continue
-                msg = await queue.get()
+                msg, received = await queue.get()
                 if isinstance(msg, BaseException):
                     raise msg
                 if isinstance(msg, Error):
@@ -276,7 +276,7 @@ class RoundDriver:
                     # refused after all: nothing is in flight, draft below the committed sequence
                     self.in_flight = None
                 elif isinstance(msg, Verdict):
-                    reanchor = self._on_verdict(msg)
+                    reanchor = self._on_verdict(msg, received)
                     yield msg
                     if msg.done:
                         return
@@ -313,9 +313,11 @@ class RoundDriver:
             try:
                 msg = await self.client.recv()
             except BaseException as exc:  # a broken connection reaches the loop as an exception
-                await queue.put(exc)
+                await queue.put((exc, time.perf_counter()))
                 return
-            await queue.put(msg)
+            # stamped on arrival: the loop may be busy drafting when it comes, and the round trip
+            # (stats, dynamic budgets, the cost gate) must not count that wait
+            await queue.put((msg, time.perf_counter()))
 
     async def _send_tree(
         self, dr: DraftResult, full: tuple[int, ...], prob: float, parent: int | None
@@ -425,10 +427,10 @@ class RoundDriver:
         self.stats.prespec_sent += 1
 
     # ------------------------------------------------------------------ verdicts
-    def _on_verdict(self, v: Verdict) -> tuple[Speculation, tuple[int, ...]] | None:
-        """Account a verdict; find the tree now in flight; returns what to re-anchor on, if needed."""
+    def _on_verdict(self, v: Verdict, now: float) -> tuple[Speculation, tuple[int, ...]] | None:
+        """Account a verdict (received at perf_counter time `now`); find the tree now in flight;
+        returns what to re-anchor on, if needed."""
         st, proto = self.stats, self.client.proto
-        now = time.perf_counter()
         spec = self.specs.pop(v.round, None)
         st.rounds += 1
         st.tokens += len(v.tokens)
