@@ -77,6 +77,7 @@ class ModeRuns:
     round_rtt_ms: list[float] = field(default_factory=list)
     prespec_ms: float = 0.0
     prespec_sent: int = 0
+    prespec_cancelled: int = 0
 
     def add(self, gen: Generation, forwards: float) -> None:
         st = gen.stats
@@ -100,6 +101,7 @@ class ModeRuns:
         self.round_rtt_ms.extend(st.rtt_ms)
         self.prespec_ms += st.prespec_ms
         self.prespec_sent += st.prespec_sent
+        self.prespec_cancelled += st.prespec_cancelled
 
     def summary(self) -> dict[str, Any]:
         def med(x: list[float]) -> float:
@@ -123,6 +125,10 @@ class ModeRuns:
             "rtt_ms_per_round": med(self.round_rtt_ms),
             "prespec_draft_ms_per_round": round(self.prespec_ms / self.rounds, 4) if self.rounds else 0.0,
             "prespec_trees_per_round": round(self.prespec_sent / self.rounds, 4) if self.rounds else 0.0,
+            # conditional drafts abandoned mid-way because a verdict ruled their outcome out
+            "prespec_cancelled_per_round": round(self.prespec_cancelled / self.rounds, 4)
+            if self.rounds
+            else 0.0,
         }
 
 

@@ -242,32 +242,42 @@ def predict_outcomes(
 
 
 def worth_drafting(
-    p_hit: float, p_fallback: float, draft_ms: float, rtt_ms: float, time_left_ms: float
+    p_hit: float,
+    p_fallback: float,
+    draft_ms: float,
+    rtt_ms: float,
+    time_left_ms: float,
+    step_ms: float | None = None,
 ) -> bool:
     """The cost gate: is drafting one more conditional tree now expected to save time?
 
     The edge drafts on one thread, so a speculative draft still running when the verdict in flight
     arrives delays the synchronous fallback draft that a miss needs. Drafting pays off when
 
-        p_hit * (rtt_ms + draft_ms)  >=  p_fallback * max(0, draft_ms - time_left_ms)
+        p_hit * (rtt_ms + draft_ms)  >=  p_fallback * min(max(0, draft_ms - time_left_ms), step_ms)
 
     gain: with probability p_hit the tree is verified with no round trip and no drafting on the
     critical path (both are what a synchronous round would have cost); loss: with probability
     p_fallback the next verdict matches no conditional tree, and the fallback waits for whatever
-    of this draft is left when the verdict arrives (time_left_ms from now).
+    of this draft is left when the verdict arrives (time_left_ms from now), or, where drafting is
+    abandoned between evaluations once a verdict rules the tree out, for at most one evaluation.
 
     p_hit:        probability that this tree is verified (given the tree in flight is)
     p_fallback:   probability that the next verdict needs a synchronous draft, with this tree sent
     draft_ms:     expected drafting time of one tree
     rtt_ms:       expected round trip
     time_left_ms: expected time until the verdict in flight arrives
+    step_ms:      one drafter evaluation, where drafting can be abandoned between them (None: it
+                  cannot, the fallback waits for the whole rest of the draft)
     """
     for name, v in (("p_hit", p_hit), ("p_fallback", p_fallback)):
         if not 0.0 <= v <= 1.0 + 1e-9:
             raise ValueError(f"{name} must be a probability, got {v}")
     gain = p_hit * (max(rtt_ms, 0.0) + max(draft_ms, 0.0))
-    loss = p_fallback * max(0.0, draft_ms - max(time_left_ms, 0.0))
-    return gain >= loss
+    wait = max(0.0, draft_ms - max(time_left_ms, 0.0))
+    if step_ms is not None:
+        wait = min(wait, max(step_ms, 0.0))
+    return gain >= p_fallback * wait
 
 
 def rebase(tree: TokenTree, known: int) -> TokenTree:

@@ -14,6 +14,12 @@ continue. A `Speculation` records a sent tree and the full committed sequence it
 miss the drafter is re-synced to the committed sequence (the anchor moves). When the workspace
 fills up during a run of hits, the anchor moves to the committed sequence and the tree in flight
 is replayed into the fresh workspace.
+
+Keeping the critical path short. A tree drafted synchronously (after a miss) is sent without its
+leaves evaluated; the leaves (whose alternatives give the bonus tokens of the full-acceptance
+outcomes) are evaluated right after, while the tree is in flight (trees.finish_leaves). A
+conditional tree is abandoned between drafter evaluations as soon as a verdict rules its assumed
+outcome out (trees.DraftCancelled), so a miss's fallback draft waits for at most one evaluation.
 """
 
 from __future__ import annotations
@@ -42,7 +48,15 @@ from edge_client.prespec import (
     worth_drafting,
 )
 from edge_client.stats import GenerationStats
-from edge_client.trees import DraftResult, Sampling, draft_dynamic, draft_sequence, draft_static
+from edge_client.trees import (
+    DraftCancelled,
+    DraftResult,
+    Sampling,
+    draft_dynamic,
+    draft_sequence,
+    draft_static,
+    finish_leaves,
+)
 from shared.messages import Error, Mode, Prompt, Stale, Tree, Verdict, Welcome
 from shared.protocol import ClientState
 from shared.tree import ExpansionConfig
@@ -83,7 +97,8 @@ class PrespecConfig:
     r:           power-law exponent of the miss rate in the geometric rule
     gate:        draft a conditional tree only when its expected saving (hit: no drafting and no
                  round trip on the critical path) outweighs its expected cost (miss: the fallback
-                 draft waits for it on the edge's one drafting thread); edge_client.prespec.worth_drafting
+                 draft waits on the edge's one drafting thread until the conditional draft is
+                 abandoned, at most one evaluation); edge_client.prespec.worth_drafting
     """
 
     fanout: int = 3
@@ -153,17 +168,30 @@ class RoundDriver:
         self._draft_est_ms: float | None = None
         self._verify_est_ms = 0.0
         self._verdict_due: float | None = None  # perf_counter time the verdict in flight is expected
+        self._step_est_ms: float | None = None  # one drafter evaluation
+        self._leaves_pending: set[int] = set()  # sent trees whose leaves are still to be evaluated
 
     # ------------------------------------------------------------------ drafting (drafter thread)
     async def _draft(self, fn: Callable[[], Any]) -> Any:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.client.pool, fn)
 
-    def _shape(self, committed: Sequence[int], cond: Sequence[int], reuse: bool) -> DraftResult:
+    def _shape(
+        self,
+        committed: Sequence[int],
+        cond: Sequence[int],
+        reuse: bool,
+        leaves: bool,
+        stop: Callable[[], bool] | None = None,
+    ) -> DraftResult:
         assert self.drafter is not None
         spec, lim = self.req.tree, self.welcome.limits
-        leaves = self.prespec is not None  # outcomes at the leaves need their alternatives
-        kw: dict[str, Any] = {"cond": tuple(cond), "reuse_workspace": reuse, "eval_leaves": leaves}
+        kw: dict[str, Any] = {
+            "cond": tuple(cond),
+            "reuse_workspace": reuse,
+            "eval_leaves": leaves,
+            "stop": stop,
+        }
         if spec.kind == "sequence":
             return draft_sequence(
                 self.drafter,
@@ -215,20 +243,54 @@ class RoundDriver:
         )
 
     def _plain(self, committed: tuple[int, ...]) -> DraftResult:
-        """A tree below `committed`, drafter re-synced to it (the anchor moves)."""
+        """A tree below `committed`, drafter re-synced to it (the anchor moves). On the critical
+        path: its leaves are left for `_finish_leaves`, after the tree is sent."""
         self.anchor = committed
         self._workspace_full = False
-        return self._shape(committed, (), reuse=False)
+        self._leaves_pending.clear()  # the old workspace is gone
+        return self._shape(committed, (), reuse=False, leaves=False)
 
     def _conditional(self, full: tuple[int, ...]) -> DraftResult | None:
-        """A tree below `full` (which extends the anchor), in the current workspace; None if full."""
+        """A tree below `full` (which extends the anchor), in the current workspace; None if the
+        workspace is full or a verdict ruled `full` out while drafting."""
         if self._workspace_full:
             return None
         try:
-            return self._shape(self.anchor, full[len(self.anchor) :], reuse=True)
+            return self._shape(
+                self.anchor,
+                full[len(self.anchor) :],
+                reuse=True,
+                leaves=True,
+                stop=lambda: self._ruled_out(full),
+            )
         except WorkspaceFullError:
             self._workspace_full = True
             return None
+        except DraftCancelled:
+            self.stats.prespec_cancelled += 1
+            return None
+
+    def _ruled_out(self, full: tuple[int, ...]) -> bool:
+        """The verdicts received so far (decoded by the pump, on the loop's thread) exclude `full`.
+        Called from the drafting thread: a verdict half-applied only delays the answer."""
+        proto = self.client.proto
+        if self.cancelled or proto.state is not ClientState.GENERATING:
+            return True
+        committed = tuple(proto.committed)
+        return not (full[: len(committed)] == committed)
+
+    def _leaves(self, rid: int) -> None:
+        """Drafting thread: evaluate the leaves of sent tree `rid` (still in the workspace)."""
+        spec = self.specs.get(rid)
+        if spec is None:
+            return
+        assert self.drafter is not None
+        try:
+            dr = finish_leaves(self.drafter, spec.draft, mode=self.req.mode, sampling=self.req.sampling)
+        except WorkspaceFullError:
+            self._workspace_full = True
+            return
+        self.specs[rid] = dataclasses.replace(spec, draft=dr)
 
     def _reanchor(self, spec: Speculation, committed: tuple[int, ...]) -> DraftResult:
         """Move the anchor to `committed` (= spec.full) and replay the tree in flight below it."""
@@ -236,6 +298,7 @@ class RoundDriver:
         self.drafter.sync(committed)
         self.anchor = committed
         self._workspace_full = False
+        self._leaves_pending.clear()
         replay(self.drafter, spec.draft.tree)
         return spec.draft
 
@@ -247,19 +310,22 @@ class RoundDriver:
         if self.req.mode is not Mode.AR:
             first = await self._draft(functools.partial(self._plain, prompt_full))
             st.draft_ms.append(first.draft_ms)
-            self._note_draft(first.draft_ms)
+            self._note_draft(first)
         prompt = self.prompt if first is None else dataclasses.replace(self.prompt, tree=first.tree)
         t_sent = time.perf_counter()
         await client.send(client.proto.prompt(prompt))
         if first is not None:
             self.specs[0] = Speculation(0, first, prompt_full, 1.0, None, t_sent)
             self._verdict_due = t_sent + (client.rtt_estimate_ms + self._verify_est_ms) / 1e3
-            self._expand(0)
+            self._sent(0)
         self.in_flight = 0
         queue: asyncio.Queue[Any] = asyncio.Queue()
         pump = asyncio.create_task(self._pump(queue))
         try:
             while True:
+                if self._leaves_pending and queue.empty():
+                    await self._finish_leaves()
+                    continue
                 if self._can_prespeculate() and queue.empty():
                     await self._prespeculate_one()
                     continue
@@ -298,7 +364,7 @@ class RoundDriver:
                 self.heap.clear()
                 dr = await self._draft(functools.partial(self._plain, committed))
                 st.draft_ms.append(dr.draft_ms)
-                self._note_draft(dr.draft_ms)
+                self._note_draft(dr)
                 now = client.proto
                 if now.state is not ClientState.GENERATING or tuple(now.committed) != committed:
                     # a verdict came in while drafting (the generation may even have ended): this
@@ -334,8 +400,25 @@ class RoundDriver:
             self.in_flight = rid
             sent = self.specs[rid].sent_at
             self._verdict_due = sent + (client.rtt_estimate_ms + self._verify_est_ms) / 1e3
-        self._expand_all()
+        self._sent(rid)
         return rid
+
+    def _sent(self, rid: int) -> None:
+        """Tree `rid` is on its way: queue its outcomes, or first its leaves when they are missing."""
+        if self.prespec is None:
+            return
+        if bool((self.specs[rid].draft.workspace_ids < 0).any()):
+            self._leaves_pending.add(rid)
+        self._expand_all()
+
+    async def _finish_leaves(self) -> None:
+        rid = min(self._leaves_pending)
+        if rid in self.specs:
+            t0 = time.perf_counter()
+            await self._draft(functools.partial(self._leaves, rid))
+            self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
+        self._leaves_pending.discard(rid)
+        self._expand_all()
 
     # ------------------------------------------------------------------ pre-speculation
     def _ahead(self, spec: Speculation) -> int:
@@ -352,6 +435,8 @@ class RoundDriver:
         if cfg is None:
             return
         for rid, spec in list(self.specs.items()):
+            if rid in self._leaves_pending:
+                continue
             if rid not in self._expanded and self._ahead(spec) < cfg.max_chain:
                 self._expand(rid)
 
@@ -380,9 +465,13 @@ class RoundDriver:
             return False
         return True
 
-    def _note_draft(self, ms: float) -> None:
-        e = self._draft_est_ms
+    def _note_draft(self, dr: DraftResult) -> None:
+        e, ms = self._draft_est_ms, dr.draft_ms
         self._draft_est_ms = ms if e is None else 0.7 * e + 0.3 * ms
+        if dr.evaluations > 0:
+            step = ms / dr.evaluations
+            e = self._step_est_ms
+            self._step_est_ms = step if e is None else 0.7 * e + 0.3 * step
 
     def _worth_next(self) -> bool:
         """The cost gate (edge_client.prespec.worth_drafting) for the most likely candidate."""
@@ -399,7 +488,9 @@ class RoundDriver:
         p_fallback = min(1.0, max(0.0, 1.0 - cover))
         due = self._verdict_due
         left = 0.0 if due is None else (due - time.perf_counter()) * 1e3
-        return worth_drafting(p_hit, p_fallback, self._draft_est_ms, self.client.rtt_estimate_ms, left)
+        return worth_drafting(
+            p_hit, p_fallback, self._draft_est_ms, self.client.rtt_estimate_ms, left, self._step_est_ms
+        )
 
     async def _prespeculate_one(self) -> None:
         _, _, parent, outcome = heapq.heappop(self.heap)
@@ -417,7 +508,7 @@ class RoundDriver:
         self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
         if dr is None:
             return
-        self._note_draft(dr.draft_ms)
+        self._note_draft(dr)
         now = tuple(self.client.proto.committed)
         if self.client.proto.state is not ClientState.GENERATING:
             return  # the generation ended (its last verdict is waiting in the queue)

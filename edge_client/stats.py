@@ -23,6 +23,7 @@ class GenerationStats:
     prespec_sent: int = 0  # conditional trees sent
     prespec_ms: float = 0.0  # drafting time spent on them (off the critical path)
     prespec_gated: int = 0  # times the cost gate held pre-speculation back until the next message
+    prespec_cancelled: int = 0  # conditional drafts abandoned because a verdict ruled them out
     hits: int = 0  # verdicts after which the next tree was already at the server
     decided: int = 0  # verdicts that left the generation running (the ones a hit could follow)
     hits_by_depth: dict[int, int] = field(default_factory=dict)  # accepted length of the outcome -> hits
@@ -80,6 +81,7 @@ class GenerationStats:
             "ms_per_token": round(self.ms_per_token, 3),
             "prespec_sent": self.prespec_sent,
             "prespec_gated": self.prespec_gated,
+            "prespec_cancelled": self.prespec_cancelled,
             "hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
             "hit_rate_by_depth": {str(k): round(v, 4) for k, v in self.hit_rate_by_depth().items()},
         }

@@ -20,17 +20,23 @@ Conditional trees (pre-speculation): `cond` tokens are assumed after the committ
 `reuse_workspace=True` the drafter's workspace is kept (e.g. the tree still in flight) and the
 tree is drafted below the workspace node that `cond` leads to, extending it where needed.
 
+Pre-speculation also needs two things off the critical path: a conditional tree whose assumed
+outcome a verdict has ruled out is abandoned between evaluations (`stop`, DraftCancelled), and a
+tree sent without its leaves evaluated gets them later (`finish_leaves`), so the synchronous
+draft after a miss is no longer than a plain one.
+
 Every builder returns a DraftResult: the TokenTree plus the draft's own probabilities of each node
 and of the best alternatives after each node, which outcome prediction needs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +46,11 @@ from edge_client.drafters.base import Drafter, WorkspaceFullError
 from shared.messages import Mode
 from shared.sparse import SparseDist, SparseRows, quantize, truncate
 from shared.tree import Draws, ExpansionConfig, TokenTree
+
+
+class DraftCancelled(Exception):
+    """Drafting was abandoned because `stop()` said so (the tree is no longer wanted)."""
+
 
 WIRE_TOP_K = 48  # default cap on q-row length: ~6 bytes a token on the wire, ~0.3 KB a row
 DEFAULT_ALTERNATIVES = 4
@@ -245,6 +256,7 @@ def draft_static(
     reuse_workspace: bool = False,
     eval_leaves: bool = False,
     alternatives: int = DEFAULT_ALTERNATIVES,
+    stop: Callable[[], bool] | None = None,
 ) -> DraftResult:
     """SpecInfer's expansion-based tree ⟨k1..km⟩, one drafter evaluation per level.
 
@@ -252,7 +264,10 @@ def draft_static(
     rank), so the tree has exactly config.num_nodes nodes. Stochastic modes: each node at depth
     i-1 makes exactly k_i draws (rrs: min(k_i, row length), known before drawing); identical mss
     draws share a node, so the tree may have fewer nodes than config.num_nodes, never fewer draws.
-    The last level is not evaluated unless `eval_leaves` (pre-speculation wants its alternatives).
+    The last level is not evaluated unless `eval_leaves` (pre-speculation wants its alternatives;
+    `finish_leaves` can add them after the tree is sent). `stop` is asked before every drafter
+    evaluation after the first; when it returns True, DraftCancelled is raised (the nodes already
+    evaluated stay in the workspace).
     """
     t0 = time.perf_counter()
     m = _mode(mode)
@@ -279,6 +294,7 @@ def draft_static(
         last = level == config.depth - 1
         if last and not eval_leaves:
             break
+        _check_stop(stop)
         frontier = _evaluate(drafter, acc, new, root_id)
     if eval_leaves:  # alternatives after the leaves
         for node, logits in frontier:
@@ -341,6 +357,64 @@ def _evaluate(drafter: Drafter, acc: _Acc, nodes: list[int], root_id: int) -> li
     return [(n, out[j]) for j, n in enumerate(nodes)]
 
 
+def _check_stop(stop: Callable[[], bool] | None) -> None:
+    if stop is not None and stop():
+        raise DraftCancelled("drafting stopped: the tree is no longer wanted")
+
+
+def finish_leaves(
+    drafter: Drafter,
+    dr: DraftResult,
+    *,
+    mode: Mode | str = Mode.GREEDY,
+    sampling: Sampling | None = None,
+) -> DraftResult:
+    """Evaluate the nodes of `dr` left unevaluated (its leaves) in one drafter call and return the
+    result with their workspace ids and alternatives filled in, as if drafted with eval_leaves.
+
+    The drafter's workspace must still hold the tree (no sync since it was drafted). The tree
+    itself (tokens, draws) is unchanged; only what the draft believes after the leaves is added.
+    Raises WorkspaceFullError when the leaves do not fit.
+    """
+    m = _mode(mode)
+    if m.stochastic and sampling is None:
+        raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...)")
+    ws = dr.workspace_ids.copy()
+    nodes = np.flatnonzero(ws < 0).tolist()
+    if not nodes:
+        return dr
+    tree = dr.tree
+    parents = [dr.root_id if tree.parents[n] < 0 else int(ws[tree.parents[n]]) for n in nodes]
+    if any(tree.parents[n] >= 0 and ws[tree.parents[n]] < 0 for n in nodes):
+        raise ValueError("finish_leaves: a node's parent was never evaluated (not a leaf)")
+    first = drafter.num_nodes
+    out = drafter.extend(parents, [int(tree.tokens[n]) for n in nodes])
+    alt_tok, alt_p = dr.alt_tokens.copy(), dr.alt_probs.copy()
+    a = alt_tok.shape[1]
+    for j, n in enumerate(nodes):
+        ws[n] = first + j
+        if m.stochastic:
+            assert sampling is not None
+            q = sampling.q_row(out[j])
+            order = np.argsort(-q.weights, kind="stable")
+            ids, probs = q.ids[order], q.weights[order] / 65536.0
+        else:
+            ids, vals = _top_logp(out[j], a)
+            probs = np.exp(vals)
+        k = min(a, ids.size)
+        alt_tok[n + 1, :] = -1
+        alt_p[n + 1, :] = 0.0
+        alt_tok[n + 1, :k] = ids[:k]
+        alt_p[n + 1, :k] = probs[:k]
+    return dataclasses.replace(
+        dr,
+        workspace_ids=ws,
+        alt_tokens=alt_tok,
+        alt_probs=alt_p.astype(np.float32),
+        evaluations=dr.evaluations + 1,
+    )
+
+
 def _check_room(drafter: Drafter, config: ExpansionConfig, eval_leaves: bool, fresh: bool) -> None:
     """Refuse a tree the workspace cannot hold. fresh: the tree starts from a sync, which empties
     the workspace first; otherwise it is drafted into the workspace as it is."""
@@ -371,6 +445,7 @@ def draft_dynamic(
     reuse_workspace: bool = False,
     eval_leaves: bool = False,
     alternatives: int = DEFAULT_ALTERNATIVES,
+    stop: Callable[[], bool] | None = None,
 ) -> DraftResult:
     """Best-first tree of `budget` nodes by draft path probability (deterministic modes only).
 
@@ -382,7 +457,7 @@ def draft_dynamic(
     m = the mean top-1 draft probability seen so far in this tree. A confident draft (m near 1)
     thus grows deep chains a level per call; an unsure one grows wide levels. At most `width`
     nodes per call; nodes at `max_depth` are not expanded. The final batch (filling the budget)
-    is not evaluated unless `eval_leaves`.
+    is not evaluated unless `eval_leaves`. `stop` as in draft_static.
 
     Stochastic modes are refused: whether a node is expanded would depend on other nodes' draws,
     and MSS/RRS need draw counts fixed independently of drawing; use a static shape for them.
@@ -432,6 +507,7 @@ def draft_dynamic(
         expand = [n for n in batch if eval_leaves or (not full and depth[n] < max_depth)]
         if len(expand) > leaves_room:  # cannot branch further: stop growing, keep the tree as is
             break
+        _check_stop(stop)
         for node, logits in _evaluate(drafter, acc, expand, root_id):
             if depth[node] < max_depth:
                 push_children(node, logits)

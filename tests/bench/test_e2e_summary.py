@@ -26,6 +26,7 @@ def test_round_times_pool_every_generation() -> None:
             rtt_ms=[50.0, 52.0],
             prespec_ms=30.0,
             prespec_sent=2,
+            prespec_cancelled=3,
             wall_s=0.9,
         ),
         forwards=3,
@@ -38,6 +39,7 @@ def test_round_times_pool_every_generation() -> None:
     assert s["rtt_ms_per_round"] == pytest.approx(52.0)  # median of 50, 52, 60
     assert s["prespec_draft_ms_per_round"] == pytest.approx(30.0 / 4)
     assert s["prespec_trees_per_round"] == pytest.approx(2 / 4)
+    assert s["prespec_cancelled_per_round"] == pytest.approx(3 / 4)
     assert s["tau_pooled"] == pytest.approx(13 / 4)
     assert s["ms_per_token"] == pytest.approx((100.0 + 50.0) / 2)  # median of the per-generation figures
     assert s["target_forwards_per_token"] == pytest.approx(

@@ -16,11 +16,13 @@ import pytest
 from edge_client.drafters import WorkspaceFullError
 from edge_client.drafters.llama_cpp import LlamaCppDrafter
 from edge_client.trees import (
+    DraftCancelled,
     DraftResult,
     Sampling,
     draft_dynamic,
     draft_sequence,
     draft_static,
+    finish_leaves,
 )
 from shared.sparse import Q_TOTAL
 from shared.tree import ExpansionConfig
@@ -95,6 +97,64 @@ def test_eval_leaves_evaluates_everything() -> None:
     leaf = r.tree.leaves()[0]
     prefix = S + r.tree.path_tokens(leaf)
     assert r.alt_tokens[leaf + 1, 0] == int(np.argmax(_logp(prefix)))
+
+
+@pytest.mark.parametrize("mode", ["greedy", "mss"])
+def test_finish_leaves_equals_drafting_with_eval_leaves(mode: str) -> None:
+    """A tree sent without its leaves and finished later believes what one drafted with
+    eval_leaves believes: same tree, same alternatives after every node, leaves in the workspace."""
+    cfg = ExpansionConfig((1, 3, 2))
+    sampling = Sampling(temperature=0.8, wire_top_k=8) if mode == "mss" else None
+    d1, d2 = FakeDrafter(V), FakeDrafter(V)
+    full = draft_static(
+        d1, S, cfg, mode=mode, sampling=sampling, rng=np.random.default_rng(3), eval_leaves=True
+    )
+    part = draft_static(d2, S, cfg, mode=mode, sampling=sampling, rng=np.random.default_rng(3))
+    assert np.any(part.workspace_ids < 0) and np.any(part.alt_tokens < 0)
+    done = finish_leaves(d2, part, mode=mode, sampling=sampling)
+    assert done.tree.tokens.tolist() == full.tree.tokens.tolist()
+    np.testing.assert_array_equal(done.alt_tokens, full.alt_tokens)
+    np.testing.assert_allclose(done.alt_probs, full.alt_probs, rtol=1e-6)
+    assert np.all(done.workspace_ids >= 0) and d2.num_nodes == d1.num_nodes
+    assert done.evaluations == part.evaluations + 1
+    assert np.any(part.workspace_ids < 0)  # the original result is left as it was
+    # each leaf's workspace node really continues its path
+    for leaf in done.tree.leaves():
+        assert d2.find_child(
+            int(done.workspace_ids[done.tree.parents[leaf]]), int(done.tree.tokens[leaf])
+        ) == int(done.workspace_ids[leaf])
+    assert finish_leaves(d2, done, mode=mode, sampling=sampling) is done  # nothing left to evaluate
+
+
+def test_finish_leaves_of_a_dynamic_tree() -> None:
+    d1, d2 = FakeDrafter(V), FakeDrafter(V)
+    full = draft_dynamic(d1, S, 12, eval_leaves=True)
+    done = finish_leaves(d2, draft_dynamic(d2, S, 12))
+    np.testing.assert_array_equal(done.alt_tokens, full.alt_tokens)
+    assert np.all(done.workspace_ids >= 0)
+
+
+def test_stop_abandons_drafting_between_evaluations() -> None:
+    d = FakeDrafter(V)
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(d.stats.extend_calls)
+        return len(asked) >= 3  # the third time it is asked
+
+    with pytest.raises(DraftCancelled):
+        draft_static(d, S, ExpansionConfig((1, 1, 1, 1, 1, 1)), stop=stop)
+    assert len(asked) == 3 and d.num_nodes == 2  # two levels evaluated, then it stopped
+    # the workspace is still usable: a tree below the same sequence drafts as on a fresh one
+    r = draft_static(d, S, ExpansionConfig((1, 1, 1)), reuse_workspace=True, eval_leaves=True)
+    fresh = draft_static(FakeDrafter(V), S, ExpansionConfig((1, 1, 1)), eval_leaves=True)
+    assert d.num_nodes == 2 + 3 and r.tree.tokens.tolist() == fresh.tree.tokens.tolist()
+    np.testing.assert_array_equal(r.alt_tokens, fresh.alt_tokens)
+    with pytest.raises(DraftCancelled):
+        draft_dynamic(FakeDrafter(V), S, 20, stop=lambda: True)
+    # never asked before the first evaluation of a one-level tree, nor when it says go on
+    assert draft_static(FakeDrafter(V), S, ExpansionConfig((4,)), stop=lambda: True).tree.num_nodes == 4
+    assert draft_static(FakeDrafter(V), S, ExpansionConfig((2, 2)), stop=lambda: False).tree.num_nodes == 6
 
 
 def test_sequence_is_a_chain_of_the_greedy_path() -> None:
