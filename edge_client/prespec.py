@@ -21,11 +21,13 @@ geometrically with k, capped by the guesses available at that depth. Within dept
 likely (node, bonus) pairs are taken.
 
 Cost gate (worth_drafting). The edge drafts on one thread, so a speculative draft still running
-when a verdict arrives delays the synchronous draft a miss needs. Each candidate is drafted only
-while its expected saving (a hit takes the drafting and the round trip off the critical path)
-outweighs its expected cost (a miss waits for what is left of the draft). Where hits are rare and
-the round trip short (sampling at RTT 0) it drafts almost nothing and costs what plain trees cost;
-where the round trip is long it drafts freely, since the drafts end before the verdict comes.
+when a verdict arrives delays the synchronous draft a miss needs. The round driver abandons a
+conditional draft between evaluations once a verdict rules its outcome out, so that delay is at
+most one drafter evaluation. Each candidate is drafted only while its expected saving (a hit takes
+the drafting and the round trip off the critical path) outweighs its expected cost (a miss waits
+for what is left of the draft, at most one evaluation). Where hits are rare and the round trip
+short (sampling at RTT 0) it holds the least likely candidates back; where the round trip is long
+it drafts freely, since the drafts end before the verdict comes.
 """
 
 from __future__ import annotations
