@@ -298,14 +298,7 @@ def draft_static(
         frontier = _evaluate(drafter, acc, new, root_id)
     if eval_leaves:  # alternatives after the leaves
         for node, logits in frontier:
-            if stochastic:
-                assert sampling is not None
-                q = sampling.q_row(logits)
-                order = np.argsort(-q.weights, kind="stable")
-                acc.set_alt(node + 1, q.ids[order], q.weights[order] / 65536.0)
-            else:
-                ids, vals = _top_logp(logits, alternatives)
-                acc.set_alt(node + 1, ids, np.exp(vals))
+            acc.set_alt(node + 1, *_alternatives(logits, alternatives, sampling if stochastic else None))
     evals = drafter.stats.extend_calls - evals
     return acc.result(committed, cond, root_id, stochastic, np.zeros(0), t0, evals)
 
@@ -357,6 +350,17 @@ def _evaluate(drafter: Drafter, acc: _Acc, nodes: list[int], root_id: int) -> li
     return [(n, out[j]) for j, n in enumerate(nodes)]
 
 
+def _alternatives(logits: np.ndarray, a: int, sampling: Sampling | None) -> tuple[np.ndarray, np.ndarray]:
+    """The draft's `a` most likely next tokens and their probabilities: from the q row that
+    stochastic modes draw from (`sampling`), else softmax at temperature 1."""
+    if sampling is not None:
+        q = sampling.q_row(logits)
+        order = np.argsort(-q.weights, kind="stable")[:a]
+        return q.ids[order], q.weights[order] / 65536.0
+    ids, vals = _top_logp(logits, a)
+    return ids, np.exp(vals)
+
+
 def _check_stop(stop: Callable[[], bool] | None) -> None:
     if stop is not None and stop():
         raise DraftCancelled("drafting stopped: the tree is no longer wanted")
@@ -393,14 +397,7 @@ def finish_leaves(
     a = alt_tok.shape[1]
     for j, n in enumerate(nodes):
         ws[n] = first + j
-        if m.stochastic:
-            assert sampling is not None
-            q = sampling.q_row(out[j])
-            order = np.argsort(-q.weights, kind="stable")
-            ids, probs = q.ids[order], q.weights[order] / 65536.0
-        else:
-            ids, vals = _top_logp(out[j], a)
-            probs = np.exp(vals)
+        ids, probs = _alternatives(out[j], a, sampling if m.stochastic else None)
         k = min(a, ids.size)
         alt_tok[n + 1, :] = -1
         alt_p[n + 1, :] = 0.0
