@@ -466,12 +466,9 @@ class RoundDriver:
         return True
 
     def _note_draft(self, dr: DraftResult) -> None:
-        e, ms = self._draft_est_ms, dr.draft_ms
-        self._draft_est_ms = ms if e is None else 0.7 * e + 0.3 * ms
+        self._draft_est_ms = _ema(self._draft_est_ms, dr.draft_ms)
         if dr.evaluations > 0:
-            step = ms / dr.evaluations
-            e = self._step_est_ms
-            self._step_est_ms = step if e is None else 0.7 * e + 0.3 * step
+            self._step_est_ms = _ema(self._step_est_ms, dr.draft_ms / dr.evaluations)
 
     def _worth_next(self) -> bool:
         """The cost gate (edge_client.prespec.worth_drafting) for the most likely candidate."""
@@ -526,8 +523,7 @@ class RoundDriver:
         st.rounds += 1
         st.tokens += len(v.tokens)
         st.verify_ms.append(v.verify_ms)
-        e = self._verify_est_ms
-        self._verify_est_ms = v.verify_ms if not e else 0.7 * e + 0.3 * v.verify_ms
+        self._verify_est_ms = _ema(self._verify_est_ms or None, v.verify_ms)
         if spec is not None:
             tree = spec.draft.tree
             st.tree_nodes.append(tree.num_nodes)
@@ -567,6 +563,11 @@ class RoundDriver:
     def cancel(self) -> None:
         self.cancelled = True
         self.heap.clear()
+
+
+def _ema(old: float | None, new: float) -> float:
+    """Exponential average of the running estimates (the first sample starts it)."""
+    return new if old is None else 0.7 * old + 0.3 * new
 
 
 def _extends(full: tuple[int, ...], committed: tuple[int, ...]) -> bool:
