@@ -147,14 +147,16 @@ async def run_modes(
     progress: bool = True,
     link: LinkShape | None = None,
     api_key: str | None = None,
+    couple: bool = True,
 ) -> tuple[dict[str, ModeRuns], dict[str, list[float]]]:
     """Each prompt in each mode (interleaved prompt by prompt); per-mode runs and the tree mode's
-    tau per category. One session per mode, all through the same link."""
+    tau per category. One session per mode, all through the same link. `couple`: coupled
+    sample-and-match drafting (EdgeClient's `couple`)."""
     runs = {m: ModeRuns() for m in modes}
     by_cat: dict[str, list[float]] = {}
     vs = variants(modes, tree)
     clients = {
-        m: EdgeClient(url, drafter, tree=v.tree, prespec=v.prespec, link=link, api_key=api_key)
+        m: EdgeClient(url, drafter, tree=v.tree, prespec=v.prespec, link=link, api_key=api_key, couple=couple)
         for m, v in vs.items()
     }
     for c in clients.values():

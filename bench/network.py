@@ -148,6 +148,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--json", default=None, help="write {'rows': [...]} to this file")
     ap.add_argument("--plot", default=None, help="draw ms/token against RTT to this PNG")
+    ap.add_argument(
+        "--no-couple",
+        action="store_true",
+        help="sample-and-match rows draft without the verifier's keyed uniforms (the draft's most likely "
+        "tokens lead each node instead of the token the target is likely to sample)",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     a = ap.parse_args(argv)
     rtts = [float(x) for x in a.rtt_ms.split(",") if x]
@@ -189,6 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 modes=modes,
                                 progress=not a.no_progress,
                                 link=link,
+                                couple=not a.no_couple,
                             )
                         )
                     for m, r in runs.items():

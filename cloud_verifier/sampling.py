@@ -12,12 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
+from shared.keyed import keyed_uniform
+
 _TOP_P_FIRST_K = 256  # top-p looks at this many tokens first and widens only when they hold < top_p
 _BELOW_ONE = 1.0 - 2.0**-50  # keeps an inverse-CDF threshold strictly below the total
 
@@ -122,32 +120,6 @@ def _top_p(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
     before = torch.cumsum(sorted_probs, -1) - sorted_probs  # mass strictly ahead of each token
     kept = sorted_probs * (before < top_p)
     return kept / kept.sum(-1, keepdim=True)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finalizer (a bijection of uint64), elementwise."""
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return x ^ (x >> np.uint64(31))
-
-
-def keyed_uniforms(seeds: np.ndarray | int, positions: np.ndarray | int) -> np.ndarray:
-    """Counter-based uniforms in [0, 1) keyed by (seed, absolute position), float64, broadcast shape.
-
-    splitmix64: the stream of `seed` starts at mix64(seed) and advances by the golden gamma per
-    position; the top 53 bits of the mixed state give the uniform (an exact float64).
-    """
-    with np.errstate(over="ignore"):
-        s = np.asarray(seeds, dtype=np.int64).astype(np.uint64)
-        pos = np.asarray(positions, dtype=np.int64).astype(np.uint64)
-        h = _mix64(_mix64(np.atleast_1d(s)) + (pos + np.uint64(1)) * _GOLDEN)
-    out: np.ndarray = (h >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    return out.reshape(np.broadcast_shapes(np.shape(seeds), np.shape(positions)))
-
-
-def keyed_uniform(seed: int, position: int) -> float:
-    """The uniform in [0, 1) that samples the token at absolute `position` of session `seed`."""
-    return float(keyed_uniforms(seed, position))
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -34,11 +34,10 @@ import torch.nn.functional as F
 from cloud_verifier.sampling import (
     SamplingParams,
     inverse_cdf,
-    keyed_uniform,
-    keyed_uniforms,
     sample_next,
     target_probs,
 )
+from shared.keyed import keyed_uniform, keyed_uniforms
 from shared.sparse import Q_TOTAL, SparseRows
 from shared.tree import TokenTree
 

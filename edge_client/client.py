@@ -30,7 +30,7 @@ from edge_client.stats import Generation, GenerationStats
 from edge_client.text import IncrementalDetokenizer, Message, as_messages, find_stop
 from edge_client.tokenizer import EdgeTokenizer
 from edge_client.transport import LinkShape, ShapedTransport, Transport, TransportClosed, WebSocketTransport
-from edge_client.trees import DraftResult, Sampling
+from edge_client.trees import Coupling, DraftResult, Sampling
 from shared.errors import ErrorCode, ProtocolError
 from shared.messages import Error, Hello, Mode, Prompt, Welcome
 from shared.protocol import ClientProtocol, ClientState
@@ -63,6 +63,9 @@ class EdgeClient:
     prespec:    pre-speculate conditional trees while a round is in flight (True: defaults)
     link:       emulate a network link in-process (one-way delays, jitter, bandwidth)
     transport:  an async factory of the byte transport (default: a WebSocket to `server`)
+    couple:     in mode match at temperature > 0, draft with the verifier's keyed uniforms
+                (edge_client.trees.Coupling): the first child at each node is the token the target
+                samples wherever the draft's distribution is close to its own
     """
 
     def __init__(
@@ -77,6 +80,7 @@ class EdgeClient:
         link: LinkShape | None = None,
         transport: Callable[[], Awaitable[Transport]] | None = None,
         wire_top_k: int = 48,
+        couple: bool = True,
     ) -> None:
         self.server = server
         self.drafter = drafter
@@ -91,6 +95,7 @@ class EdgeClient:
         )
         self.link = link
         self.wire_top_k = wire_top_k
+        self.couple = couple
         self._transport_factory = transport
         self._transport: Transport | None = None
         self.proto = ClientProtocol()
@@ -98,7 +103,8 @@ class EdgeClient:
         # llama.cpp contexts are single-threaded: one drafting thread, off the event loop
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter")
         self.calibration = AcceptanceCalibration()
-        self._choice: dict[float, ChoiceModel] = {}  # per target temperature, learned across generations
+        # per target temperature (and coupled or not), learned across generations
+        self._choice: dict[tuple[float, bool], ChoiceModel] = {}
         self.last_draft: DraftResult | None = None
         self.rtt_estimate_ms = 0.0
         self.last: Generation | None = None
@@ -169,11 +175,13 @@ class EdgeClient:
     def next_round(self) -> int:
         return self.proto.last_round + 1
 
-    def choice_model(self, temperature: float) -> ChoiceModel:
-        """The outcome model for this temperature (its acceptance estimate carries over)."""
-        key = round(float(temperature), 3)
+    def choice_model(self, temperature: float, coupled: bool = False) -> ChoiceModel:
+        """The outcome model for this temperature (its acceptance estimate carries over). Coupled
+        drafting (Coupling) is modelled like greedy: the target takes the draft's coupled token
+        with a learned probability, else one in proportion to the draft's other probabilities."""
+        key = (round(float(temperature), 3), coupled)
         if key not in self._choice:
-            self._choice[key] = ChoiceModel(temperature=key)
+            self._choice[key] = ChoiceModel(temperature=0.0 if coupled else key[0])
         return self._choice[key]
 
     def observe_rtt(self, rtt_ms: float) -> None:
@@ -273,6 +281,8 @@ class EdgeClient:
         if mode is not Mode.AR and self.drafter is None:
             raise GenerationError(f"mode {mode.value} needs a drafter")
         if not mode.stochastic:
+            if mode is Mode.MATCH and temperature > 0 and self.couple:
+                return Request(mode, spec, coupling=Coupling(seed, temperature, top_k, top_p))
             return Request(mode, spec)
         if temperature <= 0:
             raise GenerationError(f"mode {mode.value} samples: give a temperature > 0 (or use greedy)")

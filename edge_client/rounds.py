@@ -49,6 +49,7 @@ from edge_client.prespec import (
 )
 from edge_client.stats import GenerationStats
 from edge_client.trees import (
+    Coupling,
     DraftCancelled,
     DraftResult,
     Sampling,
@@ -117,6 +118,7 @@ class Request:
     tree: TreeSpec
     sampling: Sampling | None = None
     rng: np.random.Generator | None = None
+    coupling: Coupling | None = None  # mode match at temperature > 0 (edge_client.trees.Coupling)
 
 
 @dataclass
@@ -161,7 +163,7 @@ class RoundDriver:
         self._expanded: set[int] = set()
         self.calibration: AcceptanceCalibration = client.calibration
         self.choice: ChoiceModel = client.choice_model(
-            prompt.temperature if req.mode is not Mode.GREEDY else 0.0
+            prompt.temperature if req.mode is not Mode.GREEDY else 0.0, coupled=req.coupling is not None
         )
         self.in_flight: int | None = None
         # running estimates for the cost gate (PrespecConfig.gate)
@@ -191,6 +193,7 @@ class RoundDriver:
             "reuse_workspace": reuse,
             "eval_leaves": leaves,
             "stop": stop,
+            "coupling": self.req.coupling,
         }
         if spec.kind == "sequence":
             return draft_sequence(
@@ -286,7 +289,13 @@ class RoundDriver:
             return
         assert self.drafter is not None
         try:
-            dr = finish_leaves(self.drafter, spec.draft, mode=self.req.mode, sampling=self.req.sampling)
+            dr = finish_leaves(
+                self.drafter,
+                spec.draft,
+                mode=self.req.mode,
+                sampling=self.req.sampling,
+                coupling=self.req.coupling,
+            )
         except WorkspaceFullError:
             self._workspace_full = True
             return

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
+from shared.keyed import keyed_uniforms
 from shared.messages import Mode
 from shared.sparse import SparseDist, SparseRows, quantize, truncate
 from shared.tree import Draws, ExpansionConfig, TokenTree
@@ -83,6 +84,63 @@ class Sampling:
         w = quantize(p[idx])
         order = np.argsort(idx, kind="stable")
         return SparseDist(idx[order].astype(np.int32), w[order])
+
+
+@dataclass(frozen=True)
+class Coupling:
+    """Sample-and-match drafting with the target's own randomness (mode match at temperature > 0).
+
+    The verifier samples the token at absolute position `pos` by inverse CDF of its p at
+    `keyed_uniform(seed, pos)` (shared.keyed), and the edge chose the seed. Drafting with the same
+    uniform on the draft's distribution (the same temperature / top-k / top-p, the CDF in token-id
+    order) proposes the token the target will sample wherever the two distributions are close: at
+    every node the coupled token becomes the first child, ahead of the draft's most likely ones.
+    Nothing about exactness changes (the verifier samples from p whatever the tree); only what the
+    edge guesses does. The edge's outcome model then treats the coupled token as the draft's
+    "top" token (edge_client.prespec.ChoiceModel), as greedy verification does the argmax.
+    """
+
+    seed: int
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError("coupling needs temperature > 0 (temperature 0 is greedy)")
+        if not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("need 0 < top_p <= 1 and top_k >= 0")
+
+    def token(self, logits: np.ndarray, position: int) -> int:
+        """The draft's token at absolute `position` by inverse CDF at the keyed uniform there."""
+        p = _softmax(logits.astype(np.float64) / self.temperature)
+        if self.top_k > 0 or self.top_p < 1:
+            keep = np.sort(truncate(p, self.top_k, self.top_p))  # token-id order, as the target's CDF
+            cdf = np.cumsum(p[keep])
+        else:
+            keep, cdf = None, np.cumsum(p)
+        u = float(keyed_uniforms(self.seed, position))
+        i = int(np.searchsorted(cdf, min(u * cdf[-1], cdf[-1] * (1.0 - 2.0**-50)), side="right"))
+        i = min(i, cdf.size - 1)
+        return int(keep[i]) if keep is not None else i
+
+
+def _ranked(
+    logits: np.ndarray, k: int, coupling: Coupling | None, position: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k candidate tokens after logits [V], best first, with their log-probabilities at
+    temperature 1: the draft's most likely ones, or with `coupling` the coupled token first."""
+    ids, vals = _top_logp(logits, k)
+    if coupling is None:
+        return ids, vals
+    c = coupling.token(logits, position)
+    hit = np.flatnonzero(ids == c)
+    if hit.size:
+        j = int(hit[0])
+        order = np.r_[j, np.delete(np.arange(ids.size), j)]
+        return ids[order], vals[order]
+    lp_c = float(logits[c]) - float(logits[ids[0]]) + float(vals[0])  # log-softmax via the top one
+    return np.r_[c, ids[:-1]].astype(ids.dtype), np.r_[lp_c, vals[:-1]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -257,6 +315,7 @@ def draft_static(
     eval_leaves: bool = False,
     alternatives: int = DEFAULT_ALTERNATIVES,
     stop: Callable[[], bool] | None = None,
+    coupling: Coupling | None = None,
 ) -> DraftResult:
     """SpecInfer's expansion-based tree ⟨k1..km⟩, one drafter evaluation per level.
 
@@ -267,11 +326,14 @@ def draft_static(
     The last level is not evaluated unless `eval_leaves` (pre-speculation wants its alternatives;
     `finish_leaves` can add them after the tree is sent). `stop` is asked before every drafter
     evaluation after the first; when it returns True, DraftCancelled is raised (the nodes already
-    evaluated stay in the workspace).
+    evaluated stay in the workspace). `coupling` (mode match): the coupled token leads each node's
+    children (see Coupling).
     """
     t0 = time.perf_counter()
     m = _mode(mode)
     stochastic = m.stochastic
+    coupling = _coupling(m, coupling)
+    at = len(committed) + len(cond)  # absolute position of the token after row 0
     if stochastic:
         if sampling is None or rng is None:
             raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...) and rng")
@@ -287,7 +349,7 @@ def draft_static(
                 assert sampling is not None and rng is not None
                 new.extend(_sample_children(acc, node, logits, k, m, sampling, rng))
             else:
-                ids, vals = _top_logp(logits, max(k, alternatives))
+                ids, vals = _ranked(logits, max(k, alternatives), coupling, at + level)
                 acc.set_alt(node + 1, ids, np.exp(vals))
                 for tok, lp in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
                     new.append(acc.add(node, tok, lp))
@@ -298,7 +360,8 @@ def draft_static(
         frontier = _evaluate(drafter, acc, new, root_id)
     if eval_leaves:  # alternatives after the leaves
         for node, logits in frontier:
-            acc.set_alt(node + 1, *_alternatives(logits, alternatives, sampling if stochastic else None))
+            q = sampling if stochastic else None
+            acc.set_alt(node + 1, *_alternatives(logits, alternatives, q, coupling, at + config.depth))
     evals = drafter.stats.extend_calls - evals
     return acc.result(committed, cond, root_id, stochastic, np.zeros(0), t0, evals)
 
@@ -350,15 +413,27 @@ def _evaluate(drafter: Drafter, acc: _Acc, nodes: list[int], root_id: int) -> li
     return [(n, out[j]) for j, n in enumerate(nodes)]
 
 
-def _alternatives(logits: np.ndarray, a: int, sampling: Sampling | None) -> tuple[np.ndarray, np.ndarray]:
+def _alternatives(
+    logits: np.ndarray,
+    a: int,
+    sampling: Sampling | None,
+    coupling: Coupling | None = None,
+    position: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
     """The draft's `a` most likely next tokens and their probabilities: from the q row that
-    stochastic modes draw from (`sampling`), else softmax at temperature 1."""
+    stochastic modes draw from (`sampling`), else softmax at temperature 1 (with `coupling`, the
+    coupled token at absolute `position` first)."""
     if sampling is not None:
         q = sampling.q_row(logits)
         order = np.argsort(-q.weights, kind="stable")[:a]
         return q.ids[order], q.weights[order] / 65536.0
-    ids, vals = _top_logp(logits, a)
+    ids, vals = _ranked(logits, a, coupling, position)
     return ids, np.exp(vals)
+
+
+def _coupling(mode: Mode, coupling: Coupling | None) -> Coupling | None:
+    """Coupling applies to sample-and-match only (greedy has no randomness; mss/rrs sample q)."""
+    return coupling if mode is Mode.MATCH else None
 
 
 def _check_stop(stop: Callable[[], bool] | None) -> None:
@@ -372,6 +447,7 @@ def finish_leaves(
     *,
     mode: Mode | str = Mode.GREEDY,
     sampling: Sampling | None = None,
+    coupling: Coupling | None = None,
 ) -> DraftResult:
     """Evaluate the nodes of `dr` left unevaluated (its leaves) in one drafter call and return the
     result with their workspace ids and alternatives filled in, as if drafted with eval_leaves.
@@ -383,6 +459,7 @@ def finish_leaves(
     m = _mode(mode)
     if m.stochastic and sampling is None:
         raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...)")
+    coupling = _coupling(m, coupling)
     ws = dr.workspace_ids.copy()
     nodes = np.flatnonzero(ws < 0).tolist()
     if not nodes:
@@ -397,7 +474,8 @@ def finish_leaves(
     a = alt_tok.shape[1]
     for j, n in enumerate(nodes):
         ws[n] = first + j
-        ids, probs = _alternatives(out[j], a, sampling if m.stochastic else None)
+        at = tree.committed_len + int(tree.depth[n])  # absolute position of the token after node n
+        ids, probs = _alternatives(out[j], a, sampling if m.stochastic else None, coupling, at)
         k = min(a, ids.size)
         alt_tok[n + 1, :] = -1
         alt_p[n + 1, :] = 0.0
@@ -443,6 +521,7 @@ def draft_dynamic(
     eval_leaves: bool = False,
     alternatives: int = DEFAULT_ALTERNATIVES,
     stop: Callable[[], bool] | None = None,
+    coupling: Coupling | None = None,
 ) -> DraftResult:
     """Best-first tree of `budget` nodes by draft path probability (deterministic modes only).
 
@@ -454,7 +533,9 @@ def draft_dynamic(
     m = the mean top-1 draft probability seen so far in this tree. A confident draft (m near 1)
     thus grows deep chains a level per call; an unsure one grows wide levels. At most `width`
     nodes per call; nodes at `max_depth` are not expanded. The final batch (filling the budget)
-    is not evaluated unless `eval_leaves`. `stop` as in draft_static.
+    is not evaluated unless `eval_leaves`. `stop` and `coupling` as in draft_static; a coupled
+    token is ranked as if it were the most likely one (the target samples it with probability
+    about the draft's agreement rate, whatever its draft probability).
 
     Stochastic modes are refused: whether a node is expanded would depend on other nodes' draws,
     and MSS/RRS need draw counts fixed independently of drawing; use a static shape for them.
@@ -470,21 +551,27 @@ def draft_dynamic(
             f"a budget of {budget} nodes does not fit the drafter's workspace ({drafter.max_nodes} nodes, "
             f"{drafter.num_nodes} in use); lower the budget or raise max_nodes"
         )
+    coupling = _coupling(m, coupling)
+    at = len(committed) + len(cond)  # absolute position of the token after row 0
     evals = drafter.stats.extend_calls
     root_id, root_logits = _anchor(drafter, committed, cond, reuse_workspace)
     acc = _Acc(alternatives)
     heap: list[tuple[float, int, int, int, float]] = []  # (-path logp, order, parent, token, logp)
     top1: list[float] = []
     depth: list[int] = []
+    rank: list[float] = []  # per node: the path log-probability it was ranked by
     order = itertools.count()  # FIFO among equal path probabilities
 
     def push_children(node: int, logits: np.ndarray) -> None:
-        ids, vals = _top_logp(logits, max(branch, alternatives))
+        d = 0 if node < 0 else depth[node]
+        ids, vals = _ranked(logits, max(branch, alternatives), coupling, at + d)
         acc.set_alt(node + 1, ids, np.exp(vals))
-        top1.append(math.exp(float(vals[0])))
-        base = acc.path_logp[node] if node >= 0 else 0.0
-        for tok, lp in zip(ids[:branch].tolist(), vals[:branch].tolist(), strict=True):
-            heapq.heappush(heap, (-(base + lp), next(order), node, tok, lp))
+        best = float(vals.max())
+        top1.append(math.exp(best))
+        base = rank[node] if node >= 0 else 0.0
+        for i, (tok, lp) in enumerate(zip(ids[:branch].tolist(), vals[:branch].tolist(), strict=True)):
+            rank_lp = best if coupling is not None and i == 0 else lp
+            heapq.heappush(heap, (-(base + rank_lp), next(order), node, tok, lp))
 
     push_children(-1, root_logits)
     while heap and len(acc.tokens) < budget:
@@ -497,6 +584,7 @@ def draft_dynamic(
             neg, _, parent, tok, lp = heapq.heappop(heap)
             node = acc.add(parent, tok, lp)
             depth.append(1 if parent < 0 else depth[parent] + 1)
+            rank.append(-neg)
             batch.append(node)
             if len(batch) == 1:
                 bar = -neg + log_m  # a child of the best batch node would reach about this
@@ -509,7 +597,7 @@ def draft_dynamic(
             if depth[node] < max_depth:
                 push_children(node, logits)
             else:
-                ids, vals = _top_logp(logits, alternatives)
+                ids, vals = _ranked(logits, alternatives, coupling, at + depth[node])
                 acc.set_alt(node + 1, ids, np.exp(vals))
     frontier = np.sort(np.exp(np.asarray([-h[0] for h in heap], dtype=np.float64)))[::-1][:64]
     evals = drafter.stats.extend_calls - evals

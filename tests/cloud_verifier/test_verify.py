@@ -11,8 +11,6 @@ import torch.nn.functional as F
 from cloud_verifier.sampling import (
     SamplingParams,
     inverse_cdf,
-    keyed_uniform,
-    keyed_uniforms,
     sample_next,
     target_probs,
     top_p_threshold,
@@ -28,6 +26,7 @@ from cloud_verifier.verify import (
     verify_tree,
 )
 from shared import Q_TOTAL, SparseDist, SparseRows, TokenTree, merge
+from shared.keyed import keyed_uniform, keyed_uniforms
 from shared.sparse import truncate
 from shared.tree import Draws, ExpansionConfig
 from tests.stats import chi2_pvalue

@@ -69,8 +69,12 @@ async def _generate(
     url: str, drafter: object, prompt: str, **kw: object
 ) -> tuple[list[int], list[int], object]:
     async with EdgeClient(
-        url, drafter, api_key=kw.pop("api_key", None), tree=kw.pop("tree", TreeSpec())
-    ) as c:  # type: ignore[arg-type]
+        url,
+        drafter,  # type: ignore[arg-type]
+        api_key=kw.pop("api_key", None),  # type: ignore[arg-type]
+        tree=kw.pop("tree", TreeSpec()),  # type: ignore[arg-type]
+        couple=bool(kw.pop("couple", True)),
+    ) as c:
         async for _ in c.generate(prompt, **kw):  # type: ignore[arg-type]
             pass
         assert c.last is not None
@@ -170,6 +174,28 @@ def test_seeded_match_equals_seeded_target_only_sampling() -> None:
             assert other != ar  # the seed matters: the equality above is not a coincidence
     drafter.close()
     print("sampling near-ties (prompt, position, distance):", ties or "none")
+
+
+def test_coupled_match_drafts_the_tokens_the_target_samples() -> None:
+    """Sample-and-match drafted with the verifier's keyed uniforms (the default) against drafting
+    the draft's most likely tokens: the same output (the verifier samples from p either way), and
+    with a self-draft (the same weights) the coupled chain is the target's own samples, so nearly
+    every round accepts the whole first-child path."""
+    prompts = [p.text for p in load_prompts(2)]
+    drafter = create_drafter("torch", "tiny")
+    spec = TreeSpec()
+    depth = spec.chain_depth
+    with LiveServer() as srv:
+        for i, p in enumerate(prompts):
+            kw = {"max_new_tokens": 32, "mode": "match", "temperature": 2.0, "seed": 40 + i}
+            _, coupled, st_c = asyncio.run(_generate(srv.ws, drafter, p, couple=True, **kw))
+            _, plain, st_p = asyncio.run(_generate(srv.ws, drafter, p, couple=False, **kw))
+            assert coupled == plain
+            tau_c, tau_p = st_c.tau, st_p.tau  # type: ignore[attr-defined]
+            print(f"prompt {i}: tau coupled {tau_c:.2f}, uncoupled {tau_p:.2f} (chain depth {depth})")
+            assert tau_c >= 0.8 * (depth + 1)
+            assert tau_c >= 1.5 * tau_p
+    drafter.close()
 
 
 @pytest.mark.parametrize("mode", ["mss", "rrs"])

@@ -16,6 +16,7 @@ import pytest
 from edge_client.drafters import WorkspaceFullError
 from edge_client.drafters.llama_cpp import LlamaCppDrafter
 from edge_client.trees import (
+    Coupling,
     DraftCancelled,
     DraftResult,
     Sampling,
@@ -407,3 +408,77 @@ def test_a_fresh_tree_fits_after_a_full_workspace() -> None:
     assert again.tree.num_nodes == 14
     dyn = draft_dynamic(d, [1, 2, 3, 4, 5], 20)
     assert dyn.tree.num_nodes == 20
+
+
+# ---------------------------------------------------------------- coupled sample-and-match drafting
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, 0, 1.0), (1.3, 0, 1.0), (0.9, 20, 1.0), (0.8, 0, 0.9)]
+)
+def test_coupling_token_is_the_verifiers_keyed_sample(temperature: float, top_k: int, top_p: float) -> None:
+    """Coupling.token on logits equals the verifier's own draw there (sample_next: inverse CDF of
+    target_probs at keyed_uniform(seed, position)): with the target's logits the edge would
+    predict every sample."""
+    import torch
+
+    from cloud_verifier.sampling import SamplingParams, sample_next
+
+    rng = np.random.default_rng(5)
+    c = Coupling(seed=17, temperature=temperature, top_k=top_k, top_p=top_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    same = 0
+    picked = set()
+    for pos in range(200):
+        logits = (rng.normal(0, 2, 500) + 3 * (rng.random(500) < 0.01)).astype(np.float32)
+        mine = c.token(logits, pos)
+        same += mine == sample_next(torch.from_numpy(logits), params, 17, pos)
+        picked.add(mine)
+    # float32 (target) and float64 (edge) CDFs may split a boundary differently: allow one in 100
+    assert same >= 198
+    assert len(picked) > 20  # it samples: not the argmax every time
+
+
+def test_coupled_static_tree_leads_with_the_coupled_token() -> None:
+    d = FakeDrafter(V)
+    c = Coupling(seed=3, temperature=0.9)
+    cfg = ExpansionConfig((2, 2, 1))
+    dr = draft_static(d, S, cfg, mode="match", coupling=c, eval_leaves=True)
+    tree = dr.tree
+    for row in range(tree.num_nodes + 1):
+        j = row - 1
+        path = [int(tree.tokens[i]) for i in tree.path(j)] if j >= 0 else []
+        want = c.token(fake_logits(S + path, V), len(S) + len(path))
+        assert int(dr.alt_tokens[row][0]) == want  # the outcome model's "top" token
+        kids = tree.children_of(j)
+        if kids:
+            assert int(tree.tokens[kids[0]]) == want  # the first child
+            assert len({int(tree.tokens[k]) for k in kids}) == len(kids)  # siblings stay distinct
+    # the tree's draft probabilities stay the draft's own (temperature 1), coupled or not
+    for i in range(tree.num_nodes):
+        p = tree.parents[i]
+        path = [int(tree.tokens[a]) for a in tree.path(p)] if p >= 0 else []
+        assert dr.node_prob[i] == pytest.approx(math.exp(_logp(S + path)[int(tree.tokens[i])]), rel=1e-5)
+    # greedy ignores the coupling; finish_leaves fills the leaves' rows the same way
+    plain = draft_static(FakeDrafter(V), S, cfg, mode="greedy")
+    assert draft_static(FakeDrafter(V), S, cfg, mode="greedy", coupling=c).tree.tokens.tolist() == (
+        plain.tree.tokens.tolist()
+    )
+    d2 = FakeDrafter(V)
+    late = finish_leaves(d2, draft_static(d2, S, cfg, mode="match", coupling=c), mode="match", coupling=c)
+    assert late.alt_tokens.tolist() == dr.alt_tokens.tolist()
+
+
+def test_coupled_dynamic_tree_holds_the_coupled_chain() -> None:
+    """Best-first ranks a coupled token like the most likely one: the chain of coupled tokens from
+    the root is in a budgeted tree, three levels deep."""
+    c = Coupling(seed=8, temperature=1.0)
+    dr = draft_dynamic(FakeDrafter(V), S, 24, mode="match", coupling=c)
+    tree = dr.tree
+    node, prefix = -1, list(S)
+    for _ in range(3):
+        want = c.token(fake_logits(prefix, V), len(prefix))
+        kids = [k for k in tree.children_of(node) if int(tree.tokens[k]) == want]
+        assert kids, f"coupled token {want} missing below node {node}"
+        node = kids[0]
+        prefix.append(want)
