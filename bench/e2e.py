@@ -78,6 +78,7 @@ class ModeRuns:
     prespec_ms: float = 0.0
     prespec_sent: int = 0
     prespec_cancelled: int = 0
+    prespec_refused: int = 0
 
     def add(self, gen: Generation, forwards: float) -> None:
         st = gen.stats
@@ -102,6 +103,7 @@ class ModeRuns:
         self.prespec_ms += st.prespec_ms
         self.prespec_sent += st.prespec_sent
         self.prespec_cancelled += st.prespec_cancelled
+        self.prespec_refused += st.prespec_refused
 
     def summary(self) -> dict[str, Any]:
         def med(x: list[float]) -> float:
@@ -129,6 +131,8 @@ class ModeRuns:
             "prespec_cancelled_per_round": round(self.prespec_cancelled / self.rounds, 4)
             if self.rounds
             else 0.0,
+            # conditional trees the server had no room for (TOO_MANY_PENDING), dropped
+            "prespec_refused_per_round": round(self.prespec_refused / self.rounds, 4) if self.rounds else 0.0,
         }
 
 

@@ -224,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "prespec_draft_ms_per_round": s["prespec_draft_ms_per_round"],
                                 "prespec_trees_per_round": s["prespec_trees_per_round"],
                                 "prespec_cancelled_per_round": s["prespec_cancelled_per_round"],
+                                "prespec_refused_per_round": s["prespec_refused_per_round"],
                             }
                         )
                     print(f"rtt {rtt:g} ms, T={temp:g}: done", flush=True)

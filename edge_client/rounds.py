@@ -58,6 +58,7 @@ from edge_client.trees import (
     draft_static,
     finish_leaves,
 )
+from shared.errors import ErrorCode
 from shared.messages import Error, Mode, Prompt, Stale, Tree, Verdict, Welcome
 from shared.protocol import ClientState
 from shared.tree import ExpansionConfig
@@ -273,6 +274,19 @@ class RoundDriver:
             self.stats.prespec_cancelled += 1
             return None
 
+    def _refused_speculation(self, e: Error) -> bool:
+        """A conditional tree the server had no room for (TOO_MANY_PENDING) is dropped like a stale
+        one: the generation goes on. Any other error, or one about the tree in flight, fails it."""
+        r = e.round
+        if e.fatal or e.code is not ErrorCode.TOO_MANY_PENDING or r is None or r == self.in_flight:
+            return False
+        spec = self.specs.pop(r, None)
+        if spec is None or spec.parent is None:
+            return False
+        self._leaves_pending.discard(r)
+        self.stats.prespec_refused += 1
+        return True
+
     def _ruled_out(self, full: tuple[int, ...]) -> bool:
         """The verdicts received so far (decoded by the pump, on the loop's thread) exclude `full`.
         Called from the drafting thread: a verdict half-applied only delays the answer."""
@@ -342,6 +356,8 @@ class RoundDriver:
                 if isinstance(msg, BaseException):
                     raise msg
                 if isinstance(msg, Error):
+                    if self._refused_speculation(msg):
+                        continue
                     raise client.refused(msg)
                 if isinstance(msg, Stale):
                     self.specs.pop(msg.round, None)
@@ -465,7 +481,10 @@ class RoundDriver:
         if cfg is None or self.cancelled or self.in_flight is None or not self.heap or self._workspace_full:
             return False
         proto = self.client.proto
-        if len(proto.outstanding) >= self.welcome.limits.max_pending + 1:
+        # the server keeps max_pending trees besides the one it verifies; with none in flight (after
+        # a miss, chained trees may wait for the fallback) every outstanding tree may be pending
+        room = self.welcome.limits.max_pending + (1 if proto.in_flight is not None else 0)
+        if len(proto.outstanding) >= room:
             return False
         if self._bytes_since_verdict >= cfg.byte_budget:
             return False

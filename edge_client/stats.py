@@ -24,6 +24,7 @@ class GenerationStats:
     prespec_ms: float = 0.0  # drafting time spent on them (off the critical path)
     prespec_gated: int = 0  # times the cost gate held pre-speculation back until the next message
     prespec_cancelled: int = 0  # conditional drafts abandoned because a verdict ruled them out
+    prespec_refused: int = 0  # conditional trees the server had no room for (TOO_MANY_PENDING), dropped
     hits: int = 0  # verdicts after which the next tree was already at the server
     decided: int = 0  # verdicts that left the generation running (the ones a hit could follow)
     hits_by_depth: dict[int, int] = field(default_factory=dict)  # accepted length of the outcome -> hits

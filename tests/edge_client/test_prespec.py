@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -220,3 +221,56 @@ def test_cost_gate_holds_back_unlikely_trees_on_a_slow_drafter() -> None:
     assert st_g.prespec_gated > 0 and st_f.prespec_gated == 0  # type: ignore[attr-defined]
     # drafts a verdict overtakes are abandoned, not finished
     assert st_f.prespec_cancelled > 0  # type: ignore[attr-defined]
+
+
+def test_a_conditional_tree_refused_for_room_is_dropped() -> None:
+    """A client that believes the server keeps more pending trees than it does (here: told 6, the
+    server keeps 1) gets TOO_MANY_PENDING for the extra conditional trees: they are dropped like
+    stale ones and the generation finishes with exactly the target's tokens."""
+    import dataclasses
+
+    from tests.cloud_verifier.service import tiny
+    from tests.edge_client.test_e2e import compare, greedy_with_gaps
+
+    drafter = create_drafter("torch", "tiny")
+    rng = np.random.default_rng(2)
+    evaluate = drafter._evaluate
+
+    def noisy(first: int, count: int) -> np.ndarray:  # outcomes worth several guesses
+        out = np.array(evaluate(first, count))
+        return out + rng.normal(0, 3.0, out.shape).astype(np.float32)
+
+    drafter._evaluate = noisy  # type: ignore[method-assign]
+    tok = drafter.tokenizer
+    p = load_prompts(1)[0].text
+    prompt_tokens = tok.encode(tok.render_chat([{"role": "user", "content": p}]), add_special=False)
+
+    small = TreeSpec("static", ExpansionConfig((2, 1)))
+
+    async def go() -> tuple[list[int], object]:
+        cfg = PrespecConfig(fanout=3, gate=False)
+        async with EdgeClient(srv.ws, drafter, prespec=cfg, link=LinkShape.rtt(20.0), tree=small) as c:  # type: ignore[arg-type]
+            assert c.welcome is not None and c.welcome.limits.max_pending == 1
+            told = dataclasses.replace(c.welcome, limits=dataclasses.replace(c.welcome.limits, max_pending=6))
+            c.welcome = c.proto.welcome_msg = told
+            async for _ in c.generate(p, max_new_tokens=24):
+                pass
+            assert c.last is not None
+            return c.last.tokens, c.last.stats
+
+    model = tiny().model
+    forward = model.forward_packed
+
+    def slow_forward(*args: object, **kw: object) -> object:  # conditional trees arrive mid-verify
+        time.sleep(0.4)
+        return forward(*args, **kw)  # type: ignore[arg-type]
+
+    model.forward_packed = slow_forward  # type: ignore[method-assign]
+    try:
+        with LiveServer(max_pending=1) as srv:
+            toks, st = asyncio.run(go())
+    finally:
+        del model.forward_packed
+    ref, gaps = greedy_with_gaps(tiny(), prompt_tokens, 24)
+    compare(toks, ref, gaps)
+    assert st.prespec_refused > 0  # type: ignore[attr-defined]
