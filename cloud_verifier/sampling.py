@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.keyed import keyed_uniform
+from shared.keyed import BELOW_ONE, keyed_uniform
 
 _TOP_P_FIRST_K = 256  # top-p looks at this many tokens first and widens only when they hold < top_p
-_BELOW_ONE = 1.0 - 2.0**-50  # keeps an inverse-CDF threshold strictly below the total
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """
     cdf = torch.cumsum(probs, -1, dtype=torch.float64)  # [T, V]
     total = cdf[:, -1:]
-    threshold = torch.minimum(u.unsqueeze(-1) * total, total * _BELOW_ONE)
+    threshold = torch.minimum(u.unsqueeze(-1) * total, total * BELOW_ONE)
     # an all-zero row (no mass at all: a caller's bug) still gets an in-range token
     return torch.searchsorted(cdf, threshold, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
-from shared.keyed import keyed_uniforms
+from shared.keyed import BELOW_ONE, keyed_uniforms
 from shared.messages import Mode
 from shared.sparse import SparseDist, SparseRows, quantize, truncate
 from shared.tree import Draws, ExpansionConfig, TokenTree
@@ -120,7 +120,7 @@ class Coupling:
         else:
             keep, cdf = None, np.cumsum(p)
         u = float(keyed_uniforms(self.seed, position))
-        i = int(np.searchsorted(cdf, min(u * cdf[-1], cdf[-1] * (1.0 - 2.0**-50)), side="right"))
+        i = int(np.searchsorted(cdf, min(u * cdf[-1], cdf[-1] * BELOW_ONE), side="right"))
         i = min(i, cdf.size - 1)
         return int(keep[i]) if keep is not None else i
 

@@ -14,6 +14,9 @@ import numpy as np
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
+# an inverse-CDF threshold is u * total capped at total * BELOW_ONE: strictly below the total, so a
+# token with zero mass is never drawn (both the verifier and the edge's coupled drafting use it)
+BELOW_ONE = 1.0 - 2.0**-50
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
