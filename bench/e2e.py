@@ -67,6 +67,7 @@ class ModeRuns:
     bytes_down: int = 0
     hits: int = 0
     decided: int = 0
+    predicted_hits: float = 0.0
     hits_by_depth: dict[int, int] = field(default_factory=dict)
     decided_by_depth: dict[int, int] = field(default_factory=dict)
     # over every generation: drafting on the critical path (one entry per synchronous draft), the
@@ -93,6 +94,7 @@ class ModeRuns:
         self.bytes_down += st.bytes_down
         self.hits += st.hits
         self.decided += st.decided
+        self.predicted_hits += st.predicted_hits
         for k, v in st.hits_by_depth.items():
             self.hits_by_depth[k] = self.hits_by_depth.get(k, 0) + v
         for k, v in st.decided_by_depth.items():
@@ -117,6 +119,8 @@ class ModeRuns:
             "bytes_up_per_token": round(self.bytes_up / max(self.total_tokens, 1), 2),
             "bytes_down_per_token": round(self.bytes_down / max(self.total_tokens, 1), 2),
             "hit_rate": round(self.hits / self.decided, 4) if self.decided else None,
+            # the outcome model's mean odds of a hit for the trees it sent (calibration of hit_rate)
+            "predicted_hit_rate": round(self.predicted_hits / self.decided, 4) if self.decided else None,
             "hit_rate_by_depth": {
                 str(k): round(self.hits_by_depth.get(k, 0) / n, 4)
                 for k, n in sorted(self.decided_by_depth.items())

@@ -215,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "tau": s["tau"],
                                 "hit_rate": s["hit_rate"] if "prespec" in m else None,
                                 "hit_rate_by_depth": s["hit_rate_by_depth"] if "prespec" in m else None,
+                                "predicted_hit_rate": s["predicted_hit_rate"] if "prespec" in m else None,
                                 "target_forwards_per_token": s["target_forwards_per_token"],
                                 "bytes_up_per_token": s["bytes_up_per_token"],
                                 "bytes_down_per_token": s["bytes_down_per_token"],

@@ -27,7 +27,8 @@ most one drafter evaluation. Each candidate is drafted only while its expected s
 the drafting and the round trip off the critical path) outweighs its expected cost (a miss waits
 for what is left of the draft, at most one evaluation). Where hits are rare and the round trip
 short (sampling at RTT 0) it holds the least likely candidates back; where the round trip is long
-it drafts freely, since the drafts end before the verdict comes.
+the drafts end before the verdict comes, and only a floor on the expected saving per drafting ms
+(`min_gain`) keeps the edge from drafting trees that will rarely be used.
 """
 
 from __future__ import annotations
@@ -63,8 +64,14 @@ class ChoiceModel:
     temperature 0 (greedy verification): the target takes the draft's top token with probability
     `alpha`, measured online as the fraction of verified positions where the target's token was the
     draft's top token (a Beta(8, 2) prior, decaying so it follows the text), and otherwise a token in
-    proportion to the draft's other probabilities. The draft's own softmax says little here: a
-    draft can be right 95% of the time with a top probability of 0.4.
+    proportion to the draft's other probabilities, scaled by a learned calibration `beta`. The
+    draft's own softmax says little here: a draft can be right 95% of the time with a top
+    probability of 0.4, and a weak draft's runners-up can carry half its mass yet hold the target's
+    token one time in ten. beta = (times the target's token was one of the recorded alternatives
+    after a miss of the top token) / (the probability the proportional rule gave them), decayed
+    like alpha from a prior of 1 (two pseudo-observations), so a draft whose runners-up are
+    rarely right stops being trusted to predict bonus tokens (and the cost gate stops drafting
+    for them).
 
     temperature T > 0 (the target samples): the draft's distribution at temperature T stands in
     for the target's (deterministic trees rank on the draft at temperature 1, so it is sharpened;
@@ -75,10 +82,17 @@ class ChoiceModel:
     agree: float = 8.0
     tested: float = 10.0
     decay: float = 0.98
+    alt_hits: float = 2.0
+    alt_predicted: float = 2.0
 
     @property
     def alpha(self) -> float:
         return self.agree / self.tested
+
+    @property
+    def beta(self) -> float:
+        """Calibration of the runners-up: observed / predicted share of misses they explain."""
+        return self.alt_hits / self.alt_predicted
 
     def choice(self, tokens: np.ndarray, probs: np.ndarray, at_temperature: bool) -> dict[int, float]:
         """P(target's next token = x) for the draft's alternatives x at one row (rank order)."""
@@ -87,9 +101,8 @@ class ChoiceModel:
         if toks.size == 0:
             return {}
         if self.temperature == 0:
-            rest = q[1:]
-            tail = max(1.0 - float(q.sum()), 0.0)  # the draft's mass outside the alternatives
-            share = rest / max(float(rest.sum()) + tail, 1e-12) * (1.0 - self.alpha)
+            share = _runner_up_share(q)
+            share *= min(self.beta, 1.0 / max(float(share.sum()), 1e-12)) * (1.0 - self.alpha)
             return {
                 int(toks[0]): self.alpha,
                 **{int(t): float(p) for t, p in zip(toks[1:], share, strict=True)},
@@ -109,11 +122,26 @@ class ChoiceModel:
         for i, r in enumerate(rows):
             if i >= len(tokens):
                 break
-            top = int(dr.alt_tokens[r + 1][0])
+            alts, q = dr.alt_tokens[r + 1], dr.alt_probs[r + 1]
+            top, target = int(alts[0]), int(tokens[i])
             if top < 0:
                 continue
-            self.agree = self.decay * self.agree + float(int(tokens[i]) == top)
+            self.agree = self.decay * self.agree + float(target == top)
             self.tested = self.decay * self.tested + 1.0
+            if target != top:
+                ok = alts >= 0
+                predicted = float(_runner_up_share(q[ok].astype(np.float64)).sum())
+                hit = float(target in {int(t) for t in alts[ok][1:]})
+                self.alt_hits = self.decay * self.alt_hits + hit
+                self.alt_predicted = self.decay * self.alt_predicted + predicted
+
+
+def _runner_up_share(q: np.ndarray) -> np.ndarray:
+    """P(target = alternative r | target != the top token) for r = 1.. by the proportional rule:
+    the draft's probabilities of its runners-up over its mass outside the top token."""
+    rest = q[1:]
+    tail = max(1.0 - float(q.sum()), 0.0)  # the draft's mass outside the alternatives
+    return rest / max(float(rest.sum()) + tail, 1e-12)
 
 
 def reach_probabilities(dr: DraftResult, model: ChoiceModel | None = None) -> np.ndarray:
@@ -250,6 +278,7 @@ def worth_drafting(
     rtt_ms: float,
     time_left_ms: float,
     step_ms: float | None = None,
+    min_gain: float = 0.0,
 ) -> bool:
     """The cost gate: is drafting one more conditional tree now expected to save time?
 
@@ -257,6 +286,7 @@ def worth_drafting(
     arrives delays the synchronous fallback draft that a miss needs. Drafting pays off when
 
         p_hit * (rtt_ms + draft_ms)  >=  p_fallback * min(max(0, draft_ms - time_left_ms), step_ms)
+                                          + min_gain * draft_ms
 
     gain: with probability p_hit the tree is verified with no round trip and no drafting on the
     critical path (both are what a synchronous round would have cost); loss: with probability
@@ -271,6 +301,10 @@ def worth_drafting(
     time_left_ms: expected time until the verdict in flight arrives
     step_ms:      one drafter evaluation, where drafting can be abandoned between them (None: it
                   cannot, the fallback waits for the whole rest of the draft)
+    min_gain:     expected critical-path ms a conditional draft must save per ms of drafting, even
+                  when it ends before the verdict: drafting is not free on the edge (energy, and
+                  memory bandwidth shared with whatever else runs there), so a tree that will
+                  rarely be used is not drafted
     """
     for name, v in (("p_hit", p_hit), ("p_fallback", p_fallback)):
         if not 0.0 <= v <= 1.0 + 1e-9:
@@ -279,7 +313,7 @@ def worth_drafting(
     wait = max(0.0, draft_ms - max(time_left_ms, 0.0))
     if step_ms is not None:
         wait = min(wait, max(step_ms, 0.0))
-    return gain >= p_fallback * wait
+    return gain >= p_fallback * wait + max(min_gain, 0.0) * max(draft_ms, 0.0)
 
 
 def rebase(tree: TokenTree, known: int) -> TokenTree:

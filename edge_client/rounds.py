@@ -101,6 +101,9 @@ class PrespecConfig:
                  round trip on the critical path) outweighs its expected cost (miss: the fallback
                  draft waits on the edge's one drafting thread until the conditional draft is
                  abandoned, at most one evaluation); edge_client.prespec.worth_drafting
+    min_gain:    with the gate, expected critical-path ms a conditional tree must save per ms spent
+                 drafting it. 0 (latency first): draft whatever costs no expected latency; raise it
+                 where edge energy matters, to hold back trees that would rarely be used
     """
 
     fanout: int = 3
@@ -109,6 +112,7 @@ class PrespecConfig:
     allocation: str = "geometric"
     r: float = 1.0
     gate: bool = True
+    min_gain: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -514,7 +518,13 @@ class RoundDriver:
         due = self._verdict_due
         left = 0.0 if due is None else (due - time.perf_counter()) * 1e3
         return worth_drafting(
-            p_hit, p_fallback, self._draft_est_ms, self.client.rtt_estimate_ms, left, self._step_est_ms
+            p_hit,
+            p_fallback,
+            self._draft_est_ms,
+            self.client.rtt_estimate_ms,
+            left,
+            self._step_est_ms,
+            self.prespec.min_gain if self.prespec is not None else 0.0,
         )
 
     async def _prespeculate_one(self) -> None:
@@ -548,6 +558,12 @@ class RoundDriver:
         returns what to re-anchor on, if needed."""
         st, proto = self.stats, self.client.proto
         spec = self.specs.pop(v.round, None)
+        # the odds the outcome model gave the conditional trees sent for this tree's outcomes
+        predicted = 0.0
+        if spec is not None and spec.prob > 0:
+            kids = [s for r, s in self.specs.items() if s.parent == v.round and r in proto.outstanding]
+            sent = sum(s.prob for s in kids)
+            predicted = min(1.0, sent / spec.prob)
         st.rounds += 1
         st.tokens += len(v.tokens)
         st.verify_ms.append(v.verify_ms)
@@ -575,7 +591,7 @@ class RoundDriver:
         # a conditional tree that matched is verified right away: its verdict follows in one verify
         self._verdict_due = None if nxt is None else now + self._verify_est_ms / 1e3
         if not v.done and not self.cancelled and self.req.mode is not Mode.AR:
-            st.record_outcome(len(v.accepted_nodes), nxt is not None)
+            st.record_outcome(len(v.accepted_nodes), nxt is not None, predicted)
         # forget what can no longer happen
         self.specs = {
             r: s for r, s in self.specs.items() if _extends(s.full, committed) or s.full == committed

@@ -27,6 +27,7 @@ class GenerationStats:
     prespec_refused: int = 0  # conditional trees the server had no room for (TOO_MANY_PENDING), dropped
     hits: int = 0  # verdicts after which the next tree was already at the server
     decided: int = 0  # verdicts that left the generation running (the ones a hit could follow)
+    predicted_hits: float = 0.0  # sum over decided verdicts of the predicted odds of a hit (calibration)
     hits_by_depth: dict[int, int] = field(default_factory=dict)  # accepted length of the outcome -> hits
     decided_by_depth: dict[int, int] = field(default_factory=dict)
     wall_s: float = 0.0
@@ -49,6 +50,12 @@ class GenerationStats:
     def hit_rate(self) -> float | None:
         return self.hits / self.decided if self.decided else None
 
+    @property
+    def predicted_hit_rate(self) -> float | None:
+        """Mean odds of a hit that the outcome model gave the conditional trees it sent (against
+        hit_rate: how well calibrated the outcome model is)."""
+        return self.predicted_hits / self.decided if self.decided else None
+
     def hit_rate_by_depth(self) -> dict[int, float]:
         return {k: self.hits_by_depth.get(k, 0) / n for k, n in sorted(self.decided_by_depth.items()) if n}
 
@@ -58,8 +65,9 @@ class GenerationStats:
                 self.accepted_counts.append(0)
             self.accepted_counts[d - 1] += 1
 
-    def record_outcome(self, accepted: int, hit: bool) -> None:
+    def record_outcome(self, accepted: int, hit: bool, predicted: float = 0.0) -> None:
         self.decided += 1
+        self.predicted_hits += predicted
         self.decided_by_depth[accepted] = self.decided_by_depth.get(accepted, 0) + 1
         if hit:
             self.hits += 1
@@ -84,6 +92,9 @@ class GenerationStats:
             "prespec_gated": self.prespec_gated,
             "prespec_cancelled": self.prespec_cancelled,
             "hit_rate": None if self.hit_rate is None else round(self.hit_rate, 4),
+            "predicted_hit_rate": (
+                None if self.predicted_hit_rate is None else round(self.predicted_hit_rate, 4)
+            ),
             "hit_rate_by_depth": {str(k): round(v, 4) for k, v in self.hit_rate_by_depth().items()},
         }
 

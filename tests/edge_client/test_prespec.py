@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
@@ -74,6 +75,38 @@ def test_choice_model_learns_agreement() -> None:
     for _ in range(40):
         m.observe(dr, [], [(top[0] + 1) % 64])  # ... then never
     assert m.alpha < a0
+
+
+def test_choice_model_calibrates_the_runners_up() -> None:
+    """A weak draft's runners-up can carry much of its mass and still rarely hold the target's
+    token: the learned calibration beta scales their predicted shares to what is observed."""
+    d = FakeDrafter(64)
+    dr = draft_static(d, [5, 6], ExpansionConfig((1, 1)), eval_leaves=True)
+    alts, q = dr.alt_tokens[0], dr.alt_probs[0]
+    outside = next(t for t in range(64) if t not in set(alts.tolist()))
+    m = ChoiceModel(temperature=0.0)
+    before = sum(p for t, p in m.choice(alts, q, False).items() if t != int(alts[0]))
+    assert m.beta == 1.0 and before > 0.05
+    for _ in range(60):
+        m.observe(dr, [], [outside])  # the target's token is never among the draft's alternatives
+    uncalibrated = dataclasses.replace(m, alt_hits=2.0, alt_predicted=2.0)  # same alpha, beta 1
+    after = sum(p for t, p in m.choice(alts, q, False).items() if t != int(alts[0]))
+    plain = sum(p for t, p in uncalibrated.choice(alts, q, False).items() if t != int(alts[0]))
+    assert m.beta < 0.1 and after == pytest.approx(m.beta * plain)
+    # predicted outcomes follow: the bonus candidates after row 0 lose their odds
+    odds = {(o.node, o.bonus): o.prob for o in predict_outcomes(dr, 8, model=uncalibrated, allocation="top")}
+    for o in predict_outcomes(dr, 8, model=m, allocation="top"):
+        if o.node < 0:
+            assert o.prob == pytest.approx(m.beta * odds[(o.node, o.bonus)])
+    # ... and a draft whose runner-up always holds the target's token earns them back, capped so
+    # that the shares never exceed the mass left by the top token
+    good = ChoiceModel(temperature=0.0)
+    for _ in range(60):
+        good.observe(dr, [], [int(alts[1])])
+    shares = good.choice(alts, q, False)
+    assert good.beta > 1.0
+    assert sum(shares.values()) <= 1.0 + 1e-9
+    assert sum(p for t, p in shares.items() if t != int(alts[0])) <= 1.0 - good.alpha + 1e-9
 
 
 def test_rebase_and_replay() -> None:
@@ -189,6 +222,9 @@ def test_cost_gate_weighs_the_saving_against_the_delayed_fallback() -> None:
     assert worth_drafting(0.2, 0.8, draft_ms=200.0, rtt_ms=0.0, time_left_ms=35.0, step_ms=25.0)
     assert not worth_drafting(0.05, 0.95, draft_ms=200.0, rtt_ms=0.0, time_left_ms=35.0, step_ms=25.0)
     assert not worth_drafting(0.0, 1.0, draft_ms=200.0, rtt_ms=0.0, time_left_ms=0.0, step_ms=1.0)
+    # a floor on the saving per drafting ms holds back a free but rarely used tree
+    assert not worth_drafting(0.01, 1.0, draft_ms=50.0, rtt_ms=0.0, time_left_ms=80.0, min_gain=0.1)
+    assert worth_drafting(0.5, 1.0, draft_ms=50.0, rtt_ms=0.0, time_left_ms=80.0, min_gain=0.1)
     with pytest.raises(ValueError, match="p_hit"):
         worth_drafting(1.5, 0.2, draft_ms=1.0, rtt_ms=0.0, time_left_ms=0.0)
     with pytest.raises(ValueError, match="p_fallback"):
