@@ -27,8 +27,9 @@ most one drafter evaluation. Each candidate is drafted only while its expected s
 the drafting and the round trip off the critical path) outweighs its expected cost (a miss waits
 for what is left of the draft, at most one evaluation). Where hits are rare and the round trip
 short (sampling at RTT 0) it holds the least likely candidates back; where the round trip is long
-the drafts end before the verdict comes, and only a floor on the expected saving per drafting ms
-(`min_gain`) keeps the edge from drafting trees that will rarely be used.
+the drafts end before the verdict comes and cost no latency; a floor on the expected saving per
+drafting ms (`min_gain`, 0 by default) holds back trees that would rarely be used where the edge's
+energy matters more than the last few ms.
 """
 
 from __future__ import annotations
