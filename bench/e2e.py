@@ -119,7 +119,7 @@ class ModeRuns:
             "bytes_up_per_token": round(self.bytes_up / max(self.total_tokens, 1), 2),
             "bytes_down_per_token": round(self.bytes_down / max(self.total_tokens, 1), 2),
             "hit_rate": round(self.hits / self.decided, 4) if self.decided else None,
-            # the outcome model's mean odds of a hit for the trees it sent (calibration of hit_rate)
+            # the outcome model's mean odds of a hit for the outcomes it drafted for (calibrates hit_rate)
             "predicted_hit_rate": round(self.predicted_hits / self.decided, 4) if self.decided else None,
             "hit_rate_by_depth": {
                 str(k): round(self.hits_by_depth.get(k, 0) / n, 4)

@@ -177,6 +177,9 @@ class RoundDriver:
         self._verdict_due: float | None = None  # perf_counter time the verdict in flight is expected
         self._step_est_ms: float | None = None  # one drafter evaluation
         self._leaves_pending: set[int] = set()  # sent trees whose leaves are still to be evaluated
+        # per tree: the summed odds of the outcomes a conditional draft was started for (sent or
+        # abandoned), for GenerationStats.predicted_hits
+        self._attempted: dict[int, float] = {}
 
     # ------------------------------------------------------------------ drafting (drafter thread)
     async def _draft(self, fn: Callable[[], Any]) -> Any:
@@ -538,6 +541,7 @@ class RoundDriver:
         if not _extends(full, committed) or len(full) - len(committed) > 4 * max_cond:
             return
         prob = spec.prob * outcome.prob
+        self._attempted[parent] = self._attempted.get(parent, 0.0) + prob
         t0 = time.perf_counter()
         dr = await self._draft(functools.partial(self._conditional, full))
         self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
@@ -558,12 +562,11 @@ class RoundDriver:
         returns what to re-anchor on, if needed."""
         st, proto = self.stats, self.client.proto
         spec = self.specs.pop(v.round, None)
-        # the odds the outcome model gave the conditional trees sent for this tree's outcomes
-        predicted = 0.0
-        if spec is not None and spec.prob > 0:
-            kids = [s for r, s in self.specs.items() if s.parent == v.round and r in proto.outstanding]
-            sent = sum(s.prob for s in kids)
-            predicted = min(1.0, sent / spec.prob)
+        # the odds the outcome model gave the outcomes of this tree that conditional drafts were
+        # started for (counting those abandoned: a draft still running when the verdict comes is
+        # finished and sent only if the verdict matches it)
+        attempted = self._attempted.pop(v.round, 0.0)
+        predicted = min(1.0, attempted / spec.prob) if spec is not None and spec.prob > 0 else 0.0
         st.rounds += 1
         st.tokens += len(v.tokens)
         st.verify_ms.append(v.verify_ms)

@@ -52,8 +52,8 @@ class GenerationStats:
 
     @property
     def predicted_hit_rate(self) -> float | None:
-        """Mean odds of a hit that the outcome model gave the conditional trees it sent (against
-        hit_rate: how well calibrated the outcome model is)."""
+        """Mean odds of a hit that the outcome model gave the conditional drafts it started
+        (against hit_rate: how well calibrated the outcome model is)."""
         return self.predicted_hits / self.decided if self.decided else None
 
     def hit_rate_by_depth(self) -> dict[int, float]:
