@@ -151,6 +151,8 @@ def test_prespec_on_and_off_give_the_same_tokens() -> None:
             on, st = _run(srv.ws, drafter, p, True, max_new_tokens=40)
             assert on == off
             assert st.prespec_sent > 0 and st.hits > 0  # type: ignore[attr-defined]
+            # the outcome model's own odds for what it drafted are recorded beside the hits
+            assert 0.0 < st.predicted_hit_rate <= 1.0  # type: ignore[attr-defined]
             m_off, _ = _run(
                 srv.ws, drafter, p, False, max_new_tokens=24, mode="match", temperature=0.8, seed=4
             )
