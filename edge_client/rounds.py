@@ -104,6 +104,10 @@ class PrespecConfig:
     min_gain:    with the gate, expected critical-path ms a conditional tree must save per ms spent
                  drafting it. 0 (latency first): draft whatever costs no expected latency; raise it
                  where edge energy matters, to hold back trees that would rarely be used
+    leaf_min_reach: a sent tree's leaves (drafted but not evaluated) are evaluated after sending, to
+                 predict the bonus token of the outcomes that accept them, only when the most
+                 likely of them is accepted with at least this probability (a weak draft's leaves
+                 are almost never reached: evaluating them only occupies the drafting thread)
     """
 
     fanout: int = 3
@@ -113,6 +117,7 @@ class PrespecConfig:
     r: float = 1.0
     gate: bool = True
     min_gain: float = 0.0
+    leaf_min_reach: float = 0.02
 
 
 @dataclass(frozen=True)
@@ -436,11 +441,17 @@ class RoundDriver:
         return rid
 
     def _sent(self, rid: int) -> None:
-        """Tree `rid` is on its way: queue its outcomes, or first its leaves when they are missing."""
-        if self.prespec is None:
+        """Tree `rid` is on its way: queue its outcomes, or first its leaves when they are missing
+        and likely enough to be reached to be worth evaluating (PrespecConfig.leaf_min_reach)."""
+        cfg = self.prespec
+        if cfg is None:
             return
-        if bool((self.specs[rid].draft.workspace_ids < 0).any()):
-            self._leaves_pending.add(rid)
+        spec = self.specs[rid]
+        missing = spec.draft.workspace_ids < 0
+        if bool(missing.any()):
+            reach = spec.prob * reach_probabilities(spec.draft, self.choice)
+            if float(reach[missing].max()) >= cfg.leaf_min_reach:
+                self._leaves_pending.add(rid)
         self._expand_all()
 
     async def _finish_leaves(self) -> None:

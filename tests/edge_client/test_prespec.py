@@ -160,6 +160,33 @@ def test_prespec_on_and_off_give_the_same_tokens() -> None:
             assert m_on == m_off
 
 
+def test_leaves_are_evaluated_only_when_they_may_be_reached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sent tree's leaves are evaluated (to predict the bonus after a full acceptance) only when
+    the outcome model gives them a fair chance: with a model sure the draft is never right, the
+    drafting thread never spends time on them, and the output is unchanged."""
+    from edge_client.rounds import RoundDriver
+
+    calls: list[int] = []
+    real = RoundDriver._leaves
+
+    def counting(self: RoundDriver, rid: int) -> None:
+        calls.append(rid)
+        real(self, rid)
+
+    monkeypatch.setattr(RoundDriver, "_leaves", counting)
+    drafter = create_drafter("torch", "tiny")
+    p = load_prompts(1)[0].text
+    with LiveServer(max_pending=6) as srv:
+        ref, _ = _run(srv.ws, drafter, p, True, max_new_tokens=24)
+        assert calls  # a self-draft: its leaves are likely, so they are evaluated
+        calls.clear()
+        never = ChoiceModel(temperature=0.0, agree=0.0, tested=1e6, decay=1.0)
+        monkeypatch.setattr(EdgeClient, "choice_model", lambda self, t, coupled=False: never)
+        toks, st = _run(srv.ws, drafter, p, True, max_new_tokens=24)
+    assert toks == ref
+    assert not calls and st.rounds > 1  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("mode", ["mss", "rrs"])
 def test_prespec_in_stochastic_modes_keeps_draws_valid(mode: str) -> None:
     """Conditional trees in mss/rrs carry draws from q at their own assumed prefix; the verifier
