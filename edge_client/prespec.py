@@ -132,7 +132,7 @@ class ChoiceModel:
             if target != top:
                 ok = alts >= 0
                 predicted = float(_runner_up_share(q[ok].astype(np.float64)).sum())
-                hit = float(target in {int(t) for t in alts[ok][1:]})
+                hit = float(bool((alts[ok][1:] == target).any()))
                 self.alt_hits = self.decay * self.alt_hits + hit
                 self.alt_predicted = self.decay * self.alt_predicted + predicted
 

@@ -373,6 +373,7 @@ class RoundDriver:
                     raise client.refused(msg)
                 if isinstance(msg, Stale):
                     self.specs.pop(msg.round, None)
+                    self._attempted.pop(msg.round, None)
                     if msg.round != self.in_flight or client.proto.state is not ClientState.GENERATING:
                         continue
                     # the tree taken for current (one still on its way when the verdict came) was
@@ -506,7 +507,7 @@ class RoundDriver:
             return False
         if self._bytes_since_verdict >= cfg.byte_budget:
             return False
-        if cfg.gate and not self._worth_next():
+        if cfg.gate and not self._worth_next(cfg):
             self.stats.prespec_gated += 1
             return False
         return True
@@ -516,7 +517,7 @@ class RoundDriver:
         if dr.evaluations > 0:
             self._step_est_ms = _ema(self._step_est_ms, dr.draft_ms / dr.evaluations)
 
-    def _worth_next(self) -> bool:
+    def _worth_next(self, cfg: PrespecConfig) -> bool:
         """The cost gate (edge_client.prespec.worth_drafting) for the most likely candidate."""
         if self._draft_est_ms is None or self.in_flight is None:
             return True
@@ -538,7 +539,7 @@ class RoundDriver:
             self.client.rtt_estimate_ms,
             left,
             self._step_est_ms,
-            self.prespec.min_gain if self.prespec is not None else 0.0,
+            cfg.min_gain,
         )
 
     async def _prespeculate_one(self) -> None:
