@@ -15,11 +15,13 @@ miss the drafter is re-synced to the committed sequence (the anchor moves). When
 fills up during a run of hits, the anchor moves to the committed sequence and the tree in flight
 is replayed into the fresh workspace.
 
-Keeping the critical path short. A tree drafted synchronously (after a miss) is sent without its
-leaves evaluated; the leaves (whose alternatives give the bonus tokens of the full-acceptance
-outcomes) are evaluated right after, while the tree is in flight (trees.finish_leaves). A
-conditional tree is abandoned between drafter evaluations as soon as a verdict rules its assumed
-outcome out (trees.DraftCancelled), so a miss's fallback draft waits for at most one evaluation.
+Keeping the critical path short. Every tree is sent without its leaves evaluated; the leaves
+(whose alternatives give the bonus tokens of the full-acceptance outcomes) are evaluated right
+after, while the tree is in flight (trees.finish_leaves), and only those the outcome model gives
+a fair chance of being reached (PrespecConfig.leaf_min_reach): on the edge's one drafting thread
+each evaluated leaf costs about as much as a tree node. A conditional tree is abandoned between
+drafter evaluations as soon as a verdict rules its assumed outcome out (trees.DraftCancelled), so
+a miss's fallback draft waits for at most one evaluation.
 """
 
 from __future__ import annotations
@@ -105,9 +107,10 @@ class PrespecConfig:
                  drafting it. 0 (latency first): draft whatever costs no expected latency; raise it
                  where edge energy matters, to hold back trees that would rarely be used
     leaf_min_reach: a sent tree's leaves (drafted but not evaluated) are evaluated after sending, to
-                 predict the bonus token of the outcomes that accept them, only when the most
-                 likely of them is accepted with at least this probability (a weak draft's leaves
-                 are almost never reached: evaluating them only occupies the drafting thread)
+                 predict the bonus token of the outcomes that accept them; only the leaves accepted
+                 with at least this probability are (the side branches of a sampled tree, or every
+                 leaf of a weak draft's, are almost never reached: evaluating them only occupies
+                 the drafting thread, at about the cost of a tree node each)
     """
 
     fanout: int = 3
@@ -181,7 +184,8 @@ class RoundDriver:
         self._verify_est_ms = 0.0
         self._verdict_due: float | None = None  # perf_counter time the verdict in flight is expected
         self._step_est_ms: float | None = None  # one drafter evaluation
-        self._leaves_pending: set[int] = set()  # sent trees whose leaves are still to be evaluated
+        # sent trees whose leaves are still to be evaluated, and which of their leaves
+        self._leaves_pending: dict[int, list[int]] = {}
         # per tree: the summed odds of the outcomes a conditional draft was started for (sent or
         # abandoned), for GenerationStats.predicted_hits
         self._attempted: dict[int, float] = {}
@@ -276,7 +280,7 @@ class RoundDriver:
                 self.anchor,
                 full[len(self.anchor) :],
                 reuse=True,
-                leaves=True,
+                leaves=False,
                 stop=lambda: self._ruled_out(full),
             )
         except WorkspaceFullError:
@@ -295,7 +299,7 @@ class RoundDriver:
         spec = self.specs.pop(r, None)
         if spec is None or spec.parent is None:
             return False
-        self._leaves_pending.discard(r)
+        self._leaves_pending.pop(r, None)
         self.stats.prespec_refused += 1
         return True
 
@@ -308,8 +312,8 @@ class RoundDriver:
         committed = tuple(proto.committed)
         return not (full[: len(committed)] == committed)
 
-    def _leaves(self, rid: int) -> None:
-        """Drafting thread: evaluate the leaves of sent tree `rid` (still in the workspace)."""
+    def _leaves(self, rid: int, nodes: list[int]) -> None:
+        """Drafting thread: evaluate leaves `nodes` of sent tree `rid` (still in the workspace)."""
         spec = self.specs.get(rid)
         if spec is None:
             return
@@ -321,6 +325,7 @@ class RoundDriver:
                 mode=self.req.mode,
                 sampling=self.req.sampling,
                 coupling=self.req.coupling,
+                nodes=nodes,
             )
         except WorkspaceFullError:
             self._workspace_full = True
@@ -442,8 +447,8 @@ class RoundDriver:
         return rid
 
     def _sent(self, rid: int) -> None:
-        """Tree `rid` is on its way: queue its outcomes, or first its leaves when they are missing
-        and likely enough to be reached to be worth evaluating (PrespecConfig.leaf_min_reach)."""
+        """Tree `rid` is on its way: queue its outcomes, or first those of its leaves that are likely
+        enough to be reached to be worth evaluating (PrespecConfig.leaf_min_reach)."""
         cfg = self.prespec
         if cfg is None:
             return
@@ -451,17 +456,18 @@ class RoundDriver:
         missing = spec.draft.workspace_ids < 0
         if bool(missing.any()):
             reach = spec.prob * reach_probabilities(spec.draft, self.choice)
-            if float(reach[missing].max()) >= cfg.leaf_min_reach:
-                self._leaves_pending.add(rid)
+            wanted = np.flatnonzero(missing & (reach >= cfg.leaf_min_reach)).tolist()
+            if wanted:
+                self._leaves_pending[rid] = wanted
         self._expand_all()
 
     async def _finish_leaves(self) -> None:
         rid = min(self._leaves_pending)
         if rid in self.specs:
             t0 = time.perf_counter()
-            await self._draft(functools.partial(self._leaves, rid))
+            await self._draft(functools.partial(self._leaves, rid, self._leaves_pending[rid]))
             self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
-        self._leaves_pending.discard(rid)
+        self._leaves_pending.pop(rid, None)
         self._expand_all()
 
     # ------------------------------------------------------------------ pre-speculation

@@ -448,9 +448,13 @@ def finish_leaves(
     mode: Mode | str = Mode.GREEDY,
     sampling: Sampling | None = None,
     coupling: Coupling | None = None,
+    nodes: Sequence[int] | None = None,
 ) -> DraftResult:
     """Evaluate the nodes of `dr` left unevaluated (its leaves) in one drafter call and return the
     result with their workspace ids and alternatives filled in, as if drafted with eval_leaves.
+
+    nodes: only these of the unevaluated nodes (default: all of them); the others stay
+    unevaluated (workspace id -1, no alternatives), and a later call can still add them.
 
     The drafter's workspace must still hold the tree (no sync since it was drafted). The tree
     itself (tokens, draws) is unchanged; only what the draft believes after the leaves is added.
@@ -461,7 +465,13 @@ def finish_leaves(
         raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...)")
     coupling = _coupling(m, coupling)
     ws = dr.workspace_ids.copy()
-    nodes = np.flatnonzero(ws < 0).tolist()
+    if nodes is None:
+        nodes = np.flatnonzero(ws < 0).tolist()
+    else:
+        nodes = sorted({int(n) for n in nodes})
+        bad = [n for n in nodes if not 0 <= n < ws.size or ws[n] >= 0]
+        if bad:
+            raise ValueError(f"finish_leaves: nodes {bad} are not unevaluated nodes of the tree")
     if not nodes:
         return dr
     tree = dr.tree

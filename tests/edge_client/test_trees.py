@@ -127,6 +127,32 @@ def test_finish_leaves_equals_drafting_with_eval_leaves(mode: str) -> None:
     assert finish_leaves(d2, done, mode=mode, sampling=sampling) is done  # nothing left to evaluate
 
 
+def test_finish_leaves_evaluates_only_the_leaves_asked_for() -> None:
+    """`nodes` picks leaves: they get the rows a full finish gives them, the others stay
+    unevaluated (and can be added later); a node that is not an unevaluated one is refused."""
+    cfg = ExpansionConfig((1, 3, 2))
+    d1, d2 = FakeDrafter(V), FakeDrafter(V)
+    full = finish_leaves(d1, draft_static(d1, S, cfg))
+    part = draft_static(d2, S, cfg)
+    leaves = np.flatnonzero(part.workspace_ids < 0).tolist()
+    pick = leaves[1::2]
+    some = finish_leaves(d2, part, nodes=pick)
+    rest = sorted(set(leaves) - set(pick))
+    assert np.all(some.workspace_ids[pick] >= 0) and np.all(some.workspace_ids[rest] < 0)
+    assert d2.num_nodes == d1.num_nodes - len(rest)
+    for n in pick:
+        np.testing.assert_array_equal(some.alt_tokens[n + 1], full.alt_tokens[n + 1])
+    for n in rest:
+        assert np.all(some.alt_tokens[n + 1] < 0)
+    with pytest.raises(ValueError, match=r"not unevaluated nodes"):
+        finish_leaves(d2, some, nodes=[pick[0]])  # already evaluated
+    with pytest.raises(ValueError, match=r"not unevaluated nodes"):
+        finish_leaves(d2, some, nodes=[some.tree.num_nodes])  # no such node
+    done = finish_leaves(d2, some)  # the rest, later
+    np.testing.assert_array_equal(done.alt_tokens, full.alt_tokens)
+    assert np.all(done.workspace_ids >= 0)
+
+
 def test_finish_leaves_of_a_dynamic_tree() -> None:
     d1, d2 = FakeDrafter(V), FakeDrafter(V)
     full = draft_dynamic(d1, S, 12, eval_leaves=True)
