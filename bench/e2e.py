@@ -40,6 +40,9 @@ class Variant:
     prespec: bool | PrespecConfig = False
 
 
+FRUGAL_MIN_GAIN = 0.1
+
+
 def variants(names: Sequence[str], tree: ExpansionConfig) -> dict[str, Variant]:
     table = {
         "ar": Variant(ar=True),
@@ -48,6 +51,10 @@ def variants(names: Sequence[str], tree: ExpansionConfig) -> dict[str, Variant]:
         "tree_prespec": Variant(tree=TreeSpec("static", tree), prespec=True),
         # pre-speculation without the cost gate: every predicted outcome up to the fan-out
         "tree_prespec_ungated": Variant(tree=TreeSpec("static", tree), prespec=PrespecConfig(gate=False)),
+        # pre-speculation holding back trees expected to save < 0.1 ms per ms of drafting (min_gain)
+        "tree_prespec_frugal": Variant(
+            tree=TreeSpec("static", tree), prespec=PrespecConfig(min_gain=FRUGAL_MIN_GAIN)
+        ),
         "sequence_prespec": Variant(tree=TreeSpec("sequence", tree), prespec=True),
         "budget": Variant(tree=TreeSpec("budget")),
         "budget_prespec": Variant(tree=TreeSpec("budget"), prespec=True),

@@ -31,7 +31,7 @@ from shared.messages import Mode
 from shared.tree import ExpansionConfig
 
 MODES = ("ar", "sequence", "tree", "tree_prespec")
-OPTIONAL = ("tree_prespec_ungated", "sequence_prespec", "budget", "budget_prespec")
+OPTIONAL = ("tree_prespec_ungated", "tree_prespec_frugal", "sequence_prespec", "budget", "budget_prespec")
 
 
 class Proxy:

@@ -84,6 +84,15 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="pre-speculate: draft conditional trees for the likely outcomes while a round is in flight",
     )
+    p.add_argument(
+        "--prespec-min-gain",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="with --prespec: draft a conditional tree only when it is expected to save at least X ms "
+        "of latency per ms spent drafting it (default 0: whatever costs no expected latency; e.g. 0.1 "
+        "holds back trees that are rarely used, saving edge energy)",
+    )
     p.add_argument("--threads", type=int, default=0, help="draft model threads (0: the backend's default)")
     p.add_argument(
         "--json",
@@ -116,18 +125,26 @@ def _tree_spec(args: argparse.Namespace) -> TreeSpec:
 async def _generate(args: argparse.Namespace) -> int:
     from edge_client.client import EdgeClient, GenerationError
     from edge_client.drafters.registry import create_drafter
+    from edge_client.rounds import PrespecConfig
 
     try:
         spec = _tree_spec(args)
     except ValueError as exc:
         print(f"edge-client: --tree: {exc}", file=sys.stderr)
         return 2
+    if args.prespec_min_gain < 0:
+        print("edge-client: --prespec-min-gain must be 0 or more", file=sys.stderr)
+        return 2
+    if args.prespec_min_gain and not args.prespec:
+        print("edge-client: --prespec-min-gain applies to pre-speculation: add --prespec", file=sys.stderr)
+        return 2
+    prespec = PrespecConfig(min_gain=args.prespec_min_gain) if args.prespec else False
     opts = {"n_threads": args.threads} if args.threads else {}
     drafter = create_drafter(args.drafter, args.draft, **opts)
     out = sys.stdout
     try:
         async with EdgeClient(
-            args.server, drafter, api_key=args.api_key, tree=spec, prespec=args.prespec
+            args.server, drafter, api_key=args.api_key, tree=spec, prespec=prespec
         ) as client:
             async for chunk in client.generate(
                 args.prompt,

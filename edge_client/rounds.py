@@ -122,6 +122,20 @@ class PrespecConfig:
     min_gain: float = 0.0
     leaf_min_reach: float = 0.02
 
+    def __post_init__(self) -> None:
+        checks = (
+            ("fanout", self.fanout >= 1, "at least 1"),
+            ("max_chain", self.max_chain >= 1, "at least 1"),
+            ("byte_budget", self.byte_budget >= 0, "0 or more"),
+            ("allocation", self.allocation in ("geometric", "top"), "'geometric' or 'top'"),
+            ("r", self.r > 0, "positive"),
+            ("min_gain", self.min_gain >= 0, "0 or more"),
+            ("leaf_min_reach", 0 <= self.leaf_min_reach <= 1, "in [0, 1]"),
+        )
+        for name, ok, what in checks:
+            if not ok:
+                raise ValueError(f"PrespecConfig.{name} must be {what}, got {getattr(self, name)!r}")
+
 
 @dataclass(frozen=True)
 class Request:

@@ -34,3 +34,22 @@ def test_every_flag_is_explained(parser: argparse.ArgumentParser) -> None:
 def test_python_m_help(module: str) -> None:
     out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True)
     assert "usage:" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prespec", "--prespec-min-gain", "-0.5"], "must be 0 or more"),
+        (["--prespec-min-gain", "0.1"], "add --prespec"),
+    ],
+)
+def test_edge_refuses_a_bad_prespec_min_gain_before_connecting(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edge_client.cli import main
+
+    # port 9 on localhost has no verifier: a refusal that came after connecting would fail differently
+    rc = main(["generate", "--server", "ws://127.0.0.1:9/v1/session", "--draft", "tiny", *flags, "hi"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--prespec-min-gain" in err and message in err

@@ -352,3 +352,21 @@ def test_a_conditional_tree_refused_for_room_is_dropped() -> None:
     ref, gaps = greedy_with_gaps(tiny(), prompt_tokens, 24)
     compare(toks, ref, gaps)
     assert st.prespec_refused > 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("fanout", 0),
+        ("max_chain", 0),
+        ("byte_budget", -1),
+        ("allocation", "random"),
+        ("r", 0.0),
+        ("min_gain", -0.1),
+        ("leaf_min_reach", 1.5),
+    ],
+)
+def test_prespec_config_names_the_bad_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"PrespecConfig.{field} must be"):
+        PrespecConfig(**{field: value})  # type: ignore[arg-type]
+    PrespecConfig(min_gain=0.1, leaf_min_reach=0.0, allocation="top")  # in range: accepted
