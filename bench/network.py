@@ -32,6 +32,23 @@ from shared.tree import ExpansionConfig
 
 MODES = ("ar", "sequence", "tree", "tree_prespec")
 OPTIONAL = ("tree_prespec_ungated", "tree_prespec_frugal", "sequence_prespec", "budget", "budget_prespec")
+# run settings that must agree for rows of several files to form one table (--merge)
+SAME_RUN = (
+    "draft",
+    "model",
+    "prompts",
+    "tokens",
+    "tree",
+    "proxy",
+    "jitter_ms",
+    "bandwidth_mbps",
+    "no_couple",
+)
+ROW_KEYS = (
+    *("rtt_ms", "mode", "temperature", "ms_per_token", "tau", "hit_rate", "target_forwards_per_token"),
+    *("bytes_up_per_token", "bytes_down_per_token", "draft_ms_per_round", "verify_ms_per_round"),
+    "rtt_ms_per_round",
+)
 
 
 class Proxy:
@@ -161,10 +178,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tokens lead each node instead of the token the target is likely to sample)",
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ap.add_argument(
+        "--merge",
+        default=None,
+        metavar="A.json,B.json",
+        help="run nothing: merge the rows of earlier --json files (a later file's row replaces an "
+        "earlier one for the same RTT, mode and temperature), then print the table and goals and "
+        "write --json / --plot; the files must share draft, model, prompts, tokens and tree",
+    )
     a = ap.parse_args(argv)
-    rtts = [float(x) for x in a.rtt_ms.split(",") if x]
-    temps = [float(x) for x in a.temperatures.split(",") if x]
+    if a.merge:
+        try:
+            merged, config = merge([p for p in a.merge.split(",") if p])
+        except ValueError as exc:
+            ap.error(f"--merge: {exc}")
+        return report(a, merged, config)
+    try:
+        rtts = [float(x) for x in a.rtt_ms.split(",") if x]
+        temps = [float(x) for x in a.temperatures.split(",") if x]
+    except ValueError as exc:
+        ap.error(f"--rtt-ms and --temperatures take comma-separated numbers ({exc})")
     modes = [m for m in a.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES + OPTIONAL]
+    if unknown or not modes:
+        ap.error(f"--modes: unknown {unknown or 'none given'}; choose from {','.join(MODES + OPTIONAL)}")
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
     print(f"link: {'TCP delay proxy process' if a.proxy else 'in-process shaper'}", flush=True)
@@ -229,10 +266,61 @@ def main(argv: Sequence[str] | None = None) -> int:
                             }
                         )
                     print(f"rtt {rtt:g} ms, T={temp:g}: done", flush=True)
-                    _write(a, rows, complete=False)  # a crash later keeps what is measured
+                    _write(a.json, rows, vars(a), complete=False)  # a crash later keeps what is measured
         finally:
             drafter.close()
-    print(f"\n{a.model} verifier, draft {a.draft}, {a.prompts} prompts x {a.tokens} tokens (medians)")
+    return report(a, rows, vars(a))
+
+
+def merge(paths: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows of several `--json` files of one setup (the last file wins for a repeated (RTT, mode,
+    T)), and the first file's config with `merged_from` added."""
+    if not paths:
+        raise ValueError("name at least one JSON file")
+    merged: dict[tuple[float, str, float], dict[str, Any]] = {}
+    first: dict[str, Any] | None = None
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read a bench.network JSON file ({exc})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+            raise ValueError(f"{path}: no 'rows' list; is it a bench.network --json file?")
+        cfg = doc.get("config") or {}
+        if first is None:
+            first = cfg
+        diff = [k for k in SAME_RUN if cfg.get(k) != first.get(k)]
+        if diff:
+            raise ValueError(
+                f"{path} was run with other settings than {paths[0]}: "
+                + ", ".join(f"{k} {cfg.get(k)!r} vs {first.get(k)!r}" for k in diff)
+            )
+        for i, r in enumerate(doc["rows"]):
+            if not isinstance(r, dict) or any(k not in r for k in ROW_KEYS):
+                raise ValueError(f"{path}: row {i} lacks one of {', '.join(ROW_KEYS)}")
+            merged[(float(r["rtt_ms"]), str(r["mode"]), float(r["temperature"]))] = r
+    assert first is not None
+    order = {m: i for i, m in enumerate(MODES + OPTIONAL)}
+    rows = sorted(merged.values(), key=lambda r: (r["rtt_ms"], r["temperature"], order.get(r["mode"], 99)))
+    config = {
+        **first,
+        "rtt_ms": ",".join(f"{x:g}" for x in sorted({r["rtt_ms"] for r in rows})),
+        "temperatures": ",".join(f"{x:g}" for x in sorted({r["temperature"] for r in rows})),
+        "modes": ",".join(dict.fromkeys(r["mode"] for r in rows)),
+        "merged_from": list(paths),
+        "json": None,
+        "plot": None,
+        "merge": None,
+    }
+    return rows, config
+
+
+def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, Any]) -> int:
+    """The table, the goals, the JSON (complete; with `config`) and the plot."""
+    c = config
+    merged = f", merged from {len(c['merged_from'])} files" if c.get("merged_from") else ""
+    size = f"{c.get('prompts')} prompts x {c.get('tokens')} tokens"
+    print(f"\n{c.get('model')} verifier, draft {c.get('draft')}, {size}{merged} (medians)")
     print(
         table(
             [
@@ -269,19 +357,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     _goals(rows)
-    _write(a, rows, complete=True)
+    _write(a.json, rows, config, complete=True)
     if a.plot:
         plot(rows, a.plot)
         print(f"plot: {a.plot}")
     return 0
 
 
-def _write(a: argparse.Namespace, rows: list[dict[str, Any]], complete: bool) -> None:
+def _write(path: str | None, rows: list[dict[str, Any]], config: dict[str, Any], complete: bool) -> None:
     """The JSON file, rewritten after every RTT x temperature block (`complete` false until the end)."""
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        doc = {"rows": rows, "complete": complete, "config": vars(a)}
-        Path(a.json).write_text(json.dumps(doc, indent=2))
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"rows": rows, "complete": complete, "config": config}
+        Path(path).write_text(json.dumps(doc, indent=2))
 
 
 def _goals(rows: list[dict[str, Any]]) -> None:
