@@ -132,8 +132,8 @@ async def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"edge-client: --tree: {exc}", file=sys.stderr)
         return 2
-    if args.prespec_min_gain < 0:
-        print("edge-client: --prespec-min-gain must be 0 or more", file=sys.stderr)
+    if not args.prespec_min_gain >= 0:  # also refuses nan
+        print("edge-client: --prespec-min-gain must be a number, 0 or more", file=sys.stderr)
         return 2
     if args.prespec_min_gain and not args.prespec:
         print("edge-client: --prespec-min-gain applies to pre-speculation: add --prespec", file=sys.stderr)

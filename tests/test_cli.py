@@ -39,7 +39,8 @@ def test_python_m_help(module: str) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--prespec", "--prespec-min-gain", "-0.5"], "must be 0 or more"),
+        (["--prespec", "--prespec-min-gain", "-0.5"], "0 or more"),
+        (["--prespec", "--prespec-min-gain", "nan"], "0 or more"),
         (["--prespec-min-gain", "0.1"], "add --prespec"),
     ],
 )
