@@ -132,13 +132,15 @@ async def _generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"edge-client: --tree: {exc}", file=sys.stderr)
         return 2
-    if not args.prespec_min_gain >= 0:  # also refuses nan
-        print("edge-client: --prespec-min-gain must be a number, 0 or more", file=sys.stderr)
+    try:
+        prespec_cfg = PrespecConfig(min_gain=args.prespec_min_gain)  # refuses < 0 and nan
+    except ValueError as exc:
+        print(f"edge-client: --prespec-min-gain: {exc}", file=sys.stderr)
         return 2
     if args.prespec_min_gain and not args.prespec:
         print("edge-client: --prespec-min-gain applies to pre-speculation: add --prespec", file=sys.stderr)
         return 2
-    prespec = PrespecConfig(min_gain=args.prespec_min_gain) if args.prespec else False
+    prespec = prespec_cfg if args.prespec else False
     opts = {"n_threads": args.threads} if args.threads else {}
     drafter = create_drafter(args.drafter, args.draft, **opts)
     out = sys.stdout
