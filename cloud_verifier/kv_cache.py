@@ -12,6 +12,11 @@ so the positions of a block are adjacent for every head. When a sequence's block
 ids (the allocator tries hard to keep them so) attention reads its keys as a strided *view* of the
 pool, with no gather; otherwise it gathers by slot index.
 
+With `tiled_keys=True` (the batch-invariant CPU attention, model/cpu_attention.py) the pool also
+keeps each layer's keys transposed within tiles of 16 slots, `kt[layer, head, slot // 16, :,
+slot % 16]`, so that kernel loads 16 keys' worth of one dimension with one vector load. It is
+written and moved together with `k`; the block size must then be a multiple of 16.
+
 Refusals (`KVCacheFull`, bad ids, bad keep lists) are raised before anything is modified.
 """
 
@@ -23,6 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+TILE = 16  # slots per key tile of `kt`
 
 
 class KVCacheFull(Exception):
@@ -65,9 +72,12 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        tiled_keys: bool = False,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
+        if tiled_keys and block_size % TILE:
+            raise ValueError(f"tiled keys need a block size that is a multiple of {TILE}, got {block_size}")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -77,6 +87,16 @@ class PagedKVCache:
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, kv_heads, slots, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, kv_heads, slots, head_dim]
+        # [layers, kv_heads, slots // TILE, head_dim, TILE]: the keys again, transposed per tile
+        self.kt = (
+            torch.zeros(
+                (num_layers, num_kv_heads, num_blocks * block_size // TILE, head_dim, TILE),
+                dtype=dtype,
+                device=self.device,
+            )
+            if tiled_keys
+            else None
+        )
         self._free = np.ones(num_blocks, dtype=bool)
         self._num_free = num_blocks
         self._seqs: dict[int, _Seq] = {}
@@ -167,6 +187,8 @@ class PagedKVCache:
             # advanced indexing reads a copy first, so overlapping source and destination are safe
             self.k[:, :, dst] = self.k[:, :, src]
             self.v[:, :, dst] = self.v[:, :, src]
+            if self.kt is not None:
+                self.kt[:, :, dst // TILE, :, dst % TILE] = self.kt[:, :, src // TILE, :, src % TILE]
         seq.cached += len(idx)
         seq.scratch = 0
         self._trim(seq)
@@ -206,6 +228,23 @@ class PagedKVCache:
         """slots: [T] int64; k, v: [T, kv_heads, head_dim] -> stored at those slots."""
         self.k[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
         self.v[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
+        if self.kt is not None:
+            # advanced indices on dims 1 and 3 put the row dimension first: [T, kv_heads, head_dim]
+            self.kt[layer][:, slots // TILE, :, slots % TILE] = k.to(self.dtype)
+
+    def layer_tiled(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kt, v) of one layer's whole pool for the tiled-key kernel: [kv_heads, slots // 16,
+        head_dim, 16] and [kv_heads, slots, head_dim]."""
+        if self.kt is None:
+            raise ValueError("this pool was made without tiled_keys")
+        return self.kt[layer], self.v[layer]
+
+    @staticmethod
+    def read_slots(read: tuple[int, int] | torch.Tensor) -> torch.Tensor:
+        """A SeqSlots.read as an int64 slot per position."""
+        if isinstance(read, tuple):
+            return torch.arange(read[0], read[1], dtype=torch.int64)
+        return read
 
     def sequence_kv(self, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v), each [layers, kv_heads, cached_len, head_dim]: the committed cache, gathered."""

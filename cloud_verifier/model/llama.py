@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cloud_verifier.kv_cache import PagedKVCache, SeqSlots
-from cloud_verifier.model import gemm
+from cloud_verifier.kv_cache import TILE, PagedKVCache, SeqSlots
+from cloud_verifier.model import cpu_attention, gemm
 from cloud_verifier.model.config import ModelConfig
 from cloud_verifier.model.rope import Rotary
 
@@ -72,19 +72,21 @@ class _Prepared:
     lm_head: torch.Tensor
 
 
-ATTENTION_MODES = ("model", "float64")
+ATTENTION_MODES = ("model", "float64", "sdpa")
 
 
 class LlamaModel(nn.Module):
     """The decoder. Weights are read-only once a forward has run: the first forward prepares
     (packs) the projection weights; call `set_gemm` after changing weights in place.
 
-    Attention precision: "model" computes attention in the weights' dtype. "float64" (exact
-    mode) keeps the KV cache and attention in float64: a tree row and the same token decoded
-    alone then sum the same terms in different orders without it showing in float32, so tree
-    verification is bit-identical to incremental decoding (with oneDNN's batch-invariant
-    projections). On SmolLM2-135M fp32 attention leaves ~1e-4 of logit noise between the two;
-    exact mode costs 10-40% more per forward at a 128-token prefix, more at long prefixes.
+    Attention: "model" computes attention in the weights' dtype; for float32 on a CPU it uses the
+    batch-invariant kernel of cpu_attention.py (every sum in an order fixed by key position), so
+    with oneDNN's row-invariant projections a tree node's logits are bit-identical to decoding
+    its path token by token, at SDPA's speed. Elsewhere (GPU, bf16/fp16, no compiler) "model" is
+    SDPA with the tree mask. "sdpa" forces SDPA (on SmolLM2-135M fp32 it leaves up to a few 1e-4
+    of logit noise between a tree row and the same token decoded alone). "float64" keeps the KV
+    cache and SDPA in float64, which also makes the rows agree bit for bit, on any device, at
+    10-80% more per forward.
     """
 
     def __init__(
@@ -108,17 +110,35 @@ class LlamaModel(nn.Module):
         self.gemm_kind = gemm_kind
         self._prepared: _Prepared | None = None
         self.attn_dtype = dtype
+        self._sdpa = False  # "sdpa" mode: never the CPU kernel
 
     def set_attention(self, mode: str) -> None:
-        """ "model" (attention in the weights' dtype) or "float64" (exact mode, see the class doc).
-        Caches made before the switch still work (converted per layer), at a cost."""
+        """ "model", "sdpa" or "float64" (see the class doc). Caches made before the switch still
+        work (converted per layer, or through SDPA when they lack the kernel's tiled keys), at a cost."""
         if mode not in ATTENTION_MODES:
             raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
         self.attn_dtype = torch.float64 if mode == "float64" else self.dtype
+        self._sdpa = mode == "sdpa"
 
     @property
     def attention_mode(self) -> str:
-        return "float64" if self.attn_dtype == torch.float64 and self.dtype != torch.float64 else "model"
+        if self.attn_dtype == torch.float64 and self.dtype != torch.float64:
+            return "float64"
+        return "sdpa" if self._sdpa else "model"
+
+    @property
+    def attention_kernel(self) -> str:
+        """What computes attention: "cpu-invariant" (the kernel) or "sdpa"."""
+        return "cpu-invariant" if self._use_kernel() else "sdpa"
+
+    def _use_kernel(self) -> bool:
+        c = self.config
+        return (
+            not self._sdpa
+            and self.attn_dtype == self.dtype
+            and cpu_attention.supports(c.head_dim, self.dtype, self.device)
+            and cpu_attention.load() is not None
+        )
 
     def set_gemm(self, kind: str) -> None:
         """Choose the projection kernels ("auto", "onednn", "torch"); re-prepares lazily."""
@@ -146,9 +166,19 @@ class LlamaModel(nn.Module):
         return self.embed.device
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        """A pool for this model; with the CPU kernel in use (and a block size that is a multiple
+        of 16) it also keeps the kernel's tiled keys."""
         c = self.config
+        tiled = self._use_kernel() and block_size % TILE == 0
         return PagedKVCache(
-            c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, self.attn_dtype, self.device
+            c.num_layers,
+            c.num_kv_heads,
+            c.head_dim,
+            num_blocks,
+            block_size,
+            self.attn_dtype,
+            self.device,
+            tiled_keys=tiled,
         )
 
     @torch.inference_mode()
@@ -166,10 +196,19 @@ class LlamaModel(nn.Module):
             check_input(x, c.vocab_size)
         plans = kv.reserve([(x.seq_id, x.num_rows) for x in inputs])
         cached = [kv.cached_len(x.seq_id) for x in inputs]
-        masks = [
-            _attention_mask(x, n_cached, c.group_size, self.attn_dtype, self.device)
-            for x, n_cached in zip(inputs, cached, strict=True)
-        ]
+        kernel = kv.kt is not None and self._use_kernel()
+        masks: list[torch.Tensor | None] = []
+        kernel_args: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        if kernel:  # per sequence: slot of every position, new-row mask, cached length
+            kernel_args = [
+                (kv.read_slots(plan.read), _allowed(x), n_cached)
+                for x, plan, n_cached in zip(inputs, plans, cached, strict=True)
+            ]
+        else:
+            masks = [
+                _attention_mask(x, n_cached, c.group_size, self.attn_dtype, self.device)
+                for x, n_cached in zip(inputs, cached, strict=True)
+            ]
         tokens = torch.cat([x.tokens for x in inputs]).to(self.device)  # [T]
         positions = torch.cat([x.positions for x in inputs]).to(self.device)  # [T]
         write_slots = torch.cat([p.write for p in plans])  # [T]
@@ -189,7 +228,15 @@ class LlamaModel(nn.Module):
                 li, write_slots, qk[:, c.num_heads :], qkv[:, qk_heads * hd :].view(t, c.num_kv_heads, hd)
             )
             q = qk[:, : c.num_heads]  # [T, heads, head_dim]
-            if len(inputs) == 1:
+            if kernel:
+                kt_l, v_l = kv.layer_tiled(li)
+                o = torch.cat(
+                    [
+                        self._attend_kernel(q[a:b], kt_l, v_l, *args)
+                        for (a, b), args in zip(bounds, kernel_args, strict=True)
+                    ]
+                )
+            elif len(inputs) == 1:
                 o = self._attend(q, kv, li, plans[0], masks[0])  # [T, q]
             else:
                 o = torch.cat(
@@ -203,6 +250,41 @@ class LlamaModel(nn.Module):
             h += lin(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
         return self._logits(h, inputs, bounds)
 
+    def _fold(self, q: torch.Tensor) -> torch.Tensor:
+        """[n, heads, head_dim] -> [kv_heads, group * n, head_dim], row g * n + i = row i of head g."""
+        c = self.config
+        n = q.shape[0]
+        if n == 1:
+            return q.reshape(c.num_kv_heads, c.group_size, c.head_dim)
+        return (
+            q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
+            .permute(1, 2, 0, 3)
+            .reshape(c.num_kv_heads, c.group_size * n, c.head_dim)
+        )
+
+    def _unfold(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        """The inverse of `_fold`, flattened: [kv_heads, group * n, head_dim] -> [n, q_size]."""
+        c = self.config
+        if n == 1:
+            return out.reshape(1, c.q_size)
+        out = out.reshape(c.num_kv_heads, c.group_size, n, c.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(n, c.q_size)
+
+    def _attend_kernel(
+        self,
+        q: torch.Tensor,
+        kt: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        allowed: torch.Tensor,
+        cached: int,
+    ) -> torch.Tensor:
+        """q: [n, heads, head_dim] -> [n, heads * head_dim] through the batch-invariant CPU kernel."""
+        n = q.shape[0]
+        qg = self._fold(q).contiguous()
+        out = cpu_attention.tree_attention(qg, kt, v, slots, allowed, cached, self.config.head_dim**-0.5)
+        return self._unfold(out, n)
+
     def _attend(
         self, q: torch.Tensor, kv: PagedKVCache, layer: int, plan: SeqSlots, mask: torch.Tensor | None
     ) -> torch.Tensor:
@@ -212,24 +294,12 @@ class LlamaModel(nn.Module):
         head are stacked along the row axis, so SDPA sees [kv_heads, group * n, head_dim] queries
         against [kv_heads, L, head_dim] keys (the mask is repeated per group).
         """
-        c = self.config
-        n, g = q.shape[0], c.group_size
         k, v = kv.layer_kv(layer, plan.read)  # [kv_heads, L, head_dim] each
         dt = self.attn_dtype
         q, k, v = q.to(dt), k.to(dt), v.to(dt)  # no-ops unless the precisions differ
-        if n == 1:
-            qg = q.reshape(c.num_kv_heads, g, c.head_dim)
-        else:
-            qg = (
-                q.reshape(n, c.num_kv_heads, g, c.head_dim)
-                .permute(1, 2, 0, 3)
-                .reshape(c.num_kv_heads, g * n, -1)
-            )
+        qg = self._fold(q)
         out = F.scaled_dot_product_attention(qg.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask)
-        out = out.to(self.dtype)
-        if n == 1:
-            return out.reshape(1, c.q_size)
-        return out.reshape(c.num_kv_heads, g, n, c.head_dim).permute(2, 0, 1, 3).reshape(n, c.q_size)
+        return self._unfold(out.to(self.dtype), q.shape[0])
 
     def _logits(
         self, h: torch.Tensor, inputs: list[SeqInput], bounds: list[tuple[int, int]]
@@ -258,6 +328,13 @@ def _row_bounds(inputs: list[SeqInput]) -> list[tuple[int, int]]:
         out.append((a, a + x.num_rows))
         a += x.num_rows
     return out
+
+
+def _allowed(x: SeqInput) -> torch.Tensor:
+    """[n, n] bool on the CPU: new row i may attend to new row j (the tree mask, or causal)."""
+    if x.tree_mask is not None:
+        return x.tree_mask.to("cpu").contiguous()
+    return torch.ones(x.num_rows, x.num_rows, dtype=torch.bool).tril_()
 
 
 def _attention_mask(
