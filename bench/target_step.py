@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from cloud_verifier.model import Target, greedy_generate, load_target, prefill, tree_round
+from cloud_verifier.model.llama import ATTENTION_MODES
 from shared.tree import TokenTree
 
 PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "spec_bench_dev.jsonl"
@@ -147,7 +148,8 @@ def print_table(result: dict[str, Any]) -> None:
     prefixes = list(fwd)
     rows = list(fwd[prefixes[0]])
     print(f"\nverify forward, median ms ({result['model']}, {result['threads']} threads, "
-          f"attention {result['attention']}, gemm {result['gemm']})")  # fmt: skip
+          f"attention {result['attention']} ({result.get('attention_kernel', '?')}), "
+          f"gemm {result['gemm']})")  # fmt: skip
     print("  N rows " + "".join(f"{'prefix ' + p:>14}" for p in prefixes))
     for n in rows:
         print(f"  {n:>6} " + "".join(f"{fwd[p][n]:>14.2f}" for p in prefixes))
@@ -180,7 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", default="1,4,8,16,32,64", help="N: rows per forward (row 0 + N-1 nodes)")
     p.add_argument("--decode-tokens", type=int, default=64, help="new tokens per decode run")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers reference")
-    p.add_argument("--attention", default="model", choices=["model", "float64"], help="attention precision")
+    p.add_argument(
+        "--attention",
+        default="model",
+        choices=list(ATTENTION_MODES),
+        help="'model': the weights' dtype, on a CPU in float32 through the batch-invariant kernel; "
+        "'sdpa': the weights' dtype through scaled_dot_product_attention; 'float64': SDPA in float64",
+    )
     p.add_argument("--gemm", default="auto", choices=["auto", "onednn", "torch"], help="projection kernels")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument(
@@ -223,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "repeats": args.repeats,
         "threads": torch.get_num_threads(),
         "attention": target.model.attention_mode,
+        "attention_kernel": target.model.attention_kernel,
         "gemm": choose(args.gemm, target.device, target.dtype),
         "device": str(target.device),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

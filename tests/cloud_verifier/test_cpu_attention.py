@@ -1,0 +1,138 @@
+"""The batch-invariant CPU tree attention (cloud_verifier/model/csrc/tree_attention.cpp).
+
+Three properties: it computes attention (against SDPA with the same mask, to float32 rounding);
+a row's output is bit-identical however the forward around it is shaped (a tree node against
+its path decoded token by token, whatever the pool layout, block fragmentation, prefix length or
+row count); and the pool's tiled keys stay equal to its keys through writes and commits. It is
+built on first use; on a machine with a C++ compiler it must build, so a failed build fails here.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cloud_verifier.kv_cache import TILE, PagedKVCache
+from cloud_verifier.model import build_model, decode_step, make_tiny_config, prefill
+from cloud_verifier.model import cpu_attention as ca
+
+if ca.disabled():
+    pytest.skip(f"{ca.ENV}=sdpa", allow_module_level=True)
+
+
+def test_the_kernel_builds_where_there_is_a_compiler() -> None:
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert ca.load() is not None, ca.error()
+
+
+def _tree(rng: random.Random, n: int) -> torch.Tensor:
+    """[n, n] ancestor-or-self mask of a random tree in topological order."""
+    parents = [-1] + [rng.randint(max(0, i - 4), i - 1) for i in range(1, n)]
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            allowed[i, j] = True
+            j = parents[j]
+    return allowed
+
+
+def _pool(kv_heads: int, blocks: int, hd: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    k = torch.randn(kv_heads, blocks * TILE, hd, generator=gen)
+    v = torch.randn(kv_heads, blocks * TILE, hd, generator=gen)
+    kt = k.reshape(kv_heads, blocks, TILE, hd).transpose(2, 3).contiguous()
+    return k, v, kt
+
+
+def _slots(rng: random.Random, length: int, blocks: int, fragmented: bool) -> torch.Tensor:
+    count = -(-length // TILE)
+    table = rng.sample(range(blocks), count) if fragmented else list(range(3, 3 + count))
+    pos = torch.arange(length)
+    return torch.tensor(table)[pos // TILE] * TILE + pos % TILE
+
+
+@pytest.mark.parametrize("hd", [16, 64])
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_sdpa_and_each_row_equals_its_path_decoded_alone(hd: int, seed: int) -> None:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads, group, blocks = 2, 3, 160
+    cached, n = rng.choice([0, 1, 15, 16, 17, rng.randint(2, 1500)]), rng.randint(1, 24)
+    allowed = _tree(rng, n) if seed % 3 else torch.ones(n, n, dtype=torch.bool).tril_()
+    k, v, kt = _pool(kv_heads, blocks, hd, gen)
+    slots = _slots(rng, cached + n, blocks, fragmented=seed % 2 == 1)
+    q = torch.randn(kv_heads, group * n, hd, generator=gen)
+    scale = hd**-0.5
+
+    out = ca.tree_attention(q, kt, v, slots, allowed, cached, scale)
+
+    full = torch.cat((torch.ones(n, cached, dtype=torch.bool), allowed), dim=1).repeat(group, 1)
+    ref = F.scaled_dot_product_attention(q[None], k[None][:, :, slots], v[None][:, :, slots], attn_mask=full)
+    assert torch.allclose(out, ref[0], atol=2e-6, rtol=1e-5), float((out - ref[0]).abs().max())
+
+    # every row again, alone, as the last token of its path decoded one at a time
+    per_row = out.reshape(kv_heads, group, n, hd)
+    for i in range(n):
+        path = allowed[i].nonzero().flatten()
+        alone_slots = torch.cat((slots[:cached], slots[cached + path]))
+        qi = q.reshape(kv_heads, group, n, hd)[:, :, i].contiguous()
+        one = torch.ones(1, 1, dtype=torch.bool)
+        alone = ca.tree_attention(qi, kt, v, alone_slots, one, cached + len(path) - 1, scale)
+        assert torch.equal(alone, per_row[:, :, i]), f"row {i} differs from its path decoded alone"
+
+
+def test_refuses_bad_input_with_a_message() -> None:
+    gen = torch.Generator().manual_seed(0)
+    k, v, kt = _pool(2, 4, 16, gen)
+    q = torch.randn(2, 3, 16, generator=gen)
+    one = torch.ones(1, 1, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ca.tree_attention(q, kt, v, torch.tensor([0, 999]), one, 1, 0.25)
+    with pytest.raises(RuntimeError, match="slots must hold cached"):
+        ca.tree_attention(q, kt, v, torch.tensor([0, 1, 2]), one, 1, 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        ca.tree_attention(q.double(), kt, v, torch.tensor([0, 1]), one, 1, 0.25)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ca.tree_attention(q[..., :8].contiguous(), kt[:, :, :8].contiguous(), v[..., :8].contiguous(),
+                          torch.tensor([0, 1]), one, 1, 0.25)  # fmt: skip
+
+
+def test_tiled_keys_follow_writes_and_commits() -> None:
+    kv = PagedKVCache(2, 2, 16, num_blocks=8, block_size=16, tiled_keys=True)
+    gen = torch.Generator().manual_seed(1)
+    kv.add(0)
+    for rows, keep in ((20, list(range(20))), (9, [0, 3, 4, 8]), (5, [0, 2])):
+        (plan,) = kv.reserve([(0, rows)])
+        for layer in range(2):
+            kv.write(layer, plan.write, torch.randn(rows, 2, 16, generator=gen), torch.randn(rows, 2, 16))
+        kv.commit_rows(0, keep)
+        assert kv.kt is not None
+        untiled = kv.kt.transpose(3, 4).reshape(kv.k.shape)
+        assert torch.equal(untiled, kv.k)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        PagedKVCache(1, 1, 16, num_blocks=2, block_size=8, tiled_keys=True)
+
+
+def test_model_uses_it_and_sdpa_mode_does_not() -> None:
+    model = build_model(make_tiny_config(), seed=0, dtype="float32", device="cpu")
+    assert model.attention_kernel == "cpu-invariant"
+    kv = model.new_kv_cache(16)
+    assert kv.kt is not None
+    kv.add(0)
+    prompt = list(range(5, 45))
+    prefill(model, kv, 0, prompt)
+    (ours,) = model.forward_packed([decode_step(0, 7, len(prompt))], kv)
+    kv.discard(0)
+    model.set_attention("sdpa")
+    try:
+        assert model.attention_kernel == "sdpa" and model.attention_mode == "sdpa"
+        (sdpa,) = model.forward_packed([decode_step(0, 7, len(prompt))], kv)
+    finally:
+        model.set_attention("model")
+    # the same function, computed two ways: float32 rounding apart, not bit-identical in general
+    assert torch.allclose(ours, sdpa, atol=1e-4), float((ours - sdpa).abs().max())
