@@ -80,9 +80,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--attention",
         default=d.attention,
-        choices=["model", "float64"],
-        help="attention arithmetic: 'model' (the weights' dtype) or 'float64' (exact mode: every tree row is "
-        "bit-identical to one-token decoding, so greedy output has no near-ties; ~10-30%% slower on CPU)",
+        choices=["model", "sdpa", "float64"],
+        help="attention arithmetic: 'model' (the weights' dtype; in float32 on a CPU the batch-invariant "
+        "kernel, so every tree row is bit-identical to one-token decoding), 'sdpa' (the weights' dtype "
+        "through torch's SDPA: up to ~1e-4 of logit noise between a tree row and one-token decoding) or "
+        "'float64' (SDPA in float64: bit-identical on any device, 10-80%% slower on CPU)",
     )
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     p.add_argument(

@@ -15,7 +15,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU; or float32 / bfloat16 / float16
-    attention: str = "model"  # "float64": exact mode, tree rows bit-identical to one-token decoding
+    attention: str = "model"  # "model" / "sdpa" / "float64", see LlamaModel and `serve --help`
     device: str = "auto"  # auto: cuda if available, else cpu
     api_key_file: str | None = None  # one key per line: "KEY [trusted]"
     trust_anonymous: bool = False  # development: treat key-less clients as trusted (mss/rrs allowed)

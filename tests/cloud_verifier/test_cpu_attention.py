@@ -88,7 +88,7 @@ def test_matches_sdpa_and_each_row_equals_its_path_decoded_alone(hd: int, seed: 
 
 def test_refuses_bad_input_with_a_message() -> None:
     gen = torch.Generator().manual_seed(0)
-    k, v, kt = _pool(2, 4, 16, gen)
+    _k, v, kt = _pool(2, 4, 16, gen)
     q = torch.randn(2, 3, 16, generator=gen)
     one = torch.ones(1, 1, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="slot out of range"):
