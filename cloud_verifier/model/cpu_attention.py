@@ -71,11 +71,14 @@ def load() -> Any:
                     bindir = os.path.dirname(sys.executable)
                     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
 
-                flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno"]
+                # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it; the
+                # library it links, libgomp.so.1, resolves to the one torch has loaded already
+                flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp"]
                 _module = cpp_extension.load(
                     name=f"treespec_tree_attention_{_cpu_tag()}",
                     sources=[str(SOURCE)],
                     extra_cflags=flags,
+                    extra_ldflags=["-fopenmp"],
                     verbose=False,
                 )
             except Exception as exc:  # no compiler, no headers, a failed build
