@@ -23,13 +23,31 @@ Refusals (`KVCacheFull`, bad ids, bad keep lists) are raised before anything is 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 TILE = 16  # slots per key tile of `kt`
+
+
+def _put_tiled(kt: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> None:
+    """kt: one layer's tiled keys [kv_heads, slots // TILE, head_dim, TILE]; k: [T, kv_heads, head_dim]."""
+    # advanced indices on dims 1 and 3 put the row dimension first: [T, kv_heads, head_dim]
+    kt[:, slots // TILE, :, slots % TILE] = k
+
+
+def _tiled_writer() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """The CPU kernel's plain-loop writer when it is built (an advanced-index put starts a
+    parallel region per layer: ~0.1 ms each for a 16-row tree with sleeping OpenMP waiters)."""
+    from cloud_verifier.model import cpu_attention  # imported late: the model package imports this one
+
+    mod = cpu_attention.load()
+    if mod is None:
+        return _put_tiled
+    writer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] = mod.write_tiled
+    return writer
 
 
 class KVCacheFull(Exception):
@@ -97,6 +115,7 @@ class PagedKVCache:
             if tiled_keys
             else None
         )
+        self._write_tiled = _tiled_writer() if tiled_keys else _put_tiled
         self._free = np.ones(num_blocks, dtype=bool)
         self._num_free = num_blocks
         self._seqs: dict[int, _Seq] = {}
@@ -229,8 +248,7 @@ class PagedKVCache:
         self.k[layer].index_copy_(1, slots, k.transpose(0, 1).to(self.dtype))
         self.v[layer].index_copy_(1, slots, v.transpose(0, 1).to(self.dtype))
         if self.kt is not None:
-            # advanced indices on dims 1 and 3 put the row dimension first: [T, kv_heads, head_dim]
-            self.kt[layer][:, slots // TILE, :, slots % TILE] = k.to(self.dtype)
+            self._write_tiled(self.kt[layer], slots, k.to(self.dtype))
 
     def layer_tiled(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kt, v) of one layer's whole pool for the tiled-key kernel: [kv_heads, slots // 16,

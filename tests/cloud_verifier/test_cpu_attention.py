@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cloud_verifier import kv_cache
 from cloud_verifier.kv_cache import TILE, PagedKVCache
 from cloud_verifier.model import build_model, decode_step, make_tiny_config, prefill
 from cloud_verifier.model import cpu_attention as ca
@@ -102,8 +103,11 @@ def test_refuses_bad_input_with_a_message() -> None:
                           torch.tensor([0, 1]), one, 1, 0.25)  # fmt: skip
 
 
-def test_tiled_keys_follow_writes_and_commits() -> None:
+@pytest.mark.parametrize("writer", ["kernel", "torch"])
+def test_tiled_keys_follow_writes_and_commits(writer: str) -> None:
     kv = PagedKVCache(2, 2, 16, num_blocks=8, block_size=16, tiled_keys=True)
+    if writer == "torch":  # the fallback when the kernel is not built
+        kv._write_tiled = kv_cache._put_tiled
     gen = torch.Generator().manual_seed(1)
     kv.add(0)
     for rows, keep in ((20, list(range(20))), (9, [0, 3, 4, 8]), (5, [0, 2])):

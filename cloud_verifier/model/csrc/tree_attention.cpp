@@ -289,6 +289,34 @@ torch::Tensor tree_attention(torch::Tensor q, torch::Tensor kt, torch::Tensor v,
   return out;
 }
 
+// kt: [kv_heads, slots / 16, hd, 16] (one layer of the pool's tiled keys); slots: [T] int64;
+// k: [T, kv_heads, hd]. Stores row t's keys at slots[t]. A plain loop: for the few rows of a
+// forward it costs a microsecond, where an advanced-index put starts a parallel region.
+void write_tiled(torch::Tensor kt, torch::Tensor slots, torch::Tensor k) {
+  TORCH_CHECK(kt.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32, "write_tiled: float32 only");
+  TORCH_CHECK(kt.dim() == 4 && kt.is_contiguous() && kt.size(3) == W, "write_tiled: kt must be [h, s/16, d, 16]");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.dim() == 1, "write_tiled: slots must be 1-D int64");
+  const int64_t kvh = kt.size(0), nblk = kt.size(1), hd = kt.size(2), rows = slots.size(0);
+  TORCH_CHECK(k.dim() == 3 && k.size(0) == rows && k.size(1) == kvh && k.size(2) == hd,
+              "write_tiled: k must be [len(slots), kv_heads, head_dim]");
+  auto kc = k.contiguous();
+  auto sc = slots.contiguous();
+  const int64_t* sl = sc.data_ptr<int64_t>();
+  const float* src = kc.data_ptr<float>();
+  float* dst = kt.data_ptr<float>();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < nblk * W, "write_tiled: slot out of range");
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t blk = sl[t] / W, lane = sl[t] % W;
+    for (int64_t h = 0; h < kvh; ++h) {
+      const float* row = src + (t * kvh + h) * hd;
+      float* out = dst + ((h * nblk + blk) * hd) * W + lane;
+      for (int64_t d = 0; d < hd; ++d) out[d * W] = row[d];
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_attention", &tree_attention, "Batch-invariant float32 tree attention (CPU)");
+  m.def("write_tiled", &write_tiled, "Store rows of keys into a layer's tiled-key pool (CPU)");
 }
