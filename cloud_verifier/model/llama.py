@@ -11,6 +11,7 @@ the LM head runs only on the rows whose logits are asked for.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cloud_verifier.kv_cache import TILE, PagedKVCache, SeqSlots
-from cloud_verifier.model import cpu_attention, gemm
+from cloud_verifier.model import cpu_kernels, gemm
 from cloud_verifier.model.config import ModelConfig
 from cloud_verifier.model.rope import Rotary
 
@@ -80,7 +81,7 @@ class LlamaModel(nn.Module):
     (packs) the projection weights; call `set_gemm` after changing weights in place.
 
     Attention: "model" computes attention in the weights' dtype; for float32 on a CPU it uses the
-    batch-invariant kernel of cpu_attention.py (every sum in an order fixed by key position), so
+    batch-invariant kernel of cpu_kernels.py (every sum in an order fixed by key position), so
     with oneDNN's row-invariant projections a tree node's logits are bit-identical to decoding
     its path token by token, at SDPA's speed. Elsewhere (GPU, bf16/fp16, no compiler) "model" is
     SDPA with the tree mask. "sdpa" forces SDPA (on SmolLM2-135M fp32 it leaves up to a few 1e-4
@@ -131,13 +132,22 @@ class LlamaModel(nn.Module):
         """What computes attention: "cpu-invariant" (the kernel) or "sdpa"."""
         return "cpu-invariant" if self._use_kernel() else "sdpa"
 
+    def _norm(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """RMSNorm (h [T, hidden], weight) -> [T, hidden]: the one-pass CPU kernel for float32 on
+        a CPU when it is built (row-invariant like F.rms_norm, one op instead of six), else torch."""
+        c = self.config
+        eps, shape = c.rms_norm_eps, (c.hidden_size,)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.load() is not None:
+            return lambda h, w: cpu_kernels.rms_norm(h, w, eps)
+        return lambda h, w: rms_norm(h, shape, w, eps)
+
     def _use_kernel(self) -> bool:
         c = self.config
         return (
             not self._sdpa
             and self.attn_dtype == self.dtype
-            and cpu_attention.supports(c.head_dim, self.dtype, self.device)
-            and cpu_attention.load() is not None
+            and cpu_kernels.supports(c.head_dim, self.dtype, self.device)
+            and cpu_kernels.load() is not None
         )
 
     def set_gemm(self, kind: str) -> None:
@@ -219,10 +229,10 @@ class LlamaModel(nn.Module):
         h = F.embedding(tokens, self.embed)  # [T, hidden]
         t, hd, inter = h.shape[0], c.head_dim, c.intermediate_size
         qk_heads = c.num_heads + c.num_kv_heads
-        eps, norm_shape = c.rms_norm_eps, (c.hidden_size,)
+        norm = self._norm()
         for li, (layer, (w_qkv, w_o, w_gu, w_down)) in enumerate(zip(self.layers, prep.layers, strict=True)):
             assert isinstance(layer, DecoderLayer)
-            qkv = lin(rms_norm(h, norm_shape, layer.attn_norm, eps), w_qkv, layer.qkv_bias)  # [T, q + 2 kv]
+            qkv = lin(norm(h, layer.attn_norm), w_qkv, layer.qkv_bias)  # [T, q + 2 kv]
             qk = self.rotary.apply(qkv[:, : qk_heads * hd].view(t, qk_heads, hd), cos, sin)
             kv.write(
                 li, write_slots, qk[:, c.num_heads :], qkv[:, qk_heads * hd :].view(t, c.num_kv_heads, hd)
@@ -246,7 +256,7 @@ class LlamaModel(nn.Module):
                     ]
                 )
             h += lin(o, w_o)
-            gu = lin(rms_norm(h, norm_shape, layer.mlp_norm, eps), w_gu)  # [T, 2 inter]
+            gu = lin(norm(h, layer.mlp_norm), w_gu)  # [T, 2 inter]
             h += lin(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
         return self._logits(h, inputs, bounds)
 
@@ -282,7 +292,7 @@ class LlamaModel(nn.Module):
         """q: [n, heads, head_dim] -> [n, heads * head_dim] through the batch-invariant CPU kernel."""
         n = q.shape[0]
         qg = self._fold(q).contiguous()
-        out = cpu_attention.tree_attention(qg, kt, v, slots, allowed, cached, self.config.head_dim**-0.5)
+        out = cpu_kernels.tree_attention(qg, kt, v, slots, allowed, cached, self.config.head_dim**-0.5)
         return self._unfold(out, n)
 
     def _attend(
@@ -309,7 +319,7 @@ class LlamaModel(nn.Module):
         counts = [int(x.logit_rows.numel()) for x in inputs]
         if rows.numel() == 0:
             return [torch.empty(0, self.config.vocab_size, device=self.device) for _ in inputs]
-        x = rms_norm(h.index_select(0, rows), (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        x = self._norm()(h.index_select(0, rows), self.norm)
         prep = self.prepare()
         logits = prep.gemm.linear(x, prep.lm_head).float()  # [sum k, vocab]
         return list(logits.split(counts))

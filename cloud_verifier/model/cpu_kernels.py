@@ -1,4 +1,5 @@
-"""The batch-invariant float32 tree attention for CPUs (csrc/tree_attention.cpp), built on first use.
+"""CPU kernels of the float32 target (csrc/cpu_kernels.cpp), built on first use: the
+batch-invariant tree attention and a one-pass RMSNorm.
 
 Why it exists: with a GEMM-based attention (SDPA) a tree node's logits differ from decoding its
 path token by token by up to a few 1e-4 on SmolLM2 (the sums over keys are blocked by the shapes
@@ -10,7 +11,8 @@ SDPA's speed. See the .cpp file for the scheme.
 The extension is compiled with the system C++ compiler through torch.utils.cpp_extension (about a
 minute, once per machine; cached under torch's extensions directory, keyed by this CPU's
 instruction set so a cache copied to another machine is not reused). When it cannot be built the
-model falls back to SDPA and says so once; `TREESPEC_CPU_ATTENTION=sdpa` skips it outright.
+model falls back to SDPA and torch's RMSNorm and says so once; `TREESPEC_CPU_KERNELS=off` skips
+them outright.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "tree_attention.cpp"
-ENV = "TREESPEC_CPU_ATTENTION"  # "sdpa" disables the kernel
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+ENV = "TREESPEC_CPU_KERNELS"  # "off" (or "0") disables the kernels
 HEAD_DIMS = tuple(range(16, 129, 16))
 
 _lock = threading.Lock()
@@ -54,7 +56,7 @@ def _cpu_tag() -> str:
 
 
 def disabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() == "sdpa"
+    return os.environ.get(ENV, "").strip().lower() in ("off", "0")
 
 
 def load() -> Any:
@@ -75,7 +77,7 @@ def load() -> Any:
                 # library it links, libgomp.so.1, resolves to the one torch has loaded already
                 flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp"]
                 _module = cpp_extension.load(
-                    name=f"treespec_tree_attention_{_cpu_tag()}",
+                    name=f"treespec_cpu_kernels_{_cpu_tag()}",
                     sources=[str(SOURCE)],
                     extra_cflags=flags,
                     extra_ldflags=["-fopenmp"],
@@ -113,3 +115,12 @@ def tree_attention(
     if mod is None:
         raise RuntimeError(f"the CPU tree-attention kernel is not available: {_error or 'disabled'}")
     return mod.tree_attention(q, kt, v, slots, allowed, cached, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [rows, hidden] float32 -> RMSNorm(x) * weight in one pass per row (row-invariant).
+    Raises RuntimeError when the kernel is not available."""
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"the CPU kernels are not available: {_error or 'disabled'}")
+    return mod.rms_norm(x.contiguous(), weight, eps)

@@ -1,4 +1,4 @@
-"""The batch-invariant CPU tree attention (cloud_verifier/model/csrc/tree_attention.cpp).
+"""The CPU kernels (cloud_verifier/model/csrc/cpu_kernels.cpp): batch-invariant tree attention, RMSNorm.
 
 Three properties: it computes attention (against SDPA with the same mask, to float32 rounding);
 a row's output is bit-identical however the forward around it is shaped (a tree node against
@@ -19,16 +19,16 @@ import torch.nn.functional as F
 from cloud_verifier import kv_cache
 from cloud_verifier.kv_cache import TILE, PagedKVCache
 from cloud_verifier.model import build_model, decode_step, make_tiny_config, prefill
-from cloud_verifier.model import cpu_attention as ca
+from cloud_verifier.model import cpu_kernels as ck
 
-if ca.disabled():
-    pytest.skip(f"{ca.ENV}=sdpa", allow_module_level=True)
+if ck.disabled():
+    pytest.skip(f"{ck.ENV}=off", allow_module_level=True)
 
 
 def test_the_kernel_builds_where_there_is_a_compiler() -> None:
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler on this machine")
-    assert ca.load() is not None, ca.error()
+    assert ck.load() is not None, ck.error()
 
 
 def _tree(rng: random.Random, n: int) -> torch.Tensor:
@@ -70,7 +70,7 @@ def test_matches_sdpa_and_each_row_equals_its_path_decoded_alone(hd: int, seed: 
     q = torch.randn(kv_heads, group * n, hd, generator=gen)
     scale = hd**-0.5
 
-    out = ca.tree_attention(q, kt, v, slots, allowed, cached, scale)
+    out = ck.tree_attention(q, kt, v, slots, allowed, cached, scale)
 
     full = torch.cat((torch.ones(n, cached, dtype=torch.bool), allowed), dim=1).repeat(group, 1)
     ref = F.scaled_dot_product_attention(q[None], k[None][:, :, slots], v[None][:, :, slots], attn_mask=full)
@@ -83,7 +83,7 @@ def test_matches_sdpa_and_each_row_equals_its_path_decoded_alone(hd: int, seed: 
         alone_slots = torch.cat((slots[:cached], slots[cached + path]))
         qi = q.reshape(kv_heads, group, n, hd)[:, :, i].contiguous()
         one = torch.ones(1, 1, dtype=torch.bool)
-        alone = ca.tree_attention(qi, kt, v, alone_slots, one, cached + len(path) - 1, scale)
+        alone = ck.tree_attention(qi, kt, v, alone_slots, one, cached + len(path) - 1, scale)
         assert torch.equal(alone, per_row[:, :, i]), f"row {i} differs from its path decoded alone"
 
 
@@ -93,13 +93,13 @@ def test_refuses_bad_input_with_a_message() -> None:
     q = torch.randn(2, 3, 16, generator=gen)
     one = torch.ones(1, 1, dtype=torch.bool)
     with pytest.raises(RuntimeError, match="slot out of range"):
-        ca.tree_attention(q, kt, v, torch.tensor([0, 999]), one, 1, 0.25)
+        ck.tree_attention(q, kt, v, torch.tensor([0, 999]), one, 1, 0.25)
     with pytest.raises(RuntimeError, match="slots must hold cached"):
-        ca.tree_attention(q, kt, v, torch.tensor([0, 1, 2]), one, 1, 0.25)
+        ck.tree_attention(q, kt, v, torch.tensor([0, 1, 2]), one, 1, 0.25)
     with pytest.raises(RuntimeError, match="float32"):
-        ca.tree_attention(q.double(), kt, v, torch.tensor([0, 1]), one, 1, 0.25)
+        ck.tree_attention(q.double(), kt, v, torch.tensor([0, 1]), one, 1, 0.25)
     with pytest.raises(RuntimeError, match="head_dim"):
-        ca.tree_attention(q[..., :8].contiguous(), kt[:, :, :8].contiguous(), v[..., :8].contiguous(),
+        ck.tree_attention(q[..., :8].contiguous(), kt[:, :, :8].contiguous(), v[..., :8].contiguous(),
                           torch.tensor([0, 1]), one, 1, 0.25)  # fmt: skip
 
 
@@ -140,3 +140,17 @@ def test_model_uses_it_and_sdpa_mode_does_not() -> None:
         model.set_attention("model")
     # the same function, computed two ways: float32 rounding apart, not bit-identical in general
     assert torch.allclose(ours, sdpa, atol=1e-4), float((ours - sdpa).abs().max())
+
+
+@pytest.mark.parametrize("hidden", [576, 64, 13])
+def test_rms_norm_matches_torch_and_is_row_invariant(hidden: int) -> None:
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(33, hidden, generator=gen) * 40  # SmolLM2's residual stream reaches the hundreds
+    w = torch.randn(hidden, generator=gen)
+    y = ck.rms_norm(x, w, 1e-5)
+    ref = F.rms_norm(x.double(), (hidden,), w.double(), 1e-5)
+    assert torch.allclose(y.double(), ref, rtol=1e-6, atol=1e-6), float((y.double() - ref).abs().max())
+    for rows in (slice(0, 1), slice(5, 9), slice(32, 33)):
+        assert torch.equal(ck.rms_norm(x[rows], w, 1e-5), y[rows])
+    with pytest.raises(RuntimeError, match="weight must be"):
+        ck.rms_norm(x, w[:-1], 1e-5)
