@@ -50,8 +50,9 @@ def bench_tree(nodes: int, base: int, vocab: int, seed: int = 0) -> TokenTree:
 
 def measure_forward(
     target: Target, prefixes: Sequence[int], rows: Sequence[int], repeats: int, bar: tqdm
-) -> dict[str, dict[str, float]]:
-    """Median ms of a verify forward for every (prefix, N), the (prefix, N) pairs interleaved."""
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Median ms of a verify forward for every (prefix, N), the (prefix, N) pairs interleaved;
+    and per prefix the median over repeats of N16 / N1 (empty unless both N are measured)."""
     model, vocab = target.model, target.config.vocab_size
     kv = target.new_kv_cache(-(-(max(prefixes) + max(rows)) // 16) * len(prefixes) + 8)
     rng = np.random.default_rng(0)
@@ -75,10 +76,20 @@ def measure_forward(
             if rep:
                 times[(seq, n)].append(elapsed)
                 bar.update()
-    return {
+    forward = {
         str(prefix): {str(n): round(statistics.median(times[(seq, n)]), 2) for n in rows}
         for seq, prefix in enumerate(prefixes)
     }
+    # N16 / N1 per repeat (the two forwards ran back to back, so a machine that slows down or
+    # speeds up between repeats cancels out), then the median over repeats
+    paired = {
+        str(prefix): round(
+            statistics.median(a / b for a, b in zip(times[(seq, 16)], times[(seq, 1)], strict=True)), 3
+        )
+        for seq, prefix in enumerate(prefixes)
+        if 1 in rows and 16 in rows
+    }
+    return forward, paired
 
 
 def first_prompt(target: Target) -> list[int]:
@@ -155,6 +166,10 @@ def print_table(result: dict[str, Any]) -> None:
         print(f"  {n:>6} " + "".join(f"{fwd[p][n]:>14.2f}" for p in prefixes))
     if "1" in rows and "16" in rows:
         print("  16 / 1 " + "".join(f"{fwd[p]['16'] / fwd[p]['1']:>14.2f}" for p in prefixes))
+        paired = result.get("ratio_16_1_paired") or {}
+        if paired:
+            print("  paired " + "".join(f"{paired[p]:>14.2f}" for p in prefixes))
+            print("  (paired: median over repeats of N16 / N1 measured back to back)")
     dec = result["decode_tok_s"]
     print(
         f"\ndecode tokens/s ({result['decode_tokens']} new tokens, prompt {result['prompt_tokens']} tokens)"
@@ -212,12 +227,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompt = first_prompt(target)
     total = args.repeats * (len(prefixes) * len(rows) + (2 if reference is not None else 1))
     with tqdm(total=total, desc="measuring", unit="run") as bar:
-        forward = measure_forward(target, prefixes, rows, args.repeats, bar)
+        forward, paired = measure_forward(target, prefixes, rows, args.repeats, bar)
         decode = measure_decode(target, reference, prompt, args.decode_tokens, args.repeats, bar)
     from cloud_verifier.model.gemm import choose
 
     result: dict[str, Any] = {
         "forward_ms": forward,
+        "ratio_16_1_paired": paired,
         "decode_tok_s": decode,
         "ratio_vs_transformers": (
             round(decode["ours"] / decode["transformers"], 3)
