@@ -240,12 +240,11 @@ class LlamaModel(nn.Module):
             q = qk[:, : c.num_heads]  # [T, heads, head_dim]
             if kernel:
                 kt_l, v_l = kv.layer_tiled(li)
-                o = torch.cat(
-                    [
-                        self._attend_kernel(q[a:b], kt_l, v_l, *args)
-                        for (a, b), args in zip(bounds, kernel_args, strict=True)
-                    ]
-                )
+                parts = [
+                    self._attend_kernel(q[a:b], kt_l, v_l, *args)
+                    for (a, b), args in zip(bounds, kernel_args, strict=True)
+                ]
+                o = parts[0] if len(parts) == 1 else torch.cat(parts)
             elif len(inputs) == 1:
                 o = self._attend(q, kv, li, plans[0], masks[0])  # [T, q]
             else:
