@@ -93,6 +93,13 @@ def error() -> str | None:
     return _error
 
 
+def _require() -> Any:
+    mod = load()
+    if mod is None:
+        raise RuntimeError(f"the CPU kernels are not available: {_error or 'disabled'}")
+    return mod
+
+
 def supports(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the kernel serves this model (float32 on CPU, head_dim a multiple of 16 up to 128)."""
     return device.type == "cpu" and dtype == torch.float32 and head_dim in HEAD_DIMS
@@ -108,19 +115,14 @@ def tree_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [kv_heads, group * n, hd] (row g * n + i = new row i of query head g); kt: [kv_heads,
-    hd, pool slots] and v: [kv_heads, pool slots, hd], one layer of the pool; slots: [cached + n]
-    int64, the pool slot of every position; allowed: [n, n] bool (new row i sees new row j).
-    Returns [kv_heads, group * n, hd]. Raises RuntimeError when the kernel is not available."""
-    mod = load()
-    if mod is None:
-        raise RuntimeError(f"the CPU tree-attention kernel is not available: {_error or 'disabled'}")
-    return mod.tree_attention(q, kt, v, slots, allowed, cached, scale)
+    pool slots // 16, hd, 16] (the keys transposed within 16-slot tiles) and v: [kv_heads, pool
+    slots, hd], one layer of the pool; slots: [cached + n] int64, the pool slot of every position;
+    allowed: [n, n] bool (new row i sees new row j). Returns [kv_heads, group * n, hd]. Raises
+    RuntimeError when the kernels are not available."""
+    return _require().tree_attention(q, kt, v, slots, allowed, cached, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [rows, hidden] float32 -> RMSNorm(x) * weight in one pass per row (row-invariant).
     Raises RuntimeError when the kernel is not available."""
-    mod = load()
-    if mod is None:
-        raise RuntimeError(f"the CPU kernels are not available: {_error or 'disabled'}")
-    return mod.rms_norm(x.contiguous(), weight, eps)
+    return _require().rms_norm(x.contiguous(), weight, eps)

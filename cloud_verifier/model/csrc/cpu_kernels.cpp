@@ -93,7 +93,6 @@ struct Problem {
   const float* kt;        // [kv_heads, slots / 16, hd, 16]: keys transposed within 16-slot tiles
   const float* v;         // [kv_heads, slots, hd]
   const int64_t* slots;   // [cached + n]: pool slot of each position
-  const uint8_t* allowed; // [n, n]: new row i may attend to new row j
   float* out;             // [kv_heads, rows, hd]
   int64_t rows, n, cached, hd, nslots;
   float scale;
@@ -224,7 +223,8 @@ void run_item(const Problem& pb, const std::vector<RowKeys>& keys, int64_t head,
 
 // q: [kv_heads, rows, hd] with rows = group * n ordered group-major (row g * n + i is new row i
 // of query head g of the group); kt: [kv_heads, slots / 16, hd, 16] and v: [kv_heads, slots, hd],
-// the layer's whole pool (keys transposed within tiles of 16 slots); slots: [cached + n] int64; allowed: [n, n] bool. Returns [kv_heads, rows, hd].
+// the layer's whole pool (keys transposed within tiles of 16 slots); slots: [cached + n] int64;
+// allowed: [n, n] bool (new row i may attend to new row j). Returns [kv_heads, rows, hd].
 torch::Tensor tree_attention(torch::Tensor q, torch::Tensor kt, torch::Tensor v, torch::Tensor slots,
                              torch::Tensor allowed, int64_t cached, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && kt.dtype() == torch::kFloat32 &&
@@ -269,8 +269,8 @@ torch::Tensor tree_attention(torch::Tensor q, torch::Tensor kt, torch::Tensor v,
   }
 
   auto out = torch::empty_like(q);
-  Problem pb{q.data_ptr<float>(), kt.data_ptr<float>(), v.data_ptr<float>(), sl, al,
-             out.data_ptr<float>(), rows, n, cached, hd, nslots, static_cast<float>(scale)};
+  Problem pb{q.data_ptr<float>(), kt.data_ptr<float>(), v.data_ptr<float>(), sl, out.data_ptr<float>(),
+             rows, n, cached, hd, nslots, static_cast<float>(scale)};
   const int64_t blocks = (rows + ROWS - 1) / ROWS;
   const int64_t items = kvh * blocks;
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
