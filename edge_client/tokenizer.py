@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from shared.vocab import vocab_fingerprint
+from shared.vocab import end_of_generation_ids, vocab_fingerprint
 
 
 class EdgeTokenizer(abc.ABC):
@@ -91,10 +91,20 @@ class LlamaCppTokenizer(EdgeTokenizer):
         self._vocab: Any = vocab
         self.path = Path(path)
         self.vocab_size = self._model.n_vocab
-        self.eos_ids = tuple(i for i in range(self.vocab_size) if llama.llama_vocab_is_eog(vocab, i))
+        control = llama.LLAMA_TOKEN_ATTR_CONTROL
+        texts = self.token_texts()
+        self.eos_ids = end_of_generation_ids(
+            (self._meta_id(f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")),
+            texts,
+            [i for i in range(self.vocab_size) if int(llama.llama_vocab_get_attr(vocab, i)) & control],
+        )
         bos = int(llama.llama_vocab_bos(vocab))
         self.bos_id = bos if bos >= 0 else None
         self.chat_template = self._model.meta("tokenizer.chat_template")
+
+    def _meta_id(self, key: str) -> int | None:
+        value = self._model.meta(key)
+        return int(value) if value is not None and value.lstrip("-").isdigit() else None
 
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")

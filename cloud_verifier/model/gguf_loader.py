@@ -17,8 +17,9 @@ from tqdm import tqdm
 
 from cloud_verifier.model.config import ModelConfig, RopeScaling
 from cloud_verifier.model.llama import LlamaModel
-from cloud_verifier.model.tokenizer import TargetTokenizer, bpe_from_gguf
+from cloud_verifier.model.tokenizer import CONTROL, TargetTokenizer, bpe_from_gguf
 from cloud_verifier.model.weights import WeightAssigner
+from shared.vocab import end_of_generation_ids
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 _PERMUTED_ARCHS = ("llama",)
@@ -106,18 +107,19 @@ def tokenizer_from_gguf(reader: Any, path: str | Path) -> TargetTokenizer:
     tokens = [str(t) for t in field(reader, "tokenizer.ggml.tokens")]
     kind = field(reader, "tokenizer.ggml.model")
     bos = field(reader, "tokenizer.ggml.bos_token_id")
-    eos = {
-        int(x)
-        for k in ("eos_token_id", "eot_token_id", "eom_token_id")
-        if (x := field(reader, f"tokenizer.ggml.{k}")) is not None
-    }
+    types = field(reader, "tokenizer.ggml.token_type")
+    eos = end_of_generation_ids(
+        (field(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")),
+        tokens,
+        [] if types is None else [i for i, k in enumerate(types) if k == CONTROL],
+    )
     template = field(reader, "tokenizer.chat_template")
     add_bos = bool(field(reader, "tokenizer.ggml.add_bos_token", False))
     if kind == "gpt2":
         tok = bpe_from_gguf(
             tokens,
             [str(m) for m in field(reader, "tokenizer.ggml.merges", [])],
-            field(reader, "tokenizer.ggml.token_type"),
+            types,
             field(reader, "tokenizer.ggml.pre"),
             None if bos is None else int(bos),
             add_bos,
@@ -127,7 +129,7 @@ def tokenizer_from_gguf(reader: Any, path: str | Path) -> TargetTokenizer:
 
         p = Path(path)
         tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name).backend_tokenizer
-    return TargetTokenizer(tok, tokens, template, None if bos is None else int(bos), sorted(eos))
+    return TargetTokenizer(tok, tokens, template, None if bos is None else int(bos), eos)
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

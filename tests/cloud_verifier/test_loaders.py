@@ -50,7 +50,7 @@ def test_gguf_round_trip(tmp_path: Path, kind: str) -> None:
     assert (got.rope_scaling is None) == (config.rope_scaling is None)
     diff = (logits_of(target.model, TOKENS) - logits_of(model, TOKENS)).abs().max()
     assert float(diff) <= 1e-5
-    assert target.eos_ids == (2,) and target.tokenizer.bos_id == 1
+    assert target.eos_ids == (0, 2) and target.tokenizer.bos_id == 1  # <|endoftext|>, <|im_end|>
     assert target.vocab_fingerprint == vocab_fingerprint(tokens)
     assert target.model_id == "m"
 
@@ -111,7 +111,7 @@ def test_smollm2_metadata_tokenizer_and_fingerprint() -> None:
     tiny = load_target("tiny", progress=False)
     assert tiny.vocab_fingerprint == vocab_fingerprint(stored)
     assert tiny.config.vocab_size == 49152 and (tiny.config.num_heads, tiny.config.num_kv_heads) == (8, 2)
-    assert tiny.eos_ids == (2,) and tiny.model_id == "tiny" and tiny.dtype == torch.float32
+    assert tiny.eos_ids == (0, 2) and tiny.model_id == "tiny" and tiny.dtype == torch.float32
     tok = tiny.tokenizer
     assert tok.token_texts()[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     text = tok.apply_chat_template([{"role": "user", "content": "What is 12+30?"}])
