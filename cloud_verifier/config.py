@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str = "smollm2-135m"  # alias (smollm2-135m, tiny) or a GGUF file / safetensors directory
+    model: str = "qwen2.5-coder-1.5b"  # alias (see shared.model_store; also tiny) or a GGUF / safetensors dir
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU; or float32 / bfloat16 / float16
@@ -32,7 +32,8 @@ class ServerConfig:
     idle_timeout_s: float = 300.0
     ping_interval_s: float = 20.0
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    measure_cost: bool = True  # measure the verify cost curve at start-up
+    measure_cost: bool = True  # measure the verify cost curve at start-up (once per machine: cached)
+    remeasure_cost: bool = False  # measure it even when a cached curve exists
     log_level: str = "info"
 
     @classmethod

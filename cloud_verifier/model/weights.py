@@ -160,6 +160,7 @@ class WeightAssigner:
 def hf_state_dict(model: LlamaModel) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face names, fused tensors split again (for saving a
     safetensors checkpoint that transformers and `load_target` both read)."""
+    model._check_weights("hf_state_dict")
     c = model.config
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed, "model.norm.weight": model.norm}
     if not c.tie_embeddings:
