@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,43 @@ def init_backend() -> None:
         llama.llama_backend_init()
 
 
-class NativeModel:
-    """One loaded GGUF model (weights, or only the vocabulary with `vocab_only`)."""
+def cpu_has_amx() -> bool:
+    """True on CPUs with Intel AMX tiles (read from /proc/cpuinfo; False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_tile" in line.split()
+    except OSError:
+        pass
+    return False
 
-    def __init__(self, path: str | Path, *, vocab_only: bool = False) -> None:
+
+def extra_buffers_default() -> bool:
+    """Whether llama.cpp may put weights in its "extra" CPU buffer types (AMX tiles, repacked
+    layouts). Off on AMX CPUs: llama.cpp's AMX matmul segfaults in the first llama_decode on the
+    AMX machines these benches run on (every model and quantisation tried: Q4_1, Q4_K, Q8_0), and a
+    native build enables it whenever the compiler sees AMX. `TREESPEC_LLAMA_EXTRA_BUFFERS=on|off`
+    overrides the choice.
+    """
+    env = os.environ.get("TREESPEC_LLAMA_EXTRA_BUFFERS", "").strip().lower()
+    if env in ("on", "1", "true", "yes"):
+        return True
+    if env in ("off", "0", "false", "no"):
+        return False
+    return not cpu_has_amx()
+
+
+class NativeModel:
+    """One loaded GGUF model (weights, or only the vocabulary with `vocab_only`).
+
+    extra_buffers: let llama.cpp repack weights into its extra CPU buffer types (None: see
+    `extra_buffers_default`).
+    """
+
+    def __init__(
+        self, path: str | Path, *, vocab_only: bool = False, extra_buffers: bool | None = None
+    ) -> None:
         init_backend()
         self.path = Path(path)
         if not self.path.is_file():
@@ -55,6 +89,7 @@ class NativeModel:
         params = llama.llama_model_default_params()
         params.vocab_only = vocab_only
         params.n_gpu_layers = 0  # the edge runs on the CPU; a GPU build would otherwise grab layers
+        params.use_extra_bufts = extra_buffers_default() if extra_buffers is None else extra_buffers
         ptr = llama.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
             raise OSError(

@@ -84,3 +84,18 @@ def test_l8_loads_in_llama_cpp(l8_path: Path) -> None:
         assert model.n_vocab == 49152
     finally:
         model.close()
+
+
+def test_llama_extra_buffers_follow_the_cpu_and_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from edge_client import llama_native
+
+    monkeypatch.delenv("TREESPEC_LLAMA_EXTRA_BUFFERS", raising=False)
+    monkeypatch.setattr(llama_native, "cpu_has_amx", lambda: True)
+    assert llama_native.extra_buffers_default() is False  # llama.cpp's AMX path crashes
+    monkeypatch.setattr(llama_native, "cpu_has_amx", lambda: False)
+    assert llama_native.extra_buffers_default() is True
+    monkeypatch.setenv("TREESPEC_LLAMA_EXTRA_BUFFERS", "off")
+    assert llama_native.extra_buffers_default() is False
+    monkeypatch.setenv("TREESPEC_LLAMA_EXTRA_BUFFERS", "on")
+    monkeypatch.setattr(llama_native, "cpu_has_amx", lambda: True)
+    assert llama_native.extra_buffers_default() is True
