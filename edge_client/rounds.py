@@ -40,6 +40,7 @@ import numpy as np
 
 from edge_client.budget import AcceptanceCalibration, choose_budget, geometric_gains
 from edge_client.drafters.base import Drafter, WorkspaceFullError
+from edge_client.lockstep import draft_static_many
 from edge_client.prespec import (
     ChoiceModel,
     Outcome,
@@ -58,7 +59,7 @@ from edge_client.trees import (
     draft_dynamic,
     draft_sequence,
     draft_static,
-    finish_leaves,
+    finish_leaves_many,
 )
 from shared.errors import ErrorCode
 from shared.messages import Error, Mode, Prompt, Stale, Tree, Verdict, Welcome
@@ -106,6 +107,9 @@ class PrespecConfig:
     min_gain:    with the gate, expected critical-path ms a conditional tree must save per ms spent
                  drafting it. 0 (latency first): draft whatever costs no expected latency; raise it
                  where edge energy matters, to hold back trees that would rarely be used
+    batch:       conditional trees drafted together in lockstep (static and sequence shapes in
+                 greedy / match: one drafter evaluation per level for all of them)
+    batch_min_prob: a candidate joins the batch of a more likely one only when at least this likely
     leaf_min_reach: a sent tree's leaves (drafted but not evaluated) are evaluated after sending, to
                  predict the bonus token of the outcomes that accept them; only the leaves accepted
                  with at least this probability are (the side branches of a sampled tree, or every
@@ -115,6 +119,8 @@ class PrespecConfig:
 
     fanout: int = 3
     max_chain: int = 3
+    batch: int = 4
+    batch_min_prob: float = 0.03
     byte_budget: int = 64 * 1024
     allocation: str = "geometric"
     r: float = 1.0
@@ -126,6 +132,8 @@ class PrespecConfig:
         checks = (
             ("fanout", self.fanout >= 1, "at least 1"),
             ("max_chain", self.max_chain >= 1, "at least 1"),
+            ("batch", self.batch >= 1, "at least 1"),
+            ("batch_min_prob", 0 <= self.batch_min_prob <= 1, "in [0, 1]"),
             ("byte_budget", self.byte_budget >= 0, "0 or more"),
             ("allocation", self.allocation in ("geometric", "top"), "'geometric' or 'top'"),
             ("r", self.r > 0, "positive"),
@@ -304,6 +312,35 @@ class RoundDriver:
             self.stats.prespec_cancelled += 1
             return None
 
+    def _conditional_many(self, fulls: list[tuple[int, ...]]) -> list[DraftResult | None]:
+        """Trees below several sequences that extend the anchor, drafted in lockstep; None for those
+        a verdict ruled out while drafting (all None when the workspace is full)."""
+        if self._workspace_full:
+            return [None] * len(fulls)
+        spec, lim = self.req.tree, self.welcome.limits
+        config = spec.expansion
+        if spec.kind == "sequence":
+            config = ExpansionConfig((1,) * min(spec.chain_depth, lim.max_depth))
+        assert self.drafter is not None
+        try:
+            out = draft_static_many(
+                self.drafter,
+                self.anchor,
+                config,
+                [f[len(self.anchor) :] for f in fulls],
+                mode=self.req.mode,
+                stops=[functools.partial(self._ruled_out, f) for f in fulls],
+                coupling=self.req.coupling,
+            )
+        except WorkspaceFullError:
+            self._workspace_full = True
+            return [None] * len(fulls)
+        except DraftCancelled:
+            self.stats.prespec_cancelled += len(fulls)
+            return [None] * len(fulls)
+        self.stats.prespec_cancelled += sum(d is None for d in out)
+        return out
+
     def _refused_speculation(self, e: Error) -> bool:
         """A conditional tree the server had no room for (TOO_MANY_PENDING) is dropped like a stale
         one: the generation goes on. Any other error, or one about the tree in flight, fails it."""
@@ -326,25 +363,28 @@ class RoundDriver:
         committed = tuple(proto.committed)
         return not (full[: len(committed)] == committed)
 
-    def _leaves(self, rid: int, nodes: list[int]) -> None:
-        """Drafting thread: evaluate leaves `nodes` of sent tree `rid` (still in the workspace)."""
-        spec = self.specs.get(rid)
-        if spec is None:
+    def _leaves(self, pending: dict[int, list[int]]) -> None:
+        """Drafting thread: evaluate the given leaves of sent trees (still in the workspace), all
+        in one drafter evaluation."""
+        work = [(rid, nodes) for rid, nodes in pending.items() if rid in self.specs]
+        if not work:
             return
         assert self.drafter is not None
         try:
-            dr = finish_leaves(
+            done = finish_leaves_many(
                 self.drafter,
-                spec.draft,
+                [(self.specs[rid].draft, nodes) for rid, nodes in work],
                 mode=self.req.mode,
                 sampling=self.req.sampling,
                 coupling=self.req.coupling,
-                nodes=nodes,
             )
         except WorkspaceFullError:
             self._workspace_full = True
             return
-        self.specs[rid] = dataclasses.replace(spec, draft=dr)
+        for (rid, _), dr in zip(work, done, strict=True):
+            spec = self.specs.get(rid)
+            if spec is not None:
+                self.specs[rid] = dataclasses.replace(spec, draft=dr)
 
     def _reanchor(self, spec: Speculation, committed: tuple[int, ...]) -> DraftResult:
         """Move the anchor to `committed` (= spec.full) and replay the tree in flight below it."""
@@ -476,12 +516,12 @@ class RoundDriver:
         self._expand_all()
 
     async def _finish_leaves(self) -> None:
-        rid = min(self._leaves_pending)
-        if rid in self.specs:
-            t0 = time.perf_counter()
-            await self._draft(functools.partial(self._leaves, rid, self._leaves_pending[rid]))
-            self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
-        self._leaves_pending.pop(rid, None)
+        pending = dict(self._leaves_pending)
+        t0 = time.perf_counter()
+        await self._draft(functools.partial(self._leaves, pending))
+        self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
+        for rid in pending:
+            self._leaves_pending.pop(rid, None)
         self._expand_all()
 
     # ------------------------------------------------------------------ pre-speculation
@@ -563,30 +603,61 @@ class RoundDriver:
         )
 
     async def _prespeculate_one(self) -> None:
-        _, _, parent, outcome = heapq.heappop(self.heap)
-        spec = self.specs.get(parent)
-        if spec is None:
+        """Draft the most likely candidate outcome's conditional tree and send it; with a static or
+        sequence shape in a deterministic mode, also the next likely ones, in lockstep (one
+        drafter evaluation per level for all of them, edge_client.lockstep)."""
+        cfg = self.prespec
+        assert cfg is not None
+        batch = self._pop_candidates(cfg.batch if self._lockstep_ok() else 1, cfg)
+        if not batch:
             return
-        full = spec.full + outcome.cond
+        for parent, _, prob in batch:
+            self._attempted[parent] = self._attempted.get(parent, 0.0) + prob
+        t0 = time.perf_counter()
+        if len(batch) == 1:
+            one = await self._draft(functools.partial(self._conditional, batch[0][1]))
+            drafted: list[DraftResult | None] = [one]
+        else:
+            drafted = await self._draft(functools.partial(self._conditional_many, [b[1] for b in batch]))
+        self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
+        for (parent, full, prob), dr in zip(batch, drafted, strict=True):
+            if dr is None:
+                continue
+            self._note_draft(dr)
+            now = tuple(self.client.proto.committed)
+            if self.client.proto.state is not ClientState.GENERATING:
+                return  # the generation ended (its last verdict is waiting in the queue)
+            if self.cancelled or not (_extends(full, now) or full == now):
+                continue  # a verdict arrived while drafting and ruled this outcome out
+            await self._send_tree(dr, full, prob, parent)
+            self.stats.prespec_sent += 1
+
+    def _lockstep_ok(self) -> bool:
+        return self.req.tree.kind in ("static", "sequence") and not self.req.mode.stochastic
+
+    def _pop_candidates(self, limit: int, cfg: PrespecConfig) -> list[tuple[int, tuple[int, ...], float]]:
+        """Up to `limit` candidates (parent round, assumed sequence, probability) from the heap, most
+        likely first: the top one, then others at least cfg.batch_min_prob likely while the server
+        has room for them."""
         committed = tuple(self.client.proto.committed)
         max_cond = self.welcome.limits.max_depth + 1
-        if not _extends(full, committed) or len(full) - len(committed) > 4 * max_cond:
-            return
-        prob = spec.prob * outcome.prob
-        self._attempted[parent] = self._attempted.get(parent, 0.0) + prob
-        t0 = time.perf_counter()
-        dr = await self._draft(functools.partial(self._conditional, full))
-        self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
-        if dr is None:
-            return
-        self._note_draft(dr)
-        now = tuple(self.client.proto.committed)
-        if self.client.proto.state is not ClientState.GENERATING:
-            return  # the generation ended (its last verdict is waiting in the queue)
-        if self.cancelled or not (_extends(full, now) or full == now):
-            return  # a verdict arrived while drafting and ruled this outcome out
-        await self._send_tree(dr, full, prob, parent)
-        self.stats.prespec_sent += 1
+        proto = self.client.proto
+        room = self.welcome.limits.max_pending + (1 if proto.in_flight is not None else 0)
+        room -= len(proto.outstanding)
+        out: list[tuple[int, tuple[int, ...], float]] = []
+        while self.heap and len(out) < max(1, min(limit, room)):
+            neg_p, _, parent, outcome = self.heap[0]
+            if out and -neg_p < cfg.batch_min_prob:
+                break
+            heapq.heappop(self.heap)
+            spec = self.specs.get(parent)
+            if spec is None:
+                continue
+            full = spec.full + outcome.cond
+            if not _extends(full, committed) or len(full) - len(committed) > 4 * max_cond:
+                continue
+            out.append((parent, full, spec.prob * outcome.prob))
+        return out
 
     # ------------------------------------------------------------------ verdicts
     def _on_verdict(self, v: Verdict, now: float) -> tuple[Speculation, tuple[int, ...]] | None:

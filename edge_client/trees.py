@@ -460,44 +460,75 @@ def finish_leaves(
     itself (tokens, draws) is unchanged; only what the draft believes after the leaves is added.
     Raises WorkspaceFullError when the leaves do not fit.
     """
+    (out,) = finish_leaves_many(drafter, [(dr, nodes)], mode=mode, sampling=sampling, coupling=coupling)
+    return out
+
+
+def finish_leaves_many(
+    drafter: Drafter,
+    work: Sequence[tuple[DraftResult, Sequence[int] | None]],
+    *,
+    mode: Mode | str = Mode.GREEDY,
+    sampling: Sampling | None = None,
+    coupling: Coupling | None = None,
+) -> list[DraftResult]:
+    """`finish_leaves` for several trees of the workspace at once: all their leaves in ONE drafter
+    call (a llama.cpp evaluation costs about the same for one token or a few)."""
     m = _mode(mode)
     if m.stochastic and sampling is None:
         raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...)")
     coupling = _coupling(m, coupling)
-    ws = dr.workspace_ids.copy()
-    if nodes is None:
-        nodes = np.flatnonzero(ws < 0).tolist()
-    else:
-        nodes = sorted({int(n) for n in nodes})
-        bad = [n for n in nodes if not 0 <= n < ws.size or ws[n] >= 0]
-        if bad:
-            raise ValueError(f"finish_leaves: nodes {bad} are not unevaluated nodes of the tree")
-    if not nodes:
-        return dr
-    tree = dr.tree
-    parents = [dr.root_id if tree.parents[n] < 0 else int(ws[tree.parents[n]]) for n in nodes]
-    if any(tree.parents[n] >= 0 and ws[tree.parents[n]] < 0 for n in nodes):
-        raise ValueError("finish_leaves: a node's parent was never evaluated (not a leaf)")
+    plans: list[tuple[DraftResult, np.ndarray, list[int]]] = []
+    parents: list[int] = []
+    tokens: list[int] = []
+    for dr, wanted in work:
+        ws = dr.workspace_ids.copy()
+        if wanted is None:
+            nodes = np.flatnonzero(ws < 0).tolist()
+        else:
+            nodes = sorted({int(n) for n in wanted})
+            bad = [n for n in nodes if not 0 <= n < ws.size or ws[n] >= 0]
+            if bad:
+                raise ValueError(f"finish_leaves: nodes {bad} are not unevaluated nodes of the tree")
+        tree = dr.tree
+        if any(tree.parents[n] >= 0 and ws[tree.parents[n]] < 0 for n in nodes):
+            raise ValueError("finish_leaves: a node's parent was never evaluated (not a leaf)")
+        parents.extend(dr.root_id if tree.parents[n] < 0 else int(ws[tree.parents[n]]) for n in nodes)
+        tokens.extend(int(tree.tokens[n]) for n in nodes)
+        plans.append((dr, ws, nodes))
+    if not tokens:
+        return [dr for dr, _ in work]
     first = drafter.num_nodes
-    out = drafter.extend(parents, [int(tree.tokens[n]) for n in nodes])
-    alt_tok, alt_p = dr.alt_tokens.copy(), dr.alt_probs.copy()
-    a = alt_tok.shape[1]
-    for j, n in enumerate(nodes):
-        ws[n] = first + j
-        at = tree.committed_len + int(tree.depth[n])  # absolute position of the token after node n
-        ids, probs = _alternatives(out[j], a, sampling if m.stochastic else None, coupling, at)
-        k = min(a, ids.size)
-        alt_tok[n + 1, :] = -1
-        alt_p[n + 1, :] = 0.0
-        alt_tok[n + 1, :k] = ids[:k]
-        alt_p[n + 1, :k] = probs[:k]
-    return dataclasses.replace(
-        dr,
-        workspace_ids=ws,
-        alt_tokens=alt_tok,
-        alt_probs=alt_p.astype(np.float32),
-        evaluations=dr.evaluations + 1,
-    )
+    out = drafter.extend(parents, tokens)
+    results: list[DraftResult] = []
+    row = 0
+    for dr, ws, nodes in plans:
+        if not nodes:
+            results.append(dr)
+            continue
+        tree = dr.tree
+        alt_tok, alt_p = dr.alt_tokens.copy(), dr.alt_probs.copy()
+        a = alt_tok.shape[1]
+        for n in nodes:
+            ws[n] = first + row
+            at = tree.committed_len + int(tree.depth[n])  # absolute position of the token after node n
+            ids, probs = _alternatives(out[row], a, sampling if m.stochastic else None, coupling, at)
+            row += 1
+            k = min(a, ids.size)
+            alt_tok[n + 1, :] = -1
+            alt_p[n + 1, :] = 0.0
+            alt_tok[n + 1, :k] = ids[:k]
+            alt_p[n + 1, :k] = probs[:k]
+        results.append(
+            dataclasses.replace(
+                dr,
+                workspace_ids=ws,
+                alt_tokens=alt_tok,
+                alt_probs=alt_p.astype(np.float32),
+                evaluations=dr.evaluations + 1,
+            )
+        )
+    return results
 
 
 def _check_room(drafter: Drafter, config: ExpansionConfig, eval_leaves: bool, fresh: bool) -> None:

@@ -171,11 +171,12 @@ def test_leaves_are_evaluated_only_when_they_may_be_reached(monkeypatch: pytest.
     calls: list[tuple[list[int], list[int], np.ndarray]] = []  # (evaluated, unevaluated, reach)
     real = RoundDriver._leaves
 
-    def counting(self: RoundDriver, rid: int, nodes: list[int]) -> None:
-        spec = self.specs[rid]
-        reach = spec.prob * reach_probabilities(spec.draft, self.choice)
-        calls.append((list(nodes), np.flatnonzero(spec.draft.workspace_ids < 0).tolist(), reach))
-        real(self, rid, nodes)
+    def counting(self: RoundDriver, pending: dict[int, list[int]]) -> None:
+        for rid, nodes in pending.items():
+            spec = self.specs[rid]
+            reach = spec.prob * reach_probabilities(spec.draft, self.choice)
+            calls.append((list(nodes), np.flatnonzero(spec.draft.workspace_ids < 0).tolist(), reach))
+        real(self, pending)
 
     monkeypatch.setattr(RoundDriver, "_leaves", counting)
     drafter = create_drafter("torch", "tiny")

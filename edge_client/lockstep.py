@@ -1,0 +1,160 @@
+"""Several conditional trees drafted in lockstep: one drafter evaluation per level for all of them.
+
+Pre-speculation drafts a tree for each likely outcome of the tree in flight (edge_client.prespec).
+Drafted one after another, M trees of depth d cost M * d drafter evaluations; on a CPU a llama.cpp
+evaluation is bound by reading the weights, so a batch of a few tokens costs little more than one
+(Qwen2.5-Coder-0.5B Q4_K_M on one core: 75 ms for 1 token, 108 for 3, 122 for 4). Drafted in
+lockstep, level i of every tree goes into one `Drafter.extend`, so M trees cost d evaluations of
+M tokens each: the edge covers several outcomes in the time one used to take, and the verifier's
+core shares the memory bus with fewer weight reads.
+
+Deterministic modes only (greedy, match): every tree takes the draft's top-k_i tokens at each node
+(with coupling, the coupled token first), exactly as `trees.draft_static` does, so a tree drafted
+here equals the one drafted alone below the same workspace node.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from edge_client.drafters.base import Drafter, WorkspaceFullError
+from edge_client.trees import (
+    DEFAULT_ALTERNATIVES,
+    Coupling,
+    DraftCancelled,
+    DraftResult,
+    _Acc,
+    _coupling,
+    _mode,
+    _ranked,
+)
+from shared.messages import Mode
+from shared.tree import ExpansionConfig
+
+
+def draft_static_many(
+    drafter: Drafter,
+    committed: Sequence[int],
+    config: ExpansionConfig,
+    conds: Sequence[Sequence[int]],
+    *,
+    mode: Mode | str = Mode.GREEDY,
+    stops: Sequence[Callable[[], bool] | None] | None = None,
+    coupling: Coupling | None = None,
+    alternatives: int = DEFAULT_ALTERNATIVES,
+) -> list[DraftResult | None]:
+    """Draft tree ⟨k1..km⟩ below `committed + cond` for every cond, in the current workspace.
+
+    The drafter must be synced to exactly `committed` (as for reuse_workspace=True); each cond is
+    followed down the workspace as far as it exists there and the rest is added as a chain (all
+    those chains in one evaluation). Leaves are not evaluated (`trees.finish_leaves_many`).
+    stops[i]: asked before every evaluation; when it says True, tree i is dropped (its entry is
+    None) and the others go on; DraftCancelled when every tree is dropped. Raises
+    WorkspaceFullError (nothing added) when the trees do not fit the workspace.
+    """
+    t0 = time.perf_counter()
+    m = _mode(mode)
+    if m.stochastic:
+        raise ValueError(f"lockstep drafting is for greedy/match; mode {m.value} drafts its trees one by one")
+    coupling = _coupling(m, coupling)
+    if drafter.committed_len != len(committed) or drafter.committed_tokens() != [int(t) for t in committed]:
+        raise ValueError("draft_static_many needs the drafter synced to exactly `committed`")
+    n = len(conds)
+    stops = list(stops) if stops is not None else [None] * n
+    if len(stops) != n:
+        raise ValueError("stops must have one entry per cond")
+    # where each cond leaves the workspace, and what of it is still to be evaluated
+    walks: list[tuple[int, list[int]]] = []
+    for cond in conds:
+        node, i = -1, 0
+        while i < len(cond):
+            child = drafter.find_child(node, int(cond[i]))
+            if child is None:
+                break
+            node, i = child, i + 1
+        walks.append((node, [int(t) for t in cond[i:]]))
+    levels = np.cumprod(config.ks)[:-1]  # evaluated levels (the last one is not)
+    nodes_needed = sum(len(rest) for _, rest in walks) + n * int(levels.sum())
+    leaves_needed = n * (int(levels[-1]) if levels.size else 1)
+    if (
+        drafter.num_nodes + nodes_needed > drafter.max_nodes
+        or drafter.num_leaves + leaves_needed > drafter.max_leaves
+    ):
+        raise WorkspaceFullError(
+            f"{n} trees {config} need {nodes_needed} nodes on {leaves_needed} new branches; the drafter "
+            f"holds {drafter.max_nodes} / {drafter.max_leaves} "
+            f"({drafter.num_nodes} / {drafter.num_leaves} in use)"
+        )
+    evals0 = drafter.stats.extend_calls
+    # the rest of every cond, as chains, in one evaluation
+    roots: list[tuple[int, np.ndarray]] = []
+    parents: list[int] = []
+    tokens: list[int] = []
+    ends: list[int] = []  # index in the batch of each chain's last token (-1: nothing to add)
+    first = drafter.num_nodes
+    for node, rest in walks:
+        if not rest:
+            ends.append(-1)
+            continue
+        for j, tok in enumerate(rest):
+            parents.append(node if j == 0 else first + len(tokens) - 1)
+            tokens.append(tok)
+        ends.append(len(tokens) - 1)
+    out = drafter.extend(parents, tokens) if tokens else None
+    for (node, _), end in zip(walks, ends, strict=True):
+        if end < 0:
+            roots.append((node, drafter.logits_at(node)))
+        else:
+            assert out is not None
+            roots.append((first + end, out[end]))
+
+    accs = [_Acc(alternatives) for _ in conds]
+    alive = [True] * n
+    frontiers: list[list[tuple[int, np.ndarray]]] = [[(-1, logits)] for _, logits in roots]
+    at = [len(committed) + len(c) for c in conds]  # absolute position of the token after row 0
+    for level, k in enumerate(config.ks):
+        new: list[list[int]] = [[] for _ in conds]
+        for t in range(n):
+            if not alive[t]:
+                continue
+            acc = accs[t]
+            for node, logits in frontiers[t]:
+                ids, vals = _ranked(logits, max(k, alternatives), coupling, at[t] + level)
+                acc.set_alt(node + 1, ids, np.exp(vals))
+                for tok, lp in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
+                    new[t].append(acc.add(node, tok, lp))
+        if level == config.depth - 1:
+            break
+        for t in range(n):
+            stop = stops[t]
+            if alive[t] and stop is not None and stop():
+                alive[t] = False
+        if not any(alive):
+            raise DraftCancelled("drafting stopped: no tree of the batch is wanted any more")
+        parents, tokens, owner = [], [], []
+        for t in range(n):
+            if not alive[t]:
+                continue
+            acc, root_id = accs[t], roots[t][0]
+            for nd in new[t]:
+                p = acc.parents[nd]
+                parents.append(root_id if p < 0 else acc.ws[p])
+                tokens.append(acc.tokens[nd])
+                owner.append((t, nd))
+        first = drafter.num_nodes
+        out = drafter.extend(parents, tokens)  # [len(tokens), V]
+        frontiers = [[] for _ in conds]
+        for j, (t, nd) in enumerate(owner):
+            accs[t].ws[nd] = first + j
+            frontiers[t].append((nd, out[j]))
+    evals = drafter.stats.extend_calls - evals0
+    results: list[DraftResult | None] = []
+    for t in range(n):
+        if not alive[t]:
+            results.append(None)
+            continue
+        results.append(accs[t].result(committed, conds[t], roots[t][0], False, np.zeros(0), t0, evals))
+    return results
