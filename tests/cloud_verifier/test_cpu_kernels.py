@@ -57,12 +57,14 @@ def _slots(rng: random.Random, length: int, blocks: int, fragmented: bool) -> to
     return torch.tensor(table)[pos // TILE] * TILE + pos % TILE
 
 
-@pytest.mark.parametrize("hd", [16, 64])
+# head sizes and query heads per KV head: SmolLM2 (64, 9:3), Qwen2.5-Coder-0.5B (64, 14:2) and -1.5B
+# (128, 12:2), and a small one
+@pytest.mark.parametrize(("hd", "group"), [(16, 3), (64, 3), (64, 7), (128, 6)])
 @pytest.mark.parametrize("seed", range(6))
-def test_matches_sdpa_and_each_row_equals_its_path_decoded_alone(hd: int, seed: int) -> None:
+def test_matches_sdpa_and_each_row_equals_its_path_decoded_alone(hd: int, group: int, seed: int) -> None:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    kv_heads, group, blocks = 2, 3, 160
+    kv_heads, blocks = 2, 160
     cached, n = rng.choice([0, 1, 15, 16, 17, rng.randint(2, 1500)]), rng.randint(1, 24)
     allowed = _tree(rng, n) if seed % 3 else torch.ones(n, n, dtype=torch.bool).tril_()
     k, v, kt = _pool(kv_heads, blocks, hd, gen)
