@@ -1,93 +1,137 @@
-"""`make demo`: the verifier and the edge client on localhost, on a real model pair.
+"""`make demo`: the verifier and the edge client on localhost, on the real model pair.
 
-Starts `cloud-verifier serve --model smollm2-135m` (fp32 torch) on its own core, drafts with
-llama.cpp on the other (the packaged SmolLM2 Q4 GGUF, then the weak 8-block draft), streams the
-text of a few Spec-Bench prompts and prints target-only AR vs sequence vs tree speculation.
+Fetches the pair on first use (the model store: Qwen2.5-Coder-1.5B-Instruct as the cloud target,
+Qwen2.5-Coder-0.5B-Instruct as the edge draft, both Q4_K_M GGUFs from the package index), starts
+`cloud-verifier serve` on its own core (fp32 torch), drafts with llama.cpp on the other, streams
+the answers to three short prompts and ends with a table: target-only `ar` against `tree` and
+`tree_prespec` (pre-speculation), at RTT 0 and at RTT 50 ms through a TCP delay proxy. The output
+of every mode is exactly the target's (checked at the end). `--pair smollm2` runs the SmolLM2-135M
+self-draft instead (small and fast, but not a realistic pair).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
+import time
 from collections.abc import Sequence
 
-from bench.e2e import report, run_modes
-from bench.harness import CoreSplit, Verifier, load_prompts, table
+from bench.e2e import ModeRuns, run_modes
+from bench.harness import BenchPrompt, CoreSplit, Verifier, table
+from bench.network import Proxy
+from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import create_drafter
+from shared import model_store
 from shared.messages import Mode
 from shared.tree import ExpansionConfig
 
-DRAFTS = ("smollm2-135m-q4", "smollm2-135m-q4-l8")
+PAIRS = {
+    "qwen": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b-q4"),
+    "smollm2": ("smollm2-135m", "smollm2-135m-q4"),
+}
+MODES = ("ar", "tree", "tree_prespec")
+PROMPTS = (
+    BenchPrompt(
+        "fib",
+        "code",
+        'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n',
+        raw=True,
+    ),
+    BenchPrompt("hash", "qa", "In two sentences, what is a hash table?"),
+    BenchPrompt("sort", "coding", "Write a Python one-liner that sorts a list of words by length."),
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=3, help="Spec-Bench prompts to run")
-    ap.add_argument("--tokens", type=int, default=48, help="new tokens per prompt")
-    ap.add_argument("--model", default="smollm2-135m", help="target model of the verifier")
+    ap.add_argument("--pair", choices=sorted(PAIRS), default="qwen", help="model pair (target + draft)")
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
+    ap.add_argument("--rtt-ms", default="0,50", help="round-trip times to run, through the delay proxy")
+    ap.add_argument("--tree", default=None, help="expansion config (default: the draft's recommended tree)")
     a = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    model, draft = PAIRS[a.pair]
+    rtts = [float(x) for x in a.rtt_ms.split(",") if x]
+    tree_text = a.tree or recommended_tree(draft)
     split = CoreSplit.auto()
     print(
-        f"Demo: verifier ({a.model}, fp32 torch) + edge client (llama.cpp drafts "
-        f"{', '.join(DRAFTS)}) on localhost,\n"
-        f"{a.prompts} Spec-Bench prompts x {a.tokens} tokens, greedy; output is exactly the target's.\n"
+        f"Demo: cloud verifier ({model}, fp32 torch) + edge client (llama.cpp draft {draft}) on localhost.\n"
+        f"{len(PROMPTS)} prompts x {a.tokens} tokens, greedy, tree {tree_text}; modes {', '.join(MODES)} at "
+        f"RTT {', '.join(f'{r:g}' for r in rtts)} ms. Every mode's output is exactly the target's.\n"
         + split.describe(),
         flush=True,
     )
-    prompts = load_prompts(a.prompts)
-    tree = ExpansionConfig()
-    print("starting the verifier (loads and dequantizes the GGUF, measures its cost curve) ...", flush=True)
-    rows: list[list[object]] = []
-    with Verifier(a.model, cores=split.verifier, threads=len(split.verifier)) as verifier:
+    for alias in (model, draft):
+        if model_store.local_path(alias) is None:
+            print(f"fetching {alias} from the package index (first run only) ...", flush=True)
+        model_store.ensure(alias)
+    print(
+        "starting the verifier (first start: dequantizes the GGUF and caches the floats, ~1 min; "
+        "later starts ~20 s) ...",
+        flush=True,
+    )
+    results: dict[float, dict[str, ModeRuns]] = {}
+    prompts = list(PROMPTS)
+    with Verifier(model, cores=split.verifier, threads=len(split.verifier), echo=True) as verifier:
+        print(f"verifier ready after {time.perf_counter() - t_start:.0f} s", flush=True)
         split.pin_edge()
-        for k, draft in enumerate(DRAFTS):
-            drafter = create_drafter("llama_cpp", draft, n_threads=1)
-            modes = ("ar", "sequence", "tree") if k == 0 else ("sequence", "tree")
-            print(f"\n=== draft {draft}: tree {tree} ===", flush=True)
+        drafter = create_drafter("llama_cpp", draft, n_threads=1)
+        try:
+            for rtt in rtts:
+                print(f"\n=== RTT {rtt:g} ms ===", flush=True)
+                shown: set[int] = set()
 
-            seen: set[int] = set()
+                def show(mode: str, i: int, chunk: str, shown: set[int] = shown) -> None:
+                    if mode != "tree_prespec":
+                        return
+                    if i not in shown:
+                        shown.add(i)
+                        print(
+                            f"\n[{prompts[i].category}] {prompts[i].text.strip()[:80]}\n> ",
+                            end="",
+                            flush=True,
+                        )
+                    print(chunk, end="", flush=True)
 
-            def show(mode: str, i: int, chunk: str, seen: set[int] = seen) -> None:
-                if mode != "tree":
-                    return
-                if i not in seen:
-                    seen.add(i)
-                    print(f"\n[{prompts[i].category}] {prompts[i].text[:100]}\n> ", end="", flush=True)
-                print(chunk, end="", flush=True)
-
-            try:
-                runs, by_cat = asyncio.run(
-                    run_modes(
-                        verifier.url,
-                        drafter,
-                        prompts,
-                        a.tokens,
-                        0.0,
-                        Mode.GREEDY,
-                        tree,
-                        verifier.forwards,
-                        on_chunk=show,
-                        modes=modes,
-                        progress=False,
+                with contextlib.ExitStack() as stack:
+                    url = verifier.url
+                    if rtt > 0:
+                        url = stack.enter_context(Proxy(verifier.port, rtt, 0.0, 0.0, split.edge)).url
+                    runs, _ = asyncio.run(
+                        run_modes(
+                            url,
+                            drafter,
+                            prompts,
+                            a.tokens,
+                            0.0,
+                            Mode.GREEDY,
+                            ExpansionConfig.parse(tree_text),
+                            verifier.forwards,
+                            on_chunk=show,
+                            modes=MODES,
+                            progress=False,
+                        )
                     )
-                )
-            finally:
-                drafter.close()
-            res = report(runs, by_cat, exact=True)
-            print(f"\n(identical to target-only AR: {res['identical_to_ar']})" if k == 0 else "", flush=True)
-            for m, s in res["modes"].items():
-                rows.append(
-                    [
-                        m if m == "ar" else f"{m} ({draft})",
-                        s["ms_per_token"],
-                        s["tau"],
-                        s["target_forwards_per_token"],
-                    ]
-                )
+                results[rtt] = runs
+                print(flush=True)
+        finally:
+            drafter.close()
+    rows: list[list[object]] = []
+    identical = True
+    for rtt, runs in results.items():
+        ar = runs["ar"].summary()["ms_per_token"]
+        for m, r in runs.items():
+            s = r.summary()
+            speed = ar / s["ms_per_token"] if s["ms_per_token"] else 0.0
+            rows.append([f"{rtt:g}", m, s["ms_per_token"], s["tau"], s["target_forwards_per_token"], speed])
+            identical &= r.tokens == runs["ar"].tokens
     print()
-    print(table(rows, ["mode", "ms/token", "tau", "target forwards/token"]))
-    return 0
+    print(table(rows, ["RTT ms", "mode", "ms/token", "tau", "target fwd/token", "speed-up vs ar"]))
+    print(f"every mode's tokens identical to target-only ar: {identical}")
+    print(f"demo wall time: {time.perf_counter() - t_start:.0f} s")
+    return 0 if identical else 1
 
 
 if __name__ == "__main__":

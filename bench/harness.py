@@ -9,21 +9,45 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "spec_bench_dev.jsonl"
+HUMANEVAL = REPO.parent / "shared" / "data" / "prompts" / "humaneval_dev.jsonl"
 
 
 @dataclass(frozen=True)
 class BenchPrompt:
-    question_id: int
+    question_id: int | str
     category: str
     text: str
+    raw: bool = False  # given to the model as is (HumanEval code prompts), not as a chat turn
+
+
+def load_humaneval(n: int, path: Path = HUMANEVAL) -> list[BenchPrompt]:
+    """The first n HumanEval dev prompts (function signature + docstring), raw: the model
+    completes the body (category "humaneval")."""
+    if not path.exists():
+        raise FileNotFoundError(
+            f"HumanEval prompts not found at {path} (the team kit sits beside the checkout)"
+        )
+    out: list[BenchPrompt] = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip() and len(out) < n:
+            d = json.loads(line)
+            out.append(BenchPrompt(d["task_id"], d.get("category", "humaneval"), d["prompt"], raw=True))
+    return out
+
+
+def load_suite(humaneval: int, spec_bench: int) -> list[BenchPrompt]:
+    """HumanEval prompts first, then Spec-Bench ones (round-robin over its categories)."""
+    return load_humaneval(humaneval) + load_prompts(spec_bench)
 
 
 def load_prompts(n: int, path: Path = PROMPTS) -> list[BenchPrompt]:
@@ -84,6 +108,20 @@ class CoreSplit:
             os.sched_setaffinity(0, set(self.edge))
 
 
+def die_with_parent() -> None:
+    """In a child before exec: ask Linux to end it when the bench dies (a crash must not leave a
+    verifier holding 8 GB behind); a no-op elsewhere."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass
 class Verifier:
     """A `cloud-verifier serve` child process."""
@@ -95,6 +133,8 @@ class Verifier:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    echo: bool = False  # show the child's output (progress bars of a first start) until it is ready
+    _echoing: threading.Event = field(default_factory=threading.Event)
 
     @property
     def url(self) -> str:
@@ -125,14 +165,19 @@ class Verifier:
         def pin() -> None:
             if cores and hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, cores)
+            die_with_parent()
 
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"verifier-{self.port}.log"
         log = self.log_path.open("wb")
         env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        out = subprocess.PIPE if self.echo else log
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=pin, cwd=REPO, env=env
+            cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pin, cwd=REPO, env=env
         )
+        if self.echo:
+            self._echoing.set()
+            threading.Thread(target=self._tee, args=(log,), daemon=True).start()
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -140,6 +185,7 @@ class Verifier:
             try:
                 with urllib.request.urlopen(self.http + "/readyz", timeout=2) as r:
                     if r.status == 200:
+                        self._echoing.clear()
                         return self
             except OSError:
                 pass
@@ -147,6 +193,21 @@ class Verifier:
                 self.stop()
                 raise TimeoutError(f"the verifier was not ready within {timeout} s; see {self.log_path}")
             time.sleep(0.25)
+
+    def _tee(self, log: Any) -> None:
+        """Copy the child's output to its log, and to this terminal while starting (echo)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while True:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            log.write(chunk)
+            log.flush()
+            if self._echoing.is_set():
+                sys.stderr.buffer.write(chunk)
+                sys.stderr.buffer.flush()
+        log.close()
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled Prometheus samples of the verifier, by name."""

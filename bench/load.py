@@ -56,9 +56,11 @@ class BenchError(RuntimeError):
 # --------------------------------------------------------------------------------------- prompts
 def load_tokenizer(model: str) -> TargetTokenizer:
     """The tokenizer of `model` without loading its weights (for `--url`, where the server has them)."""
-    from cloud_verifier.model import gguf_loader, safetensors_loader, smollm2_gguf_path
+    from cloud_verifier.model import gguf_loader, safetensors_loader
+    from shared import model_store
 
-    path = smollm2_gguf_path() if model in ("tiny", "smollm2-135m") else Path(model)
+    alias = "smollm2-135m" if model == "tiny" else model
+    path = model_store.resolve(alias, "target") if alias in model_store.ALIASES else Path(model)
     if path.is_file() and path.suffix == ".gguf":
         return gguf_loader.tokenizer_from_gguf(gguf_loader.open_gguf(path), path)
     if path.is_dir():

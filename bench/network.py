@@ -23,19 +23,32 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.e2e import run_modes
-from bench.harness import CoreSplit, Verifier, free_port, load_prompts, table
+from bench.e2e import run_modes, trusted_key_file
+from bench.harness import CoreSplit, Verifier, die_with_parent, free_port, load_suite, table
+from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import create_drafter
 from edge_client.transport import LinkShape
 from shared.messages import Mode
+from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.tree import ExpansionConfig
 
 MODES = ("ar", "sequence", "tree", "tree_prespec")
-OPTIONAL = ("tree_prespec_ungated", "tree_prespec_frugal", "sequence_prespec", "budget", "budget_prespec")
+OPTIONAL = (
+    "tree_prespec_ungated",
+    "tree_prespec_frugal",
+    "tree_prespec_single",
+    "sequence_prespec",
+    "sequence_prespec_single",
+    "budget",
+    "budget_prespec",
+    "tree_rrs",
+    "tree_prespec_rrs",
+)
 # run settings that must agree for rows of several files to form one table (--merge)
 SAME_RUN = (
     "draft",
     "model",
+    "humaneval",
     "prompts",
     "tokens",
     "tree",
@@ -85,6 +98,7 @@ class Proxy:
         def pin() -> None:
             if cores and hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, cores)
+            die_with_parent()
 
         self.proc = subprocess.Popen(
             self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin
@@ -139,19 +153,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m bench.network",
         description="ms/token against round-trip time for ar, sequence, tree and tree + pre-speculation.",
     )
-    ap.add_argument("--rtt-ms", default="0,10,25,50,100", help="comma-separated round-trip times to emulate")
+    ap.add_argument("--rtt-ms", default="0,25,50,100", help="comma-separated round-trip times to emulate")
+    ap.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (the code prompt, raw)")
     ap.add_argument(
-        "--prompts", type=int, default=20, help="Spec-Bench dev prompts (round-robin over categories)"
+        "--prompts", type=int, default=4, help="Spec-Bench dev prompts (round-robin over categories)"
     )
-    ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
-    ap.add_argument("--draft", default="smollm2-135m-q4", help="draft alias or GGUF path (llama.cpp)")
-    ap.add_argument("--model", default="smollm2-135m", help="target model of the verifier")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
+    ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (llama.cpp)")
+    ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
     ap.add_argument(
         "--tree",
-        default="1,1,3,1,1",
-        help="expansion config of the tree modes (the sequence draft is as deep). The default is five "
-        "levels, not SpecInfer's eight: here the edge drafts at about the target's speed, and at RTT 50 "
-        "the shallower tree is as fast for `tree` and faster with pre-speculation (README)",
+        default=None,
+        help="expansion config of the tree modes (the sequence draft is as deep); default: the draft's "
+        "recommended tree (edge_client.defaults: measured per pair, README)",
     )
     ap.add_argument("--temperatures", default="0,0.7", help="0 = greedy; others run sample-and-match")
     ap.add_argument(
@@ -205,12 +219,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
     print(f"link: {'TCP delay proxy process' if a.proxy else 'in-process shaper'}", flush=True)
-    prompts = load_prompts(a.prompts)
+    prompts = load_suite(a.humaneval, a.prompts)
+    a.tree = a.tree or recommended_tree(a.draft)
     tree = ExpansionConfig.parse(a.tree)
     rows: list[dict[str, Any]] = []
-    verifier = Verifier(
-        a.model, cores=split.verifier, threads=len(split.verifier), args=["--max-pending", str(a.max_pending)]
-    )
+    args = ["--max-pending", str(a.max_pending)]
+    api_key = None
+    if any(m.endswith("_rrs") for m in modes):
+        key_file, api_key = trusted_key_file()
+        args += ["--api-key-file", str(key_file)]
+    verifier = Verifier(a.model, cores=split.verifier, threads=len(split.verifier), args=args)
     with verifier:
         split.pin_edge()
         drafter = create_drafter("llama_cpp", a.draft, n_threads=1)
@@ -218,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rtt in rtts:
                 for temp in temps:
                     mode = Mode.GREEDY if temp == 0 else Mode.MATCH
+                    run = [m for m in modes if temp > 0 or not m.endswith("_rrs")]  # rrs samples
+                    if not run:
+                        continue
                     with contextlib.ExitStack() as stack:
                         url, link = verifier.url, None
                         if a.proxy:
@@ -235,9 +256,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 mode,
                                 tree,
                                 verifier.forwards,
-                                modes=modes,
+                                modes=run,
                                 progress=not a.no_progress,
                                 link=link,
+                                api_key=api_key,
                                 couple=not a.no_couple,
                             )
                         )
@@ -319,7 +341,8 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, 
     """The table, the goals, the JSON (complete; with `config`) and the plot."""
     c = config
     merged = f", merged from {len(c['merged_from'])} files" if c.get("merged_from") else ""
-    size = f"{c.get('prompts')} prompts x {c.get('tokens')} tokens"
+    n_he, n_sb = c.get("humaneval", 0), c.get("prompts")
+    size = f"{n_he} HumanEval + {n_sb} Spec-Bench prompts x {c.get('tokens')} tokens"
     print(f"\n{c.get('model')} verifier, draft {c.get('draft')}, {size}{merged} (medians)")
     print(
         table(
@@ -382,9 +405,13 @@ def _goals(rows: list[dict[str, Any]]) -> None:
         return None
 
     for t in sorted({r["temperature"] for r in rows}):
-        tree50, pre50 = get(50, "tree", t), get(50, "tree_prespec", t)
+        tree50, pre50, ar50 = get(50, "tree", t), get(50, "tree_prespec", t), get(50, "ar", t)
         if tree50 and pre50:
-            print(f"T={t:g}: at RTT 50 tree_prespec/tree = {pre50 / tree50:.3f} (goal <= 0.75)")
+            print(f"T={t:g}: at RTT 50 tree_prespec/tree = {pre50 / tree50:.3f}")
+        if ar50 and pre50:
+            goal = 0.30 if t == 0 else 0.45
+            verdict = "met" if pre50 / ar50 <= goal else "not met"
+            print(f"T={t:g}: at RTT 50 tree_prespec/ar = {pre50 / ar50:.3f} (goal <= {goal:.2f}: {verdict})")
         slower = [
             r
             for r in sorted({r["rtt_ms"] for r in rows})

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from cloud_verifier.model import Target, greedy_generate, load_target, prefill, tree_round
 from cloud_verifier.model.llama import ATTENTION_MODES
+from shared.model_store import DEFAULT_TARGET
 from shared.tree import TokenTree
 
 PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "spec_bench_dev.jsonl"
@@ -103,9 +104,9 @@ def first_prompt(target: Target) -> list[int]:
 
 def load_reference(model: str) -> Any:
     """transformers' model for the same GGUF (None when the model is not a GGUF)."""
-    from cloud_verifier.model import smollm2_gguf_path
+    from shared import model_store
 
-    path = smollm2_gguf_path() if model == "smollm2-135m" else Path(model)
+    path = model_store.resolve(model, "target") if model in model_store.ALIASES else Path(model)
     if path.suffix != ".gguf" or not path.is_file():
         return None
     import transformers
@@ -190,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         "on shared cores spinning waiters stall for whole scheduler slices; on a quiet dedicated "
         "machine OMP_WAIT_POLICY=ACTIVE is ~20% faster at 2 threads.",
     )
-    p.add_argument("--model", default="smollm2-135m", help="target alias or path (.gguf / safetensors dir)")
+    p.add_argument("--model", default=DEFAULT_TARGET, help="target alias or path (.gguf / safetensors dir)")
     p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (medians are reported)")
     p.add_argument("--prefixes", default="128,1024", help="committed prefix lengths, comma-separated")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,3 +51,50 @@ def test_round_times_pool_every_generation() -> None:
 def test_empty_runs_summarise_to_zeros() -> None:
     s = ModeRuns().summary()
     assert s["draft_ms_per_round"] == 0.0 and s["rtt_ms_per_round"] == 0.0 and s["hit_rate"] is None
+
+
+def test_categories_and_depths_are_pooled() -> None:
+    from bench.harness import BenchPrompt
+
+    runs = ModeRuns()
+    he, sb = BenchPrompt("HumanEval/0", "humaneval", "def f():", raw=True), BenchPrompt(1, "math", "2+2?")
+    runs.add(_gen(10, rounds=2, accepted_counts=[2, 2, 1]), forwards=2, prompt=he)
+    runs.add(_gen(6, rounds=3, accepted_counts=[2, 1]), forwards=3, prompt=sb)
+    runs.add(_gen(4, rounds=1, accepted_counts=[1]), forwards=1, prompt=he)
+    s = runs.summary()
+    assert s["tau_by_category"] == {"humaneval": pytest.approx(14 / 3, abs=1e-4), "math": pytest.approx(2.0)}
+    assert s["acceptance_by_depth"] == pytest.approx([5 / 6, 3 / 6, 1 / 6], abs=1e-4)
+    assert runs.records[0]["prompt"] == "HumanEval/0" and runs.records[1]["category"] == "math"
+
+
+def test_runs_made_in_pieces_merge_into_one_report(tmp_path: Any) -> None:
+    import json
+
+    from bench.e2e import SAME_RUN, merge_results, report
+    from bench.harness import BenchPrompt
+
+    cfg = {k: None for k in SAME_RUN} | {"mode": "greedy", "model": "m"}
+    prompts = [BenchPrompt("a", "x", "p"), BenchPrompt("b", "y", "q")]
+
+    def piece(name: str, modes: dict[str, list[list[int]]]) -> str:
+        runs = {}
+        for m, outs in modes.items():
+            runs[m] = ModeRuns()
+            for p, toks in zip(prompts, outs, strict=True):
+                runs[m].add(_gen(len(toks), rounds=1), forwards=1, prompt=p)
+                runs[m].records[-1]["tokens"] = toks
+        doc = report(runs, {}, exact=True) | {"config": cfg}
+        path = tmp_path / name
+        path.write_text(json.dumps(doc))
+        return str(path)
+
+    ar = piece("ar.json", {"ar": [[1, 2], [3]]})
+    spec = piece("spec.json", {"tree": [[1, 2], [3]], "sequence": [[1, 2], [3]]})
+    merged = merge_results([ar, spec])
+    assert set(merged["modes"]) == {"ar", "tree", "sequence"} and merged["identical_to_ar"] is True
+    wrong = piece("wrong.json", {"tree": [[1, 2], [4]]})
+    assert merge_results([ar, wrong])["identical_to_ar"] is False
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(json.loads(Path(spec).read_text()) | {"config": cfg | {"model": "n"}}))
+    with pytest.raises(ValueError, match="other settings"):
+        merge_results([ar, str(other)])
