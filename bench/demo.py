@@ -47,7 +47,7 @@ PROMPTS = (
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=sorted(PAIRS), default="qwen", help="model pair (target + draft)")
-    ap.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
+    ap.add_argument("--tokens", type=int, default=24, help="new tokens per prompt")
     ap.add_argument("--rtt-ms", default="0,50", help="round-trip times to run, through the delay proxy")
     ap.add_argument("--tree", default=None, help="expansion config (default: the draft's recommended tree)")
     a = ap.parse_args(argv)

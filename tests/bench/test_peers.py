@@ -36,3 +36,10 @@ def test_agreement_shares_per_category_and_overall() -> None:
     assert out["code"]["top1"] == pytest.approx(0.5) and out["code"]["top2"] == pytest.approx(0.75)
     assert out["code"]["top5"] == pytest.approx(0.75) and out["math"]["top3"] == pytest.approx(1.0)
     assert out["all"]["top1"] == pytest.approx(3 / 6) and out["all"]["positions"] == 6
+
+
+def test_llama_cpp_texts_match_when_one_extends_the_other() -> None:
+    from bench.peers import _same
+
+    assert _same(["abc def", "x"], ["abc", "x"]) and not _same(["abd"], ["abc"])
+    assert _same([[1, 2]], [[1, 2]]) and not _same([[1, 2]], [[1]])
