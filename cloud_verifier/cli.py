@@ -94,8 +94,55 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=d.idle_timeout_s,
         dest="idle_timeout_s",
-        help="seconds without a message before a session is closed",
+        help="seconds a session may wait on its client (no frame from it and no round of its in the "
+        "engine) before it is closed with 1001",
     )
+    p.add_argument(
+        "--hello-timeout",
+        type=float,
+        default=d.hello_timeout_s,
+        dest="hello_timeout_s",
+        help="seconds a new connection has to say hello; later it is closed with 1008 (a connection "
+        "takes a session slot only once welcomed)",
+    )
+    p.add_argument(
+        "--max-handshakes",
+        type=int,
+        default=d.max_handshakes,
+        help="connections not yet welcomed; more are refused with 1013",
+    )
+    p.add_argument(
+        "--frames-per-s",
+        type=float,
+        default=d.frames_per_s,
+        help="frames read per second and connection (a frame counts 1 + 1 per 64 KiB; 2 s of burst); "
+        "a faster client is slowed down, nobody else (0: no limit)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=d.drain_timeout_s,
+        dest="drain_timeout_s",
+        help="on SIGTERM / SIGINT: seconds running generations get to finish (new sessions are refused "
+        "and /readyz answers 503 meanwhile); then sessions are closed with 1001 and the process exits "
+        "0; a second signal exits at once (0: no drain)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default=d.allowed_origins,
+        help="comma-separated Origin values a browser page may open sessions from ('*': any); "
+        "connections that send no Origin header (non-browser clients) are not affected",
+    )
+    p.add_argument(
+        "--max-draws", type=int, default=d.max_draws, help="mss/rrs: draws in one tree (welcome.limits)"
+    )
+    p.add_argument(
+        "--max-row-draws", type=int, default=d.max_row_draws, help="mss/rrs: draws at one parent node"
+    )
+    p.add_argument(
+        "--max-q-ids", type=int, default=d.max_q_ids, help="mss/rrs: token ids in all q rows of one tree"
+    )
+    p.add_argument("--max-q-row", type=int, default=d.max_q_row, help="mss/rrs: token ids in one q row")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: torch's default)")
     p.add_argument(
         "--no-measure-cost",
@@ -141,8 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         base = ServerConfig.from_env()
         updates = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if hasattr(args, f.name)}
-        serve(replace(base, **updates))
-        return 0
+        return serve(replace(base, **updates))
     return 2
 
 

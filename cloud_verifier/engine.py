@@ -99,6 +99,10 @@ class _Planned:
     final: bool  # the chunk that ends with row 0 (+ tree): verify it
 
 
+# a planned round and how it ended: a result, nothing yet (a prefill chunk), or an error
+_Outcome = tuple[_Planned, RoundResult | None, ProtocolError | None]
+
+
 class Engine:
     """Owns the target and the KV pool; everything but the forward runs on the event-loop thread."""
 
@@ -211,10 +215,11 @@ class Engine:
             t0 = time.perf_counter()
             try:
                 outcomes = await loop.run_in_executor(self._executor, self._step, plan)
-            except Exception as exc:  # a bug must cost only the sessions of this step
-                log.exception("engine step failed")
-                failure = ProtocolError(ErrorCode.INTERNAL, f"verifier error: {exc}", None, fatal=True)
-                outcomes = [(p, None, failure) for p in plan]
+            except Exception:
+                # the packed forward failed: nothing was committed, so run each session alone and
+                # let only the one whose input breaks it fail (a step is never shared fate)
+                log.exception("engine step of %d sessions failed; retrying each alone", len(plan))
+                outcomes = await self._isolate(plan)
             dt = time.perf_counter() - t0
             self._last_step_s = dt
             self.steps += 1
@@ -224,6 +229,20 @@ class Engine:
             for p, result, err in outcomes:
                 self._finish(p, result, err, dt)
             await asyncio.sleep(0)  # let sessions' I/O run between steps
+
+    async def _isolate(self, plan: list[_Planned]) -> list[_Outcome]:
+        loop = asyncio.get_running_loop()
+        out: list[_Outcome] = []
+        for p in plan:
+            self.kv.discard(p.seq.sid)
+        for p in plan:
+            try:
+                out += await loop.run_in_executor(self._executor, self._step, [p])
+            except Exception as exc:
+                log.exception("engine step failed for session %d", p.seq.sid)
+                self.kv.discard(p.seq.sid)
+                out.append((p, None, _internal(exc, p)))
+        return out
 
     async def _gather(self) -> None:
         """Give sessions that are between rounds a moment to join this step (see gather_ms)."""
@@ -276,7 +295,7 @@ class Engine:
         return plan
 
     # ------------------------------------------------------------------ worker thread
-    def _step(self, plan: list[_Planned]) -> list[tuple[_Planned, RoundResult | None, ProtocolError | None]]:
+    def _step(self, plan: list[_Planned]) -> list[_Outcome]:
         t0 = time.perf_counter()
         with torch.inference_mode():
             try:
@@ -296,13 +315,17 @@ class Engine:
                     p.seq.busy = False
                 return self._step(plan[:half])
             self.forwards += 1
-            out: list[tuple[_Planned, RoundResult | None, ProtocolError | None]] = []
+            out: list[_Outcome] = []
             for p, lg in zip(plan, logits, strict=True):
                 if not p.final:
                     self.kv.commit_rows(p.seq.sid, list(range(len(p.pre))))
                     out.append((p, None, None))
                     continue
-                out.append((p, self._verify(p, lg, t0), None))
+                try:
+                    out.append((p, self._verify(p, lg, t0), None))
+                except Exception as exc:  # this session's round fails alone
+                    log.exception("verification failed for session %d", p.seq.sid)
+                    out.append((p, None, _internal(exc, p)))
         return out
 
     def _inputs(self, p: _Planned) -> SeqInput:
@@ -382,6 +405,10 @@ class Engine:
         if result.done:
             s.active = False
         s.on_result(result)
+
+
+def _internal(exc: Exception, p: _Planned) -> ProtocolError:
+    return ProtocolError(ErrorCode.INTERNAL, f"verifier error: {exc}", None, fatal=True, round=p.job.round)
 
 
 def _nodes(p: _Planned) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.keyed import BELOW_ONE, keyed_uniform
+from shared.temperature import MIN_SCALED_TEMPERATURE
 
 _TOP_P_FIRST_K = 256  # top-p looks at this many tokens first and widens only when they hold < top_p
 
@@ -51,8 +52,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     x = logits.float()
     if params.greedy:
         return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
-    if params.temperature != 1.0:
-        x = x / params.temperature
+    x = tempered(x, params.temperature)
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         vals, idx = torch.topk(x, params.top_k, dim=-1)  # sorted, most likely first
@@ -64,6 +64,16 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     threshold = top_p_threshold(probs.reshape(-1, vocab), params.top_p).reshape(*probs.shape[:-1], 1)
     kept = probs * (probs >= threshold)
     return kept / kept.sum(-1, keepdim=True)
+
+
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits [..., V] / temperature, or below MIN_SCALED_TEMPERATURE its T -> 0+ limit: 0 at the
+    row's maxima, -inf elsewhere (shared.temperature; the quotient would overflow to inf and softmax
+    would give NaN)."""
+    if temperature >= MIN_SCALED_TEMPERATURE:
+        return logits if temperature == 1.0 else logits / temperature
+    top = logits.amax(-1, keepdim=True)
+    return torch.full_like(logits, float("-inf")).masked_fill_(logits == top, 0.0)
 
 
 def top_p_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -11,10 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import uvicorn
 from fastapi import FastAPI, WebSocket
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -48,10 +52,16 @@ class AppState:
     limits: SessionLimits | None = None
     load_error: str | None = None
     sessions: set[Session] = field(default_factory=set)
+    draining: bool = False
+    on_load_error: Callable[[str], None] | None = None  # serve(): stop the process
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.healthy()
+        return self.engine is not None and self.engine.healthy() and not self.draining
+
+    @property
+    def admitted(self) -> int:
+        return sum(1 for s in self.sessions if s.admitted)
 
 
 def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = 2 << 30) -> int:
@@ -107,6 +117,10 @@ async def _load(state: AppState, target: Target | None) -> None:
             max_pending=cfg.max_pending,
             max_bytes=cfg.max_bytes,
             max_context=cfg.max_context,
+            max_draws=cfg.max_draws,
+            max_row_draws=cfg.max_row_draws,
+            max_q_ids=cfg.max_q_ids,
+            max_q_row=cfg.max_q_row,
         )
         state.info = ModelInfo(
             model_id=target.model_id,
@@ -120,8 +134,11 @@ async def _load(state: AppState, target: Target | None) -> None:
         state.engine = engine
         log.info("ready: model %s, %d KV blocks of %d tokens", target.model_id, kv.num_blocks, cfg.block_size)
     except Exception as exc:
-        log.exception("loading the target failed")
         state.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("cannot load the target model %r: %s", cfg.model, state.load_error)
+        log.debug("loading the target failed", exc_info=True)
+        if state.on_load_error is not None:
+            state.on_load_error(state.load_error)
 
 
 def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
@@ -151,7 +168,9 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
     async def readyz() -> Response:
         if state.ready:
             return JSONResponse({"status": "ready", "model": state.info.model_id if state.info else None})
-        if state.load_error:
+        if state.draining:
+            detail = "draining: shutting down"
+        elif state.load_error:
             detail = f"load failed: {state.load_error}"
         elif state.engine is None:
             detail = "loading the target model"
@@ -166,19 +185,31 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
             state.metrics.kv_blocks_used.set(state.engine.kv.blocks_in_use)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    origins = {o.strip() for o in config.allowed_origins.split(",") if o.strip()}
+
+    def admit(session: Session) -> bool:
+        # slots count welcomed sessions only: a connection that never says hello holds none
+        return state.admitted < config.max_sessions and not state.draining
+
     @app.websocket("/v1/session")
     async def session_ws(ws: WebSocket) -> None:
+        origin = ws.headers.get("origin")
+        if origin is not None and "*" not in origins and origin not in origins:
+            # a browser page from another site (non-browser clients send no Origin)
+            await ws.close(CloseCode.POLICY_VIOLATION, f"origin {origin[:100]!r} is not allowed")
+            return
         await ws.accept()
         if not state.ready or state.engine is None or state.info is None or state.limits is None:
-            await ws.close(CloseCode.TRY_AGAIN_LATER, "verifier not ready, try again later")
+            why = "draining" if state.draining else "not ready"
+            await ws.close(CloseCode.TRY_AGAIN_LATER, f"verifier {why}, try again later")
             return
-        if len(state.sessions) >= config.max_sessions:
+        if len(state.sessions) - state.admitted >= config.max_handshakes:
             state.metrics.rejected_sessions.inc()
-            await ws.close(CloseCode.TRY_AGAIN_LATER, "try again later: server at max sessions")
+            await ws.close(CloseCode.TRY_AGAIN_LATER, "try again later: too many connections in handshake")
             return
         auth = ws.headers.get("authorization", "")
         bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        session = Session(state.engine, state.info, state.limits, state.keys, state.metrics, bearer)
+        session = Session(state.engine, state.info, state.limits, state.keys, state.metrics, bearer, admit)
         state.sessions.add(session)
         state.metrics.sessions.set(len(state.sessions))
         writer = asyncio.create_task(_writer(ws, session))
@@ -195,16 +226,52 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
     return app
 
 
+class FrameBudget:
+    """A token bucket: `rate` frames a second (a frame costs 1 + one per 64 KiB), `burst` seconds
+    of it saved up. `take` says how long to wait before the frame may be handled (0: now)."""
+
+    def __init__(self, rate: float, burst_s: float = 2.0) -> None:
+        self.rate = rate
+        self.capacity = max(rate * burst_s, 1.0)
+        self.tokens = self.capacity
+        self.at = time.monotonic()
+
+    def take(self, nbytes: int) -> float:
+        if self.rate <= 0:
+            return 0.0
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        self.tokens -= 1 + nbytes // 65536
+        return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
+
+
 async def _reader(ws: WebSocket, session: Session, config: ServerConfig) -> None:
+    opened = time.monotonic()
+    budget = FrameBudget(config.frames_per_s)
     while not session.closed:
-        timeout = None if session.generating else config.idle_timeout_s
+        # back-pressure: a client that does not read its replies is not read either
+        await session.writable.wait()
+        if session.closed:
+            return
+        now = time.monotonic()
+        if not session.admitted:
+            timeout = opened + config.hello_timeout_s - now
+            if timeout <= 0:
+                session.close(CloseCode.POLICY_VIOLATION, f"no hello within {config.hello_timeout_s:g} s")
+                return
+        else:
+            timeout = max(session.last_activity + config.idle_timeout_s - now, 0.05)
         try:
             msg = await asyncio.wait_for(ws.receive(), timeout=timeout)
         except TimeoutError:
-            if session.generating:
-                continue
-            session.close(CloseCode.GOING_AWAY, "idle timeout")
-            return
+            if session.admitted and (
+                session.working or time.monotonic() - session.last_activity < config.idle_timeout_s
+            ):
+                continue  # the engine is working for it (e.g. an ar stream), or it just got a verdict
+            if session.admitted:
+                session.close(CloseCode.GOING_AWAY, "idle timeout")
+            continue  # (not welcomed: the hello deadline above closes it)
         except WebSocketDisconnect:
             return
         if msg["type"] == "websocket.disconnect":
@@ -212,8 +279,10 @@ async def _reader(ws: WebSocket, session: Session, config: ServerConfig) -> None
         data = msg.get("bytes")
         if data is None:
             data = (msg.get("text") or "").encode()
-            session.receive(b"\xc1" if data else data)  # text frames are not protocol frames
-            continue
+            data = b"\xc1" if data else data  # text frames are not protocol frames
+        wait = budget.take(len(data))
+        if wait > 0:  # over the frame rate: slow this connection down, nobody else
+            await asyncio.sleep(wait)
         session.receive(data)
 
 
@@ -226,28 +295,102 @@ async def _writer(ws: WebSocket, session: Session) -> None:
                     await ws.close(item.code, item.reason)
                 return
             await ws.send_bytes(item)
+            session.sent()
     except Exception:  # the peer went away: the reader sees the disconnect
         return
 
 
-def serve(config: ServerConfig) -> None:
-    """Run the service with uvicorn (message size limit -> close 1009, ping/pong keepalive)."""
-    import uvicorn
+async def drain(state: AppState, timeout_s: float) -> None:
+    """Graceful shutdown: stop admitting (/readyz 503, new connections 1013), let running
+    generations finish for up to `timeout_s`, close every session with 1001 and a reason."""
+    state.draining = True
+    deadline = time.monotonic() + timeout_s
+    running = sum(1 for s in state.sessions if s.generating)
+    log.info("draining: %d sessions, %d generating; up to %.0f s", len(state.sessions), running, timeout_s)
+    while True:
+        for s in list(state.sessions):
+            if not s.generating:  # between generations (or never started one): nothing to lose
+                s.close(CloseCode.GOING_AWAY, "server draining: reconnect to another verifier")
+        if all(s.closed for s in state.sessions) or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.05)
+    for s in list(state.sessions):
+        s.close(CloseCode.GOING_AWAY, f"server shutting down: generation not finished within {timeout_s:g} s")
+    await asyncio.sleep(0.2)  # the writers send the close frames
 
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    app = create_app(config)
-    uvicorn.run(
+
+def _uvicorn_config(
+    app: FastAPI, config: ServerConfig, host: str, port: int, log_level: str
+) -> uvicorn.Config:
+    return uvicorn.Config(
         app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http="h11",
+        h11_max_incomplete_event_size=MAX_HTTP_HEADER_BYTES,  # request line + headers
         ws="websockets-sansio",
         ws_max_size=config.max_bytes,
         ws_ping_interval=config.ping_interval_s,
         ws_ping_timeout=config.ping_interval_s,
+        timeout_keep_alive=5,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
     )
+
+
+# the request line and headers of one HTTP request (a WebSocket upgrade included)
+MAX_HTTP_HEADER_BYTES = 64 << 10
+
+
+def serve(config: ServerConfig) -> int:
+    """Run the service with uvicorn until SIGINT / SIGTERM (drained: `drain`); a second signal exits
+    at once. Returns the exit status: 1 when the model cannot be loaded (one line on stderr)."""
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = create_app(config)
+    state: AppState = app.state.verifier
+    server = DrainingServer(
+        _uvicorn_config(app, config, config.host, config.port, config.log_level),
+        state,
+        config.drain_timeout_s,
+    )
+    state.on_load_error = lambda err: setattr(server, "should_exit", True)
+    server.run()
+    if state.load_error:
+        print(f"cloud-verifier: cannot load model {config.model!r}: {state.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server whose first exit signal drains the sessions (`drain`) before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task[None] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._draining is not None or self._loop is None or self.drain_timeout_s <= 0:
+            super().handle_exit(sig, frame)  # a second signal: exit now
+            return
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._draining is None:
+            self._draining = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        await drain(self.state, self.drain_timeout_s)
+        self.should_exit = True
 
 
 class ThreadedServer:
@@ -262,24 +405,9 @@ class ThreadedServer:
     ) -> None:
         import threading
 
-        import uvicorn
-
         self.config = config
         self.app = create_app(config, target=target)
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                self.app,
-                host=host,
-                port=port,
-                log_level="warning",
-                ws="websockets-sansio",
-                ws_max_size=config.max_bytes,
-                ws_ping_interval=config.ping_interval_s,
-                ws_ping_timeout=config.ping_interval_s,
-                lifespan="on",
-                timeout_graceful_shutdown=10,
-            )
-        )
+        self.server = uvicorn.Server(_uvicorn_config(self.app, config, host, port, "warning"))
         self.thread = threading.Thread(target=self.server.run, name="verifier", daemon=True)
         self.host = host
         self.port = port

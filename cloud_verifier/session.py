@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ from cloud_verifier.auth import AuthError, KeyStore, Principal
 from cloud_verifier.engine import Engine, RoundResult, SeqState
 from cloud_verifier.metrics import Metrics
 from shared.errors import CloseCode, ErrorCode, ProtocolError
-from shared.messages import Error, Mode, SessionLimits, Verdict, Welcome, encode
+from shared.messages import Mode, SessionLimits, Verdict, Welcome
 from shared.protocol import (
     CancelReceived,
     ClosedByPeer,
@@ -51,6 +52,18 @@ class CloseRequest:
     reason: str
 
 
+# Outgoing frames a client may leave unread. Above OUTBOX_HIGH the session stops reading the
+# client's frames and pauses its `ar` stream until the writer has drained to OUTBOX_LOW (TCP then
+# pushes back on the client); OUTBOX_MAX is a safety net that should never be reached.
+OUTBOX_HIGH = 64
+OUTBOX_LOW = 16
+OUTBOX_MAX = 1024
+
+
+def _ignore(result: RoundResult) -> None:
+    return None
+
+
 class Session:
     """Glue between one WebSocket, the protocol state machine and the engine."""
 
@@ -62,6 +75,7 @@ class Session:
         keys: KeyStore,
         metrics: Metrics,
         bearer: str | None = None,
+        admit: Callable[[Session], bool] | None = None,
     ) -> None:
         self.engine = engine
         self.info = info
@@ -69,16 +83,30 @@ class Session:
         self.metrics = metrics
         self.bearer = bearer
         self.proto = ServerProtocol(vocab_size=info.vocab_size, limits=limits)
+        self.admit = admit
         self.outbox: asyncio.Queue[bytes | CloseRequest] = asyncio.Queue()
+        self.writable = asyncio.Event()  # set while the outbox is below OUTBOX_HIGH
+        self.writable.set()
         self.seq: SeqState | None = None
         self.principal: Principal | None = None
         self.last_activity = time.monotonic()
         self.closed = False
         self._stale_seen = 0
+        self._ar_paused = False
 
     @property
     def generating(self) -> bool:
         return self.proto.state is ServerState.GENERATING
+
+    @property
+    def admitted(self) -> bool:
+        """Welcomed: authenticated and holding a session slot and an engine sequence."""
+        return self.seq is not None
+
+    @property
+    def working(self) -> bool:
+        """The engine holds a round of this session (queued or in a step): not idle."""
+        return self.seq is not None and (self.seq.job is not None or self.seq.busy)
 
     # ------------------------------------------------------------------ frames in
     def receive(self, data: bytes) -> None:
@@ -123,6 +151,10 @@ class Session:
             self.principal = self.keys.authenticate(hello.api_key or self.bearer)
         except AuthError as exc:
             raise ProtocolError(ErrorCode.UNAUTHORIZED, str(exc), "api_key", fatal=True) from exc
+        if self.admit is not None and not self.admit(self):
+            self.metrics.rejected_sessions.inc()
+            self.close(CloseCode.TRY_AGAIN_LATER, "try again later: server at max sessions")
+            return
         self.seq = self.engine.open(self._on_result)
         self.proto.welcome(
             Welcome(
@@ -146,14 +178,13 @@ class Session:
     def _on_result(self, r: RoundResult) -> None:
         if self.closed or self.seq is None:
             return
+        self.last_activity = time.monotonic()
         m = self.metrics
         if r.error is not None:
-            frame = encode(Error.from_exception(r.error))
-            self.outbox.put_nowait(frame)
-            self.metrics.errors.labels(code=r.error.code.value).inc()
-            if r.error.fatal:
-                self.close(r.error.close_code, r.error.message[:120])
-                return
+            # the round failed (BUSY: no KV room; INTERNAL): the generation ends with the error alone
+            self._error(self.proto.abort(r.error))
+            self._flush()
+            return
         if r.tree_nodes:
             m.record_round(r.tree_nodes, r.accepted_depths)
         m.emitted_tokens.inc(len(r.tokens))
@@ -174,8 +205,19 @@ class Session:
             m.cond_hits.inc()
             self.engine.submit(self.seq, nxt.round, nxt.tree)
         elif self.generating and self.seq.mode is Mode.AR:
-            self.engine.submit(self.seq, 0, None)
+            if self.writable.is_set():
+                self.engine.submit(self.seq, 0, None)
+            else:  # the client is not reading: resume when the writer has drained (sent())
+                self._ar_paused = True
         self._flush()
+
+    def sent(self) -> None:
+        """The writer put one frame on the socket."""
+        if self.outbox.qsize() <= OUTBOX_LOW and not self.writable.is_set():
+            self.writable.set()
+            if self._ar_paused and not self.closed and self.generating and self.seq is not None:
+                self._ar_paused = False
+                self.engine.submit(self.seq, 0, None)
 
     # ------------------------------------------------------------------ frames out
     def _flush(self) -> None:
@@ -184,7 +226,16 @@ class Session:
             self.metrics.cond_stale.inc(stale - self._stale_seen)
             self._stale_seen = stale
         for frame in self.proto.data_to_send():
-            self.outbox.put_nowait(frame)
+            self._put(frame)
+
+    def _put(self, frame: bytes) -> None:
+        if self.closed:
+            return
+        self.outbox.put_nowait(frame)
+        if self.outbox.qsize() >= OUTBOX_HIGH:
+            self.writable.clear()
+        if self.outbox.qsize() >= OUTBOX_MAX:
+            self.close(CloseCode.POLICY_VIOLATION, f"the client left {OUTBOX_MAX} replies unread")
 
     def close(self, code: int, reason: str) -> None:
         """Stop the session: free its KV now (or after its step) and ask the writer to close."""
@@ -192,6 +243,10 @@ class Session:
             return
         self._flush()  # frames already produced (e.g. the fatal error) go out before the close
         self.closed = True
+        self.writable.set()  # a reader waiting for the writer must see the close
         if self.seq is not None:
             self.engine.close(self.seq)
+            # the engine's sequence pointed back at this session (on_result): break the cycle so
+            # a closed session is freed at once, not at the next run of the cycle collector
+            self.seq.on_result = _ignore
         self.outbox.put_nowait(CloseRequest(int(code), reason))

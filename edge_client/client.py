@@ -55,6 +55,10 @@ class GenerationError(RuntimeError):
         self.field = field
 
 
+def _closed(exc: TransportClosed) -> GenerationError:
+    return GenerationError(f"the verifier closed the connection: {exc.reason or exc.code}")
+
+
 class EdgeClient:
     """An async session with the verifier (see the module docstring).
 
@@ -141,7 +145,7 @@ class EdgeClient:
             if self.proto.state not in (ClientState.CLOSED, ClientState.START):
                 try:
                     await self.send(self.proto.close())
-                except (TransportClosed, ProtocolError):
+                except (GenerationError, ProtocolError):
                     pass
             await self._transport.close()
             self._transport = None
@@ -157,7 +161,10 @@ class EdgeClient:
     async def send(self, frame: bytes) -> None:
         if self._transport is None:
             raise GenerationError("not connected: call connect() first")
-        await self._transport.send(frame)
+        try:
+            await self._transport.send(frame)
+        except TransportClosed as exc:
+            raise _closed(exc) from exc
 
     async def recv(self) -> Any:
         if self._transport is None:
@@ -165,7 +172,7 @@ class EdgeClient:
         try:
             data = await self._transport.recv()
         except TransportClosed as exc:
-            raise GenerationError(f"the verifier closed the connection: {exc.reason or exc.code}") from exc
+            raise _closed(exc) from exc
         return self.proto.receive(data)
 
     def refused(self, e: Error) -> GenerationError:

@@ -46,6 +46,7 @@ from edge_client.drafters.base import Drafter, WorkspaceFullError
 from shared.keyed import BELOW_ONE, keyed_uniforms
 from shared.messages import Mode
 from shared.sparse import SparseDist, SparseRows, quantize, truncate
+from shared.temperature import tempered
 from shared.tree import Draws, ExpansionConfig, TokenTree
 
 
@@ -79,7 +80,7 @@ class Sampling:
 
     def q_row(self, logits: np.ndarray) -> SparseDist:
         """The quantized draft row q for logits [V]: the edge samples from exactly these weights."""
-        p = _softmax(logits.astype(np.float64) / self.temperature)
+        p = _softmax(tempered(logits.astype(np.float64), self.temperature))
         idx = truncate(p, self.top_k, self.top_p)[: self.wire_top_k]
         w = quantize(p[idx])
         order = np.argsort(idx, kind="stable")
@@ -113,7 +114,7 @@ class Coupling:
 
     def token(self, logits: np.ndarray, position: int) -> int:
         """The draft's token at absolute `position` by inverse CDF at the keyed uniform there."""
-        p = _softmax(logits.astype(np.float64) / self.temperature)
+        p = _softmax(tempered(logits.astype(np.float64), self.temperature))
         if self.top_k > 0 or self.top_p < 1:
             keep = np.sort(truncate(p, self.top_k, self.top_p))  # token-id order, as the target's CDF
             cdf = np.cumsum(p[keep])

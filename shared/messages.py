@@ -18,7 +18,7 @@ import numpy as np
 
 from shared.errors import ErrorCode, ProtocolError
 from shared.sparse import Q_TOTAL, SparseRows
-from shared.tree import Draws, TokenTree
+from shared.tree import DrawLimits, Draws, TokenTree
 from shared.wire import (
     DEFAULT_WIRE_LIMITS,
     MAX_U31,
@@ -103,6 +103,15 @@ class SessionLimits:
     max_pending: int = 4
     max_bytes: int = 1 << 20
     max_context: int = 4096
+    # the work of a stochastic tree's draws (shared.tree.DrawLimits)
+    max_draws: int = DrawLimits.max_draws
+    max_row_draws: int = DrawLimits.max_row_draws
+    max_q_ids: int = DrawLimits.max_q_ids
+    max_q_row: int = DrawLimits.max_q_row
+
+    @property
+    def draws(self) -> DrawLimits:
+        return DrawLimits(self.max_draws, self.max_row_draws, self.max_q_ids, self.max_q_row)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -111,6 +120,10 @@ class SessionLimits:
             "max_pending": self.max_pending,
             "max_bytes": self.max_bytes,
             "max_context": self.max_context,
+            "max_draws": self.max_draws,
+            "max_row_draws": self.max_row_draws,
+            "max_q_ids": self.max_q_ids,
+            "max_q_row": self.max_q_row,
         }
 
     @classmethod
@@ -121,6 +134,11 @@ class SessionLimits:
             max_pending=r.integer("max_pending", 0),
             max_bytes=r.integer("max_bytes", 1),
             max_context=r.integer("max_context", 1),
+            # optional: a server of an earlier release does not send them
+            max_draws=r.integer("max_draws", 1, default=DrawLimits.max_draws),
+            max_row_draws=r.integer("max_row_draws", 1, default=DrawLimits.max_row_draws),
+            max_q_ids=r.integer("max_q_ids", 1, default=DrawLimits.max_q_ids),
+            max_q_row=r.integer("max_q_row", 1, default=DrawLimits.max_q_row),
         )
         r.finish()
         return out

@@ -190,6 +190,18 @@ class ServerProtocol:
             self.state = ServerState.CLOSED
         return ErrorSent(exc)
 
+    def abort(self, exc: ProtocolError) -> ErrorSent:
+        """The round in flight could not be verified (exc.round; e.g. BUSY: no KV room): the
+        generation ends with this error alone, no verdict; pending trees go stale. A non-fatal
+        BUSY with a round ends the client's generation too (ClientProtocol._on_error)."""
+        gen = self.gen
+        if gen is not None and not exc.fatal:
+            self._stale_all(gen, "aborted")
+            self.context = gen.committed
+            self.gen = None
+            self.state = ServerState.IDLE
+        return self.fail(exc)
+
     def close(self, reason: str | None = None) -> None:
         if self.state is not ServerState.CLOSED:
             self._send(Close(reason))
@@ -353,6 +365,7 @@ class ServerProtocol:
                 stochastic=mode.stochastic,
                 without_replacement=mode is Mode.RRS,
                 field=fld,
+                draw_limits=lim.draws,
             )
         except ProtocolError as exc:
             exc.round = rnd
@@ -553,7 +566,14 @@ class ClientProtocol:
         if e.fatal:
             self.state = ClientState.CLOSED
             return
-        if e.round == 0 and self.awaiting_prompt:
+        if e.code is ErrorCode.BUSY and e.round is not None and self.state is not ClientState.IDLE:
+            # the server could not verify a round (ServerProtocol.abort): the generation is over
+            self._context = list(self.committed)
+            self.awaiting_prompt = False
+            self.outstanding.clear()
+            self.in_flight = None
+            self.state = ClientState.IDLE
+        elif e.round == 0 and self.awaiting_prompt:
             self.awaiting_prompt = False
             self.in_flight = None
             self.state = ClientState.IDLE

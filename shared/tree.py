@@ -34,6 +34,18 @@ DEFAULT_EXPANSION = (1, 1, 3, 1, 1, 1, 1, 1)  # SpecInfer's default expansion co
 MAX_DRAFTERS = 256
 
 
+@dataclass(frozen=True)
+class DrawLimits:
+    """Bounds on the work a stochastic tree's draws may cost the verifier (advertised in
+    `welcome.limits`). The rejection math is linear in draws and q ids but quadratic in the draws at
+    one row (rrs compares each draw with the earlier ones), so every one of these is bounded."""
+
+    max_draws: int = 256  # draws in one tree
+    max_row_draws: int = 32  # draws at one parent (siblings drawn from one node's q rows)
+    max_q_ids: int = 16384  # token ids in all q rows of one tree
+    max_q_row: int = 4096  # token ids in one q row
+
+
 def _i32(a: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a, dtype=np.int64).astype(np.int32))
 
@@ -221,11 +233,13 @@ class TokenTree:
         stochastic: bool | None = None,
         without_replacement: bool = False,
         field: str = "tree",
+        draw_limits: DrawLimits | None = None,
     ) -> None:
         """Raise ProtocolError (naming the field) unless this tree is well formed and within limits.
 
         stochastic: True requires draws, False forbids them, None accepts either.
         without_replacement: the draws of one group (parent, q row) must have distinct tokens.
+        draw_limits: bounds on draws and q rows (default DrawLimits()).
         """
         tok, par = self.tokens, self.parents
         if tok.ndim != 1 or par.ndim != 1 or tok.size != par.size:
@@ -280,9 +294,11 @@ class TokenTree:
                         f"{field}.tokens",
                     )
             return
-        self._validate_draws(vocab_size, without_replacement, f"{field}.draws")
+        self._validate_draws(vocab_size, without_replacement, f"{field}.draws", draw_limits or DrawLimits())
 
-    def _validate_draws(self, vocab_size: int, without_replacement: bool, field: str) -> None:
+    def _validate_draws(
+        self, vocab_size: int, without_replacement: bool, field: str, lim: DrawLimits
+    ) -> None:
         d = self.draws
         assert d is not None
         n = self.num_nodes
@@ -292,8 +308,35 @@ class TokenTree:
             raise ProtocolError(
                 ErrorCode.BAD_TREE, "node, drafter and qrow must have one length", f"{field}.node"
             )
+        # the bounds on work come first, before anything that costs time in their size
+        if d.node.size > lim.max_draws:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{d.node.size} draws is over the limit of {lim.max_draws}",
+                f"{field}.node",
+            )
+        q_lengths = np.diff(d.q.ptr) if d.q.ptr.ndim == 1 and d.q.ptr.size >= 1 else np.zeros(0)
+        if d.q.ids.size > lim.max_q_ids:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{d.q.ids.size} q ids is over the limit of {lim.max_q_ids}",
+                f"{field}.q_ids",
+            )
+        if q_lengths.size and int(q_lengths.max()) > lim.max_q_row:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"a q row of {int(q_lengths.max())} ids is over the limit of {lim.max_q_row}",
+                f"{field}.q_ptr",
+            )
         if d.node.size and (int(d.node.min()) < 0 or int(d.node.max()) >= n):
             raise ProtocolError(ErrorCode.BAD_TREE, f"draw nodes must be in [0, {n})", f"{field}.node")
+        per_row = np.bincount(self.parents.astype(np.int64)[d.node] + 1, minlength=1)
+        if int(per_row.max(initial=0)) > lim.max_row_draws:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{int(per_row.max())} draws at one parent is over the limit of {lim.max_row_draws}",
+                f"{field}.node",
+            )
         if np.unique(d.node).size != n:
             raise ProtocolError(
                 ErrorCode.BAD_TREE, "every node must come from at least one draw", f"{field}.node"

@@ -43,3 +43,12 @@ def test_llama_cpp_texts_match_when_one_extends_the_other() -> None:
 
     assert _same(["abc def", "x"], ["abc", "x"]) and not _same(["abd"], ["abc"])
     assert _same([[1, 2]], [[1, 2]]) and not _same([[1, 2]], [[1]])
+
+
+def test_identical_prompts_are_counted_and_the_end_marker_is_not_output() -> None:
+    from bench.peers import _completion_text, _same_count
+
+    assert _same_count(["abc def", "x", "y"], ["abc", "z", "y"]) == 2
+    assert _same_count([[1, 2], [3]], [[1, 2], [4]]) == 1
+    assert _completion_text("  4. Art [end of text]\n") == "4. Art"
+    assert _completion_text("return x\n") == "return x"

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 
 from shared.errors import ErrorCode
-from shared.messages import Error, Mode, Prompt, Stale, Tree, Verdict, Welcome, encode
+from shared.messages import Error, Hello, Mode, Prompt, Stale, Tree, Verdict, Welcome, encode
 from shared.sparse import SparseDist, SparseRows
 from shared.tree import Draws, TokenTree
 from tests.cloud_verifier.service import (
@@ -24,6 +24,7 @@ from tests.cloud_verifier.service import (
     run_greedy_async,
     scripted_tree,
     service,
+    tiny,
 )
 
 
@@ -255,7 +256,8 @@ def test_max_sessions_answers_try_again_later() -> None:
     with service(max_sessions=2) as client, WsSession(client) as a, WsSession(client) as b:
         a.hello()
         b.hello()
-        with WsSession(client) as c:
+        with WsSession(client) as c:  # a slot is taken at hello (a silent connection holds none)
+            c.ws.send_bytes(c.proto.hello(Hello(vocab_fingerprint=tiny().vocab_fingerprint)))
             msg = c.recv_raw()
             assert msg["type"] == "websocket.close" and msg["code"] == 1013
 

@@ -104,6 +104,28 @@ def test_target_probs_temperature_and_greedy() -> None:
     assert sample_next(tied[0], SamplingParams(), seed=1, position=9) == 1
 
 
+@pytest.mark.parametrize("temp", [1e-29, 1e-31, 1e-38, 1e-45, 1e-300, 5e-324])
+@pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (0, 0.5), (0, 0.9), (5, 1.0), (5, 0.5)])
+def test_tiny_temperatures_give_the_argmax(temp: float, top_k: int, top_p: float) -> None:
+    """Every temperature the protocol accepts samples correctly: where logits / T overflows, p is its
+    T -> 0+ limit (all mass on the argmax), never NaN, so sampling is greedy (it was the last id)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 300, generator=gen) * 8
+    params = SamplingParams(temp, top_k, top_p)
+    p = target_probs(logits, params)
+    assert torch.isfinite(p).all()
+    assert torch.equal(p, torch.zeros_like(p).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0))
+    for row in range(4):
+        assert sample_next(logits[row], params, seed=row, position=7) == int(logits[row].argmax())
+
+
+def test_tiny_temperature_limit_spreads_over_tied_maxima() -> None:
+    """The T -> 0+ limit of softmax(x / T) is uniform over the row's maxima."""
+    tied = torch.tensor([[0.0, 3.0, 1.0, 3.0]])
+    p = target_probs(tied, SamplingParams(1e-300))
+    assert p.tolist() == [[0.0, 0.5, 0.0, 0.5]]
+
+
 @pytest.mark.parametrize("vocab", [30, 3000])
 def test_target_probs_top_k_top_p_match_reference(vocab: int) -> None:
     """top-k then top-p equals shared.sparse.truncate on the tempered probabilities (at 3000 tokens with

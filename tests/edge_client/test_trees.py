@@ -508,3 +508,14 @@ def test_coupled_dynamic_tree_holds_the_coupled_chain() -> None:
         assert kids, f"coupled token {want} missing below node {node}"
         node = kids[0]
         prefix.append(want)
+
+
+@pytest.mark.parametrize("temp", [1e-31, 1e-45, 1e-300, 5e-324])
+def test_tiny_temperatures_draft_the_argmax(temp: float) -> None:
+    """Where logits / T overflows even in float64, the edge's q row and coupled token take the
+    T -> 0+ limit (the argmax) instead of NaN."""
+    logits = np.random.default_rng(4).normal(size=500) * 8
+    top = int(np.argmax(logits))
+    q = Sampling(temp, 0, 0.9).q_row(logits)
+    assert q.ids.tolist() == [top] and int(q.weights.sum()) == Q_TOTAL
+    assert Coupling(seed=3, temperature=temp).token(logits, 11) == top
