@@ -207,7 +207,7 @@ def run_llama_cpp(
                 raise RuntimeError(f"llama-completion printed no timings:\n{res.stderr[-2000:]}")
             n_new = int(ev.group(2)) + 1  # the first token comes from the prompt evaluation
             wall = (float(pe.group(1)) + float(ev.group(1))) / 1e3
-            plain.add(wall, n_new, 1 + int(ev.group(2)), res.stdout.strip())
+            plain.add(wall, n_new, 1 + int(ev.group(2)), _completion_text(res.stdout))
             # its own draft-model speculative decoding
             for mode, extra in specs.items():
                 tool = str(tools["llama-speculative-simple"])
@@ -236,6 +236,15 @@ def _tool(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     return res
 
 
+_END_MARK = " [end of text]"
+
+
+def _completion_text(stdout: str) -> str:
+    """llama-completion's generated text, without the marker it prints after an end-of-generation
+    token (not model output)."""
+    return stdout.strip().removesuffix(_END_MARK.strip()).rstrip()
+
+
 def _spec_text(stdout: str, prompt: str) -> str:
     """llama-speculative-simple prints the prompt, then the generated text: keep the latter."""
     text = stdout.strip()
@@ -249,15 +258,18 @@ def _spec_text(stdout: str, prompt: str) -> str:
 def _same(outputs: list[Any], plain: list[Any]) -> bool:
     """Outputs equal prompt by prompt. Texts (llama.cpp) count as equal when one is a prefix of
     the other: its speculative tool may overshoot the token count by the last round's drafts."""
-    if len(outputs) != len(plain):
-        return False
-    for a, b in zip(outputs, plain, strict=True):
+    return len(outputs) == len(plain) and _same_count(outputs, plain) == len(plain)
+
+
+def _same_count(outputs: list[Any], plain: list[Any]) -> int:
+    """How many prompts' outputs equal plain decoding's (the prefix rule of `_same`)."""
+    n = 0
+    for a, b in zip(outputs, plain, strict=False):
         if isinstance(a, str) and isinstance(b, str):
-            if not (a.startswith(b) or b.startswith(a)):
-                return False
-        elif a != b:
-            return False
-    return True
+            n += a.startswith(b) or b.startswith(a)
+        else:
+            n += a == b
+    return n
 
 
 def rows_of(runs: list[Runs], plain_of: dict[str, str]) -> list[dict[str, Any]]:
@@ -267,6 +279,7 @@ def rows_of(runs: list[Runs], plain_of: dict[str, str]) -> list[dict[str, Any]]:
         own = by.get((r.system, plain_of[r.system]))
         speed = own.median_ms / r.median_ms if own is not None and r.median_ms else None
         identical = None if own is None else _same(r.outputs, own.outputs)
+        same_n = None if own is None else _same_count(r.outputs, own.outputs)
         rows.append(
             {
                 "system": r.system,
@@ -275,6 +288,7 @@ def rows_of(runs: list[Runs], plain_of: dict[str, str]) -> list[dict[str, Any]]:
                 "speedup_vs_own_ar": None if speed is None else round(speed, 3),
                 "tokens_per_target_forward": round(r.tokens / r.forwards, 3) if r.forwards else None,
                 "identical": identical,
+                "identical_prompts": same_n,  # of len(outputs)
                 "tokens": r.tokens,
                 "outputs": r.outputs,  # per prompt: token ids (llama.cpp: text)
             }
@@ -337,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r["ms_per_token"],
                     r["speedup_vs_own_ar"] or "-",
                     r["tokens_per_target_forward"] or "-",
-                    r["identical"],
+                    f"{r['identical']} ({r['identical_prompts']}/{len(r['outputs'])})",
                 ]
                 for r in rows
             ],
