@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.websockets import WebSocketDisconnect
 
+from cloud_verifier import openai_api
 from cloud_verifier.auth import KeyStore
 from cloud_verifier.config import ServerConfig
 from cloud_verifier.cost import cached_verify_cost
@@ -187,9 +188,22 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
 
     origins = {o.strip() for o in config.allowed_origins.split(",") if o.strip()}
 
+    def has_room() -> bool:
+        # slots count welcomed sessions and HTTP generations: a connection that never says hello holds none
+        return state.admitted + api.running < config.max_sessions and not state.draining
+
     def admit(session: Session) -> bool:
-        # slots count welcomed sessions only: a connection that never says hello holds none
-        return state.admitted < config.max_sessions and not state.draining
+        return has_room()
+
+    api = openai_api.ApiContext(
+        keys=state.keys,
+        max_context=config.max_context,
+        admit=has_room,
+        engine=lambda: state.engine if state.ready else None,
+        target=lambda: state.target,
+        model_id=lambda: state.info.model_id if state.info is not None else None,
+    )
+    openai_api.install(app, api)
 
     @app.websocket("/v1/session")
     async def session_ws(ws: WebSocket) -> None:
