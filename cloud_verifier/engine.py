@@ -179,6 +179,11 @@ class Engine:
     def pending_work(self) -> bool:
         return any(s.job is not None and not s.busy for s in self.seqs.values())
 
+    @property
+    def waiting(self) -> int:
+        """Rounds ready and not in the step now running."""
+        return sum(1 for s in self.seqs.values() if s.job is not None and not s.busy)
+
     def healthy(self) -> bool:
         """False when the loop died, or work has waited stall_s with no step finishing."""
         if self._task is None or self._task.done():

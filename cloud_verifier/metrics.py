@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _NODE_BUCKETS = (0, 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 _LEN_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+_TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -55,6 +56,38 @@ class Metrics:
             "specdec_rejected_sessions", "Connections refused (max sessions)", registry=r
         )
 
+        self.cond_pending = Gauge(
+            "specdec_conditional_trees_pending", "Conditional trees waiting for their outcome", registry=r
+        )
+        # the same concepts under vLLM's names, so its dashboards and alerts work unchanged
+        m = ["model_name"]
+        self.vllm_drafts = Counter("vllm:spec_decode_num_drafts", "Tree rounds verified", m, registry=r)
+        self.vllm_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft (tree) tokens verified", m, registry=r
+        )
+        self.vllm_accepted = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", m, registry=r
+        )
+        self.vllm_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position (depth - 1)",
+            [*m, "position"],
+            registry=r,
+        )
+        self.vllm_running = Gauge("vllm:num_requests_running", "Generations running", m, registry=r)
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Rounds ready and not yet in an engine step", m, registry=r
+        )
+        self.vllm_ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Prompt received to first token", m, buckets=_TTFT, registry=r
+        )
+        self.vllm_tpot = Histogram(
+            "vllm:time_per_output_token_seconds", "Seconds per output token after the first", m,
+            buckets=_SECONDS, registry=r,
+        )  # fmt: skip
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1", m, registry=r)
+        self.model_name = ""
+
     def record_round(self, nodes: int, accepted_depths: list[int]) -> None:
         self.num_drafts.inc()
         self.num_draft_tokens.inc(nodes)
@@ -63,3 +96,15 @@ class Metrics:
             self.accepted_per_pos.labels(position=str(d)).inc()
         self.tree_nodes.observe(nodes)
         self.accepted_len.observe(len(accepted_depths))
+        name = self.model_name
+        self.vllm_drafts.labels(name).inc()
+        self.vllm_draft_tokens.labels(name).inc(nodes)
+        self.vllm_accepted.labels(name).inc(len(accepted_depths))
+        for d in accepted_depths:
+            self.vllm_accepted_per_pos.labels(name, str(d - 1)).inc()
+
+    def record_generation(self, ttft_s: float, tokens: int, seconds: float) -> None:
+        """One generation ended: its time to first token, and the time per token after it."""
+        self.vllm_ttft.labels(self.model_name).observe(ttft_s)
+        if tokens > 1:
+            self.vllm_tpot.labels(self.model_name).observe(max(seconds - ttft_s, 0.0) / (tokens - 1))

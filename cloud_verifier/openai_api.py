@@ -307,7 +307,7 @@ class ApiContext:
     engine: Callable[[], Engine | None]
     target: Callable[[], Target | None]
     model_id: Callable[[], str | None]
-    on_tokens: Callable[[int, float, list[float]], None] | None = None  # (n, ttft, tpot list)
+    on_done: Callable[[float, int, float], None] | None = None  # (time to first token, tokens, seconds)
     running: int = 0
 
 
@@ -436,19 +436,13 @@ async def _tokens(
 ) -> AsyncIterator[tuple[str, list[int], str | None, str | None]]:
     """(new text, new token ids, finish reason or None, error or None) per engine result."""
     t0 = time.perf_counter()
-    last = t0
-    gaps: list[float] = []
     first: float | None = None
     async for res in gen.stream():
-        now = time.perf_counter()
         if res.error is not None:
             yield "", [], None, res.error.message
             return
         if first is None:
-            first = now - t0
-        else:
-            gaps.append(now - last)
-        last = now
+            first = time.perf_counter() - t0
         piece = text.add(res.tokens)
         finish = None
         if text.stopped:
@@ -459,8 +453,8 @@ async def _tokens(
         yield piece, list(res.tokens), finish, None
         if finish is not None:
             break
-    if ctx.on_tokens is not None:
-        ctx.on_tokens(len(text.ids), first or 0.0, gaps)
+    if ctx.on_done is not None and first is not None:
+        ctx.on_done(first, len(text.ids), time.perf_counter() - t0)
 
 
 async def _collect(

@@ -131,6 +131,7 @@ async def _load(state: AppState, target: Target | None) -> None:
             verify_cost_ms=cost,
         )
         state.target = target
+        m.model_name = target.model_id
         engine.start_loop()
         state.engine = engine
         log.info("ready: model %s, %d KV blocks of %d tokens", target.model_id, kv.num_blocks, cfg.block_size)
@@ -181,9 +182,16 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        state.metrics.sessions.set(len(state.sessions))
+        m = state.metrics
+        m.sessions.set(len(state.sessions))
+        m.cond_pending.set(sum(s.pending_trees for s in state.sessions))
+        name = m.model_name
+        m.vllm_running.labels(name).set(sum(1 for s in state.sessions if s.generating) + api.running)
         if state.engine is not None:
-            state.metrics.kv_blocks_used.set(state.engine.kv.blocks_in_use)
+            kv = state.engine.kv
+            m.kv_blocks_used.set(kv.blocks_in_use)
+            m.vllm_kv_usage.labels(name).set(kv.blocks_in_use / max(kv.num_blocks, 1))
+            m.vllm_waiting.labels(name).set(state.engine.waiting)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     origins = {o.strip() for o in config.allowed_origins.split(",") if o.strip()}
@@ -202,6 +210,7 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
         engine=lambda: state.engine if state.ready else None,
         target=lambda: state.target,
         model_id=lambda: state.info.model_id if state.info is not None else None,
+        on_done=state.metrics.record_generation,
     )
     openai_api.install(app, api)
 

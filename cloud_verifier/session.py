@@ -93,6 +93,9 @@ class Session:
         self.closed = False
         self._stale_seen = 0
         self._ar_paused = False
+        self._gen_start = 0.0  # the generation in progress: start, time to its first token, tokens
+        self._gen_first: float | None = None
+        self._gen_tokens = 0
 
     @property
     def generating(self) -> bool:
@@ -102,6 +105,12 @@ class Session:
     def admitted(self) -> bool:
         """Welcomed: authenticated and holding a session slot and an engine sequence."""
         return self.seq is not None
+
+    @property
+    def pending_trees(self) -> int:
+        """Conditional trees waiting for the outcome they assume."""
+        gen = self.proto.gen
+        return len(gen.pending) if gen is not None else 0
 
     @property
     def working(self) -> bool:
@@ -123,6 +132,7 @@ class Session:
             self._on_hello(ev)
         elif isinstance(ev, PromptReceived):
             assert self.seq is not None
+            self._gen_start, self._gen_first, self._gen_tokens = time.perf_counter(), None, 0
             self.engine.start(self.seq, ev.prompt, ev.committed)
         elif isinstance(ev, VerifyTree):
             assert self.seq is not None
@@ -188,6 +198,11 @@ class Session:
         if r.tree_nodes:
             m.record_round(r.tree_nodes, r.accepted_depths)
         m.emitted_tokens.inc(len(r.tokens))
+        if self._gen_first is None:
+            self._gen_first = time.perf_counter() - self._gen_start
+        self._gen_tokens += len(r.tokens)
+        if r.done:
+            m.record_generation(self._gen_first, self._gen_tokens, time.perf_counter() - self._gen_start)
         m.round_seconds.observe(r.round_s)
         nxt = self.proto.verdict(
             Verdict(

@@ -69,8 +69,35 @@ def test_lifecycle_and_greedy_exactness() -> None:
             "specdec_kv_blocks_in_use",
             "specdec_conditional_tree_hits_total",
             "specdec_conditional_tree_stale_total",
+            "specdec_conditional_trees_pending",
         ):
             assert name in text, name
+        # vLLM's names for the same concepts, with its model_name label
+        got = _samples(text)
+        drafts = got['vllm:spec_decode_num_drafts_total{model_name="tiny"}']
+        drafted = got['vllm:spec_decode_num_draft_tokens_total{model_name="tiny"}']
+        accepted = got['vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"}']
+        assert drafts == got["specdec_num_drafts_total"] > 0
+        assert 0 < accepted <= drafted == got["specdec_num_draft_tokens_total"]
+        per_pos = sum(
+            v for k, v in got.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")
+        )
+        assert per_pos == accepted and 'position="0"' in text
+        assert got['vllm:time_to_first_token_seconds_count{model_name="tiny"}'] == 3
+        assert got['vllm:time_per_output_token_seconds_count{model_name="tiny"}'] == 3
+        assert got['vllm:num_requests_running{model_name="tiny"}'] == 0
+        assert 0 <= got['vllm:kv_cache_usage_perc{model_name="tiny"}'] < 1
+        assert 'vllm:num_requests_waiting{model_name="tiny"}' in got
+
+
+def _samples(text: str) -> dict[str, float]:
+    """Prometheus text format: sample name with labels -> value."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
 
 
 def test_ar_mode_streams_one_token_per_verdict() -> None:
