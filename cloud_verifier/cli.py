@@ -143,6 +143,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--max-q-ids", type=int, default=d.max_q_ids, help="mss/rrs: token ids in all q rows of one tree"
     )
     p.add_argument("--max-q-row", type=int, default=d.max_q_row, help="mss/rrs: token ids in one q row")
+    p.add_argument(
+        "--ssl-certfile",
+        default=d.ssl_certfile,
+        help="TLS certificate chain (PEM): serve wss:// and https:// (clients: edge-client --ca-file)",
+    )
+    p.add_argument("--ssl-keyfile", default=d.ssl_keyfile, help="the TLS certificate's private key (PEM)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: torch's default)")
     p.add_argument(
         "--no-measure-cost",
@@ -188,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         base = ServerConfig.from_env()
         updates = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if hasattr(args, f.name)}
+        if bool(updates.get("ssl_certfile")) != bool(updates.get("ssl_keyfile")):
+            print("cloud-verifier: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
+            return 2
         return serve(replace(base, **updates))
     return 2
 

@@ -39,6 +39,8 @@ class ServerConfig:
     frames_per_s: float = 250.0  # per connection: frames read per second (+1 per 64 KiB), burst 2 s
     drain_timeout_s: float = 30.0  # on SIGTERM: running generations get this long to finish
     allowed_origins: str = ""  # comma-separated Origin values a browser may connect from ("*": any)
+    ssl_certfile: str | None = None  # TLS: serve wss:// and https:// with this certificate (PEM)
+    ssl_keyfile: str | None = None  # TLS: its private key (PEM)
     ping_interval_s: float = 20.0
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
     measure_cost: bool = True  # measure the verify cost curve at start-up (once per machine: cached)

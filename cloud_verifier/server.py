@@ -357,6 +357,8 @@ def _uvicorn_config(
         ws_ping_interval=config.ping_interval_s,
         ws_ping_timeout=config.ping_interval_s,
         timeout_keep_alive=5,
+        ssl_certfile=config.ssl_certfile,
+        ssl_keyfile=config.ssl_keyfile,
         lifespan="on",
         timeout_graceful_shutdown=5,
     )
@@ -442,11 +444,13 @@ class ThreadedServer:
 
     @property
     def url(self) -> str:
-        return f"ws://{self.host}:{self.port}/v1/session"
+        scheme = "wss" if self.config.ssl_certfile else "ws"
+        return f"{scheme}://{self.host}:{self.port}/v1/session"
 
     @property
     def http(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "https" if self.config.ssl_certfile else "http"
+        return f"{scheme}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 300.0) -> ThreadedServer:
         """Start and wait until /readyz would answer 200 (RuntimeError if loading fails)."""

@@ -31,6 +31,12 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         help="full ws:// or wss:// URL of the verifier's session endpoint",
     )
     p.add_argument(
+        "--ca-file",
+        default=None,
+        help="wss://: trust the verifier's certificate if this CA bundle (PEM) signed it (a private CA or "
+        "a self-signed certificate); default: the system's CAs",
+    )
+    p.add_argument(
         "--draft",
         default=DEFAULT_DRAFT,
         help="draft model: an alias (qwen2.5-coder-0.5b-q4, the draft of the qwen2.5-coder-1.5b target, "
@@ -153,7 +159,7 @@ async def _generate(args: argparse.Namespace) -> int:
     out = sys.stdout
     try:
         async with EdgeClient(
-            args.server, drafter, api_key=args.api_key, tree=spec, prespec=prespec
+            args.server, drafter, api_key=args.api_key, tree=spec, prespec=prespec, ca_file=args.ca_file
         ) as client:
             async for chunk in client.generate(
                 args.prompt,

@@ -85,8 +85,10 @@ class EdgeClient:
         transport: Callable[[], Awaitable[Transport]] | None = None,
         wire_top_k: int = 48,
         couple: bool = True,
+        ca_file: str | None = None,
     ) -> None:
         self.server = server
+        self.ca_file = ca_file
         self.drafter = drafter
         tok = tokenizer or (drafter.tokenizer if drafter is not None else None)
         if tok is None:
@@ -119,7 +121,10 @@ class EdgeClient:
         if self._transport_factory is not None:
             inner = await self._transport_factory()
         else:
-            inner = await WebSocketTransport.connect(self.server, self.api_key)
+            try:
+                inner = await WebSocketTransport.connect(self.server, self.api_key, ca_file=self.ca_file)
+            except (OSError, ValueError) as exc:  # refused, unreachable, bad certificate, bad URL
+                raise GenerationError(f"cannot reach the verifier at {self.server}: {exc}") from exc
         self._transport = ShapedTransport(inner, self.link) if self.link is not None else inner
         fp = self.drafter.vocab_fingerprint() if self.drafter is not None else self.tokenizer.fingerprint
         await self.send(

@@ -40,15 +40,32 @@ class WebSocketTransport:
 
     @classmethod
     async def connect(
-        cls, url: str, api_key: str | None = None, max_size: int = 1 << 22, open_timeout: float = 30.0
+        cls,
+        url: str,
+        api_key: str | None = None,
+        max_size: int = 1 << 22,
+        open_timeout: float = 30.0,
+        ca_file: str | None = None,
     ) -> WebSocketTransport:
+        """Open `url` (ws:// or wss://). wss:// checks the server's certificate against the system's
+        CAs, or against `ca_file` (PEM) when given (e.g. a private CA or a self-signed certificate)."""
+        import ssl
+
         from websockets.asyncio.client import connect
 
         if not url.startswith(("ws://", "wss://")):
             raise ValueError(f"--server must be a full ws:// or wss:// URL, got {url!r}")
+        if ca_file is not None and not url.startswith("wss://"):
+            raise ValueError(f"a CA file is for wss:// URLs, got {url!r}")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        tls = ssl.create_default_context(cafile=ca_file) if url.startswith("wss://") else None
         ws = await connect(
-            url, additional_headers=headers, max_size=max_size, open_timeout=open_timeout, compression=None
+            url,
+            additional_headers=headers,
+            max_size=max_size,
+            open_timeout=open_timeout,
+            compression=None,
+            ssl=tls,
         )
         return cls(ws)
 
