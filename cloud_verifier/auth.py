@@ -1,6 +1,11 @@
-"""API keys and the trust policy (DESIGN section 4).
+"""API keys, the trust policy (DESIGN section 4) and per-key limits.
 
-A key file holds one key per line, optionally followed by the word `trusted`; `#` starts a comment.
+A key file holds one key per line, then optional words: `trusted`, `sessions=N` (at most N
+concurrent sessions and HTTP generations under this key) and `tokens_per_min=M` (tokens generated
+per minute, a token bucket of one minute's worth); `#` starts a comment, e.g.
+
+    k-3f9a1c trusted sessions=4 tokens_per_min=20000
+
 Trusted keys may use the stochastic modes mss/rrs (a client that lies about q can bias its own
 output, so only clients we trust may send q); everyone else gets greedy, match and ar. Without a
 key file access is open and every client is untrusted, unless `trust_anonymous` (development).
@@ -23,10 +28,13 @@ TRUSTED_MODES = (Mode.GREEDY, Mode.MATCH, Mode.MSS, Mode.RRS, Mode.AR)
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a session belongs to: the key's index in the file (never the key itself) and its trust."""
+    """Who a session belongs to: the key's index in the file (never the key itself), its trust and
+    its limits (None: only the server's)."""
 
     name: str
     trusted: bool
+    max_sessions: int | None = None
+    tokens_per_min: int | None = None
 
     @property
     def allowed_modes(self) -> tuple[Mode, ...]:
@@ -38,8 +46,11 @@ class AuthError(Exception):
 
 
 class KeyStore:
-    def __init__(self, keys: dict[str, bool] | None, trust_anonymous: bool = False) -> None:
-        self._keys = [(k.encode(), trusted) for k, trusted in (keys or {}).items()]
+    def __init__(self, keys: dict[str, bool | Principal] | None, trust_anonymous: bool = False) -> None:
+        self._keys = [
+            (k.encode(), v if isinstance(v, Principal) else Principal(f"key#{i}", v))
+            for i, (k, v) in enumerate((keys or {}).items())
+        ]
         self.open_access = keys is None
         self.trust_anonymous = trust_anonymous
 
@@ -51,15 +62,13 @@ class KeyStore:
                 " (but --trust-anonymous lets them use mss/rrs)" if trust_anonymous else "",
             )
             return cls(None, trust_anonymous)
-        keys: dict[str, bool] = {}
+        keys: dict[str, bool | Principal] = {}
         for n, line in enumerate(Path(path).read_text().splitlines(), 1):
             line = line.split("#", 1)[0].strip()
             if not line:
                 continue
-            parts = line.split()
-            if len(parts) > 2 or (len(parts) == 2 and parts[1] != "trusted"):
-                raise ValueError(f"{path}:{n}: expected 'KEY' or 'KEY trusted', got {line!r}")
-            keys[parts[0]] = len(parts) == 2
+            key, *words = line.split()
+            keys[key] = _principal(f"key#{len(keys)}", words, f"{path}:{n}")
         if not keys:
             raise ValueError(f"{path}: no keys; remove --api-key-file for open access")
         return cls(keys, trust_anonymous)
@@ -71,12 +80,28 @@ class KeyStore:
                 return Principal("anonymous", self.trust_anonymous)
             raise AuthError("this server needs an API key (Authorization: Bearer KEY or hello.api_key)")
         given = key.encode()
-        found: tuple[int, bool] | None = None
-        for i, (k, trusted) in enumerate(self._keys):
+        found: Principal | None = None
+        for k, principal in self._keys:
             if hmac.compare_digest(k, given) and found is None:
-                found = (i, trusted)
+                found = principal
         if found is not None:
-            return Principal(f"key#{found[0]}", found[1])
+            return found
         if self.open_access:
             return Principal("anonymous", self.trust_anonymous)
         raise AuthError("unknown API key")
+
+
+def _principal(name: str, words: list[str], where: str) -> Principal:
+    trusted = False
+    limits: dict[str, int] = {}
+    for w in words:
+        if w == "trusted":
+            trusted = True
+            continue
+        field, _, value = w.partition("=")
+        if field not in ("sessions", "tokens_per_min") or not value.isdigit() or int(value) < 1:
+            raise ValueError(
+                f"{where}: expected 'KEY [trusted] [sessions=N] [tokens_per_min=M]' (N, M >= 1), got {w!r}"
+            )
+        limits[field] = int(value)
+    return Principal(name, trusted, limits.get("sessions"), limits.get("tokens_per_min"))

@@ -64,6 +64,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="rows packed into one engine step; longer prefills are chunked",
     )
     p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=d.prefill_chunk,
+        help="while other sessions have work, a prompt feeds at most this many rows per engine step "
+        "(their steps stay short); alone it takes the whole --token-budget",
+    )
+    p.add_argument(
         "--no-batching",
         action="store_false",
         dest="batching",

@@ -19,7 +19,9 @@ class ServerConfig:
     device: str = "auto"  # auto: cuda if available, else cpu
     api_key_file: str | None = None  # one key per line: "KEY [trusted]"
     trust_anonymous: bool = False  # development: treat key-less clients as trusted (mss/rrs allowed)
-    max_sessions: int = 64
+    max_sessions: int = 64  # concurrent sessions and HTTP generations
+    max_waiting: int = 64  # HTTP requests waiting for a slot (more: 429 at once)
+    queue_wait_s: float = 30.0  # how long an HTTP request waits for a slot before 429
     max_pending: int = 4  # conditional trees kept per session besides the one in flight
     max_nodes: int = 64  # tree nodes per round
     max_depth: int = 16
@@ -30,10 +32,12 @@ class ServerConfig:
     max_q_ids: int = 16384  # mss/rrs: token ids in all q rows of a tree
     max_q_row: int = 4096  # mss/rrs: token ids in one q row
     token_budget: int = 512  # rows packed into one engine step (chunked prefill beyond it)
+    prefill_chunk: int = 64  # prompt rows per step for one session while others have work
     batching: bool = True  # False: one session per engine forward (the baseline bench.load compares)
     kv_blocks: int = 0  # 0: size the pool for max_sessions * max_context / 4
     block_size: int = 16
     idle_timeout_s: float = 300.0  # no frame from the client and no round of its in the engine
+    header_timeout_s: float = 10.0  # an HTTP request's line and headers must arrive within this
     hello_timeout_s: float = 10.0  # a connection must say hello (and be welcomed) within this
     max_handshakes: int = 64  # connections not yet welcomed (they hold no session slot)
     frames_per_s: float = 250.0  # per connection: frames read per second (+1 per 64 KiB), burst 2 s

@@ -82,6 +82,7 @@ class SeqState:
 @dataclass(frozen=True)
 class EngineConfig:
     token_budget: int = 512  # rows per forward
+    prefill_chunk: int = 64  # prompt rows a session feeds per forward while other sessions have work
     max_context: int = 4096
     batching: bool = True  # False: one session per forward (the baseline of bench.load)
     stall_s: float = 120.0  # /readyz fails when work waits this long with no step finishing
@@ -276,18 +277,24 @@ class Engine:
         start = self._rr % len(ready)
         ready = ready[start:] + ready[:start]
         self._rr += 1
+        # rounds that feed one committed row (decode steps, trees) go first, prefills after them; and
+        # while others wait, a prefill feeds at most prefill_chunk rows a step, so a long prompt
+        # cannot stretch every other session's step (they would wait for its whole chunk)
+        fresh = {s.sid: len(s.committed) - self.kv.cached_len(s.sid) for s in ready}
+        ready.sort(key=lambda s: fresh[s.sid] > 1)
+        chunk = self.config.token_budget if len(ready) == 1 else self.config.prefill_chunk
         budget = self.config.token_budget
         plan: list[_Planned] = []
         for s in ready:
             assert s.job is not None
             pre = s.committed[self.kv.cached_len(s.sid) :]
             nodes = s.job.tree.num_nodes if s.job.tree is not None else 0
-            if len(pre) + nodes <= budget:
+            if len(pre) + nodes <= min(budget, max(chunk, nodes + 1)):
                 plan.append(_Planned(s, s.job, pre, final=True))
                 budget -= len(pre) + nodes
             elif len(pre) > 1 and budget > 0:
                 # chunked prefill: feed committed tokens now, keep row 0 (+ tree) for a later step
-                take = min(budget, len(pre) - 1)
+                take = min(budget, chunk, len(pre) - 1)
                 plan.append(_Planned(s, s.job, pre[:take], final=False))
                 budget -= take
             if budget <= 0 or not self.config.batching:

@@ -86,6 +86,9 @@ class Metrics:
             buckets=_SECONDS, registry=r,
         )  # fmt: skip
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1", m, registry=r)
+        self.admission_waiting = Gauge(
+            "specdec_admission_waiting", "HTTP requests waiting for a generation slot", registry=r
+        )
         self.model_name = ""
 
     def record_round(self, nodes: int, accepted_depths: list[int]) -> None:

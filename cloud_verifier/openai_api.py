@@ -21,12 +21,14 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from cloud_verifier.auth import AuthError, KeyStore
+from cloud_verifier.admission import Admission, Refused, Ticket
+from cloud_verifier.auth import AuthError, KeyStore, Principal
 from cloud_verifier.engine import Engine, RoundResult
 from cloud_verifier.model import Target
 from shared.messages import Mode, Prompt
 
 MAX_BODY_BYTES = 4 << 20  # a request body (prompt text or messages)
+BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -256,6 +258,9 @@ class Generation:
 
     engine: Engine
     req: CompletionRequest
+    admission: Admission
+    who: Principal
+    ticket: Ticket
     results: asyncio.Queue[RoundResult] = field(default_factory=asyncio.Queue)
     ended: bool = False
 
@@ -275,6 +280,7 @@ class Generation:
 
     def _on_result(self, res: RoundResult) -> None:
         self.results.put_nowait(res)
+        self.admission.spend(self.who, len(res.tokens))
         if not res.done and not self.ended:
             self.engine.submit(self.seq, 0, None)
 
@@ -283,6 +289,7 @@ class Generation:
             self.ended = True
             self.engine.close(self.seq)
             self.seq.on_result = _ignore
+            self.admission.release(self.ticket)
 
     async def stream(self) -> AsyncIterator[RoundResult]:
         while True:
@@ -303,7 +310,7 @@ class ApiContext:
 
     keys: KeyStore
     max_context: int
-    admit: Callable[[], bool]  # a slot for one more generation (counts sessions too)
+    admission: Admission  # slots shared with the WebSocket sessions, per-key limits
     engine: Callable[[], Engine | None]
     target: Callable[[], Target | None]
     model_id: Callable[[], str | None]
@@ -314,11 +321,11 @@ class ApiContext:
 def install(app: FastAPI, ctx: ApiContext) -> None:
     """Add the OpenAI-compatible routes to `app`."""
 
-    def authorize(request: Request) -> None:
+    def authorize(request: Request) -> Principal:
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
         try:
-            ctx.keys.authenticate(key)
+            return ctx.keys.authenticate(key)
         except AuthError as exc:
             raise ApiError(401, str(exc), None, "invalid_api_key") from None
 
@@ -332,10 +339,17 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
 
     async def read_body(request: Request) -> dict[str, Any]:
         raw = b""
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", None, "too_large")
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > MAX_BODY_BYTES:
+                        raise ApiError(
+                            413, f"the request body is over {MAX_BODY_BYTES} bytes", None, "too_large"
+                        )
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", None,
+                           "timeout") from None  # fmt: skip
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
@@ -356,7 +370,7 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
 
     async def handle(request: Request, chat: bool) -> Response:
         try:
-            authorize(request)
+            who = authorize(request)
             engine, target, model = ready()
             body = await read_body(request)
             asked = body.get("model")
@@ -365,12 +379,14 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
                                "model_not_found")  # fmt: skip
             ids = chat_prompt(body, target) if chat else completion_prompt(body, target)
             req = parse_common(body, ids, ctx.max_context, chat)
-            if not ctx.admit():
-                raise ApiError(429, "the server is at capacity; retry shortly", None, "rate_limit_exceeded",
-                               "rate_limit_error", {"Retry-After": "1"})  # fmt: skip
+            try:
+                ticket = await ctx.admission.acquire(who)
+            except Refused as exc:
+                raise ApiError(429, exc.reason, None, "rate_limit_exceeded", "rate_limit_error",
+                               {"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
         except ApiError as exc:
             return exc.response()
-        gen = Generation(engine, req)
+        gen = Generation(engine, req, ctx.admission, who, ticket)
         gen.start()
         ctx.running += 1
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

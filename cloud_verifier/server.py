@@ -25,10 +25,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.websockets import WebSocketDisconnect
 
 from cloud_verifier import openai_api
+from cloud_verifier.admission import Admission
 from cloud_verifier.auth import KeyStore
 from cloud_verifier.config import ServerConfig
 from cloud_verifier.cost import cached_verify_cost
 from cloud_verifier.engine import Engine, EngineConfig
+from cloud_verifier.http_protocol import with_header_timeout
 from cloud_verifier.metrics import Metrics
 from cloud_verifier.model import Target, load_target
 from cloud_verifier.session import CloseRequest, ModelInfo, Session
@@ -46,6 +48,7 @@ KV_WEIGHT_SHARE = 0.12
 class AppState:
     config: ServerConfig
     keys: KeyStore
+    admission: Admission
     metrics: Metrics = field(default_factory=Metrics)
     target: Target | None = None
     engine: Engine | None = None
@@ -100,7 +103,12 @@ async def _load(state: AppState, target: Target | None) -> None:
         engine = Engine(
             target,
             kv,
-            EngineConfig(token_budget=cfg.token_budget, max_context=cfg.max_context, batching=cfg.batching),
+            EngineConfig(
+                token_budget=cfg.token_budget,
+                max_context=cfg.max_context,
+                batching=cfg.batching,
+                prefill_chunk=cfg.prefill_chunk,
+            ),
         )
         m = state.metrics
 
@@ -145,7 +153,11 @@ async def _load(state: AppState, target: Target | None) -> None:
 
 def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
     """The service. Pass `target` to serve an already-loaded model (tests, benches)."""
-    state = AppState(config=config, keys=KeyStore.from_file(config.api_key_file, config.trust_anonymous))
+    state = AppState(
+        config=config,
+        keys=KeyStore.from_file(config.api_key_file, config.trust_anonymous),
+        admission=Admission(config.max_sessions, config.max_waiting, config.queue_wait_s),
+    )
     if config.threads:
         torch.set_num_threads(config.threads)
 
@@ -187,6 +199,7 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
         m.cond_pending.set(sum(s.pending_trees for s in state.sessions))
         name = m.model_name
         m.vllm_running.labels(name).set(sum(1 for s in state.sessions if s.generating) + api.running)
+        m.admission_waiting.set(state.admission.waiting)
         if state.engine is not None:
             kv = state.engine.kv
             m.kv_blocks_used.set(kv.blocks_in_use)
@@ -195,18 +208,10 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     origins = {o.strip() for o in config.allowed_origins.split(",") if o.strip()}
-
-    def has_room() -> bool:
-        # slots count welcomed sessions and HTTP generations: a connection that never says hello holds none
-        return state.admitted + api.running < config.max_sessions and not state.draining
-
-    def admit(session: Session) -> bool:
-        return has_room()
-
     api = openai_api.ApiContext(
         keys=state.keys,
         max_context=config.max_context,
-        admit=has_room,
+        admission=state.admission,
         engine=lambda: state.engine if state.ready else None,
         target=lambda: state.target,
         model_id=lambda: state.info.model_id if state.info is not None else None,
@@ -232,7 +237,9 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
             return
         auth = ws.headers.get("authorization", "")
         bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        session = Session(state.engine, state.info, state.limits, state.keys, state.metrics, bearer, admit)
+        session = Session(
+            state.engine, state.info, state.limits, state.keys, state.metrics, bearer, state.admission
+        )
         state.sessions.add(session)
         state.metrics.sessions.set(len(state.sessions))
         writer = asyncio.create_task(_writer(ws, session))
@@ -327,6 +334,7 @@ async def drain(state: AppState, timeout_s: float) -> None:
     """Graceful shutdown: stop admitting (/readyz 503, new connections 1013), let running
     generations finish for up to `timeout_s`, close every session with 1001 and a reason."""
     state.draining = True
+    state.admission.closed = True
     deadline = time.monotonic() + timeout_s
     running = sum(1 for s in state.sessions if s.generating)
     log.info("draining: %d sessions, %d generating; up to %.0f s", len(state.sessions), running, timeout_s)
@@ -350,7 +358,7 @@ def _uvicorn_config(
         host=host,
         port=port,
         log_level=log_level,
-        http="h11",
+        http=with_header_timeout(config.header_timeout_s),
         h11_max_incomplete_event_size=MAX_HTTP_HEADER_BYTES,  # request line + headers
         ws="websockets-sansio",
         ws_max_size=config.max_bytes,

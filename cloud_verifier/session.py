@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from cloud_verifier.admission import Admission, Refused, Ticket
 from cloud_verifier.auth import AuthError, KeyStore, Principal
 from cloud_verifier.engine import Engine, RoundResult, SeqState
 from cloud_verifier.metrics import Metrics
@@ -75,7 +75,7 @@ class Session:
         keys: KeyStore,
         metrics: Metrics,
         bearer: str | None = None,
-        admit: Callable[[Session], bool] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.engine = engine
         self.info = info
@@ -83,7 +83,8 @@ class Session:
         self.metrics = metrics
         self.bearer = bearer
         self.proto = ServerProtocol(vocab_size=info.vocab_size, limits=limits)
-        self.admit = admit
+        self.admission = admission
+        self.ticket: Ticket | None = None
         self.outbox: asyncio.Queue[bytes | CloseRequest] = asyncio.Queue()
         self.writable = asyncio.Event()  # set while the outbox is below OUTBOX_HIGH
         self.writable.set()
@@ -131,7 +132,16 @@ class Session:
         if isinstance(ev, HelloReceived):
             self._on_hello(ev)
         elif isinstance(ev, PromptReceived):
-            assert self.seq is not None
+            assert self.seq is not None and self.principal is not None
+            if self.admission is not None:
+                try:
+                    self.admission.check_tokens(self.principal)
+                except Refused as exc:
+                    err = ProtocolError(
+                        ErrorCode.RATE_LIMITED, f"{exc.reason}; retry in {exc.retry_after_s} s", round=0
+                    )
+                    self._error(self.proto.abort(err))
+                    return
             self._gen_start, self._gen_first, self._gen_tokens = time.perf_counter(), None, 0
             self.engine.start(self.seq, ev.prompt, ev.committed)
         elif isinstance(ev, VerifyTree):
@@ -161,10 +171,15 @@ class Session:
             self.principal = self.keys.authenticate(hello.api_key or self.bearer)
         except AuthError as exc:
             raise ProtocolError(ErrorCode.UNAUTHORIZED, str(exc), "api_key", fatal=True) from exc
-        if self.admit is not None and not self.admit(self):
-            self.metrics.rejected_sessions.inc()
-            self.close(CloseCode.TRY_AGAIN_LATER, "try again later: server at max sessions")
-            return
+        if self.admission is not None:
+            try:
+                self.ticket = self.admission.try_acquire(self.principal)
+            except Refused as exc:
+                self.metrics.rejected_sessions.inc()
+                self.close(
+                    CloseCode.TRY_AGAIN_LATER, f"try again later ({exc.retry_after_s} s): {exc.reason}"
+                )
+                return
         self.seq = self.engine.open(self._on_result)
         self.proto.welcome(
             Welcome(
@@ -198,6 +213,8 @@ class Session:
         if r.tree_nodes:
             m.record_round(r.tree_nodes, r.accepted_depths)
         m.emitted_tokens.inc(len(r.tokens))
+        if self.admission is not None and self.principal is not None:
+            self.admission.spend(self.principal, len(r.tokens))
         if self._gen_first is None:
             self._gen_first = time.perf_counter() - self._gen_start
         self._gen_tokens += len(r.tokens)
@@ -259,6 +276,9 @@ class Session:
         self._flush()  # frames already produced (e.g. the fatal error) go out before the close
         self.closed = True
         self.writable.set()  # a reader waiting for the writer must see the close
+        if self.ticket is not None and self.admission is not None:
+            self.admission.release(self.ticket)
+            self.ticket = None
         if self.seq is not None:
             self.engine.close(self.seq)
             # the engine's sequence pointed back at this session (on_result): break the cycle so

@@ -29,6 +29,7 @@ class ErrorCode(str, enum.Enum):
     TOO_MANY_PENDING = "TOO_MANY_PENDING"  # one tree more than max_pending
     CONTEXT_FULL = "CONTEXT_FULL"  # prompt (plus cached context) over max_context
     BUSY = "BUSY"  # the server is at max_sessions or out of KV blocks
+    RATE_LIMITED = "RATE_LIMITED"  # the key's tokens per minute are spent: retry later
     INTERNAL = "INTERNAL"  # a bug on the sending side
 
 

@@ -185,8 +185,10 @@ def unpack_frame(data: bytes, limits: WireLimits) -> dict[str, Any]:
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises many types: ExtraData, StackError, ValueError, ...
+        # some carry no message (StackError: nested too deeply): name the type then
+        why = str(exc) or ("nested too deeply" if type(exc).__name__ == "StackError" else type(exc).__name__)
         raise ProtocolError(
-            ErrorCode.BAD_FRAME, f"not a valid msgpack frame: {exc}", "frame", fatal=True
+            ErrorCode.BAD_FRAME, f"not a valid msgpack frame: {why}", "frame", fatal=True
         ) from exc
     if not isinstance(obj, dict):
         raise ProtocolError(ErrorCode.BAD_FRAME, "a frame must be a msgpack map", "frame", fatal=True)

@@ -480,3 +480,55 @@ def msgpack_type(frame: Any) -> str:
     import msgpack
 
     return str(msgpack.unpackb(frame)["type"])
+
+
+def test_http_abuse_slow_headers_huge_headers_and_a_bad_body() -> None:
+    """Request headers that never finish are cut at the header deadline (they were held forever),
+    1 MiB of headers is refused, and the session endpoint and /readyz keep serving meanwhile."""
+    import socket
+    import time
+
+    with LiveServer(header_timeout_s=0.5) as srv:
+        port = srv.port
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        t0 = time.monotonic()
+        slow.settimeout(5)
+        assert slow.recv(100) == b""  # closed by the server
+        assert time.monotonic() - t0 < 3
+        idle = socket.create_connection(("127.0.0.1", port))  # opens and says nothing at all
+        idle.settimeout(5)
+        assert idle.recv(100) == b""
+        big = socket.create_connection(("127.0.0.1", port))
+        big.settimeout(5)
+        try:
+            big.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+        except OSError:
+            pass  # the server may close before all of it is written
+        reply = b""
+        try:
+            reply = big.recv(200)
+        except OSError:
+            pass
+        assert not reply.startswith(b"HTTP/1.1 200"), reply
+        for s in (slow, idle, big):
+            s.close()
+        assert httpx.get(srv.http + "/readyz").status_code == 200
+        r = httpx.post(
+            srv.http + "/v1/completions", content=b"[1, 2", headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_a_deeply_nested_frame_is_closed_with_a_reason() -> None:
+    """msgpack's nesting error has no message; the close reason still says what was wrong."""
+    with LiveServer() as srv:
+
+        async def main() -> Any:
+            s = await AsyncSession.open(srv.ws)
+            assert isinstance(await s.recv(), Welcome)
+            await s.ws.send(b"\x91" * 5000 + b"\xc0")
+            return await _closed_with(s)
+
+        rcvd = asyncio.run(main())
+        assert rcvd is not None and rcvd.code == 1007 and "nested too deeply" in rcvd.reason, rcvd

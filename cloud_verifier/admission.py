@@ -1,0 +1,150 @@
+"""Admission control: slots for generations, per-key limits, and a bounded queue of waiting work.
+
+Every WebSocket session (from its welcome) and every HTTP generation holds one slot of
+`capacity` (the server's max_sessions) and one of its key's `sessions=N`. A WebSocket hello that
+finds no slot is refused at once (close 1013, with the wait to retry in the reason); an HTTP request
+waits in a FIFO queue of at most `max_waiting` for up to `wait_s`, then gets 429 with Retry-After.
+A key's `tokens_per_min` is a token bucket holding one minute's worth: generated tokens are taken
+from it, and a new generation is refused while it is empty (the wait until it refills is the
+Retry-After). Nothing here grows with the number of requests beyond `max_waiting` waiters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+from dataclasses import dataclass, field
+
+from cloud_verifier.auth import Principal
+
+
+class Refused(Exception):
+    """No room now: `reason` says why, `retry_after_s` when to try again."""
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = max(1, math.ceil(retry_after_s))
+
+
+@dataclass
+class _Bucket:
+    rate: float  # tokens per second
+    capacity: float
+    level: float
+    at: float = field(default_factory=time.monotonic)
+
+    def refill(self) -> float:
+        now = time.monotonic()
+        self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+        self.at = now
+        return self.level
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """One held slot; give it back with Admission.release."""
+
+    key: str
+
+
+class Admission:
+    def __init__(self, capacity: int, max_waiting: int, wait_s: float) -> None:
+        self.capacity = capacity
+        self.max_waiting = max_waiting
+        self.wait_s = wait_s
+        self.in_use = 0
+        self.closed = False  # draining: nothing new is admitted
+        self._per_key: collections.Counter[str] = collections.Counter()
+        self._buckets: dict[str, _Bucket] = {}
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def _check(self, who: Principal) -> None:
+        if self.closed:
+            raise Refused("the server is draining: use another replica", 5)
+        if who.max_sessions is not None and self._per_key[who.name] >= who.max_sessions:
+            raise Refused(f"this key's limit of {who.max_sessions} concurrent sessions is reached", 1)
+        self.check_tokens(who)
+
+    def check_tokens(self, who: Principal) -> None:
+        """Refused while the key's tokens-per-minute bucket is empty (a new generation waits)."""
+        if who.tokens_per_min is not None:
+            b = self._bucket(who)
+            if b.refill() <= 0:
+                raise Refused(
+                    f"this key's limit of {who.tokens_per_min} tokens per minute is reached",
+                    (1 - b.level) / b.rate,
+                )
+
+    def _bucket(self, who: Principal) -> _Bucket:
+        assert who.tokens_per_min is not None
+        b = self._buckets.get(who.name)
+        if b is None:
+            per_min = float(who.tokens_per_min)
+            b = self._buckets[who.name] = _Bucket(per_min / 60.0, per_min, per_min)
+        return b
+
+    def try_acquire(self, who: Principal) -> Ticket:
+        """A slot now, or Refused."""
+        self._check(who)
+        if self.in_use >= self.capacity or self._waiters:
+            raise Refused(f"the server is at its limit of {self.capacity} sessions", 1)
+        return self._take(who)
+
+    async def acquire(self, who: Principal) -> Ticket:
+        """A slot, waiting in the queue for up to wait_s if there is room in it; else Refused."""
+        self._check(who)
+        if self.in_use < self.capacity and not self._waiters:
+            return self._take(who)
+        if len(self._waiters) >= self.max_waiting:
+            raise Refused(f"the server is at capacity and {self.max_waiting} requests already wait", 1)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.wait_s)
+        except TimeoutError:
+            if fut.done() and not fut.cancelled():  # granted at the last moment: give it back
+                self._grant_next_or_free()
+            raise Refused(f"no slot within {self.wait_s:g} s", 1) from None
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+        try:
+            self._check(who)  # the key's own limits, again after the wait
+        except Refused:
+            self._grant_next_or_free()
+            raise
+        self._per_key[who.name] += 1
+        return Ticket(who.name)  # in_use was handed over by release()
+
+    def _take(self, who: Principal) -> Ticket:
+        self.in_use += 1
+        self._per_key[who.name] += 1
+        return Ticket(who.name)
+
+    def release(self, ticket: Ticket) -> None:
+        self._per_key[ticket.key] -= 1
+        if self._per_key[ticket.key] <= 0:
+            del self._per_key[ticket.key]
+        self._grant_next_or_free()
+
+    def _grant_next_or_free(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot passes to the waiter: in_use stays
+                return
+        self.in_use -= 1
+
+    def spend(self, who: Principal, tokens: int) -> None:
+        """Tokens generated under `who` (its bucket may go negative: the next generation waits)."""
+        if who.tokens_per_min is not None and tokens:
+            b = self._bucket(who)
+            b.refill()
+            b.level -= tokens
