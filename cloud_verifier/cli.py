@@ -177,6 +177,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         choices=["debug", "info", "warning", "error"],
         help="log verbosity",
     )
+    p.add_argument(
+        "--log-format",
+        default=d.log_format,
+        choices=["text", "json"],
+        help="log lines as text or as one JSON object each (session events carry the session id)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

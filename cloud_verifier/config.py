@@ -50,6 +50,7 @@ class ServerConfig:
     measure_cost: bool = True  # measure the verify cost curve at start-up (once per machine: cached)
     remeasure_cost: bool = False  # measure it even when a cached curve exists
     log_level: str = "info"
+    log_format: str = "text"  # "text" or "json" (one object per line, session id as a field)
 
     @classmethod
     def from_env(cls, base: ServerConfig | None = None) -> ServerConfig:

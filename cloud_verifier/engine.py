@@ -85,7 +85,10 @@ class EngineConfig:
     prefill_chunk: int = 64  # prompt rows a session feeds per forward while other sessions have work
     max_context: int = 4096
     batching: bool = True  # False: one session per forward (the baseline of bench.load)
-    stall_s: float = 120.0  # /readyz fails when work waits this long with no step finishing
+    # /readyz fails when a step runs longer than max(stall_s, stall_factor x its expected time), or
+    # ready work waits stall_s with no step running (the loop is stuck)
+    stall_s: float = 5.0
+    stall_factor: float = 8.0
     # Before a step, wait up to this long (and at most a quarter of the last step) for sessions
     # whose verdict just went out: their next tree is usually a loopback round trip away, and
     # without the wait the clients settle into two groups that take turns (half-size batches).
@@ -123,6 +126,10 @@ class Engine:
         self.last_step_end = time.monotonic()
         self._last_step_s = 0.0
         self.on_step: Callable[[int, int, float], None] | None = None  # (rows, sessions, seconds)
+        self.cost_ms: dict[int, float] = {}  # the measured verify cost curve (rows: ms), for stall checks
+        self._step_started: float | None = None
+        self._step_expected_s = 0.0
+        self._slowest_s = 0.0
 
     # ------------------------------------------------------------------ sessions (loop thread)
     def open(self, on_result: Callable[[RoundResult], None]) -> SeqState:
@@ -186,10 +193,27 @@ class Engine:
         return sum(1 for s in self.seqs.values() if s.job is not None and not s.busy)
 
     def healthy(self) -> bool:
-        """False when the loop died, or work has waited stall_s with no step finishing."""
+        """False when the loop died, a step has run far past its expected time, or ready work has
+        waited stall_s with no step running."""
         if self._task is None or self._task.done():
             return False
-        return not (self.pending_work and time.monotonic() - self.last_step_end > self.config.stall_s)
+        now = time.monotonic()
+        if self._step_started is not None:
+            limit = max(self.config.stall_s, self.config.stall_factor * self._step_expected_s)
+            return now - self._step_started <= limit
+        return not (self.pending_work and now - self.last_step_end > self.config.stall_s)
+
+    def _expected_s(self, rows: int) -> float:
+        """What a forward of `rows` rows should take: the measured verify cost curve at the first
+        measured N >= rows, linear past its end (long prefills); without a curve, the slowest step
+        seen so far."""
+        curve = self.cost_ms
+        if not curve:
+            return self._slowest_s
+        top = max(curve)
+        if rows > top:
+            return curve[top] * rows / top / 1e3
+        return curve[min(n for n in curve if n >= rows)] / 1e3
 
     # ------------------------------------------------------------------ the loop
     def start_loop(self) -> None:
@@ -218,6 +242,8 @@ class Engine:
                 continue
             for p in plan:
                 p.seq.busy = True
+            self._step_expected_s = self._expected_s(sum(len(p.pre) + _nodes(p) for p in plan))
+            self._step_started = time.monotonic()
             t0 = time.perf_counter()
             try:
                 outcomes = await loop.run_in_executor(self._executor, self._step, plan)
@@ -227,6 +253,8 @@ class Engine:
                 log.exception("engine step of %d sessions failed; retrying each alone", len(plan))
                 outcomes = await self._isolate(plan)
             dt = time.perf_counter() - t0
+            self._step_started = None
+            self._slowest_s = max(self._slowest_s, dt)
             self._last_step_s = dt
             self.steps += 1
             self.last_step_end = time.monotonic()

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.websockets import WebSocketDisconnect
 
-from cloud_verifier import openai_api
+from cloud_verifier import logs, openai_api
 from cloud_verifier.admission import Admission
 from cloud_verifier.auth import KeyStore
 from cloud_verifier.config import ServerConfig
@@ -119,6 +119,7 @@ async def _load(state: AppState, target: Target | None) -> None:
             m.kv_blocks_used.set(kv.blocks_in_use)
 
         engine.on_step = on_step
+        engine.cost_ms = {int(k): float(v) for k, v in cost.items()} if cfg.measure_cost else {}
         m.kv_blocks_total.set(kv.num_blocks)
         state.limits = SessionLimits(
             max_nodes=cfg.max_nodes,
@@ -379,16 +380,12 @@ MAX_HTTP_HEADER_BYTES = 64 << 10
 def serve(config: ServerConfig) -> int:
     """Run the service with uvicorn until SIGINT / SIGTERM (drained: `drain`); a second signal exits
     at once. Returns the exit status: 1 when the model cannot be loaded (one line on stderr)."""
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.setup(config.log_level, config.log_format)
     app = create_app(config)
     state: AppState = app.state.verifier
-    server = DrainingServer(
-        _uvicorn_config(app, config, config.host, config.port, config.log_level),
-        state,
-        config.drain_timeout_s,
-    )
+    uv_config = _uvicorn_config(app, config, config.host, config.port, config.log_level)
+    uv_config.log_config = None  # keep the handlers of logs.setup
+    server = DrainingServer(uv_config, state, config.drain_timeout_s)
     state.on_load_error = lambda err: setattr(server, "should_exit", True)
     server.run()
     if state.load_error:

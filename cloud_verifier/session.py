@@ -103,6 +103,11 @@ class Session:
         return self.proto.state is ServerState.GENERATING
 
     @property
+    def sid(self) -> int | None:
+        """The session id of the welcome (None before it)."""
+        return self.seq.sid if self.seq is not None else None
+
+    @property
     def admitted(self) -> bool:
         """Welcomed: authenticated and holding a session slot and an engine sequence."""
         return self.seq is not None
@@ -143,6 +148,10 @@ class Session:
                     self._error(self.proto.abort(err))
                     return
             self._gen_start, self._gen_first, self._gen_tokens = time.perf_counter(), None, 0
+            log.info(
+                "generation started",
+                extra={"session": self.sid, "mode": ev.prompt.mode.value, "prompt_tokens": len(ev.committed)},
+            )
             self.engine.start(self.seq, ev.prompt, ev.committed)
         elif isinstance(ev, VerifyTree):
             assert self.seq is not None
@@ -181,6 +190,7 @@ class Session:
                 )
                 return
         self.seq = self.engine.open(self._on_result)
+        log.info("session welcomed", extra={"session": self.seq.sid, "principal": self.principal.name})
         self.proto.welcome(
             Welcome(
                 session_id=f"{self.seq.sid}",
@@ -196,6 +206,11 @@ class Session:
 
     def _error(self, ev: ErrorSent) -> None:
         self.metrics.errors.labels(code=ev.error.code.value).inc()
+        log.info(
+            "error sent: %s",
+            ev.error.message[:200],
+            extra={"session": self.sid, "code": ev.error.code.value, "round": ev.error.round},
+        )
         if ev.error.fatal:
             self.close(ev.close_code, ev.error.message[:120])
 
@@ -220,6 +235,10 @@ class Session:
         self._gen_tokens += len(r.tokens)
         if r.done:
             m.record_generation(self._gen_first, self._gen_tokens, time.perf_counter() - self._gen_start)
+            log.info(
+                "generation ended",
+                extra={"session": self.sid, "tokens": self._gen_tokens, "reason": r.reason},
+            )
         m.round_seconds.observe(r.round_s)
         nxt = self.proto.verdict(
             Verdict(
@@ -275,6 +294,7 @@ class Session:
             return
         self._flush()  # frames already produced (e.g. the fatal error) go out before the close
         self.closed = True
+        log.info("session closed (%d): %s", code, reason, extra={"session": self.sid, "code": code})
         self.writable.set()  # a reader waiting for the writer must see the close
         if self.ticket is not None and self.admission is not None:
             self.admission.release(self.ticket)

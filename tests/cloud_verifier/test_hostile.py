@@ -532,3 +532,48 @@ def test_a_deeply_nested_frame_is_closed_with_a_reason() -> None:
 
         rcvd = asyncio.run(main())
         assert rcvd is not None and rcvd.code == 1007 and "nested too deeply" in rcvd.reason, rcvd
+
+
+def test_readyz_fails_fast_when_a_step_stalls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward that hangs (here: sleeps 12 s) turns /readyz to 503 within ~5 s, and back to 200
+    once the step is over."""
+    import time
+
+    model = tiny().model
+    real = model.forward_packed
+    hang = {"on": False}
+
+    def forward_packed(inputs: Any, kv: Any) -> Any:
+        if hang["on"]:
+            hang["on"] = False
+            time.sleep(12)
+        return real(inputs, kv)
+
+    monkeypatch.setattr(model, "forward_packed", forward_packed)
+    with LiveServer() as srv:
+
+        async def main() -> tuple[float, list[int]]:
+            s = await AsyncSession.open(srv.ws)
+            assert isinstance(await s.recv(), Welcome)
+            hang["on"] = True
+            t0 = time.monotonic()
+            await s.ws.send(s.proto.prompt(Prompt(prompt_tokens(12), Mode.AR, max_new_tokens=3)))
+            async with httpx.AsyncClient() as h:
+                while (await h.get(srv.http + "/readyz")).status_code == 200:
+                    assert time.monotonic() - t0 < 10, "still ready while the step hangs"
+                    await asyncio.sleep(0.1)
+            took = time.monotonic() - t0
+            out: list[int] = []
+            while True:
+                v = await s.recv()
+                assert isinstance(v, Verdict)
+                out.extend(v.tokens.tolist())
+                if v.done:
+                    break
+            await s.close()
+            return took, out
+
+        took, out = asyncio.run(main())
+        assert took < 7.0
+        assert out == reference(tuple(prompt_tokens(12)), 3)
+        assert httpx.get(srv.http + "/readyz").status_code == 200

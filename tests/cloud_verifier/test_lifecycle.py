@@ -4,6 +4,7 @@ be loaded ends the process with one clear line; a client whose verifier dies get
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -57,7 +58,10 @@ def test_sigterm_drains_running_generations_then_exits_0() -> None:
     running generation finishes with exactly the target's tokens, its session is closed with 1001,
     and the process exits 0 (it used to close every session with 1012 within 0.3 s)."""
     prompt = prompt_tokens(11)
-    with verifier_process("--drain-timeout", "60") as (proc, port):
+    with verifier_process("--drain-timeout", "60", "--log-format", "json", "--log-level", "info") as (
+        proc,
+        port,
+    ):
         url = f"ws://127.0.0.1:{port}/v1/session"
 
         async def main() -> tuple[list[int], int, object, object]:
@@ -97,6 +101,13 @@ def test_sigterm_drains_running_generations_then_exits_0() -> None:
         assert refused is not None and refused.code == 1013  # type: ignore[attr-defined]
         assert closed is not None and closed.code == 1001  # type: ignore[attr-defined]
         assert proc.wait(30) == 0
+        # structured logs: one JSON object a line, the session's events carrying its id
+        assert proc.stderr is not None
+        events = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+        mine = [e for e in events if e.get("session") == 1]
+        assert [e["message"] for e in mine[:2]] == ["session welcomed", "generation started"]
+        assert any(e["message"] == "generation ended" and e["tokens"] == 150 for e in mine)
+        assert any(e["message"].startswith("draining") for e in events)
 
 
 def test_a_model_that_cannot_load_ends_the_process() -> None:
