@@ -103,11 +103,14 @@ smoke_test() {
   "$ENGINE" run -d --name "$name" "${RUN_FLAGS[@]}" -v "$cache:/cache" \
     -e CLOUD_VERIFIER_PORT="$port" -e CLOUD_VERIFIER_HOST=127.0.0.1 \
     treespec/verifier:latest serve --model smollm2-135m --max-context 2048 >/dev/null
-  trap '"$ENGINE" logs --tail 30 "$name" >&2 || true; "$ENGINE" rm -f "$name" >/dev/null 2>&1 || true' EXIT
+  # shellcheck disable=SC2064  # expand now: the names are local to this function
+  trap "'$ENGINE' rm -f '$name' >/dev/null 2>&1 || true" EXIT
   local status=0
   "${PYTHON:-.venv/bin/python}" -m tests.cloud_verifier.image_check --url "ws://127.0.0.1:$port/v1/session" \
     --user-check "$ENGINE exec $name id -u" --timeout 900 || status=$?
-  "$ENGINE" stop -t 30 "$name" >/dev/null || true
+  [ "$status" = 0 ] || "$ENGINE" logs --tail 40 "$name" >&2 || true
+  "$ENGINE" stop -t 30 "$name" >/dev/null 2>&1 || true
+  say "image test: $([ "$status" = 0 ] && echo passed || echo FAILED)"
   return $status
 }
 
