@@ -45,7 +45,28 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--max-sessions",
         type=int,
         default=d.max_sessions,
-        help="concurrent sessions; one more is refused with close code 1013",
+        help="concurrent sessions and HTTP generations (a connection counts once welcomed); one more "
+        "session is refused with close code 1013, an HTTP request waits (--max-waiting, --queue-wait)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=d.max_waiting,
+        help="HTTP requests that may wait for a free slot; more are refused at once with 429",
+    )
+    p.add_argument(
+        "--queue-wait",
+        type=float,
+        default=d.queue_wait_s,
+        dest="queue_wait_s",
+        help="seconds an HTTP request waits for a slot before 429 with Retry-After",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout_s,
+        dest="header_timeout_s",
+        help="seconds an HTTP request's line and headers have to arrive (slow or unfinished: closed)",
     )
     p.add_argument(
         "--max-pending",
