@@ -1,0 +1,314 @@
+"""Write the protocol's test vectors (tests/vectors/*.json) from the Python implementation.
+
+    python -m tests.vectors.generate
+
+frames.json: single frames as hex, each with its decoded meaning (valid) or the error a conforming
+decoder raises (code, field, fatal). sessions.json: short sessions against a server: the frames a
+client sends, the server application's own frames (welcome, verdicts), and the frames the server
+protocol must answer with, in order. PROTOCOL.md explains both formats. The default suite checks the
+Python implementation against the committed files (tests/shared/test_vectors.py); regenerate only
+when the protocol changes on purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from shared.errors import ErrorCode, ProtocolError
+from shared.messages import (
+    Cancel,
+    Close,
+    Error,
+    Hello,
+    Message,
+    Mode,
+    Prompt,
+    SessionLimits,
+    Stale,
+    Tree,
+    Verdict,
+    Welcome,
+    decode,
+    encode,
+)
+from shared.protocol import ServerProtocol
+from shared.sparse import SparseDist, SparseRows
+from shared.tree import Draws, TokenTree
+
+HERE = Path(__file__).resolve().parent
+VOCAB = 1000  # the vectors' vocabulary size
+FP = "ab" * 32  # a vocabulary fingerprint (64 hex digits)
+LIMITS = SessionLimits(max_nodes=8, max_depth=4, max_pending=2, max_bytes=4096, max_context=64)
+
+# the element type of every integer-array field (raw little-endian bytes on the wire)
+ARRAY_FIELDS = {
+    "tokens": "<i4",
+    "parents": "<i4",
+    "cond": "<i4",
+    "stop_ids": "<i4",
+    "eos_ids": "<i4",
+    "accepted_nodes": "<i4",
+    "node": "<i4",
+    "qrow": "<i4",
+    "q_ids": "<i4",
+    "q_ptr": "<u4",
+    "q_wm1": "<u2",
+    "drafter": "u1",
+}
+
+
+def meaning(obj: Any, key: str = "") -> Any:
+    """A decoded frame as JSON: bin fields become {"dtype", "values"}, floats stay numbers."""
+    if isinstance(obj, dict):
+        return {k: meaning(v, k) for k, v in obj.items()}
+    if isinstance(obj, bytes):
+        dt = ARRAY_FIELDS.get(key)
+        if dt is None:
+            return {"bytes_hex": obj.hex()}
+        return {"dtype": dt, "values": np.frombuffer(obj, dtype=dt).tolist()}
+    if isinstance(obj, list):
+        return [meaning(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"float": repr(obj)}
+    return obj
+
+
+def valid(name: str, msg: Message, note: str = "") -> dict[str, Any]:
+    frame = encode(msg)
+    return {
+        "name": name,
+        "hex": frame.hex(),
+        "valid": True,
+        "decoded": meaning(msgpack.unpackb(frame)),
+        "note": note,
+    }
+
+
+def invalid(name: str, frame: bytes, note: str = "") -> dict[str, Any]:
+    try:
+        decode(frame, LIMITS_WIRE)
+    except ProtocolError as exc:
+        return {
+            "name": name,
+            "hex": frame.hex(),
+            "valid": False,
+            "error": {"code": exc.code.value, "field": exc.field, "fatal": exc.fatal},
+            "note": note,
+        }
+    raise AssertionError(f"{name}: the decoder accepted it")
+
+
+def _packed(d: dict[str, Any]) -> bytes:
+    return bytes(msgpack.packb(d, use_bin_type=True))
+
+
+def _with(msg: Message, **over: Any) -> bytes:
+    d = msgpack.unpackb(encode(msg))
+    for k, v in over.items():
+        if v is None:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    return _packed(d)
+
+
+def _q(tokens: list[int], weights: list[int]) -> SparseRows:
+    return SparseRows.from_rows([SparseDist.from_weights(tokens, weights)])
+
+
+def frames() -> list[dict[str, Any]]:
+    welcome = Welcome(
+        "7", "tiny", VOCAB, (2,), (Mode.GREEDY, Mode.MATCH, Mode.AR), LIMITS, {1: 3.5, 16: 7.25}, FP
+    )
+    stochastic = TokenTree.build(
+        [5, 9],
+        [-1, -1],
+        base=3,
+        draws=Draws(
+            np.array([0, 1, 0], np.int32),
+            np.zeros(3, np.int32),
+            np.zeros(3, np.int32),
+            _q([5, 9], [40000, 25536]),
+        ),
+    )
+    out = [
+        valid("hello", Hello(FP, api_key="k-1", client="example/1.0")),
+        valid("welcome", welcome),
+        valid("prompt greedy", Prompt(np.array([1, 2, 3]), Mode.GREEDY, max_new_tokens=16)),
+        valid(
+            "prompt match with a first tree",
+            Prompt(
+                np.array([1, 2, 3]),
+                Mode.MATCH,
+                0.7,
+                40,
+                0.9,
+                12345,
+                32,
+                (2,),
+                tree=TokenTree.chain([4, 5], base=3),
+            ),
+            "the prompt's tree has no round: it is answered by verdict round 0",
+        ),
+        valid("tree", Tree(1, TokenTree.build([4, 6, 5], [-1, -1, 0], base=4))),
+        valid(
+            "conditional tree", Tree(2, TokenTree.chain([8], base=4, cond=[4, 5])), "assumes S[4:] == [4, 5]"
+        ),
+        valid(
+            "stochastic tree (mss)",
+            Tree(3, stochastic),
+            "3 draws: node 0 drawn twice; q weights sum to 65536",
+        ),
+        valid("verdict", Verdict(1, np.array([4, 5, 7]), np.array([0, 2]), True, 7, None, 12.5, False)),
+        valid(
+            "verdict done",
+            Verdict(2, np.array([2]), np.array([], np.int32), True, 8, None, 3.0, True, "stop"),
+        ),
+        valid("verdict with next_round", Verdict(1, np.array([4, 5]), np.array([0]), True, 6, 2, 9.0)),
+        valid("stale", Stale(2, "mismatch")),
+        valid(
+            "error",
+            Error(
+                ErrorCode.BAD_TREE, "parents[1] = 1 is not -1 or an earlier node", "tree.parents", False, 3
+            ),
+        ),
+        valid("cancel", Cancel()),
+        valid("close", Close("done")),
+        # decoding errors: every one is fatal (the stream can no longer be trusted)
+        invalid("not msgpack", b"\xc1", "0xc1 is never used in msgpack"),
+        invalid("not a map", _packed([1, 2])),  # type: ignore[arg-type]
+        invalid("trailing bytes", _packed({"type": "cancel"}) + b"\x00"),
+        invalid("extension type", b"\x81\xa4type\xd4\x01\x00"),
+        invalid("duplicate key", b"\x82\xa4type\xa6cancel\xa4type\xa6cancel"),
+        invalid("non-string key", _packed({1: 2})),  # type: ignore[dict-item]
+        invalid("deep nesting", b"\x91" * 2000 + b"\xc0"),
+        invalid("declared length past the frame", b"\x81\xa4type\xdb\xff\xff\xff\xffx"),
+        invalid("unknown type", _packed({"type": "launch"})),
+        invalid("type missing", _packed({"round": 1})),
+        invalid("unknown field", _with(Prompt(np.array([1])), speed=1)),
+        invalid("field missing", _with(Prompt(np.array([1])), tokens=None)),
+        invalid("array not raw bytes", _with(Prompt(np.array([1])), tokens=[1, 2])),
+        invalid("array length not whole int32s", _with(Prompt(np.array([1])), tokens=b"\x01\x02\x03")),
+        invalid("unknown mode", _with(Prompt(np.array([1])), mode="turbo")),
+        invalid("temperature out of range", _with(Prompt(np.array([1])), temperature=1e5)),
+        invalid("temperature not finite", _with(Prompt(np.array([1])), temperature=float("nan"))),
+        invalid("top_p zero", _with(Prompt(np.array([1])), top_p=0.0)),
+        invalid("seed negative", _with(Prompt(np.array([1])), seed=-1)),
+        invalid("max_new_tokens zero", _with(Prompt(np.array([1])), max_new_tokens=0)),
+        invalid("boolean as an integer", _with(Prompt(np.array([1])), top_k=True)),
+        invalid("round zero", _with(Tree(1, TokenTree.chain([1], base=1)), round=0)),
+        invalid("base negative", _with(Tree(1, TokenTree.chain([1], base=1)), base=-1)),
+        invalid("string too long", _with(Hello(FP), client="x" * 5000)),
+        invalid("frame over max_bytes", _with(Prompt(np.array([1])), tokens=b"\x01\x00\x00\x00" * 1100)),
+    ]
+    return out
+
+
+LIMITS_WIRE = ServerProtocol(vocab_size=VOCAB, limits=LIMITS).wire
+
+
+# ---------------------------------------------------------------------------------------- sessions
+def _session(name: str, steps: list[tuple[str, Message | bytes]], note: str = "") -> dict[str, Any]:
+    """Run steps on a fresh ServerProtocol; record what it sends after each."""
+    proto = ServerProtocol(vocab_size=VOCAB, limits=LIMITS)
+    out = []
+    for who, item in steps:
+        frame = item if isinstance(item, bytes) else encode(item)
+        step: dict[str, Any] = {"from": who, "hex": frame.hex(), "decoded": meaning(msgpack.unpackb(frame))}
+        if who == "client":
+            step["events"] = [type(e).__name__ for e in proto.receive(frame)]
+        else:  # the server application: welcome after hello, a verdict after verifying a round
+            msg = decode(frame)
+            if isinstance(msg, Welcome):
+                proto.welcome(msg)
+            else:
+                assert isinstance(msg, Verdict)
+                nxt = proto.verdict(msg)
+                step["verify_next"] = nxt.round if nxt is not None else None
+        step["sent"] = [meaning(msgpack.unpackb(f)) for f in proto.data_to_send()]
+        out.append(step)
+    return {"name": name, "note": note, "vocab_size": VOCAB, "limits": LIMITS.to_wire(), "steps": out}
+
+
+def sessions() -> list[dict[str, Any]]:
+    hello = Hello(FP)
+    welcome = Welcome("1", "tiny", VOCAB, (2,), (Mode.GREEDY, Mode.MATCH, Mode.AR), LIMITS, {1: 3.0}, FP)
+    prompt = Prompt(np.array([10, 11, 12]), Mode.GREEDY, max_new_tokens=8)
+    start: list[tuple[str, Message | bytes]] = [
+        ("client", hello),
+        ("server_app", welcome),
+        ("client", prompt),
+    ]
+    v0 = Verdict(0, np.array([13]), np.array([], np.int32), True, 4)  # the prompt's answer: S = 10 11 12 13
+    return [
+        _session(
+            "a greedy round",
+            [
+                *start,
+                ("server_app", v0),
+                ("client", Tree(1, TokenTree.chain([14, 15], base=4))),
+                ("server_app", Verdict(1, np.array([14, 15, 16]), np.array([0, 1]), True, 7)),
+            ],
+            "each tree is answered by one verdict; committed_len grows by len(tokens)",
+        ),
+        _session(
+            "a conditional tree is verified with no round trip",
+            [
+                *start,
+                ("client", Tree(1, TokenTree.chain([14], base=3, cond=[13]))),
+                ("client", Tree(2, TokenTree.chain([9], base=3, cond=[99]))),
+                ("server_app", v0),
+            ],
+            "after verdict 0 (S ends in 13) the server verifies round 1 at once (verify_next, next_round) "
+            "and round 2, which assumed 99, goes stale",
+        ),
+        _session(
+            "a tree before any prompt",
+            [("client", hello), ("server_app", welcome), ("client", Tree(1, TokenTree.chain([1], base=1)))],
+            "BAD_ORDER, not fatal",
+        ),
+        _session("the first frame is not hello", [("client", prompt)], "BAD_ORDER, fatal"),
+        _session("an unknown protocol version", [("client", Hello(FP, version=99))], "BAD_VERSION, fatal"),
+        _session(
+            "round ids must increase",
+            [
+                *start,
+                ("server_app", v0),
+                ("client", Tree(5, TokenTree.chain([1], base=4))),
+                ("client", Tree(5, TokenTree.chain([1], base=4))),
+            ],
+            "the second round 5 is refused: BAD_ORDER on field round",
+        ),
+        _session(
+            "too many pending trees",
+            [*start, *[("client", Tree(r, TokenTree.chain([1], base=3, cond=[r]))) for r in range(1, 5)]],
+            "max_pending is 2 besides the round in flight: the third is refused (TOO_MANY_PENDING)",
+        ),
+        _session(
+            "a tree over the limits",
+            [*start, ("server_app", v0), ("client", Tree(1, TokenTree.chain(list(range(1, 6)), base=4)))],
+            "depth 5 > max_depth 4: LIMIT_EXCEEDED on tree.parents, the session goes on",
+        ),
+        _session(
+            "cancel ends the generation at the round in flight",
+            [*start, ("client", Cancel()), ("server_app", v0)],
+            "the prompt's verdict comes back done, reason cancelled",
+        ),
+    ]
+
+
+def main() -> None:
+    for name, doc in (("frames", frames()), ("sessions", sessions())):
+        path = HERE / f"{name}.json"
+        path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+        print(f"wrote {path} ({len(doc)} vectors)")
+
+
+if __name__ == "__main__":
+    main()
