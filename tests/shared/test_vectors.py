@@ -56,7 +56,9 @@ def test_session_vector(vec: dict[str, Any]) -> None:
                 assert isinstance(msg, Verdict)
                 nxt = proto.verdict(msg)
                 assert (nxt.round if nxt is not None else None) == step["verify_next"], i
-        assert [meaning(msgpack.unpackb(f)) for f in proto.data_to_send()] == step["sent"], i
+        sent = proto.data_to_send()
+        assert [meaning(msgpack.unpackb(f)) for f in sent] == step["sent"], i
+        assert [f.hex() for f in sent] == step["sent_hex"], i
 
 
 def test_there_are_enough_vectors() -> None:

@@ -231,7 +231,9 @@ def _session(name: str, steps: list[tuple[str, Message | bytes]], note: str = ""
                 assert isinstance(msg, Verdict)
                 nxt = proto.verdict(msg)
                 step["verify_next"] = nxt.round if nxt is not None else None
-        step["sent"] = [meaning(msgpack.unpackb(f)) for f in proto.data_to_send()]
+        sent = proto.data_to_send()
+        step["sent"] = [meaning(msgpack.unpackb(f)) for f in sent]
+        step["sent_hex"] = [f.hex() for f in sent]
         out.append(step)
     return {"name": name, "note": note, "vocab_size": VOCAB, "limits": LIMITS.to_wire(), "steps": out}
 

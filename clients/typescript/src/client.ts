@@ -1,0 +1,155 @@
+// The session client: hello, then generations whose rounds are drafted by prompt lookup and
+// verified by the server (greedy or match). Token ids in, token ids out: the caller tokenizes the
+// prompt and decodes the output with the tokenizer of the model the verifier names (welcome.model_id).
+import WebSocket from "ws";
+import { DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
+import { decodeMessage, encodeMessage, type Message, PROTOCOL_VERSION, ProtocolError } from "./protocol.js";
+
+type Welcome = Extract<Message, { type: "welcome" }>;
+type Verdict = Extract<Message, { type: "verdict" }>;
+
+export class GenerationError extends Error {
+  constructor(message: string, public code?: string, public field?: string) {
+    super(message);
+  }
+}
+
+export interface GenerateOptions {
+  mode?: "greedy" | "match" | "ar";
+  maxNewTokens?: number;
+  temperature?: number; // match: > 0
+  topK?: number;
+  topP?: number;
+  seed?: number | bigint;
+  stopIds?: number[];
+  lookup?: Partial<LookupOptions>;
+}
+
+export interface Stats {
+  rounds: number; // verdicts of tree rounds (round 0 not counted)
+  tokens: number;
+  tau: number; // tokens per verdict, bonus included
+  draftedNodes: number;
+}
+
+export class TreespecClient {
+  welcome!: Welcome;
+  committed: number[] = [];
+  private inbox: (Message | Error)[] = [];
+  private waiting: ((m: Message | Error) => void) | null = null;
+  private round = 0;
+  last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0 };
+
+  private constructor(private ws: WebSocket) {
+    ws.on("message", (data: Buffer, isBinary: boolean) => {
+      let m: Message | Error;
+      try {
+        m = isBinary ? decodeMessage(new Uint8Array(data)) : new GenerationError("the verifier sent a text frame");
+      } catch (e) {
+        m = e as Error;
+      }
+      this.push(m);
+    });
+    ws.on("close", (code: number, reason: Buffer) =>
+      this.push(new GenerationError(`the verifier closed the connection (${code}): ${reason.toString()}`)),
+    );
+    ws.on("error", (e: Error) => this.push(new GenerationError(`cannot reach the verifier: ${e.message}`)));
+  }
+
+  private push(m: Message | Error): void {
+    if (this.waiting) {
+      const w = this.waiting;
+      this.waiting = null;
+      w(m);
+    } else this.inbox.push(m);
+  }
+
+  private next(): Promise<Message> {
+    const m = this.inbox.shift();
+    const done = (x: Message | Error): Message => {
+      if (x instanceof Error) throw x;
+      if (x.type === "error" && x.fatal) throw new GenerationError(`verifier refused: ${x.code} (${x.field}): ${x.message}`, x.code, x.field);
+      return x;
+    };  // prettier-ignore
+    if (m !== undefined) return Promise.resolve(m).then(done);
+    return new Promise((resolve, reject) => {
+      this.waiting = (x) => {
+        try {
+          resolve(done(x));
+        } catch (e) {
+          reject(e);
+        }
+      };
+    });
+  }
+
+  private send(m: Message): void {
+    this.ws.send(encodeMessage(m));
+  }
+
+  /** Open a session: `fingerprint` is the sha256 of the vocabulary (PROTOCOL.md section 8). */
+  static async connect(url: string, fingerprint: string, apiKey?: string): Promise<TreespecClient> {
+    const ws = new WebSocket(url, { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {}, maxPayload: 1 << 22 });
+    await new Promise<void>((resolve, reject) => {
+      ws.once("open", () => resolve());
+      ws.once("error", (e) => reject(new GenerationError(`cannot reach the verifier at ${url}: ${e.message}`)));
+    });
+    const c = new TreespecClient(ws);
+    c.send({ type: "hello", version: PROTOCOL_VERSION, vocab_fingerprint: fingerprint, client: "treespec-ts/0.1" });
+    const w = await c.next();
+    if (w.type !== "welcome") throw new GenerationError(`expected welcome, got ${w.type}`);
+    if (w.vocab_fingerprint && w.vocab_fingerprint !== fingerprint) {
+      throw new GenerationError(`the vocabulary is not the target's (${w.model_id})`, "VOCAB_MISMATCH", "vocab_fingerprint");
+    }
+    c.welcome = w;
+    return c;
+  }
+
+  /** Generate from `prompt` (token ids); yields each verdict's new tokens as they are committed. */
+  async *generate(prompt: number[], o: GenerateOptions = {}): AsyncGenerator<number[]> {
+    const mode = o.mode ?? "greedy";
+    const lim = this.welcome.limits;
+    const look: LookupOptions = { ...DEFAULT_LOOKUP, ...o.lookup };
+    look.depth = Math.min(look.depth, lim.max_depth);
+    const draft = (ctx: number[]) => fitTree(lookupTree(ctx, look), lim.max_nodes, lim.max_depth);
+    this.committed = [...prompt];
+    const first = mode === "ar" ? undefined : draft(this.committed);
+    this.send({
+      type: "prompt", tokens: prompt, mode, temperature: mode === "greedy" ? 0 : o.temperature ?? 0,
+      top_k: o.topK ?? 0, top_p: o.topP ?? 1, seed: o.seed ?? 0, max_new_tokens: o.maxNewTokens ?? 128,
+      stop_ids: o.stopIds ?? [], continue: false, ...(first ? { tree: first } : {}),
+    });  // prettier-ignore
+    const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: first?.tokens.length ?? 0 };
+    this.last = st;
+    let verdicts = 0;
+    for (;;) {
+      const m = await this.next();
+      if (m.type === "stale") continue;
+      if (m.type === "error") throw new GenerationError(`verifier refused: ${m.code} (${m.field}): ${m.message}`, m.code, m.field);
+      if (m.type !== "verdict") throw new ProtocolError("BAD_ORDER", `unexpected ${m.type}`, "type", true);
+      const v = m as Verdict;
+      this.committed.push(...v.tokens);
+      if (v.committed_len !== this.committed.length) {
+        throw new GenerationError(`committed_len ${v.committed_len} but ${this.committed.length} tokens held`);
+      }
+      verdicts++;
+      if (v.round > 0) st.rounds++;
+      st.tokens += v.tokens.length;
+      st.tau = st.tokens / verdicts;
+      if (v.tokens.length) yield v.tokens;
+      if (v.done) return;
+      if (mode !== "ar") {
+        const t = draft(this.committed);
+        st.draftedNodes += t.tokens.length;
+        this.send({ type: "tree", round: ++this.round, ...t });
+      }
+    }
+  }
+
+  close(): void {
+    if (this.ws.readyState === WebSocket.OPEN) {
+      this.send({ type: "close" });
+      this.ws.close(1000);
+    }
+  }
+}
