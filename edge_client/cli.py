@@ -119,7 +119,70 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     return parser
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API on this device, drafting here and verifying in the cloud",
+        description="POST /v1/chat/completions, POST /v1/completions (streaming or not) and GET /v1/models "
+        "on a local port. Each request drafts with the local model and is verified by the cloud verifier, "
+        "so the output is exactly the cloud target's. temperature 0 is greedy, above it match (seeded); "
+        "an extra 'mode' field asks for mss/rrs where the key allows them.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (keep it local)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port of the local API")
+    p.add_argument(
+        "--server", default="ws://127.0.0.1:8000/v1/session", help="ws:// or wss:// URL of the verifier"
+    )
+    p.add_argument("--ca-file", default=None, help="wss://: a CA bundle (PEM) that signed the verifier")
+    p.add_argument("--api-key", default=os.environ.get("EDGE_CLIENT_API_KEY"), help="the verifier's API key")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model alias or GGUF path")
+    p.add_argument("--drafter", default="llama_cpp", choices=["llama_cpp", "torch"], help="draft backend")
+    p.add_argument("--tree", default=None, help="expansion config, e.g. 2,1,1,1 (default: the draft's)")
+    p.add_argument("--no-prespec", action="store_true", help="no pre-speculation (conditional trees)")
+    p.add_argument("--threads", type=int, default=0, help="draft model threads (0: the backend's default)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from edge_client.client import EdgeClient, TreeSpec
+    from edge_client.defaults import recommended_tree
+    from edge_client.drafters.registry import create_drafter
+    from edge_client.serve import create_app
+    from shared.tree import ExpansionConfig
+
+    try:
+        spec = TreeSpec("static", ExpansionConfig.parse(args.tree or recommended_tree(args.draft)))
+    except ValueError as exc:
+        print(f"edge-client: --tree: {exc}", file=sys.stderr)
+        return 2
+    opts = {"n_threads": args.threads} if args.threads else {}
+    drafter = create_drafter(args.drafter, args.draft, **opts)
+
+    def make() -> EdgeClient:
+        return EdgeClient(
+            args.server,
+            drafter,
+            api_key=args.api_key,
+            tree=spec,
+            prespec=not args.no_prespec,
+            ca_file=args.ca_file,
+        )
+
+    print(
+        f"edge-client: OpenAI-compatible API on http://{args.host}:{args.port}/v1 -> {args.server}",
+        flush=True,
+    )
+    try:
+        uvicorn.run(create_app(make), host=args.host, port=args.port, log_level="warning")
+    finally:
+        drafter.close()
+    return 0
 
 
 def _tree_spec(args: argparse.Namespace) -> TreeSpec:
@@ -217,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 2
         return asyncio.run(_generate(args))
+    if args.command == "serve":
+        return _serve(args)
     return 2
 
 

@@ -304,6 +304,10 @@ class EdgeClient:
             mode, spec, Sampling(temperature, top_k, top_p, self.wire_top_k), np.random.default_rng(seed)
         )
 
+    def encode_prompt(self, prompt: str | Sequence[Message] | Sequence[int], raw: bool = False) -> list[int]:
+        """The token ids `generate` would send for `prompt` (chat template unless raw)."""
+        return self._encode(prompt, raw)
+
     def _encode(self, prompt: str | Sequence[Message] | Sequence[int], raw: bool) -> list[int]:
         if not isinstance(prompt, str) and prompt and isinstance(prompt[0], (int, np.integer)):
             return [int(t) for t in prompt]  # type: ignore[arg-type]
