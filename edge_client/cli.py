@@ -37,6 +37,20 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
         "a self-signed certificate); default: the system's CAs",
     )
     p.add_argument(
+        "--fallback",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="another verifier (a replica) to fail over to when the connection drops; repeatable",
+    )
+    p.add_argument(
+        "--resume-attempts",
+        type=int,
+        default=10,
+        help="when the connection drops: reconnect attempts (with backoff, over --server and the "
+        "--fallback URLs) before giving up; 0: a drop ends the generation",
+    )
+    p.add_argument(
         "--draft",
         default=DEFAULT_DRAFT,
         help="draft model: an alias (qwen2.5-coder-0.5b-q4, the draft of the qwen2.5-coder-1.5b target, "
@@ -199,7 +213,7 @@ def _tree_spec(args: argparse.Namespace) -> TreeSpec:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from edge_client.client import EdgeClient, GenerationError
+    from edge_client.client import EdgeClient, GenerationError, ResumeConfig
     from edge_client.drafters.registry import create_drafter
     from edge_client.rounds import PrespecConfig
 
@@ -222,7 +236,13 @@ async def _generate(args: argparse.Namespace) -> int:
     out = sys.stdout
     try:
         async with EdgeClient(
-            args.server, drafter, api_key=args.api_key, tree=spec, prespec=prespec, ca_file=args.ca_file
+            [args.server, *args.fallback],
+            drafter,
+            api_key=args.api_key,
+            tree=spec,
+            prespec=prespec,
+            ca_file=args.ca_file,
+            resume=ResumeConfig(attempts=args.resume_attempts) if args.resume_attempts > 0 else False,
         ) as client:
             async for chunk in client.generate(
                 args.prompt,

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -55,8 +58,35 @@ class GenerationError(RuntimeError):
         self.field = field
 
 
+class ConnectionLost(GenerationError):
+    """The connection to the verifier dropped (reset, restart, draining, overload): a generation can
+    resume on a new session. A close for a reason of the protocol (1007, 1008, 1009) is not this."""
+
+
+# close codes after which the same request may succeed on a new session (None: no close frame)
+RESUMABLE_CLOSES = (None, 1001, 1006, 1011, 1012, 1013)
+
+
 def _closed(exc: TransportClosed) -> GenerationError:
-    return GenerationError(f"the verifier closed the connection: {exc.reason or exc.code}")
+    message = f"the verifier closed the connection: {exc.reason or exc.code}"
+    return ConnectionLost(message) if exc.code in RESUMABLE_CLOSES else GenerationError(message)
+
+
+@dataclass(frozen=True)
+class ResumeConfig:
+    """Reconnecting after the connection drops (EdgeClient(resume=...)).
+
+    attempts:  connection attempts per drop (each tries the next server URL, round robin)
+    backoff_s: the first wait between attempts, doubled each time up to max_backoff_s
+    """
+
+    attempts: int = 10
+    backoff_s: float = 0.2
+    max_backoff_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or not self.backoff_s >= 0 or not self.max_backoff_s >= self.backoff_s:
+            raise ValueError("need attempts >= 1 and 0 <= backoff_s <= max_backoff_s")
 
 
 class EdgeClient:
@@ -70,11 +100,15 @@ class EdgeClient:
     couple:     in mode match at temperature > 0, draft with the verifier's keyed uniforms
                 (edge_client.trees.Coupling): the first child at each node is the token the target
                 samples wherever the draft's distribution is close to its own
+    server:     a URL, or several (replicas with no shared state): a dropped connection fails over
+                to the next
+    resume:     reconnect when the connection drops and go on from the committed tokens (True:
+                ResumeConfig defaults; False: a drop ends the generation with ConnectionLost)
     """
 
     def __init__(
         self,
-        server: str,
+        server: str | Sequence[str],
         drafter: Drafter | None,
         *,
         tokenizer: EdgeTokenizer | None = None,
@@ -86,8 +120,16 @@ class EdgeClient:
         wire_top_k: int = 48,
         couple: bool = True,
         ca_file: str | None = None,
+        resume: bool | ResumeConfig = True,
     ) -> None:
-        self.server = server
+        self.servers = [server] if isinstance(server, str) else list(server)
+        if not self.servers:
+            raise ValueError("EdgeClient needs at least one verifier URL")
+        self._server_i = 0
+        self.resume: ResumeConfig | None = (
+            resume if isinstance(resume, ResumeConfig) else (ResumeConfig() if resume else None)
+        )
+        self.resumes: list[float] = []  # seconds each resume took (drop to the new session's welcome)
         self.ca_file = ca_file
         self.drafter = drafter
         tok = tokenizer or (drafter.tokenizer if drafter is not None else None)
@@ -115,7 +157,55 @@ class EdgeClient:
         self.rtt_estimate_ms = 0.0
         self.last: Generation | None = None
 
+    @property
+    def server(self) -> str:
+        """The verifier URL in use."""
+        return self.servers[self._server_i]
+
     # ------------------------------------------------------------------ connection
+    async def _reconnect(self) -> None:
+        """A new session after a drop: backoff, the next URL, and the same model and vocabulary."""
+        assert self.resume is not None
+        old = self.welcome
+        t0 = time.perf_counter()
+        if self._transport is not None:
+            with contextlib.suppress(Exception):
+                await self._transport.close()
+        self._transport, self.welcome, self.proto = None, None, ClientProtocol()
+        delay = self.resume.backoff_s
+        last: Exception | None = None
+        for attempt in range(self.resume.attempts):
+            if len(self.servers) > 1 or attempt:
+                self._server_i = (self._server_i + 1) % len(self.servers)
+            self.proto = ClientProtocol()  # a fresh session each attempt
+            try:
+                w = await self.connect()
+                break
+            except ConnectionLost as exc:
+                last = exc
+            except GenerationError as exc:
+                if exc.code is not None:  # refused for a reason (auth, vocabulary): not transient
+                    raise
+                last = exc
+            if self._transport is not None:
+                with contextlib.suppress(Exception):
+                    await self._transport.close()
+            self._transport = None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.resume.max_backoff_s)
+        else:
+            raise GenerationError(
+                f"the verifier did not come back after {self.resume.attempts} attempts: {last}"
+            )
+        if old is not None and (w.model_id, w.vocab_fingerprint) != (old.model_id, old.vocab_fingerprint):
+            raise GenerationError(
+                f"the verifier came back with another model ({w.model_id}, was {old.model_id}) or "
+                "vocabulary: the generation cannot go on exactly",
+                ErrorCode.VOCAB_MISMATCH,
+                "model_id",
+            )
+        self.resumes.append(time.perf_counter() - t0)
+
     async def connect(self) -> Welcome:
         """Open the session: hello, then the server's welcome (or a clear refusal)."""
         if self._transport_factory is not None:
@@ -123,8 +213,10 @@ class EdgeClient:
         else:
             try:
                 inner = await WebSocketTransport.connect(self.server, self.api_key, ca_file=self.ca_file)
-            except (OSError, ValueError) as exc:  # refused, unreachable, bad certificate, bad URL
+            except ValueError as exc:  # a bad URL
                 raise GenerationError(f"cannot reach the verifier at {self.server}: {exc}") from exc
+            except Exception as exc:  # refused, unreachable, bad certificate, a failed handshake
+                raise ConnectionLost(f"cannot reach the verifier at {self.server}: {exc}") from exc
         self._transport = ShapedTransport(inner, self.link) if self.link is not None else inner
         fp = self.drafter.vocab_fingerprint() if self.drafter is not None else self.tokenizer.fingerprint
         await self.send(
@@ -250,31 +342,53 @@ class EdgeClient:
             stop_ids=tuple(int(t) for t in stop_ids),
             continue_=continue_,
         )
-        driver = RoundDriver(self, req, msg, st, self.prespec)
         emitted = 0  # characters of gen.text already yielded
         cut: int | None = None
-        async for v in driver.run():
-            if not st.first_token_s:
-                st.first_token_s = time.perf_counter() - t_start
-            new = v.tokens.tolist()
-            gen.tokens.extend(new)
-            detok.push(new)
-            if v.done:
-                detok.flush()
-            text = detok.text
-            if cut is None and stop:
-                cut = find_stop(text, stop, emitted)
-            if cut is not None:
-                text = text[:cut]
-            if len(text) > emitted:
-                yield text[emitted:]
-                emitted = len(text)
-            gen.text = text
-            if v.done:
-                gen.reason = "stop_string" if cut is not None else v.reason
-            elif cut is not None and not driver.cancelled:
-                driver.cancel()
-                await self.send(self.proto.cancel())
+        while True:
+            driver = RoundDriver(self, req, msg, st, self.prespec)
+            try:
+                async for v in driver.run():
+                    if not st.first_token_s:
+                        st.first_token_s = time.perf_counter() - t_start
+                    new = v.tokens.tolist()
+                    gen.tokens.extend(new)
+                    detok.push(new)
+                    if v.done:
+                        detok.flush()
+                    text = detok.text
+                    if cut is None and stop:
+                        cut = find_stop(text, stop, emitted)
+                    if cut is not None:
+                        text = text[:cut]
+                    if len(text) > emitted:
+                        yield text[emitted:]
+                        emitted = len(text)
+                    gen.text = text
+                    if v.done:
+                        gen.reason = "stop_string" if cut is not None else v.reason
+                    elif cut is not None and not driver.cancelled:
+                        driver.cancel()
+                        await self.send(self.proto.cancel())
+                break
+            except ConnectionLost:
+                if self.resume is None or cut is not None:
+                    raise
+                # resume: a new session, the whole committed sequence as its prompt (the keyed
+                # sampler depends only on seed and position, so match goes on exactly too);
+                # conditional trees in flight are gone and get drafted again
+                committed = list(self.proto.committed)
+                if len(gen.tokens) >= max_new_tokens:
+                    gen.reason = "length"
+                    break
+                await self._reconnect()
+                st.resumes += 1
+                msg = dataclasses.replace(
+                    msg,
+                    tokens=np.asarray(committed, dtype=np.int32),
+                    max_new_tokens=max_new_tokens - len(gen.tokens),
+                    continue_=False,
+                    tree=None,
+                )
         st.wall_s = time.perf_counter() - t_start
         st.bytes_up = self.proto.stats.bytes_out - up0
         st.bytes_down = self.proto.stats.bytes_in - down0

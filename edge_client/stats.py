@@ -32,6 +32,7 @@ class GenerationStats:
     decided_by_depth: dict[int, int] = field(default_factory=dict)
     wall_s: float = 0.0
     first_token_s: float = 0.0
+    resumes: int = 0  # times the connection dropped and the generation went on on a new session
 
     @property
     def tau(self) -> float:

@@ -123,8 +123,8 @@ def test_a_model_that_cannot_load_ends_the_process() -> None:
 
 
 def test_a_client_whose_verifier_dies_gets_a_generation_error() -> None:
-    """SIGKILL of the verifier mid-generation: the edge client raises its GenerationError (the CLI
-    prints it and exits 1), never the transport's raw exception."""
+    """SIGKILL of the verifier mid-generation, with resuming off: the edge client raises its
+    GenerationError (the CLI prints it and exits 1), never the transport's raw exception."""
     from edge_client.client import EdgeClient, GenerationError
     from edge_client.drafters.registry import create_drafter
 
@@ -132,7 +132,7 @@ def test_a_client_whose_verifier_dies_gets_a_generation_error() -> None:
     with verifier_process() as (proc, port):
 
         async def main() -> None:
-            async with EdgeClient(f"ws://127.0.0.1:{port}/v1/session", drafter) as c:
+            async with EdgeClient(f"ws://127.0.0.1:{port}/v1/session", drafter, resume=False) as c:
                 n = 0
                 async for _ in c.generate("Tell me a long story.", max_new_tokens=400):
                     n += 1
