@@ -1,0 +1,134 @@
+"""Kill the verifier at random moments during generations and restart it; count what the client lost.
+
+    python -m bench.chaos --kills 100 --json bench/out/chaos.json
+
+A `cloud-verifier serve --model tiny` process serves; an edge client (the tiny torch drafter, resume
+on) generates from random prompts in greedy and seeded `match` modes. Before each generation the
+same request runs uninterrupted; during the second run the verifier is killed with SIGKILL after a
+random number of verdicts and a new process is started on the same port. The client reconnects,
+re-sends its committed tokens and goes on. Reported: whether every interrupted output equals the
+uninterrupted one, tokens lost and repeated, and the time from the drop to the new session's welcome
+(which includes the new process's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.harness import free_port, table
+
+
+def _serve(port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "cloud_verifier", "serve", "--model", "tiny", "--port", str(port),
+           "--no-measure-cost", "--log-level", "error", "--threads", "1"]  # fmt: skip
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=100, help="verifier kills (at most one per generation)")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per generation")
+    ap.add_argument("--seed", type=int, default=0, help="randomness of prompts, modes and kill moments")
+    ap.add_argument("--json", default=None, help="write the figures to this JSON file")
+    a = ap.parse_args(argv)
+    if a.kills < 1 or a.tokens < 8:
+        ap.error("--kills >= 1 and --tokens >= 8")
+    from edge_client.client import EdgeClient, GenerationError, ResumeConfig
+    from edge_client.drafters.registry import create_drafter
+
+    rng = random.Random(a.seed)
+    drafter = create_drafter("torch", "tiny")
+    port = free_port()
+    url = f"ws://127.0.0.1:{port}/v1/session"
+    procs = [_serve(port)]
+    resume = ResumeConfig(attempts=100, backoff_s=0.1, max_backoff_s=0.5)
+    records: list[dict[str, Any]] = []
+
+    async def generate(
+        prompt: list[int], kw: dict[str, Any], kill_at: int | None
+    ) -> tuple[list[int], list[float]]:
+        c = EdgeClient(url, drafter, resume=resume)
+        n = 0
+        async for _ in c.generate(prompt, max_new_tokens=a.tokens, raw=True, **kw):
+            n += 1
+            if n == kill_at:
+                procs[-1].send_signal(signal.SIGKILL)
+                procs[-1].wait()
+                procs.append(_serve(port))
+        assert c.last is not None
+        out = list(c.last.tokens)
+        await c.close()
+        return out, c.resumes
+
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # the first process is ready
+            try:
+                asyncio.run(EdgeClient(url, drafter, resume=False).connect())
+                break
+            except GenerationError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        bar = tqdm(total=a.kills, desc="chaos kills", file=sys.stderr)
+        while len(procs) - 1 < a.kills:
+            prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(4, 24))]
+            mode = rng.choice(["greedy", "match"])
+            kw = {"mode": mode, "temperature": 0.8 if mode == "match" else 0.0, "seed": rng.randrange(2**31)}
+            want, _ = asyncio.run(generate(prompt, kw, None))
+            before = len(procs)
+            got, resumes = asyncio.run(generate(prompt, kw, rng.randint(1, 3)))
+            bar.update(len(procs) - before)
+            n = min(len(got), len(want))
+            same = next((j for j in range(n) if got[j] != want[j]), n)
+            records.append(
+                {
+                    "mode": mode,
+                    "identical": got == want,
+                    "tokens_lost": max(0, len(want) - same) if got != want else 0,
+                    "tokens_repeated": max(0, len(got) - same) if got != want else 0,
+                    "resumes": len(resumes),
+                    "resume_ms": [round(r * 1e3, 1) for r in resumes],
+                }
+            )
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        drafter.close()
+    resume_ms = sorted(x for r in records for x in r["resume_ms"])
+    result = {
+        "kills": len(procs) - 1,
+        "generations": 2 * len(records),
+        "identical": all(r["identical"] for r in records),
+        "tokens_lost": sum(r["tokens_lost"] for r in records),
+        "tokens_repeated": sum(r["tokens_repeated"] for r in records),
+        "resume_ms_median": round(statistics.median(resume_ms), 1) if resume_ms else None,
+        "resume_ms_p95": round(resume_ms[min(len(resume_ms) - 1, int(0.95 * len(resume_ms)))], 1)
+        if resume_ms
+        else None,
+        "resumed_generations": sum(1 for r in records if r["resumes"]),
+    }
+    print(table([[k, v] for k, v in result.items()], ["figure", "value"]))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({**result, "records": records}, indent=2))
+    return 0 if result["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
