@@ -35,7 +35,7 @@ from edge_client.tokenizer import EdgeTokenizer
 from edge_client.transport import LinkShape, ShapedTransport, Transport, TransportClosed, WebSocketTransport
 from edge_client.trees import Coupling, DraftResult, Sampling
 from shared.errors import ErrorCode, ProtocolError
-from shared.messages import Error, Hello, Mode, Prompt, Welcome
+from shared.messages import Error, Hello, Mode, Prompt, Verdict, Welcome
 from shared.protocol import ClientProtocol, ClientState
 
 __all__ = [
@@ -309,13 +309,16 @@ class EdgeClient:
         stop_ids: Sequence[int] = (),
         tree: TreeSpec | None = None,
         continue_: bool = False,
+        on_verdict: Callable[[Verdict, bool], None] | None = None,
     ) -> AsyncIterator[str]:
         """Stream the target's text for `prompt` (text, chat messages, or token ids).
 
         A plain prompt becomes one user turn of the model's chat template unless `raw`. Generation
         ends on an EOS id, a stop id, a stop string (cut from the text) or max_new_tokens; `continue_`
         adds the prompt as a new turn to the session's cached context. The Generation record is
-        `self.last` (tokens, text, stats).
+        `self.last` (tokens, text, stats). `on_verdict(verdict, prespeculated)` sees every verdict
+        before its text is yielded; prespeculated: its tree was already at the server when the
+        previous verdict came (a pre-speculation hit, no round trip).
         """
         if self.welcome is None:
             await self.connect()
@@ -344,12 +347,16 @@ class EdgeClient:
         )
         emitted = 0  # characters of gen.text already yielded
         cut: int | None = None
+        next_round: int | None = None  # the round the server took up with no round trip
         while True:
             driver = RoundDriver(self, req, msg, st, self.prespec)
             try:
                 async for v in driver.run():
                     if not st.first_token_s:
                         st.first_token_s = time.perf_counter() - t_start
+                    if on_verdict is not None:
+                        on_verdict(v, v.round != 0 and v.round == next_round)
+                    next_round = v.next_round
                     new = v.tokens.tolist()
                     gen.tokens.extend(new)
                     detok.push(new)

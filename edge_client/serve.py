@@ -11,16 +11,18 @@ round-trip times). One generation runs at a time (the draft model is single-thre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from edge_client.client import EdgeClient, GenerationError
-from shared.messages import Mode
+from shared.messages import Mode, Verdict
 from shared.openai_compat import (
     MAX_BODY_BYTES,
     SSE_DONE,
@@ -59,7 +61,7 @@ def speculation_stats(client: EdgeClient) -> dict[str, Any]:
         "bytes_up",
         "bytes_down",
     )
-    return {k: d[k] for k in keys if k in d}
+    return {"tokens": len(gen.tokens), **{k: d[k] for k in keys if k in d}}
 
 
 def create_app(make_client: Callable[[], EdgeClient]) -> FastAPI:
@@ -180,7 +182,79 @@ def create_app(make_client: Callable[[], EdgeClient]) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "alive"}
 
+    @app.get("/")
+    async def page() -> Response:
+        return HTMLResponse(LIVE_PAGE.read_text(encoding="utf-8"))
+
+    @app.post("/live")
+    async def live(request: Request) -> Response:
+        """The page's stream: per verdict, its tokens with how each came, and the running figures."""
+        try:
+            body = parse_json_body(await request.body())
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+            n = body.get("max_tokens", 96)
+            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
+                raise ApiError(400, "'max_tokens' must be an integer in [1, 4096]", "max_tokens")
+        except ApiError as exc:
+            return _respond(exc)
+        await lock.acquire()
+        try:
+            c = await session()
+        except ApiError as exc:
+            lock.release()
+            return _respond(exc)
+        mode = Mode.AR if body.get("cloud_only") else Mode.GREEDY
+        return StreamingResponse(_live(c, prompt, n, mode, lock), media_type="text/event-stream")
+
     return app
+
+
+LIVE_PAGE = Path(__file__).resolve().parent / "static" / "live.html"
+
+
+async def _live(c: EdgeClient, prompt: str, n: int, mode: Mode, lock: asyncio.Lock) -> AsyncIterator[bytes]:
+    events: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    def on_verdict(v: Verdict, prespeculated: bool) -> None:
+        toks = v.tokens.tolist()
+        accepted = len(v.accepted_nodes)
+        out: list[dict[str, Any]] = []
+        for i, t in enumerate(toks):
+            text = c.tokenizer.token_bytes(t).decode("utf-8", errors="replace")
+            if mode is Mode.AR:
+                out.append({"text": text, "how": "target"})
+            elif i < accepted:
+                out.append({"text": text, "how": "accepted", "depth": i + 1})
+            else:
+                out.append({"text": text, "how": "bonus"})
+        st = speculation_stats(c)
+        doc = {"round": v.round, "tokens": out, "prespeculated": prespeculated, "done": v.done, "stats": st}
+        events.put_nowait(f"data: {json.dumps(doc, ensure_ascii=False)}\n\n".encode())
+
+    async def produce() -> None:
+        try:
+            async for _ in c.generate(prompt, max_new_tokens=n, mode=mode, on_verdict=on_verdict):
+                pass
+            events.put_nowait(
+                f"data: {json.dumps({'done': True, 'stats': speculation_stats(c)})}\n\n".encode()
+            )
+        except GenerationError as exc:
+            events.put_nowait(f"data: {json.dumps({'error': str(exc)})}\n\n".encode())
+        finally:
+            events.put_nowait(None)
+
+    task = asyncio.create_task(produce())
+    try:
+        while (item := await events.get()) is not None:
+            yield item
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        lock.release()
 
 
 def _mode(body: dict[str, Any], req: CompletionRequest, c: EdgeClient) -> Mode:
