@@ -70,6 +70,15 @@ async def _generate(
         await s.close()
 
 
+async def _honest(url: str, prompt: list[int], n: int, seed: int) -> list[int]:
+    """An honest greedy session beside the attacks (scripted trees); its tokens."""
+    s = await AsyncSession.open(url)
+    assert isinstance(await s.recv(), Welcome)
+    out = await run_greedy_async(s, prompt, n, seed=seed, nodes=4)
+    await s.close()
+    return out
+
+
 def test_tiny_temperatures_sample_the_argmax_and_hurt_nobody() -> None:
     """The probe's attack: prompts at temperatures whose logits / T overflow (with and without top-p,
     in ar and match) used to turn the logits into NaN, fail the engine step and end every concurrent
@@ -84,15 +93,8 @@ def test_tiny_temperatures_sample_the_argmax_and_hurt_nobody() -> None:
     ]
     with LiveServer() as srv:
 
-        async def honest(prompt: list[int], seed: int) -> list[int]:
-            s = await AsyncSession.open(srv.ws)
-            assert isinstance(await s.recv(), Welcome)
-            out = await run_greedy_async(s, prompt, 40, seed=seed, nodes=4)
-            await s.close()
-            return out
-
         async def main() -> tuple[list[list[int]], list[tuple[list[int], Error | None]]]:
-            good = [asyncio.create_task(honest(p, i)) for i, p in enumerate(honest_prompts)]
+            good = [asyncio.create_task(_honest(srv.ws, p, 40, i)) for i, p in enumerate(honest_prompts)]
             bad = [
                 asyncio.create_task(_generate(srv.ws, prompt_tokens(200 + i), 24, m, t, tp, seed=i))
                 for i, (m, t, tp) in enumerate(attacks)
@@ -141,19 +143,12 @@ def test_a_failing_round_fails_alone(poisoned: dict[str, int]) -> None:
     honest_prompts = [prompt_tokens(300 + i, 16) for i in range(3)]
     with LiveServer() as srv:
 
-        async def honest(prompt: list[int], seed: int) -> list[int]:
-            s = await AsyncSession.open(srv.ws)
-            assert isinstance(await s.recv(), Welcome)
-            out = await run_greedy_async(s, prompt, 40, seed=seed, nodes=4)
-            await s.close()
-            return out
-
         async def attacker(prompt: list[int], seed: int) -> tuple[list[int], Error | None]:
             await asyncio.sleep(0.05)  # join while the honest sessions are mid-generation
             return await _generate(srv.ws, prompt, 24, Mode.MATCH, 0.8, 1.0, seed, guess=[5] * 24)
 
         async def main() -> tuple[list[list[int]], list[tuple[list[int], Error | None]]]:
-            good = [asyncio.create_task(honest(p, i)) for i, p in enumerate(honest_prompts)]
+            good = [asyncio.create_task(_honest(srv.ws, p, 40, i)) for i, p in enumerate(honest_prompts)]
             bad = [
                 asyncio.create_task(attacker(prompt_tokens(400), poisoned["seed"])),
                 asyncio.create_task(attacker([*prompt_tokens(401, 8), poisoned["token"]], 7)),
@@ -435,18 +430,11 @@ def test_a_frame_flood_slows_only_its_sender() -> None:
                     await asyncio.sleep(0.05)
             return lat
 
-        async def honest() -> list[int]:
-            s = await AsyncSession.open(srv.ws)
-            assert isinstance(await s.recv(), Welcome)
-            out = await run_greedy_async(s, prompt_tokens(9), 30, seed=3, nodes=4)
-            await s.close()
-            return out
-
         async def main() -> tuple[list[int], list[float], list[int]]:
             stop = time.monotonic() + 3.0
             floods = [asyncio.create_task(flood(stop)) for _ in range(8)]
             lat = asyncio.create_task(probe(stop))
-            out = await honest()
+            out = await _honest(srv.ws, prompt_tokens(9), 30, 3)
             return out, await lat, [await f for f in floods]
 
         out, lat, sent = asyncio.run(main())
