@@ -440,7 +440,7 @@ def test_a_frame_flood_slows_only_its_sender() -> None:
         out, lat, sent = asyncio.run(main())
         assert out == reference(tuple(prompt_tokens(9)), 30)
         lat.sort()
-        assert lat[len(lat) // 2] < 0.25 and lat[-1] < 2.0, lat
+        assert lat[len(lat) // 2] < 0.5 and lat[-1] < 4.0, lat  # it was 1-2.8 s, and timeouts at 5 s
         assert sum(sent) > 8 * 200 * 3  # they did flood (more than the server would read)
 
 
