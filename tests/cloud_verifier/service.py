@@ -212,3 +212,16 @@ async def run_greedy_async(
         await sess.ws.send(
             sess.proto.tree(Tree(sess.round, scripted_tree(rng, list(sess.proto.committed), ref, nodes)))
         )
+
+
+async def collect_verdicts(sess: AsyncSession) -> list[int]:
+    """Read verdicts until the done one; the generation's tokens (stale frames skipped)."""
+    out: list[int] = []
+    while True:
+        v = await sess.recv()
+        if isinstance(v, Stale):
+            continue
+        assert isinstance(v, Verdict), v
+        out.extend(v.tokens.tolist())
+        if v.done:
+            return out

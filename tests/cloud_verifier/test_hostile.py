@@ -20,6 +20,7 @@ from shared.tree import TokenTree
 from tests.cloud_verifier.service import (
     AsyncSession,
     LiveServer,
+    collect_verdicts,
     prompt_tokens,
     reference,
     run_greedy_async,
@@ -374,13 +375,7 @@ def test_a_client_that_never_reads_is_held_back() -> None:
             await asyncio.sleep(3.0)  # not reading
             (sess,) = srv.state.sessions
             backlog = sess.outbox.qsize()
-            out: list[int] = []
-            while True:
-                v = await s.recv()
-                assert isinstance(v, Verdict)
-                out.extend(v.tokens.tolist())
-                if v.done:
-                    break
+            out = await collect_verdicts(s)
             await s.close()
             return backlog, out
 
@@ -555,13 +550,7 @@ def test_readyz_fails_fast_when_a_step_stalls(monkeypatch: pytest.MonkeyPatch) -
                     assert time.monotonic() - t0 < 10, "still ready while the step hangs"
                     await asyncio.sleep(0.1)
             took = time.monotonic() - t0
-            out: list[int] = []
-            while True:
-                v = await s.recv()
-                assert isinstance(v, Verdict)
-                out.extend(v.tokens.tolist())
-                if v.done:
-                    break
+            out = await collect_verdicts(s)
             await s.close()
             return took, out
 
