@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,14 +28,19 @@ from shared.messages import Mode, Prompt
 from shared.openai_compat import (
     BODY_TIMEOUT_S,
     MAX_BODY_BYTES,
+    SSE_DONE,
     ApiError,
     CompletionRequest,
     chat_messages,
+    chunk_choice,
     completion_prompt_value,
+    new_id,
     parse_common,
     parse_json_body,
+    sse,
     usage,
 )
+from shared.openai_compat import choice as whole_choice
 
 
 def completion_prompt(body: dict[str, Any], target: Target) -> list[int]:
@@ -232,7 +236,7 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
         gen = Generation(engine, req, ctx.admission, who, ticket)
         gen.start()
         ctx.running += 1
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        rid = new_id(chat)
         created = int(time.time())
         if req.stream:
             return StreamingResponse(
@@ -245,16 +249,8 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
             ctx.running -= 1
         if err is not None:
             return _respond(ApiError(500, err, None, "internal_error", "server_error"))
-        usage = _usage(req, ids_out)
-        if chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-                "logprobs": None,
-            }
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        counts = _usage(req, ids_out)
+        choice = whole_choice(chat, text, finish)
         if req.return_token_ids:
             choice["token_ids"] = ids_out
         obj = "chat.completion" if chat else "text_completion"
@@ -265,7 +261,7 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
                 "created": created,
                 "model": model,
                 "choices": [choice],
-                "usage": usage,
+                "usage": counts,
             }
         )
 
@@ -337,21 +333,12 @@ async def _sse(
     gen: Generation, target: Target, model: str, rid: str, created: int, chat: bool, ctx: ApiContext
 ) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk format, ending in `data: [DONE]`."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
 
-    def event(choice: dict[str, Any], usage: dict[str, int] | None = None) -> bytes:
-        doc: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model}
-        doc["choices"] = [choice] if choice else []
-        if usage is not None:
-            doc["usage"] = usage
-        return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n".encode()
+    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return sse(rid, created, model, chat, choices, **extra)
 
     def choice(piece: str, finish: str | None, new: list[int]) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if chat:
-            c["delta"] = {"content": piece} if piece or finish is None else {}
-        else:
-            c["text"] = piece
+        c = chunk_choice(chat, piece, finish)
         if gen.req.return_token_ids:
             c["token_ids"] = new
         return c
@@ -360,7 +347,7 @@ async def _sse(
     ids: list[int] = []
     try:
         if chat:
-            yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         async for piece, new, fin, err in _tokens(gen, text, ctx):
             if err is not None:
                 doc = {
@@ -370,10 +357,10 @@ async def _sse(
                 break
             ids.extend(new)
             if piece or fin is not None or gen.req.return_token_ids:
-                yield event(choice(piece, fin, new))
+                yield event([choice(piece, fin, new)])
         if gen.req.include_usage:
-            yield event({}, _usage(gen.req, ids))
-        yield b"data: [DONE]\n\n"
+            yield event([], usage=_usage(gen.req, ids))
+        yield SSE_DONE
     finally:  # also when the client goes away mid-stream: the engine drops the sequence
         gen.close()
         ctx.running -= 1
