@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.stats import chi2_pvalue
 from cloud_verifier.sampling import SamplingParams, target_probs
 from cloud_verifier.verify import EXACT, Rules, TreeBatch, draw_slots, verify_batch, verify_tree
 from shared.sparse import Q_TOTAL, SparseDist, SparseRows, truncate
 from shared.tree import Draws, ExpansionConfig, TokenTree, merge
-from tests.stats import chi2_pvalue
 
 ALPHA = 1e-6
 START_TOKEN = 1  # the last committed token of every trial
