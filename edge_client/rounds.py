@@ -40,7 +40,6 @@ import numpy as np
 
 from edge_client.budget import AcceptanceCalibration, choose_budget, geometric_gains
 from edge_client.drafters.base import Drafter, WorkspaceFullError
-from edge_client.lockstep import draft_static_many
 from edge_client.prespec import (
     ChoiceModel,
     Outcome,
@@ -54,11 +53,13 @@ from edge_client.stats import GenerationStats
 from edge_client.trees import (
     Coupling,
     DraftCancelled,
+    DraftOptions,
     DraftResult,
     Sampling,
     draft_dynamic,
     draft_sequence,
     draft_static,
+    draft_static_many,
     finish_leaves_many,
 )
 from shared.errors import ErrorCode
@@ -227,36 +228,21 @@ class RoundDriver:
     ) -> DraftResult:
         assert self.drafter is not None
         spec, lim = self.req.tree, self.welcome.limits
-        kw: dict[str, Any] = {
-            "cond": tuple(cond),
-            "reuse_workspace": reuse,
-            "eval_leaves": leaves,
-            "stop": stop,
-            "coupling": self.req.coupling,
-        }
-        if spec.kind == "sequence":
-            return draft_sequence(
-                self.drafter,
-                committed,
-                min(spec.chain_depth, lim.max_depth),
-                mode=self.req.mode,
-                sampling=self.req.sampling,
-                rng=self.req.rng,
-                **kw,
-            )
-        if spec.kind == "budget":
-            return draft_dynamic(
-                self.drafter, committed, self._budget(), max_depth=lim.max_depth, mode=self.req.mode, **kw
-            )
-        return draft_static(
-            self.drafter,
-            committed,
-            spec.expansion,
+        opts = DraftOptions(
             mode=self.req.mode,
             sampling=self.req.sampling,
             rng=self.req.rng,
-            **kw,
+            coupling=self.req.coupling,
+            cond=tuple(cond),
+            reuse_workspace=reuse,
+            eval_leaves=leaves,
+            stop=stop,
         )
+        if spec.kind == "sequence":
+            return draft_sequence(self.drafter, committed, min(spec.chain_depth, lim.max_depth), opts)
+        if spec.kind == "budget":
+            return draft_dynamic(self.drafter, committed, self._budget(), opts, max_depth=lim.max_depth)
+        return draft_static(self.drafter, committed, spec.expansion, opts)
 
     def _budget(self) -> int:
         assert self.drafter is not None
@@ -328,9 +314,8 @@ class RoundDriver:
                 self.anchor,
                 config,
                 [f[len(self.anchor) :] for f in fulls],
-                mode=self.req.mode,
+                DraftOptions(mode=self.req.mode, coupling=self.req.coupling),
                 stops=[functools.partial(self._ruled_out, f) for f in fulls],
-                coupling=self.req.coupling,
             )
         except WorkspaceFullError:
             self._workspace_full = True
@@ -374,9 +359,7 @@ class RoundDriver:
             done = finish_leaves_many(
                 self.drafter,
                 [(self.specs[rid].draft, nodes) for rid, nodes in work],
-                mode=self.req.mode,
-                sampling=self.req.sampling,
-                coupling=self.req.coupling,
+                DraftOptions(mode=self.req.mode, sampling=self.req.sampling, coupling=self.req.coupling),
             )
         except WorkspaceFullError:
             self._workspace_full = True
@@ -605,7 +588,7 @@ class RoundDriver:
     async def _prespeculate_one(self) -> None:
         """Draft the most likely candidate outcome's conditional tree and send it; with a static or
         sequence shape in a deterministic mode, also the next likely ones, in lockstep (one
-        drafter evaluation per level for all of them, edge_client.lockstep)."""
+        drafter evaluation per level for all of them, edge_client.trees.lockstep)."""
         cfg = self.prespec
         assert cfg is not None
         batch = self._pop_candidates(cfg.batch if self._lockstep_ok() else 1, cfg)

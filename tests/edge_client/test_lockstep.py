@@ -6,8 +6,15 @@ import numpy as np
 import pytest
 
 from edge_client.drafters import WorkspaceFullError
-from edge_client.lockstep import draft_static_many
-from edge_client.trees import Coupling, DraftCancelled, draft_static, finish_leaves, finish_leaves_many
+from edge_client.trees import (
+    Coupling,
+    DraftCancelled,
+    DraftOptions,
+    draft_static,
+    draft_static_many,
+    finish_leaves,
+    finish_leaves_many,
+)
 from shared.messages import Mode
 from shared.tree import ExpansionConfig
 from tests.edge_client.fake_drafter import FakeDrafter
@@ -19,7 +26,7 @@ S = [3, 14, 15, 9, 26, 5]
 def _outcome_conds(d: FakeDrafter) -> list[tuple[int, ...]]:
     """A tree in flight and three outcomes of it: full acceptance with the draft's bonus, a
     rejection at depth 1 with a second-choice bonus, and one at the root."""
-    first = draft_static(d, S, ExpansionConfig((1, 1, 1)), eval_leaves=True)
+    first = draft_static(d, S, ExpansionConfig((1, 1, 1)), DraftOptions(eval_leaves=True))
     leaf = first.tree.leaves()[0]
     path = first.tree.path_tokens(leaf)
     return [
@@ -38,11 +45,13 @@ def test_lockstep_trees_equal_trees_drafted_alone(config: tuple[int, ...], mode:
     conds = _outcome_conds(alone_d)
     assert _outcome_conds(many_d) == conds
     alone = [
-        draft_static(alone_d, S, cfg, cond=c, reuse_workspace=True, mode=mode, coupling=coupling)
+        draft_static(
+            alone_d, S, cfg, DraftOptions(cond=c, reuse_workspace=True, mode=mode, coupling=coupling)
+        )
         for c in conds
     ]
     calls = many_d.stats.extend_calls
-    many = draft_static_many(many_d, S, cfg, conds, mode=mode, coupling=coupling)
+    many = draft_static_many(many_d, S, cfg, conds, DraftOptions(mode=mode, coupling=coupling))
     # one evaluation for the bonus chains, then one per evaluated level (not one per tree)
     assert many_d.stats.extend_calls - calls == 1 + cfg.depth - 1
     for a, b in zip(alone, many, strict=True):
@@ -54,11 +63,11 @@ def test_lockstep_trees_equal_trees_drafted_alone(config: tuple[int, ...], mode:
     # the leaves of all of them in one evaluation, as finish_leaves gives them one by one
     calls = many_d.stats.extend_calls
     done = finish_leaves_many(
-        many_d, [(b, None) for b in many if b is not None], mode=mode, coupling=coupling
+        many_d, [(b, None) for b in many if b is not None], DraftOptions(mode=mode, coupling=coupling)
     )
     assert many_d.stats.extend_calls - calls == 1
     for a, b in zip(alone, done, strict=True):
-        ref = finish_leaves(alone_d, a, mode=mode, coupling=coupling)
+        ref = finish_leaves(alone_d, a, DraftOptions(mode=mode, coupling=coupling))
         assert np.array_equal(ref.alt_tokens, b.alt_tokens) and bool((b.workspace_ids >= 0).all())
 
 
@@ -85,6 +94,6 @@ def test_refusals() -> None:
         draft_static_many(d, S, ExpansionConfig((1, 1, 1, 1)), conds)
     assert d.num_nodes == held  # nothing added
     with pytest.raises(ValueError, match="greedy/match"):
-        draft_static_many(d, S, ExpansionConfig((1,)), conds, mode=Mode.MSS)
+        draft_static_many(d, S, ExpansionConfig((1,)), conds, DraftOptions(mode=Mode.MSS))
     with pytest.raises(ValueError, match="synced"):
         draft_static_many(d, S[:-1], ExpansionConfig((1,)), conds)

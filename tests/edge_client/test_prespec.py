@@ -22,7 +22,7 @@ from edge_client.prespec import (
     worth_drafting,
 )
 from edge_client.transport import LinkShape
-from edge_client.trees import draft_static
+from edge_client.trees import DraftOptions, draft_static
 from shared.tree import ExpansionConfig, TokenTree
 from tests.cloud_verifier.service import LiveServer
 from tests.edge_client.fake_drafter import FakeDrafter
@@ -43,7 +43,7 @@ def test_geometric_fanout_is_capped_and_decays() -> None:
 def test_predicted_outcomes_are_real_continuations() -> None:
     d = FakeDrafter(64)
     committed = [1, 2, 3]
-    dr = draft_static(d, committed, ExpansionConfig((1, 2, 1)), eval_leaves=True)
+    dr = draft_static(d, committed, ExpansionConfig((1, 2, 1)), DraftOptions(eval_leaves=True))
     model = ChoiceModel(temperature=0.0)
     outs = predict_outcomes(dr, 6, model=model, allocation="top")
     assert len(outs) == 6
@@ -66,7 +66,7 @@ def test_predicted_outcomes_are_real_continuations() -> None:
 
 def test_choice_model_learns_agreement() -> None:
     d = FakeDrafter(64)
-    dr = draft_static(d, [5, 6], ExpansionConfig((1, 1)), eval_leaves=True)
+    dr = draft_static(d, [5, 6], ExpansionConfig((1, 1)), DraftOptions(eval_leaves=True))
     m = ChoiceModel(temperature=0.0)
     a0 = m.alpha
     top = [int(dr.alt_tokens[0][0]), int(dr.alt_tokens[1][0]), int(dr.alt_tokens[2][0])]
@@ -82,7 +82,7 @@ def test_choice_model_calibrates_the_runners_up() -> None:
     """A weak draft's runners-up can carry much of its mass and still rarely hold the target's
     token: the learned calibration beta scales their predicted shares to what is observed."""
     d = FakeDrafter(64)
-    dr = draft_static(d, [5, 6], ExpansionConfig((1, 1)), eval_leaves=True)
+    dr = draft_static(d, [5, 6], ExpansionConfig((1, 1)), DraftOptions(eval_leaves=True))
     alts, q = dr.alt_tokens[0], dr.alt_probs[0]
     outside = next(t for t in range(64) if t not in set(alts.tolist()))
     m = ChoiceModel(temperature=0.0)

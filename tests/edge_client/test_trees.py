@@ -18,6 +18,7 @@ from edge_client.drafters.llama_cpp import LlamaCppDrafter
 from edge_client.trees import (
     Coupling,
     DraftCancelled,
+    DraftOptions,
     DraftResult,
     Sampling,
     draft_dynamic,
@@ -82,7 +83,7 @@ def test_static_tree_is_the_expansion_of_top_k(ks: tuple[int, ...]) -> None:
 
 def test_alternatives_are_the_drafts_top_tokens() -> None:
     d = FakeDrafter(V)
-    r = draft_static(d, S, ExpansionConfig((2, 1)), alternatives=5)
+    r = draft_static(d, S, ExpansionConfig((2, 1)), DraftOptions(alternatives=5))
     logp = _logp(S)
     assert r.alt_tokens[0].tolist() == np.argsort(-logp, kind="stable")[:5].tolist()
     np.testing.assert_allclose(r.alt_probs[0], np.exp(np.sort(logp)[::-1][:5]), rtol=1e-5)
@@ -92,7 +93,7 @@ def test_alternatives_are_the_drafts_top_tokens() -> None:
 
 def test_eval_leaves_evaluates_everything() -> None:
     d = FakeDrafter(V)
-    r = draft_static(d, S, ExpansionConfig((2, 2)), eval_leaves=True)
+    r = draft_static(d, S, ExpansionConfig((2, 2)), DraftOptions(eval_leaves=True))
     assert np.all(r.workspace_ids >= 0) and np.all(r.alt_tokens >= 0)
     assert d.num_nodes == 6 and r.evaluations == 2
     leaf = r.tree.leaves()[0]
@@ -108,11 +109,11 @@ def test_finish_leaves_equals_drafting_with_eval_leaves(mode: str) -> None:
     sampling = Sampling(temperature=0.8, wire_top_k=8) if mode == "mss" else None
     d1, d2 = FakeDrafter(V), FakeDrafter(V)
     full = draft_static(
-        d1, S, cfg, mode=mode, sampling=sampling, rng=np.random.default_rng(3), eval_leaves=True
+        d1, S, cfg, DraftOptions(mode=mode, sampling=sampling, rng=np.random.default_rng(3), eval_leaves=True)
     )
-    part = draft_static(d2, S, cfg, mode=mode, sampling=sampling, rng=np.random.default_rng(3))
+    part = draft_static(d2, S, cfg, DraftOptions(mode=mode, sampling=sampling, rng=np.random.default_rng(3)))
     assert np.any(part.workspace_ids < 0) and np.any(part.alt_tokens < 0)
-    done = finish_leaves(d2, part, mode=mode, sampling=sampling)
+    done = finish_leaves(d2, part, DraftOptions(mode=mode, sampling=sampling))
     assert done.tree.tokens.tolist() == full.tree.tokens.tolist()
     np.testing.assert_array_equal(done.alt_tokens, full.alt_tokens)
     np.testing.assert_allclose(done.alt_probs, full.alt_probs, rtol=1e-6)
@@ -124,7 +125,9 @@ def test_finish_leaves_equals_drafting_with_eval_leaves(mode: str) -> None:
         assert d2.find_child(
             int(done.workspace_ids[done.tree.parents[leaf]]), int(done.tree.tokens[leaf])
         ) == int(done.workspace_ids[leaf])
-    assert finish_leaves(d2, done, mode=mode, sampling=sampling) is done  # nothing left to evaluate
+    assert (
+        finish_leaves(d2, done, DraftOptions(mode=mode, sampling=sampling)) is done
+    )  # nothing left to evaluate
 
 
 def test_finish_leaves_evaluates_only_the_leaves_asked_for() -> None:
@@ -155,7 +158,7 @@ def test_finish_leaves_evaluates_only_the_leaves_asked_for() -> None:
 
 def test_finish_leaves_of_a_dynamic_tree() -> None:
     d1, d2 = FakeDrafter(V), FakeDrafter(V)
-    full = draft_dynamic(d1, S, 12, eval_leaves=True)
+    full = draft_dynamic(d1, S, 12, DraftOptions(eval_leaves=True))
     done = finish_leaves(d2, draft_dynamic(d2, S, 12))
     np.testing.assert_array_equal(done.alt_tokens, full.alt_tokens)
     assert np.all(done.workspace_ids >= 0)
@@ -170,18 +173,26 @@ def test_stop_abandons_drafting_between_evaluations() -> None:
         return len(asked) >= 3  # the third time it is asked
 
     with pytest.raises(DraftCancelled):
-        draft_static(d, S, ExpansionConfig((1, 1, 1, 1, 1, 1)), stop=stop)
+        draft_static(d, S, ExpansionConfig((1, 1, 1, 1, 1, 1)), DraftOptions(stop=stop))
     assert len(asked) == 3 and d.num_nodes == 2  # two levels evaluated, then it stopped
     # the workspace is still usable: a tree below the same sequence drafts as on a fresh one
-    r = draft_static(d, S, ExpansionConfig((1, 1, 1)), reuse_workspace=True, eval_leaves=True)
-    fresh = draft_static(FakeDrafter(V), S, ExpansionConfig((1, 1, 1)), eval_leaves=True)
+    r = draft_static(d, S, ExpansionConfig((1, 1, 1)), DraftOptions(reuse_workspace=True, eval_leaves=True))
+    fresh = draft_static(FakeDrafter(V), S, ExpansionConfig((1, 1, 1)), DraftOptions(eval_leaves=True))
     assert d.num_nodes == 2 + 3 and r.tree.tokens.tolist() == fresh.tree.tokens.tolist()
     np.testing.assert_array_equal(r.alt_tokens, fresh.alt_tokens)
     with pytest.raises(DraftCancelled):
-        draft_dynamic(FakeDrafter(V), S, 20, stop=lambda: True)
+        draft_dynamic(FakeDrafter(V), S, 20, DraftOptions(stop=lambda: True))
     # never asked before the first evaluation of a one-level tree, nor when it says go on
-    assert draft_static(FakeDrafter(V), S, ExpansionConfig((4,)), stop=lambda: True).tree.num_nodes == 4
-    assert draft_static(FakeDrafter(V), S, ExpansionConfig((2, 2)), stop=lambda: False).tree.num_nodes == 6
+    assert (
+        draft_static(FakeDrafter(V), S, ExpansionConfig((4,)), DraftOptions(stop=lambda: True)).tree.num_nodes
+        == 4
+    )
+    assert (
+        draft_static(
+            FakeDrafter(V), S, ExpansionConfig((2, 2)), DraftOptions(stop=lambda: False)
+        ).tree.num_nodes
+        == 6
+    )
 
 
 def test_sequence_is_a_chain_of_the_greedy_path() -> None:
@@ -206,20 +217,20 @@ def test_too_wide_a_tree_is_refused_before_drafting() -> None:
 def test_mode_ar_drafts_nothing_and_stochastic_needs_sampling() -> None:
     d = FakeDrafter(V)
     with pytest.raises(ValueError, match="target-only"):
-        draft_static(d, S, mode="ar")
+        draft_static(d, S, ExpansionConfig(), DraftOptions(mode="ar"))
     with pytest.raises(ValueError, match="sampling"):
-        draft_static(d, S, mode="mss")
+        draft_static(d, S, ExpansionConfig(), DraftOptions(mode="mss"))
     with pytest.raises(ValueError, match="temperature"):
         Sampling(temperature=0.0)
     with pytest.raises(ValueError, match="static"):
-        draft_dynamic(d, S, 8, mode="rrs")
+        draft_dynamic(d, S, 8, DraftOptions(mode="rrs"))
 
 
 # ------------------------------------------------------------------------------------ conditional
 def test_conditional_tree_from_a_fresh_sync() -> None:
     d = FakeDrafter(V)
     cond = (7, 8)
-    r = draft_static(d, S, ExpansionConfig((2, 1)), cond=cond)
+    r = draft_static(d, S, ExpansionConfig((2, 1)), DraftOptions(cond=cond))
     _check_result(r, S, cond)
     assert r.tree.committed_len == len(S) + 2
     assert d.committed_tokens() == S + list(cond)
@@ -228,12 +239,12 @@ def test_conditional_tree_from_a_fresh_sync() -> None:
 
 def test_conditional_tree_below_the_tree_in_flight() -> None:
     d = FakeDrafter(V)
-    first = draft_static(d, S, ExpansionConfig((2, 2)), eval_leaves=True)
+    first = draft_static(d, S, ExpansionConfig((2, 2)), DraftOptions(eval_leaves=True))
     held = d.num_nodes
     path = first.tree.path_tokens(first.tree.leaves()[0])  # assume this path accepted ...
     bonus = int(first.alt_tokens[first.tree.leaves()[0] + 1, 1])  # ... and a second-choice bonus
     cond = (*path, bonus)
-    r = draft_static(d, S, ExpansionConfig((2, 1)), cond=cond, reuse_workspace=True)
+    r = draft_static(d, S, ExpansionConfig((2, 1)), DraftOptions(cond=cond, reuse_workspace=True))
     _check_result(r, S, cond)
     assert d.num_nodes == held + 1 + 2  # the bonus node, then one evaluated level; the first tree stays
     assert d.path_to(r.root_id)[:-1] == [
@@ -241,7 +252,7 @@ def test_conditional_tree_below_the_tree_in_flight() -> None:
     ]
     assert r.tree.tokens[0] == int(np.argmax(_logp(S + list(cond))))
     with pytest.raises(ValueError, match="synced"):
-        draft_static(d, S[:-1], cond=cond, reuse_workspace=True)
+        draft_static(d, S[:-1], ExpansionConfig(), DraftOptions(cond=cond, reuse_workspace=True))
 
 
 # ------------------------------------------------------------------------------------ dynamic
@@ -309,7 +320,7 @@ def test_stochastic_trees_carry_exact_draw_counts_and_rows(mode: str) -> None:
     sampling = Sampling(temperature=1.2, top_k=20, top_p=0.9, wire_top_k=8)
     rng = np.random.default_rng(7)
     for _ in range(20):
-        r = draft_static(d, S, cfg, mode=mode, sampling=sampling, rng=rng)
+        r = draft_static(d, S, cfg, DraftOptions(mode=mode, sampling=sampling, rng=rng))
         t = r.tree
         draws = t.draws
         assert draws is not None
@@ -335,7 +346,9 @@ def test_stochastic_trees_carry_exact_draw_counts_and_rows(mode: str) -> None:
 def test_mss_duplicates_share_a_node_and_keep_their_draws() -> None:
     d = FakeDrafter(V)
     sampling = Sampling(temperature=0.3, wire_top_k=4)  # peaked: duplicates are common
-    r = draft_static(d, S, ExpansionConfig((6,)), mode="mss", sampling=sampling, rng=np.random.default_rng(1))
+    r = draft_static(
+        d, S, ExpansionConfig((6,)), DraftOptions(mode="mss", sampling=sampling, rng=np.random.default_rng(1))
+    )
     t = r.tree
     assert t.draws is not None and t.draws.num_draws == 6
     assert t.num_nodes < 6
@@ -349,7 +362,9 @@ def _draw_counts(mode: str, sampling: Sampling, trees: int, seed: int) -> tuple[
     first = np.zeros(V)
     second = np.zeros(V)
     for _ in range(trees):
-        t = draft_static(d, S, ExpansionConfig((2,)), mode=mode, sampling=sampling, rng=rng).tree
+        t = draft_static(
+            d, S, ExpansionConfig((2,)), DraftOptions(mode=mode, sampling=sampling, rng=rng)
+        ).tree
         assert t.draws is not None
         toks = t.tokens[t.draws.node]
         first[toks[0]] += 1
@@ -418,7 +433,12 @@ def test_real_dynamic_and_rrs_trees(llama: LlamaCppDrafter) -> None:
     assert r.tree.num_nodes == 24
     r.tree.validate(tok.vocab_size, 64, 16, stochastic=False)
     r = draft_static(
-        llama, s, mode="rrs", sampling=Sampling(temperature=0.8, top_p=0.95), rng=np.random.default_rng(0)
+        llama,
+        s,
+        ExpansionConfig(),
+        DraftOptions(
+            mode="rrs", sampling=Sampling(temperature=0.8, top_p=0.95), rng=np.random.default_rng(0)
+        ),
     )
     r.tree.validate(tok.vocab_size, 64, 16, stochastic=True, without_replacement=True)
 
@@ -426,11 +446,13 @@ def test_real_dynamic_and_rrs_trees(llama: LlamaCppDrafter) -> None:
 def test_a_fresh_tree_fits_after_a_full_workspace() -> None:
     """A tree drafted from a sync starts with an empty workspace, however full it was before."""
     d = FakeDrafter(64, max_nodes=24)
-    first = draft_static(d, [1, 2, 3], ExpansionConfig((2, 2, 2)), eval_leaves=True)
+    first = draft_static(d, [1, 2, 3], ExpansionConfig((2, 2, 2)), DraftOptions(eval_leaves=True))
     assert d.num_nodes == first.tree.num_nodes == 14
     with pytest.raises(WorkspaceFullError):
-        draft_static(d, [1, 2, 3], ExpansionConfig((2, 2, 2)), eval_leaves=True, reuse_workspace=True)
-    again = draft_static(d, [1, 2, 3, 4], ExpansionConfig((2, 2, 2)), eval_leaves=True)
+        draft_static(
+            d, [1, 2, 3], ExpansionConfig((2, 2, 2)), DraftOptions(eval_leaves=True, reuse_workspace=True)
+        )
+    again = draft_static(d, [1, 2, 3, 4], ExpansionConfig((2, 2, 2)), DraftOptions(eval_leaves=True))
     assert again.tree.num_nodes == 14
     dyn = draft_dynamic(d, [1, 2, 3, 4, 5], 20)
     assert dyn.tree.num_nodes == 20
@@ -469,7 +491,7 @@ def test_coupled_static_tree_leads_with_the_coupled_token() -> None:
     d = FakeDrafter(V)
     c = Coupling(seed=3, temperature=0.9)
     cfg = ExpansionConfig((2, 2, 1))
-    dr = draft_static(d, S, cfg, mode="match", coupling=c, eval_leaves=True)
+    dr = draft_static(d, S, cfg, DraftOptions(mode="match", coupling=c, eval_leaves=True))
     tree = dr.tree
     for row in range(tree.num_nodes + 1):
         j = row - 1
@@ -486,12 +508,13 @@ def test_coupled_static_tree_leads_with_the_coupled_token() -> None:
         path = [int(tree.tokens[a]) for a in tree.path(p)] if p >= 0 else []
         assert dr.node_prob[i] == pytest.approx(math.exp(_logp(S + path)[int(tree.tokens[i])]), rel=1e-5)
     # greedy ignores the coupling; finish_leaves fills the leaves' rows the same way
-    plain = draft_static(FakeDrafter(V), S, cfg, mode="greedy")
-    assert draft_static(FakeDrafter(V), S, cfg, mode="greedy", coupling=c).tree.tokens.tolist() == (
-        plain.tree.tokens.tolist()
-    )
+    plain = draft_static(FakeDrafter(V), S, cfg, DraftOptions(mode="greedy"))
+    assert draft_static(
+        FakeDrafter(V), S, cfg, DraftOptions(mode="greedy", coupling=c)
+    ).tree.tokens.tolist() == (plain.tree.tokens.tolist())
     d2 = FakeDrafter(V)
-    late = finish_leaves(d2, draft_static(d2, S, cfg, mode="match", coupling=c), mode="match", coupling=c)
+    match_c = DraftOptions(mode="match", coupling=c)
+    late = finish_leaves(d2, draft_static(d2, S, cfg, match_c), match_c)
     assert late.alt_tokens.tolist() == dr.alt_tokens.tolist()
 
 
@@ -499,7 +522,7 @@ def test_coupled_dynamic_tree_holds_the_coupled_chain() -> None:
     """Best-first ranks a coupled token like the most likely one: the chain of coupled tokens from
     the root is in a budgeted tree, three levels deep."""
     c = Coupling(seed=8, temperature=1.0)
-    dr = draft_dynamic(FakeDrafter(V), S, 24, mode="match", coupling=c)
+    dr = draft_dynamic(FakeDrafter(V), S, 24, DraftOptions(mode="match", coupling=c))
     tree = dr.tree
     node, prefix = -1, list(S)
     for _ in range(3):

@@ -21,18 +21,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
-from edge_client.trees import (
-    DEFAULT_ALTERNATIVES,
-    Coupling,
-    DraftCancelled,
-    DraftResult,
-    _Acc,
-    _coupling,
-    _mode,
-    _ranked,
-)
-from shared.messages import Mode
+from edge_client.trees.builder import DraftCancelled, DraftOptions, DraftResult, TreeBuilder
+from edge_client.trees.sampling import coupling_for, draft_mode, ranked
 from shared.tree import ExpansionConfig
+
+_DEFAULT = DraftOptions()
 
 
 def draft_static_many(
@@ -40,26 +33,25 @@ def draft_static_many(
     committed: Sequence[int],
     config: ExpansionConfig,
     conds: Sequence[Sequence[int]],
-    *,
-    mode: Mode | str = Mode.GREEDY,
+    opts: DraftOptions = _DEFAULT,
     stops: Sequence[Callable[[], bool] | None] | None = None,
-    coupling: Coupling | None = None,
-    alternatives: int = DEFAULT_ALTERNATIVES,
 ) -> list[DraftResult | None]:
     """Draft tree ⟨k1..km⟩ below `committed + cond` for every cond, in the current workspace.
 
     The drafter must be synced to exactly `committed` (as for reuse_workspace=True); each cond is
     followed down the workspace as far as it exists there and the rest is added as a chain (all
-    those chains in one evaluation). Leaves are not evaluated (`trees.finish_leaves_many`).
+    those chains in one evaluation). Leaves are not evaluated (`trees.finish_leaves_many`). Of
+    `opts` only mode, coupling and alternatives apply (cond, stop: one per tree, here).
     stops[i]: asked before every evaluation; when it says True, tree i is dropped (its entry is
     None) and the others go on; DraftCancelled when every tree is dropped. Raises
     WorkspaceFullError (nothing added) when the trees do not fit the workspace.
     """
     t0 = time.perf_counter()
-    m = _mode(mode)
+    alternatives = opts.alternatives
+    m = draft_mode(opts.mode)
     if m.stochastic:
         raise ValueError(f"lockstep drafting is for greedy/match; mode {m.value} drafts its trees one by one")
-    coupling = _coupling(m, coupling)
+    coupling = coupling_for(m, opts.coupling)
     if drafter.committed_len != len(committed) or drafter.committed_tokens() != [int(t) for t in committed]:
         raise ValueError("draft_static_many needs the drafter synced to exactly `committed`")
     n = len(conds)
@@ -111,7 +103,7 @@ def draft_static_many(
             assert out is not None
             roots.append((first + end, out[end]))
 
-    accs = [_Acc(alternatives) for _ in conds]
+    accs = [TreeBuilder(alternatives) for _ in conds]
     alive = [True] * n
     frontiers: list[list[tuple[int, np.ndarray]]] = [[(-1, logits)] for _, logits in roots]
     at = [len(committed) + len(c) for c in conds]  # absolute position of the token after row 0
@@ -122,7 +114,7 @@ def draft_static_many(
                 continue
             acc = accs[t]
             for node, logits in frontiers[t]:
-                ids, vals = _ranked(logits, max(k, alternatives), coupling, at[t] + level)
+                ids, vals = ranked(logits, max(k, alternatives), coupling, at[t] + level)
                 acc.set_alt(node + 1, ids, np.exp(vals))
                 for tok, lp in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
                     new[t].append(acc.add(node, tok, lp))

@@ -1,0 +1,41 @@
+"""Token-tree builders: what the edge drafts each round (DESIGN sections 3.1 and 6).
+
+One concept per module:
+
+- `sampling`: how a row of draft logits becomes candidate tokens (ranking, coupling, q rows);
+- `builder`: the tree under construction, `DraftOptions`, `DraftResult`, finishing leaves later;
+- `static`: SpecInfer's expansion ⟨k1..km⟩ and the chain ⟨1,...,1⟩;
+- `dynamic`: best-first under a node budget (Sequoia / EAGLE-2 style);
+- `lockstep`: several conditional static trees drafted together, one evaluation per level.
+"""
+
+from __future__ import annotations
+
+from edge_client.trees.builder import (
+    DEFAULT_ALTERNATIVES,
+    DraftCancelled,
+    DraftOptions,
+    DraftResult,
+    finish_leaves,
+    finish_leaves_many,
+)
+from edge_client.trees.dynamic import draft_dynamic
+from edge_client.trees.lockstep import draft_static_many
+from edge_client.trees.sampling import WIRE_TOP_K, Coupling, Sampling
+from edge_client.trees.static import draft_sequence, draft_static
+
+__all__ = [
+    "DEFAULT_ALTERNATIVES",
+    "WIRE_TOP_K",
+    "Coupling",
+    "DraftCancelled",
+    "DraftOptions",
+    "DraftResult",
+    "Sampling",
+    "draft_dynamic",
+    "draft_sequence",
+    "draft_static",
+    "draft_static_many",
+    "finish_leaves",
+    "finish_leaves_many",
+]

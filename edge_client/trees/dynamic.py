@@ -1,0 +1,121 @@
+"""Dynamic shape: a best-first tree under a node budget (Sequoia / EAGLE-2 style)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from edge_client.drafters.base import Drafter, WorkspaceFullError
+from edge_client.trees.builder import (
+    DraftOptions,
+    DraftResult,
+    TreeBuilder,
+    anchor_node,
+    check_stop,
+    evaluate_level,
+)
+from edge_client.trees.sampling import coupling_for, draft_mode, ranked
+
+_DEFAULT = DraftOptions()
+
+
+def draft_dynamic(
+    drafter: Drafter,
+    committed: Sequence[int],
+    budget: int,
+    opts: DraftOptions = _DEFAULT,
+    *,
+    max_depth: int = 16,
+    width: int = 16,
+    branch: int = 4,
+) -> DraftResult:
+    """Best-first tree of `budget` nodes by draft path probability (deterministic modes only).
+
+    A heap holds candidate children (the `branch` most likely tokens after every evaluated node),
+    keyed by path log-probability. Sequential best-first would pop one candidate, evaluate it,
+    push its children, and repeat: one drafter call per node. Here each round pops a BATCH and
+    evaluates it in one call: the best candidate, then each next one while it would still win
+    against the children of the batch's nodes, estimated as (best path prob in the batch) * m,
+    m = the mean top-1 draft probability seen so far in this tree. A confident draft (m near 1)
+    thus grows deep chains a level per call; an unsure one grows wide levels. At most `width`
+    nodes per call; nodes at `max_depth` are not expanded. The final batch (filling the budget)
+    is not evaluated unless `opts.eval_leaves`. `stop` and `coupling` as in draft_static; a coupled
+    token is ranked as if it were the most likely one (the target samples it with probability
+    about the draft's agreement rate, whatever its draft probability).
+
+    Stochastic modes are refused: whether a node is expanded would depend on other nodes' draws,
+    and MSS/RRS need draw counts fixed independently of drawing; use a static shape for them.
+    """
+    t0 = time.perf_counter()
+    cond, reuse_workspace, eval_leaves, alternatives = (
+        opts.cond,
+        opts.reuse_workspace,
+        opts.eval_leaves,
+        opts.alternatives,
+    )
+    m = draft_mode(opts.mode)
+    if m.stochastic:
+        raise ValueError(f"dynamic trees are for greedy/match; mode {m.value} needs a static shape")
+    if budget < 1 or width < 1 or branch < 1 or max_depth < 1:
+        raise ValueError("budget, width, branch and max_depth must be positive")
+    if (drafter.num_nodes if reuse_workspace else 0) + budget > drafter.max_nodes:
+        raise WorkspaceFullError(
+            f"a budget of {budget} nodes does not fit the drafter's workspace ({drafter.max_nodes} nodes, "
+            f"{drafter.num_nodes} in use); lower the budget or raise max_nodes"
+        )
+    coupling = coupling_for(m, opts.coupling)
+    at = len(committed) + len(cond)  # absolute position of the token after row 0
+    evals = drafter.stats.extend_calls
+    root_id, root_logits = anchor_node(drafter, committed, cond, reuse_workspace)
+    acc = TreeBuilder(alternatives)
+    heap: list[tuple[float, int, int, int, float]] = []  # (-path logp, order, parent, token, logp)
+    top1: list[float] = []
+    depth: list[int] = []
+    rank: list[float] = []  # per node: the path log-probability it was ranked by
+    order = itertools.count()  # FIFO among equal path probabilities
+
+    def push_children(node: int, logits: np.ndarray) -> None:
+        d = 0 if node < 0 else depth[node]
+        ids, vals = ranked(logits, max(branch, alternatives), coupling, at + d)
+        acc.set_alt(node + 1, ids, np.exp(vals))
+        best = float(vals.max())
+        top1.append(math.exp(best))
+        base = rank[node] if node >= 0 else 0.0
+        for i, (tok, lp) in enumerate(zip(ids[:branch].tolist(), vals[:branch].tolist(), strict=True)):
+            rank_lp = best if coupling is not None and i == 0 else lp
+            heapq.heappush(heap, (-(base + rank_lp), next(order), node, tok, lp))
+
+    push_children(-1, root_logits)
+    while heap and len(acc.tokens) < budget:
+        log_m = math.log(max(sum(top1) / len(top1), 1e-9))
+        room = budget - len(acc.tokens)
+        leaves_room = drafter.max_leaves - drafter.num_leaves
+        batch: list[int] = []
+        bar = -math.inf
+        while heap and len(batch) < min(width, room) and -heap[0][0] >= bar:
+            neg, _, parent, tok, lp = heapq.heappop(heap)
+            node = acc.add(parent, tok, lp)
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+            rank.append(-neg)
+            batch.append(node)
+            if len(batch) == 1:
+                bar = -neg + log_m  # a child of the best batch node would reach about this
+        full = len(acc.tokens) >= budget
+        expand = [n for n in batch if eval_leaves or (not full and depth[n] < max_depth)]
+        if len(expand) > leaves_room:  # cannot branch further: stop growing, keep the tree as is
+            break
+        check_stop(opts.stop)
+        for node, logits in evaluate_level(drafter, acc, expand, root_id):
+            if depth[node] < max_depth:
+                push_children(node, logits)
+            else:
+                ids, vals = ranked(logits, alternatives, coupling, at + depth[node])
+                acc.set_alt(node + 1, ids, np.exp(vals))
+    frontier = np.sort(np.exp(np.asarray([-h[0] for h in heap], dtype=np.float64)))[::-1][:64]
+    evals = drafter.stats.extend_calls - evals
+    return acc.result(committed, cond, root_id, False, frontier, t0, evals)
