@@ -10,6 +10,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
+# The Triton kernels' CPU tests run in Triton's interpreter, which must be chosen before anything
+# imports triton; without CUDA it is the only way Triton runs. Never forced where CUDA is present.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow_on = os.environ.get("SLOW", "") not in ("", "0")
