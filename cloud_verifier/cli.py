@@ -179,6 +179,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssl-keyfile", default=d.ssl_keyfile, help="the TLS certificate's private key (PEM)")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: torch's default)")
     p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=d.tensor_parallel,
+        metavar="N",
+        help="split the target over N processes on this machine (CPU, gloo; heads, KV heads and MLP rows "
+        "sharded, N must divide the model's KV heads): starts N-1 worker processes itself and splits "
+        "--threads between the ranks (0: the machine's cores; at least one each); under torchrun it "
+        "joins the given group instead (N = WORLD_SIZE) and rank 0 serves",
+    )
+    p.add_argument(
         "--no-measure-cost",
         action="store_false",
         dest="measure_cost",
@@ -231,7 +241,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bool(updates.get("ssl_certfile")) != bool(updates.get("ssl_keyfile")):
             print("cloud-verifier: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
             return 2
-        return serve(replace(base, **updates))
+        config = replace(base, **updates)
+        if config.tensor_parallel > 1 or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+            from cloud_verifier.parallel import serve_parallel
+
+            return serve_parallel(config)
+        return serve(config)
     return 2
 
 

@@ -47,6 +47,7 @@ class ServerConfig:
     ssl_keyfile: str | None = None  # TLS: its private key (PEM)
     ping_interval_s: float = 20.0
     threads: int = 0  # torch intra-op threads; 0 leaves torch's default
+    tensor_parallel: int = 1  # ranks the target is split over (cloud_verifier.parallel); 1: one process
     measure_cost: bool = True  # measure the verify cost curve at start-up (once per machine: cached)
     remeasure_cost: bool = False  # measure it even when a cached curve exists
     log_level: str = "info"

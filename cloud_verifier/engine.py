@@ -130,6 +130,7 @@ class Engine:
         self._step_started: float | None = None
         self._step_expected_s = 0.0
         self._slowest_s = 0.0
+        self.checks: list[Callable[[], bool]] = []  # more readiness conditions (parallel.py: ranks alive)
 
     # ------------------------------------------------------------------ sessions (loop thread)
     def open(self, on_result: Callable[[RoundResult], None]) -> SeqState:
@@ -195,7 +196,7 @@ class Engine:
     def healthy(self) -> bool:
         """False when the loop died, a step has run far past its expected time, or ready work has
         waited stall_s with no step running."""
-        if self._task is None or self._task.done():
+        if self._task is None or self._task.done() or not all(check() for check in self.checks):
             return False
         now = time.monotonic()
         if self._step_started is not None:

@@ -87,7 +87,11 @@ async def _load(state: AppState, target: Target | None) -> None:
     cfg = state.config
     try:
         own = target is None  # a target passed in (tests, benches) keeps its unpacked weights
-        if target is None:
+        if target is None and cfg.tensor_parallel > 1:
+            from cloud_verifier import parallel
+
+            target = await asyncio.to_thread(parallel.load_for_service, cfg)
+        elif target is None:
             target = await asyncio.to_thread(
                 load_target, cfg.model, cfg.dtype, cfg.device, True, cfg.attention
             )
@@ -119,6 +123,9 @@ async def _load(state: AppState, target: Target | None) -> None:
             m.kv_blocks_used.set(kv.blocks_in_use)
 
         engine.on_step = on_step
+        group = getattr(target.model, "group", None)  # tensor parallelism: every rank must be alive
+        if group is not None:
+            engine.checks.append(group.alive)
         engine.cost_ms = {int(k): float(v) for k, v in cost.items()} if cfg.measure_cost else {}
         m.kv_blocks_total.set(kv.num_blocks)
         state.limits = SessionLimits(

@@ -113,6 +113,10 @@ class LlamaModel(nn.Module):
         self.released = False  # projections freed after packing (see prepare)
         self.attn_dtype = dtype
         self._sdpa = False  # "sdpa" mode: never the CPU kernel
+        # tensor parallelism (parallel.py): sums a layer's partial o / down output over the ranks
+        # in place, and gathers the vocab-parallel head's logit shards; None on one process
+        self.all_reduce: Callable[[torch.Tensor], None] | None = None
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def set_attention(self, mode: str) -> None:
         """ "model", "sdpa" or "float64" (see the class doc). Caches made before the switch still
@@ -280,9 +284,15 @@ class LlamaModel(nn.Module):
                         for (a, b), plan, mask in zip(bounds, plans, masks, strict=True)
                     ]
                 )
-            h += lin(o, w_o)
+            out = lin(o, w_o)  # [T, hidden]
+            if self.all_reduce is not None:
+                self.all_reduce(out)
+            h += out
             gu = lin(norm(h, layer.mlp_norm), w_gu)  # [T, 2 inter]
-            h += lin(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
+            out = lin(F.silu(gu[:, :inter]) * gu[:, inter:], w_down)
+            if self.all_reduce is not None:
+                self.all_reduce(out)
+            h += out
         return self._logits(h, inputs, bounds)
 
     def _fold(self, q: torch.Tensor) -> torch.Tensor:
@@ -347,6 +357,8 @@ class LlamaModel(nn.Module):
         x = self._norm()(h.index_select(0, rows), self.norm)
         prep = self.prepare()
         logits = prep.gemm.linear(x, prep.lm_head).float()  # [sum k, vocab]
+        if self.gather_logits is not None:
+            logits = self.gather_logits(logits)
         return list(logits.split(counts))
 
 

@@ -1,0 +1,317 @@
+"""Tensor parallelism (cloud_verifier/parallel.py) on the CPU with gloo at TP=2.
+
+TP=2 splits every projection's reduction (o, down) into two partial sums added by an all-reduce,
+so its logits differ from TP=1's by float32 rounding only: within TOL = 1e-4 (absolute; tiny's
+logits are O(1)). Within one TP=2 group the batch-invariant CPU attention, oneDNN's row-invariant
+projections and an elementwise all-reduce keep a tree row bit-identical to decoding its path
+alone, as at TP=1. Greedy generation through the real edge client and `cloud-verifier serve
+--tensor-parallel 2` equals TP=1's; a killed worker turns /readyz to 503 with one log line, and
+a forward in a broken group fails at once. Qwen2.5-Coder-0.5B (2 KV heads) runs with SLOW=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import torch
+
+from cloud_verifier import parallel
+from cloud_verifier.model import (
+    Target,
+    decode_step,
+    load_target,
+    prefill,
+    prefill_chunk,
+    round_keep,
+    tree_round,
+)
+from cloud_verifier.model.config import make_tiny_config
+from cloud_verifier.model.gemm import onednn_available
+from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree
+from tests.cloud_verifier.service import tiny
+
+TOL = 1e-4  # |logit(TP=2) - logit(TP=1)| in float32, tiny
+QWEN_TOL = 2e-3  # Qwen2.5-Coder-0.5B: logits reach ~30, 24 layers of reordered sums
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="torch without gloo")
+
+
+# ------------------------------------------------------------------------------ no processes
+def test_forward_command_round_trips_and_malformed_ones_are_refused() -> None:
+    rng = random.Random(0)
+    tree = random_tree(rng, 7, 1000, 12, [])
+    inputs = [tree_round(3, tree, [5]), prefill_chunk(9, [1, 2, 3, 4], 6, logits_last=True)]
+    ints, data = parallel.encode_inputs(inputs)
+    assert ints.dtype == torch.int64 and data.dtype == torch.uint8
+    back = parallel.decode_inputs(ints, data)
+    for a, b in zip(inputs, back, strict=True):
+        assert a.seq_id == b.seq_id
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.positions, b.positions)
+        assert torch.equal(a.logit_rows, b.logit_rows)
+        assert (a.tree_mask is None) == (b.tree_mask is None)
+        if a.tree_mask is not None and b.tree_mask is not None:
+            assert torch.equal(a.tree_mask, b.tree_mask)
+    with pytest.raises(ValueError, match="malformed"):
+        parallel.decode_inputs(ints[:-1], data)
+    with pytest.raises(ValueError, match="malformed"):
+        parallel.decode_inputs(ints, data[:-1])
+    with pytest.raises(ValueError, match="malformed"):
+        parallel.decode_inputs(torch.tensor([10**6]), data)
+
+
+def test_a_split_that_cuts_kv_heads_is_refused_with_the_model_and_n() -> None:
+    cfg = make_tiny_config()  # 8 heads, 2 KV heads
+    parallel.check_shardable(cfg, 2, "tiny")
+    with pytest.raises(ValueError, match=r"model 'tiny' cannot be split over 4 .*num_kv_heads \(2\)"):
+        parallel.check_shardable(cfg, 4, "tiny")
+
+
+def test_threads_are_split_between_ranks() -> None:
+    assert parallel.threads_per_rank(8, 2) == 4
+    assert parallel.threads_per_rank(1, 2) == 1
+
+
+# ------------------------------------------------------------------------------ rank 0 in this process
+@pytest.fixture(scope="module")
+def tp2() -> Iterator[Target]:
+    group = parallel.start(2, "tiny", threads=2)
+    try:
+        target = parallel.load_sharded_target(group, "tiny", progress=False)
+        torch.set_num_threads(1)
+        yield target
+    finally:
+        group.close()
+
+
+def test_prefill_logits_match_tp1(tp2: Target) -> None:
+    ref = tiny()
+    rng = random.Random(1)
+    prompt = [rng.randrange(ref.config.vocab_size) for _ in range(45)]
+    outs = []
+    for t in (tp2, ref):
+        kv = t.new_kv_cache(32, 16)
+        kv.add(1)
+        (lg,) = t.model.forward_packed([prefill_chunk(1, prompt, 0, logits_last=True)], kv)
+        outs.append(lg)
+        kv.free(1)
+    assert outs[0].shape == (1, ref.config.vocab_size)
+    assert max_diff(outs[0], outs[1]) <= TOL
+
+
+def _round(t: Target, committed: list[int], tail: int, tree_seed: int, cond: int) -> tuple[torch.Tensor, ...]:
+    """A tree round after a prefix; then commit a path and decode one more token."""
+    rng = random.Random(tree_seed)
+    vocab = t.config.vocab_size
+    base = len(committed) - cond
+    tree = random_tree(rng, 14, vocab, base, committed[base:])
+    kv = t.new_kv_cache(64, 16)
+    kv.add(4)
+    prefill(t.model, kv, 4, committed[:-tail])
+    (lg,) = t.model.forward_packed([tree_round(4, tree, committed[-tail:])], kv)
+    accepted = tree.path(rng.randrange(tree.num_nodes))
+    kv.commit_rows(4, round_keep(tail, accepted))
+    n = len(committed) + len(accepted)
+    (after,) = t.model.forward_packed([decode_step(4, 7, n)], kv)
+    kv.free(4)
+    return lg, after
+
+
+@pytest.mark.parametrize(("tail", "cond"), [(1, 0), (3, 0), (1, 2)])
+def test_tree_and_conditional_tree_logits_match_tp1(tp2: Target, tail: int, cond: int) -> None:
+    ref = tiny()
+    rng = random.Random(tail * 10 + cond)
+    committed = [rng.randrange(ref.config.vocab_size) for _ in range(37)]
+    got = _round(tp2, committed, tail, 5, cond)
+    want = _round(ref, committed, tail, 5, cond)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert max_diff(a, b) <= TOL, f"max |Δlogit| {max_diff(a, b):.3g}"
+
+
+def test_tree_rows_equal_one_by_one_decoding_under_tp2(tp2: Target) -> None:
+    rng = random.Random(11)
+    vocab = tp2.config.vocab_size
+    committed = [rng.randrange(vocab) for _ in range(20)]
+    tree = random_tree(rng, 16, vocab, 20, [])
+    kv = tp2.new_kv_cache(64, 16)
+    kv.add(2)
+    prefill(tp2.model, kv, 2, committed[:-1])
+    (lg,) = tp2.model.forward_packed([tree_round(2, tree, committed[-1:])], kv)
+    ref_committed, ref_nodes = incremental_logits(tp2.model, committed, tree, num_blocks=64)
+    exact = onednn_available() and tp2.model.attention_kernel == "cpu-invariant"
+    worst = max(max_diff(lg[:1], ref_committed[-1:]), max_diff(lg[1:], ref_nodes))
+    assert worst <= (0.0 if exact else TOL), f"max |Δlogit| {worst:.3g}"
+
+
+def test_packed_sessions_with_frees_during_the_forward_match_tp1(tp2: Target) -> None:
+    """The engine frees and adds sessions on its loop thread while a forward runs: deferred on
+    rank 0 and replayed after the forward, so later allocations agree on every rank."""
+    ref = tiny()
+    rng = random.Random(3)
+    vocab = ref.config.vocab_size
+    prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in ((1, 60), (2, 33), (3, 20))}
+    results = []
+    for t in (tp2, ref):
+        kv = t.new_kv_cache(24, 16)
+        for s in (1, 2, 3, 9):
+            kv.add(s)
+        prefill(t.model, kv, 9, [5] * 40)  # a session the loop thread frees mid-forward
+        out: list[list[torch.Tensor]] = []
+        inputs = [prefill_chunk(s, p, 0, logits_last=True) for s, p in prompts.items()]
+        th = threading.Thread(
+            target=lambda m=t.model, k=kv, i=inputs, o=out: o.append(m.forward_packed(i, k))
+        )
+        group = getattr(t.model, "group", None)
+        th.start()
+        if group is not None:  # free and add while rank 0's forward is under way
+            deadline = time.monotonic() + 5
+            while not group.forwarding and time.monotonic() < deadline:
+                time.sleep(0.0002)
+            assert group.forwarding, "the forward ended before the free could overlap it"
+        kv.free(9)
+        kv.add(10)
+        th.join()
+        for s in (1, 2, 3):
+            kv.commit_rows(s, list(range(len(prompts[s]))))
+        # the next allocations must land on the same blocks on every rank
+        prefill(t.model, kv, 10, [7] * 50)
+        nxt = t.model.forward_packed([decode_step(10, 3, 50), decode_step(1, 4, 60)], kv)
+        results.append([*out[0], *nxt])
+        if isinstance(kv, parallel.ShardedKVCache):
+            assert kv.consistent()
+    for a, b in zip(*results, strict=True):
+        assert max_diff(a, b) <= TOL
+
+
+def test_a_dead_worker_fails_forwards_at_once(tp2: Target) -> None:
+    """(Runs last in this module: it breaks the group.)"""
+    group = getattr(tp2.model, "group", None)
+    assert isinstance(group, parallel.TPGroup) and group.procs
+    kv = tp2.new_kv_cache(8, 16)
+    kv.add(1)
+    group.procs[0].send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while group.alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not group.alive()
+    assert group.error == "tensor-parallel rank 1 died: exit code -9; the verifier is not ready"
+    t0 = time.monotonic()
+    with pytest.raises(parallel.TensorParallelError, match="rank 1 died"):
+        tp2.model.forward_packed([decode_step(1, 3, 0)], kv)
+    assert time.monotonic() - t0 < 1.0
+
+
+# ------------------------------------------------------------------------------ the service
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker_pids(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+async def _greedy(url: str, prompt: str, n: int) -> list[int]:
+    from edge_client.client import EdgeClient
+    from edge_client.drafters.registry import create_drafter
+
+    drafter = create_drafter("torch", "tiny")
+    try:
+        async with EdgeClient(url, drafter, resume=False) as c:
+            async for _ in c.generate(prompt, max_new_tokens=n):
+                pass
+            assert c.last is not None
+            return list(c.last.tokens)
+    finally:
+        drafter.close()
+
+
+def test_serve_tensor_parallel_2_greedy_equals_tp1_and_a_killed_rank_turns_readyz_503() -> None:
+    from cloud_verifier.config import ServerConfig
+    from cloud_verifier.server import ThreadedServer
+
+    prompt, n = "def fibonacci(n):", 40
+    cfg = ServerConfig(model="tiny", measure_cost=False, max_sessions=4, max_context=512, kv_blocks=256)
+    with ThreadedServer(cfg, target=tiny()) as srv:
+        want = asyncio.run(_greedy(srv.url, prompt, n))
+    assert len(want) == n
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "cloud_verifier.cli", "serve", "--model", "tiny", "--port", str(port)]
+    cmd += ["--no-measure-cost", "--kv-blocks", "256", "--tensor-parallel", "2", "--threads", "2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = f"http://127.0.0.1:{port}/readyz"
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                if httpx.get(ready, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        got = asyncio.run(_greedy(f"ws://127.0.0.1:{port}/v1/session", prompt, n))
+        assert got == want
+
+        (worker,) = _worker_pids(proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        t0 = time.monotonic()
+        while httpx.get(ready, timeout=2).status_code == 200:
+            assert time.monotonic() - t0 < 5, "/readyz still 200 five seconds after a rank died"
+            time.sleep(0.05)
+        assert httpx.get(ready, timeout=2).status_code == 503
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=30)
+    assert "tensor-parallel rank 1 died: exit code -9; the verifier is not ready" in err
+
+
+# ------------------------------------------------------------------------------ Qwen2.5-Coder-0.5B
+@pytest.mark.slow
+def test_qwen_tp2_matches_tp1() -> None:
+    """Prefill, a tree round and greedy decoding of Qwen2.5-Coder-0.5B at TP=2 against TP=1 (one
+    model in memory at a time: the TP=1 figures first)."""
+    from cloud_verifier.model import greedy_generate
+
+    name = "qwen2.5-coder-0.5b"
+    rng = random.Random(0)
+    ref = load_target(name, progress=False)
+    vocab = ref.config.vocab_size
+    committed = [rng.randrange(1000, 20000) for _ in range(40)]
+    want_round = _round(ref, committed, 1, 9, 0)
+    want_cond = _round(ref, committed, 1, 9, 2)
+    kv = ref.new_kv_cache(64, 16)
+    want_tokens = greedy_generate(ref.model, kv, committed, 24, eos_ids=())
+    del ref, kv
+
+    group = parallel.start(2, name, threads=2)
+    try:
+        tp = parallel.load_sharded_target(group, name, progress=False)
+        assert tp.config.vocab_size == vocab and tp.model.config.num_kv_heads == 1
+        got_round = _round(tp, committed, 1, 9, 0)
+        got_cond = _round(tp, committed, 1, 9, 2)
+        for a, b in zip((*got_round, *got_cond), (*want_round, *want_cond), strict=True):
+            assert max_diff(a, b) <= QWEN_TOL, f"max |Δlogit| {max_diff(a, b):.3g}"
+        kv = tp.new_kv_cache(64, 16)
+        got_tokens = greedy_generate(tp.model, kv, committed, 24, eos_ids=())
+        assert got_tokens == want_tokens
+    finally:
+        group.close()
