@@ -407,7 +407,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="speculative verification mode (default: greedy at temperature 0, match above)",
     )
     ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path")
-    ap.add_argument("--drafter", default="llama_cpp", choices=["llama_cpp", "torch"], help="draft backend")
+    ap.add_argument(
+        "--drafter",
+        default="llama_cpp",
+        choices=["llama_cpp", "torch", "onnx"],
+        help="draft backend (onnx: --draft may also be an `edge-client export-onnx` folder)",
+    )
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
     ap.add_argument(
         "--tree",

@@ -159,7 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--prompts", type=int, default=4, help="Spec-Bench dev prompts (round-robin over categories)"
     )
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
-    ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (llama.cpp)")
+    ap.add_argument(
+        "--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (or an ONNX export folder)"
+    )
+    ap.add_argument(
+        "--drafter",
+        default="llama_cpp",
+        choices=["llama_cpp", "torch", "onnx"],
+        help="draft backend (onnx: --draft may also be an `edge-client export-onnx` folder)",
+    )
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
     ap.add_argument(
         "--tree",
@@ -231,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     verifier = Verifier(a.model, cores=split.verifier, threads=len(split.verifier), args=args)
     with verifier:
         split.pin_edge()
-        drafter = create_drafter("llama_cpp", a.draft, n_threads=1)
+        drafter = create_drafter(a.drafter, a.draft, n_threads=1)
         try:
             for rtt in rtts:
                 for temp in temps:

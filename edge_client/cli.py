@@ -60,8 +60,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--drafter",
         default="llama_cpp",
-        choices=["llama_cpp", "torch"],
-        help="draft backend: llama.cpp (GGUF) or the torch reference",
+        choices=["llama_cpp", "torch", "onnx"],
+        help="draft backend: llama.cpp (GGUF), the torch reference, or onnxruntime (--draft may then "
+        "also be an export-onnx folder; an alias or GGUF is exported to ONNX on first use)",
     )
     shape = p.add_mutually_exclusive_group()
     shape.add_argument(
@@ -134,7 +135,48 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    _export_onnx_parser(sub)
     return parser
+
+
+def _export_onnx_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export-onnx",
+        help="export a draft model to ONNX for the onnx drafter backend",
+        description="Dequantize a draft's GGUF to fp32 and write it as an ONNX graph with the KV cache "
+        "as inputs/outputs and an attention-mask input, so one token-tree level is one onnxruntime run. "
+        "DIR gets model.onnx, its weights (model.onnx.data), the tokenizer and manifest.json. Use it with "
+        "`edge-client generate --drafter onnx --draft DIR`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--draft",
+        required=True,
+        metavar="ALIAS|PATH",
+        help="what to export: a draft alias (see `python -m shared.model_store list`), a GGUF file, "
+        "or `tiny` (the random-weight test model)",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="folder to write (replaced if it exists)")
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="quantize with onnxruntime's dynamic quantization (int8 weights per channel; about 4x smaller)",
+    )
+
+
+def _export_onnx(args: argparse.Namespace) -> int:
+    try:
+        from edge_client.onnx_export import ExportError, describe, export
+    except ImportError as exc:
+        print(f"edge-client: export-onnx needs onnx and torch ({exc}): pip install 'treespec[onnx,cloud]'")
+        return 1
+    try:
+        manifest = export(args.draft, args.out, int8=args.int8)
+    except (ExportError, OSError, ValueError) as exc:
+        print(f"edge-client: export-onnx: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(describe(manifest)))
+    return 0
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -155,7 +197,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ca-file", default=None, help="wss://: a CA bundle (PEM) that signed the verifier")
     p.add_argument("--api-key", default=os.environ.get("EDGE_CLIENT_API_KEY"), help="the verifier's API key")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model alias or GGUF path")
-    p.add_argument("--drafter", default="llama_cpp", choices=["llama_cpp", "torch"], help="draft backend")
+    p.add_argument(
+        "--drafter", default="llama_cpp", choices=["llama_cpp", "torch", "onnx"], help="draft backend"
+    )
     p.add_argument("--tree", default=None, help="expansion config, e.g. 2,1,1,1 (default: the draft's)")
     p.add_argument("--no-prespec", action="store_true", help="no pre-speculation (conditional trees)")
     p.add_argument("--threads", type=int, default=0, help="draft model threads (0: the backend's default)")
@@ -215,7 +259,7 @@ def _tree_spec(args: argparse.Namespace) -> TreeSpec:
 async def _generate(args: argparse.Namespace) -> int:
     from edge_client.client import EdgeClient, GenerationError, ResumeConfig
     from edge_client.drafters.registry import create_drafter
-    from edge_client.rounds import PrespecConfig
+    from edge_client.speculation import PrespecConfig
 
     try:
         spec = _tree_spec(args)
@@ -302,6 +346,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(_generate(args))
     if args.command == "serve":
         return _serve(args)
+    if args.command == "export-onnx":
+        return _export_onnx(args)
     return 2
 
 

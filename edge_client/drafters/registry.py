@@ -13,6 +13,7 @@ from edge_client.drafters.base import Drafter
 BACKENDS: dict[str, tuple[str, str, str]] = {
     "llama_cpp": ("edge_client.drafters.llama_cpp", "LlamaCppDrafter", "pip install 'treespec[edge]'"),
     "torch": ("edge_client.drafters.torch_drafter", "TorchDrafter", "pip install 'treespec[cloud]'"),
+    "onnx": ("edge_client.drafters.onnx_drafter", "OnnxDrafter", "pip install 'treespec[onnx]'"),
 }
 
 

@@ -1,4 +1,5 @@
-"""Fixtures shared by the edge tests: the packaged GGUF and the derived 8-block draft.
+"""Fixtures shared by the edge tests: the packaged GGUF, the derived 8-block draft and the ONNX
+export of `tiny`.
 
 The 8-block file is written once per test session into a temporary cache directory (about 4 s),
 so the tests never touch the user's real cache.
@@ -34,3 +35,15 @@ def treespec_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def l8_path(smollm2_path: Path, treespec_cache: Path) -> Path:
     return models.resolve_draft(models.L8_ALIAS)
+
+
+@pytest.fixture(scope="session")
+def onnx_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny` exported to ONNX (fp32) once per session, for the onnx drafter's tests."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    from edge_client.onnx_export import export
+
+    out = tmp_path_factory.mktemp("onnx") / "tiny"
+    export("tiny", out, progress=False)
+    return out

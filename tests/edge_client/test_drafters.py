@@ -1,14 +1,16 @@
 """The Drafter contract, checked on every backend (see edge_client/drafters/base.py).
 
 Backends: `fake` (exact, model-free: the bookkeeping alone), `llama_cpp` on the packaged SmolLM2
-GGUF, `torch` on the `tiny` random-weight target (skipped until the cloud runtime is present).
+GGUF, `torch` on the `tiny` random-weight target (skipped until the cloud runtime is present),
+`onnx` on the ONNX export of `tiny` (skipped without onnxruntime).
 
 "Same distribution" is exact for fake, |Δlogit| <= 1e-4 for torch (fp32: a batched tree forward vs
-a fresh forward of the path), and for llama.cpp total variation <= LLAMA_SELF_TV. llama.cpp
-quantizes activations to 8 bits in every matmul, so any change of evaluation order (a node
-evaluated in a tree batch vs in a fresh prefill, cells freed by dropped branches being reused)
-flips some rounding steps: measured on 90 random nodes, TV mean 0.035, max 0.072, max |Δlogit| 1.06,
-bit-identical only while no freed cell has been reused. The bound doubles the measured maximum.
+a fresh forward of the path) and onnx (cached tree rows vs a fresh causal run), and for llama.cpp
+total variation <= LLAMA_SELF_TV. llama.cpp quantizes activations to 8 bits in every matmul, so
+any change of evaluation order (a node evaluated in a tree batch vs in a fresh prefill, cells freed
+by dropped branches being reused) flips some rounding steps: measured on 90 random nodes, TV mean
+0.035, max 0.072, max |Δlogit| 1.06, bit-identical only while no freed cell has been reused. The
+bound doubles the measured maximum.
 """
 
 from __future__ import annotations
@@ -46,11 +48,13 @@ def _torch_available() -> bool:
     return True
 
 
-@pytest.fixture(params=["fake", "llama_cpp", "torch"])
+@pytest.fixture(params=["fake", "llama_cpp", "torch", "onnx"])
 def backend(request: pytest.FixtureRequest) -> str:
     name: str = request.param
-    if name == "torch" and not _torch_available():
+    if name in ("torch", "onnx") and not _torch_available():
         pytest.skip("cloud_verifier.model (the torch runtime) is not available")
+    if name == "onnx":
+        pytest.importorskip("onnxruntime")
     return name
 
 
@@ -66,6 +70,8 @@ def make(backend: str, request: pytest.FixtureRequest) -> Iterator[Factory]:
         elif backend == "llama_cpp":
             path: Path = request.getfixturevalue("smollm2_path")
             d = create_drafter("llama_cpp", str(path), n_threads=1, **opts)
+        elif backend == "onnx":
+            d = create_drafter("onnx", str(request.getfixturevalue("onnx_tiny")), **opts)
         else:
             d = create_drafter("torch", "tiny", **opts)
         made.append(d)
@@ -85,7 +91,7 @@ def assert_same_distribution(got: np.ndarray, ref: np.ndarray, backend: str) -> 
     assert got.shape == ref.shape and got.dtype == np.float32
     if backend == "fake":
         np.testing.assert_array_equal(got, ref)
-    elif backend == "torch":
+    elif backend in ("torch", "onnx"):
         np.testing.assert_allclose(got, ref, atol=TORCH_ATOL, rtol=0)
     else:
         p, q = _softmax(got), _softmax(ref)
@@ -260,7 +266,7 @@ def test_fingerprint_is_the_tokenizers(make: Factory) -> None:
 
 # ------------------------------------------------------------------------------------ registry
 def test_registry_names_and_errors() -> None:
-    assert set(available_backends()) >= {"llama_cpp", "torch"}
+    assert set(available_backends()) >= {"llama_cpp", "torch", "onnx"}
     with pytest.raises(ValueError, match="llama_cpp"):
         backend_class("onnx-nope")
     assert backend_class("llama_cpp").name == "llama_cpp"

@@ -1,0 +1,268 @@
+"""Exporting a draft model to ONNX (`edge-client export-onnx`) and the manifest that describes an export.
+
+An export folder holds:
+
+    model.onnx, model.onnx.data   the graph of edge_client.onnx_graph and its weights
+    tokenizer.json, tokens.json   the tokenizer (edge_client.stored_tokenizer)
+    manifest.json                 what was exported: source and its sha256, vocabulary size and
+                                  fingerprint, shapes, int8 or not, file sizes, format version
+
+The source is a draft alias, a GGUF path, or `tiny` (the seeded random-weight test model); its
+GGUF is dequantized to fp32 by the cloud runtime's loader (`cloud_verifier.model.load_target`), so
+the ONNX model has exactly the torch drafter's weights. `int8` then applies onnxruntime's dynamic
+quantization (int8 weights per output channel, activations quantized per run) to every MatMul and
+to the embedding.
+
+Exports made on first use live in `<treespec cache>/onnx/<source content id>-<fp32|int8>-f<FORMAT>/`
+(the content id is `shared.model_store.content_id`, as for the verifier's weight cache). Every
+folder is written under a temporary name and renamed into place, so a reader never sees half of
+one. Exporting needs torch and onnx; reading a manifest needs neither.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.onnx"
+DATA_FILE = "model.onnx.data"
+TINY = "tiny"
+MAX_MANIFEST_BYTES = 1 << 20
+
+
+class ExportError(RuntimeError):
+    """An export folder is missing, damaged or does not match what was asked; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json of an export folder."""
+
+    source: str  # what was exported: an alias, a GGUF path, or "tiny"
+    source_id: str  # shared.model_store.content_id of the GGUF ("tiny" for the test model)
+    source_sha256: str | None  # sha256 of the GGUF file (None for "tiny")
+    vocab_size: int
+    fingerprint: str  # vocabulary fingerprint (DESIGN section 3.2)
+    int8: bool
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    architecture: str
+    bos_id: int | None
+    eos_ids: list[int]
+    chat_template: str | None
+    files: dict[str, int]  # file name -> size in bytes
+    opset: int
+    format: int = FORMAT
+    kv_layout: str = "[rows, layers, kv_heads, head_dim]"
+    exported_with: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kv_row_shape(self) -> tuple[int, int, int]:
+        return (self.num_layers, self.num_kv_heads, self.head_dim)
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """The manifest of an export folder, its files checked against it; ExportError otherwise."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ExportError(
+            f"{folder} is not an ONNX export (no {MANIFEST}); make one with "
+            f"`edge-client export-onnx --draft ALIAS|PATH --out {folder}`"
+        )
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ExportError(f"{path}: {path.stat().st_size} bytes, more than a manifest can be; re-export")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        if raw.get("format") != FORMAT:
+            raise ExportError(
+                f"{path}: export format {raw.get('format')!r}, this version reads {FORMAT}; "
+                f"re-export with `edge-client export-onnx --out {folder}`"
+            )
+        manifest = Manifest(**raw)
+    except (ValueError, TypeError) as exc:
+        raise ExportError(f"{path} is not a valid manifest ({exc}); re-export the folder") from exc
+    for name, size in manifest.files.items():
+        f = folder / name
+        if not f.is_file() or f.stat().st_size != size:
+            got = f.stat().st_size if f.is_file() else "missing"
+            raise ExportError(
+                f"{f}: {got}, the manifest says {size} bytes (an interrupted copy?); re-export the folder"
+            )
+    return manifest
+
+
+def check_manifest(
+    manifest: Manifest, folder: Path, *, int8: bool | None = None, source_id: str | None = None
+) -> None:
+    """Refuse an export that is not what was asked (precision, source file) or is inconsistent."""
+    if int8 is not None and manifest.int8 != int8:
+        want, have = ("int8", "fp32") if int8 else ("fp32", "int8")
+        raise ExportError(
+            f"{folder} holds an {have} export but {want} was asked; export again with"
+            f"{' --int8' if int8 else 'out --int8'} into another folder"
+        )
+    if source_id is not None and manifest.source_id != source_id:
+        raise ExportError(
+            f"{folder} was exported from another model file (content id {manifest.source_id}, this "
+            f"one is {source_id}); delete the folder or export again with `edge-client export-onnx`"
+        )
+
+
+def source_path(source: str) -> Path | None:
+    """The GGUF behind a draft alias, a target alias or a path (None for `tiny`)."""
+    from edge_client.models import DRAFT_ALIASES, resolve_draft
+    from shared import model_store
+
+    if source == TINY:
+        return None
+    if source in DRAFT_ALIASES:
+        return resolve_draft(source)
+    if source in model_store.ALIASES:
+        return model_store.resolve(source, "target")
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ExportError(
+        f"{source!r} is not a draft alias ({', '.join(DRAFT_ALIASES)}), a target alias, "
+        f"{TINY!r}, a .gguf file or an export folder"
+    )
+
+
+def source_id(source: str) -> str:
+    from shared import model_store
+
+    path = source_path(source)
+    return TINY if path is None else model_store.content_id(path)
+
+
+def cache_folder(source: str, int8: bool) -> Path:
+    """Where the export of `source` made on first use lives in the model cache."""
+    from shared import model_store
+
+    kind = "int8" if int8 else "fp32"
+    return model_store.cache_dir() / "onnx" / f"{source_id(source)}-{kind}-f{FORMAT}"
+
+
+def export(
+    source: str, out: Path, *, int8: bool = False, progress: bool = True, target: Any = None
+) -> Manifest:
+    """Export `source` into the folder `out` (replaced if it exists); returns its manifest.
+
+    target: the already loaded fp32 `cloud_verifier.model.Target` of `source` (saves loading it
+    again, e.g. when the torch drafter holds it); by default it is loaded here."""
+    import onnx
+    import onnxruntime
+    import torch
+
+    from cloud_verifier.model import load_target
+    from shared import model_store
+
+    gguf = source_path(source)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    if target is None:
+        say(f"export-onnx: loading {source} (dequantizing to fp32)")
+        name = str(gguf) if gguf is not None else TINY
+        target = load_target(name, dtype="float32", device="cpu", progress=progress)
+    elif target.dtype != torch.float32:
+        raise ValueError(f"export needs the fp32 model, got {target.dtype}")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        from edge_client.onnx_graph import OPSET, write_model
+
+        fp32_dir = tmp / "fp32" if int8 else tmp
+        fp32_dir.mkdir(exist_ok=True)
+        say(f"export-onnx: writing the fp32 graph ({target.config.num_parameters() / 1e6:.0f}M parameters)")
+        write_model(target.model, fp32_dir / MODEL_FILE, DATA_FILE)
+        config, tok = target.config, target.tokenizer
+        fingerprint = str(target.vocab_fingerprint)
+        del target  # its floats: the int8 step loads the graph's own copy
+        if int8:
+            say("export-onnx: quantizing to int8 (onnxruntime dynamic quantization)")
+            _quantize(fp32_dir / MODEL_FILE, tmp / MODEL_FILE)
+            shutil.rmtree(fp32_dir)
+        (tmp / "tokenizer.json").write_text(tok.tokenizer.to_str(), encoding="utf-8")
+        (tmp / "tokens.json").write_text(json.dumps(tok.token_texts(), ensure_ascii=False), encoding="utf-8")
+        sha = None if gguf is None else model_store.file_sha256(gguf, progress=progress, desc="hashing")
+        manifest = Manifest(
+            source=source,
+            source_id=TINY if gguf is None else model_store.content_id(gguf),
+            source_sha256=sha,
+            vocab_size=config.vocab_size,
+            fingerprint=fingerprint,
+            int8=int8,
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            hidden_size=config.hidden_size,
+            architecture=config.architecture,
+            bos_id=tok.bos_id,
+            eos_ids=[int(i) for i in tok.eos_ids],
+            chat_template=tok.chat_template,
+            files={p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
+            opset=OPSET,
+            exported_with={
+                "torch": torch.__version__,
+                "onnx": onnx.__version__,
+                "onnxruntime": onnxruntime.__version__,
+            },
+        )
+        (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=1), encoding="utf-8")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"export-onnx: wrote {out} ({sum(manifest.files.values()) / 1e6:.0f} MB)")
+    return manifest
+
+
+def _quantize(src: Path, dst: Path) -> None:
+    """onnxruntime's dynamic quantization: int8 weights per output channel (MatMul and the embedding's
+    Gather), activations quantized per run; the weights go to DATA_FILE beside the graph."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=True, use_external_data_format=True)
+    if not (dst.parent / DATA_FILE).is_file():
+        raise ExportError(
+            f"onnxruntime's quantizer wrote no {DATA_FILE} beside {dst}; this version is not supported"
+        )
+
+
+def ensure_export(source: str, *, int8: bool = False, progress: bool = True) -> Path:
+    """The cached export of `source` (an alias or GGUF path), made on first use; checked."""
+    folder = cache_folder(source, int8)
+    if not (folder / MANIFEST).is_file():
+        if progress:
+            print(
+                f"edge-client: exporting {source} to ONNX ({'int8' if int8 else 'fp32'}) into {folder}, "
+                "once; later uses load it",
+                file=sys.stderr,
+                flush=True,
+            )
+        export(source, folder, int8=int8, progress=progress)
+    manifest = read_manifest(folder)
+    check_manifest(manifest, folder, int8=int8, source_id=source_id(source))
+    return folder
+
+
+def describe(manifest: Manifest) -> dict[str, Any]:
+    """A short summary of an export for logs and the CLI."""
+    return {
+        "source": manifest.source,
+        "int8": manifest.int8,
+        "vocab_size": manifest.vocab_size,
+        "layers": manifest.num_layers,
+        "bytes": sum(manifest.files.values()),
+    }

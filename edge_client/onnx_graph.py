@@ -1,0 +1,212 @@
+"""The draft model as an ONNX graph: one `InferenceSession.run` evaluates n new rows (a prefill chunk,
+a decode step, or one level of a token tree) against a KV cache the caller keeps.
+
+The graph is written node by node with `onnx.helper` from the weights of the project's own
+`LlamaModel` (a GGUF dequantized by `cloud_verifier.model`), not traced: every op is a standard
+ONNX op (opset 18), the row and past axes are symbolic by construction, and the weights stream
+to one external-data file a tensor at a time, so exporting Qwen2.5-Coder-0.5B holds about one
+copy of its floats. The arithmetic mirrors `LlamaModel.forward_packed`: RMSNorm, fused q|k|v
+(+ biases for qwen2), rotate-half RoPE on absolute positions, grouped-query attention with an
+additive mask, SwiGLU, final norm and LM head (tied heads get their own transposed copy so the
+head is a plain MatMul that onnxruntime's dynamic quantization can turn into int8).
+
+Inputs / outputs (P = past rows, n = new rows, k = rows whose logits are wanted):
+
+    input_ids      int64   [n]
+    position_ids   int64   [n]                     absolute positions (RoPE)
+    attention_mask float32 [n, P + n]              additive: 0 = attend, very negative = not
+    logit_rows     int64   [k]                     indices into the n rows
+    past_key       float32 [P, layers, kv_heads, head_dim]   post-RoPE keys of the cached rows
+    past_value     float32 [P, layers, kv_heads, head_dim]
+    ->
+    logits         float32 [k, vocab]
+    present_key    float32 [n, layers, kv_heads, head_dim]   the new rows' keys (caller appends)
+    present_value  float32 [n, layers, kv_heads, head_dim]
+
+The cache is row-major ([rows, layers, ...]) so that the caller's buffer prefix `buf[:P]` is
+contiguous and goes to onnxruntime without a copy; appending a run's rows is one slice write.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+OPSET = 18
+INPUTS = ("input_ids", "position_ids", "attention_mask", "logit_rows", "past_key", "past_value")
+OUTPUTS = ("logits", "present_key", "present_value")
+_ALIGN = 64
+
+
+class _Writer:
+    """Builds the node list and streams initializers to one external-data file."""
+
+    def __init__(self, data: BinaryIO, location: str) -> None:
+        from onnx import helper
+
+        self.h = helper
+        self.nodes: list[Any] = []
+        self.inits: list[Any] = []
+        self._data = data
+        self._location = location
+        self._n = 0
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def op(self, op_type: str, inputs: list[str], hint: str = "", n_out: int = 1, **attrs: Any) -> Any:
+        outs = [self.name(hint or op_type.lower()) for _ in range(n_out)]
+        self.nodes.append(self.h.make_node(op_type, inputs, outs, **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value: Any, hint: str = "c") -> str:
+        """A small initializer stored inside the model file."""
+        from onnx import numpy_helper
+
+        name = self.name(hint)
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def weight(self, array: np.ndarray, hint: str) -> str:
+        """A large float32 initializer written to the external-data file now (not kept in memory)."""
+        from onnx import TensorProto
+
+        a = np.ascontiguousarray(array, dtype=np.float32)
+        name = self.name(hint)
+        offset = self._data.tell()
+        pad = -offset % _ALIGN
+        if pad:
+            self._data.write(b"\0" * pad)
+            offset += pad
+        self._data.write(a.data)  # no copy
+        t = TensorProto()
+        t.name = name
+        t.data_type = TensorProto.FLOAT
+        t.dims.extend(a.shape)
+        for key, value in (("location", self._location), ("offset", offset), ("length", a.nbytes)):
+            entry = t.external_data.add()
+            entry.key, entry.value = key, str(value)
+        t.data_location = TensorProto.EXTERNAL
+        self.inits.append(t)
+        return name
+
+
+def _np(p: Any) -> np.ndarray:
+    """A torch parameter as a float32 numpy array (a view when it already is one)."""
+    return np.asarray(p.detach().to("cpu").float().numpy())
+
+
+def write_model(model: Any, out: Path, data_name: str = "model.onnx.data") -> None:
+    """Write `model` (a cloud_verifier LlamaModel with its projection weights in place) as
+    `out` (the graph) and `out.parent / data_name` (its weights)."""
+    import onnx
+    from onnx import TensorProto
+    from onnx import helper as h
+
+    from cloud_verifier.model.rope import inverse_frequencies
+
+    if getattr(model, "released", False):
+        raise ValueError("the model's projection weights were released after packing; load it again")
+    c = model.config
+    hd, heads, kvh, g = c.head_dim, c.num_heads, c.num_kv_heads, c.group_size
+    q_size, kv_size, inter, layers = c.q_size, c.kv_size, c.intermediate_size, c.num_layers
+    sc = c.rope_scaling
+    pos_scale = 1.0 / sc.factor if sc is not None and sc.kind == "linear" else 1.0
+    with open(out.parent / data_name, "wb") as data:
+        w = _Writer(data, data_name)
+        i64 = np.int64
+        eps = w.const(np.float32(c.rms_norm_eps), "eps")
+        axis_last = w.const(np.array([-1], i64), "axes")
+
+        def rms_norm(x: str, weight: str) -> str:
+            # the pattern onnxruntime fuses into SimplifiedLayerNormalization
+            sq = w.op("Pow", [x, w.const(np.float32(2.0), "two")])
+            mean = w.op("ReduceMean", [sq, axis_last], keepdims=1)
+            root = w.op("Sqrt", [w.op("Add", [mean, eps])])
+            return w.op("Mul", [w.op("Div", [x, root]), weight])
+
+        # rotary tables, once per run: cos and sign-folded sin, [n, 1, head_dim]
+        pos = w.op("Cast", ["position_ids"], to=TensorProto.FLOAT)
+        if pos_scale != 1.0:
+            pos = w.op("Mul", [pos, w.const(np.float32(pos_scale))])
+        inv = w.const(inverse_frequencies(c).numpy().astype(np.float32), "inv_freq")
+        freqs = w.op("Mul", [w.op("Unsqueeze", [pos, w.const(np.array([1], i64))]), inv])  # [n, hd/2]
+        cos, sin = w.op("Cos", [freqs]), w.op("Sin", [freqs])
+        axis1 = w.const(np.array([1], i64))
+        cos = w.op("Unsqueeze", [w.op("Concat", [cos, cos], axis=-1), axis1], "cos")
+        sin = w.op("Unsqueeze", [w.op("Concat", [w.op("Neg", [sin]), sin], axis=-1), axis1], "sin")
+        halves = w.const(np.array([hd // 2, hd // 2], i64))
+
+        def rope(x: str) -> str:  # x: [n, heads, hd]
+            lo, hi = w.op("Split", [x, halves], n_out=2, axis=-1)
+            swapped = w.op("Concat", [hi, lo], axis=-1)
+            return w.op("Add", [w.op("Mul", [x, cos]), w.op("Mul", [swapped, sin])])
+
+        q_shape = w.const(np.array([-1, kvh, g, hd], i64))  # [n, kv_heads, group, hd]
+        kv_shape = w.const(np.array([-1, kvh, hd], i64))
+        o_shape = w.const(np.array([-1, q_size], i64))
+        qkv_split = w.const(np.array([q_size, kv_size, kv_size], i64))
+        gu_split = w.const(np.array([inter, inter], i64))
+        scale = w.const(np.float32(hd**-0.5), "scale")
+        x = w.op("Gather", [w.weight(_np(model.embed), "embed"), "input_ids"], axis=0)  # [n, hidden]
+        keys, values = [], []
+        for li, layer in enumerate(model.layers):
+            xn = rms_norm(x, w.weight(_np(layer.attn_norm), "attn_norm"))
+            qkv = w.op("MatMul", [xn, w.weight(_np(layer.qkv).T, f"l{li}_qkv")])  # [n, q + 2 kv]
+            if layer.qkv_bias is not None:
+                qkv = w.op("Add", [qkv, w.weight(_np(layer.qkv_bias), f"l{li}_qkv_bias")])
+            q, k, v = w.op("Split", [qkv, qkv_split], n_out=3, axis=1)
+            q = rope(w.op("Reshape", [q, w.const(np.array([-1, heads, hd], i64))]))
+            k = rope(w.op("Reshape", [k, kv_shape]))  # [n, kvh, hd]
+            v = w.op("Reshape", [v, kv_shape])
+            keys.append(w.op("Unsqueeze", [k, axis1]))  # [n, 1, kvh, hd]
+            values.append(w.op("Unsqueeze", [v, axis1]))
+            li_c = w.const(np.array(li, i64))
+            k_all = w.op("Concat", [w.op("Gather", ["past_key", li_c], axis=1), k], axis=0)  # [P+n, kvh, hd]
+            v_all = w.op("Concat", [w.op("Gather", ["past_value", li_c], axis=1), v], axis=0)
+            k_t = w.op("Unsqueeze", [w.op("Transpose", [k_all], perm=[1, 2, 0]), axis1])  # [kvh, 1, hd, P+n]
+            v_t = w.op("Unsqueeze", [w.op("Transpose", [v_all], perm=[1, 0, 2]), axis1])  # [kvh, 1, P+n, hd]
+            qg = w.op("Transpose", [w.op("Reshape", [q, q_shape])], perm=[1, 2, 0, 3])  # [kvh, g, n, hd]
+            scores = w.op("MatMul", [w.op("Mul", [qg, scale]), k_t])  # [kvh, g, n, P+n]
+            probs = w.op("Softmax", [w.op("Add", [scores, "attention_mask"])], axis=-1)
+            attn = w.op("Transpose", [w.op("MatMul", [probs, v_t])], perm=[2, 0, 1, 3])  # [n, kvh, g, hd]
+            attn = w.op("Reshape", [attn, o_shape])
+            x = w.op("Add", [x, w.op("MatMul", [attn, w.weight(_np(layer.o).T, f"l{li}_o")])])
+            xn = rms_norm(x, w.weight(_np(layer.mlp_norm), "mlp_norm"))
+            gu = w.op("MatMul", [xn, w.weight(_np(layer.gate_up).T, f"l{li}_gate_up")])  # [n, 2 inter]
+            gate, up = w.op("Split", [gu, gu_split], n_out=2, axis=1)
+            act = w.op("Mul", [w.op("Mul", [gate, w.op("Sigmoid", [gate])]), up])
+            x = w.op("Add", [x, w.op("MatMul", [act, w.weight(_np(layer.down).T, f"l{li}_down")])])
+        rows = w.op("Gather", [x, "logit_rows"], axis=0)
+        hidden = rms_norm(rows, w.weight(_np(model.norm), "norm"))
+        w.nodes.append(h.make_node("MatMul", [hidden, w.weight(_np(model.lm_head).T, "lm_head")], ["logits"]))
+        w.nodes.append(h.make_node("Concat", keys, ["present_key"], axis=1))
+        w.nodes.append(h.make_node("Concat", values, ["present_value"], axis=1))
+
+    f32, i64t = TensorProto.FLOAT, TensorProto.INT64
+    kv_dims = ["past", layers, kvh, hd]
+    graph = h.make_graph(
+        w.nodes,
+        "treespec_draft",
+        [
+            h.make_tensor_value_info("input_ids", i64t, ["n"]),
+            h.make_tensor_value_info("position_ids", i64t, ["n"]),
+            h.make_tensor_value_info("attention_mask", f32, ["n", "total"]),
+            h.make_tensor_value_info("logit_rows", i64t, ["k"]),
+            h.make_tensor_value_info("past_key", f32, kv_dims),
+            h.make_tensor_value_info("past_value", f32, kv_dims),
+        ],
+        [
+            h.make_tensor_value_info("logits", f32, ["k", c.vocab_size]),
+            h.make_tensor_value_info("present_key", f32, ["n", layers, kvh, hd]),
+            h.make_tensor_value_info("present_value", f32, ["n", layers, kvh, hd]),
+        ],
+        w.inits,
+    )
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET)], producer_name="treespec")
+    proto.ir_version = 8  # readable by onnxruntime releases from 1.14 on
+    onnx.save_model(proto, os.fspath(out))
