@@ -8,7 +8,9 @@
 Each round the drafter (on its own thread, off the event loop) builds a token tree below the
 committed sequence; the verifier answers with the accepted path plus its bonus token. The text is
 exactly what the target alone would produce. With `prespec` the edge drafts conditional trees for
-the likely outcomes while a round is in flight (edge_client.rounds, edge_client.prespec).
+the likely outcomes while a round is in flight: edge_client.speculation holds that logic
+without I/O (SpeculationCore) and the asyncio shell that runs it (RoundExecutor); this module is
+the session, streaming and text.
 """
 
 from __future__ import annotations
@@ -25,15 +27,23 @@ from typing import Any
 
 import numpy as np
 
-from edge_client.budget import AcceptanceCalibration
 from edge_client.drafters.base import Drafter
-from edge_client.prespec import ChoiceModel
-from edge_client.rounds import PrespecConfig, Request, RoundDriver, TreeSpec
+from edge_client.speculation import (
+    DrafterProfile,
+    DraftStep,
+    Learned,
+    PrespecConfig,
+    Refused,
+    Request,
+    RoundExecutor,
+    SpeculationCore,
+    TreeSpec,
+)
 from edge_client.stats import Generation, GenerationStats
 from edge_client.text import IncrementalDetokenizer, Message, as_messages, find_stop
 from edge_client.tokenizer import EdgeTokenizer
 from edge_client.transport import LinkShape, ShapedTransport, Transport, TransportClosed, WebSocketTransport
-from edge_client.trees import Coupling, DraftResult, Sampling
+from edge_client.trees import Coupling, Sampling
 from shared.errors import ErrorCode, ProtocolError
 from shared.messages import Error, Hello, Mode, Prompt, Verdict, Welcome
 from shared.protocol import ClientProtocol, ClientState
@@ -150,11 +160,8 @@ class EdgeClient:
         self.welcome: Welcome | None = None
         # llama.cpp contexts are single-threaded: one drafting thread, off the event loop
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter")
-        self.calibration = AcceptanceCalibration()
-        # per target temperature (and coupled or not), learned across generations
-        self._choice: dict[tuple[float, bool], ChoiceModel] = {}
-        self.last_draft: DraftResult | None = None
-        self.rtt_estimate_ms = 0.0
+        # calibration, outcome models, round trip, last tree: learned across generations
+        self.learned = Learned()
         self.last: Generation | None = None
 
     @property
@@ -279,20 +286,6 @@ class EdgeClient:
     def next_round(self) -> int:
         return self.proto.last_round + 1
 
-    def choice_model(self, temperature: float, coupled: bool = False) -> ChoiceModel:
-        """The outcome model for this temperature (its acceptance estimate carries over). Coupled
-        drafting (Coupling) is modelled like greedy: the target takes the draft's coupled token
-        with a learned probability, else one in proportion to the draft's other probabilities."""
-        key = (round(float(temperature), 3), coupled)
-        if key not in self._choice:
-            self._choice[key] = ChoiceModel(temperature=0.0 if coupled else key[0])
-        return self._choice[key]
-
-    def observe_rtt(self, rtt_ms: float) -> None:
-        """Exponential average of the measured round trip (sizes dynamic trees)."""
-        a = self.rtt_estimate_ms
-        self.rtt_estimate_ms = rtt_ms if a == 0 else 0.8 * a + 0.2 * rtt_ms
-
     # ------------------------------------------------------------------ generation
     async def generate(
         self,
@@ -349,9 +342,9 @@ class EdgeClient:
         cut: int | None = None
         next_round: int | None = None  # the round the server took up with no round trip
         while True:
-            driver = RoundDriver(self, req, msg, st, self.prespec)
+            driver = self._rounds(req, msg, st)
             try:
-                async for v in driver.run():
+                async for v in driver.run(msg):
                     if not st.first_token_s:
                         st.first_token_s = time.perf_counter() - t_start
                     if on_verdict is not None:
@@ -377,6 +370,8 @@ class EdgeClient:
                         driver.cancel()
                         await self.send(self.proto.cancel())
                 break
+            except Refused as exc:
+                raise self.refused(exc.error) from None
             except ConnectionLost:
                 if self.resume is None or cut is not None:
                     raise
@@ -399,6 +394,19 @@ class EdgeClient:
         st.wall_s = time.perf_counter() - t_start
         st.bytes_up = self.proto.stats.bytes_out - up0
         st.bytes_down = self.proto.stats.bytes_in - down0
+
+    def _rounds(self, req: Request, msg: Prompt, st: GenerationStats) -> RoundExecutor:
+        """The speculation core of one generation and the shell that runs it on this session."""
+        assert self.welcome is not None
+        step: DraftStep | None = None
+        profile: DrafterProfile | None = None
+        if self.drafter is not None and req.mode is not Mode.AR:
+            step = DraftStep([self.drafter], req, self.welcome.limits)
+            profile = DrafterProfile(step.max_nodes, step.ms_per_node)
+        core = SpeculationCore(
+            self.proto, self.welcome, req, self.prespec, self.learned, st, profile, msg.temperature
+        )
+        return RoundExecutor(core, step, self.proto, self.send, self.recv, self.pool)
 
     def _request(
         self, mode: Mode, temperature: float, top_k: int, top_p: float, seed: int, spec: TreeSpec

@@ -1,6 +1,6 @@
 """Several conditional trees drafted in lockstep: one drafter evaluation per level for all of them.
 
-Pre-speculation drafts a tree for each likely outcome of the tree in flight (edge_client.prespec).
+Pre-speculation drafts a tree for each likely outcome of the tree in flight (edge_client.speculation).
 Drafted one after another, M trees of depth d cost M * d drafter evaluations; on a CPU a llama.cpp
 evaluation is bound by reading the weights, so a batch of a few tokens costs little more than one
 (Qwen2.5-Coder-0.5B Q4_K_M on one core: 75 ms for 1 token, 108 for 3, 122 for 4). Drafted in

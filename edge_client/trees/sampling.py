@@ -63,7 +63,7 @@ class Coupling:
     every node the coupled token becomes the first child, ahead of the draft's most likely ones.
     Nothing about exactness changes (the verifier samples from p whatever the tree); only what the
     edge guesses does. The edge's outcome model then treats the coupled token as the draft's
-    "top" token (edge_client.prespec.ChoiceModel), as greedy verification does the argmax.
+    "top" token (edge_client.speculation.outcomes.ChoiceModel), as greedy verification does the argmax.
     """
 
     seed: int

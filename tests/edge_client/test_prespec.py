@@ -1,4 +1,5 @@
-"""Pre-speculation: outcome prediction, Saguaro's fan-out, and exactness with it on and off."""
+"""Pre-speculation: outcome prediction, Saguaro's fan-out, and exactness with it on and off against a
+live verifier (the core's bookkeeping alone: tests/edge_client/test_speculation.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import pytest
 from bench.harness import load_prompts
 from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
 from edge_client.drafters.registry import create_drafter
-from edge_client.prespec import (
+from edge_client.speculation.outcomes import (
     ChoiceModel,
     geometric_fanout,
     predict_outcomes,
-    reach_probabilities,
     rebase,
     replay,
     worth_drafting,
@@ -159,46 +159,6 @@ def test_prespec_on_and_off_give_the_same_tokens() -> None:
             )
             m_on, _ = _run(srv.ws, drafter, p, True, max_new_tokens=24, mode="match", temperature=0.8, seed=4)
             assert m_on == m_off
-
-
-def test_leaves_are_evaluated_only_when_they_may_be_reached(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A sent tree's leaves are evaluated (to predict the bonus after a full acceptance) only where
-    the outcome model gives them a fair chance, leaf by leaf: the likely ones of a self-draft's
-    tree are, its unlikely side branches are not; with a model sure the draft is never right, the
-    drafting thread never spends time on leaves. The output is the same in every case."""
-    from edge_client.rounds import RoundDriver
-
-    calls: list[tuple[list[int], list[int], np.ndarray]] = []  # (evaluated, unevaluated, reach)
-    real = RoundDriver._leaves
-
-    def counting(self: RoundDriver, pending: dict[int, list[int]]) -> None:
-        for rid, nodes in pending.items():
-            spec = self.specs[rid]
-            reach = spec.prob * reach_probabilities(spec.draft, self.choice)
-            calls.append((list(nodes), np.flatnonzero(spec.draft.workspace_ids < 0).tolist(), reach))
-        real(self, pending)
-
-    monkeypatch.setattr(RoundDriver, "_leaves", counting)
-    drafter = create_drafter("torch", "tiny")
-    p = load_prompts(1)[0].text
-    cfg = PrespecConfig(fanout=3, leaf_min_reach=0.1)
-    with LiveServer(max_pending=6) as srv:
-        ref, _ = _run(srv.ws, drafter, p, False, max_new_tokens=24)
-        toks, _ = _run(srv.ws, drafter, p, cfg, max_new_tokens=24)
-        assert toks == ref
-        # a self-draft: its likely leaves are evaluated, and only those
-        assert calls
-        for evaluated, unevaluated, reach in calls:
-            assert set(evaluated) <= set(unevaluated)
-            assert all(reach[n] >= 0.1 for n in evaluated)
-            assert all(reach[n] < 0.1 for n in set(unevaluated) - set(evaluated))
-        assert any(len(e) < len(u) for e, u, _ in calls)  # some side branches were left out
-        calls.clear()
-        never = ChoiceModel(temperature=0.0, agree=0.0, tested=1e6, decay=1.0)
-        monkeypatch.setattr(EdgeClient, "choice_model", lambda self, t, coupled=False: never)
-        toks, st = _run(srv.ws, drafter, p, True, max_new_tokens=24)
-    assert toks == ref
-    assert not calls and st.rounds > 1  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("mode", ["mss", "rrs"])

@@ -21,7 +21,7 @@ geometrically with k, capped by the guesses available at that depth. Within dept
 likely (node, bonus) pairs are taken.
 
 Cost gate (worth_drafting). The edge drafts on one thread, so a speculative draft still running
-when a verdict arrives delays the synchronous draft a miss needs. The round driver abandons a
+when a verdict arrives delays the synchronous draft a miss needs. The speculation core abandons a
 conditional draft between evaluations once a verdict rules its outcome out, so that delay is at
 most one drafter evaluation. Each candidate is drafted only while its expected saving (a hit takes
 the drafting and the round trip off the critical path) outweighs its expected cost (a miss waits

@@ -1,0 +1,101 @@
+"""What one generation asks of the speculation core: the tree shape, pre-speculation, the request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from edge_client.trees import Coupling, Sampling
+from shared.messages import Mode
+from shared.tree import ExpansionConfig
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """The shape of the trees the edge drafts.
+
+    static:   SpecInfer expansion <k1..km> (`expansion`)
+    budget:   best-first tree of `budget` nodes (0: chosen each round from the server's cost curve)
+    sequence: a chain of `depth` tokens (default: as deep as the static tree)
+    """
+
+    kind: Literal["static", "budget", "sequence"] = "static"
+    expansion: ExpansionConfig = field(default_factory=ExpansionConfig)
+    budget: int = 0
+    depth: int = 0
+
+    @property
+    def chain_depth(self) -> int:
+        return self.depth or self.expansion.depth
+
+
+@dataclass(frozen=True)
+class PrespecConfig:
+    """How much to pre-speculate per round.
+
+    fanout:      conditional trees drafted for the outcomes of one tree (Saguaro's geometric
+                 allocation across accepted lengths, edge_client.speculation.outcomes)
+    max_chain:   how many rounds ahead a speculation may reach (2: also the outcomes of a
+                 conditional tree, before the verdict that would start it)
+    byte_budget: bytes of conditional trees sent between two verdicts
+    allocation:  "geometric" (Saguaro) or "top" (simply the most likely outcomes)
+    r:           power-law exponent of the miss rate in the geometric rule
+    gate:        draft a conditional tree only when its expected saving (hit: no drafting and no
+                 round trip on the critical path) outweighs its expected cost (miss: the fallback
+                 draft waits on the edge's one drafting thread until the conditional draft is
+                 abandoned, at most one evaluation); edge_client.speculation.outcomes.worth_drafting
+    min_gain:    with the gate, expected critical-path ms a conditional tree must save per ms spent
+                 drafting it. 0 (latency first): draft whatever costs no expected latency; raise it
+                 where edge energy matters, to hold back trees that would rarely be used
+    batch:       conditional trees drafted together in lockstep (static and sequence shapes in
+                 greedy / match: one drafter evaluation per level for all of them)
+    batch_min_prob: a candidate joins the batch of a more likely one only when at least this likely
+    leaf_min_reach: a sent tree's leaves (drafted but not evaluated) are evaluated after sending, to
+                 predict the bonus token of the outcomes that accept them; only the leaves accepted
+                 with at least this probability are (the side branches of a sampled tree, or every
+                 leaf of a weak draft's, are almost never reached: evaluating them only occupies
+                 the drafting thread, at about the cost of a tree node each)
+    """
+
+    fanout: int = 3
+    max_chain: int = 3
+    batch: int = 4
+    batch_min_prob: float = 0.03
+    byte_budget: int = 64 * 1024
+    allocation: str = "geometric"
+    r: float = 1.0
+    gate: bool = True
+    min_gain: float = 0.0
+    leaf_min_reach: float = 0.02
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("fanout", self.fanout >= 1, "at least 1"),
+            ("max_chain", self.max_chain >= 1, "at least 1"),
+            ("batch", self.batch >= 1, "at least 1"),
+            ("batch_min_prob", 0 <= self.batch_min_prob <= 1, "in [0, 1]"),
+            ("byte_budget", self.byte_budget >= 0, "0 or more"),
+            ("allocation", self.allocation in ("geometric", "top"), "'geometric' or 'top'"),
+            ("r", self.r > 0, "positive"),
+            ("min_gain", self.min_gain >= 0, "0 or more"),
+            ("leaf_min_reach", 0 <= self.leaf_min_reach <= 1, "in [0, 1]"),
+        )
+        for name, ok, what in checks:
+            if not ok:
+                raise ValueError(f"PrespecConfig.{name} must be {what}, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one generation asks for, as the speculation core needs it."""
+
+    mode: Mode
+    tree: TreeSpec
+    sampling: Sampling | None = None
+    rng: np.random.Generator | None = None
+    coupling: Coupling | None = None  # mode match at temperature > 0 (edge_client.trees.Coupling)
+
+
+__all__ = ["PrespecConfig", "Request", "TreeSpec"]

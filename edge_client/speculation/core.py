@@ -1,0 +1,422 @@
+"""The speculation core of one generation, without I/O: events in, actions out.
+
+Without pre-speculation each round is synchronous: draft a tree below the committed sequence,
+send it, wait for the verdict. With pre-speculation (SSD / Saguaro, speculation.outcomes) the
+drafter keeps working while a round is in flight: it drafts conditional trees for the most likely
+outcomes of the tree in flight (and, going deeper, of those trees), most probable first, and
+sends each as soon as it is drafted. After a verdict the next tree is then usually already at the
+verifier (the verdict names it in `next_round`, or it is still on its way and will match on
+arrival); only on a miss does the edge draft synchronously.
+
+Shape. The core's steps (`start`, `idle`, `receive`) are generators: each yields actions
+(speculation.actions) and receives their results, so the logic reads in order while the shell
+(speculation.executor: drafting thread, socket) or a test (scripted verdicts, inline drafting)
+runs them. The wire state is the client's `shared.protocol.ClientProtocol`: the committed
+sequence, the outstanding rounds, the round numbers. The core only remembers which verdict it
+is waiting for (`in_flight`): it consumes frames after the protocol has decoded them, and the
+protocol may already be a verdict ahead.
+
+Bookkeeping. The drafter is synced to an *anchor* sequence; every tree is drafted in its workspace
+below `anchor + cond`, so conditional trees reuse the nodes of the trees they continue. The
+ledger (speculation.ledger) records each sent tree and the full committed sequence it assumes.
+On a miss the drafter is re-synced to the committed sequence (the anchor moves). When the
+workspace fills up during a run of hits, the anchor moves to the committed sequence and the tree
+in flight is replayed into the fresh workspace.
+
+Keeping the critical path short. Every tree is sent without its leaves evaluated; the leaves
+(whose alternatives give the bonus tokens of the full-acceptance outcomes) are evaluated right
+after, while the tree is in flight, and only those the outcome model gives a fair chance of
+being reached (PrespecConfig.leaf_min_reach). A conditional tree is abandoned between drafter
+evaluations as soon as a verdict rules its assumed outcome out, so a miss's fallback draft waits
+for at most one evaluation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Generator
+from typing import Any
+
+import numpy as np
+
+from edge_client.budget import choose_budget, geometric_gains
+from edge_client.speculation.actions import (
+    Action,
+    Deliver,
+    DraftConditional,
+    Drafted,
+    DraftPlain,
+    FinishLeaves,
+    Reanchor,
+    SendPrompt,
+    SendTree,
+)
+from edge_client.speculation.config import PrespecConfig, Request
+from edge_client.speculation.estimates import Learned, RoundEstimates
+from edge_client.speculation.ledger import Ledger, Speculation, extends
+from edge_client.speculation.outcomes import ChoiceModel, reach_probabilities, rebase
+from edge_client.speculation.planner import Planner
+from edge_client.stats import GenerationStats
+from edge_client.trees import DraftResult
+from shared.errors import ErrorCode
+from shared.messages import Error, Mode, Prompt, Stale, Tree, Verdict, Welcome
+from shared.protocol import ClientProtocol, ClientState
+
+Steps = Generator[Action, Any, None]
+
+
+class Refused(Exception):
+    """The verifier refused the generation (an error frame about it, not a dropped speculation)."""
+
+    def __init__(self, error: Error) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterProfile:
+    """What the core's dynamic budget needs to know of the drafter (the draft step supplies it)."""
+
+    max_nodes: int
+    ms_per_node: Callable[[], float]
+
+
+class SpeculationCore:
+    """The rounds of one generation (see the module docstring)."""
+
+    def __init__(
+        self,
+        proto: ClientProtocol,
+        welcome: Welcome,
+        req: Request,
+        prespec: PrespecConfig | None,
+        learned: Learned,
+        stats: GenerationStats,
+        drafter: DrafterProfile | None,
+        temperature: float = 0.0,
+    ) -> None:
+        self.proto = proto
+        self.welcome = welcome
+        self.req = req
+        self.prespec = prespec if req.mode is not Mode.AR else None
+        self.learned = learned
+        self.stats = stats
+        self.drafter = drafter
+        self.choice: ChoiceModel = learned.choice_model(
+            temperature if req.mode is not Mode.GREEDY else 0.0, coupled=req.coupling is not None
+        )
+        self.ledger = Ledger()
+        self.planner = Planner(self.ledger, self.prespec, self.choice)
+        self.est = RoundEstimates()
+        self.anchor: tuple[int, ...] = ()
+        self.workspace_full = False
+        self.in_flight: int | None = None
+        self.cancelled = False
+        self.finished = False
+        self._bytes_since_verdict = 0
+
+    # ------------------------------------------------------------------ steps
+    def start(self, prompt: Prompt) -> Steps:
+        """Draft the first tree (not in mode ar) and send the prompt with it."""
+        full = tuple(self.proto.committed_for(prompt))
+        first: DraftResult | None = None
+        if self.req.mode is not Mode.AR:
+            first = yield from self._draft_plain(full)
+        msg = prompt if first is None else dataclasses.replace(prompt, tree=first.tree)
+        t_sent: float = yield SendPrompt(msg)
+        if first is not None:
+            self.ledger.specs[0] = Speculation(0, first, full, 1.0, None, t_sent)
+            self.est.verdict_due = t_sent + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
+            self._sent(0)
+        self.in_flight = 0
+
+    def idle(self, quiet: bool) -> Steps | None:
+        """Work while waiting: evaluate pending leaves, or draft the next conditional tree; only
+        when `quiet` (no frame is waiting to be received), but the gate is asked (and counts a
+        held-back tree) either way."""
+        if self.ledger.leaves_pending and quiet:
+            return self._finish_leaves()
+        if self._can_prespeculate() and quiet:
+            return self._prespeculate_one()
+        return None
+
+    def receive(self, msg: object, received: float) -> Steps:
+        """A decoded frame (received at perf_counter time `received`): account it, deliver a
+        verdict, and draft synchronously after a miss."""
+        if isinstance(msg, Error):
+            if self._refused_speculation(msg):
+                return
+            raise Refused(msg)
+        if isinstance(msg, Stale):
+            self.ledger.specs.pop(msg.round, None)
+            self.ledger.attempted.pop(msg.round, None)
+            if msg.round != self.in_flight or self.proto.state is not ClientState.GENERATING:
+                return
+            # the tree taken for current (one still on its way when the verdict came) was refused
+            # after all: nothing is in flight, draft below the committed sequence
+            self.in_flight = None
+        elif isinstance(msg, Verdict):
+            reanchor = self._on_verdict(msg, received)
+            yield Deliver(msg)
+            if msg.done:
+                self.finished = True
+                return
+            if reanchor is not None:
+                # a run of hits filled the workspace: move the anchor, replay the tree in flight
+                spec, committed_now = reanchor
+                self.anchor = committed_now
+                self.workspace_full = False
+                self.ledger.leaves_pending.clear()
+                yield Reanchor(committed_now, spec.draft.tree)
+                self.ledger.expanded.discard(spec.round)
+                self.planner.expand(spec.round)
+        else:
+            return
+        if self.cancelled or self.req.mode is Mode.AR or self.in_flight is not None:
+            return
+        # a miss: draft synchronously below the committed sequence. The protocol decodes ahead of
+        # the core, so later verdicts may already be waiting (and the generation over).
+        if self.proto.state is not ClientState.GENERATING:
+            return
+        committed = tuple(self.proto.committed)
+        self.planner.clear()
+        dr = yield from self._draft_plain(committed)
+        now = self.proto
+        if now.state is not ClientState.GENERATING or tuple(now.committed) != committed:
+            # a verdict came in while drafting (the generation may even have ended): this tree is
+            # not current; the verdict waits in the queue and decides what follows
+            return
+        yield from self._send_tree(dr, committed, 1.0, None)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.planner.clear()
+
+    # ------------------------------------------------------------------ drafting
+    def _draft_plain(self, committed: tuple[int, ...]) -> Generator[Action, Any, DraftResult]:
+        """A tree below `committed`, drafter re-synced to it (the anchor moves)."""
+        self.anchor = committed
+        self.workspace_full = False
+        self.ledger.leaves_pending.clear()  # the old workspace is gone
+        dr: DraftResult = yield DraftPlain(committed, self._budget())
+        self.stats.draft_ms.append(dr.draft_ms)
+        self.est.note_draft(dr)
+        return dr
+
+    def _budget(self) -> int:
+        """Nodes of a dynamic tree (TreeSpec budget), from the server's cost curve; 0 otherwise."""
+        spec = self.req.tree
+        if spec.kind != "budget" or self.drafter is None:
+            return 0
+        cap = min(self.welcome.limits.max_nodes, self.drafter.max_nodes // 2)
+        if spec.budget:
+            return min(spec.budget, cap)
+        last = self.learned.last_draft
+        alpha = self.choice.alpha if self.choice.temperature == 0 else 0.7
+        if last is None:
+            gains = geometric_gains(alpha, cap)
+        else:
+            # the last tree's nodes as the target accepts them (ChoiceModel), what its frontier
+            # left out, and a deeper chain: a budget may grow past the last tree
+            deeper = alpha ** np.arange(last.tree.max_depth + 1, last.tree.max_depth + 1 + cap)
+            gains = np.concatenate([reach_probabilities(last, self.choice), last.frontier_probs, deeper])
+        rtt = 0.0 if self.prespec is not None else self.learned.rtt_ms
+        return choose_budget(
+            self.welcome.verify_cost_ms,
+            gains,
+            rtt_ms=rtt,
+            draft_ms_per_node=self.drafter.ms_per_node(),
+            max_nodes=cap,
+        )
+
+    def _ruled_out(self, full: tuple[int, ...]) -> bool:
+        """The verdicts decoded so far exclude `full`. Called from the drafting thread: a verdict
+        half-applied only delays the answer."""
+        proto = self.proto
+        if self.cancelled or proto.state is not ClientState.GENERATING:
+            return True
+        committed = tuple(proto.committed)
+        return not (full[: len(committed)] == committed)
+
+    def _finish_leaves(self) -> Steps:
+        pending = dict(self.ledger.leaves_pending)
+        work = tuple(
+            (rid, self.ledger.specs[rid].draft, tuple(nodes))
+            for rid, nodes in pending.items()
+            if rid in self.ledger.specs
+        )
+        t0 = time.perf_counter()
+        if work:
+            done: Drafted = yield FinishLeaves(work)
+            if done.workspace_full:
+                self.workspace_full = True
+            else:
+                for (rid, _, _), dr in zip(work, done.results, strict=True):
+                    spec = self.ledger.specs.get(rid)
+                    if spec is not None and dr is not None:
+                        self.ledger.specs[rid] = dataclasses.replace(spec, draft=dr)
+        self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
+        for rid in pending:
+            self.ledger.leaves_pending.pop(rid, None)
+        self.planner.expand_all()
+
+    def _prespeculate_one(self) -> Steps:
+        """Draft the most likely candidate outcome's conditional tree and send it; with a static or
+        sequence shape in a deterministic mode, also the next likely ones, in lockstep."""
+        cfg = self.prespec
+        assert cfg is not None
+        lockstep = self.req.tree.kind in ("static", "sequence") and not self.req.mode.stochastic
+        committed = tuple(self.proto.committed)
+        limit = cfg.batch if lockstep else 1
+        batch = self.planner.pop(limit, committed, self._room(), self.welcome.limits.max_depth)
+        if not batch:
+            return
+        for c in batch:
+            self.ledger.attempted[c.parent] = self.ledger.attempted.get(c.parent, 0.0) + c.prob
+        t0 = time.perf_counter()
+        drafted: list[DraftResult | None]
+        if self.workspace_full:
+            drafted = [None] * len(batch)
+        else:
+            action = DraftConditional(
+                self.anchor,
+                tuple(c.full for c in batch),
+                tuple(functools.partial(self._ruled_out, c.full) for c in batch),
+                lockstep=len(batch) > 1,
+                budget=self._budget(),
+            )
+            out: Drafted = yield action
+            if out.workspace_full:
+                self.workspace_full = True
+            self.stats.prespec_cancelled += out.cancelled
+            drafted = list(out.results)
+        self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
+        for c, dr in zip(batch, drafted, strict=True):
+            if dr is None:
+                continue
+            self.est.note_draft(dr)
+            now = tuple(self.proto.committed)
+            if self.proto.state is not ClientState.GENERATING:
+                return  # the generation ended (its last verdict is waiting in the queue)
+            if self.cancelled or not (extends(c.full, now) or c.full == now):
+                continue  # a verdict arrived while drafting and ruled this outcome out
+            yield from self._send_tree(dr, c.full, c.prob, c.parent)
+            self.stats.prespec_sent += 1
+
+    # ------------------------------------------------------------------ sending
+    def _send_tree(
+        self, dr: DraftResult, full: tuple[int, ...], prob: float, parent: int | None
+    ) -> Generator[Action, Any, int]:
+        proto = self.proto
+        rid = proto.last_round + 1
+        wire = rebase(dr.tree, len(proto.committed))
+        size, sent_at = yield SendTree(Tree(round=rid, tree=wire))
+        self._bytes_since_verdict += size
+        self.ledger.specs[rid] = Speculation(rid, dr, full, prob, parent, sent_at)
+        self.learned.last_draft = dr
+        if self.in_flight is None and tuple(proto.committed) == full:
+            self.in_flight = rid
+            self.est.verdict_due = sent_at + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
+        self._sent(rid)
+        return rid
+
+    def _sent(self, rid: int) -> None:
+        """Tree `rid` is on its way: queue its outcomes, or first those of its leaves that are likely
+        enough to be reached to be worth evaluating (PrespecConfig.leaf_min_reach)."""
+        cfg = self.prespec
+        if cfg is None:
+            return
+        spec = self.ledger.specs[rid]
+        missing = spec.draft.workspace_ids < 0
+        if bool(missing.any()):
+            reach = spec.prob * reach_probabilities(spec.draft, self.choice)
+            wanted = np.flatnonzero(missing & (reach >= cfg.leaf_min_reach)).tolist()
+            if wanted:
+                self.ledger.leaves_pending[rid] = wanted
+        self.planner.expand_all()
+
+    def _room(self) -> int:
+        """Trees the server can still take: max_pending besides the one it verifies; with none in
+        flight (after a miss, chained trees may wait for the fallback) every outstanding tree may
+        be pending."""
+        proto = self.proto
+        room = self.welcome.limits.max_pending + (1 if proto.in_flight is not None else 0)
+        return room - len(proto.outstanding)
+
+    def _can_prespeculate(self) -> bool:
+        cfg = self.prespec
+        if cfg is None or self.cancelled or self.in_flight is None or self.workspace_full:
+            return False
+        if not self.planner.heap or self._room() <= 0:
+            return False
+        if self._bytes_since_verdict >= cfg.byte_budget:
+            return False
+        if cfg.gate and not self.planner.worth_next(self.in_flight, self.est, self.learned.rtt_ms):
+            self.stats.prespec_gated += 1
+            return False
+        return True
+
+    # ------------------------------------------------------------------ frames
+    def _refused_speculation(self, e: Error) -> bool:
+        """A conditional tree the server had no room for (TOO_MANY_PENDING) is dropped like a stale
+        one: the generation goes on. Any other error, or one about the tree in flight, fails it."""
+        r = e.round
+        if e.fatal or e.code is not ErrorCode.TOO_MANY_PENDING or r is None or r == self.in_flight:
+            return False
+        spec = self.ledger.specs.pop(r, None)
+        if spec is None or spec.parent is None:
+            return False
+        self.ledger.leaves_pending.pop(r, None)
+        self.stats.prespec_refused += 1
+        return True
+
+    def _on_verdict(self, v: Verdict, now: float) -> tuple[Speculation, tuple[int, ...]] | None:
+        """Account a verdict (received at perf_counter time `now`); find the tree now in flight;
+        returns what to re-anchor on, if needed."""
+        st, proto, ledger = self.stats, self.proto, self.ledger
+        spec = ledger.specs.pop(v.round, None)
+        # the odds the outcome model gave the outcomes of this tree that conditional drafts were
+        # started for (counting those abandoned: a draft still running when the verdict comes is
+        # finished and sent only if the verdict matches it)
+        attempted = ledger.attempted.pop(v.round, 0.0)
+        predicted = min(1.0, attempted / spec.prob) if spec is not None and spec.prob > 0 else 0.0
+        st.rounds += 1
+        st.tokens += len(v.tokens)
+        st.verify_ms.append(v.verify_ms)
+        self.est.note_verify(v.verify_ms)
+        if spec is not None:
+            tree = spec.draft.tree
+            st.tree_nodes.append(tree.num_nodes)
+            acc = v.accepted_nodes.tolist()
+            st.record_accepted([int(tree.depth[i]) for i in acc])
+            self.learned.calibration.update(spec.draft.expected_accepted, len(acc))
+            if not tree.is_stochastic:
+                self.choice.observe(spec.draft, acc, v.tokens.tolist())
+            if spec.parent is None and self.in_flight == v.round:
+                rtt = max(0.0, (now - spec.sent_at) * 1e3 - v.verify_ms)
+                st.rtt_ms.append(rtt)
+                self.learned.observe_rtt(rtt)
+        self._bytes_since_verdict = 0
+        committed = tuple(proto.committed)
+        # forget what can no longer happen
+        ledger.forget_unreachable(committed)
+        nxt: int | None = v.next_round
+        if nxt is None and not v.done:
+            # a conditional tree still on its way to the server: it matches on arrival
+            nxt = ledger.matching(committed, proto.outstanding)
+        self.in_flight = None if v.done else nxt
+        # a conditional tree that matched is verified right away: its verdict follows in one verify
+        self.est.verdict_due = None if nxt is None else now + self.est.verify_ms / 1e3
+        if not v.done and not self.cancelled and self.req.mode is not Mode.AR:
+            st.record_outcome(len(v.accepted_nodes), nxt is not None, predicted)
+        self.planner.keep_known()
+        self.planner.expand_all()
+        if self.in_flight is not None and self.workspace_full and self.in_flight in ledger.specs:
+            self.planner.clear()
+            return ledger.specs[self.in_flight], committed
+        return None
+
+
+__all__ = ["DrafterProfile", "Refused", "SpeculationCore", "Steps"]

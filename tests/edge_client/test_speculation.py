@@ -1,0 +1,197 @@
+"""The speculation core driven directly: scripted verdicts, the fake drafter, no server, no patching.
+
+Hits, misses, stales, abandoned drafts, refused trees, chains of conditional trees and the end of
+a generation mid-flight, each checked on what the core sends and how it accounts it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_client.speculation import DraftConditional, DraftPlain, PrespecConfig, Refused, Request, TreeSpec
+from edge_client.speculation.actions import SendTree
+from edge_client.speculation.outcomes import ChoiceModel, reach_probabilities
+from shared.messages import Mode, Verdict
+from shared.tree import ExpansionConfig
+from tests.edge_client.fake_drafter import FakeDrafter
+from tests.edge_client.scripted import Scripted
+
+PROMPT = [3, 14, 15, 9, 26, 5]
+SHAPE = TreeSpec("static", ExpansionConfig((2, 1, 1)))
+
+
+def _session(prespec: PrespecConfig | None = None, **kw: object) -> Scripted:
+    cfg = prespec if prespec is not None else PrespecConfig(fanout=3, max_chain=2, gate=False)
+    return Scripted(FakeDrafter(64), Request(Mode.GREEDY, SHAPE), cfg, **kw)  # type: ignore[arg-type]
+
+
+def _children_of(s: Scripted, parent: int) -> dict[int, tuple[int, ...]]:
+    """The conditional trees sent for outcomes of tree `parent`: round -> the sequence it assumes."""
+    return {r: sp.full for r, sp in s.core.ledger.specs.items() if sp.parent == parent}
+
+
+def _plain_drafts(s: Scripted) -> int:
+    return len(s.draft_actions(DraftPlain))
+
+
+def test_first_tree_rides_with_the_prompt_and_conditional_trees_follow() -> None:
+    s = _session()
+    s.start(PROMPT)
+    assert 0 in s.trees and s.core.in_flight == 0 and _plain_drafts(s) == 1
+    assert s.idle() > 0
+    kids = _children_of(s, 0)
+    assert kids and s.stats.prespec_sent == len(s.proto.outstanding)
+    for r, full in kids.items():
+        tree = s.trees[r]
+        # each assumes an outcome of tree 0 (accepted path + bonus) and is drafted below it
+        assert full[: len(PROMPT)] == tuple(PROMPT) and len(full) > len(PROMPT)
+        assert tree.base == len(PROMPT) and tuple(tree.cond.tolist()) == full[len(PROMPT) :]
+    # chains: outcomes of conditional trees too; only trees fewer than max_chain (2) ahead expand
+    assert any(sp.parent not in (None, 0) for sp in s.core.ledger.specs.values())
+    assert all(s.core.ledger.ahead(sp) <= 2 for sp in s.core.ledger.specs.values())
+
+
+def test_a_hit_needs_no_draft_and_the_chain_goes_on() -> None:
+    s = _session()
+    s.start(PROMPT)
+    s.idle()
+    rid, full = max(_children_of(s, 0).items(), key=lambda kv: s.core.ledger.specs[kv[0]].prob)
+    drafts = _plain_drafts(s)
+    v = s.verdict_to(0, full, next_round=rid)
+    assert [d.round for d in s.delivered] == [v.round] and tuple(s.proto.committed) == full
+    assert s.core.in_flight == rid and _plain_drafts(s) == drafts  # no synchronous draft
+    assert s.stats.hits == 1 and s.stats.decided == 1
+    assert all(sp.full[: len(full)] == full for sp in s.core.ledger.specs.values())  # the rest forgotten
+    # the trees that assumed another outcome came back stale; the chain below `rid` goes on
+    assert all(r in s.core.ledger.specs for r in s.proto.outstanding)
+    s.idle()
+    grand = _children_of(s, rid)
+    assert grand, "outcomes of the tree now in flight get conditional trees"
+    r2, full2 = next(iter(grand.items()))
+    s.verdict_to(rid, full2, next_round=r2)
+    assert s.core.in_flight == r2 and s.stats.hits == 2 and _plain_drafts(s) == drafts
+
+
+def test_a_miss_drafts_below_the_committed_sequence() -> None:
+    s = _session()
+    s.start(PROMPT)
+    s.idle()
+    assumed = {full[len(PROMPT) :][:1] for full in _children_of(s, 0).values()}
+    bonus = next(t for t in range(64) if (t,) not in assumed and t not in s.trees[0].tokens[:2].tolist())
+    s.verdict(0, [], bonus)  # nothing accepted, a bonus no conditional tree assumed
+    assert tuple(s.proto.committed) == (*PROMPT, bonus)
+    last = s.draft_actions(DraftPlain)[-1]
+    assert last.committed == (*PROMPT, bonus) and _plain_drafts(s) == 2
+    sent = s.draft_actions(SendTree)[-1].tree
+    assert sent.tree.base == len(PROMPT) + 1 and sent.tree.cond.size == 0
+    assert s.core.in_flight == sent.round and s.core.anchor == (*PROMPT, bonus)
+    assert s.stats.hits == 0 and s.stats.decided == 1
+    assert not any(sp.full[: len(PROMPT) + 1] != (*PROMPT, bonus) for sp in s.core.ledger.specs.values())
+
+
+def test_a_conditional_tree_still_on_its_way_is_taken_as_the_tree_in_flight() -> None:
+    """The verdict names no next round, but a tree that matches was sent before it arrived: the
+    server verifies it on arrival (shared.protocol.tree_matches), so the edge drafts nothing."""
+    s = _session()
+    s.start(PROMPT)
+    s.idle()
+    rid, full = next(iter(_children_of(s, 0).items()))
+    drafts = _plain_drafts(s)
+    s.verdict_to(0, full, next_round=None)
+    assert s.core.in_flight == rid and _plain_drafts(s) == drafts and s.stats.hits == 1
+    # ... and when that tree comes back stale after all, the edge falls back to drafting
+    s.stale(rid)
+    assert s.core.in_flight is not None and s.core.in_flight != rid
+    assert _plain_drafts(s) == drafts + 1
+
+
+def test_a_tree_refused_for_room_is_dropped_and_one_in_flight_fails_the_generation() -> None:
+    s = _session()
+    s.start(PROMPT)
+    s.idle()
+    rid = next(iter(_children_of(s, 0)))
+    s.too_many_pending(rid)
+    assert s.stats.prespec_refused == 1 and rid not in s.core.ledger.specs
+    with pytest.raises(Refused):
+        s.too_many_pending(0)  # the tree in flight: not a speculation, the generation fails
+
+
+def test_a_draft_a_verdict_rules_out_is_abandoned_and_not_sent() -> None:
+    s = _session(PrespecConfig(fanout=3, max_chain=2, gate=False, batch=1))
+    s.start(PROMPT)
+    while s.core.ledger.leaves_pending:
+        s._run(s.core.idle(quiet=True))
+    steps = s.core.idle(quiet=True)
+    assert steps is not None
+    action = steps.send(None)
+    assert isinstance(action, DraftConditional) and len(action.fulls) == 1
+    assumed = action.fulls[0][len(PROMPT)]
+    other = next(t for t in range(64) if t != assumed and t not in s.trees[0].tokens[:2].tolist())
+    sent = len(s.draft_actions(SendTree))
+    # the verdict is decoded (as the executor's pump does) while the draft runs
+    from shared.messages import encode
+
+    v = Verdict(
+        round=0,
+        tokens=np.asarray([other], dtype=np.int32),
+        accepted_nodes=np.zeros(0, np.int32),
+        has_bonus=True,
+        committed_len=len(PROMPT) + 1,
+        verify_ms=1.0,
+    )
+    s.proto.receive(encode(v))
+    assert all(stop() for stop in action.stops)
+    result = s.step.run(action)
+    with pytest.raises(StopIteration):
+        steps.send(result)
+    assert s.stats.prespec_cancelled == 1 and len(s.draft_actions(SendTree)) == sent
+
+
+def test_the_end_of_the_generation_mid_flight() -> None:
+    s = _session()
+    s.start(PROMPT)
+    s.idle()
+    rid, full = next(iter(_children_of(s, 0).items()))
+    s.verdict_to(0, full, next_round=rid)
+    drafts = _plain_drafts(s)
+    s.verdict(rid, [], 0, done=True)  # EOS as the bonus: done, with conditional trees outstanding
+    assert s.core.finished and s.delivered[-1].done and s.core.in_flight is None
+    assert _plain_drafts(s) == drafts and s.core.idle(quiet=True) is None
+
+
+def test_leaves_are_evaluated_only_when_they_may_be_reached() -> None:
+    """A sent tree's leaves are evaluated (to predict the bonus after a full acceptance) only where
+    the outcome model gives them a fair chance, leaf by leaf; with a model sure the draft is never
+    right, the drafting thread never spends time on leaves."""
+    s = _session(PrespecConfig(fanout=3, max_chain=2, gate=False, leaf_min_reach=0.1))
+    s.start(PROMPT)
+    spec = s.core.ledger.specs[0]
+    reach = spec.prob * reach_probabilities(spec.draft, s.core.choice)
+    unevaluated = set(np.flatnonzero(spec.draft.workspace_ids < 0).tolist())
+    s.idle()
+    asked = [set(nodes) for a in s.leaves_asked() for r, _, nodes in a.work if r == 0]
+    assert asked, "the likely leaves of the first tree are evaluated"
+    evaluated = set().union(*asked)
+    assert evaluated <= unevaluated
+    assert all(reach[n] >= 0.1 for n in evaluated)
+    assert all(reach[n] < 0.1 for n in unevaluated - evaluated)
+    assert unevaluated - evaluated, "some side branches were left out"
+    assert bool((s.core.ledger.specs[0].draft.workspace_ids[list(evaluated)] >= 0).all())
+
+    never = Scripted(FakeDrafter(64), Request(Mode.GREEDY, SHAPE), PrespecConfig(leaf_min_reach=0.1))
+    never.learned.choice[(0.0, False)] = ChoiceModel(temperature=0.0, agree=0.0, tested=1e6, decay=1.0)
+    never = Scripted(never.drafter, never.req, never.prespec, learned=never.learned)
+    never.start(PROMPT)
+    never.idle()
+    assert not never.leaves_asked()
+
+
+def test_without_prespeculation_each_round_is_synchronous() -> None:
+    s = Scripted(FakeDrafter(64), Request(Mode.GREEDY, SHAPE), None)
+    s.start(PROMPT)
+    assert s.idle() == 0 and s.proto.outstanding == set()
+    tree = s.trees[0]
+    s.verdict(0, [0], 7 if int(tree.tokens[s.trees[0].children_of(0)[0]]) != 7 else 8)
+    assert _plain_drafts(s) == 2 and s.core.in_flight == 1 and s.proto.outstanding == {1}
+    assert s.stats.rounds == 1 and s.stats.tree_nodes == [tree.num_nodes]
