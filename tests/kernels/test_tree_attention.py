@@ -310,7 +310,7 @@ def test_without_triton_the_module_loads_and_the_launcher_says_so(monkeypatch: p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(16))
 def test_sweep(seed: int, device: str) -> None:
     """Prefixes up to 2k, 1-64 nodes, mixed sessions, every GQA shape and head_dim, all dtypes."""
     r = random.Random(seed)
@@ -331,3 +331,13 @@ def test_sweep(seed: int, device: str) -> None:
         sessions, heads, kv_heads, head_dim, dtype, device, block_size=r.choice([8, 16, 32]), seed=seed
     )
     check_close(case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_prefix_2k(dtype: torch.dtype, device: str) -> None:
+    """Long prefixes: a 64-node tree and a 1-node tree after 2k positions, a prefill chunk after 1.5k."""
+    rng = random.Random(7)
+    sessions = [tree(random_tree(64, rng), 2048), Session(1500, 100), tree([0], 2000), Session(2047, 1)]
+    check_close(make_case(sessions, 12, 2, 128, dtype, device, block_size=16, seed=3))
