@@ -45,6 +45,27 @@ def kv_blocks(http: str) -> float:
     raise RuntimeError("no specdec_kv_blocks_in_use in /metrics")
 
 
+def plateau(series: Sequence[tuple[float, float]], seconds: float) -> dict[str, float | None]:
+    """Where the memory levels off: the growth over each half of the time after warm-up (the first
+    fifth), from the median of the samples in the first and last tenth of each half. Growth that is
+    still there in the second half is a leak; growth only in the first is a pool filling up."""
+
+    def med(a: float, b: float) -> float | None:
+        xs = sorted(mb for t, mb in series if a <= t <= b)
+        return xs[len(xs) // 2] if xs else None
+
+    w = seconds / 5
+    mid = w + (seconds - w) / 2
+    span = (seconds - w) / 20
+    a0, a1, b1 = med(w, w + span), med(mid - span, mid + span), med(seconds - span, seconds)
+    first = (a1 - a0) / a0 if a0 and a1 else None
+    second = (b1 - a1) / a1 if a1 and b1 else None
+    return {
+        "rss_growth_first_half": None if first is None else round(first, 4),
+        "rss_growth_second_half": None if second is None else round(second, 4),
+    }
+
+
 async def client(
     url: str, hello: bytes, rng: random.Random, drop: float, stop: float, tally: Counter[str]
 ) -> None:
@@ -129,10 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--url", default=None, help="soak a running verifier instead of starting one")
     ap.add_argument("--pid", type=int, default=None, help="with --url: the verifier's process id (memory)")
     ap.add_argument("--seed", type=int, default=0, help="randomness of the clients")
+    ap.add_argument(
+        "--sample-every",
+        type=float,
+        default=10.0,
+        help="seconds between samples of the verifier's resident memory (the JSON's rss_series)",
+    )
     ap.add_argument("--json", default=None, help="write the figures to this JSON file")
     a = ap.parse_args(argv)
-    if a.clients < 1 or a.minutes <= 0 or not 0 <= a.drop <= 1:
-        ap.error("--clients >= 1, --minutes > 0 and 0 <= --drop <= 1")
+    if a.clients < 1 or a.minutes <= 0 or not 0 <= a.drop <= 1 or a.sample_every <= 0:
+        ap.error("--clients >= 1, --minutes > 0, 0 <= --drop <= 1 and --sample-every > 0")
     verifier = None
     if a.url is None:
         verifier = Verifier(
@@ -152,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     )
     tally: Counter[str] = Counter()
+    series: list[tuple[float, float]] = []  # (seconds since start, RSS MB) while the clients run
     kv_idle = kv_blocks(http)
     seconds = a.minutes * 60
     try:
@@ -164,12 +192,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for i in range(a.clients)
             ]
             warm: float | None = None
+            next_sample = t0
             with tqdm(total=int(seconds), desc="soak seconds", file=sys.stderr, mininterval=5) as bar:
                 while any(not t.done() for t in tasks):
                     await asyncio.sleep(1)
                     bar.n = min(int(time.monotonic() - t0), int(seconds))
                     bar.refresh()
-                    if warm is None and pid and time.monotonic() - t0 >= seconds / 5:
+                    now = time.monotonic()
+                    if pid and now >= next_sample:
+                        series.append((round(now - t0, 1), round(rss_mb(pid), 1)))
+                        next_sample += a.sample_every
+                    if warm is None and pid and now - t0 >= seconds / 5:
                         warm = rss_mb(pid)
             await asyncio.gather(*tasks)
             honest, ar = await _honest(url, hello, [5, 6, 7, 8, 9], 24)
@@ -196,8 +229,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rss_end_mb": None if end is None else round(end, 1),
         "rss_growth": None if growth is None else round(growth, 4),
         "honest_identical_to_ar": honest == ar,
+        **plateau(series, seconds),
     }
     print(table([[k, v] for k, v in result.items()], ["figure", "value"]))
+    result["rss_series"] = series
     ok = kv_end <= kv_idle and (growth is None or growth <= a.rss_tolerance) and honest == ar
     result["ok"] = ok
     if a.json:
