@@ -168,7 +168,10 @@ def _export_onnx(args: argparse.Namespace) -> int:
     try:
         from edge_client.onnx_export import ExportError, describe, export
     except ImportError as exc:
-        print(f"edge-client: export-onnx needs onnx and torch ({exc}): pip install 'treespec[onnx,cloud]'")
+        print(
+            f"edge-client: export-onnx needs onnx and torch ({exc}): pip install 'treespec[onnx,cloud]'",
+            file=sys.stderr,
+        )
         return 1
     try:
         manifest = export(args.draft, args.out, int8=args.int8)

@@ -134,7 +134,7 @@ def source_path(source: str) -> Path | None:
         return path
     raise ExportError(
         f"{source!r} is not a draft alias ({', '.join(DRAFT_ALIASES)}), a target alias, "
-        f"{TINY!r}, a .gguf file or an export folder"
+        f"{TINY!r} or a .gguf file (the onnx drafter also takes an export-onnx folder)"
     )
 
 
@@ -242,19 +242,27 @@ def _quantize(src: Path, dst: Path) -> None:
 
 def ensure_export(source: str, *, int8: bool = False, progress: bool = True) -> Path:
     """The cached export of `source` (an alias or GGUF path), made on first use; checked."""
+    from shared.model_store.verify import locked
+
     folder = cache_folder(source, int8)
-    if not (folder / MANIFEST).is_file():
-        if progress:
-            print(
-                f"edge-client: exporting {source} to ONNX ({'int8' if int8 else 'fp32'}) into {folder}, "
-                "once; later uses load it",
-                file=sys.stderr,
-                flush=True,
-            )
-        export(source, folder, int8=int8, progress=progress)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with locked(folder):  # two processes asking at once: one exports, the other waits and reads
+        if not (folder / MANIFEST).is_file():
+            _export_on_first_use(source, folder, int8, progress)
     manifest = read_manifest(folder)
     check_manifest(manifest, folder, int8=int8, source_id=source_id(source))
     return folder
+
+
+def _export_on_first_use(source: str, folder: Path, int8: bool, progress: bool) -> None:
+    if progress:
+        print(
+            f"edge-client: exporting {source} to ONNX ({'int8' if int8 else 'fp32'}) into {folder}, "
+            "once; later uses load it",
+            file=sys.stderr,
+            flush=True,
+        )
+    export(source, folder, int8=int8, progress=progress)
 
 
 def describe(manifest: Manifest) -> dict[str, Any]:
