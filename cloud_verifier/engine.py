@@ -24,7 +24,15 @@ import torch
 
 from cloud_verifier.kv_cache import KVCacheFull, PagedKVCache
 from cloud_verifier.model import SeqInput, Target, prefill_chunk, round_keep, tree_round
-from cloud_verifier.verify import SamplingParams, sample_next, verify_tree
+from cloud_verifier.sampling import sample_next_async
+from cloud_verifier.verify import (
+    SamplingParams,
+    read_verdicts,
+    sample_next,
+    unpack_verdict,
+    verify_tree,
+    verify_tree_async,
+)
 from shared.errors import ErrorCode, ProtocolError
 from shared.messages import Mode, Prompt
 from shared.tree import TokenTree
@@ -131,6 +139,8 @@ class Engine:
         self._step_expected_s = 0.0
         self._slowest_s = 0.0
         self.checks: list[Callable[[], bool]] = []  # more readiness conditions (parallel.py: ranks alive)
+        # off the CPU, verdicts stay on the device until one copy per step (verify.read_verdicts)
+        self.sync_free = target.device.type != "cpu"
 
     # ------------------------------------------------------------------ sessions (loop thread)
     def open(self, on_result: Callable[[RoundResult], None]) -> SeqState:
@@ -357,16 +367,29 @@ class Engine:
                 return self._step(plan[:half])
             self.forwards += 1
             out: list[_Outcome] = []
+            pending: list[tuple[int, torch.Tensor | tuple[list[int], list[int]]]] = []
             for p, lg in zip(plan, logits, strict=True):
                 if not p.final:
                     self.kv.commit_rows(p.seq.sid, list(range(len(p.pre))))
                     out.append((p, None, None))
                     continue
                 try:
-                    out.append((p, self._verify(p, lg, t0), None))
+                    pending.append((len(out), self._verdict(p, lg)))
                 except Exception as exc:  # this session's round fails alone
                     log.exception("verification failed for session %d", p.seq.sid)
                     out.append((p, None, _internal(exc, p)))
+                    continue
+                out.append((p, None, None))
+            on_device = [v for _, v in pending if isinstance(v, torch.Tensor)]
+            read = iter(read_verdicts(on_device))  # the step's one device -> host copy
+            for i, v in pending:
+                p = out[i][0]
+                try:
+                    tokens, accepted = v if isinstance(v, tuple) else _unpack(p, next(read))
+                    out[i] = (p, self._commit(p, tokens, accepted, t0), None)
+                except Exception as exc:
+                    log.exception("verification failed for session %d", p.seq.sid)
+                    out[i] = (p, None, _internal(exc, p))
         return out
 
     def _inputs(self, p: _Planned) -> SeqInput:
@@ -384,14 +407,30 @@ class Engine:
 
     def _verify(self, p: _Planned, logits: torch.Tensor, t0: float) -> RoundResult:
         """Verify, cut at the stop conditions, commit KV. logits: [1 + N, V] (row 0, then the nodes)."""
+        v = self._verdict(p, logits)
+        tokens, accepted = v if isinstance(v, tuple) else _unpack(p, read_verdicts([v])[0])
+        return self._commit(p, tokens, accepted, t0)
+
+    def _verdict(self, p: _Planned, logits: torch.Tensor) -> torch.Tensor | tuple[list[int], list[int]]:
+        """The round's (tokens, accepted nodes), or with `sync_free` the verdict still on the device
+        (`verify_tree_async`'s packing; an `ar` step: [1] the token)."""
         s, tree = p.seq, p.job.tree
         L = len(s.committed)
         if tree is None or tree.num_nodes == 0:
-            tokens = [sample_next(logits[0], s.params, s.seed, L)]
-            accepted: list[int] = []
-        else:
-            res = verify_tree(_algorithm(s), tree, logits, s.params, seed=s.seed, generator=s.generator)
-            tokens, accepted = list(res.tokens), list(res.accepted_nodes)
+            if self.sync_free:
+                return sample_next_async(logits[0], s.params, s.seed, L)
+            return [sample_next(logits[0], s.params, s.seed, L)], []
+        if self.sync_free:
+            return verify_tree_async(
+                _algorithm(s), tree, logits, s.params, seed=s.seed, generator=s.generator
+            )
+        res = verify_tree(_algorithm(s), tree, logits, s.params, seed=s.seed, generator=s.generator)
+        return list(res.tokens), list(res.accepted_nodes)
+
+    def _commit(self, p: _Planned, tokens: list[int], accepted: list[int], t0: float) -> RoundResult:
+        """Cut the verdict at the stop conditions and commit the kept rows' KV."""
+        s, tree = p.seq, p.job.tree
+        L = len(s.committed)
         generated = L - s.prompt_len
         room_len = s.max_new_tokens - generated
         room_ctx = self.config.max_context - L
@@ -450,6 +489,15 @@ class Engine:
 
 def _internal(exc: Exception, p: _Planned) -> ProtocolError:
     return ProtocolError(ErrorCode.INTERNAL, f"verifier error: {exc}", None, fatal=True, round=p.job.round)
+
+
+def _unpack(p: _Planned, values: list[int]) -> tuple[list[int], list[int]]:
+    """A verdict read back from the device: an `ar` step's [token], or a tree's packed verdict."""
+    tree = p.job.tree if p.final else None
+    if tree is None or tree.num_nodes == 0:
+        return [int(values[0])], []
+    res = unpack_verdict(values, tree)
+    return list(res.tokens), list(res.accepted_nodes)
 
 
 def _nodes(p: _Planned) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from shared.keyed import BELOW_ONE, keyed_uniform
@@ -41,13 +42,16 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def target_probs(
+    logits: torch.Tensor, params: SamplingParams, *, sync_free: bool | None = None
+) -> torch.Tensor:
     """p: the target's sampling distribution, float32, same shape as `logits` [..., V].
 
     Temperature 0 gives a one-hot p at the argmax (first index on ties), so that every stochastic
     algorithm reduces exactly to greedy decoding. top-k uses `torch.topk` (no full sort); top-p keeps
     the smallest most-likely prefix whose mass reaches top_p (at least one token; tokens tied with
-    its last one are kept too), see `top_p_threshold`.
+    its last one are kept too), see `top_p_threshold`. sync_free: never wait for the device (None:
+    off on a CPU, on elsewhere); the result is the same either way.
     """
     x = logits.float()
     if params.greedy:
@@ -61,7 +65,8 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(x, -1)
     if params.top_p >= 1.0:
         return probs
-    threshold = top_p_threshold(probs.reshape(-1, vocab), params.top_p).reshape(*probs.shape[:-1], 1)
+    flat = probs.reshape(-1, vocab)
+    threshold = top_p_threshold(flat, params.top_p, sync_free=sync_free).reshape(*probs.shape[:-1], 1)
     kept = probs * (probs >= threshold)
     return kept / kept.sum(-1, keepdim=True)
 
@@ -76,15 +81,23 @@ def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).masked_fill_(logits == top, 0.0)
 
 
-def top_p_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_threshold(probs: torch.Tensor, top_p: float, *, sync_free: bool | None = None) -> torch.Tensor:
     """The smallest probability top-p keeps: min{p_i : mass of the tokens more likely than i < top_p}.
 
     probs [T, V] float32 (a softmax). Returns [T, 1]; top-p keeps exactly the tokens with p >= it.
     When every row's most likely token alone holds top_p that is its probability (one max);
     otherwise a radix select over the float bits finds it in O(V) with no sort (a long flat tail can
     put most of the vocabulary in the nucleus, where a full sort costs ~3 ms per 49,152-token row).
+
+    sync_free (None: everywhere but on a CPU): no read-back to the host (a GPU would otherwise
+    wait at every walked row): both answers are computed and the radix rounds run over whole rows
+    (`_radix_threshold_dense`), with bit-identical results.
     """
     top = probs.amax(-1, keepdim=True)
+    if sync_free is None:
+        sync_free = probs.device.type != "cpu"
+    if sync_free:
+        return torch.where(top >= top_p, top, _radix_threshold_dense(probs, top_p))
     if bool((top >= top_p).all()):  # a sync, only in top-p mode
         return top
     return _radix_threshold(probs, top_p)
@@ -108,6 +121,26 @@ def _radix_threshold(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         d, above = _threshold_digit(mass, above, top_p)
         value = (value << 10) | d
         weight = torch.where(digit == d[row, 0], weight, 0.0)
+    return value.int().view(torch.float32)
+
+
+def _radix_threshold_dense(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`_radix_threshold` without `nonzero` (a device sync): the second and third rounds scatter
+    whole rows with zero mass outside the chosen bucket. The nonzero masses are added in the same
+    order and adding 0.0 changes no float, so the threshold is the same bit for bit. [T, 1]."""
+    t = probs.shape[0]
+    bits = probs.contiguous().view(torch.int32)
+    p64 = probs.double()
+    digit = (bits >> 20).long()
+    mass = p64.new_zeros(t, 1024).scatter_add_(1, digit, p64)
+    value, above = _threshold_digit(mass, p64.new_zeros(t, 1), top_p)
+    weight = torch.where(digit == value, p64, 0.0)  # the chosen bucket's tokens
+    for shift in (10, 0):
+        digit = ((bits >> shift) & 1023).long()
+        mass = p64.new_zeros(t, 1024).scatter_add_(1, digit, weight)
+        d, above = _threshold_digit(mass, above, top_p)
+        value = (value << 10) | d
+        weight = torch.where(digit == d, weight, 0.0)
     return value.int().view(torch.float32)
 
 
@@ -157,3 +190,24 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, seed: int, positio
     p = target_probs(logits.unsqueeze(0), params)
     u = torch.tensor([keyed_uniform(seed, position)], dtype=torch.float64, device=logits.device)
     return int(inverse_cdf(p, u)[0])
+
+
+def sample_next_async(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> torch.Tensor:
+    """`sample_next` without reading the token back: [1] int64 on the logits' device (the engine
+    reads every session's verdict with one copy per step). The same token, bit for bit."""
+    if params.greedy:
+        return logits.argmax().reshape(1)
+    p = target_probs(logits.unsqueeze(0), params, sync_free=True)
+    u = to_device(np.array([keyed_uniform(seed, position)], dtype=np.float64), logits.device)
+    return inverse_cdf(p, u)
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device` without waiting for the device: on a GPU through pinned memory with
+    a non-blocking copy (a pageable copy waits for every kernel queued before it)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cpu":
+        return t
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

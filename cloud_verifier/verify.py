@@ -20,6 +20,13 @@ Algorithms, one small function each:
 
 Everything is batched over a leading trial dimension T (production calls it with T = 1 through
 `verify_tree`), runs where the logits live, and only the rows on the walked path are softmaxed.
+
+Host synchronisation: on a CPU the walk reads its position back at every depth (and mss / rrs
+after every tested draw) to stop early. `sync_free` walks (the default off the CPU: a GPU would
+otherwise idle at every node and draw) run every depth and every draw with the decisions kept on
+the device; finished walks and tested-out draws leave their state untouched, so the verdict is
+bit for bit the one of the early-stopping walk. `verify_tree_async` returns it packed on the device
+and `read_verdicts` brings every session's verdict of an engine step to the host in ONE copy.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from cloud_verifier.sampling import (
     inverse_cdf,
     sample_next,
     target_probs,
+    to_device,
 )
 from shared.keyed import keyed_uniform, keyed_uniforms
 from shared.sparse import Q_TOTAL, SparseRows
@@ -51,10 +59,12 @@ __all__ = [
     "Uniforms",
     "VerifyResult",
     "keyed_uniform",
+    "read_verdicts",
     "sample_next",
     "target_probs",
     "verify_batch",
     "verify_tree",
+    "verify_tree_async",
 ]
 
 MODES = ("greedy", "match", "naive", "mss", "rrs")
@@ -130,20 +140,21 @@ class TreeBatch:
     @classmethod
     def from_tree(cls, tree: TokenTree, device: torch.device | str = "cpu") -> TreeBatch:
         """One tree as a batch of one (the production path)."""
+        dev = torch.device(device)
         slots, qrow = draw_slots(tree)
-        tokens = torch.as_tensor(tree.tokens.astype(np.int64), device=device).unsqueeze(0)
+        tokens = to_device(tree.tokens.astype(np.int64), dev).unsqueeze(0)
         lens = np.array([tree.committed_len], dtype=np.int64)
         if tree.draws is None:
-            return cls(tokens, torch.as_tensor(slots, device=device)[None], lens, tree.max_depth)
+            return cls(tokens, to_device(slots, dev)[None], lens, tree.max_depth)
         ids, probs = padded_rows(tree.draws.q)
         return cls(
             tokens,
-            torch.as_tensor(slots, device=device)[None],
+            to_device(slots, dev)[None],
             lens,
             tree.max_depth,
-            torch.as_tensor(qrow, device=device)[None],
-            torch.as_tensor(ids, device=device)[None],
-            torch.as_tensor(probs, device=device)[None],
+            to_device(qrow, dev)[None],
+            to_device(ids, dev)[None],
+            to_device(probs, dev)[None],
         )
 
     @classmethod
@@ -327,6 +338,7 @@ def verify_rejection(
     u_bonus: torch.Tensor,
     without_replacement: bool,
     rules: Rules = EXACT,
+    sync_free: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Multi-step speculative sampling (SpecInfer Alg. 2) or, `without_replacement`, recursive
     rejection sampling (RSD / Sequoia) at one row: the same loop, only the proposals differ.
@@ -338,6 +350,8 @@ def verify_rejection(
     p [T, V]; slots, slot_tokens (-1 none), qrow [T, K] at this row; slot_q [T, K] q_k(x_k)
     (`draw_proposals`);
     q_ids, q_probs [T, R, Kq]; u_accept [T, K] float32; u_bonus [T] float64.
+    sync_free: test all K slots without reading anything back; a trial with no draw left to test
+    keeps its residual as it is, so the bonus is that of the early-stopping loop.
     Returns (next [T] accepted node or -1, bonus [T] valid where next < 0).
     """
     r = p
@@ -350,20 +364,21 @@ def verify_rejection(
         if k:
             valid = testing & (node >= 0)
         # syncs: stop as soon as no trial has a draw left to test (T = 1: usually after one draw)
-        if not bool(valid.any()):
+        if not sync_free and not bool(valid.any()):
             break
         r_x = r.gather(-1, slot_tokens[:, k : k + 1]).squeeze(-1)
         ok = valid & rules.accepts(r_x, slot_q[:, k], u_accept[:, k])
         nxt = torch.where(ok, node, nxt)
         testing = testing & ~ok
-        if not bool(testing.any()):
+        if not sync_free and not bool(testing.any()):
             return nxt, torch.zeros_like(nxt)
         trials = torch.arange(p.shape[0], device=p.device)
         row = qrow[:, k].clamp(min=0)
         ids, probs = q_ids[trials, row], q_probs[trials, row]  # [T, Kq]
         if without_replacement and k:
             probs = without_earlier(ids, probs, slot_tokens[:, :k], qrow[:, :k] == qrow[:, k : k + 1])
-        r = rules.residual(r, ids, probs * valid.unsqueeze(-1))
+        left = rules.residual(r, ids, probs * valid.unsqueeze(-1))
+        r = torch.where(valid.unsqueeze(-1), left, r) if sync_free else left
     return nxt, inverse_cdf(r, u_bonus)
 
 
@@ -392,8 +407,11 @@ def _walk(
     generator: torch.Generator | None,
     rules: Rules,
     uniforms: Uniforms | None = None,
+    sync_free: bool = False,
 ) -> _Walk:
-    """Walk every tree from row 0, one depth per step, applying the mode's rule at each row."""
+    """Walk every tree from row 0, one depth per step, applying the mode's rule at each row.
+
+    sync_free: all depth + 1 steps, nothing read back (see the module doc)."""
     if mode not in MODES:
         raise ValueError(f"unknown verification mode {mode!r}; expected one of {MODES}")
     t, n = batch.tokens.shape
@@ -409,7 +427,7 @@ def _walk(
     tokens_all = torch.where(slots_all >= 0, tokens_all.reshape(slots_all.shape), -1)
     if mode == "match":
         pos = batch.committed_len.reshape(-1, 1) + np.arange(steps)
-        u_sample = torch.as_tensor(keyed_uniforms(np.reshape(seeds, (-1, 1)), pos), device=dev).unbind(1)
+        u_sample = to_device(keyed_uniforms(np.reshape(seeds, (-1, 1)), pos), dev).unbind(1)
     elif uniforms is not None:
         u_sample = uniforms.sample.unbind(1)
     elif mode != "greedy":
@@ -432,7 +450,10 @@ def _walk(
     flat_logits = logits.reshape(t * (n + 1), -1)
     # T = 1 (production): the row index comes to the host at the per-depth sync anyway, so rows are
     # fetched as views; T > 1: one index_select per table
-    host_nodes: list[int] | None = [] if t == 1 else None
+    host_nodes: list[int] | None = [] if t == 1 and not sync_free else None
+    probs = rules.probs
+    if sync_free and probs is target_probs:
+        probs = _sync_free_probs
     base = torch.arange(t, device=dev) * (n + 1)
     cur = torch.zeros(t, dtype=torch.long, device=dev)  # row: 0 = row 0, 1 + i = node i
     row = 0
@@ -452,11 +473,11 @@ def _walk(
         if mode == "greedy" or (params.greedy and not stochastic):
             nxt, x = verify_greedy(row_logits, slots, slot_tokens)
         elif not stochastic:
-            nxt, x = verify_match(rules.probs(row_logits, params), slots, slot_tokens, u_sample[d])
+            nxt, x = verify_match(probs(row_logits, params), slots, slot_tokens, u_sample[d])
         else:
             slot_q = q_table[row : row + 1] if host_nodes is not None else q_table.index_select(0, flat)
             nxt, x = verify_rejection(
-                rules.probs(row_logits, params),
+                probs(row_logits, params),
                 slots,
                 slot_tokens,
                 slot_q,
@@ -467,6 +488,7 @@ def _walk(
                 u_sample[d],
                 mode == "rrs",
                 rules,
+                sync_free,
             )
         walked.append(nxt)
         if host_nodes is not None:
@@ -480,9 +502,14 @@ def _walk(
         bonus = torch.where(active & ~moved, x, bonus)
         active = moved
         cur = nxt + 1
-        if not bool(moved.any()):  # a sync per depth: stop at the end of the longest walked path
+        # a sync per depth: stop at the end of the longest walked path
+        if not sync_free and not bool(moved.any()):
             break
     return _Walk(walked[: steps - 1], bonus, host_nodes)
+
+
+def _sync_free_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    return target_probs(logits, params, sync_free=True)
 
 
 def verify_batch(
@@ -495,6 +522,7 @@ def verify_batch(
     generator: torch.Generator | None = None,
     rules: Rules = EXACT,
     uniforms: Uniforms | None = None,
+    sync_free: bool | None = None,
 ) -> BatchResult:
     """Verify T trees at once (the production path with T = 1, and the tests' batched trials).
 
@@ -503,8 +531,11 @@ def verify_batch(
     absolute position committed_len + d and uses keyed_uniform(seed, that position).
     generator: randomness of naive / mss / rrs, on the logits' device (None: torch's default).
     rules: the math (tests swap in wrong variants). uniforms: explicit randomness (naive / mss / rrs).
+    sync_free: nothing read back to the host (None: on any device but a CPU); the same verdicts.
     """
-    w = _walk(mode, batch, logits, params, seeds, generator, rules, uniforms)
+    if sync_free is None:
+        sync_free = logits.device.type != "cpu"
+    w = _walk(mode, batch, logits, params, seeds, generator, rules, uniforms, sync_free)
     t, depth, dev = batch.num_trials, batch.depth, logits.device
     accepted = torch.full((t, depth), -1, dtype=torch.long, device=dev)
     if w.nodes:
@@ -544,3 +575,49 @@ def verify_tree(
     bonus = int(w.bonus)
     tokens = [int(tok) for tok in tree.tokens[w.host_nodes]] + [bonus]
     return VerifyResult(accepted_nodes=w.host_nodes, tokens=tokens, bonus=bonus)
+
+
+def verify_tree_async(
+    mode: str,
+    tree: TokenTree,
+    logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    seed: int = 0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """`verify_tree` with nothing read back: the verdict packed on the logits' device, [2 depth + 1]
+    int64 = the accepted nodes (depth slots, -1 after the path) then the output tokens (depth + 1
+    slots, -1 after the bonus). Decode it with `read_verdicts` + `unpack_verdict`; the same verdict
+    as `verify_tree`, bit for bit, on any device.
+    """
+    n = tree.num_nodes
+    if logits.dim() != 2 or logits.shape[0] != n + 1:
+        raise ValueError(f"logits must be [{n + 1}, V], got {tuple(logits.shape)}")
+    batch = TreeBatch.from_tree(tree, logits.device)
+    res = verify_batch(
+        mode, batch, logits.unsqueeze(0), params, seeds=seed, generator=generator, sync_free=True
+    )
+    return torch.cat((res.accepted[0], res.tokens[0]))
+
+
+def read_verdicts(packed: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Every pending verdict of an engine step (1-D int64 device tensors) to the host in one copy."""
+    if not packed:
+        return []
+    flat = torch.cat([p.reshape(-1) for p in packed]).tolist()  # the step's one device -> host copy
+    out, a = [], 0
+    for p in packed:
+        out.append(flat[a : a + p.numel()])
+        a += p.numel()
+    return out
+
+
+def unpack_verdict(values: Sequence[int], tree: TokenTree) -> VerifyResult:
+    """A `verify_tree_async` verdict read back (`read_verdicts`) as a VerifyResult."""
+    depth = tree.max_depth
+    if len(values) != 2 * depth + 1:
+        raise ValueError(f"a verdict of a depth-{depth} tree has {2 * depth + 1} values, got {len(values)}")
+    nodes = [int(i) for i in values[:depth] if i >= 0]
+    tokens = [int(t) for t in values[depth : depth + len(nodes) + 1]]
+    return VerifyResult(accepted_nodes=nodes, tokens=tokens, bonus=tokens[-1])

@@ -35,5 +35,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords and not slow_on:
             item.add_marker(skip_slow)
-        if "gpu" in item.keywords and not gpu:
+        if ("gpu" in item.keywords or "cuda" in item.keywords) and not gpu:
             item.add_marker(skip_gpu)
