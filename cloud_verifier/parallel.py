@@ -39,6 +39,7 @@ an error instead of hanging.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import logging
 import os
@@ -59,9 +60,10 @@ from torch import nn
 from cloud_verifier.config import ServerConfig
 from cloud_verifier.kv_cache import PagedKVCache
 from cloud_verifier.model import gemm
-from cloud_verifier.model.config import ModelConfig
+from cloud_verifier.model.config import ModelConfig, make_tiny_config
 from cloud_verifier.model.llama import ATTENTION_MODES, DecoderLayer, LlamaModel, SeqInput, check_input
 from cloud_verifier.model.target import Target, load_target
+from cloud_verifier.model.weights import build_model, resolve_device, resolve_dtype
 
 log = logging.getLogger("cloud_verifier.parallel")
 
@@ -332,13 +334,7 @@ def start(
         # a session of its own: a terminal's Ctrl-C reaches rank 0 only, which stops the workers
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=0,
-            world_size=world,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        _rendezvous(procs, port, world, timeout_s)
         _GROUP = TPGroup(0, world, procs)
     except Exception:
         for p in procs:
@@ -347,6 +343,37 @@ def start(
         raise
     torch.set_num_threads(share)
     return _GROUP
+
+
+def _rendezvous(procs: Sequence[subprocess.Popen[bytes]], port: int, world: int, timeout_s: float) -> None:
+    """Rank 0's init_process_group, given up as soon as a worker exits instead of joining (it
+    runs in a thread so that rank 0 can watch the workers meanwhile)."""
+    errors: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=0,
+                world_size=world,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except BaseException as exc:  # handed to the caller's thread
+            errors.append(exc)
+
+    th = threading.Thread(target=init, name="tp-rendezvous", daemon=True)
+    th.start()
+    while th.is_alive():
+        th.join(0.1)
+        for r, p in enumerate(procs, start=1):
+            if th.is_alive() and p.poll() is not None:
+                raise RuntimeError(
+                    f"tensor-parallel rank {r} exited with code {p.returncode} before joining the group "
+                    "(its error is above)"
+                )
+    if errors:
+        raise errors[0]
 
 
 def join(timeout_s: float = JOIN_TIMEOUT_S) -> TPGroup:
@@ -516,6 +543,17 @@ def load_sharded_target(
     return replace(full, model=model)
 
 
+def _load_model(name: str, dtype: str, device: str, attention: str) -> LlamaModel:
+    """A worker's model: as `load_target` loads it, without the tokenizer where that is avoidable
+    (`tiny`: the seeded random weights of target.py, in 0.4 s instead of 10)."""
+    if name != "tiny":
+        return load_target(name, dtype, device, False, attention).model
+    dev = resolve_device(device)
+    model = build_model(make_tiny_config(), 0, resolve_dtype(dtype, dev), dev)
+    model.set_attention(attention)
+    return model
+
+
 # ---------------------------------------------------------------------------------------- KV cache
 class ShardedKVCache(PagedKVCache):
     """Rank 0's KV cache (its KV heads): every mutation is sent to the other ranks, whose caches
@@ -540,7 +578,10 @@ class ShardedKVCache(PagedKVCache):
                 return
             apply()  # raises before anything is sent when the call is refused
             if g.error is None:
-                g.send(op, self.cache_id, args, ints)
+                # a failed send has marked the group broken (logged, /readyz 503); the engine's
+                # bookkeeping on this rank stays right, so the caller is not interrupted
+                with contextlib.suppress(TensorParallelError):
+                    g.send(op, self.cache_id, args, ints)
 
     def _defer(self, op: Op, args: Sequence[int]) -> None:
         g, sid = self.group, args[0]
@@ -742,13 +783,10 @@ def run_worker(model: str, dtype: str, device: str, attention: str, threads: int
 
 def _serve_commands(group: TPGroup, model: str, dtype: str, device: str, attention: str) -> int:
     try:
-        target = load_sharded_target(group, model, dtype, device, False, attention)
-        sharded = target.model
-        assert isinstance(sharded, ShardedLlamaModel)
+        sharded = shard_model(_load_model(model, dtype, device, attention), group, model)
         sharded.prepare(release=True)
-        del target
         worker_loop(group, sharded)
-    except (TensorParallelError, RuntimeError) as exc:
+    except Exception as exc:  # a broken group, or a model this rank cannot load or split
         log.error("tensor-parallel rank %d stops: %s", group.rank, exc)
         return 1
     group.closing = True

@@ -197,7 +197,8 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
         elif state.engine is None:
             detail = "loading the target model"
         else:
-            detail = "engine loop stopped or stalled"
+            group = getattr(state.target.model, "group", None) if state.target else None
+            detail = getattr(group, "error", None) or "engine loop stopped or stalled"
         return JSONResponse({"status": "not ready", "detail": detail}, status_code=503)
 
     @app.get("/metrics")

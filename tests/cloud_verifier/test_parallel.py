@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from cloud_verifier import parallel
+from cloud_verifier.config import ServerConfig
 from cloud_verifier.model import (
     Target,
     decode_step,
@@ -37,6 +38,7 @@ from cloud_verifier.model import (
 )
 from cloud_verifier.model.config import make_tiny_config
 from cloud_verifier.model.gemm import onednn_available
+from cloud_verifier.server import ThreadedServer
 from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree
 from tests.cloud_verifier.service import tiny
 
@@ -193,25 +195,10 @@ def test_packed_sessions_with_frees_during_the_forward_match_tp1(tp2: Target) ->
         assert max_diff(a, b) <= TOL
 
 
-def test_a_dead_worker_fails_forwards_at_once(tp2: Target) -> None:
-    """(Runs last in this module: it breaks the group.)"""
-    group = getattr(tp2.model, "group", None)
-    assert isinstance(group, parallel.TPGroup) and group.procs
-    kv = tp2.new_kv_cache(8, 16)
-    kv.add(1)
-    group.procs[0].send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while group.alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not group.alive()
-    assert group.error == "tensor-parallel rank 1 died: exit code -9; the verifier is not ready"
-    t0 = time.monotonic()
-    with pytest.raises(parallel.TensorParallelError, match="rank 1 died"):
-        tp2.model.forward_packed([decode_step(1, 3, 0)], kv)
-    assert time.monotonic() - t0 < 1.0
-
-
 # ------------------------------------------------------------------------------ the service
+SERVICE = ServerConfig(model="tiny", measure_cost=False, max_sessions=4, max_context=512, kv_blocks=256)
+
+
 def _free_port() -> int:
     import socket
 
@@ -243,15 +230,51 @@ async def _greedy(url: str, prompt: str, n: int) -> list[int]:
         drafter.close()
 
 
-def test_serve_tensor_parallel_2_greedy_equals_tp1_and_a_killed_rank_turns_readyz_503() -> None:
-    from cloud_verifier.config import ServerConfig
-    from cloud_verifier.server import ThreadedServer
+PROMPT, N = "def fibonacci(n):", 40
 
-    prompt, n = "def fibonacci(n):", 40
-    cfg = ServerConfig(model="tiny", measure_cost=False, max_sessions=4, max_context=512, kv_blocks=256)
-    with ThreadedServer(cfg, target=tiny()) as srv:
-        want = asyncio.run(_greedy(srv.url, prompt, n))
-    assert len(want) == n
+
+def _tp1_greedy() -> list[int]:
+    with ThreadedServer(SERVICE, target=tiny()) as srv:
+        want = asyncio.run(_greedy(srv.url, PROMPT, N))
+    assert len(want) == N
+    return want
+
+
+def test_edge_client_greedy_through_a_tp2_verifier_equals_tp1_and_a_dead_rank_fails_readyz(
+    tp2: Target, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The service on rank 0 of the TP=2 group: the edge client's greedy output equals TP=1's;
+    then SIGKILL the worker: one log line, /readyz 503 within a few seconds, and forwards fail at
+    once instead of waiting on the dead rank. (Runs last in the module: it breaks the group.)"""
+    want = _tp1_greedy()
+    group = getattr(tp2.model, "group", None)
+    assert isinstance(group, parallel.TPGroup) and group.procs
+    kv = tp2.new_kv_cache(8, 16)
+    with ThreadedServer(SERVICE, target=tp2) as srv:
+        assert asyncio.run(_greedy(srv.url, PROMPT, N)) == want
+        ready = f"{srv.http}/readyz"
+        assert httpx.get(ready, timeout=5).status_code == 200
+        group.procs[0].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        while (r := httpx.get(ready, timeout=5)).status_code == 200:
+            assert time.monotonic() - t0 < 5, "/readyz still 200 five seconds after a rank died"
+            time.sleep(0.05)
+        assert r.status_code == 503
+        assert "tensor-parallel rank 1 died: exit code -9" in r.json()["detail"]
+    died = "tensor-parallel rank 1 died: exit code -9; the verifier is not ready"
+    assert [rec.getMessage() for rec in caplog.records if "died" in rec.getMessage()] == [died]
+    kv.add(1)  # rank 0's bookkeeping still works (nothing is sent)
+    t0 = time.monotonic()
+    with pytest.raises(parallel.TensorParallelError, match="rank 1 died"):
+        tp2.model.forward_packed([decode_step(1, 3, 0)], kv)
+    assert time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.slow
+def test_cli_serve_tensor_parallel_2_greedy_equals_tp1_and_a_killed_rank_turns_readyz_503() -> None:
+    """`cloud-verifier serve --tensor-parallel 2` as a user starts it (workers spawned by rank 0)."""
+    prompt, n = PROMPT, N
+    want = _tp1_greedy()
 
     port = _free_port()
     cmd = [sys.executable, "-m", "cloud_verifier.cli", "serve", "--model", "tiny", "--port", str(port)]
