@@ -164,7 +164,9 @@ def test_prespec_on_and_off_give_the_same_tokens() -> None:
 @pytest.mark.parametrize("mode", ["mss", "rrs"])
 def test_prespec_in_stochastic_modes_keeps_draws_valid(mode: str) -> None:
     """Conditional trees in mss/rrs carry draws from q at their own assumed prefix; the verifier
-    validates every one (a bad draw would be an error frame and fail the generation)."""
+    validates every one (a bad draw would be an error frame and fail the generation). The cost gate
+    is off: under CPU load its first-round estimate can hold back every conditional tree, and what
+    is tested here is the draws of the trees sent, not the gate."""
     drafter = create_drafter("torch", "tiny")
     with LiveServer(trust_anonymous=True, max_pending=6) as srv:
         # a long round trip: conditional trees leave before the verdict comes back
@@ -172,7 +174,7 @@ def test_prespec_in_stochastic_modes_keeps_draws_valid(mode: str) -> None:
             srv.ws,
             drafter,
             "Once upon a time",
-            True,
+            PrespecConfig(fanout=3, gate=False),
             rtt=300.0,
             max_new_tokens=24,
             mode=mode,
