@@ -152,13 +152,26 @@ class TPGroup:
         if self.error is not None:
             raise TensorParallelError(self.error)
 
+    def _dead_rank(self, wait_s: float = 0.0) -> str | None:
+        """'rank r died: exit code c' for the first worker of ours that has exited (waiting up to
+        wait_s for one: a collective usually fails a moment before the process is reaped)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for r, p in enumerate(self.procs, start=1):
+                if p.poll() is not None:
+                    return (
+                        f"tensor-parallel rank {r} died: exit code {p.returncode}; the verifier is not ready"
+                    )
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
     def _watch(self) -> None:
         while not self.closing and self.error is None:
-            for r, p in enumerate(self.procs, start=1):
-                code = p.poll()
-                if code is not None and not self.closing:
-                    self.fail(f"tensor-parallel rank {r} died: exit code {code}; the verifier is not ready")
-                    return
+            reason = self._dead_rank()
+            if reason is not None and not self.closing:
+                self.fail(reason)
+                return
             time.sleep(0.1)
 
     def _collective(self, what: str, fn: Callable[[], object]) -> None:
@@ -166,7 +179,11 @@ class TPGroup:
         try:
             fn()
         except Exception as exc:
-            self.fail(f"tensor-parallel {what} failed on rank {self.rank}: {exc}; the verifier is not ready")
+            reason = self._dead_rank(wait_s=1.0) if self.procs else None
+            self.fail(
+                reason
+                or f"tensor-parallel {what} failed on rank {self.rank}: {exc}; the verifier is not ready"
+            )
             raise TensorParallelError(self.error or str(exc)) from exc
 
     # -- rank 0: commands

@@ -254,6 +254,24 @@ def test_edge_client_greedy_through_a_tp2_verifier_equals_tp1_and_a_dead_rank_fa
         assert asyncio.run(_greedy(srv.url, PROMPT, N)) == want
         ready = f"{srv.http}/readyz"
         assert httpx.get(ready, timeout=5).status_code == 200
+        # forwards in flight when the rank dies fail too, instead of waiting on it
+        busy = tp2.new_kv_cache(64, 16)
+        busy.add(1)
+        failed: list[BaseException] = []
+        looping = threading.Event()
+
+        def forwards() -> None:
+            try:
+                while True:
+                    tp2.model.forward_packed([prefill_chunk(1, list(range(300)), 0)], busy)
+                    busy.discard(1)
+                    looping.set()
+            except Exception as exc:
+                failed.append(exc)
+
+        th = threading.Thread(target=forwards, daemon=True)
+        th.start()
+        assert looping.wait(30)
         group.procs[0].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         while (r := httpx.get(ready, timeout=5)).status_code == 200:
@@ -261,6 +279,8 @@ def test_edge_client_greedy_through_a_tp2_verifier_equals_tp1_and_a_dead_rank_fa
             time.sleep(0.05)
         assert r.status_code == 503
         assert "tensor-parallel rank 1 died: exit code -9" in r.json()["detail"]
+        th.join(5)
+        assert not th.is_alive() and isinstance(failed[0], parallel.TensorParallelError)
     died = "tensor-parallel rank 1 died: exit code -9; the verifier is not ready"
     assert [rec.getMessage() for rec in caplog.records if "died" in rec.getMessage()] == [died]
     kv.add(1)  # rank 0's bookkeeping still works (nothing is sent)

@@ -1,0 +1,98 @@
+"""`python -m bench.parallel`: ms per verify forward at tensor parallelism N against one process.
+
+The same total threads both ways: TP=1 is one process with `--threads` threads; TP=N is N
+processes (rank 0 here, ranks 1.. started by cloud_verifier.parallel) with threads/N each. A
+verify forward is row 0 plus N - 1 tree nodes after a committed prefix, logits for every row
+(bench.target_step's measure_forward, so the figures compare with its cost curve). The two
+configurations run one after the other (one model in memory at a time), not interleaved: a
+machine whose load changes in between moves one column and not the other.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see bench.target_step)
+
+import argparse
+import gc
+import json
+import platform
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.target_step import measure_forward
+from cloud_verifier import parallel
+from cloud_verifier.model import Target, load_target
+
+
+def _measure(target: Target, prefix: int, rows: list[int], repeats: int, label: str) -> dict[str, float]:
+    with tqdm(total=repeats * len(rows), desc=label, unit="run") as bar:
+        forward, _ = measure_forward(target, [prefix], rows, repeats, bar)
+    return forward[str(prefix)]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.parallel", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="target alias or path")
+    p.add_argument("--tensor-parallel", type=int, default=2, metavar="N", help="ranks of the parallel run")
+    p.add_argument(
+        "--threads", type=int, default=2, help="threads in all (TP=1: all of them; TP=N: threads/N each)"
+    )
+    p.add_argument(
+        "--rows", default="1,4,16,64", help="comma-separated rows per forward (row 0 + N - 1 nodes)"
+    )
+    p.add_argument("--prefix", type=int, default=128, help="committed tokens before the round")
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards per N (after one warm-up)")
+    p.add_argument("--json", help="also write the result to this file")
+    args = p.parse_args(argv)
+    rows = [int(x) for x in args.rows.split(",") if x]
+    if args.tensor_parallel < 2:
+        p.error("--tensor-parallel must be at least 2 (TP=1 is always measured)")
+
+    torch.set_num_threads(args.threads)
+    single = load_target(args.model, progress=False)
+    tp1 = _measure(single, args.prefix, rows, args.repeats, "TP=1")
+    del single
+    gc.collect()
+
+    group = parallel.start(args.tensor_parallel, args.model, threads=args.threads)
+    try:
+        sharded = parallel.load_sharded_target(group, args.model, progress=False)
+        tpn = _measure(sharded, args.prefix, rows, args.repeats, f"TP={args.tensor_parallel}")
+    finally:
+        group.close()
+
+    share = parallel.threads_per_rank(args.threads, args.tensor_parallel)
+    result: dict[str, Any] = {
+        "model": args.model,
+        "prefix": args.prefix,
+        "repeats": args.repeats,
+        "tp1": {"processes": 1, "threads": args.threads, "forward_ms": tp1},
+        f"tp{args.tensor_parallel}": {
+            "processes": args.tensor_parallel,
+            "threads_each": share,
+            "forward_ms": tpn,
+        },
+        "speedup": {n: round(tp1[n] / tpn[n], 3) for n in tp1},
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "torch": torch.__version__,
+    }
+    print(f"{'N':>4} {'TP=1 ms':>10} {f'TP={args.tensor_parallel} ms':>10} {'TP=1/TP=N':>10}")
+    for n in tp1:
+        print(f"{n:>4} {tp1[n]:>10.2f} {tpn[n]:>10.2f} {result['speedup'][n]:>10.3f}")
+    text = json.dumps(result, indent=2)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
