@@ -104,17 +104,22 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         default=d.dtype,
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)",
+        choices=["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+        help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU; fp32, bf16 and fp16 "
+        "are short names). On a GPU in bf16/fp16 verification is exact in distribution; a greedy choice "
+        "at a near-tie of the logits may differ from one-token decoding (DESIGN 4)",
     )
     p.add_argument(
         "--attention",
         default=d.attention,
-        choices=["model", "sdpa", "float64"],
+        choices=["model", "sdpa", "float64", "triton"],
         help="attention arithmetic: 'model' (the weights' dtype; in float32 on a CPU the batch-invariant "
-        "kernel, so every tree row is bit-identical to one-token decoding), 'sdpa' (the weights' dtype "
-        "through torch's SDPA: up to ~1e-4 of logit noise between a tree row and one-token decoding) or "
-        "'float64' (SDPA in float64: bit-identical on any device, 10-80%% slower on CPU)",
+        "kernel, so every tree row is bit-identical to one-token decoding; on a GPU with Triton "
+        "installed the Triton tree-attention kernel), 'sdpa' (the weights' dtype "
+        "through torch's SDPA: up to ~1e-4 of logit noise between a tree row and one-token decoding), "
+        "'float64' (SDPA in float64: bit-identical on any device, 10-80%% slower on CPU) or 'triton' "
+        "(the Triton kernel over the paged KV pool, one launch per layer for all sessions; on a CPU "
+        "only under TRITON_INTERPRET=1, for tests)",
     )
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     p.add_argument(

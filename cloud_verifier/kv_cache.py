@@ -50,6 +50,15 @@ def _tiled_writer() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None
     return writer
 
 
+def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on `device`; on a GPU pinned and non-blocking (a pageable copy would wait for
+    every kernel queued before it)."""
+    t = torch.from_numpy(a)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class KVCacheFull(Exception):
     """The pool has too few free blocks for a request; nothing was allocated or changed."""
 
@@ -144,6 +153,21 @@ class PagedKVCache:
 
     def block_table(self, seq_id: int) -> list[int]:
         return list(self._seq(seq_id).blocks)
+
+    def block_tables(self, seq_ids: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+        """[S, max_blocks] int32: the block tables of `seq_ids` (padded with block 0, never read
+        past a sequence's positions), on `device` (default: the pool's), in one copy."""
+        out = self.block_tables_array(seq_ids)
+        return _to_device(out, torch.device(device) if device is not None else self.device)
+
+    def block_tables_array(self, seq_ids: Sequence[int]) -> np.ndarray:
+        """`block_tables` on the host: [S, max(1, max_blocks)] int32."""
+        tables = [self._seq(sid).blocks for sid in seq_ids]
+        width = max((len(b) for b in tables), default=0)
+        out = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+        for i, b in enumerate(tables):
+            out[i, : len(b)] = b
+        return out
 
     def _blocks_for(self, length: int) -> int:
         return -(-length // self.block_size)
@@ -275,7 +299,7 @@ class PagedKVCache:
         pos = np.asarray(positions, dtype=np.int64)
         table = np.asarray(seq.blocks, dtype=np.int64)
         slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
-        return torch.from_numpy(slots).to(self.device)
+        return _to_device(slots, self.device)
 
     def _layout(self, seq: _Seq) -> SeqSlots:
         end = seq.cached + seq.scratch

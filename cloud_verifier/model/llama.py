@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cloud_verifier.kv_cache import TILE, PagedKVCache, SeqSlots
-from cloud_verifier.model import cpu_kernels, gemm
+from cloud_verifier.model import cpu_kernels, gemm, triton_attention
 from cloud_verifier.model.config import ModelConfig
 from cloud_verifier.model.rope import Rotary
 
@@ -73,7 +73,7 @@ class _Prepared:
     lm_head: torch.Tensor
 
 
-ATTENTION_MODES = ("model", "float64", "sdpa")
+ATTENTION_MODES = ("model", "float64", "sdpa", "triton")
 
 
 class LlamaModel(nn.Module):
@@ -84,7 +84,10 @@ class LlamaModel(nn.Module):
     batch-invariant kernel of cpu_kernels.py (every sum in an order fixed by key position), so
     with oneDNN's row-invariant projections a tree node's logits are bit-identical to decoding
     its path token by token, at SDPA's speed. Elsewhere (GPU, bf16/fp16, no compiler) "model" is
-    SDPA with the tree mask. "sdpa" forces SDPA (on SmolLM2-135M fp32 it leaves up to a few 1e-4
+    SDPA with the tree mask, except on a GPU with Triton installed, where it is the Triton tree-attention
+    kernel (model/triton_attention.py: one launch per layer for every sequence, keys read through
+    the block tables). "triton" forces that kernel (on a CPU it runs in Triton's interpreter, slowly:
+    tests). "sdpa" forces SDPA (on SmolLM2-135M fp32 it leaves up to a few 1e-4
     of logit noise between a tree row and the same token decoded alone). "float64" keeps the KV
     cache and SDPA in float64, which also makes the rows agree bit for bit, on any device, at
     10-80% more per forward.
@@ -113,6 +116,7 @@ class LlamaModel(nn.Module):
         self.released = False  # projections freed after packing (see prepare)
         self.attn_dtype = dtype
         self._sdpa = False  # "sdpa" mode: never the CPU kernel
+        self._triton = False  # "triton" mode: the Triton kernel on any device (CPU: interpreted)
         # tensor parallelism (parallel.py): sums a layer's partial o / down output over the ranks
         # in place, and gathers the vocab-parallel head's logit shards; None on one process
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
@@ -123,19 +127,42 @@ class LlamaModel(nn.Module):
         work (converted per layer, or through SDPA when they lack the kernel's tiled keys), at a cost."""
         if mode not in ATTENTION_MODES:
             raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
+        if mode == "triton" and not triton_attention.supports(self.dtype, self.config.head_dim):
+            raise ValueError(
+                f"attention 'triton' serves float16/bfloat16/float32 and head_dim in "
+                f"{triton_attention.HEAD_DIMS}; this model is {self.dtype}, head_dim {self.config.head_dim}"
+            )
+        if mode == "triton" and not triton_attention.installed():
+            raise ValueError("attention 'triton' needs Triton: pip install 'treespec[gpu]'")
         self.attn_dtype = torch.float64 if mode == "float64" else self.dtype
         self._sdpa = mode == "sdpa"
+        self._triton = mode == "triton"
 
     @property
     def attention_mode(self) -> str:
         if self.attn_dtype == torch.float64 and self.dtype != torch.float64:
             return "float64"
+        if self._triton:
+            return "triton"
         return "sdpa" if self._sdpa else "model"
 
     @property
     def attention_kernel(self) -> str:
-        """What computes attention: "cpu-invariant" (the kernel) or "sdpa"."""
+        """What computes attention: "cpu-invariant" (the kernel), "triton" or "sdpa"."""
+        if self._use_triton():
+            return "triton"
         return "cpu-invariant" if self._use_kernel() else "sdpa"
+
+    def _use_triton(self) -> bool:
+        """The Triton kernel: asked for ("triton"), or "model" on a GPU where Triton is installed."""
+        if self._triton:
+            return True
+        c = self.config
+        return (
+            not self._sdpa
+            and self.attn_dtype == self.dtype
+            and triton_attention.available(self.device, self.dtype, c.head_dim)
+        )
 
     def _norm(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """RMSNorm (h [T, hidden], weight) -> [T, hidden]: the one-pass CPU kernel for float32 on
@@ -150,6 +177,7 @@ class LlamaModel(nn.Module):
         c = self.config
         return (
             not self._sdpa
+            and not self._triton
             and self.attn_dtype == self.dtype
             and cpu_kernels.supports(c.head_dim, self.dtype, self.device)
             and cpu_kernels.load() is not None
@@ -237,9 +265,19 @@ class LlamaModel(nn.Module):
         plans = kv.reserve([(x.seq_id, x.num_rows) for x in inputs])
         cached = [kv.cached_len(x.seq_id) for x in inputs]
         kernel = kv.kt is not None and self._use_kernel()
+        triton = not kernel and self._use_triton()
         masks: list[torch.Tensor | None] = []
         kernel_args: list[tuple[torch.Tensor, torch.Tensor, int]] = []
-        if kernel:  # per sequence: slot of every position, new-row mask, cached length
+        launch: triton_attention.LaunchArgs | None = None
+        if triton:  # one launch per layer for all sequences; over-long tree sessions through SDPA
+            launch = triton_attention.prepare(inputs, cached, kv, self.device)
+            masks = [
+                _attention_mask(x, n_cached, c.group_size, self.attn_dtype, self.device)
+                if i in launch.fallback
+                else None
+                for i, (x, n_cached) in enumerate(zip(inputs, cached, strict=True))
+            ]
+        elif kernel:  # per sequence: slot of every position, new-row mask, cached length
             kernel_args = [
                 (kv.read_slots(plan.read), _allowed(x), n_cached)
                 for x, plan, n_cached in zip(inputs, plans, cached, strict=True)
@@ -268,7 +306,14 @@ class LlamaModel(nn.Module):
                 li, write_slots, qk[:, c.num_heads :], qkv[:, qk_heads * hd :].view(t, c.num_kv_heads, hd)
             )
             q = qk[:, : c.num_heads]  # [T, heads, head_dim]
-            if kernel:
+            if launch is not None:
+                # index values checked once per forward, on a CPU only (on a GPU it would sync)
+                check = li == 0 and self.device.type == "cpu"
+                o = triton_attention.attend(q, kv, li, launch, hd**-0.5, check).view(t, c.q_size)
+                for i in launch.fallback:
+                    a, b = bounds[i]
+                    o[a:b] = self._attend(q[a:b], kv, li, plans[i], masks[i])
+            elif kernel:
                 kt_l, v_l = kv.layer_tiled(li)
                 parts = [
                     self._attend_kernel(q[a:b], kt_l, v_l, *args)

@@ -29,6 +29,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    names |= {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     if dtype not in names:
         raise ValueError(f"dtype must be auto or one of {sorted(names)}, got {dtype!r}")
     return names[dtype]
