@@ -30,6 +30,12 @@ from bench.harness import load_prompts, table
 
 MODELS = ("smollm2-135m-q4", "qwen2.5-coder-0.5b-q4")
 LEVEL = 8  # rows of one tree level
+# --backends name -> (label, registry name, options); the first one run is the agreement reference
+BACKENDS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "fp32": ("onnx fp32", "onnx", {"int8": False}),
+    "int8": ("onnx int8", "onnx", {"int8": True}),
+    "q4": ("llama.cpp Q4", "llama_cpp", {}),
+}
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
@@ -84,19 +90,13 @@ def _agreement(ref: list[np.ndarray], got: list[np.ndarray]) -> tuple[float, flo
 def bench_model(model: str, a: argparse.Namespace) -> list[dict[str, Any]]:
     from edge_client.drafters.registry import create_drafter
 
-    backends: list[tuple[str, str, dict[str, Any]]] = [
-        ("onnx fp32", "onnx", {"int8": False}),
-        ("onnx int8", "onnx", {"int8": True}),
-        ("llama.cpp Q4", "llama_cpp", {}),
-    ]
+    backends = [BACKENDS[b] for b in a.backends.split(",") if b]
     dirs = {False: a.fp32_dir, True: a.int8_dir}
     rows: list[dict[str, Any]] = []
     ref_logits: list[np.ndarray] | None = None
     forced: list[list[int]] | None = None
     n_prompts = max(1, -(-a.positions // a.per_prompt))
     for label, backend, opts in backends:
-        if label.startswith("onnx") and a.skip_onnx:
-            continue
         src = dirs[opts["int8"]] if backend == "onnx" and dirs[opts["int8"]] else model
         print(f"{model}: {label} ({src})", flush=True)
         d = create_drafter(backend, src, n_threads=1, max_context=2048, max_nodes=64, **opts)
@@ -140,12 +140,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--level-repeats", type=int, default=9, help="tree levels timed (median)")
     ap.add_argument("--fp32-dir", default=None, help="an fp32 export folder to use (one model only)")
     ap.add_argument("--int8-dir", default=None, help="an int8 export folder to use (one model only)")
-    ap.add_argument("--skip-onnx", action="store_true", help="llama.cpp only (a quick baseline)")
+    ap.add_argument(
+        "--backends",
+        default="fp32,int8,q4",
+        help="comma-separated, of fp32 (onnx), int8 (onnx), q4 (llama.cpp); the first is the agreement "
+        "reference (top-1 and TV are against it)",
+    )
     ap.add_argument("--json", default=None, help="write the rows and the settings to this JSON file")
     a = ap.parse_args(argv)
     models = [m for m in a.models.split(",") if m]
     if (a.fp32_dir or a.int8_dir) and len(models) != 1:
         ap.error("--fp32-dir/--int8-dir name the export of ONE model: pass one --models")
+    if not a.backends or any(b not in BACKENDS for b in a.backends.split(",") if b):
+        ap.error(f"--backends: a comma-separated list of {', '.join(BACKENDS)}")
     if a.positions < 1 or a.per_prompt < 1 or a.level_repeats < 1:
         ap.error("--positions, --per-prompt and --level-repeats must be positive")
     rows = [r for m in models for r in bench_model(m, a)]

@@ -21,6 +21,7 @@ one. Exporting needs torch and onnx; reading a manifest needs neither.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -188,6 +189,7 @@ def export(
         config, tok = target.config, target.tokenizer
         fingerprint = str(target.vocab_fingerprint)
         del target  # its floats: the int8 step loads the graph's own copy
+        gc.collect()  # the module graph has reference cycles: free the floats before quantizing
         if int8:
             say("export-onnx: quantizing to int8 (onnxruntime dynamic quantization)")
             _quantize(fp32_dir / MODEL_FILE, tmp / MODEL_FILE)
