@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from bench.stats import chi2_pvalue
 from cloud_verifier.sampling import SamplingParams, target_probs
-from cloud_verifier.verify import EXACT, Rules, TreeBatch, draw_slots, verify_batch, verify_tree
+from cloud_verifier.verify import EXACT, BatchResult, Rules, TreeBatch, draw_slots, verify_batch, verify_tree
 from shared.sparse import Q_TOTAL, SparseDist, SparseRows, truncate
 from shared.tree import Draws, ExpansionConfig, TokenTree, merge
 
@@ -295,14 +295,18 @@ def simulate(
     trials: int,
     seed: int,
     rules: Rules = EXACT,
+    device: str = "cpu",
 ) -> Outcome:
     """Run `trials` independent generations from START_TOKEN until each emitted `shape.measure`
-    tokens; count their joint values. Batched: every round verifies all unfinished trials at once."""
+    tokens; count their joint values. Batched: every round verifies all unfinished trials at once.
+    device: where verification runs (its logits, trees and generator; sync-free off the CPU);
+    drafting stays on the host."""
     v, m = pair.vocab, shape.measure
     out = Outcome(np.zeros(v**m, dtype=np.int64))
     for c0 in range(0, trials, CHUNK):
         t = min(CHUNK, trials - c0)
         gen = torch.Generator().manual_seed(seed * 7919 + c0)
+        vgen = gen if device == "cpu" else torch.Generator(device=device).manual_seed(seed * 7919 + c0)
         seeds = seed * 1_000_003 + c0 + np.arange(t)  # match: one session seed per trial
         emitted = torch.full((t, m), -1, dtype=torch.long)
         count = torch.zeros(t, dtype=torch.long)
@@ -316,15 +320,20 @@ def simulate(
             rnd = draw_round(pair, shape, TREE_KIND[mode], last[idx], gen)
             rows = torch.cat([last[idx].unsqueeze(1), rnd.tokens], 1)
             logits = pair.target[rows]  # [T', N + 1, V]: the bigram target at every row
+            batch = rnd.batch(length[idx.numpy()])
+            if device != "cpu":
+                batch = _on(batch, device)
             res = verify_batch(
                 mode,
-                rnd.batch(length[idx.numpy()]),
-                logits,
+                batch,
+                logits.to(device),
                 params,
                 seeds=seeds[idx.numpy()],
-                generator=gen,
+                generator=vgen,
                 rules=rules,
             )
+            if device != "cpu":
+                res = BatchResult(*(x.cpu() for x in (res.accepted, res.num_accepted, res.bonus, res.tokens)))
             num = res.num_accepted + 1
             for j in range(res.tokens.shape[1]):
                 pos = count[idx] + j
@@ -342,6 +351,23 @@ def simulate(
             code = code * v + emitted[:, j]
         out.counts += np.bincount(code.numpy(), minlength=v**m)
     return out
+
+
+def _on(batch: TreeBatch, device: str) -> TreeBatch:
+    """A TreeBatch's tensors on `device` (committed lengths stay on the host)."""
+
+    def move(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(device)
+
+    return TreeBatch(
+        batch.tokens.to(device),
+        batch.slots.to(device),
+        batch.committed_len,
+        batch.depth,
+        move(batch.qrow),
+        move(batch.q_ids),
+        move(batch.q_probs),
+    )
 
 
 def reference_probs(pair: Pair, params: SamplingParams) -> np.ndarray:
@@ -456,14 +482,15 @@ def pair_for(shape: Shape) -> Pair:
     return make_pair(shape.vocab, seed=1000 + shape.vocab)
 
 
-def run_case(case: Case, samples: int, seed: int = 0) -> CaseResult:
+def run_case(case: Case, samples: int, seed: int = 0, device: str = "cpu") -> CaseResult:
     """Simulate `samples` trials of a case and test their joint output distribution. Each case draws
-    its own randomness (seeded by its label), so the p-values of different cases are independent."""
+    its own randomness (seeded by its label), so the p-values of different cases are independent.
+    device: where verification runs (cuda: the sync-free device path)."""
     shape = shape_named(case.shape)
     pair = pair_for(shape)
     rules = WRONG.get(case.algorithm, EXACT)
     case_seed = seed * 100_003 + zlib.crc32(case.label().encode()) % 100_000
-    out = simulate(case.mode, pair, shape, case.params, samples, case_seed, rules)
+    out = simulate(case.mode, pair, shape, case.params, samples, case_seed, rules, device)
     expected = joint_probs(reference_probs(pair, case.params), START_TOKEN, shape.measure)
     pval = chi2_pvalue(out.counts, expected)
     passed = (pval >= ALPHA) if case.expected_exact else (pval < ALPHA)

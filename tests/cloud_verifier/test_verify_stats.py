@@ -85,21 +85,27 @@ def test_harness_trees_are_what_the_edge_sends(shape: object, kind: str) -> None
             assert torch.equal(rnd.q_probs[i, : dense.shape[0]] * Q_TOTAL, dense * Q_TOTAL)
 
 
-def _check(case: Case) -> None:
-    r = run_case(case, SAMPLES)
+# the chi-square matrix also runs with verification on a GPU (the sync-free device path)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _check(case: Case, device: str = "cpu") -> None:
+    r = run_case(case, SAMPLES, device=device)
     verdict = "exact" if case.expected_exact else "a wrong variant"
-    assert r.passed, f"{case.label()} is {verdict} but p = {r.p_value:.3g}"
+    assert r.passed, f"{case.label()} on {device} is {verdict} but p = {r.p_value:.3g}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", DEFAULT, ids=Case.label)
-def test_joint_output_distribution(case: Case) -> None:
-    _check(case)
+def test_joint_output_distribution(case: Case, device: str) -> None:
+    _check(case, device)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", [c for c in full_matrix() if c not in DEFAULT], ids=Case.label)
-def test_joint_output_distribution_full_matrix(case: Case) -> None:
-    _check(case)
+def test_joint_output_distribution_full_matrix(case: Case, device: str) -> None:
+    _check(case, device)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
