@@ -23,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.harness import BenchPrompt, CoreSplit, Verifier, load_suite, table
-from edge_client.client import EdgeClient, Generation, PrespecConfig, TreeSpec
+from edge_client.client import EdgeClient, GenerationResult, PrespecConfig, TreeSpec
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import create_drafter
 from edge_client.transport import LinkShape
@@ -79,7 +79,9 @@ def _variants(tree: ExpansionConfig) -> dict[str, Variant]:
 ALL_MODES = tuple(_variants(ExpansionConfig()))
 
 
-def generation_record(gen: Generation, forwards: float, prompt: BenchPrompt | None = None) -> dict[str, Any]:
+def generation_record(
+    gen: GenerationResult, forwards: float, prompt: BenchPrompt | None = None
+) -> dict[str, Any]:
     """What one generation measured, as plain JSON (bench files keep these, so runs made in pieces
     can be put together and summarised again: `--merge`)."""
     st = gen.stats
@@ -140,7 +142,7 @@ class ModeRuns:
     prespec_refused: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
 
-    def add(self, gen: Generation, forwards: float, prompt: BenchPrompt | None = None) -> None:
+    def add(self, gen: GenerationResult, forwards: float, prompt: BenchPrompt | None = None) -> None:
         self.add_record(generation_record(gen, forwards, prompt))
 
     def add_record(self, r: dict[str, Any]) -> None:
@@ -267,7 +269,7 @@ async def run_modes(
                 ):
                     if on_chunk is not None:
                         on_chunk(m, i, chunk)
-                gen: Generation | None = client.last
+                gen: GenerationResult | None = client.last
                 assert gen is not None
                 runs[m].add(gen, forwards() - f0, p)
                 if m == "tree":

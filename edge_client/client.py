@@ -10,24 +10,23 @@ committed sequence; the verifier answers with the accepted path plus its bonus t
 exactly what the target alone would produce. With `prespec` the edge drafts conditional trees for
 the likely outcomes while a round is in flight: edge_client.speculation holds that logic
 without I/O (SpeculationCore) and the asyncio shell that runs it (RoundExecutor); this module is
-the session, streaming and text.
+drafting, streaming and text; edge_client.session the connection and resuming.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from edge_client.drafters.base import Drafter
+from edge_client.session import RESUMABLE_CLOSES, ConnectionLost, GenerationError, ResumeConfig, Session
 from edge_client.speculation import (
     DrafterProfile,
     DraftStep,
@@ -39,71 +38,36 @@ from edge_client.speculation import (
     SpeculationCore,
     TreeSpec,
 )
-from edge_client.stats import Generation, GenerationStats
-from edge_client.text import IncrementalDetokenizer, Message, as_messages, find_stop
+from edge_client.stats import GenerationResult, GenerationStats
+from edge_client.text import ChatMessage, IncrementalDetokenizer, as_messages, find_stop
 from edge_client.tokenizer import EdgeTokenizer
-from edge_client.transport import LinkShape, ShapedTransport, Transport, TransportClosed, WebSocketTransport
+from edge_client.transport import LinkShape, Transport
 from edge_client.trees import Coupling, Sampling
-from shared.errors import ErrorCode, ProtocolError
-from shared.messages import Error, Hello, Mode, Prompt, Verdict, Welcome
-from shared.protocol import ClientProtocol, ClientState
+from shared.errors import ErrorCode
+from shared.messages import Mode, Prompt, Verdict
 
 __all__ = [
+    "RESUMABLE_CLOSES",
+    "ConnectionLost",
     "EdgeClient",
-    "Generation",
     "GenerationError",
+    "GenerationResult",
     "GenerationStats",
     "PrespecConfig",
+    "ResumeConfig",
     "SyncEdgeClient",
     "TreeSpec",
 ]
 
 
-class GenerationError(RuntimeError):
-    """The verifier refused the request or the session broke; `code`/`field` say what was wrong."""
-
-    def __init__(self, message: str, code: ErrorCode | None = None, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.field = field
-
-
-class ConnectionLost(GenerationError):
-    """The connection to the verifier dropped (reset, restart, draining, overload): a generation can
-    resume on a new session. A close for a reason of the protocol (1007, 1008, 1009) is not this."""
-
-
-# close codes after which the same request may succeed on a new session (None: no close frame)
-RESUMABLE_CLOSES = (None, 1001, 1006, 1011, 1012, 1013)
-
-
-def _closed(exc: TransportClosed) -> GenerationError:
-    message = f"the verifier closed the connection: {exc.reason or exc.code}"
-    return ConnectionLost(message) if exc.code in RESUMABLE_CLOSES else GenerationError(message)
-
-
-@dataclass(frozen=True)
-class ResumeConfig:
-    """Reconnecting after the connection drops (EdgeClient(resume=...)).
-
-    attempts:  connection attempts per drop (each tries the next server URL, round robin)
-    backoff_s: the first wait between attempts, doubled each time up to max_backoff_s
-    """
-
-    attempts: int = 10
-    backoff_s: float = 0.2
-    max_backoff_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1 or not self.backoff_s >= 0 or not self.max_backoff_s >= self.backoff_s:
-            raise ValueError("need attempts >= 1 and 0 <= backoff_s <= max_backoff_s")
-
-
-class EdgeClient:
+class EdgeClient(Session):
     """An async session with the verifier (see the module docstring).
 
-    drafter:    the draft model; None only for mode "ar" (then `tokenizer` is required)
-    tree:       the tree shape drafted each round
+    drafter:    the draft model; None only for mode "ar" (then `tokenizer` is required). Several
+                (a sequence): each drafts its own tree every round and the trees are merged into one
+                (SpecInfer Definition 3.2, edge_client.trees.merged); they must share one vocabulary
+    tree:       the tree shape drafted each round; with several drafters one per drafter (or one
+                for all); after the first, a dynamic shape needs a fixed budget
     prespec:    pre-speculate conditional trees while a round is in flight (True: defaults)
     link:       emulate a network link in-process (one-way delays, jitter, bandwidth)
     transport:  an async factory of the byte transport (default: a WebSocket to `server`)
@@ -119,11 +83,11 @@ class EdgeClient:
     def __init__(
         self,
         server: str | Sequence[str],
-        drafter: Drafter | None,
+        drafter: Drafter | Sequence[Drafter] | None,
         *,
         tokenizer: EdgeTokenizer | None = None,
         api_key: str | None = None,
-        tree: TreeSpec | None = None,
+        tree: TreeSpec | Sequence[TreeSpec] | None = None,
         prespec: bool | PrespecConfig = False,
         link: LinkShape | None = None,
         transport: Callable[[], Awaitable[Transport]] | None = None,
@@ -132,164 +96,60 @@ class EdgeClient:
         ca_file: str | None = None,
         resume: bool | ResumeConfig = True,
     ) -> None:
-        self.servers = [server] if isinstance(server, str) else list(server)
-        if not self.servers:
-            raise ValueError("EdgeClient needs at least one verifier URL")
-        self._server_i = 0
-        self.resume: ResumeConfig | None = (
-            resume if isinstance(resume, ResumeConfig) else (ResumeConfig() if resume else None)
+        super().__init__(
+            server, api_key=api_key, link=link, transport=transport, ca_file=ca_file, resume=resume
         )
-        self.resumes: list[float] = []  # seconds each resume took (drop to the new session's welcome)
-        self.ca_file = ca_file
-        self.drafter = drafter
-        tok = tokenizer or (drafter.tokenizer if drafter is not None else None)
+        self.drafters: tuple[Drafter, ...] = (
+            () if drafter is None else tuple(drafter) if isinstance(drafter, Sequence) else (drafter,)
+        )
+        self.drafter: Drafter | None = self.drafters[0] if self.drafters else None
+        self._check_vocabularies()
+        tok = tokenizer or (self.drafter.tokenizer if self.drafter is not None else None)
         if tok is None:
             raise ValueError("EdgeClient needs a drafter or a tokenizer")
         self.tokenizer: EdgeTokenizer = tok
-        self.api_key = api_key
-        self.tree = tree or TreeSpec()
+        trees = (tree,) if tree is None or isinstance(tree, TreeSpec) else tuple(tree)
+        if len(trees) not in (1, max(1, len(self.drafters))):
+            raise ValueError(
+                f"{len(self.drafters)} drafters but {len(trees)} tree shapes: give one, or one per drafter"
+            )
+        self.trees: tuple[TreeSpec, ...] = tuple(t or TreeSpec() for t in trees)
+        self.tree = self.trees[0]
         self.prespec: PrespecConfig | None = (
             prespec if isinstance(prespec, PrespecConfig) else (PrespecConfig() if prespec else None)
         )
-        self.link = link
         self.wire_top_k = wire_top_k
         self.couple = couple
-        self._transport_factory = transport
-        self._transport: Transport | None = None
-        self.proto = ClientProtocol()
-        self.welcome: Welcome | None = None
         # llama.cpp contexts are single-threaded: one drafting thread, off the event loop
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter")
         # calibration, outcome models, round trip, last tree: learned across generations
         self.learned = Learned()
-        self.last: Generation | None = None
+        self.last: GenerationResult | None = None
 
-    @property
-    def server(self) -> str:
-        """The verifier URL in use."""
-        return self.servers[self._server_i]
+    def _check_vocabularies(self) -> None:
+        """Merged trees need one vocabulary: every drafter's fingerprint must be the first's."""
+        if len(self.drafters) < 2:
+            return
+        fp = self.drafters[0].vocab_fingerprint()
+        for i, d in enumerate(self.drafters[1:], 1):
+            if d.vocab_fingerprint() != fp:
+                raise ValueError(
+                    f"drafter {i} ({d.name}) has another vocabulary than drafter 0 "
+                    f"({self.drafters[0].name}): trees can only be merged from drafters that share the "
+                    "target's tokenizer; use draft models of the same family"
+                )
 
-    # ------------------------------------------------------------------ connection
-    async def _reconnect(self) -> None:
-        """A new session after a drop: backoff, the next URL, and the same model and vocabulary."""
-        assert self.resume is not None
-        old = self.welcome
-        t0 = time.perf_counter()
-        if self._transport is not None:
-            with contextlib.suppress(Exception):
-                await self._transport.close()
-        self._transport, self.welcome, self.proto = None, None, ClientProtocol()
-        delay = self.resume.backoff_s
-        last: Exception | None = None
-        for attempt in range(self.resume.attempts):
-            if len(self.servers) > 1 or attempt:
-                self._server_i = (self._server_i + 1) % len(self.servers)
-            self.proto = ClientProtocol()  # a fresh session each attempt
-            try:
-                w = await self.connect()
-                break
-            except ConnectionLost as exc:
-                last = exc
-            except GenerationError as exc:
-                if exc.code is not None:  # refused for a reason (auth, vocabulary): not transient
-                    raise
-                last = exc
-            if self._transport is not None:
-                with contextlib.suppress(Exception):
-                    await self._transport.close()
-            self._transport = None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.resume.max_backoff_s)
-        else:
-            raise GenerationError(
-                f"the verifier did not come back after {self.resume.attempts} attempts: {last}"
-            )
-        if old is not None and (w.model_id, w.vocab_fingerprint) != (old.model_id, old.vocab_fingerprint):
-            raise GenerationError(
-                f"the verifier came back with another model ({w.model_id}, was {old.model_id}) or "
-                "vocabulary: the generation cannot go on exactly",
-                ErrorCode.VOCAB_MISMATCH,
-                "model_id",
-            )
-        self.resumes.append(time.perf_counter() - t0)
-
-    async def connect(self) -> Welcome:
-        """Open the session: hello, then the server's welcome (or a clear refusal)."""
-        if self._transport_factory is not None:
-            inner = await self._transport_factory()
-        else:
-            try:
-                inner = await WebSocketTransport.connect(self.server, self.api_key, ca_file=self.ca_file)
-            except ValueError as exc:  # a bad URL
-                raise GenerationError(f"cannot reach the verifier at {self.server}: {exc}") from exc
-            except Exception as exc:  # refused, unreachable, bad certificate, a failed handshake
-                raise ConnectionLost(f"cannot reach the verifier at {self.server}: {exc}") from exc
-        self._transport = ShapedTransport(inner, self.link) if self.link is not None else inner
-        fp = self.drafter.vocab_fingerprint() if self.drafter is not None else self.tokenizer.fingerprint
-        await self.send(
-            self.proto.hello(Hello(vocab_fingerprint=fp, api_key=self.api_key, client="edge-client/0.1"))
-        )
-        msg = await self.recv()
-        if isinstance(msg, Error):
-            raise self.refused(msg)
-        if not isinstance(msg, Welcome):
-            raise GenerationError(f"expected welcome, got {msg.TYPE.value}")
-        if msg.vocab_fingerprint and msg.vocab_fingerprint != fp:
-            raise GenerationError(
-                f"vocabulary mismatch: the draft model's tokenizer is not the target's ({msg.model_id}); "
-                "use a draft model built on the target's vocabulary",
-                ErrorCode.VOCAB_MISMATCH,
-                "vocab_fingerprint",
-            )
-        self.welcome = msg
-        return msg
+    def vocab_fingerprint(self) -> str:
+        return self.drafter.vocab_fingerprint() if self.drafter is not None else self.tokenizer.fingerprint
 
     async def close(self) -> None:
-        if self._transport is not None:
-            if self.proto.state not in (ClientState.CLOSED, ClientState.START):
-                try:
-                    await self.send(self.proto.close())
-                except (GenerationError, ProtocolError):
-                    pass
-            await self._transport.close()
-            self._transport = None
+        await super().close()
         self.pool.shutdown(wait=True)
-
-    async def __aenter__(self) -> EdgeClient:
-        await self.connect()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def send(self, frame: bytes) -> None:
-        if self._transport is None:
-            raise GenerationError("not connected: call connect() first")
-        try:
-            await self._transport.send(frame)
-        except TransportClosed as exc:
-            raise _closed(exc) from exc
-
-    async def recv(self) -> Any:
-        if self._transport is None:
-            raise GenerationError("not connected: call connect() first")
-        try:
-            data = await self._transport.recv()
-        except TransportClosed as exc:
-            raise _closed(exc) from exc
-        return self.proto.receive(data)
-
-    def refused(self, e: Error) -> GenerationError:
-        where = f" (field {e.field})" if e.field else ""
-        return GenerationError(f"verifier refused: {e.code.value}{where}: {e.message}", e.code, e.field)
-
-    def next_round(self) -> int:
-        return self.proto.last_round + 1
 
     # ------------------------------------------------------------------ generation
     async def generate(
         self,
-        prompt: str | Sequence[Message] | Sequence[int],
+        prompt: str | Sequence[ChatMessage] | Sequence[int],
         *,
         max_new_tokens: int = 128,
         temperature: float = 0.0,
@@ -308,7 +168,7 @@ class EdgeClient:
 
         A plain prompt becomes one user turn of the model's chat template unless `raw`. Generation
         ends on an EOS id, a stop id, a stop string (cut from the text) or max_new_tokens; `continue_`
-        adds the prompt as a new turn to the session's cached context. The Generation record is
+        adds the prompt as a new turn to the session's cached context. The GenerationResult is
         `self.last` (tokens, text, stats). `on_verdict(verdict, prespeculated)` sees every verdict
         before its text is yielded; prespeculated: its tree was already at the server when the
         previous verdict came (a pre-speculation hit, no round trip).
@@ -321,7 +181,7 @@ class EdgeClient:
         if mode is Mode.GREEDY:
             temperature = 0.0
         prompt_tokens = self._encode(prompt, raw)
-        gen = Generation(prompt_tokens=list(prompt_tokens))
+        gen = GenerationResult(prompt_tokens=list(prompt_tokens))
         self.last = gen
         st = gen.stats
         detok = IncrementalDetokenizer(lambda t: self.tokenizer.token_bytes(t))
@@ -401,7 +261,10 @@ class EdgeClient:
         step: DraftStep | None = None
         profile: DrafterProfile | None = None
         if self.drafter is not None and req.mode is not Mode.AR:
-            step = DraftStep([self.drafter], req, self.welcome.limits)
+            shapes = self.trees if len(self.trees) == len(self.drafters) else (req.tree,) * len(self.drafters)
+            if req.mode.stochastic:  # draw counts must be fixed before drawing (see _request)
+                shapes = tuple(TreeSpec("static", t.expansion) if t.kind == "budget" else t for t in shapes)
+            step = DraftStep(self.drafters, req, self.welcome.limits, (req.tree, *shapes[1:]))
             profile = DrafterProfile(step.max_nodes, step.ms_per_node)
         core = SpeculationCore(
             self.proto, self.welcome, req, self.prespec, self.learned, st, profile, msg.temperature
@@ -433,11 +296,13 @@ class EdgeClient:
             mode, spec, Sampling(temperature, top_k, top_p, self.wire_top_k), np.random.default_rng(seed)
         )
 
-    def encode_prompt(self, prompt: str | Sequence[Message] | Sequence[int], raw: bool = False) -> list[int]:
+    def encode_prompt(
+        self, prompt: str | Sequence[ChatMessage] | Sequence[int], raw: bool = False
+    ) -> list[int]:
         """The token ids `generate` would send for `prompt` (chat template unless raw)."""
         return self._encode(prompt, raw)
 
-    def _encode(self, prompt: str | Sequence[Message] | Sequence[int], raw: bool) -> list[int]:
+    def _encode(self, prompt: str | Sequence[ChatMessage] | Sequence[int], raw: bool) -> list[int]:
         if not isinstance(prompt, str) and prompt and isinstance(prompt[0], (int, np.integer)):
             return [int(t) for t in prompt]  # type: ignore[arg-type]
         if raw:
@@ -461,7 +326,7 @@ class SyncEdgeClient:
     def _call(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def generate(self, prompt: str | Sequence[Message] | Sequence[int], **kwargs: Any) -> Iterator[str]:
+    def generate(self, prompt: str | Sequence[ChatMessage] | Sequence[int], **kwargs: Any) -> Iterator[str]:
         """Yield text chunks as they arrive (blocking)."""
         agen = self.client.generate(prompt, **kwargs)
         while True:
@@ -470,7 +335,9 @@ class SyncEdgeClient:
             except StopAsyncIteration:
                 return
 
-    def complete(self, prompt: str | Sequence[Message] | Sequence[int], **kwargs: Any) -> Generation:
+    def complete(
+        self, prompt: str | Sequence[ChatMessage] | Sequence[int], **kwargs: Any
+    ) -> GenerationResult:
         """Run a whole generation; returns its record (text, tokens, stats)."""
         for _ in self.generate(prompt, **kwargs):
             pass
@@ -478,7 +345,7 @@ class SyncEdgeClient:
         return self.client.last
 
     @property
-    def last(self) -> Generation | None:
+    def last(self) -> GenerationResult | None:
         return self.client.last
 
     def close(self) -> None:

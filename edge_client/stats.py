@@ -101,7 +101,7 @@ class GenerationStats:
 
 
 @dataclass
-class Generation:
+class GenerationResult:
     """The outcome of one `generate` call (also filled while streaming)."""
 
     prompt_tokens: list[int]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import codecs
 from collections.abc import Callable, Sequence
 
-Message = dict[str, str]
+ChatMessage = dict[str, str]  # {"role": ..., "content": ...}; not shared.messages.Message (a wire frame)
 
 
-def as_messages(prompt: str | Sequence[Message]) -> list[Message]:
+def as_messages(prompt: str | Sequence[ChatMessage]) -> list[ChatMessage]:
     """A plain prompt becomes one user turn."""
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]

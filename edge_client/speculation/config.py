@@ -1,14 +1,16 @@
-"""What one generation asks of the speculation core: the tree shape, pre-speculation, the request."""
+"""What one generation asks of the speculation core (the tree shape, pre-speculation, the request), what
+it is told of the drafter, and how it reports a refused generation."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
 from edge_client.trees import Coupling, Sampling
-from shared.messages import Mode
+from shared.messages import Error, Mode
 from shared.tree import ExpansionConfig
 
 
@@ -98,4 +100,20 @@ class Request:
     coupling: Coupling | None = None  # mode match at temperature > 0 (edge_client.trees.Coupling)
 
 
-__all__ = ["PrespecConfig", "Request", "TreeSpec"]
+class Refused(Exception):
+    """The verifier refused the generation (an error frame about it, not a dropped speculation)."""
+
+    def __init__(self, error: Error) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(frozen=True)
+class DrafterProfile:
+    """What the core's dynamic budget needs to know of the drafter (the draft step supplies it)."""
+
+    max_nodes: int
+    ms_per_node: Callable[[], float]
+
+
+__all__ = ["DrafterProfile", "PrespecConfig", "Refused", "Request", "TreeSpec"]

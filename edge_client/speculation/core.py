@@ -5,30 +5,26 @@ send it, wait for the verdict. With pre-speculation (SSD / Saguaro, speculation.
 drafter keeps working while a round is in flight: it drafts conditional trees for the most likely
 outcomes of the tree in flight (and, going deeper, of those trees), most probable first, and
 sends each as soon as it is drafted. After a verdict the next tree is then usually already at the
-verifier (the verdict names it in `next_round`, or it is still on its way and will match on
-arrival); only on a miss does the edge draft synchronously.
+verifier (named in `next_round`, or still on its way: it matches on arrival); only on a miss
+does the edge draft synchronously.
 
-Shape. The core's steps (`start`, `idle`, `receive`) are generators: each yields actions
+Shape. The steps (`start`, `idle`, `receive`) are generators: each yields actions
 (speculation.actions) and receives their results, so the logic reads in order while the shell
-(speculation.executor: drafting thread, socket) or a test (scripted verdicts, inline drafting)
-runs them. The wire state is the client's `shared.protocol.ClientProtocol`: the committed
-sequence, the outstanding rounds, the round numbers. The core only remembers which verdict it
-is waiting for (`in_flight`): it consumes frames after the protocol has decoded them, and the
-protocol may already be a verdict ahead.
+(speculation.executor) or a test (scripted verdicts, inline drafting) runs them. The wire state
+is the client's `shared.protocol.ClientProtocol`. The core also remembers which verdict it waits
+for (`in_flight`): it consumes frames after the protocol decoded them, and the protocol (decoding
+on arrival, so that a draft a verdict rules out is abandoned at once) may be a verdict ahead.
 
 Bookkeeping. The drafter is synced to an *anchor* sequence; every tree is drafted in its workspace
 below `anchor + cond`, so conditional trees reuse the nodes of the trees they continue. The
-ledger (speculation.ledger) records each sent tree and the full committed sequence it assumes.
-On a miss the drafter is re-synced to the committed sequence (the anchor moves). When the
-workspace fills up during a run of hits, the anchor moves to the committed sequence and the tree
-in flight is replayed into the fresh workspace.
+ledger (speculation.ledger) records each sent tree and the committed sequence it assumes. On a
+miss the drafter is re-synced to the committed sequence (the anchor moves); when the workspace
+fills up during a run of hits, the anchor moves and the tree in flight is replayed.
 
-Keeping the critical path short. Every tree is sent without its leaves evaluated; the leaves
-(whose alternatives give the bonus tokens of the full-acceptance outcomes) are evaluated right
-after, while the tree is in flight, and only those the outcome model gives a fair chance of
-being reached (PrespecConfig.leaf_min_reach). A conditional tree is abandoned between drafter
-evaluations as soon as a verdict rules its assumed outcome out, so a miss's fallback draft waits
-for at most one evaluation.
+Keeping the critical path short. Every tree is sent without its leaves evaluated; the leaves the
+outcome model gives a fair chance of being reached (PrespecConfig.leaf_min_reach) are evaluated
+right after, while the tree is in flight. A conditional tree is abandoned between evaluations as
+soon as a verdict rules its outcome out, so a miss's fallback waits for at most one evaluation.
 """
 
 from __future__ import annotations
@@ -36,12 +32,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
 
-from edge_client.budget import choose_budget, geometric_gains
 from edge_client.speculation.actions import (
     Action,
     Deliver,
@@ -53,7 +48,8 @@ from edge_client.speculation.actions import (
     SendPrompt,
     SendTree,
 )
-from edge_client.speculation.config import PrespecConfig, Request
+from edge_client.speculation.budget import choose_budget, next_gains
+from edge_client.speculation.config import DrafterProfile, PrespecConfig, Refused, Request
 from edge_client.speculation.estimates import Learned, RoundEstimates
 from edge_client.speculation.ledger import Ledger, Speculation, extends
 from edge_client.speculation.outcomes import ChoiceModel, reach_probabilities, rebase
@@ -65,22 +61,6 @@ from shared.messages import Error, Mode, Prompt, Stale, Tree, Verdict, Welcome
 from shared.protocol import ClientProtocol, ClientState
 
 Steps = Generator[Action, Any, None]
-
-
-class Refused(Exception):
-    """The verifier refused the generation (an error frame about it, not a dropped speculation)."""
-
-    def __init__(self, error: Error) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-@dataclasses.dataclass(frozen=True)
-class DrafterProfile:
-    """What the core's dynamic budget needs to know of the drafter (the draft step supplies it)."""
-
-    max_nodes: int
-    ms_per_node: Callable[[], float]
 
 
 class SpeculationCore:
@@ -215,20 +195,13 @@ class SpeculationCore:
             return min(spec.budget, cap)
         last = self.learned.last_draft
         alpha = self.choice.alpha if self.choice.temperature == 0 else 0.7
-        if last is None:
-            gains = geometric_gains(alpha, cap)
-        else:
-            # the last tree's nodes as the target accepts them (ChoiceModel), what its frontier
-            # left out, and a deeper chain: a budget may grow past the last tree
-            deeper = alpha ** np.arange(last.tree.max_depth + 1, last.tree.max_depth + 1 + cap)
-            gains = np.concatenate([reach_probabilities(last, self.choice), last.frontier_probs, deeper])
+        seen = None
+        if last is not None:
+            seen = (reach_probabilities(last, self.choice), last.frontier_probs, last.tree.max_depth)
         rtt = 0.0 if self.prespec is not None else self.learned.rtt_ms
+        per_node, gains = self.drafter.ms_per_node(), next_gains(alpha, cap, seen)
         return choose_budget(
-            self.welcome.verify_cost_ms,
-            gains,
-            rtt_ms=rtt,
-            draft_ms_per_node=self.drafter.ms_per_node(),
-            max_nodes=cap,
+            self.welcome.verify_cost_ms, gains, rtt_ms=rtt, draft_ms_per_node=per_node, max_nodes=cap
         )
 
     def _ruled_out(self, full: tuple[int, ...]) -> bool:
@@ -329,7 +302,7 @@ class SpeculationCore:
         if cfg is None:
             return
         spec = self.ledger.specs[rid]
-        missing = spec.draft.workspace_ids < 0
+        missing = spec.draft.workspace_ids == -1  # not evaluated (merged trees: NOT_IN_WORKSPACE is -2)
         if bool(missing.any()):
             reach = spec.prob * reach_probabilities(spec.draft, self.choice)
             wanted = np.flatnonzero(missing & (reach >= cfg.leaf_min_reach)).tolist()
@@ -365,10 +338,8 @@ class SpeculationCore:
         r = e.round
         if e.fatal or e.code is not ErrorCode.TOO_MANY_PENDING or r is None or r == self.in_flight:
             return False
-        spec = self.ledger.specs.pop(r, None)
-        if spec is None or spec.parent is None:
+        if not self.ledger.drop_conditional(r):
             return False
-        self.ledger.leaves_pending.pop(r, None)
         self.stats.prespec_refused += 1
         return True
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from edge_client.budget import AcceptanceCalibration
+from edge_client.speculation.budget import AcceptanceCalibration
 from edge_client.speculation.outcomes import ChoiceModel
 from edge_client.trees import DraftResult
 

@@ -53,6 +53,15 @@ class Ledger:
         self.leaves_pending.pop(rid, None)
         return self.specs.pop(rid, None)
 
+    def drop_conditional(self, rid: int) -> bool:
+        """Forget conditional tree `rid` (refused by the server); False if it is not one."""
+        spec = self.specs.get(rid)
+        if spec is None or spec.parent is None:
+            return False
+        del self.specs[rid]
+        self.leaves_pending.pop(rid, None)
+        return True
+
     def forget_unreachable(self, committed: tuple[int, ...]) -> None:
         """Forget the trees that can no longer be verified after `committed`."""
         self.specs = {

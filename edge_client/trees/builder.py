@@ -90,7 +90,7 @@ class DraftResult:
                     and after node i (index i + 1), most likely first; -1 where not evaluated
     alt_probs:      [N + 1, A] float32, their probabilities (same distribution as node_prob)
     frontier_probs: [F] float32, descending path probabilities of the best candidates left out
-                    (dynamic trees; sizes the next budget, see edge_client.budget)
+                    (dynamic trees; sizes the next budget, see edge_client.speculation.budget)
     draft_ms:       wall time of drafting, sync included
     evaluations:    batched drafter evaluations made (extend calls)
     """

@@ -8,11 +8,13 @@ from typing import Any
 import pytest
 
 from bench.e2e import ModeRuns
-from edge_client.stats import Generation, GenerationStats
+from edge_client.stats import GenerationResult, GenerationStats
 
 
-def _gen(n: int, **stats: Any) -> Generation:
-    return Generation(prompt_tokens=[1], tokens=list(range(n)), stats=GenerationStats(tokens=n, **stats))
+def _gen(n: int, **stats: Any) -> GenerationResult:
+    return GenerationResult(
+        prompt_tokens=[1], tokens=list(range(n)), stats=GenerationStats(tokens=n, **stats)
+    )
 
 
 def test_round_times_pool_every_generation() -> None:

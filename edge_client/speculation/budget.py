@@ -76,6 +76,18 @@ def choose_budget(
     return int(n[int(np.argmax(rate))])
 
 
+def next_gains(alpha: float, cap: int, last: tuple[np.ndarray, np.ndarray, int] | None = None) -> np.ndarray:
+    """Gains to size the next dynamic tree by: a geometric prior before any tree, else the last
+    tree's nodes as the target accepts them (`last[0]`, their reach), what its frontier left out
+    (`last[1]`) and a deeper chain below its depth (`last[2]`), so that a budget may grow past the
+    last tree."""
+    if last is None:
+        return geometric_gains(alpha, cap)
+    reach, frontier, depth = last
+    deeper = alpha ** np.arange(depth + 1, depth + 1 + cap)
+    return np.concatenate([reach, frontier, deeper])
+
+
 @dataclass
 class AcceptanceCalibration:
     """Ratio of tree tokens the target accepted to the draft's own estimate (sum of path probs),
