@@ -201,8 +201,7 @@ def test_greedy_smollm2_onnx_drafter_is_exact(smollm2_exports: dict[str, Path]) 
     from tests.edge_client.test_e2e import _check_greedy, smollm2
 
     prompts = [p.text for p in load_prompts(2)]
-    with (
-        create_drafter("onnx", str(smollm2_exports["fp32"])) as drafter,
-        LiveServer(target=smollm2(), max_context=4096) as srv,
-    ):
-        _check_greedy(smollm2(), srv.ws, drafter, prompts, 32, TreeSpec())
+    with LiveServer(target=smollm2(), max_context=4096) as srv:
+        for kind in ("fp32", "int8"):
+            with create_drafter("onnx", str(smollm2_exports[kind])) as drafter:
+                _check_greedy(smollm2(), srv.ws, drafter, prompts, 32, TreeSpec())
