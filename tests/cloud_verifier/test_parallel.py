@@ -42,8 +42,8 @@ from cloud_verifier.server import ThreadedServer
 from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree
 from tests.cloud_verifier.service import tiny
 
-TOL = 1e-4  # |logit(TP=2) - logit(TP=1)| in float32, tiny
-QWEN_TOL = 2e-3  # Qwen2.5-Coder-0.5B: logits reach ~30, 24 layers of reordered sums
+TOL = 1e-4  # |logit(TP=2) - logit(TP=1)| in float32, tiny (measured 1.1e-5)
+QWEN_TOL = 5e-4  # Qwen2.5-Coder-0.5B (logits reach ~30; measured 3.7e-5 on these inputs)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="torch without gloo")
 
