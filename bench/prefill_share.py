@@ -48,7 +48,8 @@ async def _generate(url: str, hello: bytes, prompt: Sequence[int], n: int) -> tu
         )
         toks: list[int] = []
         while True:
-            m = msgpack.unpackb(await asyncio.wait_for(ws.recv(), 600))
+            frame = await asyncio.wait_for(ws.recv(), 600)
+            m = msgpack.unpackb(frame if isinstance(frame, bytes) else frame.encode())
             if m.get("type") == "error":
                 raise RuntimeError(f"the verifier refused the generation: {m}")
             if m.get("type") != "verdict":
