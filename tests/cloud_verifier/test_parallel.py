@@ -86,13 +86,13 @@ def test_threads_are_split_between_ranks() -> None:
 # ------------------------------------------------------------------------------ rank 0 in this process
 @pytest.fixture(scope="module")
 def tp2() -> Iterator[Target]:
-    group = parallel.start(2, "tiny", threads=2)
+    threads = torch.get_num_threads()
+    group = parallel.start(2, "tiny", threads=2)  # (sets this process's share: one thread)
     try:
-        target = parallel.load_sharded_target(group, "tiny", progress=False)
-        torch.set_num_threads(1)
-        yield target
+        yield parallel.load_sharded_target(group, "tiny", progress=False)
     finally:
         group.close()
+        torch.set_num_threads(threads)
 
 
 def test_prefill_logits_match_tp1(tp2: Target) -> None:
