@@ -12,7 +12,7 @@ so the positions of a block are adjacent for every head. When a sequence's block
 ids (the allocator tries hard to keep them so) attention reads its keys as a strided *view* of the
 pool, with no gather; otherwise it gathers by slot index.
 
-With `tiled_keys=True` (the batch-invariant CPU attention, model/cpu_kernels.py) the pool also
+With `tiled_keys=True` (the batch-invariant CPU attention, kernels/cpu_attention.py) the pool also
 keeps each layer's keys transposed within tiles of 16 slots, `kt[layer, head, slot // 16, :,
 slot % 16]`, so that kernel loads 16 keys' worth of one dimension with one vector load. It is
 written and moved together with `k`; the block size must then be a multiple of 16.
@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels import cpu_attention
+
 TILE = 16  # slots per key tile of `kt`
 
 
@@ -41,9 +43,7 @@ def _put_tiled(kt: torch.Tensor, slots: torch.Tensor, k: torch.Tensor) -> None:
 def _tiled_writer() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]:
     """The CPU kernel's plain-loop writer when it is built (an advanced-index put starts a
     parallel region per layer: ~0.1 ms each for a 16-row tree with sleeping OpenMP waiters)."""
-    from cloud_verifier.model import cpu_kernels  # imported late: the model package imports this one
-
-    mod = cpu_kernels.load()
+    mod = cpu_attention.load()
     if mod is None:
         return _put_tiled
     writer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] = mod.write_tiled

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from cloud_verifier.kv_cache import TILE, PagedKVCache, SeqSlots
-from cloud_verifier.model import cpu_kernels, gemm, triton_attention
+from cloud_verifier.model import gemm, triton_attention
 from cloud_verifier.model.config import ModelConfig
 from cloud_verifier.model.rope import Rotary
+from kernels import cpu_attention
 
 
 @dataclass
@@ -81,7 +82,7 @@ class LlamaModel(nn.Module):
     (packs) the projection weights; call `set_gemm` after changing weights in place.
 
     Attention: "model" computes attention in the weights' dtype; for float32 on a CPU it uses the
-    batch-invariant kernel of cpu_kernels.py (every sum in an order fixed by key position), so
+    batch-invariant kernel of kernels/cpu_attention.py (every sum in an order fixed by key position), so
     with oneDNN's row-invariant projections a tree node's logits are bit-identical to decoding
     its path token by token, at SDPA's speed. Elsewhere (GPU, bf16/fp16, no compiler) "model" is
     SDPA with the tree mask, except on a GPU with Triton installed, where it is the Triton tree-attention
@@ -169,8 +170,8 @@ class LlamaModel(nn.Module):
         a CPU when it is built (row-invariant like F.rms_norm, one op instead of six), else torch."""
         c = self.config
         eps, shape = c.rms_norm_eps, (c.hidden_size,)
-        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_kernels.load() is not None:
-            return lambda h, w: cpu_kernels.rms_norm(h, w, eps)
+        if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_attention.load() is not None:
+            return lambda h, w: cpu_attention.rms_norm(h, w, eps)
         return lambda h, w: rms_norm(h, shape, w, eps)
 
     def _use_kernel(self) -> bool:
@@ -179,8 +180,8 @@ class LlamaModel(nn.Module):
             not self._sdpa
             and not self._triton
             and self.attn_dtype == self.dtype
-            and cpu_kernels.supports(c.head_dim, self.dtype, self.device)
-            and cpu_kernels.load() is not None
+            and cpu_attention.supports(c.head_dim, self.dtype, self.device)
+            and cpu_attention.load() is not None
         )
 
     def set_gemm(self, kind: str) -> None:
@@ -372,7 +373,7 @@ class LlamaModel(nn.Module):
         """q: [n, heads, head_dim] -> [n, heads * head_dim] through the batch-invariant CPU kernel."""
         n = q.shape[0]
         qg = self._fold(q).contiguous()
-        out = cpu_kernels.tree_attention(qg, kt, v, slots, allowed, cached, self.config.head_dim**-0.5)
+        out = cpu_attention.tree_attention(qg, kt, v, slots, allowed, cached, self.config.head_dim**-0.5)
         return self._unfold(out, n)
 
     def _attend(

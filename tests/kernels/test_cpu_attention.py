@@ -1,4 +1,4 @@
-"""The CPU kernels (cloud_verifier/model/csrc/cpu_kernels.cpp): batch-invariant tree attention, RMSNorm.
+"""The CPU kernels (kernels/csrc/cpu_attention.cpp): batch-invariant tree attention, RMSNorm.
 
 Three properties: it computes attention (against SDPA with the same mask, to float32 rounding);
 a row's output is bit-identical however the forward around it is shaped (a tree node against
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from cloud_verifier import kv_cache
 from cloud_verifier.kv_cache import TILE, PagedKVCache
 from cloud_verifier.model import build_model, decode_step, make_tiny_config, prefill
-from cloud_verifier.model import cpu_kernels as ck
+from kernels import cpu_attention as ck
 
 if ck.disabled():
     pytest.skip(f"{ck.ENV}=off", allow_module_level=True)
@@ -74,9 +74,8 @@ def test_matches_sdpa_and_each_row_equals_its_path_decoded_alone(hd: int, group:
 
     out = ck.tree_attention(q, kt, v, slots, allowed, cached, scale)
 
-    full = torch.cat((torch.ones(n, cached, dtype=torch.bool), allowed), dim=1).repeat(group, 1)
-    ref = F.scaled_dot_product_attention(q[None], k[None][:, :, slots], v[None][:, :, slots], attn_mask=full)
-    assert torch.allclose(out, ref[0], atol=2e-6, rtol=1e-5), float((out - ref[0]).abs().max())
+    ref = ck.reference_tree_attention(q, k, v, slots, allowed, cached, scale)
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5), float((out - ref).abs().max())
 
     # every row again, alone, as the last token of its path decoded one at a time
     per_row = out.reshape(kv_heads, group, n, hd)

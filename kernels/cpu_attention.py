@@ -1,5 +1,6 @@
-"""CPU kernels of the float32 target (csrc/cpu_kernels.cpp), built on first use: the
-batch-invariant tree attention and a one-pass RMSNorm.
+"""CPU kernels of the float32 target (csrc/cpu_attention.cpp), built on first use: the
+batch-invariant tree attention, a one-pass RMSNorm and the pool's tiled-key writer, with the
+plain-torch reference of the attention (`reference_tree_attention`) that the tests compare it to.
 
 Why it exists: with a GEMM-based attention (SDPA) a tree node's logits differ from decoding its
 path token by token by up to a few 1e-4 on SmolLM2 (the sums over keys are blocked by the shapes
@@ -28,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
 ENV = "TREESPEC_CPU_KERNELS"  # "off" (or "0") disables the kernels
 HEAD_DIMS = tuple(range(16, 129, 16))
 
@@ -77,7 +79,7 @@ def load() -> Any:
                 # library it links, libgomp.so.1, resolves to the one torch has loaded already
                 flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp"]
                 _module = cpp_extension.load(
-                    name=f"treespec_cpu_kernels_{_cpu_tag()}",
+                    name=f"treespec_cpu_attention_{_cpu_tag()}",
                     sources=[str(SOURCE)],
                     extra_cflags=flags,
                     extra_ldflags=["-fopenmp"],
@@ -126,3 +128,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [rows, hidden] float32 -> RMSNorm(x) * weight in one pass per row (row-invariant).
     Raises RuntimeError when the kernel is not available."""
     return _require().rms_norm(x.contiguous(), weight, eps)
+
+
+def reference_tree_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slots: torch.Tensor,
+    allowed: torch.Tensor,
+    cached: int,
+    scale: float,
+) -> torch.Tensor:
+    """What `tree_attention` computes, in plain torch (SDPA with the mask; equal to float32 rounding,
+    not bit-identical). q: [kv_heads, group * n, hd]; k, v: [kv_heads, pool slots, hd] (keys not
+    tiled); slots: [cached + n] int64; allowed: [n, n] bool. Returns [kv_heads, group * n, hd]."""
+    n = allowed.shape[0]
+    group = q.shape[1] // n
+    seen = torch.ones(n, cached, dtype=torch.bool, device=allowed.device)
+    mask = torch.cat((seen, allowed), dim=1).repeat(group, 1)
+    out = F.scaled_dot_product_attention(
+        q[None], k[None][:, :, slots], v[None][:, :, slots], attn_mask=mask, scale=scale
+    )
+    return out[0]
