@@ -1,0 +1,147 @@
+"""No import cycle in the project's packages, counting imports at module level and inside functions.
+
+The graph: a node per module (`pkg/__init__.py` is `pkg`); `import a.b` adds an edge to `a.b`;
+`from a import b` adds one to `a.b` when that is a module of the project, else to `a` (a name
+defined or re-exported by `a`); relative imports are resolved. The implicit import of a parent
+package by its submodules is not an edge: a package's `__init__` re-exporting its submodules is
+fine, a submodule taking a name from its own package's `__init__` is not. Imports under
+`if TYPE_CHECKING:` are not edges (they never run).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("edge_client", "cloud_verifier", "shared", "kernels", "bench")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def project_modules(packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for pkg in packages:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if "results" in path.relative_to(ROOT).parts:
+                continue
+            found[module_name(path)] = path
+    return found
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    """The absolute name of `from <level dots><target> import ...` written in `module`."""
+    if level == 0:
+        return target or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, target] if target else base)
+
+
+def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
+    """The import statements inside `if TYPE_CHECKING:` blocks."""
+    skip: set[ast.AST] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for stmt in node.body:
+                skip.update(ast.walk(stmt))
+    return skip
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the project modules it imports (anywhere in its body)."""
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        skip = _type_checking_only(tree)
+        for node in ast.walk(tree):
+            if node in skip:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(name, path.name == "__init__.py", node.level, node.module)
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.append(sub if sub in modules else base)
+            for target in targets:
+                if target in modules and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = 0
+
+    def visit(v: str) -> None:
+        nonlocal counter
+        index[v] = low[v] = counter
+        counter += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component: list[str] = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_the_finder_sees_a_cycle_and_a_clean_graph() -> None:
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    assert _resolve("pkg.sub.mod", False, 2, "other") == "pkg.other"
+    assert _resolve("pkg.sub", True, 1, None) == "pkg.sub"
+
+
+def test_the_graph_sees_imports_inside_functions() -> None:
+    graph = import_graph(project_modules(("cloud_verifier",)))
+    assert "kernels.cpu_attention" not in graph  # only the packages asked for
+    assert "cloud_verifier.model.llama" in graph["cloud_verifier.model"]
+    assert graph["cloud_verifier.model.llama"] >= {"cloud_verifier.kv_cache", "cloud_verifier.model.gemm"}
+
+
+# Known and not yet broken, so that any other cycle fails here. `serve_parallel` (parallel.py)
+# starts the server, and the server loads its target through `parallel.load_for_service` when
+# --tensor-parallel > 1 (both imports inside functions); parallel.py is being changed in its own
+# line of work, so the loader is to be passed in (or the launcher moved out of parallel.py) there.
+KNOWN = [["cloud_verifier.parallel", "cloud_verifier.server"]]
+
+
+def test_no_import_cycle() -> None:
+    cycles = find_cycles(import_graph(project_modules()))
+    assert [c for c in cycles if c not in KNOWN] == [], f"import cycles: {cycles}"
+
+
+@pytest.mark.xfail(reason="cloud_verifier.parallel <-> cloud_verifier.server, see KNOWN", strict=True)
+def test_the_known_cycle_is_still_there() -> None:
+    assert find_cycles(import_graph(project_modules())) == []
