@@ -252,12 +252,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tree_spec(args: argparse.Namespace) -> TreeSpec:
+def _tree_spec(args: argparse.Namespace, draft: str) -> TreeSpec:
     from edge_client.client import TreeSpec
     from edge_client.defaults import recommended_tree
     from shared.tree import ExpansionConfig
 
-    shape = ExpansionConfig.parse(args.tree or recommended_tree(args.draft[0]))
+    shape = ExpansionConfig.parse(args.tree or recommended_tree(draft))
     if args.sequence:
         return TreeSpec("sequence", shape)
     if args.budget is not None:
@@ -265,55 +265,15 @@ def _tree_spec(args: argparse.Namespace) -> TreeSpec:
     return TreeSpec("static", shape)
 
 
-def parse_draft(text: str) -> tuple[str, TreeSpec | None]:
-    """`MODEL[@SHAPE]` of a repeated --draft: the model and its shape (None: not given)."""
-    from edge_client.client import TreeSpec
-    from shared.tree import ExpansionConfig
-
-    model, at, shape = text.rpartition("@")
-    if not at:
-        return text, None
-    kind, eq, value = shape.partition("=")
-    try:
-        if kind == "budget" and eq:
-            if int(value) < 1:
-                raise ValueError(f"a later draft's budget must be at least 1, got {value}")
-            return model, TreeSpec("budget", budget=int(value))
-        if kind == "sequence":
-            return model, TreeSpec("sequence", depth=int(value) if eq else 0)
-        return model, TreeSpec("static", ExpansionConfig.parse(shape))
-    except ValueError as exc:
-        raise ValueError(
-            f"--draft {text}: bad shape {shape!r} ({exc}); use @K1,K2,..., @budget=N or @sequence=D"
-        ) from None
-
-
-def draft_specs(args: argparse.Namespace) -> tuple[list[str], list[TreeSpec]]:
-    """The models and tree shapes of every --draft (the first one shaped by --tree/--budget/--sequence)."""
-    from edge_client.client import TreeSpec
-    from edge_client.defaults import recommended_tree
-    from shared.tree import ExpansionConfig
-
-    parsed = [parse_draft(d) for d in args.draft]
-    if parsed[0][1] is not None:
-        raise ValueError(
-            f"--draft {args.draft[0]}: shape the first draft with --tree, --budget or --sequence"
-        )
-    args.draft = [m for m, _ in parsed]
-    specs = [_tree_spec(args)]
-    for model, spec in parsed[1:]:
-        specs.append(spec or TreeSpec("static", ExpansionConfig.parse(recommended_tree(model))))
-    return args.draft, specs
-
-
 async def _generate(args: argparse.Namespace) -> int:
     from edge_client.client import EdgeClient, GenerationError, ResumeConfig
+    from edge_client.defaults import draft_specs
     from edge_client.drafters.registry import create_drafter
     from edge_client.speculation import PrespecConfig
 
     args.draft = args.draft or [DEFAULT_DRAFT]
     try:
-        models, specs = draft_specs(args)
+        models, specs = draft_specs(args.draft, lambda model: _tree_spec(args, model))
     except ValueError as exc:
         print(f"edge-client: {exc}", file=sys.stderr)
         return 2

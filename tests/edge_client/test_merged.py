@@ -200,9 +200,7 @@ def test_two_drafters_sample_the_targets_distribution(mode: str) -> None:
 
 
 def test_cli_draft_shapes() -> None:
-    import argparse
-
-    from edge_client.cli import draft_specs, parse_draft
+    from edge_client.defaults import draft_specs, parse_draft
 
     assert parse_draft("smollm2-135m-q4") == ("smollm2-135m-q4", None)
     assert parse_draft("a.gguf@budget=8") == ("a.gguf", TreeSpec("budget", budget=8))
@@ -211,9 +209,13 @@ def test_cli_draft_shapes() -> None:
     for bad in ("x@budget=0", "x@budget=n", "x@2,a", "x@"):
         with pytest.raises(ValueError, match="--draft"):
             parse_draft(bad)
-    ns = argparse.Namespace(draft=["a.gguf", "b.gguf@budget=6"], tree="2,1", budget=None, sequence=False)
-    models, specs = draft_specs(ns)
-    assert models == ["a.gguf", "b.gguf"]
-    assert specs == [TreeSpec("static", ExpansionConfig((2, 1))), TreeSpec("budget", budget=6)]
+    first = TreeSpec("static", ExpansionConfig((2, 1)))
+    models, specs = draft_specs(["a.gguf", "b.gguf@budget=6", "smollm2-135m-q4"], lambda m: first)
+    assert models == ["a.gguf", "b.gguf", "smollm2-135m-q4"]
+    assert specs == [
+        first,
+        TreeSpec("budget", budget=6),
+        TreeSpec("static", ExpansionConfig((1, 1, 3, 1, 1))),
+    ]
     with pytest.raises(ValueError, match="shape the first draft"):
-        draft_specs(argparse.Namespace(draft=["a@2"], tree=None, budget=None, sequence=False))
+        draft_specs(["a@2"], lambda m: first)
