@@ -1,4 +1,5 @@
-"""Tensor parallelism of the target (Megatron-LM's layout) over torch.distributed: gloo on CPUs.
+"""Tensor parallelism of the target (Megatron-LM's layout) over torch.distributed: gloo on CPUs,
+NCCL on CUDA GPUs (one GPU a rank).
 
 Layout, for N ranks, rank r (GQA groups stay whole on a rank, so attention needs no communication):
   * q heads [r H/N, (r+1) H/N) and KV heads [r KV/N, (r+1) KV/N): the matching rows of the fused
@@ -17,8 +18,10 @@ Layout, for N ranks, rank r (GQA groups stay whole on a rank, so attention needs
   * each rank keeps its own PagedKVCache holding its KV heads, with the SAME block tables.
 
 Rank 0 runs the service and the engine. Its model (`ShardedLlamaModel`) and KV cache
-(`ShardedKVCache`) broadcast a compact command before doing the same locally: an int64 header
-[op, cache, n_ints, n_bytes, a0..a3], then int64 and uint8 payloads (no pickle); ranks > 0 run
+(`ShardedKVCache`) broadcast a compact command before doing the same locally: a 64-byte header
+(int64 [op, cache, n_ints, n_bytes, a0..a3]), then one byte payload holding the int64 words and
+the mask bytes (no pickle; `pack_command`, built in one host buffer, pinned on CUDA, and copied
+to the rank's device once: two broadcasts and one host->device copy a command); ranks > 0 run
 `worker_loop`, which applies each command to their shard. Every KV-mutating call (add, free,
 discard, truncate, commit_rows; reserve and write happen inside the forward on every rank) is
 therefore applied in one order on every rank, and block allocation, being deterministic, gives
@@ -27,6 +30,17 @@ on its worker thread: those calls are applied to rank 0's bookkeeping at once bu
 forward, and a freed session's blocks return to rank 0's free list only then, so that the forward's
 allocation sees on every rank the free list it saw on rank 0.
 
+Devices (`select_device`): on CPU every rank uses gloo; with --device cuda (or auto where CUDA
+is available) every rank uses NCCL on `cuda:{LOCAL_RANK}` (the workers `serve` starts get LOCAL_RANK
+= RANK; torchrun sets it), and every tensor of a collective lives there: the command buffers, the
+all-reduced [T, hidden] partial sums, the logit shards and the cache-check flag. Sharded weights are
+loaded on the rank's device in --dtype (the full model is loaded there first, then sliced and its
+layers freed one by one: the peak is one full model a GPU), the KV cache of each rank is on its
+device, and attention is chosen as at TP=1 (Triton on CUDA). The all-reduces are asynchronous on
+the host (no TORCH_NCCL_BLOCKING_WAIT: that would sync the host at every layer); a worker syncs once
+a command (the header, then the payload, read back to the host). Starting N workers on CUDA needs
+N visible GPUs (refused otherwise, with torch.cuda.device_count()).
+
 `cloud-verifier serve --tensor-parallel N` starts ranks 1..N-1 itself (`python -m
 cloud_verifier.parallel`, rendezvous on a free loopback port, `--threads` split between ranks);
 under `torchrun` (RANK, WORLD_SIZE, MASTER_ADDR set) every rank runs `serve` and ranks > 0 turn
@@ -34,6 +48,17 @@ into workers. A rank that dies is noticed by rank 0 (it watches the processes it
 failed or timed-out collective counts): one log line, /readyz 503 (`TPGroup.alive` is one of the
 engine's health checks), and every later forward fails at once with that reason, so sessions get
 an error instead of hanging.
+
+On NCCL a collective with a dead peer may never fail by itself, so: rank 0's monitor still watches
+the workers it started (a death is noticed within 0.1 s, /readyz 503, and the group's NCCL
+communicators are aborted, which ends kernels stuck on the dead peer); every collective of a
+forward has the step timeout (STEP_TIMEOUT_S) in NCCL's watchdog, and rank 0's commands the join
+timeout; rank 0 sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (unless set: abort the communicators on an
+error or timeout but keep the process, so the service stays up to answer 503) and workers keep
+torch's default (3: a worker whose collective fails or times out exits, which rank 0 sees). Under
+torchrun nobody watches the processes: a dead worker is noticed by rank 0's next forward, when its
+collectives fail or time out (STEP_TIMEOUT_S at worst) - run it under a supervisor that restarts
+the group.
 """
 
 from __future__ import annotations
@@ -64,6 +89,8 @@ from cloud_verifier.model.config import ModelConfig, make_tiny_config
 from cloud_verifier.model.llama import ATTENTION_MODES, DecoderLayer, LlamaModel, SeqInput, check_input
 from cloud_verifier.model.target import Target, load_target
 from cloud_verifier.model.weights import build_model, resolve_device, resolve_dtype
+
+CPU = torch.device("cpu")
 
 log = logging.getLogger("cloud_verifier.parallel")
 
@@ -110,17 +137,130 @@ def check_shardable(config: ModelConfig, world: int, model: str) -> None:
             )
 
 
+# ---------------------------------------------------------------------------------------- devices
+def backend_for(device: torch.device) -> str:
+    """The collective backend of a rank on `device`: NCCL on CUDA, gloo on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def local_rank(rank: int) -> int:
+    """This process's GPU index among the ranks on its machine: LOCAL_RANK (torchrun, or `start`)."""
+    raw = os.environ.get("LOCAL_RANK", str(rank))
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK must be an integer, got {raw!r}") from None
+
+
+def select_device(device: str, rank: int, world: int, local: int, spawning: bool = False) -> torch.device:
+    """The device of rank `rank` of `world` for --device `device` (auto: CUDA when available):
+    the CPU, or `cuda:{local}` (one GPU a rank). `spawning`: this process is about to start all
+    `world` ranks on this machine, so `world` GPUs must be visible."""
+    dev = resolve_device(device)
+    if dev.type == "cpu":
+        return CPU
+    if dev.type != "cuda":
+        raise ValueError(f"tensor parallelism runs on CPUs (gloo) or CUDA GPUs (NCCL), not --device {device}")
+    if dev.index is not None:
+        raise ValueError(
+            f"--device {device} with --tensor-parallel: give --device cuda; rank r uses cuda:LOCAL_RANK "
+            "(restrict the GPUs with CUDA_VISIBLE_DEVICES)"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available here; use --device cpu")
+    count = torch.cuda.device_count()
+    if spawning and count < world:
+        raise ValueError(
+            f"--tensor-parallel {world} on CUDA needs {world} GPUs (one a rank), but "
+            f"torch.cuda.device_count() is {count}; use --tensor-parallel {count} or fewer, or --device cpu"
+        )
+    if not 0 <= local < count:
+        raise ValueError(
+            f"tensor-parallel rank {rank} needs GPU cuda:{local} (its LOCAL_RANK), but "
+            f"torch.cuda.device_count() is {count}"
+        )
+    return torch.device("cuda", local)
+
+
+def _nccl_error_handling(rank: int) -> None:
+    """Rank 0 keeps its process when a collective fails (abort the communicators, raise): the
+    service answers 503. Workers keep torch's default (tear the process down)."""
+    if rank == 0:
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
+def pack_command(
+    op: int,
+    cache: int,
+    args: Sequence[int],
+    ints: torch.Tensor,
+    data: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """One command as uint8 on `device`: the 64-byte header, then the int64 words, then the mask
+    bytes; built in one host buffer (pinned for a CUDA device) and copied to `device` once."""
+    nbytes = 0 if data is None else int(data.numel())
+    if ints.numel() > MAX_INTS or nbytes > MAX_BYTES:
+        name = Op(op).name if op in Op._value2member_map_ else str(op)
+        raise ValueError(f"tensor-parallel command {name} too large ({ints.numel()} ints, {nbytes} bytes)")
+    a = [*args, 0, 0, 0, 0][:4]
+    header = torch.tensor([int(op), cache, int(ints.numel()), nbytes, *a], dtype=torch.int64)
+    n_words = HEADER + int(ints.numel())
+    buf = torch.empty(8 * n_words + nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    words = buf[: 8 * n_words].view(torch.int64)
+    words[:HEADER] = header
+    words[HEADER:] = ints.to(CPU, torch.int64)
+    if data is not None and nbytes:
+        buf[8 * n_words :] = data.reshape(-1).to(CPU, torch.uint8)
+    return buf.to(device, non_blocking=True)
+
+
+def unpack_payload(
+    header: torch.Tensor, payload: torch.Tensor
+) -> tuple[Op, int, list[int], torch.Tensor, torch.Tensor]:
+    """A received command on the host: (op, cache, [a0..a3], int64 words, uint8 mask bytes)."""
+    op_raw, cache, n_ints, n_bytes, *args = (int(v) for v in header.view(torch.int64))
+    try:
+        op = Op(op_raw)
+    except ValueError:
+        raise TensorParallelError(f"unknown tensor-parallel op {op_raw}") from None
+    if payload.numel() != 8 * n_ints + n_bytes:
+        raise TensorParallelError(f"tensor-parallel command {op.name}: payload of {payload.numel()} bytes")
+    return op, cache, args, payload[: 8 * n_ints].view(torch.int64), payload[8 * n_ints :]
+
+
+def payload_size(header: torch.Tensor) -> int:
+    """The payload bytes a (host) header announces; a malformed header is refused."""
+    words = header.view(torch.int64).tolist()
+    n_ints, n_bytes = words[2], words[3]
+    if not 0 <= n_ints <= MAX_INTS or not 0 <= n_bytes <= MAX_BYTES:
+        raise TensorParallelError(f"malformed command header {words}")
+    return int(8 * n_ints + n_bytes)
+
+
 # ---------------------------------------------------------------------------------------- group
 class TPGroup:
     """This process's place in the group: the command channel, the step collectives, liveness."""
 
-    def __init__(self, rank: int, world: int, procs: Sequence[subprocess.Popen[bytes]] = ()) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        procs: Sequence[subprocess.Popen[bytes]] = (),
+        device: torch.device = CPU,
+    ) -> None:
         self.rank = rank
         self.world = world
         self.procs = list(procs)  # ranks 1.. when this process started them
-        # commands wait as long as the service is idle; collectives inside a forward time out
-        self.cmd = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        self.step = dist.new_group(backend="gloo", timeout=timedelta(seconds=STEP_TIMEOUT_S))
+        self.device = device  # every tensor of a collective lives here
+        self.backend = backend_for(device)
+        # workers wait for commands as long as the service is idle; collectives inside a forward
+        # time out. On NCCL rank 0's sends time out too (a broadcast there waits for every receiver).
+        cmd_timeout = IDLE_TIMEOUT
+        if rank == 0 and self.backend == "nccl":
+            cmd_timeout = timedelta(seconds=JOIN_TIMEOUT_S)
+        self.cmd = dist.new_group(backend=self.backend, timeout=cmd_timeout)
+        self.step = dist.new_group(backend=self.backend, timeout=timedelta(seconds=STEP_TIMEOUT_S))
         self.lock = threading.RLock()
         self.idle = threading.Condition(self.lock)
         self.forwarding = False
@@ -147,6 +287,10 @@ class TPGroup:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
+        if self.backend == "nccl":  # end kernels waiting on the dead peer (gloo's fail by themselves)
+            for pg in (self.cmd, self.step):
+                with contextlib.suppress(Exception):
+                    pg.abort()
 
     def check(self) -> None:
         if self.error is not None:
@@ -206,20 +350,12 @@ class TPGroup:
     def _send(
         self, op: Op, cache: int, args: Sequence[int], ints: torch.Tensor, data: torch.Tensor | None
     ) -> None:
-        nbytes = 0 if data is None else int(data.numel())
-        if ints.numel() > MAX_INTS or nbytes > MAX_BYTES:
-            raise ValueError(
-                f"tensor-parallel command {op.name} too large ({ints.numel()} ints, {nbytes} bytes)"
-            )
-        a = [*args, 0, 0, 0, 0][:4]
-        header = torch.tensor([int(op), cache, int(ints.numel()), nbytes, *a], dtype=torch.int64)
+        buf = pack_command(op, cache, args, ints, data, self.device)
 
         def go() -> None:
-            dist.broadcast(header, 0, group=self.cmd)
-            if ints.numel():
-                dist.broadcast(ints.contiguous(), 0, group=self.cmd)
-            if data is not None and nbytes:
-                dist.broadcast(data.contiguous(), 0, group=self.cmd)
+            dist.broadcast(buf[: 8 * HEADER], 0, group=self.cmd)
+            if buf.numel() > 8 * HEADER:
+                dist.broadcast(buf[8 * HEADER :], 0, group=self.cmd)
 
         self._collective(f"command {op.name}", go)
 
@@ -230,22 +366,13 @@ class TPGroup:
     # -- ranks > 0: commands
     def receive(self) -> tuple[Op, int, list[int], torch.Tensor, torch.Tensor]:
         """The next command: (op, cache, [a0..a3], int64 payload, uint8 payload)."""
-        header = torch.empty(HEADER, dtype=torch.int64)
+        header = torch.empty(8 * HEADER, dtype=torch.uint8, device=self.device)
         dist.broadcast(header, 0, group=self.cmd)
-        op_raw, cache, n_ints, n_bytes, *args = (int(v) for v in header)
-        if not 0 <= n_ints <= MAX_INTS or not 0 <= n_bytes <= MAX_BYTES:
-            raise TensorParallelError(f"malformed command header {header.tolist()}")
-        try:
-            op = Op(op_raw)
-        except ValueError:
-            raise TensorParallelError(f"unknown tensor-parallel op {op_raw}") from None
-        ints = torch.empty(n_ints, dtype=torch.int64)
-        if n_ints:
-            dist.broadcast(ints, 0, group=self.cmd)
-        data = torch.empty(n_bytes, dtype=torch.uint8)
-        if n_bytes:
-            dist.broadcast(data, 0, group=self.cmd)
-        return op, cache, args, ints, data
+        host = header.to(CPU)  # (the worker's one wait for rank 0)
+        payload = torch.empty(payload_size(host), dtype=torch.uint8, device=self.device)
+        if payload.numel():
+            dist.broadcast(payload, 0, group=self.cmd)
+        return unpack_payload(host, payload.to(CPU))
 
     # -- every rank: the forward's collectives
     def all_reduce(self, t: torch.Tensor) -> None:
@@ -333,6 +460,10 @@ def start(
         raise RuntimeError("this process is already in a tensor-parallel group")
     if world < 2:
         raise ValueError(f"a tensor-parallel group needs at least 2 ranks, got {world}")
+    dev = select_device(device, 0, world, 0, spawning=True)  # (refused before anything starts)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        _nccl_error_handling(0)
     port = _free_port()
     share = threads_per_rank(threads, world)
     procs = []
@@ -340,6 +471,7 @@ def start(
         env = {
             **os.environ,
             "RANK": str(r),
+            "LOCAL_RANK": str(r),
             "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
@@ -347,12 +479,12 @@ def start(
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
         }
         cmd = [sys.executable, "-m", "cloud_verifier.parallel", "--model", model, "--dtype", dtype]
-        cmd += ["--device", device, "--attention", attention, "--threads", str(share)]
+        cmd += ["--device", dev.type, "--attention", attention, "--threads", str(share)]
         # a session of its own: a terminal's Ctrl-C reaches rank 0 only, which stops the workers
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     try:
-        _rendezvous(procs, port, world, timeout_s)
-        _GROUP = TPGroup(0, world, procs)
+        _rendezvous(procs, port, world, timeout_s, dev)
+        _GROUP = TPGroup(0, world, procs, dev)
     except Exception:
         for p in procs:
             p.kill()
@@ -362,7 +494,9 @@ def start(
     return _GROUP
 
 
-def _rendezvous(procs: Sequence[subprocess.Popen[bytes]], port: int, world: int, timeout_s: float) -> None:
+def _rendezvous(
+    procs: Sequence[subprocess.Popen[bytes]], port: int, world: int, timeout_s: float, device: torch.device
+) -> None:
     """Rank 0's init_process_group, given up as soon as a worker exits instead of joining (it
     runs in a thread so that rank 0 can watch the workers meanwhile)."""
     errors: list[BaseException] = []
@@ -370,11 +504,12 @@ def _rendezvous(procs: Sequence[subprocess.Popen[bytes]], port: int, world: int,
     def init() -> None:
         try:
             dist.init_process_group(
-                "gloo",
+                backend_for(device),
                 init_method=f"tcp://127.0.0.1:{port}",
                 rank=0,
                 world_size=world,
                 timeout=timedelta(seconds=timeout_s),
+                device_id=device if device.type == "cuda" else None,
             )
         except BaseException as exc:  # handed to the caller's thread
             errors.append(exc)
@@ -393,12 +528,21 @@ def _rendezvous(procs: Sequence[subprocess.Popen[bytes]], port: int, world: int,
         raise errors[0]
 
 
-def join(timeout_s: float = JOIN_TIMEOUT_S) -> TPGroup:
+def join(device: str = "cpu", timeout_s: float = JOIN_TIMEOUT_S) -> TPGroup:
     """Join the group described by RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun, or a
-    worker started by `start`)."""
+    worker started by `start`), on `select_device(device, ...)` with LOCAL_RANK's GPU."""
     global _GROUP
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-    _GROUP = TPGroup(dist.get_rank(), dist.get_world_size())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dev = select_device(device, rank, world, local_rank(rank))
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        _nccl_error_handling(rank)
+    dist.init_process_group(
+        backend_for(dev),
+        timeout=timedelta(seconds=timeout_s),
+        device_id=dev if dev.type == "cuda" else None,
+    )
+    _GROUP = TPGroup(dist.get_rank(), dist.get_world_size(), device=dev)
     return _GROUP
 
 
@@ -472,7 +616,9 @@ class ShardedLlamaModel(LlamaModel):
             g.send(Op.FORWARD, kv.cache_id, ints=ints, data=data)
             g.forwarding = True
         try:
-            return super().forward_packed(inputs, kv)
+            # (the engine's forward thread: kernels and NCCL on this rank's GPU, not the thread's default)
+            with torch.cuda.device(g.device) if g.device.type == "cuda" else contextlib.nullcontext():
+                return super().forward_packed(inputs, kv)
         finally:
             _end_forward(g)
 
@@ -552,10 +698,14 @@ def load_sharded_target(
     progress: bool = True,
     attention: str = "model",
 ) -> Target:
-    """`load_target`, then this rank's shard of it (the Target keeps the full ModelConfig)."""
-    full = load_target(name, dtype, device, progress and group.rank == 0, attention)
-    if full.device.type != "cpu":
-        raise ValueError("tensor parallelism runs on CPUs (gloo) for now; use --device cpu")
+    """`load_target` on the group's device (`device` must resolve to its type), then this rank's
+    shard of it (the Target keeps the full ModelConfig)."""
+    if resolve_device(device).type != group.device.type:
+        raise ValueError(
+            f"--device {device} but the tensor-parallel group runs on {group.device.type} "
+            f"({group.backend}); give the same --device to every rank"
+        )
+    full = load_target(name, dtype, str(group.device), progress and group.rank == 0, attention)
     model = shard_model(full.model, group, name)
     return replace(full, model=model)
 
@@ -650,7 +800,7 @@ def cache_digest(kv: PagedKVCache) -> list[int]:
 
 def _agree(g: TPGroup, ok: bool) -> bool:
     """Every rank's verdict: True when all say so."""
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=g.device)
     g._collective("cache check", lambda: dist.all_reduce(flag, group=g.step))
     return int(flag) == 0
 
@@ -728,18 +878,26 @@ def serve_parallel(config: ServerConfig) -> int:
         config = replace(config, tensor_parallel=world)
         if config.threads:
             torch.set_num_threads(config.threads)
-        group = join()
+        try:
+            group = join(config.device)
+        except ValueError as exc:
+            print(f"cloud-verifier: {exc}", file=sys.stderr)
+            return 2
         if group.rank != 0:
             return _serve_commands(group, config.model, config.dtype, config.device, config.attention)
     else:
-        group = start(
-            config.tensor_parallel,
-            config.model,
-            config.dtype,
-            config.device,
-            config.attention,
-            config.threads,
-        )
+        try:
+            group = start(
+                config.tensor_parallel,
+                config.model,
+                config.dtype,
+                config.device,
+                config.attention,
+                config.threads,
+            )
+        except ValueError as exc:  # a device or a GPU count this group cannot have
+            print(f"cloud-verifier: {exc}", file=sys.stderr)
+            return 2
         config = replace(config, threads=threads_per_rank(config.threads, config.tensor_parallel))
     try:
         return server.serve(config)
@@ -795,12 +953,12 @@ def run_worker(model: str, dtype: str, device: str, attention: str, threads: int
     after STOP, 1 when the group broke."""
     if threads:
         torch.set_num_threads(threads)
-    return _serve_commands(join(), model, dtype, device, attention)
+    return _serve_commands(join(device), model, dtype, device, attention)
 
 
 def _serve_commands(group: TPGroup, model: str, dtype: str, device: str, attention: str) -> int:
     try:
-        sharded = shard_model(_load_model(model, dtype, device, attention), group, model)
+        sharded = shard_model(_load_model(model, dtype, str(group.device), attention), group, model)
         sharded.prepare(release=True)
         worker_loop(group, sharded)
     except Exception as exc:  # a broken group, or a model this rank cannot load or split

@@ -12,6 +12,7 @@ a forward in a broken group fails at once. Qwen2.5-Coder-0.5B (2 KV heads) runs 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -40,12 +41,17 @@ from cloud_verifier.model.config import make_tiny_config
 from cloud_verifier.model.gemm import onednn_available
 from cloud_verifier.server import ThreadedServer
 from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree
-from tests.cloud_verifier.service import tiny
 
 TOL = 1e-4  # |logit(TP=2) - logit(TP=1)| in float32, tiny (measured 1.1e-5)
 QWEN_TOL = 5e-4  # Qwen2.5-Coder-0.5B (logits reach ~30; measured 3.7e-5 on these inputs)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_gloo_available(), reason="torch without gloo")
+
+
+@functools.cache
+def cpu_tiny() -> Target:
+    """TP=1 on the CPU (the reference of the gloo group, on a machine with a GPU too)."""
+    return load_target("tiny", device="cpu", progress=False)
 
 
 # ------------------------------------------------------------------------------ no processes
@@ -83,20 +89,137 @@ def test_threads_are_split_between_ranks() -> None:
     assert parallel.threads_per_rank(1, 2) == 1
 
 
+# ------------------------------------------------------------------------------ devices (no GPU needed)
+def _gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Pretend n CUDA GPUs are visible (0: CUDA unavailable), at the level select_device reads."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def test_backend_and_rank_device_follow_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    _gpus(monkeypatch, 0)
+    assert parallel.select_device("cpu", 1, 2, 1) == torch.device("cpu")
+    assert parallel.select_device("auto", 0, 2, 0, spawning=True) == torch.device("cpu")
+    assert parallel.backend_for(torch.device("cpu")) == "gloo"
+    with pytest.raises(ValueError, match="CUDA is not available here; use --device cpu"):
+        parallel.select_device("cuda", 0, 2, 0)
+    _gpus(monkeypatch, 4)
+    assert parallel.select_device("auto", 0, 2, 0, spawning=True) == torch.device("cuda", 0)
+    dev = parallel.select_device("cuda", 3, 4, 3)
+    assert dev == torch.device("cuda", 3) and parallel.backend_for(dev) == "nccl"
+    assert parallel.select_device("cuda", 5, 8, 1) == torch.device("cuda", 1)  # 2nd machine: LOCAL_RANK
+    with pytest.raises(ValueError, match="give --device cuda; rank r uses cuda:LOCAL_RANK"):
+        parallel.select_device("cuda:1", 0, 2, 0)
+    with pytest.raises(ValueError, match="not --device mps"):
+        parallel.select_device("mps", 0, 2, 0)
+
+
+def test_fewer_gpus_than_ranks_is_refused_naming_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    _gpus(monkeypatch, 1)
+    want = r"--tensor-parallel 2 on CUDA needs 2 GPUs \(one a rank\), but torch.cuda.device_count\(\) is 1"
+    with pytest.raises(ValueError, match=want):
+        parallel.select_device("cuda", 0, 2, 0, spawning=True)
+    with pytest.raises(ValueError, match=r"rank 1 needs GPU cuda:1 \(its LOCAL_RANK\).* is 1"):
+        parallel.select_device("cuda", 1, 2, 1)
+    started: list[object] = []
+    monkeypatch.setattr(parallel.subprocess, "Popen", lambda *a, **k: started.append(a))
+    with pytest.raises(ValueError, match=want):
+        parallel.start(2, "tiny", device="auto")
+    assert started == [] and parallel.current() is None  # refused before any worker starts
+
+
+def test_serve_tensor_parallel_on_too_few_gpus_exits_2_with_the_count(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _gpus(monkeypatch, 1)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = ServerConfig(model="tiny", tensor_parallel=2, device="cuda")
+    assert parallel.serve_parallel(cfg) == 2
+    assert "torch.cuda.device_count() is 1; use --tensor-parallel 1 or fewer" in capsys.readouterr().err
+
+
+def test_local_rank_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert parallel.local_rank(3) == 3
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert parallel.local_rank(5) == 1
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ValueError, match="LOCAL_RANK must be an integer"):
+        parallel.local_rank(0)
+
+
+def test_a_command_is_one_buffer_on_the_rank_device_and_round_trips() -> None:
+    inputs = [
+        prefill_chunk(9, [1, 2, 3, 4], 6, logits_last=True),
+        tree_round(3, random_tree(random.Random(0), 5, 100, 8, []), [5]),
+    ]
+    ints, data = parallel.encode_inputs(inputs)
+    meta = parallel.pack_command(parallel.Op.FORWARD, 7, (1, 2), ints, data, torch.device("meta"))
+    assert meta.device.type == "meta" and meta.dtype == torch.uint8
+    buf = parallel.pack_command(parallel.Op.FORWARD, 7, (1, 2), ints, data, torch.device("cpu"))
+    assert buf.numel() == 8 * (parallel.HEADER + ints.numel()) + data.numel() == meta.numel()
+    header, payload = buf[: 8 * parallel.HEADER], buf[8 * parallel.HEADER :]
+    assert parallel.payload_size(header) == payload.numel()
+    op, cache, args, got_ints, got_data = parallel.unpack_payload(header, payload)
+    assert (op, cache, args) == (parallel.Op.FORWARD, 7, [1, 2, 0, 0])
+    assert torch.equal(got_ints, ints) and torch.equal(got_data, data)
+    bad = header.clone()
+    bad.view(torch.int64)[2] = parallel.MAX_INTS + 1
+    with pytest.raises(parallel.TensorParallelError, match="malformed command header"):
+        parallel.payload_size(bad)
+    with pytest.raises(parallel.TensorParallelError, match="payload of"):
+        parallel.unpack_payload(header, payload[:-1])
+    with pytest.raises(ValueError, match="FORWARD too large"):
+        parallel.pack_command(
+            parallel.Op.FORWARD,
+            0,
+            (),
+            torch.zeros(parallel.MAX_INTS + 1, dtype=torch.int64),
+            None,
+            torch.device("cpu"),
+        )
+
+
 # ------------------------------------------------------------------------------ rank 0 in this process
 @pytest.fixture(scope="module")
 def tp2() -> Iterator[Target]:
     threads = torch.get_num_threads()
-    group = parallel.start(2, "tiny", threads=2)  # (sets this process's share: one thread)
+    group = parallel.start(2, "tiny", device="cpu", threads=2)  # (sets this process's share: one thread)
     try:
-        yield parallel.load_sharded_target(group, "tiny", progress=False)
+        yield parallel.load_sharded_target(group, "tiny", device="cpu", progress=False)
     finally:
         group.close()
         torch.set_num_threads(threads)
 
 
+def test_every_collective_tensor_is_on_the_group_device(tp2: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same code as on NCCL, with device cpu: commands, all-reduces, the logit gather and the
+    cache check hand torch.distributed tensors on the group's device (its weights and KV there too)."""
+    group = tp2.model.group
+    assert isinstance(group, parallel.TPGroup)
+    assert (group.device, group.backend) == (torch.device("cpu"), "gloo")
+    seen: dict[str, set[torch.device]] = {}
+    for name in ("broadcast", "all_reduce", "gather"):
+        real = getattr(torch.distributed, name)
+
+        def spy(t: torch.Tensor, *a: object, _real: object = real, _name: str = name, **k: object) -> object:
+            seen.setdefault(_name, set()).add(t.device)
+            return _real(t, *a, **k)  # type: ignore[operator]
+
+        monkeypatch.setattr(torch.distributed, name, spy)
+    kv = tp2.new_kv_cache(8, 16)
+    kv.add(1)
+    tp2.model.forward_packed([prefill_chunk(1, [1, 2, 3], 0, logits_last=True)], kv)
+    assert isinstance(kv, parallel.ShardedKVCache) and kv.consistent()
+    kv.free(1)
+    assert set(seen) == {"broadcast", "all_reduce", "gather"}
+    assert all(devs == {group.device} for devs in seen.values()), seen
+    assert tp2.model.device == group.device and tp2.model.embed.device == group.device
+
+
 def test_prefill_logits_match_tp1(tp2: Target) -> None:
-    ref = tiny()
+    ref = cpu_tiny()
     rng = random.Random(1)
     prompt = [rng.randrange(ref.config.vocab_size) for _ in range(45)]
     outs = []
@@ -130,7 +253,7 @@ def _round(t: Target, committed: list[int], tail: int, tree_seed: int, cond: int
 
 @pytest.mark.parametrize(("tail", "cond"), [(1, 0), (3, 0), (1, 2)])
 def test_tree_and_conditional_tree_logits_match_tp1(tp2: Target, tail: int, cond: int) -> None:
-    ref = tiny()
+    ref = cpu_tiny()
     rng = random.Random(tail * 10 + cond)
     committed = [rng.randrange(ref.config.vocab_size) for _ in range(37)]
     got = _round(tp2, committed, tail, 5, cond)
@@ -158,7 +281,7 @@ def test_tree_rows_equal_one_by_one_decoding_under_tp2(tp2: Target) -> None:
 def test_packed_sessions_with_frees_during_the_forward_match_tp1(tp2: Target) -> None:
     """The engine frees and adds sessions on its loop thread while a forward runs: deferred on
     rank 0 and replayed after the forward, so later allocations agree on every rank."""
-    ref = tiny()
+    ref = cpu_tiny()
     rng = random.Random(3)
     vocab = ref.config.vocab_size
     prompts = {s: [rng.randrange(vocab) for _ in range(n)] for s, n in ((1, 60), (2, 33), (3, 20))}
@@ -234,7 +357,7 @@ PROMPT, N = "def fibonacci(n):", 40
 
 
 def _tp1_greedy() -> list[int]:
-    with ThreadedServer(SERVICE, target=tiny()) as srv:
+    with ThreadedServer(SERVICE, target=cpu_tiny()) as srv:
         want = asyncio.run(_greedy(srv.url, PROMPT, N))
     assert len(want) == N
     return want
@@ -299,6 +422,7 @@ def test_cli_serve_tensor_parallel_2_greedy_equals_tp1_and_a_killed_rank_turns_r
     port = _free_port()
     cmd = [sys.executable, "-m", "cloud_verifier.cli", "serve", "--model", "tiny", "--port", str(port)]
     cmd += ["--no-measure-cost", "--kv-blocks", "256", "--tensor-parallel", "2", "--threads", "2"]
+    cmd += ["--device", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = f"http://127.0.0.1:{port}/readyz"
@@ -336,7 +460,7 @@ def test_qwen_tp2_matches_tp1() -> None:
 
     name = "qwen2.5-coder-0.5b"
     rng = random.Random(0)
-    ref = load_target(name, progress=False)
+    ref = load_target(name, device="cpu", progress=False)
     vocab = ref.config.vocab_size
     committed = [rng.randrange(1000, 20000) for _ in range(40)]
     want_round = _round(ref, committed, 1, 9, 0)
@@ -345,9 +469,9 @@ def test_qwen_tp2_matches_tp1() -> None:
     want_tokens = greedy_generate(ref.model, kv, committed, 24, eos_ids=())
     del ref, kv
 
-    group = parallel.start(2, name, threads=2)
+    group = parallel.start(2, name, device="cpu", threads=2)
     try:
-        tp = parallel.load_sharded_target(group, name, progress=False)
+        tp = parallel.load_sharded_target(group, name, device="cpu", progress=False)
         assert tp.config.vocab_size == vocab and tp.model.config.num_kv_heads == 1
         got_round = _round(tp, committed, 1, 9, 0)
         got_cond = _round(tp, committed, 1, 9, 2)
