@@ -1,7 +1,7 @@
-"""The chi-square helper of the statistical tests (it lives in bench.stats, which bench imports)."""
+"""The chi-square helper of the statistical tests (it lives in cloud_verifier.exactness.stats)."""
 
 from __future__ import annotations
 
-from bench.stats import chi2_pvalue
+from cloud_verifier.exactness.stats import chi2_pvalue
 
 __all__ = ["chi2_pvalue"]

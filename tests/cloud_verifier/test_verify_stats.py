@@ -1,6 +1,6 @@
 """Statistical proof of exactness on the production functions (DESIGN section 4, issue item 4).
 
-Each case runs `bench.verify_exactness.run_case`: >= 200,000 trials batched through
+Each case runs `cloud_verifier.exactness.run_case`: >= 200,000 trials batched through
 `cloud_verifier.verify.verify_batch`, a fresh tree drafted from q every round, and a Pearson
 chi-square test of the joint distribution of the next 2 (3 for chains and <1,1,3>) output tokens
 against the target alone (cells with expected count < 5 pooled, reject at p < 1e-6). The wrong
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.verify_exactness import (
+from cloud_verifier.exactness import (
     SHAPES,
     UNSHARED,
     Case,
@@ -58,7 +58,8 @@ def test_harness_trees_are_what_the_edge_sends(shape: object, kind: str) -> None
         for d, ks in enumerate(shape.expansions):
             parents = ExpansionConfig(ks).parents()
             toks = rnd.drafted[d][i].numpy()
-            rows, qrow = [], np.zeros(parents.size, dtype=np.int32)
+            rows: list[SparseDist] = []
+            qrow = np.zeros(parents.size, dtype=np.int32)
             for p in np.unique(parents):
                 ctx = int(root[i]) if p < 0 else int(toks[p])
                 w = pair.drafts[d][ctx].numpy()
@@ -77,7 +78,8 @@ def test_harness_trees_are_what_the_edge_sends(shape: object, kind: str) -> None
         assert bool((rnd.slots[i, : n + 1, k:] == -1).all()) and bool((rnd.slots[i, n + 1 :] == -1).all())
         if stochastic:
             assert rnd.qrow is not None and rnd.q_probs is not None and want.q_ids is not None
-            assert rnd.qrow[i, : n + 1, :k].tolist() == want.qrow[0].tolist()  # type: ignore[union-attr]
+            assert want.qrow is not None
+            assert rnd.qrow[i, : n + 1, :k].tolist() == want.qrow[0].tolist()
             assert want.q_probs is not None
             dense = torch.zeros(want.q_ids.shape[1], pair.vocab).scatter_add_(
                 1, want.q_ids[0], want.q_probs[0]

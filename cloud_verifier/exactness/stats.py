@@ -1,4 +1,4 @@
-"""Pearson chi-square with pooling of small cells: the statistical tests and bench.verify_exactness."""
+"""Pearson chi-square with pooling of small cells: the statistical tests and the exactness harness."""
 
 from __future__ import annotations
 
