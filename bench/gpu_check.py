@@ -12,6 +12,9 @@ minutes on an H200; a stage gets min(its own limit, what is left)):
   forward_bench python -m bench.gpu_forward: the 1.5B's shape (random weights) in bf16, ms per
                 verify forward at N = 1..64 (prefix 1024) and decode tokens/s, with the Triton
                 kernel and with SDPA (OUTDIR/gpu_forward.json)
+  tensor_parallel pytest tests/cloud_verifier/test_parallel_cuda.py: TP=2 over NCCL on cuda:0 and
+                cuda:1 against TP=1 (bf16 logits, greedy, a killed worker); only with >= 2 GPUs
+                visible, else recorded as "skipped: 1 GPU" (OUTDIR/pytest_tp.xml)
 
 Writes OUTDIR/gpu_check.json (environment, every stage's command, status ok / failed / timeout /
 skipped, exit code, seconds and its JSON, the issue's two goals) and OUTDIR/gpu_check.log (every
@@ -37,8 +40,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("wheels", "tests", "kernel_bench", "forward_bench")
-LIMITS_S = {"wheels": 120, "tests": 200, "kernel_bench": 150, "forward_bench": 150}
+STAGES = ("wheels", "tests", "kernel_bench", "forward_bench", "tensor_parallel")
+LIMITS_S = {"wheels": 120, "tests": 200, "kernel_bench": 150, "forward_bench": 150, "tensor_parallel": 120}
+TP_TESTS = "tests/cloud_verifier/test_parallel_cuda.py"
+TP_GPUS = 2  # the tensor_parallel stage runs with at least this many visible GPUs
 TEST_PATHS = (
     "tests/kernels",
     "tests/cloud_verifier/test_verify_device.py",
@@ -154,6 +159,23 @@ def plan(out: Path, python: str, stages: Sequence[str], quick: bool) -> list[Sta
             LIMITS_S["forward_bench"],
             out / "gpu_forward.json",
         ),
+        "tensor_parallel": Stage(
+            "tensor_parallel",
+            [
+                python,
+                "-m",
+                "pytest",
+                "-m",
+                "cuda",
+                "-q",
+                "-rA",
+                "-p",
+                "no:cacheprovider",
+                f"--junitxml={out / 'pytest_tp.xml'}",
+                TP_TESTS,
+            ],
+            LIMITS_S["tensor_parallel"],
+        ),
     }
     chosen = [all_stages[s] for s in stages]
     for st in chosen:
@@ -192,6 +214,14 @@ def environment(python: str) -> dict[str, Any]:
         env["torch_error"] = str(exc)
     env["gpu"] = bool(env.get("cuda"))
     return env
+
+
+def skip_for_gpus(stages: Sequence[Stage], env: dict[str, Any]) -> None:
+    """The tensor_parallel stage needs TP_GPUS visible GPUs: skipped (and said so) with fewer."""
+    n = len(env.get("devices") or [])
+    for st in stages:
+        if st.name == "tensor_parallel" and n < TP_GPUS:
+            st.status, st.note = "skipped", f"skipped: {n} GPU" + ("" if n == 1 else "s")
 
 
 def run_stage(st: Stage, left_s: float, log: Any) -> None:
@@ -315,6 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for st in planned:
                     st.status, st.note = "skipped", "no CUDA device"
             else:
+                skip_for_gpus(planned, env)
                 for st in planned:
                     run_stage(st, args.budget_s - (time.monotonic() - t0), log)
                 bad = [st for st in planned if st.status in ("failed", "timeout") or st.note == BUDGET_SPENT]
@@ -322,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["elapsed_s"] = round(time.monotonic() - t0, 2)
     report["stages"] = [st.report() for st in planned]
     report["tests"] = junit_counts(out / "pytest.xml") if "tests" in stages else None
+    report["tp_tests"] = junit_counts(out / "pytest_tp.xml") if "tensor_parallel" in stages else None
     report["goals"] = goals(planned)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"bench.gpu_check: {report['status']} in {report['elapsed_s']} s; wrote {out / 'gpu_check.json'}")
