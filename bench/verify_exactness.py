@@ -36,7 +36,7 @@ from cloud_verifier.exactness import (
 )
 from cloud_verifier.exactness.rounds import START_LEN, START_TOKEN, TREE_KIND, rows_of
 from cloud_verifier.sampling import SamplingParams
-from cloud_verifier.verify import verify_tree
+from cloud_verifier.verify import Algorithm, verify_tree
 from shared.sparse import SparseDist, SparseRows
 from shared.tree import Draws, ExpansionConfig, TokenTree
 
@@ -102,7 +102,12 @@ def time_verify(
         seed = 0
         for seed in range(200):
             res = verify_tree(
-                mode, tree, logits, params, seed=seed, generator=torch.Generator().manual_seed(seed)
+                Algorithm(mode),
+                tree,
+                logits,
+                params,
+                seed=seed,
+                generator=torch.Generator().manual_seed(seed),
             )
             if len(res.accepted_nodes) >= min_depth:
                 break
@@ -111,7 +116,7 @@ def time_verify(
         for _ in range(reps):
             gen = torch.Generator().manual_seed(seed)
             t0 = time.perf_counter()
-            verify_tree(mode, tree, logits, params, seed=seed, generator=gen)
+            verify_tree(Algorithm(mode), tree, logits, params, seed=seed, generator=gen)
             times.append((time.perf_counter() - t0) * 1e3)
         ms[mode] = statistics.median(times)
     return ms, walked

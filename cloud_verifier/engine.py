@@ -26,6 +26,7 @@ from cloud_verifier.kv_cache import KVCacheFull, PagedKVCache
 from cloud_verifier.model import SeqInput, Target, prefill_chunk, round_keep, tree_round
 from cloud_verifier.sampling import sample_next_async
 from cloud_verifier.verify import (
+    Algorithm,
     SamplingParams,
     read_verdicts,
     sample_next,
@@ -422,9 +423,11 @@ class Engine:
             return [sample_next(logits[0], s.params, s.seed, L)], []
         if self.sync_free:
             return verify_tree_async(
-                _algorithm(s), tree, logits, s.params, seed=s.seed, generator=s.generator
+                Algorithm.of(s.mode, s.params), tree, logits, s.params, seed=s.seed, generator=s.generator
             )
-        res = verify_tree(_algorithm(s), tree, logits, s.params, seed=s.seed, generator=s.generator)
+        res = verify_tree(
+            Algorithm.of(s.mode, s.params), tree, logits, s.params, seed=s.seed, generator=s.generator
+        )
         return list(res.tokens), list(res.accepted_nodes)
 
     def _commit(self, p: _Planned, tokens: list[int], accepted: list[int], t0: float) -> RoundResult:
@@ -502,9 +505,3 @@ def _unpack(p: _Planned, values: list[int]) -> tuple[list[int], list[int]]:
 
 def _nodes(p: _Planned) -> int:
     return p.job.tree.num_nodes if p.final and p.job.tree is not None else 0
-
-
-def _algorithm(s: SeqState) -> str:
-    if s.mode is Mode.MATCH and s.params.temperature == 0:
-        return "greedy"
-    return s.mode.value

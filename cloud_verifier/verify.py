@@ -31,6 +31,7 @@ and `read_verdicts` brings every session's verdict of an engine step to the host
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -46,12 +47,14 @@ from cloud_verifier.sampling import (
     to_device,
 )
 from shared.keyed import keyed_uniform, keyed_uniforms
+from shared.messages import Mode
 from shared.sparse import Q_TOTAL, SparseRows
 from shared.tree import TokenTree
 
 __all__ = [
     "EXACT",
     "MODES",
+    "Algorithm",
     "BatchResult",
     "Rules",
     "SamplingParams",
@@ -67,8 +70,33 @@ __all__ = [
     "verify_tree_async",
 ]
 
-MODES = ("greedy", "match", "naive", "mss", "rrs")
-STOCHASTIC_MODES = ("mss", "rrs")
+
+class Algorithm(str, enum.Enum):
+    """The verification algorithms (module doc). The wire's `Mode` names all but `naive` (a baseline
+    for the statistical tests) and adds `ar` (no tree to verify): `Algorithm.of` maps one to one."""
+
+    GREEDY = "greedy"
+    MATCH = "match"
+    NAIVE = "naive"
+    MSS = "mss"
+    RRS = "rrs"
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether the algorithm tests draws against q rows (the tree must carry them)."""
+        return self in (Algorithm.MSS, Algorithm.RRS)
+
+    @classmethod
+    def of(cls, mode: Mode, params: SamplingParams) -> Algorithm:
+        """The algorithm a session in `mode` is verified with (match at temperature 0 is greedy)."""
+        if mode is Mode.AR:
+            raise ValueError("mode ar decodes with the target alone; it has no tree to verify")
+        if mode is Mode.MATCH and params.temperature == 0:
+            return cls.GREEDY
+        return cls(mode.value)
+
+
+MODES = tuple(Algorithm)
 
 
 # --------------------------------------------------------------------------- tree tensors
@@ -399,7 +427,7 @@ class _Walk:
 
 
 def _walk(
-    mode: str,
+    mode: Algorithm,
     batch: TreeBatch,
     logits: torch.Tensor,
     params: SamplingParams,
@@ -412,25 +440,25 @@ def _walk(
     """Walk every tree from row 0, one depth per step, applying the mode's rule at each row.
 
     sync_free: all depth + 1 steps, nothing read back (see the module doc)."""
-    if mode not in MODES:
-        raise ValueError(f"unknown verification mode {mode!r}; expected one of {MODES}")
+    if not isinstance(mode, Algorithm):
+        raise TypeError(f"the verification mode must be an Algorithm (Algorithm.of(mode)), got {mode!r}")
     t, n = batch.tokens.shape
     if logits.dim() != 3 or logits.shape[0] != t or logits.shape[1] != n + 1:
         raise ValueError(f"logits must be [{t}, {n + 1}, V], got {tuple(logits.shape)}")
-    stochastic = mode in STOCHASTIC_MODES
+    stochastic = mode.stochastic
     if stochastic and not batch.is_stochastic:
-        raise ValueError(f"mode {mode} needs a stochastic tree (draws with q rows)")
+        raise ValueError(f"mode {mode.value} needs a stochastic tree (draws with q rows)")
     dev = logits.device
     steps, k = batch.depth + 1, batch.slots.shape[2]
     slots_all = batch.slots
     tokens_all = batch.tokens.gather(1, slots_all.clamp(min=0).reshape(t, -1)) if n else slots_all
     tokens_all = torch.where(slots_all >= 0, tokens_all.reshape(slots_all.shape), -1)
-    if mode == "match":
+    if mode is Algorithm.MATCH:
         pos = batch.committed_len.reshape(-1, 1) + np.arange(steps)
         u_sample = to_device(keyed_uniforms(np.reshape(seeds, (-1, 1)), pos), dev).unbind(1)
     elif uniforms is not None:
         u_sample = uniforms.sample.unbind(1)
-    elif mode != "greedy":
+    elif mode is not Algorithm.GREEDY:
         u_sample = torch.rand((t, steps), generator=generator, device=dev, dtype=torch.float64).unbind(1)
     # per-row tables, flattened to [T * (N + 1), ...]: one row fetch per step
     parts = [slots_all, tokens_all]
@@ -439,7 +467,7 @@ def _walk(
         q_ids, q_probs = batch.q_ids, batch.q_probs
         parts.append(batch.qrow)
         q_all = draw_proposals(
-            tokens_all, slots_all, batch.qrow, q_ids, q_probs, mode == "rrs", logits.shape[-1]
+            tokens_all, slots_all, batch.qrow, q_ids, q_probs, mode is Algorithm.RRS, logits.shape[-1]
         )
         q_table = q_all.reshape(t * (n + 1), k)
         if uniforms is not None and uniforms.accept is not None:
@@ -470,7 +498,7 @@ def _walk(
         if host_nodes is None:  # finished trials have nothing left to test
             slots = torch.where(active.unsqueeze(-1), slots, -1)
             slot_tokens = torch.where(active.unsqueeze(-1), slot_tokens, -1)
-        if mode == "greedy" or (params.greedy and not stochastic):
+        if mode is Algorithm.GREEDY or (params.greedy and not stochastic):
             nxt, x = verify_greedy(row_logits, slots, slot_tokens)
         elif not stochastic:
             nxt, x = verify_match(probs(row_logits, params), slots, slot_tokens, u_sample[d])
@@ -486,7 +514,7 @@ def _walk(
                 q_probs,
                 u_accept[d],
                 u_sample[d],
-                mode == "rrs",
+                mode is Algorithm.RRS,
                 rules,
                 sync_free,
             )
@@ -513,7 +541,7 @@ def _sync_free_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
 
 
 def verify_batch(
-    mode: str,
+    mode: Algorithm,
     batch: TreeBatch,
     logits: torch.Tensor,
     params: SamplingParams,
@@ -549,7 +577,7 @@ def verify_batch(
 
 
 def verify_tree(
-    mode: str,
+    mode: Algorithm,
     tree: TokenTree,
     logits: torch.Tensor,
     params: SamplingParams,
@@ -578,7 +606,7 @@ def verify_tree(
 
 
 def verify_tree_async(
-    mode: str,
+    mode: Algorithm,
     tree: TokenTree,
     logits: torch.Tensor,
     params: SamplingParams,

@@ -27,7 +27,7 @@ from cloud_verifier.exactness.rounds import (
 )
 from cloud_verifier.exactness.stats import chi2_pvalue
 from cloud_verifier.sampling import SamplingParams, target_probs
-from cloud_verifier.verify import EXACT, BatchResult, Rules, TreeBatch, verify_batch
+from cloud_verifier.verify import EXACT, Algorithm, BatchResult, Rules, TreeBatch, verify_batch
 from shared.sparse import truncate
 
 
@@ -76,7 +76,7 @@ def simulate(
             if device != "cpu":
                 batch = _on(batch, device)
             res = verify_batch(
-                mode,
+                Algorithm(mode),
                 batch,
                 logits.to(device),
                 params,
@@ -278,6 +278,8 @@ def tokens_per_round(
         logits = pair.target[torch.cat([root.unsqueeze(1), rnd.tokens], 1)]
         batch = rnd.batch(np.full(trials, START_LEN, dtype=np.int64))
         for mode in kmodes:
-            res = verify_batch(mode, batch, logits, params, seeds=seed + np.arange(trials), generator=gen)
+            res = verify_batch(
+                Algorithm(mode), batch, logits, params, seeds=seed + np.arange(trials), generator=gen
+            )
             out[mode] = (res.num_accepted + 1).double()
     return out

@@ -17,6 +17,7 @@ from cloud_verifier.sampling import (
 )
 from cloud_verifier.verify import (
     MODES,
+    Algorithm,
     TreeBatch,
     Uniforms,
     draw_proposals,
@@ -241,28 +242,28 @@ def test_greedy_literal_specinfer_tree() -> None:
     logits = torch.zeros(6, 20)
     logits[0, 10] = logits[1, 13] = logits[4, 5] = 5.0  # row0 -> 10 (node 0) -> 13 (node 3) -> bonus 5
     logits[2, 12] = logits[3, 1] = logits[5, 2] = 5.0
-    res = verify_tree("greedy", tree, logits, SamplingParams())
+    res = verify_tree(Algorithm.GREEDY, tree, logits, SamplingParams())
     assert (res.accepted_nodes, res.tokens, res.bonus) == ([0, 3], [10, 13, 5], 5)
     logits[0] = 0.0
     logits[0, 14] = 5.0  # -> node 4, a leaf: the bonus comes from node 4's row
-    res = verify_tree("greedy", tree, logits, SamplingParams())
+    res = verify_tree(Algorithm.GREEDY, tree, logits, SamplingParams())
     assert (res.accepted_nodes, res.tokens) == ([4], [14, 2])
     logits[0] = 0.0
     logits[0, 3] = 5.0  # no child matches: the bonus only
-    assert verify_tree("match", tree, logits, SamplingParams(0.0)).tokens == [3]
+    assert verify_tree(Algorithm.MATCH, tree, logits, SamplingParams(0.0)).tokens == [3]
     empty = TokenTree.build([], [], base=3, cond=[9])
-    assert verify_tree("greedy", empty, logits[:1], SamplingParams()).tokens == [3]
+    assert verify_tree(Algorithm.GREEDY, empty, logits[:1], SamplingParams()).tokens == [3]
 
 
 def test_errors() -> None:
     tree = TokenTree.build([1, 2], [-1, 0], base=1)
     logits = torch.zeros(3, 8)
-    with pytest.raises(ValueError, match="unknown verification mode"):
-        verify_tree("beam", tree, logits, SamplingParams())
+    with pytest.raises(TypeError, match="must be an Algorithm"):
+        verify_tree("greedy", tree, logits, SamplingParams())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="logits must be"):
-        verify_tree("greedy", tree, logits[:2], SamplingParams())
+        verify_tree(Algorithm.GREEDY, tree, logits[:2], SamplingParams())
     with pytest.raises(ValueError, match="stochastic tree"):
-        verify_tree("mss", tree, logits, SamplingParams(1.0))
+        verify_tree(Algorithm.MSS, tree, logits, SamplingParams(1.0))
 
 
 def test_mss_accepts_every_draw_when_p_equals_q() -> None:
@@ -279,7 +280,7 @@ def test_mss_accepts_every_draw_when_p_equals_q() -> None:
             q = tree.draws.q.row(int(tree.draws.qrow[d]))
             rows[r, q.ids] = np.log(q.weights / Q_TOTAL)
         res = verify_tree(
-            "mss", tree, torch.from_numpy(rows), SamplingParams(1.0), generator=torch.Generator()
+            Algorithm.MSS, tree, torch.from_numpy(rows), SamplingParams(1.0), generator=torch.Generator()
         )
         assert len(res.accepted_nodes) == 3
 
@@ -293,7 +294,7 @@ def test_temperature_zero_reduces_every_mode_to_greedy() -> None:
         for wr in (False, True):
             tree = stochastic_tree(rng, draft, (3, 2, 1), root, wr)
             logits = tree_logits(target, root, tree)
-            want = verify_tree("greedy", tree, logits, SamplingParams())
+            want = verify_tree(Algorithm.GREEDY, tree, logits, SamplingParams())
             for mode in MODES:
                 if mode == "rrs" and not wr:
                     continue
@@ -311,7 +312,7 @@ def test_speculation_emits_the_target_only_tokens_whatever_the_tree(params: Samp
     exactly those of target-only decoding with sample_next (the server's mode ar)."""
     vocab, length = 24, 60
     target, draft = bigram(vocab, 5, scale=3.0)
-    mode = "greedy" if params.greedy else "match"
+    mode = Algorithm.GREEDY if params.greedy else Algorithm.MATCH
     for seed in range(4):
         root, start = 3, 9
         ar = [root]
@@ -340,7 +341,7 @@ def test_speculation_emits_the_target_only_tokens_whatever_the_tree(params: Samp
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_single_tree_walk_equals_batched_walk(mode: str) -> None:
+def test_single_tree_walk_equals_batched_walk(mode: Algorithm) -> None:
     """verify_tree / verify_batch with T = 1 (rows fetched as views) and verify_batch over a stack of
     different trees (leaves at several depths; rows fetched by index_select) agree trial by trial,
     given the same uniforms."""

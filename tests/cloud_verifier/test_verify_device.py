@@ -24,6 +24,7 @@ from cloud_verifier.sampling import (
 )
 from cloud_verifier.verify import (
     MODES,
+    Algorithm,
     TreeBatch,
     read_verdicts,
     unpack_verdict,
@@ -89,7 +90,7 @@ def no_gpu_sync(device: str) -> Iterator[None]:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def trees_for(mode: str, rng: np.random.Generator, draft: np.ndarray, count: int) -> list[TokenTree]:
+def trees_for(mode: Algorithm, rng: np.random.Generator, draft: np.ndarray, count: int) -> list[TokenTree]:
     """Merged trees of two drafters, several shapes (stochastic for mss / rrs)."""
     shapes = [((2, 1), (2,)), ((1, 1, 3),), ((3,),), ((2, 2), (1, 1, 1)), ((1,),), ((4, 2, 1, 1), (1, 1))]
     wr = mode != "mss" and mode != "naive"
@@ -110,7 +111,7 @@ def _gen(device: str, seed: int) -> torch.Generator:
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("mode", MODES)
-def test_sync_free_verdicts_equal_the_early_stopping_walk(mode: str, device: str) -> None:
+def test_sync_free_verdicts_equal_the_early_stopping_walk(mode: Algorithm, device: str) -> None:
     """verify_tree_async + one read == verify_tree (which reads back at every depth and draw), for
     every mode and several sampling parameters, with the same generator state; one copy for all."""
     vocab = 40
@@ -143,7 +144,7 @@ def _count(fn: Any) -> int:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_no_read_back_per_node_or_draw(mode: str) -> None:
+def test_no_read_back_per_node_or_draw(mode: Algorithm) -> None:
     """Counted on a CPU: the sync-free walk makes no read-back whatever the tree's depth and draws
     (chains of depth 1..8, rows of 1..6 draws); the early-stopping walk's count grows with depth
     (so the counter sees them); reading a step's verdicts is one call however many trees."""
