@@ -15,6 +15,9 @@ minutes on an H200; a stage gets min(its own limit, what is left)):
   tensor_parallel pytest tests/cloud_verifier/test_parallel_cuda.py: TP=2 over NCCL on cuda:0 and
                 cuda:1 against TP=1 (bf16 logits, greedy, a killed worker); only with >= 2 GPUs
                 visible, else recorded as "skipped: 1 GPU" (OUTDIR/pytest_tp.xml)
+  tensor_parallel_bench python -m bench.parallel --device cuda: ms per verify forward of
+                Qwen2.5-Coder-0.5B in bf16 at TP=2 (NCCL) vs TP=1; also only with >= 2 GPUs
+                (OUTDIR/tensor_parallel.json)
 
 Writes OUTDIR/gpu_check.json (environment, every stage's command, status ok / failed / timeout /
 skipped, exit code, seconds and its JSON, the issue's two goals) and OUTDIR/gpu_check.log (every
@@ -40,8 +43,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("wheels", "tests", "kernel_bench", "forward_bench", "tensor_parallel")
-LIMITS_S = {"wheels": 120, "tests": 200, "kernel_bench": 150, "forward_bench": 150, "tensor_parallel": 120}
+STAGES = ("wheels", "tests", "kernel_bench", "forward_bench", "tensor_parallel", "tensor_parallel_bench")
+LIMITS_S = {
+    "wheels": 120,
+    "tests": 200,
+    "kernel_bench": 150,
+    "forward_bench": 150,
+    "tensor_parallel": 120,
+    "tensor_parallel_bench": 120,
+}
+TP_STAGES = ("tensor_parallel", "tensor_parallel_bench")
 TP_TESTS = "tests/cloud_verifier/test_parallel_cuda.py"
 TP_GPUS = 2  # the tensor_parallel stage runs with at least this many visible GPUs
 TEST_PATHS = (
@@ -176,6 +187,30 @@ def plan(out: Path, python: str, stages: Sequence[str], quick: bool) -> list[Sta
             ],
             LIMITS_S["tensor_parallel"],
         ),
+        "tensor_parallel_bench": Stage(
+            "tensor_parallel_bench",
+            [
+                python,
+                "-m",
+                "bench.parallel",
+                "--device",
+                "cuda",
+                "--dtype",
+                "bf16",
+                "--tensor-parallel",
+                str(TP_GPUS),
+                "--rows",
+                "1,4,16,64",
+                "--prefix",
+                "1024",
+                "--repeats",
+                "3" if quick else "10",
+                "--json",
+                str(out / "tensor_parallel.json"),
+            ],
+            LIMITS_S["tensor_parallel_bench"],
+            out / "tensor_parallel.json",
+        ),
     }
     chosen = [all_stages[s] for s in stages]
     for st in chosen:
@@ -217,10 +252,10 @@ def environment(python: str) -> dict[str, Any]:
 
 
 def skip_for_gpus(stages: Sequence[Stage], env: dict[str, Any]) -> None:
-    """The tensor_parallel stage needs TP_GPUS visible GPUs: skipped (and said so) with fewer."""
+    """The tensor-parallel stages need TP_GPUS visible GPUs: skipped (and said so) with fewer."""
     n = len(env.get("devices") or [])
     for st in stages:
-        if st.name == "tensor_parallel" and n < TP_GPUS:
+        if st.name in TP_STAGES and n < TP_GPUS:
             st.status, st.note = "skipped", f"skipped: {n} GPU" + ("" if n == 1 else "s")
 
 

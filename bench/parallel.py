@@ -5,7 +5,8 @@ processes (rank 0 here, ranks 1.. started by cloud_verifier.parallel) with threa
 verify forward is row 0 plus N - 1 tree nodes after a committed prefix, logits for every row
 (bench.target_step's measure_forward, so the figures compare with its cost curve). The two
 configurations run one after the other (one model in memory at a time), not interleaved: a
-machine whose load changes in between moves one column and not the other.
+machine whose load changes in between moves one column and not the other. `--device cuda`: TP=1 on
+cuda:0 and TP=N over NCCL on cuda:0..N-1 (needs N GPUs), in `--dtype` (bf16 by default there).
 """
 
 from __future__ import annotations
@@ -48,21 +49,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--prefix", type=int, default=128, help="committed tokens before the round")
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per N (after one warm-up)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL)")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16")
     p.add_argument("--json", help="also write the result to this file")
     args = p.parse_args(argv)
     rows = [int(x) for x in args.rows.split(",") if x]
     if args.tensor_parallel < 2:
         p.error("--tensor-parallel must be at least 2 (TP=1 is always measured)")
+    try:  # (refused before anything loads: no CUDA, or fewer GPUs than ranks)
+        parallel.select_device(args.device, 0, args.tensor_parallel, 0, spawning=True)
+    except ValueError as exc:
+        p.error(str(exc))
 
     torch.set_num_threads(args.threads)
-    single = load_target(args.model, progress=False)
+    single = load_target(args.model, args.dtype, args.device, progress=False)
     tp1 = _measure(single, args.prefix, rows, args.repeats, "TP=1")
     del single
     gc.collect()
 
-    group = parallel.start(args.tensor_parallel, args.model, threads=args.threads)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    group = parallel.start(args.tensor_parallel, args.model, args.dtype, args.device, threads=args.threads)
     try:
-        sharded = parallel.load_sharded_target(group, args.model, progress=False)
+        sharded = parallel.load_sharded_target(group, args.model, args.dtype, args.device, progress=False)
         tpn = _measure(sharded, args.prefix, rows, args.repeats, f"TP={args.tensor_parallel}")
     finally:
         group.close()
@@ -70,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     share = parallel.threads_per_rank(args.threads, args.tensor_parallel)
     result: dict[str, Any] = {
         "model": args.model,
+        "device": args.device,
+        "dtype": str(sharded.model.dtype).removeprefix("torch."),
         "prefix": args.prefix,
         "repeats": args.repeats,
         "tp1": {"processes": 1, "threads": args.threads, "forward_ms": tp1},

@@ -32,7 +32,14 @@ def test_dry_run_writes_the_plan(tmp_path: Path) -> None:
     # the default budget keeps the whole check under 8 minutes; each stage gets at most what is left
     assert report["status"] == "dry-run" and report["budget_s"] <= 8 * 60 - 30
     names = [s["name"] for s in report["stages"]]
-    assert names == ["wheels", "tests", "kernel_bench", "forward_bench", "tensor_parallel"]
+    assert names == [
+        "wheels",
+        "tests",
+        "kernel_bench",
+        "forward_bench",
+        "tensor_parallel",
+        "tensor_parallel_bench",
+    ]
     cmd = {s["name"]: " ".join(s["command"]) for s in report["stages"]}
     assert "--sessions 1,4,16 --nodes 16,64 --prefix 1024,8192" in cmd["kernel_bench"]
     assert "--dtype bf16" in cmd["kernel_bench"] and "--dtype bf16" in cmd["forward_bench"]
@@ -63,11 +70,16 @@ def test_bad_arguments_exit_2(tmp_path: Path, argv: list[str], capsys: pytest.Ca
 
 def test_the_tensor_parallel_stage_runs_only_with_two_gpus(tmp_path: Path) -> None:
     for devices, want in (([], "skipped: 0 GPUs"), (["NVIDIA H200"], "skipped: 1 GPU"), (["a", "b"], None)):
-        (st,) = gpu_check.plan(tmp_path, "python", ["tensor_parallel"], quick=True)
-        assert "-m cuda" in " ".join(st.command) and st.command[-1] == gpu_check.TP_TESTS
+        tests, bench, other = gpu_check.plan(
+            tmp_path, "python", ["tensor_parallel", "tensor_parallel_bench", "forward_bench"], quick=True
+        )
+        assert "-m cuda" in " ".join(tests.command) and tests.command[-1] == gpu_check.TP_TESTS
         assert (ROOT / gpu_check.TP_TESTS).is_file()
-        gpu_check.skip_for_gpus([st], {"devices": devices})
-        assert (st.status, st.note) == (("skipped", want) if want else ("planned", ""))
+        assert "bench.parallel --device cuda --dtype bf16 --tensor-parallel 2" in " ".join(bench.command)
+        gpu_check.skip_for_gpus([tests, bench, other], {"devices": devices})
+        for st in (tests, bench):
+            assert (st.status, st.note) == (("skipped", want) if want else ("planned", ""))
+        assert other.status == "planned"
 
 
 def test_a_failing_or_slow_stage_is_recorded(tmp_path: Path) -> None:
