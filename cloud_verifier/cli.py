@@ -188,10 +188,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=d.tensor_parallel,
         metavar="N",
-        help="split the target over N processes on this machine (CPU, gloo; heads, KV heads and MLP rows "
-        "sharded, N must divide the model's KV heads): starts N-1 worker processes itself and splits "
-        "--threads between the ranks (0: the machine's cores; at least one each); under torchrun it "
-        "joins the given group instead (N = WORLD_SIZE) and rank 0 serves",
+        help="split the target over N processes on this machine (heads, KV heads and MLP rows sharded, N "
+        "must divide the model's KV heads; CPU: gloo, --threads split between the ranks, 0: the "
+        "machine's cores, at least one each; --device cuda: NCCL, rank r on cuda:r, N GPUs needed): "
+        "starts N-1 worker processes itself; under torchrun it joins the given group instead "
+        "(N = WORLD_SIZE, GPU cuda:LOCAL_RANK) and rank 0 serves",
     )
     p.add_argument(
         "--no-measure-cost",
