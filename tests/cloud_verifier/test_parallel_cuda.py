@@ -11,6 +11,7 @@ within seconds and a forward fails at once instead of waiting on NCCL.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import signal
 import time
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from cloud_verifier import parallel
+from cloud_verifier.config import ServerConfig
 from cloud_verifier.model import (
     Target,
     decode_step,
@@ -31,6 +33,7 @@ from cloud_verifier.model import (
     tree_round,
 )
 from cloud_verifier.model.generate import greedy_generate
+from cloud_verifier.server import ThreadedServer
 from tests.cloud_verifier.helpers import max_diff, random_tree
 
 BF16_TOL = 0.1  # |logit(TP=2) - logit(TP=1)| of tiny in bf16 (not yet measured: no 2-GPU machine so far)
@@ -103,16 +106,59 @@ def test_tp2_greedy_equals_tp1_or_diverges_at_a_near_tie(tp2: Target, ref: Targe
     got = greedy_generate(tp2.model, tp2.new_kv_cache(64, 16), prompt, 48, eos_ids=())
     if got == want:
         return
-    i = next(j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-    kv = ref.new_kv_cache(64, 16)
-    kv.add(1)
-    ctx = prompt + want[:i]
-    (lg,) = ref.model.forward_packed([prefill_chunk(1, ctx, 0, logits_last=True)], kv)
-    gap = float(lg[0, want[i]].float() - lg[0, got[i]].float())
+    i, gap = _first_divergence(ref, prompt, want, got)
     assert 0 <= gap <= BF16_TOL, f"TP=2 diverges from TP=1 at token {i} with a TP=1 logit gap of {gap:.3g}"
     warnings.warn(
         f"TP=2 greedy diverges from TP=1 at token {i} of 48 at a near-tie (gap {gap:.3g})", stacklevel=1
     )
+
+
+def _first_divergence(ref: Target, prompt: list[int], want: list[int], got: list[int]) -> tuple[int, float]:
+    """Where TP=2's greedy tokens leave TP=1's, and TP=1's logit gap between the two tokens there."""
+    i = next(j for j, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+    kv = ref.new_kv_cache(64, 16)
+    kv.add(1)
+    (lg,) = ref.model.forward_packed([prefill_chunk(1, prompt + want[:i], 0, logits_last=True)], kv)
+    kv.free(1)
+    return i, float(lg[0, want[i]].float() - lg[0, got[i]].float())
+
+
+async def _client_greedy(url: str, prompt: str, n: int) -> tuple[list[int], list[int]]:
+    from edge_client.client import EdgeClient
+    from edge_client.drafters.registry import create_drafter
+
+    drafter = create_drafter("torch", "tiny")
+    try:
+        async with EdgeClient(url, drafter, resume=False) as c:
+            async for _ in c.generate(prompt, max_new_tokens=n):
+                pass
+            assert c.last is not None
+            return list(c.last.prompt_tokens), list(c.last.tokens)
+    finally:
+        drafter.close()
+
+
+def test_edge_client_greedy_through_a_tp2_verifier_equals_tp1_or_diverges_at_a_near_tie(
+    tp2: Target, ref: Target
+) -> None:
+    """The service on rank 0 of the NCCL group, the real edge client (tiny drafter), greedy."""
+    cfg = ServerConfig(
+        model="tiny", device="cuda", dtype="bf16", measure_cost=False, max_sessions=4, max_context=512
+    )
+    out = []
+    for t in (ref, tp2):
+        with ThreadedServer(cfg, target=t) as srv:
+            out.append(asyncio.run(_client_greedy(srv.url, "def fibonacci(n):", 40)))
+    (prompt, want), (_, got) = out
+    assert len(want) == len(got) == 40
+    if got != want:
+        i, gap = _first_divergence(ref, prompt, want, got)
+        assert 0 <= gap <= BF16_TOL, (
+            f"TP=2 diverges from TP=1 at token {i} with a TP=1 logit gap of {gap:.3g}"
+        )
+        warnings.warn(
+            f"TP=2 (service) diverges from TP=1 at token {i} at a near-tie (gap {gap:.3g})", stacklevel=1
+        )
 
 
 def test_a_killed_worker_breaks_the_nccl_group_and_forwards_fail_at_once(tp2: Target) -> None:
