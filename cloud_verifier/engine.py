@@ -74,6 +74,8 @@ class SeqState:
 
     sid: int
     on_result: Callable[[RoundResult], None]
+    # the server's committed sequence: the engine extends it with each round's tokens before
+    # `on_result`; a session's protocol reads this same list (ServerProtocol.share_committed)
     committed: list[int] = field(default_factory=list)
     prompt_len: int = 0
     mode: Mode = Mode.GREEDY

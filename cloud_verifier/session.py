@@ -153,6 +153,7 @@ class Session:
                 extra={"session": self.sid, "mode": ev.prompt.mode.value, "prompt_tokens": len(ev.committed)},
             )
             self.engine.start(self.seq, ev.prompt, ev.committed)
+            self.proto.share_committed(self.seq.committed)  # the engine's list is the one sequence
         elif isinstance(ev, VerifyTree):
             assert self.seq is not None
             self.engine.submit(self.seq, ev.round, ev.tree)

@@ -133,10 +133,11 @@ class Generation:
     """What the server protocol tracks of the generation in progress."""
 
     prompt: Prompt
-    committed: list[int]  # S
+    committed: list[int]  # S: this protocol's own, or the verifier's list (`share_committed`)
     in_flight: int | None = 0  # round being verified (0: the prompt's answer)
     pending: dict[int, TokenTree] = field(default_factory=dict)
     cancelled: bool = False
+    shared: bool = False  # `committed` is the verifier's: it extends it, verdict() only checks it
 
 
 class ServerProtocol:
@@ -207,6 +208,17 @@ class ServerProtocol:
             self._send(Close(reason))
             self.state = ServerState.CLOSED
 
+    def share_committed(self, committed: list[int]) -> None:
+        """Read the generation's committed sequence from the verifier's list from now on (one source
+        of truth in the server: the engine extends it before each verdict, `verdict` checks it).
+        The list must hold the sequence the prompt started (PromptReceived.committed)."""
+        gen = self.gen
+        if gen is None:
+            raise RuntimeError("share_committed with no generation")
+        if committed != gen.committed:
+            raise RuntimeError(f"the shared sequence ({len(committed)} tokens) is not the generation's")
+        gen.committed, gen.shared = committed, True
+
     def verdict(self, v: Verdict) -> VerifyTree | None:
         """Send the verdict of the round in flight; returns the pending tree to verify next, if any.
 
@@ -217,7 +229,8 @@ class ServerProtocol:
             raise RuntimeError("verdict with no round in flight")
         if v.round != gen.in_flight:
             raise RuntimeError(f"verdict for round {v.round} but round {gen.in_flight} is in flight")
-        gen.committed.extend(int(t) for t in v.tokens)
+        if not gen.shared:
+            gen.committed.extend(int(t) for t in v.tokens)
         if v.committed_len != len(gen.committed):
             raise RuntimeError(f"verdict committed_len {v.committed_len} != {len(gen.committed)}")
         done, reason = v.done, v.reason

@@ -90,6 +90,30 @@ def test_prompt_is_always_answered_then_trees_flow() -> None:
     assert cli.committed == [1, 2, 3, 7, 8, 9, 10, 11, 0]
 
 
+def test_a_shared_committed_sequence_is_read_not_extended() -> None:
+    """With the verifier's list shared, the protocol reads it (the verifier extends it before each
+    verdict) and checks committed_len; its trees match against that list; it ends as the context."""
+    srv, cli = _pair()
+    (ev,) = srv.receive(cli.prompt(Prompt(tokens=[1, 2, 3], mode=Mode.GREEDY)))
+    assert isinstance(ev, PromptReceived)
+    with pytest.raises(RuntimeError, match="not the generation's"):
+        srv.share_committed([1, 2])
+    engine_list = [int(t) for t in ev.committed]
+    srv.share_committed(engine_list)
+    engine_list.append(7)
+    assert srv.verdict(Verdict(0, [7], [], has_bonus=True, committed_len=4)) is None
+    assert engine_list == [1, 2, 3, 7] and srv.gen is not None and srv.gen.committed is engine_list
+    (ev,) = srv.receive(cli.tree(Tree(1, TokenTree.build([8], [-1], base=4))))
+    assert isinstance(ev, VerifyTree)
+    with pytest.raises(RuntimeError, match="committed_len"):  # the verifier did not extend it
+        srv.verdict(Verdict(1, [8, 5], [0], has_bonus=True, committed_len=6))
+    engine_list.extend([8, 5])
+    srv.verdict(Verdict(1, [8, 5], [0], has_bonus=True, committed_len=6, done=True, reason="stop"))
+    assert engine_list == [1, 2, 3, 7, 8, 5] and srv.context == engine_list and srv.state is ServerState.IDLE
+    _deliver(srv, cli)
+    assert cli.committed == engine_list
+
+
 def test_highest_matching_round_wins() -> None:
     srv, cli = _pair()
     srv.receive(cli.prompt(Prompt(tokens=[1, 2], mode=Mode.GREEDY, tree=TokenTree.build([3], [-1], base=2))))
