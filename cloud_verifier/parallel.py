@@ -56,9 +56,9 @@ forward has the step timeout (STEP_TIMEOUT_S) in NCCL's watchdog, and rank 0's c
 timeout; rank 0 sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (unless set: abort the communicators on an
 error or timeout but keep the process, so the service stays up to answer 503) and workers keep
 torch's default (3: a worker whose collective fails or times out exits, which rank 0 sees). Under
-torchrun nobody watches the processes: a dead worker is noticed by rank 0's next forward, when its
-collectives fail or time out (STEP_TIMEOUT_S at worst) - run it under a supervisor that restarts
-the group.
+torchrun nobody watches the processes: a dead worker is noticed by rank 0's next command, when its
+collectives fail or time out (JOIN_TIMEOUT_S at worst) - run it under a supervisor that restarts
+the group. (None of this has run on GPUs yet: see tests/cloud_verifier/test_parallel_cuda.py.)
 """
 
 from __future__ import annotations
