@@ -18,6 +18,9 @@ Algorithms, one small function each:
           earlier draws removed and renormalised; it is tested against, and the residual updated
           with, that distribution. Groups (one q row each) are independent.
 
+Here: the algorithms (`Algorithm`), the walk and the public `verify_*`; the trees as tensors are in
+tree_batch.py, one row's acceptance rules (the math) in acceptance.py.
+
 Everything is batched over a leading trial dimension T (production calls it with T = 1 through
 `verify_tree`), runs where the logits live, and only the rows on the walked path are softmaxed.
 
@@ -32,33 +35,36 @@ and `read_verdicts` brings every session's verdict of an engine step to the host
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from cloud_verifier.acceptance import (
+    EXACT,
+    Rules,
+    draw_proposals,
+    verify_greedy,
+    verify_match,
+    verify_rejection,
+)
 from cloud_verifier.sampling import (
     SamplingParams,
-    inverse_cdf,
     sample_next,
     target_probs,
     to_device,
 )
+from cloud_verifier.tree_batch import TreeBatch
 from shared.keyed import keyed_uniform, keyed_uniforms
 from shared.messages import Mode
-from shared.sparse import Q_TOTAL, SparseRows
 from shared.tree import TokenTree
 
 __all__ = [
-    "EXACT",
     "MODES",
     "Algorithm",
     "BatchResult",
-    "Rules",
     "SamplingParams",
-    "TreeBatch",
     "Uniforms",
     "VerifyResult",
     "keyed_uniform",
@@ -99,131 +105,6 @@ class Algorithm(str, enum.Enum):
 MODES = tuple(Algorithm)
 
 
-# --------------------------------------------------------------------------- tree tensors
-def draw_slots(tree: TokenTree) -> tuple[np.ndarray, np.ndarray]:
-    """The draws (stochastic trees) or children (deterministic trees) at each row, in order.
-
-    Returns slots [N + 1, K] int64 (the node made by the k-th draw at row r; row 0 = the last
-    committed token, row 1 + i = node i; -1 = none) and qrow [N + 1, K] int64 (that draw's q row,
-    -1 for none or for a deterministic tree). A node shared by several draws appears once per draw.
-    """
-    n = tree.num_nodes
-    if tree.draws is not None:
-        node = tree.draws.node.astype(np.int64)
-        qrow = tree.draws.qrow.astype(np.int64)
-    else:
-        node = np.arange(n, dtype=np.int64)
-        qrow = np.full(n, -1, dtype=np.int64)
-    row = tree.parents.astype(np.int64)[node] + 1
-    order = np.argsort(row, kind="stable")  # draw order (node order) within each row
-    counts = np.bincount(row, minlength=n + 1)
-    start = np.concatenate(([0], np.cumsum(counts)[:-1]))
-    rank = np.arange(row.size) - start[row[order]]
-    k = max(int(counts.max(initial=0)), 1)
-    slots = np.full((n + 1, k), -1, dtype=np.int64)
-    rows = np.full((n + 1, k), -1, dtype=np.int64)
-    slots[row[order], rank] = node[order]
-    rows[row[order], rank] = qrow[order]
-    return slots, rows
-
-
-def padded_rows(q: SparseRows) -> tuple[np.ndarray, np.ndarray]:
-    """CSR q rows as padded arrays: ids [R, Kq] int64 and probs [R, Kq] float32 (weight / 2^16, exact
-    in float32). A row is padded with its last id at probability 0, so ids stay sorted and in range."""
-    lengths = np.diff(q.ptr)
-    width = max(int(lengths.max(initial=0)), 1)
-    row = np.repeat(np.arange(lengths.size), lengths)
-    col = np.arange(q.ids.size) - q.ptr[:-1][row]
-    ids = np.repeat(q.ids[q.ptr[1:] - 1].astype(np.int64)[:, None], width, axis=1)
-    probs = np.zeros((lengths.size, width), dtype=np.float32)
-    ids[row, col] = q.ids
-    probs[row, col] = q.weights / Q_TOTAL
-    return ids, probs
-
-
-@dataclass(frozen=True)
-class TreeBatch:
-    """T token trees of at most N nodes on one device; each trial may have its own topology.
-
-    q rows are padded sparse rows (u16 weights / 2^16; ids sorted within a row, pads at probability
-    0), one set per trial. Tensors may be expanded (stride 0) along T where trials share them.
-    """
-
-    tokens: torch.Tensor  # [T, N] int64, token of each node
-    slots: torch.Tensor  # [T, N + 1, K] int64, node made by the k-th draw/child at each row, -1 none
-    committed_len: np.ndarray  # [T] int64, L of each trial (host: keys the sampler by position)
-    depth: int  # max node depth over the batch (the walk visits at most depth + 1 rows)
-    qrow: torch.Tensor | None = None  # [T, N + 1, K] int64, q row of each draw, -1 none
-    q_ids: torch.Tensor | None = None  # [T, R, Kq] int64, token ids of each q row, sorted
-    q_probs: torch.Tensor | None = None  # [T, R, Kq] float32, q(id); pads 0
-
-    @property
-    def num_trials(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def is_stochastic(self) -> bool:
-        return self.qrow is not None
-
-    @classmethod
-    def from_tree(cls, tree: TokenTree, device: torch.device | str = "cpu") -> TreeBatch:
-        """One tree as a batch of one (the production path)."""
-        dev = torch.device(device)
-        slots, qrow = draw_slots(tree)
-        tokens = to_device(tree.tokens.astype(np.int64), dev).unsqueeze(0)
-        lens = np.array([tree.committed_len], dtype=np.int64)
-        if tree.draws is None:
-            return cls(tokens, to_device(slots, dev)[None], lens, tree.max_depth)
-        ids, probs = padded_rows(tree.draws.q)
-        return cls(
-            tokens,
-            to_device(slots, dev)[None],
-            lens,
-            tree.max_depth,
-            to_device(qrow, dev)[None],
-            to_device(ids, dev)[None],
-            to_device(probs, dev)[None],
-        )
-
-    @classmethod
-    def stack(cls, batches: Sequence[TreeBatch]) -> TreeBatch:
-        """The trials of several batches as one, padded to the largest N, K, R and row width (their
-        logits must be padded to the same N + 1 rows; padded rows are never visited)."""
-        n = max(b.tokens.shape[1] for b in batches)
-        k = max(b.slots.shape[2] for b in batches)
-        stochastic = {b.is_stochastic for b in batches}
-        if len(stochastic) != 1:
-            raise ValueError("cannot stack stochastic and deterministic trees")
-
-        def cat(xs: list[torch.Tensor], value: int | float, mode: str = "constant") -> torch.Tensor:
-            width = max(x.shape[-1] for x in xs)
-            rows = max(x.shape[-2] for x in xs) if xs[0].dim() == 3 else 0
-            out = []
-            for x in xs:
-                if x.shape[-1] < width:
-                    x = F.pad(
-                        x, (0, width - x.shape[-1]), mode=mode, value=None if mode != "constant" else value
-                    )
-                if rows and x.shape[-2] < rows:
-                    x = F.pad(x, (0, 0, 0, rows - x.shape[-2]), value=value)
-                out.append(x)
-            return torch.cat(out)
-
-        tokens = cat([b.tokens for b in batches], 0)
-        slots = cat([F.pad(b.slots, (0, k - b.slots.shape[2]), value=-1) for b in batches], -1)
-        lens = np.concatenate([b.committed_len for b in batches])
-        depth = max(b.depth for b in batches)
-        if not stochastic.pop():
-            return cls(tokens, slots, lens, depth)
-        qrow = cat(
-            [F.pad(b.qrow, (0, k - b.qrow.shape[2]), value=-1) for b in batches if b.qrow is not None], -1
-        )
-        ids = cat([b.q_ids.float() for b in batches if b.q_ids is not None], 0, "replicate").long()
-        probs = cat([b.q_probs for b in batches if b.q_probs is not None], 0.0)
-        assert slots.shape[1] == n + 1
-        return cls(tokens, slots, lens, depth, qrow, ids, probs)
-
-
 @dataclass(frozen=True)
 class BatchResult:
     """Outcome of one round for each trial."""
@@ -239,175 +120,6 @@ class VerifyResult:
     accepted_nodes: list[int]  # tree node indices of the accepted path, root to leaf
     tokens: list[int]  # accepted tokens then the bonus token
     bonus: int
-
-
-# --------------------------------------------------------------------------- the math
-def accepts(r_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Accept a draw x with probability min(1, r(x) / q(x)) (Leviathan et al.; SpecInfer Alg. 2).
-
-    r_x, q_x, u: [T]; q_x > 0 for every real draw. Written as u * q < r, so r >= q always accepts
-    and r = 0 never does, with no division.
-    """
-    return u * q_x < r_x
-
-
-def residual(r: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor) -> torch.Tensor:
-    """After a rejection: r <- norm(max(0, r - q)) (SpecInfer Alg. 2; RSD Algorithm 1).
-
-    r: [T, V] normalised; q as padded sparse rows q_ids [T, Kq], q_probs [T, Kq] (a row of zeros
-    leaves r as it is). max(0, r - q) = r - min(r, q) only changes r on q's support.
-    If nothing is left (r == q, so the rejection had probability 0) r is kept.
-    """
-    cut = torch.minimum(r.gather(-1, q_ids), q_probs)
-    left = r.scatter_add(-1, q_ids, -cut)
-    mass = left.sum(-1, keepdim=True)
-    return torch.where(mass > 0, left / mass, r)
-
-
-def without_earlier(
-    q_ids: torch.Tensor, q_probs: torch.Tensor, earlier_tokens: torch.Tensor, same_group: torch.Tensor
-) -> torch.Tensor:
-    """The proposal of a draw made without replacement (RSD, Sequoia): its group's q with the
-    group's earlier draws removed, renormalised.
-
-    q_ids, q_probs: [T, Kq] the group's q row; earlier_tokens [T, J] the tokens of the earlier draws
-    at this row, same_group [T, J] which of them are in this draw's group. Returns probs [T, Kq].
-    """
-    hit = (q_ids.unsqueeze(-1) == earlier_tokens.unsqueeze(-2)) & same_group.unsqueeze(-2)
-    left = q_probs.masked_fill(hit.any(-1), 0.0)
-    return left / left.sum(-1, keepdim=True).clamp_min(1e-30)
-
-
-def draw_proposals(
-    slot_tokens: torch.Tensor,
-    slots: torch.Tensor,
-    qrow: torch.Tensor,
-    q_ids: torch.Tensor,
-    q_probs: torch.Tensor,
-    without_replacement: bool,
-    vocab: int,
-) -> torch.Tensor:
-    """q_k(x_k): the probability with which each draw's proposal gave its own token. [T, N + 1, K].
-
-    With replacement (mss) that is q_row(x). Without replacement (rrs) it is
-    q_row(x_k) / (1 - sum of q_row(x_j) over the group's earlier draws j). Exact in float32: the q
-    values are multiples of 2^-16. slot_tokens, slots, qrow [T, N + 1, K]; q_ids, q_probs [T, R, Kq];
-    vocab: V (ids and tokens are < V).
-    """
-    t, rows, k = slots.shape
-    v = vocab
-    r_n, width = q_ids.shape[1], q_ids.shape[2]
-    # rows are sorted by id, so (row, id) keys are sorted along the flattened rows of each trial
-    keys = (torch.arange(r_n, device=q_ids.device).unsqueeze(-1) * v + q_ids).reshape(t, r_n * width)
-    want = (qrow.clamp(min=0) * v + slot_tokens).reshape(t, rows * k)
-    pos = torch.searchsorted(keys, want).clamp_(max=r_n * width - 1)
-    found = keys.gather(1, pos) == want
-    qx = torch.where(found, q_probs.reshape(t, -1).gather(1, pos), 0.0).reshape(t, rows, k)
-    qx = qx * (slots >= 0)
-    if not without_replacement:
-        return qx
-    same = (qrow.unsqueeze(-1) == qrow.unsqueeze(-2)) & (slots >= 0).unsqueeze(-2)
-    earlier = torch.ones(k, k, dtype=torch.bool, device=slots.device).tril(-1)  # [k, j]: j < k
-    removed = (qx.unsqueeze(-2) * (same & earlier)).sum(-1)
-    return qx / (1.0 - removed).clamp_min(1e-30)
-
-
-@dataclass(frozen=True)
-class Rules:
-    """The pieces of the math, swappable so tests can prove that wrong variants get caught."""
-
-    probs: Callable[[torch.Tensor, SamplingParams], torch.Tensor] = target_probs
-    accepts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = accepts
-    residual: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = residual
-
-
-EXACT = Rules()
-
-
-def follow(slots: torch.Tensor, slot_tokens: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """The first child (or draw) at this row whose token is x, else -1.
-
-    slots [T, K] nodes at the current row (-1 none), slot_tokens [T, K] their tokens (-1 none);
-    x [T]. Returns [T] int64.
-    """
-    hit = slot_tokens == x.unsqueeze(-1)
-    first = hit.to(torch.uint8).argmax(-1, keepdim=True)
-    return torch.where(hit.gather(-1, first), slots.gather(-1, first), -1).squeeze(-1)
-
-
-def verify_greedy(
-    logits: torch.Tensor, slots: torch.Tensor, slot_tokens: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """SpecInfer VerifyGreedy at one row: x = argmax of the target logits; follow the child equal
-    to x, else x is the bonus. logits [T, V]; slots, slot_tokens [T, K]. Returns (next [T], x [T])."""
-    x = logits.argmax(-1)
-    return follow(slots, slot_tokens, x), x
-
-
-def verify_match(
-    p: torch.Tensor, slots: torch.Tensor, slot_tokens: torch.Tensor, u: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """Sample-and-match at one row (match / naive): x ~ p by inverse CDF at u; follow the child
-    equal to x, else x is the bonus. Exact for any tree: the output token is always x ~ p.
-    p [T, V]; slots, slot_tokens [T, K]; u [T] float64. Returns (next [T], x [T])."""
-    x = inverse_cdf(p, u)
-    return follow(slots, slot_tokens, x), x
-
-
-def verify_rejection(
-    p: torch.Tensor,
-    slots: torch.Tensor,
-    slot_tokens: torch.Tensor,
-    slot_q: torch.Tensor,
-    qrow: torch.Tensor,
-    q_ids: torch.Tensor,
-    q_probs: torch.Tensor,
-    u_accept: torch.Tensor,
-    u_bonus: torch.Tensor,
-    without_replacement: bool,
-    rules: Rules = EXACT,
-    sync_free: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """Multi-step speculative sampling (SpecInfer Alg. 2) or, `without_replacement`, recursive
-    rejection sampling (RSD / Sequoia) at one row: the same loop, only the proposals differ.
-
-    Draws are tested in draw order, each with ratio r(x) / q_k(x) against its own proposal q_k (its
-    q row; without replacement, minus the group's earlier draws, renormalised); after each
-    rejection r <- norm(max(0, r - q_k)). If every draw is rejected (or there is none: a leaf) the
-    bonus is sampled from the residual (= p at a leaf).
-    p [T, V]; slots, slot_tokens (-1 none), qrow [T, K] at this row; slot_q [T, K] q_k(x_k)
-    (`draw_proposals`);
-    q_ids, q_probs [T, R, Kq]; u_accept [T, K] float32; u_bonus [T] float64.
-    sync_free: test all K slots without reading anything back; a trial with no draw left to test
-    keeps its residual as it is, so the bonus is that of the early-stopping loop.
-    Returns (next [T] accepted node or -1, bonus [T] valid where next < 0).
-    """
-    r = p
-    nxt = torch.full_like(slots[:, 0], -1)
-    testing = torch.ones_like(slots[:, 0], dtype=torch.bool)  # no draw accepted yet (leaves included)
-    valid = slots[:, 0] >= 0
-    slot_tokens = slot_tokens.clamp(min=0)
-    for k in range(slots.shape[1]):
-        node = slots[:, k]
-        if k:
-            valid = testing & (node >= 0)
-        # syncs: stop as soon as no trial has a draw left to test (T = 1: usually after one draw)
-        if not sync_free and not bool(valid.any()):
-            break
-        r_x = r.gather(-1, slot_tokens[:, k : k + 1]).squeeze(-1)
-        ok = valid & rules.accepts(r_x, slot_q[:, k], u_accept[:, k])
-        nxt = torch.where(ok, node, nxt)
-        testing = testing & ~ok
-        if not sync_free and not bool(testing.any()):
-            return nxt, torch.zeros_like(nxt)
-        trials = torch.arange(p.shape[0], device=p.device)
-        row = qrow[:, k].clamp(min=0)
-        ids, probs = q_ids[trials, row], q_probs[trials, row]  # [T, Kq]
-        if without_replacement and k:
-            probs = without_earlier(ids, probs, slot_tokens[:, :k], qrow[:, :k] == qrow[:, k : k + 1])
-        left = rules.residual(r, ids, probs * valid.unsqueeze(-1))
-        r = torch.where(valid.unsqueeze(-1), left, r) if sync_free else left
-    return nxt, inverse_cdf(r, u_bonus)
 
 
 # --------------------------------------------------------------------------- the walk

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cloud_verifier.acceptance import EXACT, Rules
 from cloud_verifier.exactness.rounds import (
     ALPHA,
     CHUNK,
@@ -27,7 +28,8 @@ from cloud_verifier.exactness.rounds import (
 )
 from cloud_verifier.exactness.stats import chi2_pvalue
 from cloud_verifier.sampling import SamplingParams, target_probs
-from cloud_verifier.verify import EXACT, Algorithm, BatchResult, Rules, TreeBatch, verify_batch
+from cloud_verifier.tree_batch import TreeBatch
+from cloud_verifier.verify import Algorithm, BatchResult, verify_batch
 from shared.sparse import truncate
 
 
