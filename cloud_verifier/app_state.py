@@ -1,0 +1,40 @@
+"""What the service's endpoints and session sockets share: the config, keys, admission, metrics,
+the target and engine once loaded, the open sessions, and whether it is draining."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cloud_verifier.admission import Admission
+from cloud_verifier.auth import KeyStore
+from cloud_verifier.config import ServerConfig
+from cloud_verifier.engine import Engine
+from cloud_verifier.metrics import Metrics
+from cloud_verifier.model import Target
+from cloud_verifier.session import ModelInfo, Session
+from shared.messages import SessionLimits
+
+
+@dataclass
+class AppState:
+    config: ServerConfig
+    keys: KeyStore
+    admission: Admission
+    metrics: Metrics = field(default_factory=Metrics)
+    target: Target | None = None
+    engine: Engine | None = None
+    info: ModelInfo | None = None
+    limits: SessionLimits | None = None
+    load_error: str | None = None
+    sessions: set[Session] = field(default_factory=set)
+    draining: bool = False
+    on_load_error: Callable[[str], None] | None = None  # serve(): stop the process
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.healthy() and not self.draining
+
+    @property
+    def admitted(self) -> int:
+        return sum(1 for s in self.sessions if s.admitted)
