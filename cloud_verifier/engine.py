@@ -6,6 +6,9 @@ accepted rows' KV and hands the outcome back to the session on the event-loop th
 and leave between steps; a round-robin start point keeps any session from starving. The forward runs
 on a worker thread, so pings, /readyz and other sessions' I/O keep flowing during a long prefill.
 
+What a step packs is planning.py's `plan_step`; the state it works on (sessions, jobs, results, the
+config) is in engine_state.py.
+
 A round's rows (DESIGN 3.1): the committed tokens not yet in the KV cache (normally just row 0, the
 previous bonus; the whole prompt at prefill) and then the tree nodes.
 """
@@ -17,13 +20,14 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from cloud_verifier.engine_state import EngineConfig, Job, Outcome, Planned, RoundResult, SeqState
 from cloud_verifier.kv_cache import KVCacheFull, PagedKVCache
 from cloud_verifier.model import SeqInput, Target, prefill_chunk, round_keep, tree_round
+from cloud_verifier.planning import plan_step
 from cloud_verifier.sampling import sample_next_async
 from cloud_verifier.verify import (
     Algorithm,
@@ -39,83 +43,6 @@ from shared.messages import Mode, Prompt
 from shared.tree import TokenTree
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Job:
-    """A round a session wants verified. round 0: the prompt's answer or an `ar` step."""
-
-    round: int
-    tree: TokenTree | None
-    ready_at: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class RoundResult:
-    """The outcome of one round, already cut at stop ids / max_new_tokens / max_context."""
-
-    round: int
-    tokens: list[int]
-    accepted_nodes: list[int]
-    has_bonus: bool
-    committed_len: int
-    verify_ms: float
-    done: bool
-    reason: str | None
-    tree_nodes: int = 0
-    accepted_depths: list[int] = field(default_factory=list)
-    round_s: float = 0.0
-    error: ProtocolError | None = None
-
-
-@dataclass
-class SeqState:
-    """The engine's view of one session's generation."""
-
-    sid: int
-    on_result: Callable[[RoundResult], None]
-    # the server's committed sequence: the engine extends it with each round's tokens before
-    # `on_result`; a session's protocol reads this same list (ServerProtocol.share_committed)
-    committed: list[int] = field(default_factory=list)
-    prompt_len: int = 0
-    mode: Mode = Mode.GREEDY
-    params: SamplingParams = field(default_factory=SamplingParams)
-    seed: int = 0
-    generator: torch.Generator | None = None
-    max_new_tokens: int = 0
-    stop_ids: frozenset[int] = frozenset()
-    job: Job | None = None
-    busy: bool = False
-    closed: bool = False
-    active: bool = False  # a generation is running (its next round may come any moment)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    token_budget: int = 512  # rows per forward
-    prefill_chunk: int = 64  # prompt rows a session feeds per forward while other sessions have work
-    max_context: int = 4096
-    batching: bool = True  # False: one session per forward (the baseline of bench.load)
-    # /readyz fails when a step runs longer than max(stall_s, stall_factor x its expected time), or
-    # ready work waits stall_s with no step running (the loop is stuck)
-    stall_s: float = 5.0
-    stall_factor: float = 8.0
-    # Before a step, wait up to this long (and at most a quarter of the last step) for sessions
-    # whose verdict just went out: their next tree is usually a loopback round trip away, and
-    # without the wait the clients settle into two groups that take turns (half-size batches).
-    gather_ms: float = 3.0
-
-
-@dataclass
-class _Planned:
-    seq: SeqState
-    job: Job
-    pre: list[int]  # committed tokens fed first (the last one is row 0 when final)
-    final: bool  # the chunk that ends with row 0 (+ tree): verify it
-
-
-# a planned round and how it ended: a result, nothing yet (a prefill chunk), or an error
-_Outcome = tuple[_Planned, RoundResult | None, ProtocolError | None]
 
 
 class Engine:
@@ -256,7 +183,7 @@ class Engine:
                 continue
             for p in plan:
                 p.seq.busy = True
-            self._step_expected_s = self._expected_s(sum(len(p.pre) + _nodes(p) for p in plan))
+            self._step_expected_s = self._expected_s(sum(p.rows for p in plan))
             self._step_started = time.monotonic()
             t0 = time.perf_counter()
             try:
@@ -273,14 +200,14 @@ class Engine:
             self.steps += 1
             self.last_step_end = time.monotonic()
             if self.on_step is not None:
-                self.on_step(sum(len(p.pre) + _nodes(p) for p in plan), len(plan), dt)
+                self.on_step(sum(p.rows for p in plan), len(plan), dt)
             for p, result, err in outcomes:
                 self._finish(p, result, err, dt)
             await asyncio.sleep(0)  # let sessions' I/O run between steps
 
-    async def _isolate(self, plan: list[_Planned]) -> list[_Outcome]:
+    async def _isolate(self, plan: list[Planned]) -> list[Outcome]:
         loop = asyncio.get_running_loop()
-        out: list[_Outcome] = []
+        out: list[Outcome] = []
         for p in plan:
             self.kv.discard(p.seq.sid)
         for p in plan:
@@ -311,45 +238,13 @@ class Engine:
             except TimeoutError:
                 return
 
-    def _plan(self) -> list[_Planned]:
-        ready = [s for s in self.seqs.values() if s.job is not None and not s.busy and not s.closed]
-        if not ready:
-            return []
-        ready.sort(key=lambda s: s.sid)
-        start = self._rr % len(ready)
-        ready = ready[start:] + ready[:start]
-        self._rr += 1
-        # rounds that feed one committed row (decode steps, trees) go first, prefills after them; and
-        # while others wait, a prefill feeds at most prefill_chunk rows a step, so a long prompt
-        # cannot stretch every other session's step (they would wait for its whole chunk)
-        fresh = {s.sid: len(s.committed) - self.kv.cached_len(s.sid) for s in ready}
-        ready.sort(key=lambda s: fresh[s.sid] > 1)
-        chunk = self.config.token_budget if len(ready) == 1 else self.config.prefill_chunk
-        budget = self.config.token_budget
-        plan: list[_Planned] = []
-        for s in ready:
-            assert s.job is not None
-            pre = s.committed[self.kv.cached_len(s.sid) :]
-            nodes = s.job.tree.num_nodes if s.job.tree is not None else 0
-            if len(pre) + nodes <= min(budget, max(chunk, nodes + 1)):
-                plan.append(_Planned(s, s.job, pre, final=True))
-                budget -= len(pre) + nodes
-            elif len(pre) > 1 and budget > 0:
-                # chunked prefill: feed committed tokens now, keep row 0 (+ tree) for a later step
-                take = min(budget, chunk, len(pre) - 1)
-                plan.append(_Planned(s, s.job, pre[:take], final=False))
-                budget -= take
-            if budget <= 0 or not self.config.batching:
-                break
-        if not plan and ready:
-            # a single round larger than the budget with nothing to chunk: run it alone
-            s = ready[0]
-            assert s.job is not None
-            plan.append(_Planned(s, s.job, s.committed[self.kv.cached_len(s.sid) :], final=True))
+    def _plan(self) -> list[Planned]:
+        plan = plan_step(self.seqs.values(), self.kv, self.config, self._rr)
+        self._rr += 1 if plan else 0
         return plan
 
     # ------------------------------------------------------------------ worker thread
-    def _step(self, plan: list[_Planned]) -> list[_Outcome]:
+    def _step(self, plan: list[Planned]) -> list[Outcome]:
         t0 = time.perf_counter()
         with torch.inference_mode():
             try:
@@ -369,7 +264,7 @@ class Engine:
                     p.seq.busy = False
                 return self._step(plan[:half])
             self.forwards += 1
-            out: list[_Outcome] = []
+            out: list[Outcome] = []
             pending: list[tuple[int, torch.Tensor | tuple[list[int], list[int]]]] = []
             for p, lg in zip(plan, logits, strict=True):
                 if not p.final:
@@ -395,7 +290,7 @@ class Engine:
                     out[i] = (p, None, _internal(exc, p))
         return out
 
-    def _inputs(self, p: _Planned) -> SeqInput:
+    def _inputs(self, p: Planned) -> SeqInput:
         s = p.seq
         tree = p.job.tree if p.final else None
         if tree is None or tree.num_nodes == 0:
@@ -408,13 +303,13 @@ class Engine:
         mask = inp.tree_mask.to(dev) if inp.tree_mask is not None else None
         return SeqInput(inp.seq_id, inp.tokens.to(dev), inp.positions.to(dev), mask, inp.logit_rows.to(dev))
 
-    def _verify(self, p: _Planned, logits: torch.Tensor, t0: float) -> RoundResult:
+    def _verify(self, p: Planned, logits: torch.Tensor, t0: float) -> RoundResult:
         """Verify, cut at the stop conditions, commit KV. logits: [1 + N, V] (row 0, then the nodes)."""
         v = self._verdict(p, logits)
         tokens, accepted = v if isinstance(v, tuple) else _unpack(p, read_verdicts([v])[0])
         return self._commit(p, tokens, accepted, t0)
 
-    def _verdict(self, p: _Planned, logits: torch.Tensor) -> torch.Tensor | tuple[list[int], list[int]]:
+    def _verdict(self, p: Planned, logits: torch.Tensor) -> torch.Tensor | tuple[list[int], list[int]]:
         """The round's (tokens, accepted nodes), or with `sync_free` the verdict still on the device
         (`verify_tree_async`'s packing; an `ar` step: [1] the token)."""
         s, tree = p.seq, p.job.tree
@@ -432,7 +327,7 @@ class Engine:
         )
         return list(res.tokens), list(res.accepted_nodes)
 
-    def _commit(self, p: _Planned, tokens: list[int], accepted: list[int], t0: float) -> RoundResult:
+    def _commit(self, p: Planned, tokens: list[int], accepted: list[int], t0: float) -> RoundResult:
         """Cut the verdict at the stop conditions and commit the kept rows' KV."""
         s, tree = p.seq, p.job.tree
         L = len(s.committed)
@@ -470,7 +365,7 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ back on the loop thread
-    def _finish(self, p: _Planned, result: RoundResult | None, err: ProtocolError | None, dt: float) -> None:
+    def _finish(self, p: Planned, result: RoundResult | None, err: ProtocolError | None, dt: float) -> None:
         s = p.seq
         s.busy = False
         if s.closed:
@@ -492,18 +387,14 @@ class Engine:
         s.on_result(result)
 
 
-def _internal(exc: Exception, p: _Planned) -> ProtocolError:
+def _internal(exc: Exception, p: Planned) -> ProtocolError:
     return ProtocolError(ErrorCode.INTERNAL, f"verifier error: {exc}", None, fatal=True, round=p.job.round)
 
 
-def _unpack(p: _Planned, values: list[int]) -> tuple[list[int], list[int]]:
+def _unpack(p: Planned, values: list[int]) -> tuple[list[int], list[int]]:
     """A verdict read back from the device: an `ar` step's [token], or a tree's packed verdict."""
     tree = p.job.tree if p.final else None
     if tree is None or tree.num_nodes == 0:
         return [int(values[0])], []
     res = unpack_verdict(values, tree)
     return list(res.tokens), list(res.accepted_nodes)
-
-
-def _nodes(p: _Planned) -> int:
-    return p.job.tree.num_nodes if p.final and p.job.tree is not None else 0

@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from cloud_verifier.admission import Admission, Refused, Ticket
 from cloud_verifier.auth import AuthError, KeyStore, Principal
-from cloud_verifier.engine import Engine, RoundResult
+from cloud_verifier.engine import Engine
+from cloud_verifier.engine_state import RoundResult
 from cloud_verifier.model import Target
 from shared.messages import Mode, Prompt
 from shared.openai_compat import (

@@ -28,7 +28,8 @@ from cloud_verifier.app_state import AppState
 from cloud_verifier.auth import KeyStore
 from cloud_verifier.config import ServerConfig
 from cloud_verifier.cost import cached_verify_cost
-from cloud_verifier.engine import Engine, EngineConfig
+from cloud_verifier.engine import Engine
+from cloud_verifier.engine_state import EngineConfig
 from cloud_verifier.http_protocol import with_header_timeout
 from cloud_verifier.model import Target, load_target
 from cloud_verifier.session import ModelInfo

@@ -17,7 +17,8 @@ import numpy as np
 
 from cloud_verifier.admission import Admission, Refused, Ticket
 from cloud_verifier.auth import AuthError, KeyStore, Principal
-from cloud_verifier.engine import Engine, RoundResult, SeqState
+from cloud_verifier.engine import Engine
+from cloud_verifier.engine_state import RoundResult, SeqState
 from cloud_verifier.metrics import Metrics
 from shared.errors import CloseCode, ErrorCode, ProtocolError
 from shared.messages import Mode, SessionLimits, Verdict, Welcome

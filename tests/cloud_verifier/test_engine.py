@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cloud_verifier.engine import Engine, EngineConfig, RoundResult, SeqState
+from cloud_verifier.engine import Engine
+from cloud_verifier.engine_state import EngineConfig, RoundResult, SeqState
 from shared.errors import ErrorCode
 from shared.messages import Mode, Prompt
 from shared.tree import TokenTree
