@@ -109,7 +109,13 @@ class Fuzzer:
 
     def mutate(self) -> bytes:
         r = self.rng
-        base = r.choice([self.prompt, self.tree, lambda: {"type": "cancel"}, lambda: {"type": "close"}])()
+        makers: list[Callable[[], dict[str, Any]]] = [
+            self.prompt,
+            self.tree,
+            lambda: {"type": "cancel"},
+            lambda: {"type": "close"},
+        ]
+        base = r.choice(makers)()
         how = r.randrange(6)
         if how == 0 and base:  # a field replaced by an edge value of any type
             k = r.choice(list(base))

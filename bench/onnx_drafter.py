@@ -40,7 +40,8 @@ BACKENDS: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x.astype(np.float64) - float(x.max()))
-    return e / e.sum()
+    out: np.ndarray = e / e.sum()
+    return out
 
 
 def _decode(

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ def bench_tree(nodes: int, base: int, vocab: int, seed: int = 0) -> TokenTree:
 
 
 def measure_forward(
-    target: Target, prefixes: Sequence[int], rows: Sequence[int], repeats: int, bar: tqdm
+    target: Target, prefixes: Sequence[int], rows: Sequence[int], repeats: int, bar: tqdm[NoReturn]
 ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """Median ms of a verify forward for every (prefix, N), the (prefix, N) pairs interleaved;
     and per prefix the median over repeats of N16 / N1 (empty unless both N are measured)."""
@@ -119,7 +119,7 @@ def load_reference(model: str) -> Any:
 
 
 def measure_decode(
-    target: Target, reference: Any, prompt: list[int], new_tokens: int, repeats: int, bar: tqdm
+    target: Target, reference: Any, prompt: list[int], new_tokens: int, repeats: int, bar: tqdm[NoReturn]
 ) -> dict[str, float | None]:
     """Median tokens/s of greedy decoding, ours and transformers' interleaved repeat by repeat."""
     kv = target.new_kv_cache(-(-(len(prompt) + new_tokens) // 16) + 1)

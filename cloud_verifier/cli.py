@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from cloud_verifier.config import ServerConfig
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = ServerConfig.from_env()
     p = sub.add_parser(
         "serve",

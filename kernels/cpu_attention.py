@@ -121,13 +121,15 @@ def tree_attention(
     slots, hd], one layer of the pool; slots: [cached + n] int64, the pool slot of every position;
     allowed: [n, n] bool (new row i sees new row j). Returns [kv_heads, group * n, hd]. Raises
     RuntimeError when the kernels are not available."""
-    return _require().tree_attention(q, kt, v, slots, allowed, cached, scale)
+    out: torch.Tensor = _require().tree_attention(q, kt, v, slots, allowed, cached, scale)
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [rows, hidden] float32 -> RMSNorm(x) * weight in one pass per row (row-invariant).
     Raises RuntimeError when the kernel is not available."""
-    return _require().rms_norm(x.contiguous(), weight, eps)
+    out: torch.Tensor = _require().rms_norm(x.contiguous(), weight, eps)
+    return out
 
 
 def reference_tree_attention(

@@ -23,7 +23,8 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     """The splitmix64 finalizer (a bijection of uint64), elementwise."""
     x = (x ^ (x >> np.uint64(30))) * _MIX1
     x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return x ^ (x >> np.uint64(31))
+    out: np.ndarray = x ^ (x >> np.uint64(31))
+    return out
 
 
 def keyed_uniforms(seeds: np.ndarray | int, positions: np.ndarray | int) -> np.ndarray:

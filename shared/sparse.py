@@ -65,7 +65,7 @@ def quantize(p: np.ndarray) -> np.ndarray:
     if k == 0 or k > MAX_ROW_TOKENS:
         raise _bad(f"a row keeps 1..{MAX_ROW_TOKENS} tokens, got {k}", "probs")
     scaled = p / p.sum() * Q_TOTAL
-    w = np.maximum(np.floor(scaled).astype(np.int64), 1)
+    w: np.ndarray = np.maximum(np.floor(scaled).astype(np.int64), 1)
     diff = Q_TOTAL - int(w.sum())
     if diff > 0:
         # hand out the missing units to the largest fractional remainders

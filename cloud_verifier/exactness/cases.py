@@ -130,9 +130,10 @@ def reference_probs(pair: Pair, params: SamplingParams) -> np.ndarray:
     logits = pair.target.double().numpy()
     v = pair.vocab
     if params.greedy:
-        return np.eye(v)[logits.argmax(-1)]
+        onehot: np.ndarray = np.eye(v)[logits.argmax(-1)]
+        return onehot
     z = logits / params.temperature
-    p = np.exp(z - z.max(-1, keepdims=True))
+    p: np.ndarray = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     if params.top_k or params.top_p < 1.0:
         for row in range(v):
@@ -146,7 +147,7 @@ def reference_probs(pair: Pair, params: SamplingParams) -> np.ndarray:
 def joint_probs(p: np.ndarray, start: int, measure: int) -> np.ndarray:
     """[V ** measure] exact joint distribution of the next `measure` tokens after `start`."""
     v = p.shape[0]
-    out = p[start]
+    out: np.ndarray = p[start]
     for _ in range(measure - 1):
         out = (out[:, None] * p[np.arange(out.size) % v]).reshape(-1)  # cell c ends in token c % V
     return out

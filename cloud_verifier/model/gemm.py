@@ -51,7 +51,9 @@ class Gemm:
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight: [out, in] -> an opaque prepared weight for `linear`."""
         if self.kind == "onednn":
-            return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
+            ops = torch.ops.mkldnn
+            prepared: torch.Tensor = ops._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
+            return prepared
         return weight
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,6 +68,9 @@ class Gemm:
                 # step stays bit-identical to the same row inside a tree.
                 padded = x.new_zeros(MIN_ROWS, x.shape[1])
                 padded[:rows] = x
-                return torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")[:rows]
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+                y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(padded, packed, bias, "none", [], "")
+                return y[:rows]
+            linear = torch.ops.mkldnn._linear_pointwise
+            out: torch.Tensor = linear(x.contiguous(), packed, bias, "none", [], "")
+            return out
         return F.linear(x, packed, bias)
