@@ -28,6 +28,8 @@ from cloud_verifier.tree_batch import TreeBatch
 from shared import Q_TOTAL, SparseDist, SparseRows, TokenTree, merge
 from shared.tree import Draws, ExpansionConfig
 
+pytest.importorskip("scipy")  # the chi-square test of every case
+
 SAMPLES = 200_000
 DEFAULT = [
     Case("match", "merged", 1.0),
