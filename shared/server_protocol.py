@@ -1,0 +1,365 @@
+"""The session protocol's server side, sans I/O (shared/protocol.py has the rules): frames in,
+events out (`HelloReceived`, `PromptReceived`, `VerifyTree`, ...), verdicts and errors in, frames
+out. Anything out of order becomes a `ProtocolError` naming the field."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.errors import ErrorCode, ProtocolError
+from shared.matching import can_still_match, tree_matches
+from shared.messages import (
+    PROTOCOL_VERSION,
+    Cancel,
+    Close,
+    Error,
+    FrameStats,
+    Hello,
+    Message,
+    Mode,
+    Prompt,
+    SessionLimits,
+    Stale,
+    Tree,
+    Verdict,
+    Welcome,
+    WireLimits,
+    decode,
+    encode,
+)
+from shared.server_events import (
+    CancelReceived,
+    ClosedByPeer,
+    ErrorSent,
+    HelloReceived,
+    PromptReceived,
+    ServerEvent,
+    ServerState,
+    VerifyTree,
+)
+from shared.tree import TokenTree
+
+
+@dataclass
+class Generation:
+    """What the server protocol tracks of the generation in progress."""
+
+    prompt: Prompt
+    committed: list[int]  # S: this protocol's own, or the verifier's list (`share_committed`)
+    in_flight: int | None = 0  # round being verified (0: the prompt's answer)
+    pending: dict[int, TokenTree] = field(default_factory=dict)
+    cancelled: bool = False
+    shared: bool = False  # `committed` is the verifier's: it extends it, verdict() only checks it
+
+
+class ServerProtocol:
+    """One connection, server side.
+
+    Feed frames to `receive`; act on the events; call `welcome` after HelloReceived and `verdict`
+    after every verified round; send everything `data_to_send` returns, in order.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        limits: SessionLimits,
+        wire: WireLimits | None = None,
+        versions: Sequence[int] = (PROTOCOL_VERSION,),
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.limits = limits
+        self.wire = wire or WireLimits(max_bytes=limits.max_bytes)
+        self.versions = tuple(versions)
+        self.allowed_modes: frozenset[Mode] = frozenset({Mode.GREEDY, Mode.MATCH, Mode.AR})
+        self.state = ServerState.AWAIT_HELLO
+        self.gen: Generation | None = None
+        self.context: list[int] = []  # committed sequence of the last generation (for `continue`)
+        self.last_round = 0
+        self.stats = FrameStats()
+        self._out: list[bytes] = []
+
+    # -- outgoing
+    def data_to_send(self) -> list[bytes]:
+        out, self._out = self._out, []
+        return out
+
+    def _send(self, msg: Message) -> None:
+        frame = encode(msg)
+        self.stats.out(msg.TYPE.value, len(frame))
+        self._out.append(frame)
+
+    def welcome(self, msg: Welcome) -> None:
+        if self.state is not ServerState.AWAIT_HELLO:
+            raise RuntimeError(f"welcome in state {self.state.value}")
+        self.allowed_modes = frozenset(msg.allowed_modes)
+        self.state = ServerState.IDLE
+        self._send(msg)
+
+    def fail(self, exc: ProtocolError) -> ErrorSent:
+        """Queue an error frame (and, if fatal, move to CLOSED)."""
+        self._send(Error.from_exception(exc))
+        if exc.fatal:
+            self.state = ServerState.CLOSED
+        return ErrorSent(exc)
+
+    def abort(self, exc: ProtocolError) -> ErrorSent:
+        """The round in flight could not be verified (exc.round; e.g. BUSY: no KV room): the
+        generation ends with this error alone, no verdict; pending trees go stale. A non-fatal
+        BUSY with a round ends the client's generation too (ClientProtocol._on_error)."""
+        gen = self.gen
+        if gen is not None and not exc.fatal:
+            self._stale_all(gen, "aborted")
+            self.context = gen.committed
+            self.gen = None
+            self.state = ServerState.IDLE
+        return self.fail(exc)
+
+    def close(self, reason: str | None = None) -> None:
+        if self.state is not ServerState.CLOSED:
+            self._send(Close(reason))
+            self.state = ServerState.CLOSED
+
+    def share_committed(self, committed: list[int]) -> None:
+        """Read the generation's committed sequence from the verifier's list from now on (one source
+        of truth in the server: the engine extends it before each verdict, `verdict` checks it).
+        The list must hold the sequence the prompt started (PromptReceived.committed)."""
+        gen = self.gen
+        if gen is None:
+            raise RuntimeError("share_committed with no generation")
+        if committed != gen.committed:
+            raise RuntimeError(f"the shared sequence ({len(committed)} tokens) is not the generation's")
+        gen.committed, gen.shared = committed, True
+
+    def verdict(self, v: Verdict) -> VerifyTree | None:
+        """Send the verdict of the round in flight; returns the pending tree to verify next, if any.
+
+        Fills `next_round`; ends the generation when `v.done` or after a cancel.
+        """
+        gen = self.gen
+        if self.state is not ServerState.GENERATING or gen is None or gen.in_flight is None:
+            raise RuntimeError("verdict with no round in flight")
+        if v.round != gen.in_flight:
+            raise RuntimeError(f"verdict for round {v.round} but round {gen.in_flight} is in flight")
+        if not gen.shared:
+            gen.committed.extend(int(t) for t in v.tokens)
+        if v.committed_len != len(gen.committed):
+            raise RuntimeError(f"verdict committed_len {v.committed_len} != {len(gen.committed)}")
+        done, reason = v.done, v.reason
+        if gen.cancelled and not done:
+            done, reason = True, "cancelled"
+        nxt: VerifyTree | None = None
+        if done:
+            self._stale_all(gen, "done")
+        elif gen.prompt.mode is Mode.AR:
+            pass  # ar: the server keeps streaming round-0 verdicts
+        else:
+            matching = [r for r, t in gen.pending.items() if tree_matches(t, gen.committed)]
+            if matching:
+                best = max(matching)
+                nxt = VerifyTree(best, gen.pending.pop(best))
+            for r in sorted(gen.pending):
+                if not can_still_match(gen.pending[r], gen.committed, growing=nxt is not None):
+                    del gen.pending[r]
+                    self._send(Stale(r, "superseded" if r in matching else "mismatch"))
+        in_flight = None if nxt is None else nxt.round
+        if gen.prompt.mode is Mode.AR and not done:
+            in_flight = 0
+        gen.in_flight = in_flight
+        self._send(
+            Verdict(
+                round=v.round,
+                tokens=v.tokens,
+                accepted_nodes=v.accepted_nodes,
+                has_bonus=v.has_bonus,
+                committed_len=v.committed_len,
+                next_round=nxt.round if nxt is not None else None,
+                verify_ms=v.verify_ms,
+                done=done,
+                reason=reason,
+            )
+        )
+        if done:
+            self.context = gen.committed
+            self.gen = None
+            self.state = ServerState.IDLE
+        return nxt
+
+    def _stale_all(self, gen: Generation, reason: str) -> None:
+        for r in sorted(gen.pending):
+            self._send(Stale(r, reason))
+        gen.pending.clear()
+
+    # -- incoming
+    def receive(self, data: bytes) -> list[ServerEvent]:
+        """Decode one frame and advance the state machine. Errors become ErrorSent events."""
+        if self.state is ServerState.CLOSED:
+            return []
+        self.stats.inc(len(data))
+        try:
+            msg = decode(data, self.wire)
+            return self._dispatch(msg)
+        except ProtocolError as exc:
+            return [self.fail(exc)]
+
+    def _dispatch(self, msg: Message) -> list[ServerEvent]:
+        if self.state is ServerState.AWAIT_HELLO:
+            if not isinstance(msg, Hello):
+                raise ProtocolError(
+                    ErrorCode.BAD_ORDER, "the first message must be hello", "type", fatal=True
+                )
+            if msg.version not in self.versions:
+                raise ProtocolError(
+                    ErrorCode.BAD_VERSION,
+                    f"protocol version {msg.version} not spoken; use {list(self.versions)}",
+                    "version",
+                    fatal=True,
+                )
+            return [HelloReceived(msg)]
+        if isinstance(msg, Close):
+            self.state = ServerState.CLOSED
+            return [ClosedByPeer(msg.reason)]
+        if isinstance(msg, Prompt):
+            return [self._on_prompt(msg)]
+        if isinstance(msg, Tree):
+            return self._on_tree(msg)
+        if isinstance(msg, Cancel):
+            return self._on_cancel()
+        raise ProtocolError(
+            ErrorCode.BAD_ORDER, f"a client may not send {msg.TYPE.value}", "type", fatal=True
+        )
+
+    def _on_prompt(self, p: Prompt) -> PromptReceived:
+        if self.state is ServerState.GENERATING:
+            raise ProtocolError(
+                ErrorCode.BAD_ORDER, "a generation is already running; cancel it first", "type"
+            )
+        lim = self.limits
+        if p.mode not in self.allowed_modes:
+            raise ProtocolError(
+                ErrorCode.MODE_NOT_ALLOWED,
+                f"mode {p.mode.value} is not allowed for this key; allowed: "
+                f"{sorted(m.value for m in self.allowed_modes)}",
+                "mode",
+                round=0,
+            )
+        if p.continue_ and not self.context:
+            raise ProtocolError(
+                ErrorCode.BAD_ORDER, "continue needs an earlier generation", "continue", round=0
+            )
+        if p.tokens.size and (int(p.tokens.min()) < 0 or int(p.tokens.max()) >= self.vocab_size):
+            raise ProtocolError(
+                ErrorCode.OUT_OF_RANGE, f"token ids must be in [0, {self.vocab_size})", "tokens", round=0
+            )
+        if p.stop_ids and (min(p.stop_ids) < 0 or max(p.stop_ids) >= self.vocab_size):
+            raise ProtocolError(
+                ErrorCode.OUT_OF_RANGE, f"stop ids must be in [0, {self.vocab_size})", "stop_ids", round=0
+            )
+        committed = (list(self.context) if p.continue_ else []) + [int(t) for t in p.tokens]
+        if not committed:
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "a prompt needs at least one token", "tokens", round=0)
+        if len(committed) >= lim.max_context:
+            raise ProtocolError(
+                ErrorCode.CONTEXT_FULL,
+                f"{len(committed)} tokens leave no room under max_context {lim.max_context}",
+                "tokens",
+                round=0,
+            )
+        if p.tree is not None:
+            self._check_tree(p.tree, p.mode, "tree", 0)
+            if not tree_matches(p.tree, committed):
+                raise ProtocolError(
+                    ErrorCode.BAD_TREE,
+                    f"the prompt's tree must have base + len(cond) == {len(committed)} and match the prompt",
+                    "tree.base",
+                    round=0,
+                )
+        self.gen = Generation(p, committed)
+        self.state = ServerState.GENERATING
+        return PromptReceived(p, np.asarray(committed, dtype=np.int32))
+
+    def _check_tree(self, tree: TokenTree, mode: Mode, fld: str, rnd: int) -> None:
+        lim = self.limits
+        if mode is Mode.AR:
+            raise ProtocolError(ErrorCode.BAD_ORDER, "mode ar takes no trees", fld, round=rnd)
+        try:
+            tree.validate(
+                self.vocab_size,
+                lim.max_nodes,
+                lim.max_depth,
+                stochastic=mode.stochastic,
+                without_replacement=mode is Mode.RRS,
+                field=fld,
+                draw_limits=lim.draws,
+            )
+        except ProtocolError as exc:
+            exc.round = rnd
+            raise
+        if tree.cond.size > 4 * (lim.max_depth + 1):
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"cond longer than 4 * (max_depth + 1) = {4 * (lim.max_depth + 1)}: "
+                "speculation reaches at most 4 rounds ahead",
+                f"{fld}.cond",
+                round=rnd,
+            )
+
+    def _on_tree(self, msg: Tree) -> list[ServerEvent]:
+        r = msg.round
+        if r <= self.last_round:
+            raise ProtocolError(
+                ErrorCode.BAD_ORDER, f"round {r} is not after round {self.last_round}", "round", round=r
+            )
+        self.last_round = r
+        gen = self.gen
+        if gen is None:
+            if self.state is ServerState.IDLE and self.context:
+                # a tree sent before the client saw the done verdict: a race, not an error
+                self._send(Stale(r, "no generation"))
+                return []
+            raise ProtocolError(ErrorCode.BAD_ORDER, "a tree needs a prompt first", "type", round=r)
+        self._check_tree(msg.tree, gen.prompt.mode, "tree", r)
+        if gen.cancelled:
+            self._send(Stale(r, "cancelled"))
+            return []
+        committed = gen.committed
+        if gen.in_flight is None and tree_matches(msg.tree, committed):
+            gen.in_flight = r
+            return [VerifyTree(r, msg.tree)]
+        if not can_still_match(msg.tree, committed, growing=gen.in_flight is not None):
+            self._send(Stale(r, "mismatch"))
+            return []
+        if len(gen.pending) >= self.limits.max_pending:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_PENDING,
+                f"already {len(gen.pending)} pending trees (max_pending {self.limits.max_pending})",
+                "round",
+                round=r,
+            )
+        gen.pending[r] = msg.tree
+        return []
+
+    def _on_cancel(self) -> list[ServerEvent]:
+        gen = self.gen
+        if gen is None or gen.cancelled:
+            return []  # nothing to cancel: a race with the done verdict
+        gen.cancelled = True
+        self._stale_all(gen, "cancelled")
+        if gen.in_flight is None:
+            gen.in_flight = 0
+            self.verdict(
+                Verdict(
+                    0,
+                    np.zeros(0, np.int32),
+                    np.zeros(0, np.int32),
+                    has_bonus=False,
+                    committed_len=len(gen.committed),
+                    done=True,
+                    reason="cancelled",
+                )
+            )
+            return [CancelReceived(in_flight=False)]
+        return [CancelReceived(in_flight=True)]
