@@ -1,0 +1,292 @@
+"""The messages of a generation (DESIGN section 3.2): `Prompt` and `Tree` from the edge, `Verdict`
+and `Stale` from the cloud, `Error`, `Cancel`, `Close`; a token tree's wire form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from shared.errors import ErrorCode, ProtocolError
+from shared.message_types import Mode, MsgType
+from shared.sparse import SparseRows
+from shared.tree import Draws, TokenTree
+from shared.wire import (
+    MAX_U31,
+    MAX_U63,
+    Reader,
+    as_ints,
+    le_bytes,
+)
+
+
+def tree_to_wire(tree: TokenTree, d: dict[str, Any]) -> dict[str, Any]:
+    d["base"] = tree.base
+    d["cond"] = le_bytes(tree.cond)
+    d["tokens"] = le_bytes(tree.tokens)
+    d["parents"] = le_bytes(tree.parents)
+    if tree.draws is not None:
+        dr = tree.draws
+        d["draws"] = {
+            "node": le_bytes(dr.node),
+            "drafter": le_bytes(dr.drafter, "u1"),
+            "qrow": le_bytes(dr.qrow),
+            "q_ptr": le_bytes(dr.q.ptr, "<u4"),
+            "q_ids": le_bytes(dr.q.ids),
+            "q_wm1": le_bytes(dr.q.weights - 1, "<u2"),  # weight - 1: weights are in [1, 65536]
+        }
+    return d
+
+
+def tree_from_wire(r: Reader) -> TokenTree:
+    lim = r.limits
+    tokens = r.array("tokens", "<i4", lim.max_nodes)
+    parents = r.array("parents", "<i4", lim.max_nodes)
+    draws = None
+    if r.has("draws"):
+        dr = r.sub("draws")
+        q = SparseRows(
+            ptr=dr.array("q_ptr", "<u4", lim.max_q_nnz + 1).astype(np.int64),
+            ids=dr.array("q_ids", "<i4", lim.max_q_nnz),
+            weights=dr.array("q_wm1", "<u2", lim.max_q_nnz).astype(np.int64) + 1,
+        )
+        draws = Draws(
+            node=dr.array("node", "<i4", lim.max_q_nnz),
+            drafter=dr.array("drafter", "u1", lim.max_q_nnz),
+            qrow=dr.array("qrow", "<i4", lim.max_q_nnz),
+            q=q,
+        )
+        dr.finish()
+    else:
+        r.raw("draws", None)
+    return TokenTree(
+        tokens=tokens,
+        parents=parents,
+        base=r.integer("base", 0),
+        cond=r.array("cond", "<i4", lim.max_tokens),
+        draws=draws,
+    )
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Client -> server: start a generation (or, with continue_, add a turn to the cached context)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PROMPT
+    tokens: np.ndarray  # [P] int32, the new tokens (the whole prompt, or the next turn if continue_)
+    mode: Mode = Mode.GREEDY
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 128
+    stop_ids: tuple[int, ...] = ()
+    continue_: bool = False
+    tree: TokenTree | None = None  # optional first tree, verified right after prefill
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", as_ints(self.tokens))
+        object.__setattr__(self, "mode", Mode(self.mode))
+        object.__setattr__(self, "stop_ids", tuple(int(x) for x in self.stop_ids))
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "tokens": le_bytes(self.tokens),
+            "mode": self.mode.value,
+            "temperature": float(self.temperature),
+            "top_k": self.top_k,
+            "top_p": float(self.top_p),
+            "seed": self.seed,
+            "max_new_tokens": self.max_new_tokens,
+            "stop_ids": le_bytes(np.asarray(self.stop_ids, dtype=np.int64)),
+            "continue": self.continue_,
+        }
+        if self.tree is not None:
+            d["tree"] = tree_to_wire(self.tree, {})
+        return d
+
+    @classmethod
+    def from_wire(cls, r: Reader) -> Prompt:
+        mode_s = r.text("mode")
+        try:
+            mode = Mode(mode_s)
+        except ValueError as exc:
+            raise r.bad("mode", f"unknown mode {mode_s!r}; one of {[m.value for m in Mode]}") from exc
+        tree = None
+        if r.has("tree"):
+            tr = r.sub("tree")
+            tree = tree_from_wire(tr)
+            tr.finish()
+        else:
+            r.raw("tree", None)
+        return cls(
+            tokens=r.array("tokens", "<i4", r.limits.max_tokens),
+            mode=mode,
+            temperature=r.number("temperature", 0.0, 1e4, 0.0),
+            top_k=r.integer("top_k", 0, MAX_U31, 0),
+            top_p=r.number("top_p", 1e-9, 1.0, 1.0),
+            seed=r.integer("seed", 0, MAX_U63, 0),
+            max_new_tokens=r.integer("max_new_tokens", 1, MAX_U31, 128),
+            stop_ids=tuple(r.array("stop_ids", "<i4", r.limits.max_list, ()).tolist()),
+            continue_=r.flag("continue", False),
+            tree=tree,
+        )
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Client -> server: a token tree for round `round` (ids strictly increase within a session)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.TREE
+    round: int
+    tree: TokenTree
+
+    def to_wire(self) -> dict[str, Any]:
+        return tree_to_wire(self.tree, {"round": self.round})
+
+    @classmethod
+    def from_wire(cls, r: Reader) -> Tree:
+        return cls(round=r.integer("round", 1), tree=tree_from_wire(r))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Server -> client: the outcome of a round.
+
+    round 0 answers no tree: a prompt sent without one, a token of mode ar, or the end of a
+    cancelled generation. tokens = accepted path then the bonus, cut at the first stop id or at
+    max_new_tokens. next_round names a pending tree the server is already verifying.
+    """
+
+    TYPE: ClassVar[MsgType] = MsgType.VERDICT
+    round: int
+    tokens: np.ndarray  # [k] int32
+    accepted_nodes: np.ndarray  # [a] int32 node indices of the verified tree
+    has_bonus: bool
+    committed_len: int  # length of the committed sequence after this verdict
+    next_round: int | None = None
+    verify_ms: float = 0.0
+    done: bool = False
+    reason: str | None = None  # when done: "stop", "length", "context", "cancelled"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", as_ints(self.tokens))
+        object.__setattr__(self, "accepted_nodes", as_ints(self.accepted_nodes))
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "round": self.round,
+            "tokens": le_bytes(self.tokens),
+            "accepted_nodes": le_bytes(self.accepted_nodes),
+            "has_bonus": self.has_bonus,
+            "committed_len": self.committed_len,
+            "verify_ms": float(self.verify_ms),
+            "done": self.done,
+        }
+        if self.next_round is not None:
+            d["next_round"] = self.next_round
+        if self.reason is not None:
+            d["reason"] = self.reason
+        return d
+
+    @classmethod
+    def from_wire(cls, r: Reader) -> Verdict:
+        return cls(
+            round=r.integer("round", 0),
+            tokens=r.array("tokens", "<i4", r.limits.max_tokens),
+            accepted_nodes=r.array("accepted_nodes", "<i4", r.limits.max_nodes),
+            has_bonus=r.flag("has_bonus"),
+            committed_len=r.integer("committed_len", 0),
+            next_round=r.integer("next_round", 1, MAX_U31, None),
+            verify_ms=r.number("verify_ms", 0.0, 1e9, 0.0),
+            done=r.flag("done"),
+            reason=r.text("reason", None),
+        )
+
+
+@dataclass(frozen=True)
+class Stale:
+    """Server -> client: a tree that will never be verified (it can no longer match)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STALE
+    round: int
+    reason: str
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "reason": self.reason}
+
+    @classmethod
+    def from_wire(cls, r: Reader) -> Stale:
+        return cls(round=r.integer("round", 1), reason=r.text("reason"))
+
+
+@dataclass(frozen=True)
+class Error:
+    """Either side: what was wrong, which field, and whether the connection ends."""
+
+    TYPE: ClassVar[MsgType] = MsgType.ERROR
+    code: ErrorCode
+    message: str
+    field: str | None = None
+    fatal: bool = False
+    round: int | None = None  # the tree round it refers to (0: the prompt), when it refers to one
+
+    @classmethod
+    def from_exception(cls, exc: ProtocolError) -> Error:
+        return cls(exc.code, exc.message[:1000], exc.field, exc.fatal, exc.round)
+
+    def to_exception(self) -> ProtocolError:
+        return ProtocolError(self.code, self.message, self.field, fatal=self.fatal, round=self.round)
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"code": self.code.value, "message": self.message, "fatal": self.fatal}
+        if self.field is not None:
+            d["field"] = self.field
+        if self.round is not None:
+            d["round"] = self.round
+        return d
+
+    @classmethod
+    def from_wire(cls, r: Reader) -> Error:
+        code_s = r.text("code")
+        try:
+            code = ErrorCode(code_s)
+        except ValueError:
+            code = ErrorCode.INTERNAL  # a newer peer's code: still an error, still readable
+        return cls(
+            code=code,
+            message=r.text("message"),
+            field=r.text("field", None),
+            fatal=r.flag("fatal"),
+            round=r.integer("round", 0, MAX_U31, None),
+        )
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Client -> server: end the current generation (the server answers with a done verdict)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CANCEL
+
+    def to_wire(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_wire(cls, r: Reader) -> Cancel:
+        return cls()
+
+
+@dataclass(frozen=True)
+class Close:
+    """Either side: the session ends normally."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CLOSE
+    reason: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {} if self.reason is None else {"reason": self.reason}
+
+    @classmethod
+    def from_wire(cls, r: Reader) -> Close:
+        return cls(reason=r.text("reason", None))
