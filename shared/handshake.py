@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from shared.message_types import PROTOCOL_VERSION, Mode, MsgType
-from shared.tree import DrawLimits
+from shared.tree_validation import DrawLimits
 from shared.wire import (
     Reader,
     le_bytes,
