@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import load
+from bench import load, load_figures
 from cloud_verifier.config import ServerConfig
 from tests.cloud_verifier.service import tiny
 
@@ -51,14 +51,14 @@ def test_url_drives_an_external_verifier_without_an_unbatched_run(tmp_path: Path
 
 def test_percentile_is_nearest_rank_and_speedup_pairs_runs() -> None:
     values = [float(x) for x in range(1, 101)]
-    assert load.percentile(values, 50) == 50.0 and load.percentile(values, 99) == 99.0
-    assert load.percentile([7.0], 99) == 7.0 and load.percentile([], 50) is None
+    assert load_figures.percentile(values, 50) == 50.0 and load_figures.percentile(values, 99) == 99.0
+    assert load_figures.percentile([7.0], 99) == 7.0 and load_figures.percentile([], 50) is None
     runs = [
         {"clients": 4, "batching": True, "tokens_per_s": 30.0},
         {"clients": 4, "batching": False, "tokens_per_s": 10.0},
         {"clients": 1, "batching": True, "tokens_per_s": 5.0},
     ]
-    assert load.speedups(runs) == {"4": 3.0}
+    assert load_figures.speedups(runs) == {"4": 3.0}
 
 
 def test_every_flag_has_help() -> None:
