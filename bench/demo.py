@@ -18,7 +18,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench.e2e import ModeRuns, run_modes
+from bench.e2e import run_modes
+from bench.e2e_results import ModeRuns
 from bench.harness import BenchPrompt, CoreSplit, Verifier, table
 from bench.network import Proxy
 from edge_client.defaults import recommended_tree

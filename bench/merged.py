@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from bench.e2e import ModeRuns
+from bench.e2e_results import ModeRuns
 from bench.harness import BenchPrompt, CoreSplit, Verifier, load_suite
 from edge_client.client import EdgeClient, TreeSpec
 from edge_client.drafters.registry import create_drafter
