@@ -1,0 +1,206 @@
+"""bench.network's results: the modes and row keys, the merge of runs made in pieces (`--merge`),
+the table, the JSON file, the goals and the plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.harness import table
+
+MODES = ("ar", "sequence", "tree", "tree_prespec")
+OPTIONAL = (
+    "tree_prespec_ungated",
+    "tree_prespec_frugal",
+    "tree_prespec_single",
+    "sequence_prespec",
+    "sequence_prespec_single",
+    "budget",
+    "budget_prespec",
+    "tree_rrs",
+    "tree_prespec_rrs",
+)
+# run settings that must agree for rows of several files to form one table (--merge)
+SAME_RUN = (
+    "draft",
+    "model",
+    "humaneval",
+    "prompts",
+    "tokens",
+    "tree",
+    "proxy",
+    "jitter_ms",
+    "bandwidth_mbps",
+    "no_couple",
+)
+ROW_KEYS = (
+    *("rtt_ms", "mode", "temperature", "ms_per_token", "tau", "hit_rate", "target_forwards_per_token"),
+    *("bytes_up_per_token", "bytes_down_per_token", "draft_ms_per_round", "verify_ms_per_round"),
+    "rtt_ms_per_round",
+)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.2), squeeze=False)
+    for ax, t in zip(axes[0], temps, strict=True):
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            pts = sorted(
+                (r["rtt_ms"], r["ms_per_token"]) for r in rows if r["temperature"] == t and r["mode"] == mode
+            )
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax.set_title(f"{'greedy' if t == 0 else f'match, T={t}'}")
+        ax.set_xlabel("round-trip time (ms)")
+        ax.set_ylabel("ms per token (median)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def merge(paths: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows of several `--json` files of one setup (the last file wins for a repeated (RTT, mode,
+    T)), and the first file's config with `merged_from` added."""
+    if not paths:
+        raise ValueError("name at least one JSON file")
+    merged: dict[tuple[float, str, float], dict[str, Any]] = {}
+    first: dict[str, Any] | None = None
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read a bench.network JSON file ({exc})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
+            raise ValueError(f"{path}: no 'rows' list; is it a bench.network --json file?")
+        cfg = doc.get("config") or {}
+        if first is None:
+            first = cfg
+        diff = [k for k in SAME_RUN if cfg.get(k) != first.get(k)]
+        if diff:
+            raise ValueError(
+                f"{path} was run with other settings than {paths[0]}: "
+                + ", ".join(f"{k} {cfg.get(k)!r} vs {first.get(k)!r}" for k in diff)
+            )
+        for i, r in enumerate(doc["rows"]):
+            if not isinstance(r, dict) or any(k not in r for k in ROW_KEYS):
+                raise ValueError(f"{path}: row {i} lacks one of {', '.join(ROW_KEYS)}")
+            merged[(float(r["rtt_ms"]), str(r["mode"]), float(r["temperature"]))] = r
+    assert first is not None
+    order = {m: i for i, m in enumerate(MODES + OPTIONAL)}
+    rows = sorted(merged.values(), key=lambda r: (r["rtt_ms"], r["temperature"], order.get(r["mode"], 99)))
+    config = {
+        **first,
+        "rtt_ms": ",".join(f"{x:g}" for x in sorted({r["rtt_ms"] for r in rows})),
+        "temperatures": ",".join(f"{x:g}" for x in sorted({r["temperature"] for r in rows})),
+        "modes": ",".join(dict.fromkeys(r["mode"] for r in rows)),
+        "merged_from": list(paths),
+        "json": None,
+        "plot": None,
+        "merge": None,
+    }
+    return rows, config
+
+
+def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, Any]) -> int:
+    """The table, the goals, the JSON (complete; with `config`) and the plot."""
+    c = config
+    merged = f", merged from {len(c['merged_from'])} files" if c.get("merged_from") else ""
+    n_he, n_sb = c.get("humaneval", 0), c.get("prompts")
+    size = f"{n_he} HumanEval + {n_sb} Spec-Bench prompts x {c.get('tokens')} tokens"
+    print(f"\n{c.get('model')} verifier, draft {c.get('draft')}, {size}{merged} (medians)")
+    print(
+        table(
+            [
+                [
+                    r["rtt_ms"],
+                    r["temperature"],
+                    r["mode"],
+                    r["ms_per_token"],
+                    r["tau"],
+                    "-" if r["hit_rate"] is None else r["hit_rate"],
+                    r["target_forwards_per_token"],
+                    r["bytes_up_per_token"],
+                    r["bytes_down_per_token"],
+                    r["draft_ms_per_round"],
+                    r["verify_ms_per_round"],
+                    r["rtt_ms_per_round"],
+                ]
+                for r in rows
+            ],
+            [
+                "rtt",
+                "T",
+                "mode",
+                "ms/token",
+                "tau",
+                "hit",
+                "fwd/token",
+                "B up/tok",
+                "B down/tok",
+                "draft ms/rnd",
+                "verify ms/rnd",
+                "net ms/rnd",
+            ],
+        )
+    )
+    _goals(rows)
+    write_results(a.json, rows, config, complete=True)
+    if a.plot:
+        plot(rows, a.plot)
+        print(f"plot: {a.plot}")
+    return 0
+
+
+def write_results(
+    path: str | None, rows: list[dict[str, Any]], config: dict[str, Any], complete: bool
+) -> None:
+    """The JSON file, rewritten after every RTT x temperature block (`complete` false until the end)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"rows": rows, "complete": complete, "config": config}
+        Path(path).write_text(json.dumps(doc, indent=2))
+
+
+def _goals(rows: list[dict[str, Any]]) -> None:
+    """Print the issue's goals as measured (benchmark figures, not tests)."""
+
+    def get(rtt: float, mode: str, t: float) -> float | None:
+        for r in rows:
+            if r["rtt_ms"] == rtt and r["mode"] == mode and r["temperature"] == t:
+                return float(r["ms_per_token"])
+        return None
+
+    for t in sorted({r["temperature"] for r in rows}):
+        tree50, pre50, ar50 = get(50, "tree", t), get(50, "tree_prespec", t), get(50, "ar", t)
+        if tree50 and pre50:
+            print(f"T={t:g}: at RTT 50 tree_prespec/tree = {pre50 / tree50:.3f}")
+        if ar50 and pre50:
+            goal = 0.30 if t == 0 else 0.45
+            verdict = "met" if pre50 / ar50 <= goal else "not met"
+            print(f"T={t:g}: at RTT 50 tree_prespec/ar = {pre50 / ar50:.3f} (goal <= {goal:.2f}: {verdict})")
+        slower = [
+            r
+            for r in sorted({r["rtt_ms"] for r in rows})
+            if (get(r, "tree_prespec", t) or 0) > (get(r, "tree", t) or float("inf"))
+        ]
+        print(f"T={t:g}: RTTs where tree_prespec is slower than tree: {slower or 'none'}")
+        t0, t50 = get(0, "tree", t), get(50, "tree", t)
+        tau = next(
+            (r["tau"] for r in rows if r["rtt_ms"] == 50 and r["mode"] == "tree" and r["temperature"] == t),
+            None,
+        )
+        if t0 and t50 and tau:
+            print(
+                f"T={t:g}: tree ms/token at RTT 50 - at RTT 0 = {t50 - t0:.1f} "
+                f"(expected ~50/tau = {50 / tau:.1f})"
+            )
