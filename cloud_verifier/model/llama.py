@@ -21,27 +21,12 @@ from torch import nn
 from cloud_verifier.kv_cache import TILE, PagedKVCache, SeqSlots
 from cloud_verifier.model import gemm, triton_attention
 from cloud_verifier.model.config import ModelConfig
+from cloud_verifier.model.inputs import SeqInput, allowed_rows, attention_mask, check_input, row_bounds
 from cloud_verifier.model.rope import Rotary
 from kernels import cpu_attention
 
-
-@dataclass
-class SeqInput:
-    """One sequence's rows in a packed forward.
-
-    Every row attends to all the sequence's cached positions [0, kv.cached_len(seq_id)) and to
-    the new rows that `tree_mask` allows (None: causal among the new rows).
-    """
-
-    seq_id: int  # KV-cache sequence id
-    tokens: torch.Tensor  # [n] int64, the new rows
-    positions: torch.Tensor  # [n] int64 absolute positions (RoPE)
-    tree_mask: torch.Tensor | None  # [n, n] bool, True = row i may attend to row j; None = causal
-    logit_rows: torch.Tensor  # [k] int64 indices into the n rows whose logits are wanted
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.tokens.numel())
+# SeqInput and check_input are part of this module's interface (the sharded model imports them here)
+__all__ = ["ATTENTION_MODES", "DecoderLayer", "LlamaModel", "SeqInput", "check_input", "rms_norm"]
 
 
 class DecoderLayer(nn.Module):
@@ -273,26 +258,26 @@ class LlamaModel(nn.Module):
         if triton:  # one launch per layer for all sequences; over-long tree sessions through SDPA
             launch = triton_attention.prepare(inputs, cached, kv, self.device)
             masks = [
-                _attention_mask(x, n_cached, c.group_size, self.attn_dtype, self.device)
+                attention_mask(x, n_cached, c.group_size, self.attn_dtype, self.device)
                 if i in launch.fallback
                 else None
                 for i, (x, n_cached) in enumerate(zip(inputs, cached, strict=True))
             ]
         elif kernel:  # per sequence: slot of every position, new-row mask, cached length
             kernel_args = [
-                (kv.read_slots(plan.read), _allowed(x), n_cached)
+                (kv.read_slots(plan.read), allowed_rows(x), n_cached)
                 for x, plan, n_cached in zip(inputs, plans, cached, strict=True)
             ]
         else:
             masks = [
-                _attention_mask(x, n_cached, c.group_size, self.attn_dtype, self.device)
+                attention_mask(x, n_cached, c.group_size, self.attn_dtype, self.device)
                 for x, n_cached in zip(inputs, cached, strict=True)
             ]
         tokens = torch.cat([x.tokens for x in inputs]).to(self.device)  # [T]
         positions = torch.cat([x.positions for x in inputs]).to(self.device)  # [T]
         write_slots = torch.cat([p.write for p in plans])  # [T]
         cos, sin = self.rotary.tables(positions, self.dtype)  # [T, 1, head_dim] each
-        bounds = _row_bounds(inputs)
+        bounds = row_bounds(inputs)
         prep = self.prepare()
         lin = prep.gemm.linear
         h = F.embedding(tokens, self.embed)  # [T, hidden]
@@ -413,65 +398,3 @@ def rms_norm(h: torch.Tensor, shape: tuple[int], weight: torch.Tensor, eps: floa
     if h.dtype == torch.float32:
         return F.rms_norm(h, shape, weight, eps)
     return F.rms_norm(h.float(), shape, weight.float(), eps).to(h.dtype)
-
-
-def _row_bounds(inputs: list[SeqInput]) -> list[tuple[int, int]]:
-    out, a = [], 0
-    for x in inputs:
-        out.append((a, a + x.num_rows))
-        a += x.num_rows
-    return out
-
-
-def _allowed(x: SeqInput) -> torch.Tensor:
-    """[n, n] bool on the CPU: new row i may attend to new row j (the tree mask, or causal)."""
-    if x.tree_mask is not None:
-        return x.tree_mask.to("cpu").contiguous()
-    return torch.ones(x.num_rows, x.num_rows, dtype=torch.bool).tril_()
-
-
-def _attention_mask(
-    x: SeqInput, cached: int, group: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor | None:
-    """[group * n, cached + n] additive mask (0 = attend, -inf = not), or None when every row may
-    see every key (a single row).
-
-    Rows are ordered group-major to match the stacked GQA queries; the mask broadcasts over KV
-    heads. It is built once per forward in the model's dtype so no layer re-converts it.
-    """
-    n = x.num_rows
-    if n == 1:
-        return None
-    if x.tree_mask is not None:
-        allowed = x.tree_mask.to(device)
-    else:
-        allowed = torch.ones(n, n, dtype=torch.bool, device=device).tril_()
-    if cached:
-        allowed = torch.cat((torch.ones(n, cached, dtype=torch.bool, device=device), allowed), dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    return mask.repeat(group, 1) if group > 1 else mask
-
-
-def check_input(x: SeqInput, vocab_size: int) -> None:
-    """Refuse a malformed SeqInput before the forward reserves or writes anything.
-
-    Shapes are always checked; value ranges only for CPU tensors (on a GPU they would cost a
-    device sync per input; the engine validates ids where they arrive, DESIGN section 7).
-    """
-    n = x.num_rows
-    if x.tokens.dim() != 1 or x.positions.shape != x.tokens.shape:
-        raise ValueError("tokens and positions must be 1-D of one length")
-    if n == 0:
-        raise ValueError("a SeqInput needs at least one row")
-    if x.tree_mask is not None and (x.tree_mask.shape != (n, n) or x.tree_mask.dtype != torch.bool):
-        raise ValueError(f"tree_mask must be [{n}, {n}] bool")
-    if x.logit_rows.dim() != 1:
-        raise ValueError("logit_rows must be 1-D")
-    if x.tokens.device.type != "cpu":
-        return
-    if int(x.tokens.min()) < 0 or int(x.tokens.max()) >= vocab_size:
-        raise ValueError(f"token ids must be in [0, {vocab_size})")
-    if x.tree_mask is not None and not bool(x.tree_mask.diagonal().all()):
-        raise ValueError("tree_mask must let every row attend to itself")
-    if x.logit_rows.numel() and (int(x.logit_rows.min()) < 0 or int(x.logit_rows.max()) >= n):
-        raise ValueError(f"logit_rows must be in [0, {n})")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from cloud_verifier.model.llama import SeqInput
+from cloud_verifier.model.inputs import SeqInput
 from shared.tree import TokenTree
 
 

@@ -27,7 +27,7 @@ import torch
 
 if TYPE_CHECKING:
     from cloud_verifier.kv_cache import PagedKVCache
-    from cloud_verifier.model.llama import SeqInput
+    from cloud_verifier.model.inputs import SeqInput
 
 MAX_TREE_ROWS = 65  # row 0 + 64 nodes: one int64 mask bit per node (kernels.tree_attention)
 HEAD_DIMS = (16, 32, 64, 128, 256)
