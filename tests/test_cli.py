@@ -58,13 +58,15 @@ def test_edge_refuses_a_bad_prespec_min_gain_before_connecting(
 
 def test_edge_tree_defaults_follow_the_draft() -> None:
     from edge_client.cli import _tree_spec
+    from shared.model_store.catalog import DEFAULT_DRAFT
 
     parser = edge_parser()
     pair = parser.parse_args(["generate", "hi"])
-    assert pair.draft == "qwen2.5-coder-0.5b-q4"
-    assert _tree_spec(pair).expansion.ks == (2, 1, 1, 1, 1, 1, 1, 1)
+    assert pair.draft is None and DEFAULT_DRAFT == "qwen2.5-coder-0.5b-q4"  # applied when generating
+    assert _tree_spec(pair, DEFAULT_DRAFT).expansion.ks == (2, 1, 1, 1, 1, 1, 1, 1)
     smol = parser.parse_args(["generate", "--draft", "smollm2-135m-q4", "--sequence", "hi"])
-    spec = _tree_spec(smol)
+    assert smol.draft == ["smollm2-135m-q4"]
+    spec = _tree_spec(smol, smol.draft[0])
     assert spec.kind == "sequence" and spec.expansion.ks == (1, 1, 3, 1, 1)
     given = parser.parse_args(["generate", "--tree", "1,2", "hi"])
-    assert _tree_spec(given).expansion.ks == (1, 2)
+    assert _tree_spec(given, DEFAULT_DRAFT).expansion.ks == (1, 2)
