@@ -61,13 +61,14 @@ async def _generate(url: str, hello: bytes, prompt: Sequence[int], n: int) -> tu
 
 async def _pair(
     url: str, hello: bytes, honest: Sequence[int], n: int, long_prompt: Sequence[int] | None
-) -> tuple[list[int], float]:
+) -> tuple[list[int], float, float]:
+    """(honest tokens, honest seconds, seconds of the long prompt's generation or 0)."""
     if long_prompt is None:
-        return await _generate(url, hello, honest, n)
-    (toks, s), _ = await asyncio.gather(
+        return (*await _generate(url, hello, honest, n), 0.0)
+    (toks, s), (_, p) = await asyncio.gather(
         _generate(url, hello, honest, n), _generate(url, hello, long_prompt, 1)
     )
-    return toks, s
+    return toks, s, p
 
 
 def run_chunk(a: argparse.Namespace, chunk: int, vocab: int, hello: bytes) -> dict[str, Any]:
@@ -77,21 +78,33 @@ def run_chunk(a: argparse.Namespace, chunk: int, vocab: int, hello: bytes) -> di
         a.model,
         cores=(a.core,) if a.core >= 0 else (),
         threads=1,
-        args=["--prefill-chunk", str(chunk), "--no-measure-cost", "--max-context", str(a.prefill + 8)],
+        args=[
+            "--prefill-chunk",
+            str(chunk),
+            "--no-measure-cost",
+            "--max-context",
+            str(a.prefill + 8),
+            "--kv-blocks",  # room for both sessions whatever the pool's automatic size
+            str(2 * ((a.prefill + a.tokens + 32) // 16 + 2)),
+            "--block-size",
+            "16",
+        ],
     ).start()
     alone: list[float] = []
     shared: list[float] = []
+    prefill: list[float] = []
     identical = True
     try:
-        ref, _ = asyncio.run(_pair(v.url, hello, honest, a.tokens, None))  # warm-up
+        ref, _, _ = asyncio.run(_pair(v.url, hello, honest, a.tokens, None))  # warm-up
         for _ in tqdm(range(a.repeats), desc=f"chunk {chunk}", file=sys.stderr, disable=a.no_progress):
-            toks, s = asyncio.run(_pair(v.url, hello, honest, a.tokens, None))
+            toks, s, _ = asyncio.run(_pair(v.url, hello, honest, a.tokens, None))
             identical &= toks == ref
             alone.append(s)
             long_prompt = [rng.randrange(vocab) for _ in range(a.prefill)]
-            toks, s = asyncio.run(_pair(v.url, hello, honest, a.tokens, long_prompt))
+            toks, s, p = asyncio.run(_pair(v.url, hello, honest, a.tokens, long_prompt))
             identical &= toks == ref
             shared.append(s)
+            prefill.append(p)
     finally:
         v.stop()
     m_alone, m_shared = statistics.median(alone), statistics.median(shared)
@@ -100,6 +113,7 @@ def run_chunk(a: argparse.Namespace, chunk: int, vocab: int, hello: bytes) -> di
         "alone_s": round(m_alone, 3),
         "beside_prefill_s": round(m_shared, 3),
         "slowdown": round(m_shared / m_alone, 2),
+        "long_prompt_s": round(statistics.median(prefill), 3),
         "identical": identical,
     }
 
@@ -135,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{a.model}: a {a.tokens}-token ar generation alone and beside a {a.prefill}-token prefill "
         f"(verifier on one core, medians of {a.repeats})"
     )
-    keys = ["prefill_chunk", "alone_s", "beside_prefill_s", "slowdown", "identical"]
+    keys = ["prefill_chunk", "alone_s", "beside_prefill_s", "slowdown", "long_prompt_s", "identical"]
     print(table([[r[k] for k in keys] for r in rows], keys))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

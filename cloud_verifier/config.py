@@ -32,7 +32,7 @@ class ServerConfig:
     max_q_ids: int = 16384  # mss/rrs: token ids in all q rows of a tree
     max_q_row: int = 4096  # mss/rrs: token ids in one q row
     token_budget: int = 512  # rows packed into one engine step (chunked prefill beyond it)
-    prefill_chunk: int = 64  # prompt rows per step for one session while others have work
+    prefill_chunk: int = 16  # prompt rows a step for one session while others have work (bench.prefill_share)
     batching: bool = True  # False: one session per engine forward (the baseline bench.load compares)
     kv_blocks: int = 0  # 0: size the pool for max_sessions * max_context / 4
     block_size: int = 16

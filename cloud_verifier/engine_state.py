@@ -68,7 +68,7 @@ class SeqState:
 @dataclass(frozen=True)
 class EngineConfig:
     token_budget: int = 512  # rows per forward
-    prefill_chunk: int = 64  # prompt rows a session feeds per forward while other sessions have work
+    prefill_chunk: int = 16  # prompt rows a session feeds per forward while other sessions have work
     max_context: int = 4096
     batching: bool = True  # False: one session per forward (the baseline of bench.load)
     # /readyz fails when a step runs longer than max(stall_s, stall_factor x its expected time), or
