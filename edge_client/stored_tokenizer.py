@@ -23,7 +23,7 @@ def byte_decoder() -> dict[str, int]:
 
     Printable Latin-1 bytes stand for themselves; the other 68 bytes (controls, space, ...) are
     shifted to code points 256, 257, ... in byte order, so every byte has a visible stand-in.
-    (The same table as torch_drafter's, kept here so this module needs no torch.)
+    (Here, in a module without torch, so the torch drafter and the stored tokenizer share it.)
     """
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     table = {chr(b): b for b in printable}

@@ -24,26 +24,11 @@ import torch
 from cloud_verifier.model import SeqInput, load_target
 from edge_client.drafters.base import Drafter
 from edge_client.models import DRAFT_ALIASES, resolve_draft
+from edge_client.stored_tokenizer import byte_decoder
 from edge_client.tokenizer import EdgeTokenizer
 
 BLOCK = 16
 _SEQ = 0  # the one KV-cache sequence of this drafter
-
-
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of byte-level BPE's byte -> printable character table (GPT-2 style vocabularies).
-
-    Printable Latin-1 bytes stand for themselves; the other 68 bytes (controls, space, ...) are
-    shifted to code points 256, 257, ... in byte order, so every byte has a visible stand-in.
-    """
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    table = {chr(b): b for b in printable}
-    shift = 0
-    for b in range(256):
-        if b not in printable:
-            table[chr(256 + shift)] = b
-            shift += 1
-    return table
 
 
 class TargetTokenizerAdapter(EdgeTokenizer):
@@ -59,7 +44,7 @@ class TargetTokenizerAdapter(EdgeTokenizer):
         self._special = {int(i) for i, t in added.items() if t.special}
         from tokenizers import decoders
 
-        self._bytes = _byte_decoder() if isinstance(tok.tokenizer.decoder, decoders.ByteLevel) else None
+        self._bytes = byte_decoder() if isinstance(tok.tokenizer.decoder, decoders.ByteLevel) else None
 
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         if not parse_special:
