@@ -3,14 +3,12 @@ its table, and the merge of results made in pieces (`--merge`)."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from bench.harness import BenchPrompt, table
+from bench.harness import BenchPrompt, read_runs, table
 from edge_client.client import GenerationResult
 
 
@@ -213,30 +211,19 @@ def merge_results(paths: Sequence[str]) -> dict[str, Any]:
     """Put together the JSON of runs made in pieces (other modes, same settings and prompts): the
     per-generation records of every file (a later file's record replaces an earlier one for the
     same mode and prompt), summarised again."""
-    if not paths:
-        raise ValueError("name at least one JSON file")
-    first: dict[str, Any] | None = None
+    docs, first = read_runs(
+        paths,
+        "bench.e2e",
+        "records",
+        dict,
+        "no per-generation 'records'; was it written by this bench.e2e?",
+        SAME_RUN,
+    )
     records: dict[str, dict[str | None, dict[str, Any]]] = {}
-    for path in paths:
-        try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: cannot read a bench.e2e JSON file ({exc})") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("records"), dict):
-            raise ValueError(f"{path}: no per-generation 'records'; was it written by this bench.e2e?")
-        cfg = doc.get("config") or {}
-        if first is None:
-            first = cfg
-        diff = [k for k in SAME_RUN if cfg.get(k) != first.get(k)]
-        if diff:
-            raise ValueError(
-                f"{path} was run with other settings than {paths[0]}: "
-                + ", ".join(f"{k} {cfg.get(k)!r} vs {first.get(k)!r}" for k in diff)
-            )
+    for _path, doc in docs:
         for mode, recs in doc["records"].items():
             for r in recs:
                 records.setdefault(mode, {})[r.get("prompt")] = r
-    assert first is not None
     runs: dict[str, ModeRuns] = {}
     for mode in sorted(records, key=lambda m: (m != "ar", m)):
         runs[mode] = ModeRuns()

@@ -122,6 +122,37 @@ def die_with_parent() -> None:
         pass
 
 
+def read_runs(
+    paths: Sequence[str], bench: str, key: str, kind: type, missing: str, same_run: Sequence[str]
+) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any]]:
+    """The `--json` files of one bench made in pieces (`--merge`): each (path, document), and the
+    first file's config. A file that cannot be read, lacks `key` of type `kind` (`missing` says so)
+    or was run with other settings (`same_run` keys of its config) is a ValueError naming it."""
+    if not paths:
+        raise ValueError("name at least one JSON file")
+    docs: list[tuple[str, dict[str, Any]]] = []
+    first: dict[str, Any] | None = None
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read a {bench} JSON file ({exc})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get(key), kind):
+            raise ValueError(f"{path}: {missing}")
+        cfg = doc.get("config") or {}
+        if first is None:
+            first = cfg
+        diff = [k for k in same_run if cfg.get(k) != first.get(k)]
+        if diff:
+            raise ValueError(
+                f"{path} was run with other settings than {paths[0]}: "
+                + ", ".join(f"{k} {cfg.get(k)!r} vs {first.get(k)!r}" for k in diff)
+            )
+        docs.append((path, doc))
+    assert first is not None
+    return docs, first
+
+
 @dataclass
 class Verifier:
     """A `cloud-verifier serve` child process."""

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness import table
+from bench.harness import read_runs, table
 
 MODES = ("ar", "sequence", "tree", "tree_prespec")
 OPTIONAL = (
@@ -71,31 +71,15 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def merge(paths: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows of several `--json` files of one setup (the last file wins for a repeated (RTT, mode,
     T)), and the first file's config with `merged_from` added."""
-    if not paths:
-        raise ValueError("name at least one JSON file")
+    docs, first = read_runs(
+        paths, "bench.network", "rows", list, "no 'rows' list; is it a bench.network --json file?", SAME_RUN
+    )
     merged: dict[tuple[float, str, float], dict[str, Any]] = {}
-    first: dict[str, Any] | None = None
-    for path in paths:
-        try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{path}: cannot read a bench.network JSON file ({exc})") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
-            raise ValueError(f"{path}: no 'rows' list; is it a bench.network --json file?")
-        cfg = doc.get("config") or {}
-        if first is None:
-            first = cfg
-        diff = [k for k in SAME_RUN if cfg.get(k) != first.get(k)]
-        if diff:
-            raise ValueError(
-                f"{path} was run with other settings than {paths[0]}: "
-                + ", ".join(f"{k} {cfg.get(k)!r} vs {first.get(k)!r}" for k in diff)
-            )
+    for path, doc in docs:
         for i, r in enumerate(doc["rows"]):
             if not isinstance(r, dict) or any(k not in r for k in ROW_KEYS):
                 raise ValueError(f"{path}: row {i} lacks one of {', '.join(ROW_KEYS)}")
             merged[(float(r["rtt_ms"]), str(r["mode"]), float(r["temperature"]))] = r
-    assert first is not None
     order = {m: i for i, m in enumerate(MODES + OPTIONAL)}
     rows = sorted(merged.values(), key=lambda r: (r["rtt_ms"], r["temperature"], order.get(r["mode"], 99)))
     config = {
