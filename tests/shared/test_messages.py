@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -86,7 +87,7 @@ EXAMPLES: list[Message] = [
         vocab_fingerprint="cd" * 32,
     ),
     Prompt(
-        tokens=[1, 2, 3],
+        tokens=np.array([1, 2, 3]),
         mode=Mode.MATCH,
         temperature=0.7,
         top_k=40,
@@ -96,14 +97,14 @@ EXAMPLES: list[Message] = [
         stop_ids=(2,),
         continue_=True,
     ),
-    Prompt(tokens=[1, 2, 3], mode=Mode.GREEDY, tree=TokenTree.build([4, 5], [-1, 0], base=3)),
+    Prompt(tokens=np.array([1, 2, 3]), mode=Mode.GREEDY, tree=TokenTree.build([4, 5], [-1, 0], base=3)),
     Prompt(tokens=np.arange(11), mode=Mode.RRS, temperature=1.0, tree=_stochastic_tree()),
     Tree(round=7, tree=TokenTree.build([4, 5, 6], [-1, 0, 0], base=12, cond=[8])),
     Tree(round=8, tree=_stochastic_tree()),
     Verdict(
         round=7,
-        tokens=[4, 5, 9],
-        accepted_nodes=[0, 1],
+        tokens=np.array([4, 5, 9]),
+        accepted_nodes=np.array([0, 1]),
         has_bonus=True,
         committed_len=15,
         next_round=8,
@@ -111,7 +112,13 @@ EXAMPLES: list[Message] = [
         done=False,
     ),
     Verdict(
-        round=0, tokens=[2], accepted_nodes=[], has_bonus=True, committed_len=4, done=True, reason="stop"
+        round=0,
+        tokens=np.array([2]),
+        accepted_nodes=np.array([]),
+        has_bonus=True,
+        committed_len=4,
+        done=True,
+        reason="stop",
     ),
     Stale(round=9, reason="mismatch"),
     Error(ErrorCode.OUT_OF_RANGE, "token ids must be in [0, 10)", "tree.tokens", fatal=False, round=3),
@@ -142,7 +149,7 @@ def test_integer_arrays_are_raw_little_endian() -> None:
     assert wire["q_wm1"] == np.array([29999, 29999, 5535, 65535], "<u2").tobytes()
 
 
-def _frame(d: dict) -> bytes:
+def _frame(d: object) -> bytes:
     return msgpack.packb(d, use_bin_type=True)
 
 
@@ -214,7 +221,7 @@ def test_size_limits() -> None:
         decode(nine, lim)
     assert info.value.code is ErrorCode.LIMIT_EXCEEDED and info.value.field == "tokens"
     with pytest.raises(ProtocolError):
-        decode("text frame")  # type: ignore[arg-type]
+        decode(cast(Any, "text frame"))
 
 
 def test_vocab_fingerprint_matches_its_definition() -> None:
@@ -241,7 +248,9 @@ def test_vocab_fingerprint_matches_its_definition() -> None:
 def test_prompt_codec_property(
     tokens: list[int], mode: Mode, temp: float, k: int, p: float, seed: int, cont: bool
 ) -> None:
-    msg = Prompt(tokens=tokens, mode=mode, temperature=temp, top_k=k, top_p=p, seed=seed, continue_=cont)
+    msg = Prompt(
+        tokens=np.array(tokens), mode=mode, temperature=temp, top_k=k, top_p=p, seed=seed, continue_=cont
+    )
     assert _same(decode(encode(msg)), msg)
 
 

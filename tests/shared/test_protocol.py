@@ -10,6 +10,7 @@ from shared.messages import (
     Cancel,
     Error,
     Hello,
+    Message,
     Mode,
     Prompt,
     SessionLimits,
@@ -63,10 +64,10 @@ def _deliver(srv: ServerProtocol, cli: ClientProtocol) -> list[object]:
 
 def test_prompt_is_always_answered_then_trees_flow() -> None:
     srv, cli = _pair()
-    (ev,) = srv.receive(cli.prompt(Prompt(tokens=[1, 2, 3], mode=Mode.GREEDY)))
+    (ev,) = srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2, 3]), mode=Mode.GREEDY)))
     assert isinstance(ev, PromptReceived) and ev.committed.tolist() == [1, 2, 3]
     # the server must answer the prompt with round 0 before anything else
-    assert srv.verdict(Verdict(0, [7], [], has_bonus=True, committed_len=4)) is None
+    assert srv.verdict(Verdict(0, np.array([7]), np.array([]), has_bonus=True, committed_len=4)) is None
     (v0,) = _deliver(srv, cli)
     assert isinstance(v0, Verdict) and v0.round == 0 and cli.committed == [1, 2, 3, 7]
     # round 1: a plain tree, verified at once
@@ -77,13 +78,17 @@ def test_prompt_is_always_answered_then_trees_flow() -> None:
     miss = TokenTree.build([12], [-1], base=4, cond=[8, 5])  # one accepted, bonus 5
     assert srv.receive(cli.tree(Tree(2, hit))) == []
     assert srv.receive(cli.tree(Tree(3, miss))) == []
-    nxt = srv.verdict(Verdict(1, [8, 9, 10], [0, 1], has_bonus=True, committed_len=7))
+    nxt = srv.verdict(Verdict(1, np.array([8, 9, 10]), np.array([0, 1]), has_bonus=True, committed_len=7))
     assert nxt is not None and nxt.round == 2  # verified with no client message in between
     msgs = _deliver(srv, cli)
     assert isinstance(msgs[0], Stale) and msgs[0].round == 3
     assert isinstance(msgs[1], Verdict) and msgs[1].next_round == 2
     assert cli.in_flight == 2 and cli.outstanding == {2}
-    srv.verdict(Verdict(2, [11, 0], [0], has_bonus=True, committed_len=9, done=True, reason="stop"))
+    srv.verdict(
+        Verdict(
+            2, np.array([11, 0]), np.array([0]), has_bonus=True, committed_len=9, done=True, reason="stop"
+        )
+    )
     (last,) = _deliver(srv, cli)
     assert isinstance(last, Verdict) and last.done
     assert cli.state is ClientState.IDLE and srv.state is ServerState.IDLE
@@ -94,21 +99,23 @@ def test_a_shared_committed_sequence_is_read_not_extended() -> None:
     """With the verifier's list shared, the protocol reads it (the verifier extends it before each
     verdict) and checks committed_len; its trees match against that list; it ends as the context."""
     srv, cli = _pair()
-    (ev,) = srv.receive(cli.prompt(Prompt(tokens=[1, 2, 3], mode=Mode.GREEDY)))
+    (ev,) = srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2, 3]), mode=Mode.GREEDY)))
     assert isinstance(ev, PromptReceived)
     with pytest.raises(RuntimeError, match="not the generation's"):
         srv.share_committed([1, 2])
     engine_list = [int(t) for t in ev.committed]
     srv.share_committed(engine_list)
     engine_list.append(7)
-    assert srv.verdict(Verdict(0, [7], [], has_bonus=True, committed_len=4)) is None
+    assert srv.verdict(Verdict(0, np.array([7]), np.array([]), has_bonus=True, committed_len=4)) is None
     assert engine_list == [1, 2, 3, 7] and srv.gen is not None and srv.gen.committed is engine_list
     (ev,) = srv.receive(cli.tree(Tree(1, TokenTree.build([8], [-1], base=4))))
     assert isinstance(ev, VerifyTree)
     with pytest.raises(RuntimeError, match="committed_len"):  # the verifier did not extend it
-        srv.verdict(Verdict(1, [8, 5], [0], has_bonus=True, committed_len=6))
+        srv.verdict(Verdict(1, np.array([8, 5]), np.array([0]), has_bonus=True, committed_len=6))
     engine_list.extend([8, 5])
-    srv.verdict(Verdict(1, [8, 5], [0], has_bonus=True, committed_len=6, done=True, reason="stop"))
+    srv.verdict(
+        Verdict(1, np.array([8, 5]), np.array([0]), has_bonus=True, committed_len=6, done=True, reason="stop")
+    )
     assert engine_list == [1, 2, 3, 7, 8, 5] and srv.context == engine_list and srv.state is ServerState.IDLE
     _deliver(srv, cli)
     assert cli.committed == engine_list
@@ -116,32 +123,35 @@ def test_a_shared_committed_sequence_is_read_not_extended() -> None:
 
 def test_highest_matching_round_wins() -> None:
     srv, cli = _pair()
-    srv.receive(cli.prompt(Prompt(tokens=[1, 2], mode=Mode.GREEDY, tree=TokenTree.build([3], [-1], base=2))))
+    srv.receive(
+        cli.prompt(Prompt(tokens=np.array([1, 2]), mode=Mode.GREEDY, tree=TokenTree.build([3], [-1], base=2)))
+    )
     a = TokenTree.build([20], [-1], base=2, cond=[3, 4])
     b = TokenTree.build([21, 22], [-1, 0], base=2, cond=[3, 4])
     srv.receive(cli.tree(Tree(1, a)))
     srv.receive(cli.tree(Tree(2, b)))
-    nxt = srv.verdict(Verdict(0, [3, 4], [0], has_bonus=True, committed_len=4))
+    nxt = srv.verdict(Verdict(0, np.array([3, 4]), np.array([0]), has_bonus=True, committed_len=4))
     assert nxt is not None and nxt.round == 2
     msgs = _deliver(srv, cli)
     assert [type(m).__name__ for m in msgs] == ["Stale", "Verdict"]
-    assert msgs[0].round == 1 and msgs[0].reason == "superseded"  # type: ignore[attr-defined]
+    assert isinstance(msgs[0], Stale)
+    assert msgs[0].round == 1 and msgs[0].reason == "superseded"
 
 
 def test_pending_tree_that_may_still_match_is_kept() -> None:
     srv, cli = _pair()
-    srv.receive(cli.prompt(Prompt(tokens=[1, 2], mode=Mode.GREEDY)))
-    srv.verdict(Verdict(0, [3], [], has_bonus=True, committed_len=3))
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), mode=Mode.GREEDY)))
+    srv.verdict(Verdict(0, np.array([3]), np.array([]), has_bonus=True, committed_len=3))
     _deliver(srv, cli)
     srv.receive(cli.tree(Tree(1, TokenTree.build([4], [-1], base=3))))
     two_ahead = TokenTree.build([9], [-1], base=3, cond=[4, 5, 6, 7])
     srv.receive(cli.tree(Tree(2, two_ahead)))
-    assert srv.verdict(Verdict(1, [4, 5], [0], has_bonus=True, committed_len=5)) is None
+    assert srv.verdict(Verdict(1, np.array([4, 5]), np.array([0]), has_bonus=True, committed_len=5)) is None
     assert [type(m).__name__ for m in _deliver(srv, cli)] == ["Verdict"]
-    assert 2 in srv.gen.pending  # type: ignore[union-attr]
+    assert srv.gen is not None and 2 in srv.gen.pending
     ev = srv.receive(cli.tree(Tree(3, TokenTree.build([6], [-1], base=5))))
     assert isinstance(ev[0], VerifyTree)
-    nxt = srv.verdict(Verdict(3, [6, 7], [0], has_bonus=True, committed_len=7))
+    nxt = srv.verdict(Verdict(3, np.array([6, 7]), np.array([0]), has_bonus=True, committed_len=7))
     assert nxt is not None and nxt.round == 2
 
 
@@ -155,6 +165,11 @@ def test_matching_helpers() -> None:
     assert not can_still_match(t, [0, 0, 5, 6], growing=True)
     assert not can_still_match(t, [0, 0, 4], growing=True)
     assert not can_still_match(t, [0, 0, 5, 6, 1], growing=False)
+
+
+def _state(srv: ServerProtocol) -> ServerState:
+    """The state now (read through a call, so that mypy keeps no narrowing from an earlier assert)."""
+    return srv.state
 
 
 def _expect_error(
@@ -171,28 +186,32 @@ def _expect_error(
 
 def test_illegal_orders_and_inputs() -> None:
     srv = ServerProtocol(vocab_size=V, limits=LIMITS)
-    _expect_error(srv, encode(Prompt(tokens=[1])), ErrorCode.BAD_ORDER, "type", fatal=True)
+    _expect_error(srv, encode(Prompt(tokens=np.array([1]))), ErrorCode.BAD_ORDER, "type", fatal=True)
     assert srv.state is ServerState.CLOSED
     srv = ServerProtocol(vocab_size=V, limits=LIMITS)
     _expect_error(srv, encode(Hello("x", version=99)), ErrorCode.BAD_VERSION, "version", fatal=True)
 
     srv, _ = _pair()
     _expect_error(srv, encode(Tree(1, TokenTree.build([1], [-1], base=1))), ErrorCode.BAD_ORDER, "type")
-    _expect_error(srv, encode(Prompt(tokens=[1], mode=Mode.MSS)), ErrorCode.MODE_NOT_ALLOWED, "mode")
-    _expect_error(srv, encode(Prompt(tokens=[1, V])), ErrorCode.OUT_OF_RANGE, "tokens")
-    _expect_error(srv, encode(Prompt(tokens=[1] * 64)), ErrorCode.CONTEXT_FULL, "tokens")
-    _expect_error(srv, encode(Prompt(tokens=[1], continue_=True)), ErrorCode.BAD_ORDER, "continue")
-    _expect_error(srv, encode(Prompt(tokens=[1], stop_ids=(V + 1,))), ErrorCode.OUT_OF_RANGE, "stop_ids")
+    _expect_error(
+        srv, encode(Prompt(tokens=np.array([1]), mode=Mode.MSS)), ErrorCode.MODE_NOT_ALLOWED, "mode"
+    )
+    _expect_error(srv, encode(Prompt(tokens=np.array([1, V]))), ErrorCode.OUT_OF_RANGE, "tokens")
+    _expect_error(srv, encode(Prompt(tokens=np.array([1] * 64))), ErrorCode.CONTEXT_FULL, "tokens")
+    _expect_error(srv, encode(Prompt(tokens=np.array([1]), continue_=True)), ErrorCode.BAD_ORDER, "continue")
+    _expect_error(
+        srv, encode(Prompt(tokens=np.array([1]), stop_ids=(V + 1,))), ErrorCode.OUT_OF_RANGE, "stop_ids"
+    )
     _expect_error(
         srv,
-        encode(Prompt(tokens=[1, 2], tree=TokenTree.build([3], [-1], base=1))),
+        encode(Prompt(tokens=np.array([1, 2]), tree=TokenTree.build([3], [-1], base=1))),
         ErrorCode.BAD_TREE,
         "tree.base",
     )
-    assert srv.state is ServerState.IDLE  # none of that was fatal
-    srv.receive(encode(Prompt(tokens=[1, 2])))
-    _expect_error(srv, encode(Prompt(tokens=[1, 2])), ErrorCode.BAD_ORDER, "type")
-    srv.verdict(Verdict(0, [3], [], has_bonus=True, committed_len=3))
+    assert _state(srv) is ServerState.IDLE  # none of that was fatal
+    srv.receive(encode(Prompt(tokens=np.array([1, 2]))))
+    _expect_error(srv, encode(Prompt(tokens=np.array([1, 2]))), ErrorCode.BAD_ORDER, "type")
+    srv.verdict(Verdict(0, np.array([3]), np.array([]), has_bonus=True, committed_len=3))
     srv.data_to_send()
     e = _expect_error(
         srv, encode(Tree(5, TokenTree.build([1, 99], [-1, 0], base=3))), ErrorCode.OUT_OF_RANGE, "tree.tokens"
@@ -229,7 +248,7 @@ def test_illegal_orders_and_inputs() -> None:
         ErrorCode.TOO_MANY_PENDING,
         "round",
     )
-    assert srv.state is ServerState.GENERATING
+    assert _state(srv) is ServerState.GENERATING
     _expect_error(
         srv, encode(Welcome("s", "m", V, (), (), LIMITS, {})), ErrorCode.BAD_ORDER, "type", fatal=True
     )
@@ -244,12 +263,12 @@ def test_stochastic_modes_with_trusted_modes() -> None:
         base=2,
         draws=Draws(np.array([0, 1], np.int32), np.zeros(2, np.int32), np.zeros(2, np.int32), q),
     )
-    (ev,) = srv.receive(cli.prompt(Prompt(tokens=[1, 2], mode=Mode.MSS, temperature=1.0, tree=dup)))
+    (ev,) = srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), mode=Mode.MSS, temperature=1.0, tree=dup)))
     assert isinstance(ev, PromptReceived)
-    srv.verdict(Verdict(0, [3, 9], [0], has_bonus=True, committed_len=4, done=True))
+    srv.verdict(Verdict(0, np.array([3, 9]), np.array([0]), has_bonus=True, committed_len=4, done=True))
     _deliver(srv, cli)
     # the same duplicate draws are illegal without replacement
-    (ev,) = srv.receive(cli.prompt(Prompt(tokens=[1, 2], mode=Mode.RRS, temperature=1.0, tree=dup)))
+    (ev,) = srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), mode=Mode.RRS, temperature=1.0, tree=dup)))
     assert isinstance(ev, ErrorSent) and ev.error.field == "tree.draws.node"
     _deliver(srv, cli)
     assert cli.state is ClientState.IDLE  # the client saw its prompt refused
@@ -257,21 +276,21 @@ def test_stochastic_modes_with_trusted_modes() -> None:
 
 def test_cancel_and_late_trees() -> None:
     srv, cli = _pair()
-    srv.receive(cli.prompt(Prompt(tokens=[1, 2])))
-    srv.verdict(Verdict(0, [3], [], has_bonus=True, committed_len=3))
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]))))
+    srv.verdict(Verdict(0, np.array([3]), np.array([]), has_bonus=True, committed_len=3))
     _deliver(srv, cli)
     srv.receive(cli.tree(Tree(1, TokenTree.build([4], [-1], base=3))))
     srv.receive(cli.tree(Tree(2, TokenTree.build([5], [-1], base=3, cond=[4, 4]))))
     (ev,) = srv.receive(cli.cancel())
     assert isinstance(ev, CancelReceived) and ev.in_flight
-    srv.verdict(Verdict(1, [4, 7], [0], has_bonus=True, committed_len=5))
+    srv.verdict(Verdict(1, np.array([4, 7]), np.array([0]), has_bonus=True, committed_len=5))
     msgs = _deliver(srv, cli)
     assert isinstance(msgs[0], Stale) and msgs[0].reason == "cancelled"
     assert isinstance(msgs[-1], Verdict) and msgs[-1].done and msgs[-1].reason == "cancelled"
     assert cli.state is ClientState.IDLE
     # cancel with nothing in flight: answered at once with a round-0 done verdict
-    srv.receive(cli.prompt(Prompt(tokens=[9], continue_=True)))
-    srv.verdict(Verdict(0, [3], [], has_bonus=True, committed_len=7))
+    srv.receive(cli.prompt(Prompt(tokens=np.array([9]), continue_=True)))
+    srv.verdict(Verdict(0, np.array([3]), np.array([]), has_bonus=True, committed_len=7))
     _deliver(srv, cli)
     (ev,) = srv.receive(cli.cancel())
     assert isinstance(ev, CancelReceived) and not ev.in_flight
@@ -287,28 +306,30 @@ def test_cancel_and_late_trees() -> None:
 
 def test_ar_mode_streams_round_zero() -> None:
     srv, cli = _pair()
-    srv.receive(cli.prompt(Prompt(tokens=[1], mode=Mode.AR, max_new_tokens=3)))
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1]), mode=Mode.AR, max_new_tokens=3)))
     for i in range(3):
-        srv.verdict(Verdict(0, [5 + i], [], has_bonus=True, committed_len=2 + i, done=i == 2))
+        srv.verdict(
+            Verdict(0, np.array([5 + i]), np.array([]), has_bonus=True, committed_len=2 + i, done=i == 2)
+        )
         _deliver(srv, cli)
     assert cli.committed == [1, 5, 6, 7] and cli.state is ClientState.IDLE
     with pytest.raises(ProtocolError):
         _srv2, cli2 = _pair()
-        cli2.prompt(Prompt(tokens=[1], mode=Mode.AR))
+        cli2.prompt(Prompt(tokens=np.array([1]), mode=Mode.AR))
         cli2.tree(Tree(1, TokenTree.build([1], [-1], base=1)))
 
 
 def test_client_refuses_an_illegal_server() -> None:
     _, cli = _pair()
     with pytest.raises(ProtocolError):
-        cli.receive(encode(Verdict(3, [1], [], has_bonus=True, committed_len=1)))
-    cli.prompt(Prompt(tokens=[1, 2]))
+        cli.receive(encode(Verdict(3, np.array([1]), np.array([]), has_bonus=True, committed_len=1)))
+    cli.prompt(Prompt(tokens=np.array([1, 2])))
     with pytest.raises(ProtocolError):  # committed_len disagrees
-        cli.receive(encode(Verdict(0, [1], [], has_bonus=True, committed_len=9)))
+        cli.receive(encode(Verdict(0, np.array([1]), np.array([]), has_bonus=True, committed_len=9)))
     with pytest.raises(ProtocolError):
         cli.receive(encode(Stale(4, "x")))
     with pytest.raises(ProtocolError):
-        cli.receive(encode(Prompt(tokens=[1])))
+        cli.receive(encode(Prompt(tokens=np.array([1]))))
 
 
 # ------------------------------------------------------------------------------------ fuzz
@@ -322,15 +343,15 @@ def _seed_frames() -> list[bytes]:
         base=3,
         draws=Draws(np.array([0, 1], np.int32), np.array([0, 0], np.int32), np.array([0, 0], np.int32), q),
     )
-    msgs = [
+    msgs: list[Message] = [
         Hello("f" * 64),
-        Prompt(tokens=[1, 2, 3]),
-        Prompt(tokens=[1, 2], mode=Mode.MSS, tree=drawn),
+        Prompt(tokens=np.array([1, 2, 3])),
+        Prompt(tokens=np.array([1, 2]), mode=Mode.MSS, tree=drawn),
         Tree(1, TokenTree.build([4, 5], [-1, 0], base=3)),
         Tree(2, drawn),
         Tree(3, TokenTree.build([6], [-1], base=3, cond=[1])),
         Cancel(),
-        Verdict(1, [1, 2], [0], True, 5),
+        Verdict(1, np.array([1, 2]), np.array([0]), True, 5),
         Stale(2, "x"),
         Error(ErrorCode.BAD_TREE, "m", "f"),
         _welcome(),
@@ -369,8 +390,8 @@ def test_fuzz_decoder_and_server_state_machine() -> None:
         s = ServerProtocol(vocab_size=V, limits=lim)
         s.receive(encode(Hello("f" * 64)))
         s.welcome(_welcome((Mode.GREEDY, Mode.MSS)))
-        s.receive(encode(Prompt(tokens=[1, 2, 3])))
-        s.verdict(Verdict(0, [4], [], True, 4))
+        s.receive(encode(Prompt(tokens=np.array([1, 2, 3]))))
+        s.verdict(Verdict(0, np.array([4]), np.array([]), True, 4))
         s.data_to_send()
         return s
 
@@ -395,9 +416,10 @@ def test_fuzz_decoder_and_server_state_machine() -> None:
         events = srv.receive(frame)  # must not raise
         for ev in events:
             if isinstance(ev, VerifyTree):
-                srv.verdict(Verdict(ev.round, [1], [], True, len(srv.gen.committed) + 1))  # type: ignore[union-attr]
+                assert srv.gen is not None
+                srv.verdict(Verdict(ev.round, np.array([1]), np.array([]), True, len(srv.gen.committed) + 1))
             if isinstance(ev, PromptReceived):
-                srv.verdict(Verdict(0, [1], [], True, len(ev.committed) + 1))
+                srv.verdict(Verdict(0, np.array([1]), np.array([]), True, len(ev.committed) + 1))
         srv.data_to_send()
         if srv.state in (ServerState.CLOSED, ServerState.AWAIT_HELLO) or i % 50 == 0:
             srv = fresh()

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -131,7 +133,9 @@ def test_expansion_config() -> None:
         (TokenTree.build([1], [-1], base=2), {"stochastic": True}, ErrorCode.BAD_TREE, "tree.draws"),
     ],
 )
-def test_validation_names_the_field(tree: TokenTree, kwargs: dict, code: ErrorCode, field: str) -> None:
+def test_validation_names_the_field(
+    tree: TokenTree, kwargs: dict[str, Any], code: ErrorCode, field: str
+) -> None:
     with pytest.raises(ProtocolError) as info:
         tree.validate(vocab_size=20, max_nodes=8, max_depth=4, **kwargs)
     assert info.value.code is code
@@ -184,9 +188,9 @@ def test_stochastic_merge_keeps_every_draw() -> None:
     qb = SparseDist.from_weights([1, 3], [10000, 55536])
     a = _stochastic([1, 2, 1], [-1, -1, -1], [qa], [0, 0, 0])  # token 1 drawn twice by drafter A
     b = _stochastic([3, 1], [-1, -1], [qb], [0, 0])
-    b = TokenTree.build(
-        b.tokens, b.parents, b.base, b.cond, Draws(b.draws.node, b.draws.drafter + 1, b.draws.qrow, b.draws.q)
-    )  # type: ignore[union-attr]
+    bd = b.draws
+    assert bd is not None
+    b = TokenTree.build(b.tokens, b.parents, b.base, b.cond, Draws(bd.node, bd.drafter + 1, bd.qrow, bd.q))
     m = merge([a, b])
     assert m.tokens.tolist() == [1, 2, 3]  # node shared between identical paths
     d = m.draws
