@@ -13,7 +13,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import torch
@@ -43,6 +43,10 @@ log = logging.getLogger("cloud_verifier")
 # ~9,900 tokens with the CPU kernel's tiled keys), which keeps the process within 1.3x its weights
 KV_WEIGHT_SHARE = 0.12
 
+# loads the target a config names, in place of `load_target` (--tensor-parallel N:
+# cloud_verifier.parallel.load_for_service, which serve_parallel hands to `serve`)
+TargetLoader = Callable[[ServerConfig], Target]
+
 
 def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = 2 << 30) -> int:
     """Blocks for max_sessions full contexts, capped at `memory_cap` bytes of cache and at
@@ -59,14 +63,17 @@ def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = 2 << 3
     return max(tokens // config.block_size, 8)
 
 
-async def _load(state: AppState, target: Target | None) -> None:
+async def _load(state: AppState, target: Target | None, loader: TargetLoader | None = None) -> None:
     cfg = state.config
     try:
         own = target is None  # a target passed in (tests, benches) keeps its unpacked weights
-        if target is None and cfg.tensor_parallel > 1:
-            from cloud_verifier import parallel
-
-            target = await asyncio.to_thread(parallel.load_for_service, cfg)
+        if target is None and loader is not None:
+            target = await asyncio.to_thread(loader, cfg)
+        elif target is None and cfg.tensor_parallel > 1:
+            raise RuntimeError(
+                f"--tensor-parallel {cfg.tensor_parallel} needs the ranks started first: run `cloud-verifier "
+                "serve` (in code: pass cloud_verifier.parallel.load_for_service as the loader)"
+            )
         elif target is None:
             target = await asyncio.to_thread(
                 load_target, cfg.model, cfg.dtype, cfg.device, True, cfg.attention
@@ -135,8 +142,11 @@ async def _load(state: AppState, target: Target | None) -> None:
             state.on_load_error(state.load_error)
 
 
-def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
-    """The service. Pass `target` to serve an already-loaded model (tests, benches)."""
+def create_app(
+    config: ServerConfig, target: Target | None = None, loader: TargetLoader | None = None
+) -> FastAPI:
+    """The service. Pass `target` to serve an already-loaded model (tests, benches), or `loader`
+    to load it in place of `load_target` (--tensor-parallel: rank 0's shard)."""
     state = AppState(
         config=config,
         keys=KeyStore.from_file(config.api_key_file, config.trust_anonymous),
@@ -147,9 +157,9 @@ def create_app(config: ServerConfig, target: Target | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loader = asyncio.create_task(_load(state, target))
+        loading = asyncio.create_task(_load(state, target, loader))
         yield
-        loader.cancel()
+        loading.cancel()
         for s in list(state.sessions):
             s.close(CloseCode.GOING_AWAY, "server shutting down")
         if state.engine is not None:
@@ -257,11 +267,12 @@ def _uvicorn_config(
 MAX_HTTP_HEADER_BYTES = 64 << 10
 
 
-def serve(config: ServerConfig) -> int:
+def serve(config: ServerConfig, loader: TargetLoader | None = None) -> int:
     """Run the service with uvicorn until SIGINT / SIGTERM (drained: `drain`); a second signal exits
-    at once. Returns the exit status: 1 when the model cannot be loaded (one line on stderr)."""
+    at once. Returns the exit status: 1 when the model cannot be loaded (one line on stderr).
+    `loader`: as `create_app`'s."""
     logs.setup(config.log_level, config.log_format)
-    app = create_app(config)
+    app = create_app(config, loader=loader)
     state: AppState = app.state.verifier
     uv_config = _uvicorn_config(app, config, config.host, config.port, config.log_level)
     uv_config.log_config = None  # keep the handlers of logs.setup
@@ -311,12 +322,17 @@ class ThreadedServer:
     """
 
     def __init__(
-        self, config: ServerConfig, target: Target | None = None, host: str = "127.0.0.1", port: int = 0
+        self,
+        config: ServerConfig,
+        target: Target | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        loader: TargetLoader | None = None,
     ) -> None:
         import threading
 
         self.config = config
-        self.app = create_app(config, target=target)
+        self.app = create_app(config, target=target, loader=loader)
         self.server = uvicorn.Server(_uvicorn_config(self.app, config, host, port, "warning"))
         self.thread = threading.Thread(target=self.server.run, name="verifier", daemon=True)
         self.host = host

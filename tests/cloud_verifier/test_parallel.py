@@ -1,4 +1,4 @@
-"""Tensor parallelism (cloud_verifier/parallel.py) on the CPU with gloo at TP=2.
+"""Tensor parallelism (cloud_verifier.parallel) on the CPU with gloo at TP=2.
 
 TP=2 splits every projection's reduction (o, down) into two partial sums added by an all-reduce,
 so its logits differ from TP=1's by float32 rounding only: within TOL = 1e-4 (absolute; tiny's
@@ -122,7 +122,7 @@ def test_fewer_gpus_than_ranks_is_refused_naming_the_count(monkeypatch: pytest.M
     with pytest.raises(ValueError, match=r"rank 1 needs GPU cuda:1 \(its LOCAL_RANK\).* is 1"):
         parallel.select_device("cuda", 1, 2, 1)
     started: list[object] = []
-    monkeypatch.setattr(parallel.subprocess, "Popen", lambda *a, **k: started.append(a))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a))
     with pytest.raises(ValueError, match=want):
         parallel.start(2, "tiny", device="auto")
     assert started == [] and parallel.current() is None  # refused before any worker starts

@@ -1,4 +1,4 @@
-"""Tensor parallelism on CUDA GPUs with NCCL (cloud_verifier/parallel.py) at TP=2: needs 2 GPUs.
+"""Tensor parallelism on CUDA GPUs with NCCL (cloud_verifier.parallel) at TP=2: needs 2 GPUs.
 
 Skipped unless torch.cuda.device_count() >= 2 (`bench.gpu_check`'s tensor_parallel stage runs this
 file on such a machine). The tiny model in bf16 on cuda:0 (TP=1) against the group on cuda:0 and

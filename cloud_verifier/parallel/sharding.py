@@ -1,0 +1,217 @@
+"""One rank's shard of the target: `shard_model` slices a loaded LlamaModel (Megatron-LM's
+layout, see the package doc) into a `ShardedLlamaModel`, and `load_sharded_target` loads a
+target and keeps this rank's shard of it.
+
+Sharded weights are loaded on the rank's device in --dtype (the full model is loaded there first,
+then sliced and its layers freed one by one: the peak is one full model a GPU), the KV cache of
+each rank is on its device, and attention is chosen as at TP=1 (Triton on CUDA). On rank 0 a
+forward (and a change of attention or kernels) is first sent to the other ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from cloud_verifier.kv_cache import PagedKVCache
+from cloud_verifier.model import gemm
+from cloud_verifier.model.config import ModelConfig, make_tiny_config
+from cloud_verifier.model.llama import ATTENTION_MODES, DecoderLayer, LlamaModel, SeqInput, check_input
+from cloud_verifier.model.target import Target, load_target
+from cloud_verifier.model.weights import build_model, resolve_device, resolve_dtype
+from cloud_verifier.parallel.group import TPGroup
+from cloud_verifier.parallel.kv_cache import ShardedKVCache
+from cloud_verifier.parallel.protocol import Op, TensorParallelError, encode_inputs
+
+
+def check_shardable(config: ModelConfig, world: int, model: str) -> None:
+    """Refuse a split that would cut a GQA group, a head or an MLP row block across ranks."""
+    if world < 1:
+        raise ValueError(f"--tensor-parallel must be at least 1, got {world}")
+    for what, n in (
+        ("num_kv_heads", config.num_kv_heads),
+        ("num_heads", config.num_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
+        if n % world:
+            raise ValueError(
+                f"model {model!r} cannot be split over {world} tensor-parallel ranks: its {what} ({n}) "
+                f"is not a multiple of {world}; use --tensor-parallel N with N dividing {config.num_kv_heads}"
+            )
+
+
+class ShardedLlamaModel(LlamaModel):
+    """One rank's shard. On rank 0 a forward (and a change of attention or kernels) is first sent
+    to the other ranks; its `config` is the shard's (heads, KV heads, intermediate size / N)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        full: ModelConfig,
+        group: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        gemm_kind: str,
+    ) -> None:
+        super().__init__(config, dtype, device, gemm_kind)
+        self.full_config = full
+        self.group = group
+        self.all_reduce = group.all_reduce
+        self.gather_logits = group.gather_logits(full.vocab_size)
+
+    def set_attention(self, mode: str) -> None:
+        if mode not in ATTENTION_MODES:
+            raise ValueError(f"attention mode must be one of {ATTENTION_MODES}, got {mode!r}")
+        g = self.__dict__.get("group")
+        if isinstance(g, TPGroup) and g.rank == 0:
+            with g.lock:
+                g.send(Op.SET_ATTENTION, args=(ATTENTION_MODES.index(mode),))
+                super().set_attention(mode)
+        else:
+            super().set_attention(mode)
+
+    def set_gemm(self, kind: str) -> None:
+        if kind not in gemm.KINDS:
+            raise ValueError(f"gemm must be one of {gemm.KINDS}, got {kind!r}")
+        self._check_weights("set_gemm")
+        g = self.group
+        if g.rank == 0:
+            with g.lock:
+                g.send(Op.SET_GEMM, args=(gemm.KINDS.index(kind),))
+                super().set_gemm(kind)
+        else:
+            super().set_gemm(kind)
+
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        if self.group.rank != 0:
+            return super().new_kv_cache(num_blocks, block_size)
+        local = super().new_kv_cache(num_blocks, block_size)  # its shape and options, then shared
+        g = self.group
+        with g.lock:
+            cid = g.new_cache_id()
+            g.send(Op.NEW_CACHE, cid, (num_blocks, block_size))
+        return ShardedKVCache(g, cid, local)
+
+    @torch.inference_mode()
+    def forward_packed(self, inputs: list[SeqInput], kv: PagedKVCache) -> list[torch.Tensor]:
+        g = self.group
+        if g.rank != 0:
+            return super().forward_packed(inputs, kv)
+        if not isinstance(kv, ShardedKVCache) or kv.group is not g:
+            raise TypeError("a tensor-parallel model needs a KV cache made by its new_kv_cache")
+        if not inputs:
+            return []
+        for x in inputs:
+            check_input(x, self.config.vocab_size)
+        ints, data = encode_inputs(inputs)
+        with g.lock:
+            g.check()
+            g.send(Op.FORWARD, kv.cache_id, ints=ints, data=data)
+            g.forwarding = True
+        try:
+            # (the engine's forward thread: kernels and NCCL on this rank's GPU, not the thread's default)
+            with torch.cuda.device(g.device) if g.device.type == "cuda" else contextlib.nullcontext():
+                return super().forward_packed(inputs, kv)
+        finally:
+            _end_forward(g)
+
+
+def _end_forward(g: TPGroup) -> None:
+    """After a forward: apply and send what the event loop did meanwhile, in its order."""
+    with g.lock:
+        g.forwarding = False
+        deferred, g.deferred = g.deferred, []
+        for finish, op, cache, args in deferred:
+            finish()
+            if g.error is None:
+                try:
+                    g.send(op, cache, args)
+                except TensorParallelError:
+                    pass
+        g.idle.notify_all()
+
+
+def shard_model(full: LlamaModel, group: TPGroup, name: str) -> ShardedLlamaModel:
+    """Rank `group.rank`'s shard of `full`; each of full's layers is freed right after slicing
+    (the embedding table is shared, not copied)."""
+    c, n, r = full.config, group.world, group.rank
+    check_shardable(c, n, name)
+    local_cfg = replace(
+        c,
+        num_heads=c.num_heads // n,
+        num_kv_heads=c.num_kv_heads // n,
+        intermediate_size=c.intermediate_size // n,
+        tie_embeddings=False,
+    )
+    model = ShardedLlamaModel(local_cfg, c, group, full.dtype, full.device, full.gemm_kind)
+    hd, q, kvs, inter = c.head_dim, local_cfg.q_size, local_cfg.kv_size, local_cfg.intermediate_size
+    rows = [
+        slice(r * q, (r + 1) * q),
+        slice(c.q_size + r * kvs, c.q_size + (r + 1) * kvs),
+        slice(c.q_size + c.kv_size + r * kvs, c.q_size + c.kv_size + (r + 1) * kvs),
+    ]
+    del hd
+    ffn = [
+        slice(r * inter, (r + 1) * inter),
+        slice(c.intermediate_size + r * inter, c.intermediate_size + (r + 1) * inter),
+    ]
+
+    def param(t: torch.Tensor) -> nn.Parameter:
+        return nn.Parameter(t, requires_grad=False)
+
+    for src, dst in zip(full.layers, model.layers, strict=True):
+        assert isinstance(src, DecoderLayer) and isinstance(dst, DecoderLayer)
+        dst.attn_norm = src.attn_norm
+        dst.mlp_norm = src.mlp_norm
+        dst.qkv = param(torch.cat([src.qkv[s] for s in rows]))
+        if src.qkv_bias is not None:
+            dst.qkv_bias = param(torch.cat([src.qkv_bias[s] for s in rows]))
+        dst.o = param(src.o[:, r * q : (r + 1) * q].contiguous())
+        dst.gate_up = param(torch.cat([src.gate_up[s] for s in ffn]))
+        dst.down = param(src.down[:, r * inter : (r + 1) * inter].contiguous())
+        for p in (src.qkv, src.o, src.gate_up, src.down):
+            p.data = p.data.new_empty(0)
+    model.embed = full.embed
+    model.norm = full.norm
+    shard = -(-c.vocab_size // n)
+    head = full.lm_head[r * shard : min(c.vocab_size, (r + 1) * shard)]
+    # tied: a view of the shared embedding table (packing copies it anyway); untied: its own copy
+    model.lm_head = param(head if full.lm_head is full.embed else head.contiguous())
+    if full.lm_head is not full.embed:
+        full.lm_head.data = full.lm_head.data.new_empty(0)
+    LlamaModel.set_attention(model, full.attention_mode)  # (every rank does it: nothing to send)
+    return model
+
+
+def load_sharded_target(
+    group: TPGroup,
+    name: str,
+    dtype: str = "auto",
+    device: str = "auto",
+    progress: bool = True,
+    attention: str = "model",
+) -> Target:
+    """`load_target` on the group's device (`device` must resolve to its type), then this rank's
+    shard of it (the Target keeps the full ModelConfig)."""
+    if resolve_device(device).type != group.device.type:
+        raise ValueError(
+            f"--device {device} but the tensor-parallel group runs on {group.device.type} "
+            f"({group.backend}); give the same --device to every rank"
+        )
+    full = load_target(name, dtype, str(group.device), progress and group.rank == 0, attention)
+    model = shard_model(full.model, group, name)
+    return replace(full, model=model)
+
+
+def load_worker_model(name: str, dtype: str, device: str, attention: str) -> LlamaModel:
+    """A worker's model: as `load_target` loads it, without the tokenizer where that is avoidable
+    (`tiny`: the seeded random weights of target.py, in 0.4 s instead of 10)."""
+    if name != "tiny":
+        return load_target(name, dtype, device, False, attention).model
+    dev = resolve_device(device)
+    model = build_model(make_tiny_config(), 0, resolve_dtype(dtype, dev), dev)
+    model.set_attention(attention)
+    return model
