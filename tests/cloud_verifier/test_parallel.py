@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -320,6 +321,25 @@ def test_packed_sessions_with_frees_during_the_forward_match_tp1(tp2: Target) ->
 
 # ------------------------------------------------------------------------------ the service
 SERVICE = ServerConfig(model="tiny", measure_cost=False, max_sessions=4, max_context=512, kv_blocks=256)
+
+
+def test_the_server_loads_through_the_loader_it_is_given_and_refuses_tp_without_one() -> None:
+    """The server knows nothing of tensor parallelism: serve_parallel hands it a loader; without
+    one, --tensor-parallel 2 is refused (naming what to do) instead of loading an unsplit model."""
+    seen: list[ServerConfig] = []
+
+    def loader(cfg: ServerConfig) -> Target:
+        seen.append(cfg)
+        raise ValueError("no model from this loader")
+
+    tp = replace(SERVICE, tensor_parallel=2)
+    with pytest.raises(RuntimeError, match="no model from this loader"):
+        ThreadedServer(tp, loader=loader).start(timeout=30)
+    assert seen == [tp]
+    with pytest.raises(
+        RuntimeError, match=r"--tensor-parallel 2 needs the ranks started first: run `cloud-verifier"
+    ):
+        ThreadedServer(tp).start(timeout=30)
 
 
 def _free_port() -> int:
