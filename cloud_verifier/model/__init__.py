@@ -4,9 +4,15 @@
 from cloud_verifier.kv_cache import KVCacheFull, PagedKVCache
 from cloud_verifier.model.config import ModelConfig, RopeScaling, make_tiny_config
 from cloud_verifier.model.generate import greedy_generate, prefill
-from cloud_verifier.model.inputs import SeqInput, check_input
+from cloud_verifier.model.inputs import (
+    SeqInput,
+    check_input,
+    decode_step,
+    prefill_chunk,
+    round_keep,
+    tree_round,
+)
 from cloud_verifier.model.llama import LlamaModel
-from cloud_verifier.model.rounds import decode_step, prefill_chunk, round_keep, tree_round
 from cloud_verifier.model.target import ALIASES, Target, load_target, smollm2_gguf_path
 from cloud_verifier.model.tokenizer import TargetTokenizer
 from cloud_verifier.model.weights import build_model

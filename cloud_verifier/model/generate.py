@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from cloud_verifier.kv_cache import PagedKVCache
+from cloud_verifier.model.inputs import decode_step, prefill_chunk
 from cloud_verifier.model.llama import LlamaModel
-from cloud_verifier.model.rounds import decode_step, prefill_chunk
 
 
 def prefill(
