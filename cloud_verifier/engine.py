@@ -68,7 +68,7 @@ class Engine:
         self._step_started: float | None = None
         self._step_expected_s = 0.0
         self._slowest_s = 0.0
-        self.checks: list[Callable[[], bool]] = []  # more readiness conditions (parallel.py: ranks alive)
+        self.checks: list[Callable[[], bool]] = []  # more readiness conditions (parallel: ranks alive)
         # off the CPU, verdicts stay on the device until one copy per step (verify.read_verdicts)
         self.sync_free = target.device.type != "cpu"
 

@@ -103,7 +103,7 @@ class LlamaModel(nn.Module):
         self.attn_dtype = dtype
         self._sdpa = False  # "sdpa" mode: never the CPU kernel
         self._triton = False  # "triton" mode: the Triton kernel on any device (CPU: interpreted)
-        # tensor parallelism (parallel.py): sums a layer's partial o / down output over the ranks
+        # tensor parallelism (cloud_verifier.parallel) sums a layer's partial o / down output over the ranks
         # in place, and gathers the vocab-parallel head's logit shards; None on one process
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
