@@ -5,7 +5,7 @@
 - `estimates`: what is learned across generations (Learned) and within one (RoundEstimates);
 - `ledger`: the sent trees; `planner`: the candidate outcomes, most likely first;
 - `actions`: what the core asks of its shell; `core`: SpeculationCore (events in, actions out);
-- `drafting`: the draft step (runs draft actions with the drafter); `executor`: the asyncio shell.
+- `executor`: the asyncio shell, and the draft step it runs on the drafting thread (DraftStep).
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from edge_client.speculation.actions import (
 )
 from edge_client.speculation.config import PrespecConfig, Request, TreeSpec
 from edge_client.speculation.core import DrafterProfile, Refused, SpeculationCore
-from edge_client.speculation.drafting import DraftStep
 from edge_client.speculation.estimates import Learned, RoundEstimates
-from edge_client.speculation.executor import RoundExecutor
+from edge_client.speculation.executor import DraftStep, RoundExecutor
 from edge_client.speculation.ledger import Ledger, Speculation
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 The core (speculation.core) is sans-I/O: its steps are generators that yield these actions and
 receive each one's result (`generator.send`). The asyncio shell (speculation.executor) runs draft
-actions on the drafting thread (speculation.drafting.DraftStep) and send actions on the socket;
+actions on the drafting thread (speculation.executor.DraftStep) and send actions on the socket;
 a test runs them inline, with a scripted server.
 
     action              result sent back
