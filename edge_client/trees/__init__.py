@@ -3,10 +3,11 @@
 One concept per module:
 
 - `sampling`: how a row of draft logits becomes candidate tokens (ranking, coupling, q rows);
-- `builder`: the tree under construction, `DraftOptions`, `DraftResult`, finishing leaves later;
-- `static`: SpecInfer's expansion ⟨k1..km⟩ and the chain ⟨1,...,1⟩;
+- `builder`: the tree under construction, `DraftOptions`, `DraftResult`, and the static shapes
+  (SpecInfer's expansion ⟨k1..km⟩ and the chain ⟨1,...,1⟩), the default round's tree;
 - `dynamic`: best-first under a node budget (Sequoia / EAGLE-2 style);
-- `lockstep`: several conditional static trees drafted together, one evaluation per level.
+- `lockstep`: pre-speculation's batched drafter work: several conditional static trees drafted
+  together, one evaluation per level, and the leaves of trees already sent, finished later.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from edge_client.trees.builder import (
     DraftCancelled,
     DraftOptions,
     DraftResult,
-    finish_leaves,
-    finish_leaves_many,
+    draft_sequence,
+    draft_static,
 )
 from edge_client.trees.dynamic import draft_dynamic
-from edge_client.trees.lockstep import draft_static_many
+from edge_client.trees.lockstep import draft_static_many, finish_leaves, finish_leaves_many
 from edge_client.trees.sampling import WIRE_TOP_K, Coupling, Sampling
-from edge_client.trees.static import draft_sequence, draft_static
 
 __all__ = [
     "DEFAULT_ALTERNATIVES",

@@ -1,7 +1,8 @@
-"""The tree builder: a tree under construction, its options, and what a drafted tree carries.
+"""The tree builder: a tree under construction, its options, what a drafted tree carries, and the
+static shapes drafted with it (`draft_static`, `draft_sequence`: the default round's tree).
 
-Every shape (edge_client.trees.static, .dynamic, .lockstep) grows a `TreeBuilder` level by level,
-evaluating each level in one drafter call, and returns a `DraftResult`: the TokenTree plus the
+Every shape (the static ones below, trees.dynamic, trees.lockstep) grows a `TreeBuilder` level by
+level, evaluating each level in one drafter call, and returns a `DraftResult`: the TokenTree plus the
 draft's own probabilities of each node and of the best alternatives after each node, which
 outcome prediction needs (edge_client.speculation.outcomes).
 
@@ -11,24 +12,32 @@ and the tree is drafted below the workspace node that `cond` leads to, extending
 
 Two things keep pre-speculation off the critical path: a conditional tree whose assumed outcome
 a verdict has ruled out is abandoned between evaluations (`DraftOptions.stop`, DraftCancelled),
-and a tree sent without its leaves evaluated gets them later (`finish_leaves`), so the
-synchronous draft after a miss is no longer than a plain one.
+and a tree sent without its leaves evaluated gets them later (`trees.lockstep.finish_leaves`), so
+the synchronous draft after a miss is no longer than a plain one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from edge_client.drafters.base import Drafter
-from edge_client.trees.sampling import Coupling, Sampling, coupling_for, draft_mode, top_alternatives
+from edge_client.drafters.base import Drafter, WorkspaceFullError
+from edge_client.trees.sampling import (
+    Coupling,
+    Sampling,
+    coupling_for,
+    draft_mode,
+    ranked,
+    top_alternatives,
+)
 from shared.messages import Mode
 from shared.sparse import SparseDist, SparseRows
-from shared.tree import Draws, TokenTree
+from shared.tree import Draws, ExpansionConfig, TokenTree
 
 DEFAULT_ALTERNATIVES = 4
 
@@ -226,88 +235,123 @@ def check_stop(stop: Callable[[], bool] | None) -> None:
         raise DraftCancelled("drafting stopped: the tree is no longer wanted")
 
 
-def finish_leaves(
+# ---------------------------------------------------------------------------------------------------
+# Static shapes: SpecInfer's expansion ⟨k1..km⟩ and the plain chain ⟨1,...,1⟩.
+#
+#
+# Drafted level by level, so each drafter evaluation (one llama_decode) covers a whole level.
+# Deterministic modes take the draft's top-k_i tokens at each node (distinct siblings).
+# Stochastic modes (mss, rrs) take exactly k_i draws from the node's quantized q row (with
+# replacement for mss; without, by Gumbel-top-k, for rrs) and the rows travel with the tree. The
+# number of draws at a node is fixed before drawing and no draw is dropped; duplicate mss draws
+# share one node and stay separate draws (DESIGN 3.1).
+
+_DEFAULT = DraftOptions()
+
+
+def draft_static(
     drafter: Drafter,
-    dr: DraftResult,
-    opts: DraftOptions | None = None,
-    nodes: Sequence[int] | None = None,
+    committed: Sequence[int],
+    config: ExpansionConfig = ExpansionConfig(),
+    opts: DraftOptions = _DEFAULT,
 ) -> DraftResult:
-    """Evaluate the nodes of `dr` left unevaluated (its leaves) in one drafter call and return the
-    result with their workspace ids and alternatives filled in, as if drafted with eval_leaves.
+    """SpecInfer's expansion-based tree ⟨k1..km⟩, one drafter evaluation per level.
 
-    nodes: only these of the unevaluated nodes (default: all of them); the others stay
-    unevaluated (workspace id -1, no alternatives), and a later call can still add them.
-
-    The drafter's workspace must still hold the tree (no sync since it was drafted). The tree
-    itself (tokens, draws) is unchanged; only what the draft believes after the leaves is added.
-    opts: the mode, sampling and coupling the tree was drafted with.
-    Raises WorkspaceFullError when the leaves do not fit.
+    Deterministic modes: node order is ExpansionConfig.parents() (level by level, siblings by
+    rank), so the tree has exactly config.num_nodes nodes. Stochastic modes: each node at depth
+    i-1 makes exactly k_i draws (rrs: min(k_i, row length), known before drawing); identical mss
+    draws share a node, so the tree may have fewer nodes than config.num_nodes, never fewer draws.
+    The last level is not evaluated unless `opts.eval_leaves` (pre-speculation wants its
+    alternatives; `finish_leaves` can add them after the tree is sent). `opts.stop` and
+    `opts.coupling`: see DraftOptions.
     """
-    (out,) = finish_leaves_many(drafter, [(dr, nodes)], opts)
-    return out
-
-
-def finish_leaves_many(
-    drafter: Drafter,
-    work: Sequence[tuple[DraftResult, Sequence[int] | None]],
-    opts: DraftOptions | None = None,
-) -> list[DraftResult]:
-    """`finish_leaves` for several trees of the workspace at once: all their leaves in ONE drafter
-    call (a llama.cpp evaluation costs about the same for one token or a few)."""
-    opts = opts or DraftOptions()
-    sampling = opts.sampling
+    t0 = time.perf_counter()
+    sampling, rng, cond, alternatives = opts.sampling, opts.rng, opts.cond, opts.alternatives
+    eval_leaves = opts.eval_leaves
     m = draft_mode(opts.mode)
-    if m.stochastic and sampling is None:
-        raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...)")
+    stochastic = m.stochastic
     coupling = coupling_for(m, opts.coupling)
-    plans: list[tuple[DraftResult, np.ndarray, list[int]]] = []
-    parents: list[int] = []
-    tokens: list[int] = []
-    for dr, wanted in work:
-        ws = dr.workspace_ids.copy()
-        if wanted is None:
-            nodes = np.flatnonzero(ws < 0).tolist()
-        else:
-            nodes = sorted({int(n) for n in wanted})
-            bad = [n for n in nodes if not 0 <= n < ws.size or ws[n] >= 0]
-            if bad:
-                raise ValueError(f"finish_leaves: nodes {bad} are not unevaluated nodes of the tree")
-        tree = dr.tree
-        if any(tree.parents[n] >= 0 and ws[tree.parents[n]] < 0 for n in nodes):
-            raise ValueError("finish_leaves: a node's parent was never evaluated (not a leaf)")
-        parents.extend(dr.root_id if tree.parents[n] < 0 else int(ws[tree.parents[n]]) for n in nodes)
-        tokens.extend(int(tree.tokens[n]) for n in nodes)
-        plans.append((dr, ws, nodes))
-    if not tokens:
-        return [dr for dr, _ in work]
-    first = drafter.num_nodes
-    out = drafter.extend(parents, tokens)
-    results: list[DraftResult] = []
-    row = 0
-    for dr, ws, nodes in plans:
-        if not nodes:
-            results.append(dr)
-            continue
-        tree = dr.tree
-        alt_tok, alt_p = dr.alt_tokens.copy(), dr.alt_probs.copy()
-        a = alt_tok.shape[1]
-        for n in nodes:
-            ws[n] = first + row
-            at = tree.committed_len + int(tree.depth[n])  # absolute position of the token after node n
-            ids, probs = top_alternatives(out[row], a, sampling if m.stochastic else None, coupling, at)
-            row += 1
-            k = min(a, ids.size)
-            alt_tok[n + 1, :] = -1
-            alt_p[n + 1, :] = 0.0
-            alt_tok[n + 1, :k] = ids[:k]
-            alt_p[n + 1, :k] = probs[:k]
-        results.append(
-            dataclasses.replace(
-                dr,
-                workspace_ids=ws,
-                alt_tokens=alt_tok,
-                alt_probs=alt_p.astype(np.float32),
-                evaluations=dr.evaluations + 1,
-            )
+    at = len(committed) + len(cond)  # absolute position of the token after row 0
+    if stochastic:
+        if sampling is None or rng is None:
+            raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...) and rng")
+    _check_room(drafter, config, eval_leaves, fresh=not opts.reuse_workspace)
+    evals = drafter.stats.extend_calls
+    root_id, root_logits = anchor_node(drafter, committed, cond, opts.reuse_workspace)
+    acc = TreeBuilder(alternatives)
+    frontier: list[tuple[int, np.ndarray]] = [(-1, root_logits)]  # (tree node, logits after it)
+    for level, k in enumerate(config.ks):
+        new: list[int] = []
+        for node, logits in frontier:
+            if stochastic:
+                assert sampling is not None and rng is not None
+                new.extend(_sample_children(acc, node, logits, k, m, sampling, rng))
+            else:
+                ids, vals = ranked(logits, max(k, alternatives), coupling, at + level)
+                acc.set_alt(node + 1, ids, np.exp(vals))
+                for tok, lp in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
+                    new.append(acc.add(node, tok, lp))
+        last = level == config.depth - 1
+        if last and not eval_leaves:
+            break
+        check_stop(opts.stop)
+        frontier = evaluate_level(drafter, acc, new, root_id)
+    if eval_leaves:  # alternatives after the leaves
+        for node, logits in frontier:
+            q = sampling if stochastic else None
+            acc.set_alt(node + 1, *top_alternatives(logits, alternatives, q, coupling, at + config.depth))
+    evals = drafter.stats.extend_calls - evals
+    return acc.result(committed, cond, root_id, stochastic, np.zeros(0), t0, evals)
+
+
+def draft_sequence(
+    drafter: Drafter, committed: Sequence[int], depth: int, opts: DraftOptions = _DEFAULT
+) -> DraftResult:
+    """A chain as deep as the tree: ⟨1,...,1⟩ of `depth` levels (options as draft_static)."""
+    return draft_static(drafter, committed, ExpansionConfig((1,) * depth), opts)
+
+
+def _sample_children(
+    acc: TreeBuilder,
+    node: int,
+    logits: np.ndarray,
+    k: int,
+    mode: Mode,
+    sampling: Sampling,
+    rng: np.random.Generator,
+) -> list[int]:
+    """Exactly k draws (rrs: min(k, row length)) at `node` from its quantized q row; new nodes."""
+    q = sampling.q_row(logits)
+    qrow = len(acc.q_rows)
+    acc.q_rows.append(q)
+    order = np.argsort(-q.weights, kind="stable")
+    acc.set_alt(node + 1, q.ids[order], q.weights[order] / 65536.0)
+    if mode is Mode.RRS:
+        drawn = q.sample_without_replacement(rng, min(k, len(q)))
+    else:
+        drawn = q.sample(rng, k)
+    new: list[int] = []
+    for tok in drawn.tolist():
+        child = acc.child.get((node, tok))
+        if child is None:
+            child = acc.add(node, tok, math.log(q.weight(tok) / 65536.0))
+            new.append(child)
+        acc.d_node.append(child)
+        acc.d_qrow.append(qrow)
+    return new
+
+
+def _check_room(drafter: Drafter, config: ExpansionConfig, eval_leaves: bool, fresh: bool) -> None:
+    """Refuse a tree the workspace cannot hold. fresh: the tree starts from a sync, which empties
+    the workspace first; otherwise it is drafted into the workspace as it is."""
+    levels = np.cumprod(config.ks)
+    evaluated = levels if eval_leaves else levels[:-1]
+    nodes = int(evaluated.sum())
+    leaves = int(evaluated[-1]) if evaluated.size else 0
+    in_use, used_leaves = (0, 0) if fresh else (drafter.num_nodes, drafter.num_leaves)
+    if in_use + nodes > drafter.max_nodes or used_leaves + leaves > drafter.max_leaves:
+        raise WorkspaceFullError(
+            f"tree {config} evaluates {nodes} nodes on {leaves} branches; the drafter holds "
+            f"{drafter.max_nodes} nodes / {drafter.max_leaves} branches ({drafter.num_nodes} / "
+            f"{drafter.num_leaves} in use): pick a narrower tree or a larger max_nodes / max_leaves"
         )
-    return results

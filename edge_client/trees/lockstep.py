@@ -15,6 +15,7 @@ here equals the one drafted alone below the same workspace node.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -22,7 +23,7 @@ import numpy as np
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
 from edge_client.trees.builder import DraftCancelled, DraftOptions, DraftResult, TreeBuilder
-from edge_client.trees.sampling import coupling_for, draft_mode, ranked
+from edge_client.trees.sampling import coupling_for, draft_mode, ranked, top_alternatives
 from shared.tree import ExpansionConfig
 
 _DEFAULT = DraftOptions()
@@ -149,4 +150,95 @@ def draft_static_many(
             results.append(None)
             continue
         results.append(accs[t].result(committed, conds[t], roots[t][0], False, np.zeros(0), t0, evals))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# The leaves of trees already sent, evaluated later (pre-speculation's other batched evaluation)
+
+
+def finish_leaves(
+    drafter: Drafter,
+    dr: DraftResult,
+    opts: DraftOptions | None = None,
+    nodes: Sequence[int] | None = None,
+) -> DraftResult:
+    """Evaluate the nodes of `dr` left unevaluated (its leaves) in one drafter call and return the
+    result with their workspace ids and alternatives filled in, as if drafted with eval_leaves.
+
+    nodes: only these of the unevaluated nodes (default: all of them); the others stay
+    unevaluated (workspace id -1, no alternatives), and a later call can still add them.
+
+    The drafter's workspace must still hold the tree (no sync since it was drafted). The tree
+    itself (tokens, draws) is unchanged; only what the draft believes after the leaves is added.
+    opts: the mode, sampling and coupling the tree was drafted with.
+    Raises WorkspaceFullError when the leaves do not fit.
+    """
+    (out,) = finish_leaves_many(drafter, [(dr, nodes)], opts)
+    return out
+
+
+def finish_leaves_many(
+    drafter: Drafter,
+    work: Sequence[tuple[DraftResult, Sequence[int] | None]],
+    opts: DraftOptions | None = None,
+) -> list[DraftResult]:
+    """`finish_leaves` for several trees of the workspace at once: all their leaves in ONE drafter
+    call (a llama.cpp evaluation costs about the same for one token or a few)."""
+    opts = opts or DraftOptions()
+    sampling = opts.sampling
+    m = draft_mode(opts.mode)
+    if m.stochastic and sampling is None:
+        raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...)")
+    coupling = coupling_for(m, opts.coupling)
+    plans: list[tuple[DraftResult, np.ndarray, list[int]]] = []
+    parents: list[int] = []
+    tokens: list[int] = []
+    for dr, wanted in work:
+        ws = dr.workspace_ids.copy()
+        if wanted is None:
+            nodes = np.flatnonzero(ws < 0).tolist()
+        else:
+            nodes = sorted({int(n) for n in wanted})
+            bad = [n for n in nodes if not 0 <= n < ws.size or ws[n] >= 0]
+            if bad:
+                raise ValueError(f"finish_leaves: nodes {bad} are not unevaluated nodes of the tree")
+        tree = dr.tree
+        if any(tree.parents[n] >= 0 and ws[tree.parents[n]] < 0 for n in nodes):
+            raise ValueError("finish_leaves: a node's parent was never evaluated (not a leaf)")
+        parents.extend(dr.root_id if tree.parents[n] < 0 else int(ws[tree.parents[n]]) for n in nodes)
+        tokens.extend(int(tree.tokens[n]) for n in nodes)
+        plans.append((dr, ws, nodes))
+    if not tokens:
+        return [dr for dr, _ in work]
+    first = drafter.num_nodes
+    out = drafter.extend(parents, tokens)
+    results: list[DraftResult] = []
+    row = 0
+    for dr, ws, nodes in plans:
+        if not nodes:
+            results.append(dr)
+            continue
+        tree = dr.tree
+        alt_tok, alt_p = dr.alt_tokens.copy(), dr.alt_probs.copy()
+        a = alt_tok.shape[1]
+        for n in nodes:
+            ws[n] = first + row
+            at = tree.committed_len + int(tree.depth[n])  # absolute position of the token after node n
+            ids, probs = top_alternatives(out[row], a, sampling if m.stochastic else None, coupling, at)
+            row += 1
+            k = min(a, ids.size)
+            alt_tok[n + 1, :] = -1
+            alt_p[n + 1, :] = 0.0
+            alt_tok[n + 1, :k] = ids[:k]
+            alt_p[n + 1, :k] = probs[:k]
+        results.append(
+            dataclasses.replace(
+                dr,
+                workspace_ids=ws,
+                alt_tokens=alt_tok,
+                alt_probs=alt_p.astype(np.float32),
+                evaluations=dr.evaluations + 1,
+            )
+        )
     return results
