@@ -13,16 +13,20 @@ import shlex
 import subprocess
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from edge_client.drafters.base import Drafter
 
 PROMPT = "Write a haiku about rain."
 
 
-async def _generate(url: str, drafter: object, mode: str, tokens: int) -> list[int]:
+async def _generate(url: str, drafter: Drafter, mode: str, tokens: int) -> list[int]:
     from edge_client.client import EdgeClient
 
-    async with EdgeClient(url, drafter, prespec=mode != "ar") as c:  # type: ignore[arg-type]
+    async with EdgeClient(url, drafter, prespec=mode != "ar") as c:
         async for _ in c.generate(PROMPT, max_new_tokens=tokens, mode=mode):
             pass
         assert c.last is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -99,7 +99,7 @@ class WsSession:
     def send_raw(self, data: bytes) -> None:
         self.ws.send_bytes(data)
 
-    def recv_raw(self) -> dict[str, Any]:
+    def recv_raw(self) -> MutableMapping[str, Any]:
         return self.ws.receive()
 
     def prompt(self, p: Prompt) -> None:
@@ -127,7 +127,9 @@ def run_greedy(
     rng = random.Random(seed)
     ref = prompt + reference(tuple(prompt), n)
     sess.prompt(
-        Prompt(tokens=prompt, mode=mode, max_new_tokens=n, tree=scripted_tree(rng, prompt, ref, nodes))
+        Prompt(
+            tokens=np.array(prompt), mode=mode, max_new_tokens=n, tree=scripted_tree(rng, prompt, ref, nodes)
+        )
     )
     out: list[int] = []
     verdicts: list[Verdict] = []
@@ -194,7 +196,10 @@ async def run_greedy_async(
     await sess.ws.send(
         sess.proto.prompt(
             Prompt(
-                tokens=prompt, mode=Mode.GREEDY, max_new_tokens=n, tree=scripted_tree(rng, prompt, ref, nodes)
+                tokens=np.array(prompt),
+                mode=Mode.GREEDY,
+                max_new_tokens=n,
+                tree=scripted_tree(rng, prompt, ref, nodes),
             )
         )
     )

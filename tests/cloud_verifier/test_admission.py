@@ -7,12 +7,14 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+from websockets.frames import Close
 
 from cloud_verifier.admission import Admission, Refused
 from cloud_verifier.auth import KeyStore, Principal
 from shared.errors import ErrorCode
-from shared.messages import Error, Mode, Prompt, Verdict, Welcome
+from shared.messages import Error, Message, Mode, Prompt, Verdict, Welcome
 from tests.cloud_verifier.service import AsyncSession, LiveServer, prompt_tokens
 
 ANY = Principal("anonymous", False)
@@ -73,7 +75,7 @@ def test_limits_through_a_live_verifier(tmp_path: Path) -> None:
     keys.write_text("k-a sessions=1 tokens_per_min=20\n")
     with LiveServer(api_key_file=str(keys), max_sessions=4, max_waiting=0) as srv:
 
-        async def main() -> tuple[object, object, object]:
+        async def main() -> tuple[Close | None, Message, httpx.Response]:
             s = await AsyncSession.open(srv.ws, api_key="k-a")
             assert isinstance(await s.recv(), Welcome)
             second = await AsyncSession.open(srv.ws, api_key="k-a")
@@ -83,13 +85,13 @@ def test_limits_through_a_live_verifier(tmp_path: Path) -> None:
             except Exception as exc:
                 refused = getattr(exc, "rcvd", None)
             # spend the key's 20 tokens a minute, then ask again
-            await s.ws.send(s.proto.prompt(Prompt(prompt_tokens(1), Mode.AR, max_new_tokens=25)))
+            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(1)), Mode.AR, max_new_tokens=25)))
             while True:
                 v = await s.recv()
                 assert isinstance(v, Verdict), v
                 if v.done:
                     break
-            await s.ws.send(s.proto.prompt(Prompt(prompt_tokens(2), Mode.AR, max_new_tokens=5)))
+            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(2)), Mode.AR, max_new_tokens=5)))
             limited = await s.recv()
             async with httpx.AsyncClient() as h:
                 r = await h.post(
@@ -101,7 +103,7 @@ def test_limits_through_a_live_verifier(tmp_path: Path) -> None:
             return refused, limited, r
 
         refused, limited, r = asyncio.run(main())
-        assert refused is not None and refused.code == 1013 and "concurrent" in refused.reason  # type: ignore[attr-defined]
+        assert refused is not None and refused.code == 1013 and "concurrent" in refused.reason
         assert isinstance(limited, Error) and limited.code == ErrorCode.RATE_LIMITED and limited.round == 0
-        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1  # type: ignore[attr-defined]
-        assert "concurrent" in r.json()["error"]["message"] or "tokens" in r.json()["error"]["message"]  # type: ignore[attr-defined]
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert "concurrent" in r.json()["error"]["message"] or "tokens" in r.json()["error"]["message"]

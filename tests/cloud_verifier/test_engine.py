@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -16,12 +17,12 @@ from shared.tree import TokenTree
 from tests.cloud_verifier.service import prompt_tokens, reference, tiny
 
 
-def _engine(**cfg: int) -> Engine:
+def _engine(**cfg: Any) -> Engine:
     t = tiny()
-    return Engine(t, t.new_kv_cache(256, 16), EngineConfig(**cfg))  # type: ignore[arg-type]
+    return Engine(t, t.new_kv_cache(256, 16), EngineConfig(**cfg))
 
 
-def _start(e: Engine, n_prompt: int, seed: int) -> object:
+def _start(e: Engine, n_prompt: int, seed: int) -> SeqState:
     s = e.open(lambda r: None)
     toks = np.asarray(prompt_tokens(seed, n_prompt), dtype=np.int32)
     e.start(s, Prompt(toks, Mode.GREEDY, max_new_tokens=8), toks)
@@ -34,7 +35,7 @@ def test_a_long_prefill_is_chunked_small_while_others_wait() -> None:
         long = _start(e, 400, 1)
         plan = e._plan()
         # alone, a prompt takes the whole budget: all 400 rows, row 0 included, in one step
-        assert [(p.seq.sid, len(p.pre), p.final) for p in plan] == [(long.sid, 400, True)]  # type: ignore[attr-defined]
+        assert [(p.seq.sid, len(p.pre), p.final) for p in plan] == [(long.sid, 400, True)]
         short = _start(e, 1, 2)  # a one-row round (like a decode step) joins
         for p in plan:
             p.seq.busy = False
@@ -119,7 +120,7 @@ def test_step_planning_packs_one_row_rounds_first_within_the_token_budget() -> N
         plan = e._plan()
         # the five one-row rounds first, then the prefill gets what is left of the budget (35 rows,
         # capped at prefill_chunk) and keeps its row 0 for a later step
-        assert [p.seq for p in plan[:5]] == sorted(decodes, key=lambda s: s.sid)  # type: ignore[attr-defined]
+        assert [p.seq for p in plan[:5]] == sorted(decodes, key=lambda s: s.sid)
         assert all(p.final and len(p.pre) == 1 for p in plan[:5])
         assert plan[5].seq is prefill and not plan[5].final and len(plan[5].pre) == 16
         assert sum(len(p.pre) for p in plan) <= 40

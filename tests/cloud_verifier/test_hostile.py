@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from cloud_verifier import engine as engine_module
+from cloud_verifier import verify as verify_module
+from cloud_verifier.verify import Algorithm
 from shared.errors import ErrorCode
 from shared.messages import Error, Mode, Prompt, Tree, Verdict, Welcome, encode
 from shared.tree import TokenTree
@@ -50,7 +52,7 @@ async def _generate(
     rng = random.Random(seed)
     ref = prompt + (guess if guess is not None else reference(tuple(prompt), n))
     first = scripted_tree(rng, prompt, ref, 6) if mode is not Mode.AR else None
-    p = Prompt(prompt, mode, temperature, 0, top_p, seed, n, tree=first)
+    p = Prompt(np.array(prompt), mode, temperature, 0, top_p, seed, n, tree=first)
     await s.ws.send(s.proto.prompt(p))
     out: list[int] = []
     try:
@@ -116,9 +118,9 @@ def poisoned(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     """A verifier bug that only one session's input triggers: verification raises for sessions
     seeded POISON, and the packed forward raises whenever a session feeds the token POISON."""
     poison = {"seed": 666, "token": 4242, "forward_failures": 0}
-    real_verify = engine_module.verify_tree
+    real_verify = verify_module.verify_tree
 
-    def verify_tree(algorithm: str, tree: Any, logits: Any, params: Any, **kw: Any) -> Any:
+    def verify_tree(algorithm: Algorithm, tree: Any, logits: Any, params: Any, **kw: Any) -> Any:
         if kw.get("seed") == poison["seed"]:
             raise RuntimeError("injected verification failure")
         return real_verify(algorithm, tree, logits, params, **kw)
@@ -187,7 +189,9 @@ def test_idle_timeout_closes_a_session_that_went_silent_mid_generation() -> None
         async def main() -> Any:
             s = await AsyncSession.open(srv.ws)
             assert isinstance(await s.recv(), Welcome)
-            await s.ws.send(s.proto.prompt(Prompt(prompt_tokens(1), Mode.GREEDY, max_new_tokens=100)))
+            await s.ws.send(
+                s.proto.prompt(Prompt(np.array(prompt_tokens(1)), Mode.GREEDY, max_new_tokens=100))
+            )
             assert isinstance(await s.recv(), Verdict)
             return await _closed_with(s)
 
@@ -204,7 +208,7 @@ def test_an_ar_stream_is_not_idle() -> None:
         async def main() -> list[int]:
             s = await AsyncSession.open(srv.ws)
             assert isinstance(await s.recv(), Welcome)
-            await s.ws.send(s.proto.prompt(Prompt(prompt_tokens(2), Mode.AR, max_new_tokens=60)))
+            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(2)), Mode.AR, max_new_tokens=60)))
             out: list[int] = []
             while True:
                 v = await s.recv()
@@ -252,7 +256,9 @@ def test_kv_full_answers_a_prompt_once() -> None:
         async def main() -> tuple[Any, list[int]]:
             s = await AsyncSession.open(srv.ws)
             assert isinstance(await s.recv(), Welcome)
-            await s.ws.send(s.proto.prompt(Prompt(prompt_tokens(4, 200), Mode.GREEDY, max_new_tokens=8)))
+            await s.ws.send(
+                s.proto.prompt(Prompt(np.array(prompt_tokens(4, 200)), Mode.GREEDY, max_new_tokens=8))
+            )
             err = await s.recv()
             out = await run_greedy_async(s, prompt_tokens(5, 10), 20, seed=2, nodes=4)
             await s.close()
@@ -335,7 +341,7 @@ def test_the_work_of_a_stochastic_tree_is_bounded(mode: Mode) -> None:
         welcome = sess.hello()
         assert isinstance(welcome, Welcome)
         assert welcome.limits.draws == lim
-        sess.prompt(Prompt(prompt_tokens(6), mode, 1.0, 0, 1.0, 3, 400))
+        sess.prompt(Prompt(np.array(prompt_tokens(6)), mode, 1.0, 0, 1.0, 3, 400))
         assert isinstance(sess.recv(), Verdict)
         for name, parents, draws_at, rows, fld in cases:
             if mode is Mode.RRS and len(set(draws_at)) != len(draws_at):
@@ -371,7 +377,7 @@ def test_a_client_that_never_reads_is_held_back() -> None:
             s = AsyncSession(await connect(srv.ws, max_size=None, max_queue=1))
             await s.ws.send(s.proto.hello(_hello()))
             assert isinstance(await s.recv(), Welcome)
-            await s.ws.send(s.proto.prompt(Prompt(prompt_tokens(8), Mode.AR, max_new_tokens=400)))
+            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(8)), Mode.AR, max_new_tokens=400)))
             await asyncio.sleep(3.0)  # not reading
             (sess,) = srv.state.sessions
             backlog = sess.outbox.qsize()
@@ -443,17 +449,18 @@ def test_origin_check() -> None:
     """A browser page (it sends Origin) may connect only from --allowed-origins; clients that send
     no Origin (every non-browser client) are unaffected."""
     from websockets.asyncio.client import connect
+    from websockets.typing import Origin
 
     with LiveServer(allowed_origins="https://app.example") as srv:
 
         async def main() -> tuple[Any, bool]:
             try:
-                ws = await connect(srv.ws, origin="https://evil.example")  # type: ignore[arg-type]
+                ws = await connect(srv.ws, origin=Origin("https://evil.example"))
                 await asyncio.wait_for(ws.recv(), 5)
                 refused = None
             except Exception as exc:
                 refused = exc
-            ok = await connect(srv.ws, origin="https://app.example")  # type: ignore[arg-type]
+            ok = await connect(srv.ws, origin=Origin("https://app.example"))
             await ok.send(AsyncSession(ok).proto.hello(_hello()))
             good = msgpack_type(await ok.recv()) == "welcome"
             await ok.close()
@@ -544,7 +551,7 @@ def test_readyz_fails_fast_when_a_step_stalls(monkeypatch: pytest.MonkeyPatch) -
             assert isinstance(await s.recv(), Welcome)
             hang["on"] = True
             t0 = time.monotonic()
-            await s.ws.send(s.proto.prompt(Prompt(prompt_tokens(12), Mode.AR, max_new_tokens=3)))
+            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(12)), Mode.AR, max_new_tokens=3)))
             async with httpx.AsyncClient() as h:
                 while (await h.get(srv.http + "/readyz")).status_code == 200:
                     assert time.monotonic() - t0 < 10, "still ready while the step hangs"
@@ -561,7 +568,13 @@ def test_readyz_fails_fast_when_a_step_stalls(monkeypatch: pytest.MonkeyPatch) -
 
 
 # ---------------------------------------------------------------- one frame of bad input per class
-BAD_CASES = [
+# (name, needs_prompt: False / True / "pending" / None for a foreign vocabulary, frame builder,
+#  code, field, close code)
+HostileCase = tuple[
+    str, bool | str | None, Callable[[int], bytes] | None, ErrorCode | None, str | None, int | None
+]
+
+BAD_CASES: list[HostileCase] = [
     # (name, needs_prompt, frame builder (committed length -> bytes), code, field, close code or None)
     ("bad msgpack", False, lambda L: b"\xc1\x00", ErrorCode.BAD_FRAME, "frame", 1007),
     (
@@ -591,7 +604,7 @@ BAD_CASES = [
     (
         "mode not allowed",
         False,
-        lambda L: encode(Prompt(tokens=[1, 2], mode=Mode.RRS, temperature=1.0)),
+        lambda L: encode(Prompt(tokens=np.array([1, 2]), mode=Mode.RRS, temperature=1.0)),
         ErrorCode.MODE_NOT_ALLOWED,
         "mode",
         None,
@@ -599,7 +612,7 @@ BAD_CASES = [
     (
         "prompt over max context",
         False,
-        lambda L: encode(Prompt(tokens=[5] * 600)),
+        lambda L: encode(Prompt(tokens=np.array([5] * 600))),
         ErrorCode.CONTEXT_FULL,
         "tokens",
         None,
@@ -644,7 +657,14 @@ BAD_CASES = [
         "round",
         None,
     ),
-    ("message over the limit", False, lambda L: encode(Prompt(tokens=[1] * 20000)), None, None, 1009),
+    (
+        "message over the limit",
+        False,
+        lambda L: encode(Prompt(tokens=np.array([1] * 20000))),
+        None,
+        None,
+        1009,
+    ),
     ("text frame", False, None, ErrorCode.BAD_FRAME, "frame", 1007),
     ("vocabulary mismatch", None, None, ErrorCode.VOCAB_MISMATCH, "vocab_fingerprint", 1008),
 ]
@@ -652,7 +672,7 @@ BAD_CASES = [
 
 def _prompt_frame(**over: Any) -> bytes:
     """A valid prompt frame with some fields replaced (None: removed)."""
-    d = msgpack.unpackb(encode(Prompt(tokens=[1, 2, 3], max_new_tokens=50)))
+    d = msgpack.unpackb(encode(Prompt(tokens=np.array([1, 2, 3]), max_new_tokens=50)))
     for k, v in over.items():
         if v is None:
             d.pop(k, None)
@@ -671,7 +691,7 @@ def _i32(*xs: int) -> bytes:
     return np.asarray(xs, dtype="<i4").tobytes()
 
 
-MORE_CASES = [
+MORE_CASES: list[HostileCase] = [
     # frames that are not one well-formed msgpack map: fatal, close 1007
     ("trailing bytes", False, lambda L: msgpack.packb({"type": "cancel"}) + b"\x00", ErrorCode.BAD_FRAME, "frame", 1007),
     ("not a map", False, lambda L: msgpack.packb([1, 2]), ErrorCode.BAD_FRAME, "frame", 1007),
@@ -697,11 +717,11 @@ MORE_CASES = [
     ("round zero", True, lambda L: _tree_frame(L, round=0), ErrorCode.BAD_MESSAGE, "round", 1007),
     ("negative base", True, lambda L: _tree_frame(L, base=-1), ErrorCode.BAD_MESSAGE, "base", 1007),
     # content the protocol refuses: an error naming the field, the session goes on
-    ("prompt id out of range", False, lambda L: encode(Prompt(tokens=[49152])), ErrorCode.OUT_OF_RANGE, "tokens", None),
-    ("stop id out of range", False, lambda L: encode(Prompt(tokens=[1], stop_ids=(49152,))), ErrorCode.OUT_OF_RANGE, "stop_ids", None),
-    ("empty prompt", False, lambda L: encode(Prompt(tokens=[])), ErrorCode.BAD_MESSAGE, "tokens", None),
-    ("continue with no context", False, lambda L: encode(Prompt(tokens=[1], continue_=True)), ErrorCode.BAD_ORDER, "continue", None),
-    ("prompt while generating", True, lambda L: encode(Prompt(tokens=[1, 2])), ErrorCode.BAD_ORDER, "type", None),
+    ("prompt id out of range", False, lambda L: encode(Prompt(tokens=np.array([49152]))), ErrorCode.OUT_OF_RANGE, "tokens", None),
+    ("stop id out of range", False, lambda L: encode(Prompt(tokens=np.array([1]), stop_ids=(49152,))), ErrorCode.OUT_OF_RANGE, "stop_ids", None),
+    ("empty prompt", False, lambda L: encode(Prompt(tokens=np.array([]))), ErrorCode.BAD_MESSAGE, "tokens", None),
+    ("continue with no context", False, lambda L: encode(Prompt(tokens=np.array([1]), continue_=True)), ErrorCode.BAD_ORDER, "continue", None),
+    ("prompt while generating", True, lambda L: encode(Prompt(tokens=np.array([1, 2]))), ErrorCode.BAD_ORDER, "type", None),
     ("depth over the limit", True, lambda L: encode(Tree(1, TokenTree.chain(list(range(1, 18)), base=L))), ErrorCode.LIMIT_EXCEEDED, "tree.parents", None),
     ("cond over the limit", True, lambda L: encode(Tree(1, TokenTree.chain([1], base=L - 1, cond=[7] * 69))), ErrorCode.LIMIT_EXCEEDED, "tree.cond", None),
     ("cond id out of range", True, lambda L: encode(Tree(1, TokenTree.chain([1], base=L - 1, cond=[49152]))), ErrorCode.OUT_OF_RANGE, "tree.cond", None),
@@ -734,7 +754,7 @@ def test_hostile_input_classes_hurt_nobody_else() -> None:
                 s = await AsyncSession.open(url)
                 assert isinstance(await s.recv(), Welcome)
             if needs_prompt:
-                await s.ws.send(s.proto.prompt(Prompt(tokens=[1, 2, 3], max_new_tokens=50)))
+                await s.ws.send(s.proto.prompt(Prompt(tokens=np.array([1, 2, 3]), max_new_tokens=50)))
                 assert isinstance(await s.recv(), Verdict)
             if needs_prompt == "pending":  # round 7 waits as a conditional tree; round 3 comes after it
                 await s.ws.send(

@@ -15,7 +15,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+import numpy as np
 import pytest
+from websockets.frames import Close
 
 from shared.messages import Mode, Prompt, Verdict, Welcome
 from tests.cloud_verifier.service import AsyncSession, prompt_tokens, reference
@@ -45,7 +47,8 @@ def verifier_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
                 pass
             time.sleep(0.1)
         if proc.poll() is not None:
-            raise AssertionError(f"the verifier exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            stderr = proc.stderr.read() if proc.stderr is not None else ""
+            raise AssertionError(f"the verifier exited with {proc.returncode}: {stderr[-2000:]}")
         yield proc, port
     finally:
         if proc.poll() is None:
@@ -64,10 +67,10 @@ def test_sigterm_drains_running_generations_then_exits_0() -> None:
     ):
         url = f"ws://127.0.0.1:{port}/v1/session"
 
-        async def main() -> tuple[list[int], int, object, object]:
+        async def main() -> tuple[list[int], int, Close | None, Close | None]:
             s = await AsyncSession.open(url)
             assert isinstance(await s.recv(), Welcome)
-            await s.ws.send(s.proto.prompt(Prompt(prompt, Mode.AR, max_new_tokens=150)))
+            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt), Mode.AR, max_new_tokens=150)))
             out: list[int] = []
             ready = 0
             refused = None
@@ -98,8 +101,8 @@ def test_sigterm_drains_running_generations_then_exits_0() -> None:
         out, ready, refused, closed = asyncio.run(main())
         assert out == reference(tuple(prompt), 150)
         assert ready == 503
-        assert refused is not None and refused.code == 1013  # type: ignore[attr-defined]
-        assert closed is not None and closed.code == 1001  # type: ignore[attr-defined]
+        assert refused is not None and refused.code == 1013
+        assert closed is not None and closed.code == 1001
         assert proc.wait(30) == 0
         # structured logs: one JSON object a line, the session's events carrying its id
         assert proc.stderr is not None

@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from cloud_verifier.openai_api import TextStream
@@ -47,7 +48,7 @@ def test_models_and_greedy_chat_equal_target_only_decoding() -> None:
             extra_body={"return_token_ids": True},
         )
         choice = r.choices[0]
-        assert choice.token_ids == want  # type: ignore[attr-defined]
+        assert choice.token_ids == want
         assert choice.message.content == _text(want)
         assert choice.finish_reason == ("length" if len(want) == 24 else "stop")
         assert r.usage is not None and r.usage.prompt_tokens == len(_chat_ids())
@@ -86,7 +87,7 @@ def test_completions_greedy_streaming_and_not() -> None:
         r2 = client.completions.create(
             model="tiny", prompt=ids, temperature=0, max_tokens=20, extra_body={"return_token_ids": True}
         )
-        assert r2.choices[0].token_ids == want  # type: ignore[attr-defined]
+        assert r2.choices[0].token_ids == want
 
 
 def test_seeded_sampling_equals_a_seeded_ar_session() -> None:
@@ -98,7 +99,7 @@ def test_seeded_sampling_equals_a_seeded_ar_session() -> None:
         async def ar_session() -> list[int]:
             s = await AsyncSession.open(srv.ws)
             assert isinstance(await s.recv(), Welcome)
-            await s.ws.send(s.proto.prompt(Prompt(ids, Mode.AR, 0.8, 0, 0.95, 1234, 30)))
+            await s.ws.send(s.proto.prompt(Prompt(np.array(ids), Mode.AR, 0.8, 0, 0.95, 1234, 30)))
             out: list[int] = []
             while True:
                 v = await s.recv()
@@ -118,7 +119,7 @@ def test_seeded_sampling_equals_a_seeded_ar_session() -> None:
             max_tokens=30,
             extra_body={"return_token_ids": True},
         )
-        assert r.choices[0].token_ids == want  # type: ignore[attr-defined]
+        assert r.choices[0].token_ids == want
         assert want != reference(tuple(ids), 30)  # it did sample
 
 
@@ -141,7 +142,7 @@ def test_refused_parameters_and_auth(tmp_path: Any) -> None:
             with pytest.raises(openai.APIStatusError) as err:
                 client.chat.completions.create(**args)
             assert err.value.status_code in (400, 404), kw
-            assert err.value.body["param"] == param, (kw, err.value.body)  # type: ignore[index]
+            assert err.value.body["param"] == param, (kw, err.value.body)
         r = httpx.post(
             srv.http + "/v1/chat/completions", content=b"{not json", headers={"authorization": "Bearer k-1"}
         )

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from pathlib import Path
+from typing import cast
 
 import httpx
 import numpy as np
+from fastapi import FastAPI
 
 from shared.errors import ErrorCode
 from shared.messages import Error, Hello, Mode, Prompt, Stale, Tree, Verdict, Welcome, encode
@@ -103,7 +106,7 @@ def test_ar_mode_streams_one_token_per_verdict() -> None:
     with service() as client, WsSession(client) as sess:
         sess.hello()
         prompt = prompt_tokens(5)
-        sess.prompt(Prompt(tokens=prompt, mode=Mode.AR, max_new_tokens=12))
+        sess.prompt(Prompt(tokens=np.array(prompt), mode=Mode.AR, max_new_tokens=12))
         out = []
         while True:
             v = sess.recv()
@@ -120,11 +123,11 @@ def test_continue_adds_a_turn_to_the_cached_context() -> None:
         sess.hello()
         p1 = prompt_tokens(7)
         out1, _ = run_greedy(sess, p1, 10, 1)
-        engine = client.app.state.verifier.engine  # type: ignore[attr-defined]
+        engine = cast(FastAPI, client.app).state.verifier.engine
         cached = engine.kv.cached_len(sess.proto.welcome_msg and int(sess.proto.welcome_msg.session_id))
         assert cached == len(p1) + len(out1) - 1  # everything but the last token stays cached
         turn = prompt_tokens(8, 5)
-        sess.prompt(Prompt(tokens=turn, mode=Mode.AR, max_new_tokens=6, continue_=True))
+        sess.prompt(Prompt(tokens=np.array(turn), mode=Mode.AR, max_new_tokens=6, continue_=True))
         out2 = _drain(sess)
         full = p1 + out1 + turn
         assert out2 == reference(tuple(full), 6)
@@ -139,7 +142,7 @@ def test_stop_ids_end_the_generation_on_the_server() -> None:
     with service() as client, WsSession(client) as sess:
         sess.hello()
         rng = random.Random(0)
-        sess.prompt(Prompt(tokens=prompt, mode=Mode.GREEDY, max_new_tokens=30, stop_ids=(stop,)))
+        sess.prompt(Prompt(tokens=np.array(prompt), mode=Mode.GREEDY, max_new_tokens=30, stop_ids=(stop,)))
         out = []
         while True:
             v = sess.recv()
@@ -156,7 +159,7 @@ def test_conditional_tree_hit_needs_no_client_message() -> None:
     ref = prompt + reference(tuple(prompt), 40)
     with service() as client, WsSession(client) as sess:
         sess.hello()
-        sess.prompt(Prompt(tokens=prompt, mode=Mode.GREEDY, max_new_tokens=40))
+        sess.prompt(Prompt(tokens=np.array(prompt), mode=Mode.GREEDY, max_new_tokens=40))
         v0 = sess.recv()
         assert isinstance(v0, Verdict)
         L = len(sess.proto.committed)
@@ -187,7 +190,7 @@ def test_conditional_tree_hit_needs_no_client_message() -> None:
 
 def test_disconnect_frees_kv() -> None:
     with service() as client:
-        engine = client.app.state.verifier.engine  # type: ignore[attr-defined]
+        engine = cast(FastAPI, client.app).state.verifier.engine
         base_blocks = engine.kv.blocks_in_use
         with WsSession(client) as sess:
             sess.hello()
@@ -214,7 +217,7 @@ def _q_tree(base: int, tokens: list[int], weights: list[int]) -> TokenTree:
     return TokenTree.build(tokens, [-1] * n, base=base, draws=draws)
 
 
-def test_trust_policy_with_a_key_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_trust_policy_with_a_key_file(tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# comment\nk-trusted trusted\nk-plain\n")
     with service(api_key_file=str(keys)) as client:
@@ -227,7 +230,7 @@ def test_trust_policy_with_a_key_file(tmp_path) -> None:  # type: ignore[no-unty
         with WsSession(client, api_key="k-plain") as sess:
             w = sess.hello()
             assert isinstance(w, Welcome) and Mode.MSS not in w.allowed_modes
-            sess.send_raw(encode(Prompt(tokens=prompt_tokens(1), mode=Mode.MSS, temperature=1.0)))
+            sess.send_raw(encode(Prompt(tokens=np.array(prompt_tokens(1)), mode=Mode.MSS, temperature=1.0)))
             e = sess.recv()
             assert isinstance(e, Error) and e.code is ErrorCode.MODE_NOT_ALLOWED and e.field == "mode"
         # the bearer token in the handshake works as well as hello.api_key
@@ -236,7 +239,9 @@ def test_trust_policy_with_a_key_file(tmp_path) -> None:  # type: ignore[no-unty
             assert isinstance(w, Welcome) and {Mode.MSS, Mode.RRS} <= set(w.allowed_modes)
             p = prompt_tokens(2)
             q_tree = _q_tree(len(p), [5, 9], [40000, 25536])
-            sess.prompt(Prompt(tokens=p, mode=Mode.MSS, temperature=1.0, max_new_tokens=6, tree=q_tree))
+            sess.prompt(
+                Prompt(tokens=np.array(p), mode=Mode.MSS, temperature=1.0, max_new_tokens=6, tree=q_tree)
+            )
             v = sess.recv()
             assert isinstance(v, Verdict) and v.round == 0
             while not v.done:
@@ -245,7 +250,7 @@ def test_trust_policy_with_a_key_file(tmp_path) -> None:  # type: ignore[no-unty
                 assert isinstance(v, Verdict)
             assert len(sess.proto.committed) == len(p) + 6
             # malformed distributions: each an error naming the field, the session goes on
-            sess.prompt(Prompt(tokens=p, mode=Mode.MSS, temperature=1.0, max_new_tokens=6))
+            sess.prompt(Prompt(tokens=np.array(p), mode=Mode.MSS, temperature=1.0, max_new_tokens=6))
             assert isinstance(sess.recv(), Verdict)
             L = len(sess.proto.committed)
             one = SparseRows(np.array([0, 1]), np.array([3], np.int32), np.array([65536], np.int64))
@@ -271,11 +276,12 @@ def test_trust_policy_with_a_key_file(tmp_path) -> None:  # type: ignore[no-unty
                 assert isinstance(e, Error) and e.code is ErrorCode.BAD_DISTRIBUTION and e.field == fld, e
                 assert not e.fatal
             # negative weights cannot be written: a weight travels as u16 (weight - 1)
-            v = None
-            while v is None or not v.done:
+            last: Verdict | None = None
+            while last is None or not last.done:
                 sess.tree(_q_tree(len(sess.proto.committed), [3, 4, 11], [20000, 20000, 25536]))
-                v = sess.recv()
-                assert isinstance(v, Verdict)
+                got = sess.recv()
+                assert isinstance(got, Verdict)
+                last = got
 
 
 def test_max_sessions_answers_try_again_later() -> None:
@@ -344,6 +350,7 @@ def test_readyz_reports_loading_and_a_dead_engine() -> None:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         engine = app.state.verifier.engine
+        assert client.portal is not None
         client.portal.call(engine.stop)  # the engine loop is gone
         r = client.get("/readyz")
         assert r.status_code == 503 and "engine" in r.json()["detail"]

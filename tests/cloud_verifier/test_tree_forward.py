@@ -16,6 +16,7 @@ import torch
 from cloud_verifier.kv_cache import KVCacheFull
 from cloud_verifier.model import (
     LlamaModel,
+    PagedKVCache,
     build_model,
     decode_step,
     make_tiny_config,
@@ -25,6 +26,7 @@ from cloud_verifier.model import (
     tree_round,
 )
 from cloud_verifier.model.gemm import onednn_available
+from cloud_verifier.model.inputs import SeqInput
 from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree, straight_cache
 
 TOL = 1e-4
@@ -137,7 +139,7 @@ def test_packed_sequences_equal_separate_forwards(tiny: LlamaModel) -> None:
     tree = random_tree(rng, 12, vocab, 23, [])
     chunk = [rng.randrange(vocab) for _ in range(17)]
 
-    def setup() -> tuple:
+    def setup() -> tuple[PagedKVCache, list[SeqInput]]:
         kv = tiny.new_kv_cache(64, 16)
         for s, p in prompts.items():
             kv.add(s)

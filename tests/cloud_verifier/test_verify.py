@@ -3,6 +3,8 @@ sample-and-match == target-only decoding, and the T = 1 walk == the batched walk
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 import pytest
 import torch
@@ -151,9 +153,10 @@ def test_top_p_threshold_is_exact() -> None:
 
 
 def test_sampling_params_validate() -> None:
-    for bad in [dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)]:
+    bads: list[dict[str, Any]] = [dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5)]
+    for bad in bads:
         with pytest.raises(ValueError):
-            SamplingParams(**bad)  # type: ignore[arg-type]
+            SamplingParams(**bad)
 
 
 def test_keyed_uniform() -> None:
@@ -213,7 +216,8 @@ def test_draw_slots_and_padded_rows_literal() -> None:
     slots, qrow = draw_slots(tree)
     assert slots.tolist() == [[0, 1, 0], [-1, -1, -1], [-1, -1, -1]]
     assert qrow.tolist() == [[0, 0, 1], [-1, -1, -1], [-1, -1, -1]]
-    ids, probs = padded_rows(tree.draws.q)  # type: ignore[union-attr]
+    assert tree.draws is not None
+    ids, probs = padded_rows(tree.draws.q)
     assert ids.tolist() == [[7, 8, 8], [3, 7, 9]]
     assert (probs * Q_TOTAL).tolist() == [[40000, 25536, 0], [1000, 60000, 4536]]
     det = TokenTree.build([5, 6, 7], [-1, 0, -1])
@@ -222,7 +226,11 @@ def test_draw_slots_and_padded_rows_literal() -> None:
     batch = TreeBatch.from_tree(tree)
     assert batch.qrow is not None and batch.q_ids is not None and batch.q_probs is not None
     toks = torch.tensor([[[7, 8, 7], [-1, -1, -1], [-1, -1, -1]]])
-    for wr, want in [(False, [40000, 25536, 60000]), (True, [40000, 25536 / (1 - 40000 / Q_TOTAL), 60000])]:
+    cases: list[tuple[bool, list[float]]] = [
+        (False, [40000, 25536, 60000]),
+        (True, [40000, 25536 / (1 - 40000 / Q_TOTAL), 60000]),
+    ]
+    for wr, want in cases:
         got = draw_proposals(toks, batch.slots, batch.qrow, batch.q_ids, batch.q_probs, wr, 16)[0, 0]
         np.testing.assert_allclose(got.double().numpy() * Q_TOTAL, want, rtol=1e-6)
 
@@ -251,7 +259,7 @@ def test_errors() -> None:
     tree = TokenTree.build([1, 2], [-1, 0], base=1)
     logits = torch.zeros(3, 8)
     with pytest.raises(TypeError, match="must be an Algorithm"):
-        verify_tree("greedy", tree, logits, SamplingParams())  # type: ignore[arg-type]
+        verify_tree(cast(Any, "greedy"), tree, logits, SamplingParams())
     with pytest.raises(ValueError, match="logits must be"):
         verify_tree(Algorithm.GREEDY, tree, logits[:2], SamplingParams())
     with pytest.raises(ValueError, match="stochastic tree"):

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
 
-from cloud_verifier.model import load_target, weight_cache
+from cloud_verifier.model import gguf_loader, load_target, weight_cache
 from cloud_verifier.model import target as target_mod
+from cloud_verifier.model.llama import DecoderLayer
 from cloud_verifier.model.weights import hf_state_dict
 
 from .checkpoints import logits_of
@@ -50,7 +52,7 @@ def test_a_second_load_reads_the_cache(monkeypatch: pytest.MonkeyPatch, tmp_path
     entries = list((tmp_path / "weights").iterdir())
     assert len(entries) == 1 and (entries[0] / "header.json").is_file()
     calls: list[object] = []
-    monkeypatch.setattr(target_mod.gguf_loader, "open_gguf", lambda *a: calls.append(a))
+    monkeypatch.setattr(gguf_loader, "open_gguf", lambda *a: calls.append(a))
     second = load_target("smollm2-135m", progress=False)
     assert not calls  # no GGUF opened
     assert second.vocab_fingerprint == first.vocab_fingerprint and second.eos_ids == first.eos_ids
@@ -65,7 +67,8 @@ def test_release_after_packing_keeps_the_logits_and_frees_the_projections() -> N
     if prepared.gemm.kind != "onednn":
         pytest.skip("the projections are not packed into a copy here (no oneDNN)")
     assert b.model.released
-    assert all(layer.qkv.numel() == 0 and layer.down.numel() == 0 for layer in b.model.layers)
+    layers = [cast(DecoderLayer, layer) for layer in b.model.layers]
+    assert all(layer.qkv.numel() == 0 and layer.down.numel() == 0 for layer in layers)
     assert b.model.embed.numel() > 0  # the embedding lookup still needs it
     assert torch.equal(logits_of(b.model, TOKENS), ref)
     with pytest.raises(RuntimeError, match="released after packing"):
