@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shared.messages import Mode, Prompt, Verdict, Welcome
@@ -66,7 +67,7 @@ def test_greedy_through_the_typescript_client_equals_target_only(built: None) ->
                    "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "40")  # fmt: skip
     assert out["tokens"] == reference(tuple(PROMPT), 40)
     stats = out["stats"]
-    assert isinstance(stats, dict) and stats["tokens"] == len(out["tokens"])  # type: ignore[arg-type]
+    assert isinstance(stats, dict) and stats["tokens"] == len(out["tokens"])
 
 
 def test_seeded_match_through_the_typescript_client_equals_seeded_ar(built: None) -> None:
@@ -75,7 +76,7 @@ def test_seeded_match_through_the_typescript_client_equals_seeded_ar(built: None
         async def ar() -> list[int]:
             s = await AsyncSession.open(srv.ws)
             assert isinstance(await s.recv(), Welcome)
-            await s.ws.send(s.proto.prompt(Prompt(PROMPT, Mode.AR, 0.9, 0, 1.0, 77, 30)))
+            await s.ws.send(s.proto.prompt(Prompt(np.array(PROMPT), Mode.AR, 0.9, 0, 1.0, 77, 30)))
             toks: list[int] = []
             while True:
                 v = await s.recv()

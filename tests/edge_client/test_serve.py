@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import pytest
 import uvicorn
 
@@ -47,7 +48,7 @@ def _ar(url: str, ids: list[int], n: int, temperature: float = 0.0, seed: int = 
     async def run() -> list[int]:
         s = await AsyncSession.open(url)
         assert isinstance(await s.recv(), Welcome)
-        await s.ws.send(s.proto.prompt(Prompt(ids, Mode.AR, temperature, 0, 1.0, seed, n)))
+        await s.ws.send(s.proto.prompt(Prompt(np.array(ids), Mode.AR, temperature, 0, 1.0, seed, n)))
         out: list[int] = []
         while True:
             v = await s.recv()
