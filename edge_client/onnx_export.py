@@ -9,11 +9,13 @@ An export folder holds:
 
 The source is a draft alias, a GGUF path, or `tiny` (the seeded random-weight test model); its
 GGUF is dequantized to fp32 by the cloud runtime's loader (`cloud_verifier.model.load_target`), so
-the ONNX model has exactly the torch drafter's weights. `int8` then applies onnxruntime's dynamic
-quantization (int8 weights per output channel, activations quantized per run) to every MatMul and
-to the embedding.
+the ONNX model has exactly the torch drafter's weights. `int8` writes every projection, the LM head
+and the embedding as symmetric 8-bit blocks of 16-128 input values with one scale each
+(edge_client.onnx_quant), quantized while the graph is written, a chunk of rows at a time, and run
+by onnxruntime's MatMulNBits with int8 activations; no fp32 graph is written first, so exporting
+Qwen2.5-Coder-0.5B needs little more memory than its fp32 torch model.
 
-Exports made on first use live in `<treespec cache>/onnx/<source content id>-<fp32|int8>-f<FORMAT>/`
+Exports made on first use live in `<treespec cache>/onnx/<source content id>-<fp32|int8-LAYOUT>-f<FORMAT>/`
 (the content id is `shared.model_store.content_id`, as for the verifier's weight cache). Every
 folder is written under a temporary name and renamed into place, so a reader never sees half of
 one. Exporting needs torch and onnx; reading a manifest needs neither.
@@ -37,6 +39,7 @@ MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 TINY = "tiny"
 MAX_MANIFEST_BYTES = 1 << 20
+INT8_LAYOUT = "nbits8-blocks"
 
 
 class ExportError(RuntimeError):
@@ -63,6 +66,9 @@ class Manifest:
     chat_template: str | None
     files: dict[str, int]  # file name -> size in bytes
     opset: int
+    # int8 only: "nbits8-blocks" (export-time 8-bit blocks, MatMulNBits); None: fp32, or an int8
+    # export from before (onnxruntime's quantize_dynamic), which still loads
+    int8_layout: str | None = None
     format: int = FORMAT
     kv_layout: str = "[rows, layers, kv_heads, head_dim]"
     exported_with: dict[str, str] = field(default_factory=dict)
@@ -150,7 +156,7 @@ def cache_folder(source: str, int8: bool) -> Path:
     """Where the export of `source` made on first use lives in the model cache."""
     from shared import model_store
 
-    kind = "int8" if int8 else "fp32"
+    kind = f"int8-{INT8_LAYOUT}" if int8 else "fp32"
     return model_store.cache_dir() / "onnx" / f"{source_id(source)}-{kind}-f{FORMAT}"
 
 
@@ -182,18 +188,13 @@ def export(
     try:
         from edge_client.onnx_graph import OPSET, write_model
 
-        fp32_dir = tmp / "fp32" if int8 else tmp
-        fp32_dir.mkdir(exist_ok=True)
-        say(f"export-onnx: writing the fp32 graph ({target.config.num_parameters() / 1e6:.0f}M parameters)")
-        write_model(target.model, fp32_dir / MODEL_FILE, DATA_FILE)
+        kind = "int8 (8-bit blocks, quantized as written)" if int8 else "fp32"
+        say(f"export-onnx: writing the {kind} graph ({target.config.num_parameters() / 1e6:.0f}M parameters)")
+        write_model(target.model, tmp / MODEL_FILE, DATA_FILE, int8=int8)
         config, tok = target.config, target.tokenizer
         fingerprint = str(target.vocab_fingerprint)
-        del target  # its floats: the int8 step loads the graph's own copy
-        gc.collect()  # the module graph has reference cycles: free the floats before quantizing
-        if int8:
-            say("export-onnx: quantizing to int8 (onnxruntime dynamic quantization)")
-            _quantize(fp32_dir / MODEL_FILE, tmp / MODEL_FILE)
-            shutil.rmtree(fp32_dir)
+        del target
+        gc.collect()  # the module graph has reference cycles: free the floats now
         (tmp / "tokenizer.json").write_text(tok.tokenizer.to_str(), encoding="utf-8")
         (tmp / "tokens.json").write_text(json.dumps(tok.token_texts(), ensure_ascii=False), encoding="utf-8")
         sha = None if gguf is None else model_store.file_sha256(gguf, progress=progress, desc="hashing")
@@ -214,6 +215,7 @@ def export(
             chat_template=tok.chat_template,
             files={p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
             opset=OPSET,
+            int8_layout=INT8_LAYOUT if int8 else None,
             exported_with={
                 "torch": torch.__version__,
                 "onnx": onnx.__version__,
@@ -228,18 +230,6 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"export-onnx: wrote {out} ({sum(manifest.files.values()) / 1e6:.0f} MB)")
     return manifest
-
-
-def _quantize(src: Path, dst: Path) -> None:
-    """onnxruntime's dynamic quantization: int8 weights per output channel (MatMul and the embedding's
-    Gather), activations quantized per run; the weights go to DATA_FILE beside the graph."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=True, use_external_data_format=True)
-    if not (dst.parent / DATA_FILE).is_file():
-        raise ExportError(
-            f"onnxruntime's quantizer wrote no {DATA_FILE} beside {dst}; this version is not supported"
-        )
 
 
 def ensure_export(source: str, *, int8: bool = False, progress: bool = True) -> Path:
@@ -272,6 +262,7 @@ def describe(manifest: Manifest) -> dict[str, Any]:
     return {
         "source": manifest.source,
         "int8": manifest.int8,
+        "int8_layout": manifest.int8_layout,
         "vocab_size": manifest.vocab_size,
         "layers": manifest.num_layers,
         "bytes": sum(manifest.files.values()),

@@ -30,6 +30,7 @@ contiguous and goes to onnxruntime without a copy; appending a run's rows is one
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,6 +40,18 @@ OPSET = 18
 INPUTS = ("input_ids", "position_ids", "attention_mask", "logit_rows", "past_key", "past_value")
 OUTPUTS = ("logits", "present_key", "present_value")
 _ALIGN = 64
+MS_DOMAIN = "com.microsoft"  # MatMulNBits, onnxruntime's contrib op (int8 exports only)
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """The initializers of one int8 weight W [n, k] (edge_client.onnx_quant's block layout)."""
+
+    q: str  # uint8 [n, blocks, block]
+    scales: str  # float32 [n, blocks]
+    n: int
+    k: int
+    block: int
 
 
 class _Writer:
@@ -71,28 +84,57 @@ class _Writer:
         self.inits.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
-    def weight(self, array: np.ndarray, hint: str) -> str:
-        """A large float32 initializer written to the external-data file now (not kept in memory)."""
-        from onnx import TensorProto
-
-        a = np.ascontiguousarray(array, dtype=np.float32)
-        name = self.name(hint)
+    def _start(self) -> int:
+        """Pad the data file to _ALIGN and return where the next tensor starts."""
         offset = self._data.tell()
         pad = -offset % _ALIGN
         if pad:
             self._data.write(b"\0" * pad)
-            offset += pad
-        self._data.write(a.data)  # no copy
+        return offset + pad
+
+    def _external(self, hint: str, data_type: int, dims: tuple[int, ...], offset: int, length: int) -> str:
+        from onnx import TensorProto
+
+        name = self.name(hint)
         t = TensorProto()
         t.name = name
-        t.data_type = TensorProto.FLOAT
-        t.dims.extend(a.shape)
-        for key, value in (("location", self._location), ("offset", offset), ("length", a.nbytes)):
+        t.data_type = data_type
+        t.dims.extend(dims)
+        for key, value in (("location", self._location), ("offset", offset), ("length", length)):
             entry = t.external_data.add()
             entry.key, entry.value = key, str(value)
         t.data_location = TensorProto.EXTERNAL
         self.inits.append(t)
         return name
+
+    def weight(self, array: np.ndarray, hint: str) -> str:
+        """A large float32 initializer written to the external-data file now (not kept in memory)."""
+        from onnx import TensorProto
+
+        a = np.ascontiguousarray(array, dtype=np.float32)
+        offset = self._start()
+        self._data.write(a.data)  # no copy
+        return self._external(hint, TensorProto.FLOAT, a.shape, offset, a.nbytes)
+
+    def int8_weight(self, array: np.ndarray, hint: str) -> Int8Weight:
+        """W [out, in] as MatMulNBits' 8-bit blocks (edge_client.onnx_quant), streamed a chunk of
+        rows at a time: no float copy of W is made."""
+        from onnx import TensorProto
+
+        from edge_client.onnx_quant import block_size, quantize_rows
+
+        rows, k = array.shape
+        block = block_size(k)
+        offset = self._start()
+        scales = []
+        for q, s in quantize_rows(array, block):
+            self._data.write(q.data)
+            scales.append(s)
+        blocks = -(-k // block)
+        q_name = self._external(
+            f"{hint}_q", TensorProto.UINT8, (rows, blocks, block), offset, rows * blocks * block
+        )
+        return Int8Weight(q_name, self.weight(np.concatenate(scales), f"{hint}_scales"), rows, k, block)
 
 
 def _np(p: Any) -> np.ndarray:
@@ -100,9 +142,12 @@ def _np(p: Any) -> np.ndarray:
     return np.asarray(p.detach().to("cpu").float().numpy())
 
 
-def write_model(model: Any, out: Path, data_name: str = "model.onnx.data") -> None:
+def write_model(model: Any, out: Path, data_name: str = "model.onnx.data", *, int8: bool = False) -> None:
     """Write `model` (a cloud_verifier LlamaModel with its projection weights in place) as
-    `out` (the graph) and `out.parent / data_name` (its weights)."""
+    `out` (the graph) and `out.parent / data_name` (its weights).
+
+    int8: every projection, the LM head and the embedding as 8-bit blocks (edge_client.onnx_quant)
+    run by MatMulNBits; norms, biases and rotary tables stay float32."""
     import onnx
     from onnx import TensorProto
     from onnx import helper as h
@@ -152,11 +197,25 @@ def write_model(model: Any, out: Path, data_name: str = "model.onnx.data") -> No
         qkv_split = w.const(np.array([q_size, kv_size, kv_size], i64))
         gu_split = w.const(np.array([inter, inter], i64))
         scale = w.const(np.float32(hd**-0.5), "scale")
-        x = w.op("Gather", [w.weight(_np(model.embed), "embed"), "input_ids"], axis=0)  # [n, hidden]
+
+        def linear(x: str, weight: Any, hint: str, out: str | None = None) -> str:
+            """x [n, k] @ W.T for a torch-layout weight W [n_out, k]."""
+            if int8:
+                q = w.int8_weight(_np(weight), hint)
+                return _matmul_nbits(w, x, q, out)
+            y = out or w.name("matmul")
+            w.nodes.append(h.make_node("MatMul", [x, w.weight(_np(weight).T, hint)], [y]))
+            return y
+
+        if int8:
+            embed = w.int8_weight(_np(model.embed), "embed")
+            x = _gather_int8(w, embed, "input_ids")  # [n, hidden]
+        else:
+            x = w.op("Gather", [w.weight(_np(model.embed), "embed"), "input_ids"], axis=0)  # [n, hidden]
         keys, values = [], []
         for li, layer in enumerate(model.layers):
             xn = rms_norm(x, w.weight(_np(layer.attn_norm), "attn_norm"))
-            qkv = w.op("MatMul", [xn, w.weight(_np(layer.qkv).T, f"l{li}_qkv")])  # [n, q + 2 kv]
+            qkv = linear(xn, layer.qkv, f"l{li}_qkv")  # [n, q + 2 kv]
             if layer.qkv_bias is not None:
                 qkv = w.op("Add", [qkv, w.weight(_np(layer.qkv_bias), f"l{li}_qkv_bias")])
             q, k, v = w.op("Split", [qkv, qkv_split], n_out=3, axis=1)
@@ -175,15 +234,18 @@ def write_model(model: Any, out: Path, data_name: str = "model.onnx.data") -> No
             probs = w.op("Softmax", [w.op("Add", [scores, "attention_mask"])], axis=-1)
             attn = w.op("Transpose", [w.op("MatMul", [probs, v_t])], perm=[2, 0, 1, 3])  # [n, kvh, g, hd]
             attn = w.op("Reshape", [attn, o_shape])
-            x = w.op("Add", [x, w.op("MatMul", [attn, w.weight(_np(layer.o).T, f"l{li}_o")])])
+            x = w.op("Add", [x, linear(attn, layer.o, f"l{li}_o")])
             xn = rms_norm(x, w.weight(_np(layer.mlp_norm), "mlp_norm"))
-            gu = w.op("MatMul", [xn, w.weight(_np(layer.gate_up).T, f"l{li}_gate_up")])  # [n, 2 inter]
+            gu = linear(xn, layer.gate_up, f"l{li}_gate_up")  # [n, 2 inter]
             gate, up = w.op("Split", [gu, gu_split], n_out=2, axis=1)
             act = w.op("Mul", [w.op("Mul", [gate, w.op("Sigmoid", [gate])]), up])
-            x = w.op("Add", [x, w.op("MatMul", [act, w.weight(_np(layer.down).T, f"l{li}_down")])])
+            x = w.op("Add", [x, linear(act, layer.down, f"l{li}_down")])
         rows = w.op("Gather", [x, "logit_rows"], axis=0)
         hidden = rms_norm(rows, w.weight(_np(model.norm), "norm"))
-        w.nodes.append(h.make_node("MatMul", [hidden, w.weight(_np(model.lm_head).T, "lm_head")], ["logits"]))
+        if int8 and model.lm_head is model.embed:
+            _matmul_nbits(w, hidden, embed, "logits")  # a tied head: the embedding's int8 blocks
+        else:
+            linear(hidden, model.lm_head, "lm_head", "logits")
         w.nodes.append(h.make_node("Concat", keys, ["present_key"], axis=1))
         w.nodes.append(h.make_node("Concat", values, ["present_value"], axis=1))
 
@@ -207,6 +269,43 @@ def write_model(model: Any, out: Path, data_name: str = "model.onnx.data") -> No
         ],
         w.inits,
     )
-    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", OPSET)], producer_name="treespec")
+    opsets = [h.make_opsetid("", OPSET)] + ([h.make_opsetid(MS_DOMAIN, 1)] if int8 else [])
+    proto = h.make_model(graph, opset_imports=opsets, producer_name="treespec")
     proto.ir_version = 8  # readable by onnxruntime releases from 1.14 on
     onnx.save_model(proto, os.fspath(out))
+
+
+def _matmul_nbits(w: _Writer, x: str, q: Int8Weight, out: str | None) -> str:
+    """x [n, k] @ dequant(q).T [k, n_out]; accuracy_level 4 = int8 activations (per block) and
+    int8 dot products, onnxruntime's fast path on x86 (VNNI) and ARM."""
+    y = out or w.name("matmul_nbits")
+    w.nodes.append(
+        w.h.make_node(
+            "MatMulNBits",
+            [x, q.q, q.scales],
+            [y],
+            domain=MS_DOMAIN,
+            K=q.k,
+            N=q.n,
+            bits=8,
+            block_size=q.block,
+            accuracy_level=4,
+        )
+    )
+    return y
+
+
+def _gather_int8(w: _Writer, q: Int8Weight, ids: str) -> str:
+    """Rows `ids` of an int8 weight [n, k], dequantized: [len(ids), k] float32."""
+    from onnx import TensorProto
+
+    from edge_client.onnx_quant import ZERO
+
+    rows = w.op("Cast", [w.op("Gather", [q.q, ids], axis=0)], to=TensorProto.FLOAT)  # [m, blocks, block]
+    scales = w.op("Unsqueeze", [w.op("Gather", [q.scales, ids], axis=0), w.const(np.array([-1], np.int64))])
+    x = w.op("Mul", [w.op("Sub", [rows, w.const(np.float32(ZERO))]), scales])
+    x = w.op("Reshape", [x, w.const(np.array([-1, -(-q.k // q.block) * q.block], np.int64))])
+    if q.k % q.block:
+        zero, k = w.const(np.array([0], np.int64)), w.const(np.array([q.k], np.int64))
+        x = w.op("Slice", [x, zero, k, w.const(np.array([1], np.int64))])
+    return x
