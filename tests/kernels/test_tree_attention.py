@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -58,7 +60,7 @@ def make_case(
     block_size: int = 16,
     seed: int = 0,
     spare_blocks: int = 3,
-) -> dict:
+) -> dict[str, Any]:
     """Launch arguments with K/V in a shuffled pool: each session's blocks are scattered and
     interleaved with the others' (a fragmented cache). q is a head slice of a wider projection
     output and K/V one layer of a two-layer pool, as the model hands them over."""
@@ -97,7 +99,7 @@ def make_case(
     )
 
 
-def check_close(case: dict) -> torch.Tensor:
+def check_close(case: dict[str, Any]) -> torch.Tensor:
     out = tree_attention(**case)
     ref = reference_tree_attention(**case)
     assert out.dtype == case["q"].dtype and out.shape == case["q"].shape
@@ -249,7 +251,7 @@ def test_node_equals_causal_attention_over_its_path(
 # --- launcher checks ------------------------------------------------------------------------------
 
 
-def _bad(case: dict, **change: object) -> dict:
+def _bad(case: dict[str, Any], **change: object) -> dict[str, Any]:
     return {**case, **change}
 
 
@@ -322,7 +324,8 @@ def test_sweep(seed: int, device: str) -> None:
         cached = r.choice([0, r.randint(1, 64), r.randint(64, 2048)])
         if kind == "tree":
             nodes = r.choice([1, r.randint(2, 63), 64])
-            shape = r.choice([chain, star, lambda k: random_tree(k, r)])
+            shapes: list[Callable[[int], list[int]]] = [chain, star, lambda k: random_tree(k, r)]
+            shape = r.choice(shapes)
             sessions.append(tree(shape(nodes), cached))
         else:
             sessions.append(Session(cached, 1 if kind == "step" else r.randint(2, 200)))
