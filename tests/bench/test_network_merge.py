@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from bench.network import main, merge
+from bench.network import main
+from bench.network_report import merge
 
 CONFIG = {"draft": "d", "model": "m", "prompts": 2, "tokens": 8, "tree": "1,1", "proxy": True}
 
