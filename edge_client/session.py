@@ -213,7 +213,9 @@ class Session:
             data = await self._transport.recv()
         except TransportClosed as exc:
             raise _closed(exc) from exc
-        return self.proto.receive(data)
+        # decoded on arrival; the speculation core acknowledges each frame when it takes it up
+        # (ClientProtocol.acknowledge), which moves the protocol's in-flight marker
+        return self.proto.receive(data, acknowledge=False)
 
     def refused(self, e: Error) -> GenerationError:
         where = f" (field {e.field})" if e.field else ""

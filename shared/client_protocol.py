@@ -1,5 +1,6 @@
 """The session protocol's client side, sans I/O (shared/protocol.py has the rules): checks the
-server's frames against what the client sent and tracks the committed sequence it reports."""
+server's frames against what the client sent and tracks the committed sequence it reports, and
+which round the server is verifying (the edge's one in-flight marker)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from shared.messages import (
     decode,
     encode,
 )
+from shared.tree import TokenTree
 
 # ---------------------------------------------------------------------------------------------------
 # Client side
@@ -43,6 +45,15 @@ class ClientProtocol:
     """One connection, client side: checks the server's frames against what the client sent.
 
     `committed` is the committed sequence as the server reported it (prompt + accepted tokens).
+
+    `in_flight` is the round the server is verifying as far as the client knows: the prompt's
+    (0), a tree sent while none was in flight that matches `committed`, a verdict's `next_round`,
+    or, when a verdict names none, the latest outstanding tree that matches the new committed
+    sequence (`matching_outstanding`: still on its way, the server verifies it on arrival).
+    A frame moves it when it is acknowledged: at once by `receive`, or, for a reader that decodes
+    ahead of the code acting on the frames (the edge's pump and its speculation core),
+    `receive(data, acknowledge=False)` and later `acknowledge(msg)`, in order. The committed
+    sequence, the outstanding rounds and the state always follow the frames decoded.
     """
 
     def __init__(self, wire: WireLimits = DEFAULT_WIRE_LIMITS) -> None:
@@ -55,7 +66,8 @@ class ClientProtocol:
         self.awaiting_prompt = False
         self.last_round = 0
         self.last_verdict_round = 0
-        self.in_flight: int | None = None  # the round the server is verifying, as far as we know
+        self.in_flight: int | None = None  # the round the server is verifying (class docstring)
+        self._trees: dict[int, TokenTree] = {}  # the trees of the outstanding rounds
         self.stats = FrameStats()
         self._context: list[int] = []
 
@@ -111,6 +123,7 @@ class ClientProtocol:
         frame = self._send(msg)
         self.last_round = msg.round
         self.outstanding.add(msg.round)
+        self._trees[msg.round] = msg.tree
         if self.in_flight is None and tree_matches(msg.tree, self.committed):
             self.in_flight = msg.round
         return frame
@@ -126,10 +139,38 @@ class ClientProtocol:
         return frame
 
     # -- incoming
-    def receive(self, data: bytes) -> Message:
-        """Decode and check one server frame; raises ProtocolError if the server broke the protocol."""
+    def receive(self, data: bytes, *, acknowledge: bool = True) -> Message:
+        """Decode and check one server frame; raises ProtocolError if the server broke the protocol.
+
+        acknowledge=False: `in_flight` waits for `acknowledge(msg)` (see the class docstring)."""
         self.stats.inc(len(data))
-        msg = decode(data, self.wire)
+        msg = self._apply(decode(data, self.wire))
+        if acknowledge:
+            self.acknowledge(msg)
+        return msg
+
+    def acknowledge(self, msg: Message) -> None:
+        """Move `in_flight` past a frame `receive` decoded (call once per frame, in order)."""
+        if isinstance(msg, Verdict):
+            nxt = msg.next_round
+            if nxt is None and not msg.done:
+                nxt = self.matching_outstanding()
+            self.in_flight = None if msg.done else 0 if self.mode is Mode.AR else nxt
+        elif isinstance(msg, Stale):
+            if msg.round == self.in_flight:
+                self.in_flight = None
+        elif isinstance(msg, Error) and not msg.fatal and msg.round is not None:
+            if msg.code is ErrorCode.BUSY or msg.round == self.in_flight:
+                self.in_flight = None
+
+    def matching_outstanding(self) -> int | None:
+        """The latest outstanding tree that matches `committed` (shared.matching.tree_matches)."""
+        found = [
+            r for r in self.outstanding if r in self._trees and tree_matches(self._trees[r], self.committed)
+        ]
+        return max(found) if found else None
+
+    def _apply(self, msg: Message) -> Message:
         if isinstance(msg, Error):
             self._on_error(msg)
             return msg
@@ -147,7 +188,7 @@ class ClientProtocol:
         if isinstance(msg, Stale):
             if msg.round not in self.outstanding:
                 raise ProtocolError(ErrorCode.BAD_ORDER, f"stale for round {msg.round} never sent", "round")
-            self.outstanding.discard(msg.round)
+            self._settle(msg.round)
             return msg
         raise ProtocolError(ErrorCode.BAD_ORDER, f"a server may not send {msg.TYPE.value}", "type")
 
@@ -160,16 +201,18 @@ class ClientProtocol:
             self._context = list(self.committed)
             self.awaiting_prompt = False
             self.outstanding.clear()
-            self.in_flight = None
+            self._trees.clear()
             self.state = ClientState.IDLE
         elif e.round == 0 and self.awaiting_prompt:
             self.awaiting_prompt = False
-            self.in_flight = None
             self.state = ClientState.IDLE
         elif e.round is not None:
-            self.outstanding.discard(e.round)
-            if self.in_flight == e.round:
-                self.in_flight = None
+            self._settle(e.round)
+
+    def _settle(self, rnd: int) -> None:
+        """Round `rnd` was answered (verdict, stale or error): no longer outstanding."""
+        self.outstanding.discard(rnd)
+        self._trees.pop(rnd, None)
 
     def _on_verdict(self, v: Verdict) -> None:
         self._require(ClientState.GENERATING, ClientState.CANCELLING)
@@ -183,7 +226,7 @@ class ClientProtocol:
                 raise ProtocolError(
                     ErrorCode.BAD_ORDER, f"verdict for round {v.round} not outstanding", "round"
                 )
-            self.outstanding.discard(v.round)
+            self._settle(v.round)
             self.last_verdict_round = v.round
         self.committed.extend(int(t) for t in v.tokens)
         if v.committed_len != len(self.committed):
@@ -196,10 +239,6 @@ class ClientProtocol:
             raise ProtocolError(
                 ErrorCode.BAD_ORDER, f"next_round {v.next_round} was never sent", "next_round"
             )
-        self.in_flight = v.next_round
         if v.done:
             self._context = list(self.committed)
-            self.in_flight = None
             self.state = ClientState.IDLE
-        elif self.mode is Mode.AR:
-            self.in_flight = 0

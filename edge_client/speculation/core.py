@@ -11,9 +11,11 @@ does the edge draft synchronously.
 Shape. The steps (`start`, `idle`, `receive`) are generators: each yields actions
 (speculation.actions) and receives their results, so the logic reads in order while the shell
 (speculation.executor) or a test (scripted verdicts, inline drafting) runs them. The wire state
-is the client's `shared.protocol.ClientProtocol`. The core also remembers which verdict it waits
-for (`in_flight`): it consumes frames after the protocol decoded them, and the protocol (decoding
-on arrival, so that a draft a verdict rules out is abandoned at once) may be a verdict ahead.
+is the client's `shared.protocol.ClientProtocol`, and so is the round in flight: the shell's pump
+decodes frames on arrival (so that a draft a verdict rules out is abandoned at once, the committed
+sequence is never behind the socket), and the protocol moves its in-flight marker only when the
+core takes a frame up (`ClientProtocol.acknowledge`), so `in_flight` is the round whose verdict
+the core waits for.
 
 Bookkeeping. The drafter is synced to an *anchor* sequence; every tree is drafted in its workspace
 below `anchor + cond`, so conditional trees reuse the nodes of the trees they continue. The
@@ -92,10 +94,14 @@ class SpeculationCore:
         self.est = RoundEstimates()
         self.anchor: tuple[int, ...] = ()
         self.workspace_full = False
-        self.in_flight: int | None = None
         self.cancelled = False
         self.finished = False
         self._bytes_since_verdict = 0
+
+    @property
+    def in_flight(self) -> int | None:
+        """The round whose verdict the core waits for (the protocol's, as of the frames taken up)."""
+        return self.proto.in_flight
 
     # ------------------------------------------------------------------ steps
     def start(self, prompt: Prompt) -> Steps:
@@ -110,7 +116,6 @@ class SpeculationCore:
             self.ledger.specs[0] = Speculation(0, first, full, 1.0, None, t_sent)
             self.est.verdict_due = t_sent + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
             self._sent(0)
-        self.in_flight = 0
 
     def idle(self, quiet: bool) -> Steps | None:
         """Work while waiting: evaluate pending leaves, or draft the next conditional tree; only
@@ -126,17 +131,20 @@ class SpeculationCore:
         """A decoded frame (received at perf_counter time `received`): account it, deliver a
         verdict, and draft synchronously after a miss."""
         if isinstance(msg, Error):
-            if self._refused_speculation(msg):
+            refused = self._refused_speculation(msg)
+            self.proto.acknowledge(msg)
+            if refused:
                 return
             raise Refused(msg)
         if isinstance(msg, Stale):
             self.ledger.specs.pop(msg.round, None)
             self.ledger.attempted.pop(msg.round, None)
-            if msg.round != self.in_flight or self.proto.state is not ClientState.GENERATING:
+            # the tree taken for current (one still on its way when the verdict came) may be refused
+            # after all: then nothing is in flight, draft below the committed sequence
+            was_in_flight = msg.round == self.in_flight
+            self.proto.acknowledge(msg)
+            if not was_in_flight or self.proto.state is not ClientState.GENERATING:
                 return
-            # the tree taken for current (one still on its way when the verdict came) was refused
-            # after all: nothing is in flight, draft below the committed sequence
-            self.in_flight = None
         elif isinstance(msg, Verdict):
             reanchor = self._on_verdict(msg, received)
             yield Deliver(msg)
@@ -289,8 +297,7 @@ class SpeculationCore:
         self._bytes_since_verdict += size
         self.ledger.specs[rid] = Speculation(rid, dr, full, prob, parent, sent_at)
         self.learned.last_draft = dr
-        if self.in_flight is None and tuple(proto.committed) == full:
-            self.in_flight = rid
+        if self.in_flight == rid:  # sent with none in flight, for the committed sequence
             self.est.verdict_due = sent_at + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
         self._sent(rid)
         return rid
@@ -373,11 +380,10 @@ class SpeculationCore:
         committed = tuple(proto.committed)
         # forget what can no longer happen
         ledger.forget_unreachable(committed)
-        nxt: int | None = v.next_round
-        if nxt is None and not v.done:
-            # a conditional tree still on its way to the server: it matches on arrival
-            nxt = ledger.matching(committed, proto.outstanding)
-        self.in_flight = None if v.done else nxt
+        # the tree now in flight: next_round, or a conditional tree still on its way to the server
+        # that matches on arrival (ClientProtocol.acknowledge)
+        proto.acknowledge(v)
+        nxt = self.in_flight
         # a conditional tree that matched is verified right away: its verdict follows in one verify
         self.est.verdict_due = None if nxt is None else now + self.est.verify_ms / 1e3
         if not v.done and not self.cancelled and self.req.mode is not Mode.AR:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from edge_client.trees import DraftResult
-from shared.protocol import tree_matches
 
 
 @dataclass
@@ -67,11 +66,3 @@ class Ledger:
         self.specs = {
             r: s for r, s in self.specs.items() if extends(s.full, committed) or s.full == committed
         }
-
-    def matching(self, committed: tuple[int, ...], outstanding: set[int]) -> int | None:
-        """The latest outstanding tree that matches `committed` (shared.protocol.tree_matches):
-        one still on its way when the verdict came, which the server verifies on arrival."""
-        found = [
-            r for r, s in self.specs.items() if r in outstanding and tree_matches(s.draft.tree, committed)
-        ]
-        return max(found) if found else None

@@ -122,7 +122,7 @@ class Scripted:
         raise AssertionError(f"the core kept working for {limit} idle steps")
 
     def _receive(self, msg: Verdict | Stale | Error) -> None:
-        decoded = self.proto.receive(encode(msg))
+        decoded = self.proto.receive(encode(msg), acknowledge=False)
         self._run(self.core.receive(decoded, time.perf_counter()))
 
     # ------------------------------------------------------------------ the verifier's answers
@@ -153,15 +153,17 @@ class Scripted:
             reason="length" if done else None,
         )
         # the server then sends `stale` for every tree that can no longer match; the executor's
-        # pump decodes those ahead of the core, as here
-        decoded = self.proto.receive(encode(v))
+        # pump decodes those ahead of the core, as here (the core acknowledges each as it takes it up)
+        decoded = self.proto.receive(encode(v), acknowledge=False)
         stales = []
         if not done:
             for r in sorted(self.proto.outstanding):
                 if r != next_round and not can_still_match(
                     self.trees[r], self.proto.committed, next_round is not None
                 ):
-                    stales.append(self.proto.receive(encode(Stale(round=r, reason="no match"))))
+                    stales.append(
+                        self.proto.receive(encode(Stale(round=r, reason="no match")), acknowledge=False)
+                    )
         self._run(self.core.receive(decoded, time.perf_counter()))
         for st in stales:
             self._run(self.core.receive(st, time.perf_counter()))

@@ -140,7 +140,7 @@ def test_a_draft_a_verdict_rules_out_is_abandoned_and_not_sent() -> None:
         committed_len=len(PROMPT) + 1,
         verify_ms=1.0,
     )
-    s.proto.receive(encode(v))
+    s.proto.receive(encode(v), acknowledge=False)
     assert all(stop() for stop in action.stops)
     result = s.step.run(action)
     with pytest.raises(StopIteration):

@@ -95,6 +95,42 @@ def test_prompt_is_always_answered_then_trees_flow() -> None:
     assert cli.committed == [1, 2, 3, 7, 8, 9, 10, 11, 0]
 
 
+def test_in_flight_moves_when_a_frame_is_acknowledged() -> None:
+    """Frames decoded ahead (acknowledge=False) update the committed sequence and the outstanding
+    rounds at once but move `in_flight` only when acknowledged, in order. A verdict that names no
+    next round hands it to the latest outstanding tree matching the new sequence (still on its way:
+    the server verifies it on arrival); a stale for the round in flight clears it."""
+    _, cli = _pair()
+    cli.prompt(Prompt(tokens=np.array([1, 2, 3], dtype=np.int32), max_new_tokens=16))
+    assert cli.in_flight == 0
+    cli.tree(Tree(1, TokenTree.build([11], [-1], base=3, cond=[7])))  # for S = [1, 2, 3, 7]
+    cli.tree(Tree(2, TokenTree.build([12], [-1], base=3, cond=[9])))
+    assert cli.in_flight == 0  # neither is for the committed sequence
+    v0 = cli.receive(
+        encode(Verdict(0, np.array([7]), np.array([], dtype=np.int32), has_bonus=True, committed_len=4)),
+        acknowledge=False,
+    )
+    stale2 = cli.receive(encode(Stale(round=2, reason="no match")), acknowledge=False)
+    assert cli.committed == [1, 2, 3, 7] and cli.outstanding == {1} and cli.in_flight == 0
+    assert cli.matching_outstanding() == 1
+    cli.acknowledge(v0)
+    assert cli.in_flight == 1
+    cli.acknowledge(stale2)  # not the round in flight
+    assert cli.in_flight == 1
+    stale1 = cli.receive(encode(Stale(round=1, reason="no match")), acknowledge=False)
+    assert cli.in_flight == 1 and cli.outstanding == set()
+    cli.acknowledge(stale1)
+    assert cli.in_flight is None and cli.matching_outstanding() is None
+    # receive acknowledges at once by default; a tree for the committed sequence is in flight on sending
+    cli.tree(Tree(3, TokenTree.build([4], [-1], base=4)))
+    assert cli.in_flight == 3
+    done = Verdict(
+        3, np.array([4, 0]), np.array([0]), has_bonus=True, committed_len=6, done=True, reason="stop"
+    )
+    cli.receive(encode(done))
+    assert cli.in_flight is None and cli.state is ClientState.IDLE
+
+
 def test_a_shared_committed_sequence_is_read_not_extended() -> None:
     """With the verifier's list shared, the protocol reads it (the verifier extends it before each
     verdict) and checks committed_len; its trees match against that list; it ends as the context."""
