@@ -6,6 +6,28 @@
 - `ledger`: the sent trees; `planner`: the candidate outcomes, most likely first;
 - `actions`: what the core asks of its shell; `core`: SpeculationCore (events in, actions out);
 - `executor`: the asyncio shell, and the draft step it runs on the drafting thread (DraftStep).
+
+Follow one round (default: greedy, a static tree, no pre-speculation), file by file:
+
+1. edge_client/client.py: `EdgeClient.generate` builds the Prompt, the core and its shell (`_rounds`)
+   and streams each verdict's text.
+2. edge_client/speculation/executor.py: `RoundExecutor.run` executes the core's actions; `DraftStep`
+   drafts on the drafting thread; the pump decodes frames as they arrive.
+3. edge_client/speculation/core.py: `SpeculationCore.start` / `receive`: draft, send, account the
+   verdict, draft again after a miss.
+4. edge_client/trees/builder.py: `draft_static` grows the tree level by level (`TreeBuilder`).
+5. shared/tree.py: `TokenTree`, the arrays both sides share (tokens, parents, depth, base, cond).
+6. shared/client_protocol.py: `ClientProtocol.prompt` / `tree` / `receive` / `acknowledge`: the
+   committed sequence and the round in flight, checked against what was sent.
+7. shared/round_messages.py: the Prompt, Tree and Verdict messages and a tree's wire form.
+8. cloud_verifier/session.py: `Session.receive` turns frames into protocol events and hands the tree
+   to the engine; `_on_result` sends the verdict (shared/server_protocol.py keeps the pending trees).
+9. cloud_verifier/engine.py: `Engine._step` packs every session's ready rows into one forward,
+   verifies, commits the accepted rows' KV.
+10. cloud_verifier/model/inputs.py: `tree_round`, the rows (row 0 + nodes), positions and tree mask.
+11. cloud_verifier/model/llama.py: `forward_packed`, the target's tree-attention forward.
+12. cloud_verifier/verify.py: `verify_tree`, the accepted path and the bonus token; back in 9, 8, 6,
+    3 and 1.
 """
 
 from __future__ import annotations
