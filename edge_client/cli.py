@@ -166,7 +166,9 @@ def _export_onnx_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--int8",
         action="store_true",
-        help="quantize with onnxruntime's dynamic quantization (int8 weights per channel; about 4x smaller)",
+        help="write int8 weights: symmetric 8-bit blocks of 16-128 inputs per scale, quantized while "
+        "exporting (peak memory about the fp32 model's), run by onnxruntime's MatMulNBits with int8 "
+        "activations (needs onnxruntime >= 1.22); about 4x smaller and faster per decode step",
     )
 
 

@@ -61,6 +61,11 @@ def resolve_export(model: str | Path, int8: bool | None, *, export: bool, progre
     return ensure_export(str(model), int8=bool(int8), progress=progress)
 
 
+def _version(text: str) -> tuple[int, ...]:
+    """(major, minor) of a version string such as "1.22.0" or "1.23.0.dev20250101"."""
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in text.split(".")[:2])
+
+
 class OnnxDrafter(Drafter):
     """A draft model exported to ONNX, run by onnxruntime on the CPU.
 
@@ -113,6 +118,11 @@ class OnnxDrafter(Drafter):
             raise ExportError(
                 f"{folder}: the stored tokenizer does not match the manifest (vocabulary size or "
                 "fingerprint); the folder is damaged, export it again"
+            )
+        if manifest.int8_layout is not None and _version(ort.__version__) < (1, 22):
+            raise ExportError(
+                f"{folder} holds 8-bit MatMulNBits weights, which onnxruntime {ort.__version__} cannot "
+                "run on this CPU; pip install 'onnxruntime>=1.22' (or use an fp32 export)"
             )
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = n_threads or 1

@@ -1,5 +1,5 @@
 """Fixtures shared by the edge tests: the packaged GGUF, the derived 8-block draft and the ONNX
-export of `tiny`.
+exports of `tiny` (fp32 and int8).
 
 The 8-block file is written once per test session into a temporary cache directory (about 4 s),
 so the tests never touch the user's real cache.
@@ -46,4 +46,16 @@ def onnx_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     out = tmp_path_factory.mktemp("onnx") / "tiny"
     export("tiny", out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def onnx_tiny_int8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny` exported to ONNX with --int8 (8-bit blocks, MatMulNBits) once per session."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    from edge_client.onnx_export import export
+
+    out = tmp_path_factory.mktemp("onnx") / "tiny-int8"
+    export("tiny", out, int8=True, progress=False)
     return out

@@ -2,15 +2,19 @@
 refuses what does not match, first use exports into the cache, and greedy generation through a live
 verifier is exactly target-only `ar`.
 
-Default suite: `tiny` (exported once per session by the `onnx_tiny` fixture). SLOW=1 adds
-SmolLM2-135M: fp32 agreement, int8 top-1 agreement (a loose floor; the figures are printed) and the
-greedy end-to-end check.
+Default suite: `tiny` (exported once per session by the `onnx_tiny` and `onnx_tiny_int8` fixtures):
+the int8 export holds 8-bit blocks run by MatMulNBits, agrees with torch, and quantizes without a
+float copy of its weights. SLOW=1 adds SmolLM2-135M: fp32 agreement, int8 top-1 agreement and
+total variation (no worse than the onnxruntime quantize_dynamic export it replaced; the figures are
+printed) and the greedy end-to-end check.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import tracemalloc
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,10 +29,14 @@ from edge_client.cli import main as cli_main
 from edge_client.client import TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
-from edge_client.onnx_export import MANIFEST, ExportError, check_manifest, read_manifest
+from edge_client.onnx_export import INT8_LAYOUT, MANIFEST, ExportError, check_manifest, read_manifest
 
 FP32_ATOL = 1e-3  # the issue's bound on max |Δlogit| between onnx fp32 and torch on the same weights
-INT8_TOP1_FLOOR = 0.6  # measured on SmolLM2-135M: see test_int8_smollm2_agreement's printout
+# SmolLM2-135M int8 vs fp32 over 48 greedy positions: onnxruntime's quantize_dynamic export (int8
+# weights per channel, activations per tensor) scored top-1 0.917 and mean TV 0.125; the 8-bit
+# blocks that replaced it score 0.958 and 0.038, and must stay at least as good as the old one
+INT8_TOP1_FLOOR, INT8_TV_CEILING = 0.917, 0.125
+TINY_INT8_TOP1_FLOOR, TINY_INT8_TV_CEILING = 0.9, 0.05  # tiny vs torch: measured 1.0 and 0.021
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 LIMITS = {"max_context": 256, "max_nodes": 32, "max_leaves": 16}
 
@@ -52,6 +60,23 @@ def _agreement(onnx: Drafter, ref: Drafter, steps: int = 4) -> float:
     return max(worst, float(np.abs(a - b).max()))
 
 
+def _tv(a: np.ndarray, b: np.ndarray) -> float:
+    pa, pb = np.exp(a - a.max()), np.exp(b - b.max())
+    return 0.5 * float(np.abs(pa / pa.sum() - pb / pb.sum()).sum())
+
+
+def _greedy_agreement(ref: Drafter, d: Drafter, steps: int) -> tuple[float, float]:
+    """Top-1 agreement and mean total variation of `d` against `ref` along ref's greedy path."""
+    s = ref.tokenizer.encode(PROMPT)
+    agree, tvs = 0, []
+    for _ in range(steps):
+        a, b = ref.sync(s), d.sync(s)
+        agree += int(np.argmax(a)) == int(np.argmax(b))
+        tvs.append(_tv(a, b))
+        s = [*s, int(np.argmax(a))]
+    return agree / steps, float(np.mean(tvs))
+
+
 def test_tiny_agrees_with_torch_on_steps_and_a_tree_level(onnx_tiny: Path) -> None:
     with (
         create_drafter("onnx", str(onnx_tiny), **LIMITS) as d,
@@ -62,6 +87,74 @@ def test_tiny_agrees_with_torch_on_steps_and_a_tree_level(onnx_tiny: Path) -> No
         ids = d.tokenizer.encode("naïve café 你好 🙂 <|im_start|>user")
         assert d.tokenizer.decode(ids) == ref.tokenizer.decode(ids)
         assert _agreement(d, ref) <= FP32_ATOL
+
+
+def test_tiny_int8_export_holds_8bit_blocks(onnx_tiny: Path, onnx_tiny_int8: Path) -> None:
+    import onnx
+    from onnx import TensorProto
+
+    manifest = read_manifest(onnx_tiny_int8)
+    assert manifest.int8 and manifest.int8_layout == INT8_LAYOUT
+    assert read_manifest(onnx_tiny).int8_layout is None
+    model = onnx.load(str(onnx_tiny_int8 / "model.onnx"), load_external_data=False)
+    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 4 * manifest.num_layers + 1  # q|k|v, o, gate|up, down per layer; the head
+    inits = {t.name: t for t in model.graph.initializer}
+    assert not [n for n in model.graph.node if n.op_type == "MatMul" and set(n.input) & set(inits)]
+    embed = next(n for n in model.graph.node if n.op_type == "Gather" and n.input[1] == "input_ids")
+    assert embed.input[0] == nbits[-1].input[1]  # tied: the head runs on the embedding's blocks
+    nbytes: Counter[int] = Counter()
+    for t in inits.values():
+        nbytes[t.data_type] += int(np.prod(t.dims)) * (1 if t.data_type == TensorProto.UINT8 else 4)
+    assert nbytes[TensorProto.FLOAT] < nbytes[TensorProto.UINT8] / 8  # scales and norms only
+    assert manifest.files["model.onnx.data"] < 0.3 * read_manifest(onnx_tiny).files["model.onnx.data"]
+    with pytest.raises(ExportError, match="int8 export but fp32 was asked"):
+        create_drafter("onnx", str(onnx_tiny_int8), int8=False)
+
+
+def test_tiny_int8_agrees_with_torch(onnx_tiny_int8: Path) -> None:
+    with (
+        create_drafter("onnx", str(onnx_tiny_int8), int8=True, **LIMITS) as d,
+        create_drafter("torch", "tiny", **LIMITS) as ref,
+    ):
+        top1, tv = _greedy_agreement(ref, d, 16)
+        assert top1 >= TINY_INT8_TOP1_FLOOR and tv <= TINY_INT8_TV_CEILING, (top1, tv)
+        parents, tokens = [-1, -1, 0, 1, 2, 3], [11, 12, 13, 14, 15, 16]  # two levels of a tree
+        a = np.concatenate([d.extend(parents[:2], tokens[:2]), d.extend(parents[2:], tokens[2:])])
+        b = np.concatenate([ref.extend(parents[:2], tokens[:2]), ref.extend(parents[2:], tokens[2:])])
+        assert np.mean([_tv(x, y) for x, y in zip(a, b, strict=True)]) <= TINY_INT8_TV_CEILING
+
+
+def test_int8_export_needs_onnxruntime_1_22(onnx_tiny_int8: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "__version__", "1.21.1")
+    with pytest.raises(ExportError, match=r"onnxruntime>=1\.22"):
+        create_drafter("onnx", str(onnx_tiny_int8))
+    monkeypatch.setattr(onnxruntime, "__version__", "1.22.0.dev20250401")
+    create_drafter("onnx", str(onnx_tiny_int8)).close()
+
+
+def test_int8_export_quantizes_without_a_float_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy's buffers are traced by tracemalloc: the fp32 export's transposed head copy shows,
+    the int8 export's peak stays a small fraction of one weight (rows are quantized in chunks)."""
+    from cloud_verifier.model import load_target
+    from edge_client import onnx_quant
+    from edge_client.onnx_graph import write_model
+
+    model = load_target("tiny", dtype="float32", device="cpu", progress=False).model
+    head_bytes = model.embed.numel() * 4
+    monkeypatch.setattr(onnx_quant, "CHUNK_VALUES", 1 << 16)
+    peaks = {}
+    for int8 in (False, True):
+        tracemalloc.start()
+        try:
+            write_model(model, tmp_path / f"{int8}.onnx", f"{int8}.data", int8=int8)
+            peaks[int8] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peaks[False] >= head_bytes
+    assert peaks[True] < head_bytes / 8, peaks
 
 
 def test_one_tree_level_is_one_run(onnx_tiny: Path) -> None:
@@ -178,21 +271,14 @@ def test_smollm2_fp32_agrees_with_torch(smollm2_torch: Drafter, smollm2_exports:
 
 @pytest.mark.slow
 def test_int8_smollm2_agreement(smollm2_exports: dict[str, Path]) -> None:
-    """int8 vs fp32 along fp32's greedy path: top-1 agreement (floored) and total variation (printed)."""
+    """int8 vs fp32 along fp32's greedy path: top-1 agreement and total variation, bounded."""
     with (
         create_drafter("onnx", str(smollm2_exports["fp32"]), **LIMITS) as f,
         create_drafter("onnx", str(smollm2_exports["int8"]), int8=True, **LIMITS) as q,
     ):
-        s = f.tokenizer.encode(PROMPT)
-        agree, tvs = 0, []
-        for _ in range(48):
-            a, b = f.sync(s), q.sync(s)
-            agree += int(np.argmax(a)) == int(np.argmax(b))
-            pa, pb = np.exp(a - a.max()), np.exp(b - b.max())
-            tvs.append(0.5 * float(np.abs(pa / pa.sum() - pb / pb.sum()).sum()))
-            s = [*s, int(np.argmax(a))]
-        print(f"smollm2 int8 vs fp32: top-1 agreement {agree / 48:.3f}, mean TV {np.mean(tvs):.3f}")
-        assert agree / 48 >= INT8_TOP1_FLOOR
+        top1, tv = _greedy_agreement(f, q, 48)
+        print(f"smollm2 int8 vs fp32: top-1 agreement {top1:.3f}, mean TV {tv:.3f}")
+        assert top1 >= INT8_TOP1_FLOOR and tv <= INT8_TV_CEILING
 
 
 @pytest.mark.slow
