@@ -2,10 +2,11 @@
 
 Backends: `fake` (exact, model-free: the bookkeeping alone), `llama_cpp` on the packaged SmolLM2
 GGUF, `torch` on the `tiny` random-weight target (skipped until the cloud runtime is present),
-`onnx` on the ONNX export of `tiny` (skipped without onnxruntime).
+`onnx` on the ONNX export of `tiny` and `onnx_int8` on its int8 export (skipped without onnxruntime).
 
 "Same distribution" is exact for fake, |Δlogit| <= 1e-4 for torch (fp32: a batched tree forward vs
-a fresh forward of the path) and onnx (cached tree rows vs a fresh causal run), and for llama.cpp
+a fresh forward of the path) and onnx, fp32 or int8 (cached tree rows vs a fresh causal run: int8
+activations are quantized per row, so batching does not change them), and for llama.cpp
 total variation <= LLAMA_SELF_TV. llama.cpp quantizes activations to 8 bits in every matmul, so
 any change of evaluation order (a node evaluated in a tree batch vs in a fresh prefill, cells freed
 by dropped branches being reused) flips some rounding steps: measured on 90 random nodes, TV mean
@@ -48,12 +49,12 @@ def _torch_available() -> bool:
     return True
 
 
-@pytest.fixture(params=["fake", "llama_cpp", "torch", "onnx"])
+@pytest.fixture(params=["fake", "llama_cpp", "torch", "onnx", "onnx_int8"])
 def backend(request: pytest.FixtureRequest) -> str:
     name: str = request.param
-    if name in ("torch", "onnx") and not _torch_available():
+    if name in ("torch", "onnx", "onnx_int8") and not _torch_available():
         pytest.skip("cloud_verifier.model (the torch runtime) is not available")
-    if name == "onnx":
+    if name in ("onnx", "onnx_int8"):
         pytest.importorskip("onnxruntime")
     return name
 
@@ -72,6 +73,8 @@ def make(backend: str, request: pytest.FixtureRequest) -> Iterator[Factory]:
             d = create_drafter("llama_cpp", str(path), n_threads=1, **opts)
         elif backend == "onnx":
             d = create_drafter("onnx", str(request.getfixturevalue("onnx_tiny")), **opts)
+        elif backend == "onnx_int8":
+            d = create_drafter("onnx", str(request.getfixturevalue("onnx_tiny_int8")), **opts)
         else:
             d = create_drafter("torch", "tiny", **opts)
         made.append(d)
@@ -91,7 +94,7 @@ def assert_same_distribution(got: np.ndarray, ref: np.ndarray, backend: str) -> 
     assert got.shape == ref.shape and got.dtype == np.float32
     if backend == "fake":
         np.testing.assert_array_equal(got, ref)
-    elif backend in ("torch", "onnx"):
+    elif backend in ("torch", "onnx", "onnx_int8"):
         np.testing.assert_allclose(got, ref, atol=TORCH_ATOL, rtol=0)
     else:
         p, q = _softmax(got), _softmax(ref)
