@@ -41,7 +41,8 @@ PROMPTS = [
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = float(x.max())
-    return x - (m + np.log(np.exp(x - m).sum()))
+    logp: np.ndarray = x - (m + np.log(np.exp(x - m).sum()))
+    return logp
 
 
 def _pairs(ld: Drafter, td: Drafter) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -105,7 +105,8 @@ def assert_same_distribution(got: np.ndarray, ref: np.ndarray, backend: str) -> 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x.astype(np.float64) - float(x.max()))
-    return e / e.sum()
+    p: np.ndarray = e / e.sum()
+    return p
 
 
 def _path_tokens(d: Drafter, node: int) -> list[int]:

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +18,9 @@ import torch
 from bench.harness import load_prompts
 from cloud_verifier.model import Target, decode_step, load_target, prefill
 from edge_client.client import EdgeClient, GenerationError, TreeSpec
+from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
+from edge_client.stats import GenerationResult, GenerationStats
 from shared.errors import ErrorCode
 from tests.cloud_verifier.service import LiveServer, tiny
 from tests.edge_client.fake_drafter import FakeDrafter
@@ -66,24 +70,24 @@ def compare(got: list[int], ref: list[int], gaps: list[float]) -> str | None:
 
 
 async def _generate(
-    url: str, drafter: object, prompt: str, **kw: object
-) -> tuple[list[int], list[int], object]:
+    url: str, drafter: Drafter, prompt: str, **kw: Any
+) -> tuple[list[int], list[int], GenerationStats]:
     async with EdgeClient(
         url,
-        drafter,  # type: ignore[arg-type]
-        api_key=kw.pop("api_key", None),  # type: ignore[arg-type]
-        tree=kw.pop("tree", TreeSpec()),  # type: ignore[arg-type]
+        drafter,
+        api_key=kw.pop("api_key", None),
+        tree=kw.pop("tree", TreeSpec()),
         couple=bool(kw.pop("couple", True)),
-        prespec=kw.pop("prespec", False),  # type: ignore[arg-type]
+        prespec=kw.pop("prespec", False),
     ) as c:
-        async for _ in c.generate(prompt, **kw):  # type: ignore[arg-type]
+        async for _ in c.generate(prompt, **kw):
             pass
         assert c.last is not None
         return c.last.prompt_tokens, c.last.tokens, c.last.stats
 
 
 def _check_greedy(
-    target: Target, url: str, drafter: object, prompts: list[str], n: int, tree: TreeSpec
+    target: Target, url: str, drafter: Drafter, prompts: list[str], n: int, tree: TreeSpec
 ) -> list[str]:
     ties = []
     for p in prompts:
@@ -92,7 +96,7 @@ def _check_greedy(
         tie = compare(toks, ref, gaps)
         if tie:
             ties.append(f"{p[:30]!r}: {tie}")
-        assert st.tau == pytest.approx(len(toks) / st.rounds)  # type: ignore[attr-defined]
+        assert st.tau == pytest.approx(len(toks) / st.rounds)
     if ties:
         print("near-ties:", ties)
     return ties
@@ -134,7 +138,8 @@ def test_greedy_10_prompts_64_tokens(backend: str) -> None:
 def boundary_distance(target: Target, context: list[int], seed: int, temperature: float) -> float:
     """How close the keyed uniform of the next position falls to a CDF boundary of the target's p
     there (in probability mass): the sampling analogue of a near-tie."""
-    from cloud_verifier.sampling import SamplingParams, keyed_uniform, target_probs
+    from cloud_verifier.sampling import SamplingParams, target_probs
+    from shared.keyed import keyed_uniform
 
     kv = target.new_kv_cache(len(context) // 16 + 8, 16)
     kv.add(0)
@@ -192,7 +197,7 @@ def test_coupled_match_drafts_the_tokens_the_target_samples() -> None:
             _, coupled, st_c = asyncio.run(_generate(srv.ws, drafter, p, couple=True, **kw))
             _, plain, st_p = asyncio.run(_generate(srv.ws, drafter, p, couple=False, **kw))
             assert coupled == plain
-            tau_c, tau_p = st_c.tau, st_p.tau  # type: ignore[attr-defined]
+            tau_c, tau_p = st_c.tau, st_p.tau
             print(f"prompt {i}: tau coupled {tau_c:.2f}, uncoupled {tau_p:.2f} (chain depth {depth})")
             assert tau_c >= 0.8 * (depth + 1)
             assert tau_c >= 1.5 * tau_p
@@ -200,7 +205,7 @@ def test_coupled_match_drafts_the_tokens_the_target_samples() -> None:
 
 
 @pytest.mark.parametrize("mode", ["mss", "rrs"])
-def test_stochastic_modes_end_to_end_with_a_trusted_key(mode: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_stochastic_modes_end_to_end_with_a_trusted_key(mode: str, tmp_path: Path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("edge-key trusted\nplain-key\n")
     drafter = create_drafter("torch", "tiny")
@@ -218,8 +223,8 @@ def test_stochastic_modes_end_to_end_with_a_trusted_key(mode: str, tmp_path) -> 
             )
         )
         assert len(toks) == 24 or toks[-1] in tiny().eos_ids
-        acc = st.accepted_per_depth  # type: ignore[attr-defined]
-        print(f"{mode}: tau {st.tau:.2f}, acceptance per depth {np.round(acc, 2).tolist()}")  # type: ignore[attr-defined]
+        acc = st.accepted_per_depth
+        print(f"{mode}: tau {st.tau:.2f}, acceptance per depth {np.round(acc, 2).tolist()}")
         assert st.tau > 1.5  # a self-draft at the target's temperature accepts most draws
         # a "sequence" draft samples its chain from q as well
         _, chain_toks, _ = asyncio.run(
@@ -301,7 +306,7 @@ def test_stop_strings_cut_the_text_and_cancel() -> None:
     drafter = create_drafter("torch", "tiny")
     with LiveServer() as srv:
 
-        async def go() -> tuple[str, str, object]:
+        async def go() -> tuple[str, str, GenerationResult]:
             async with EdgeClient(srv.ws, drafter) as c:
                 full = ""
                 async for chunk in c.generate("Say something", max_new_tokens=40):
@@ -316,7 +321,7 @@ def test_stop_strings_cut_the_text_and_cancel() -> None:
 
         full, cut, gen = asyncio.run(go())
     assert cut == full[: full.index(full[3:5])]
-    assert gen.reason == "stop_string"  # type: ignore[attr-defined]
+    assert gen.reason == "stop_string"
     drafter.close()
 
 
@@ -358,7 +363,7 @@ def test_pair_greedy_through_edge_and_verifier_equals_ar() -> None:
                 ref, gaps = greedy_with_gaps(qwen15(), ptoks, 64)
                 tie = compare(spec, ref, gaps)  # raises unless it is a near-tie
                 ties.append((p.question_id, tie))
-            taus.append(round(st.tau, 2))  # type: ignore[attr-defined]
+            taus.append(round(st.tau, 2))
     drafter.close()
     print(f"pair greedy: tau per prompt {taus}; near-ties {ties or 'none'}")
 

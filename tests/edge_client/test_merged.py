@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
 
 from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
+from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from edge_client.speculation import DraftPlain, DraftStep, Request
-from edge_client.trees import DraftOptions, Sampling, draft_static
+from edge_client.stats import GenerationStats
+from edge_client.trees import DraftOptions, DraftResult, Sampling, draft_static
 from edge_client.trees.merged import NOT_IN_WORKSPACE, merge_drafts
 from shared.messages import Mode, SessionLimits
-from shared.tree import ExpansionConfig
+from shared.tree import ExpansionConfig, TokenTree
 from tests.cloud_verifier.service import LiveServer, tiny
 from tests.edge_client.fake_drafter import FakeDrafter, fake_logits
 from tests.stats import chi2_pvalue
@@ -39,8 +42,8 @@ class SaltedFake(FakeDrafter):
         return np.stack(rows)
 
 
-def _paths(tree: object) -> set[tuple[int, ...]]:
-    return tree.paths()  # type: ignore[attr-defined]
+def _paths(tree: TokenTree) -> set[tuple[int, ...]]:
+    return tree.paths()
 
 
 @pytest.mark.parametrize("mode", ["greedy", "mss", "rrs"])
@@ -86,9 +89,10 @@ def test_draft_step_merges_each_drafters_shape_and_refuses_bad_shapes() -> None:
     a, b = FakeDrafter(64), SaltedFake(64)
     step = DraftStep([a, b], req, limits, [req.tree, TreeSpec("sequence", depth=4)])
     dr = step.run(DraftPlain((1, 2, 3), 0))
+    assert isinstance(dr, DraftResult)
     alone_a = draft_static(FakeDrafter(64), [1, 2, 3], ExpansionConfig((2, 1)))
     chain_b = draft_static(SaltedFake(64), [1, 2, 3], ExpansionConfig((1, 1, 1, 1)))
-    assert _paths(dr.tree) == _paths(alone_a.tree) | _paths(chain_b.tree)  # type: ignore[attr-defined]
+    assert _paths(dr.tree) == _paths(alone_a.tree) | _paths(chain_b.tree)
     with pytest.raises(ValueError, match="needs a budget"):
         DraftStep([a, b], req, limits, [req.tree, TreeSpec("budget")])
     with pytest.raises(ValueError, match="one per drafter"):
@@ -101,32 +105,34 @@ def test_drafters_of_another_vocabulary_are_refused() -> None:
 
 
 # ---------------------------------------------------------------------------- live, tiny target
-def _noisy(drafter: object, seed: int, scale: float) -> object:
+def _noisy(drafter: Drafter, seed: int, scale: float) -> Drafter:
     """The tiny torch drafter with its logits perturbed: a second draft model of tiny's vocabulary
     that proposes other trees."""
     rng = np.random.default_rng(seed)
-    evaluate: Callable[[int, int], np.ndarray] = drafter._evaluate  # type: ignore[attr-defined]
+    evaluate: Callable[[int, int], np.ndarray] = drafter._evaluate
 
     def noisy(first: int, count: int) -> np.ndarray:
         out = np.array(evaluate(first, count))
         return out + rng.normal(0, scale, out.shape).astype(np.float32)
 
-    drafter._evaluate = noisy  # type: ignore[attr-defined]
+    cast(Any, drafter)._evaluate = noisy
     return drafter
 
 
-def _two_drafters(scale: float = 2.0) -> list[object]:
+def _two_drafters(scale: float = 2.0) -> list[Drafter]:
     return [
         _noisy(create_drafter("torch", "tiny"), 1, scale),
         _noisy(create_drafter("torch", "tiny"), 2, scale),
     ]
 
 
-async def _gen(url: str, drafters: object, prompt: str | list[int], **kw: object) -> tuple[list[int], object]:
+async def _gen(
+    url: str, drafters: list[Drafter], prompt: str | list[int], **kw: Any
+) -> tuple[list[int], GenerationStats]:
     trees = kw.pop("trees", TreeSpec("static", ExpansionConfig((2, 1, 1))))
     prespec = kw.pop("prespec", False)
-    async with EdgeClient(url, drafters, tree=trees, prespec=prespec) as c:  # type: ignore[arg-type]
-        async for _ in c.generate(prompt, **kw):  # type: ignore[arg-type]
+    async with EdgeClient(url, drafters, tree=trees, prespec=prespec) as c:
+        async for _ in c.generate(prompt, **kw):
             pass
         assert c.last is not None
         return c.last.tokens, c.last.stats
@@ -144,7 +150,7 @@ def test_two_drafters_greedy_and_seeded_match_equal_ar() -> None:
             got, st = asyncio.run(_gen(srv.ws, drafters, p, max_new_tokens=20, trees=trees, prespec=prespec))
             assert got == ar
             # the merged trees hold both drafters' paths: more nodes than either shape alone (6, 3)
-            assert max(st.tree_nodes) > 6  # type: ignore[attr-defined]
+            assert max(st.tree_nodes) > 6
         kw = {"max_new_tokens": 20, "temperature": 2.0, "seed": 11}
         m_ar, _ = asyncio.run(_gen(srv.ws, drafters, "Tell me a story.", mode="ar", **kw))
         m, _ = asyncio.run(_gen(srv.ws, drafters, "Tell me a story.", mode="match", trees=trees, **kw))
@@ -171,14 +177,14 @@ def test_two_drafters_sample_the_targets_distribution(mode: str) -> None:
     generations with two noisy drafters (their q far from p, so rejections and residual updates
     against both drafters' q rows at the root happen) is distributed as the target's."""
     drafters = _two_drafters(scale=3.0)
-    tok = drafters[0].tokenizer  # type: ignore[attr-defined]
+    tok = drafters[0].tokenizer
     prompt = tok.encode("Once upon a time", add_special=False)
     top_k, temp, n = 6, 1.0, 600
     trees = [TreeSpec("static", ExpansionConfig((3, 1))), TreeSpec("static", ExpansionConfig((2, 2)))]
     firsts: list[int] = []
 
     async def run_all(url: str) -> None:
-        async with EdgeClient(url, drafters, tree=trees) as c:  # type: ignore[arg-type]
+        async with EdgeClient(url, drafters, tree=trees) as c:
             for seed in range(n):
                 async for _ in c.generate(
                     prompt, max_new_tokens=1, mode=mode, temperature=temp, top_k=top_k, seed=seed

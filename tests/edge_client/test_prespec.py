@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pytest
 
 from bench.harness import load_prompts
 from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
+from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from edge_client.speculation.outcomes import (
     ChoiceModel,
@@ -21,11 +23,15 @@ from edge_client.speculation.outcomes import (
     replay,
     worth_drafting,
 )
+from edge_client.stats import GenerationStats
 from edge_client.transport import LinkShape
 from edge_client.trees import DraftOptions, draft_static
 from shared.tree import ExpansionConfig, TokenTree
 from tests.cloud_verifier.service import LiveServer
 from tests.edge_client.fake_drafter import FakeDrafter
+
+if TYPE_CHECKING:
+    import torch
 
 
 def test_geometric_fanout_is_capped_and_decays() -> None:
@@ -126,14 +132,14 @@ def test_rebase_and_replay() -> None:
 
 
 def _run(
-    url: str, drafter: object, prompt: str, prespec: bool | PrespecConfig, rtt: float = 30.0, **kw: object
-) -> tuple[list[int], object]:
-    async def go() -> tuple[list[int], object]:
+    url: str, drafter: Drafter, prompt: str, prespec: bool | PrespecConfig, rtt: float = 30.0, **kw: Any
+) -> tuple[list[int], GenerationStats]:
+    async def go() -> tuple[list[int], GenerationStats]:
         cfg: PrespecConfig | bool = prespec
         if prespec is True:
             cfg = PrespecConfig(fanout=3)
-        async with EdgeClient(url, drafter, prespec=cfg, link=LinkShape.rtt(rtt), tree=TreeSpec()) as c:  # type: ignore[arg-type]
-            async for _ in c.generate(prompt, **kw):  # type: ignore[arg-type]
+        async with EdgeClient(url, drafter, prespec=cfg, link=LinkShape.rtt(rtt), tree=TreeSpec()) as c:
+            async for _ in c.generate(prompt, **kw):
                 pass
             assert c.last is not None
             return c.last.tokens, c.last.stats
@@ -151,9 +157,9 @@ def test_prespec_on_and_off_give_the_same_tokens() -> None:
             off, _ = _run(srv.ws, drafter, p, False, max_new_tokens=40)
             on, st = _run(srv.ws, drafter, p, True, max_new_tokens=40)
             assert on == off
-            assert st.prespec_sent > 0 and st.hits > 0  # type: ignore[attr-defined]
+            assert st.prespec_sent > 0 and st.hits > 0
             # the outcome model's own odds for what it drafted are recorded beside the hits
-            assert 0.0 < st.predicted_hit_rate <= 1.0  # type: ignore[attr-defined]
+            assert st.predicted_hit_rate is not None and 0.0 < st.predicted_hit_rate <= 1.0
             m_off, _ = _run(
                 srv.ws, drafter, p, False, max_new_tokens=24, mode="match", temperature=0.8, seed=4
             )
@@ -182,7 +188,7 @@ def test_prespec_in_stochastic_modes_keeps_draws_valid(mode: str) -> None:
             seed=2,
         )
         assert len(toks) == 24 or toks[-1] == 2
-        assert st.prespec_sent > 0  # type: ignore[attr-defined]
+        assert st.prespec_sent > 0
 
 
 def test_misses_and_stales_end_to_end() -> None:
@@ -199,7 +205,7 @@ def test_misses_and_stales_end_to_end() -> None:
         out = np.array(evaluate(first, count))
         return out + rng.normal(0, 50.0, out.shape).astype(np.float32)  # scramble the ranking
 
-    drafter._evaluate = noisy  # type: ignore[method-assign]
+    cast(Any, drafter)._evaluate = noisy
     p = load_prompts(1)[0].text
     tok = drafter.tokenizer
     prompt_tokens = tok.encode(tok.render_chat([{"role": "user", "content": p}]), add_special=False)
@@ -208,7 +214,7 @@ def test_misses_and_stales_end_to_end() -> None:
         stale = srv.app.state.verifier.metrics.cond_stale._value.get()
     ref, gaps = greedy_with_gaps(tiny(), prompt_tokens, 16)
     compare(toks, ref, gaps)
-    assert st.prespec_sent > 0 and st.hit_rate is not None and st.hit_rate < 0.5  # type: ignore[attr-defined]
+    assert st.prespec_sent > 0 and st.hit_rate is not None and st.hit_rate < 0.5
     assert stale > 0
 
 
@@ -251,7 +257,7 @@ def test_cost_gate_holds_back_unlikely_trees_on_a_slow_drafter() -> None:
         out = np.array(evaluate(first, count))
         return out + rng.normal(0, 50.0, out.shape).astype(np.float32)
 
-    drafter._evaluate = slow_noisy  # type: ignore[method-assign]
+    cast(Any, drafter)._evaluate = slow_noisy
     p = load_prompts(1)[0].text
     with LiveServer(max_pending=6) as srv:
         gated, st_g = _run(srv.ws, drafter, p, PrespecConfig(fanout=3), rtt=100.0, max_new_tokens=32)
@@ -259,9 +265,9 @@ def test_cost_gate_holds_back_unlikely_trees_on_a_slow_drafter() -> None:
             srv.ws, drafter, p, PrespecConfig(fanout=3, gate=False), rtt=100.0, max_new_tokens=32
         )
     assert gated == free
-    assert st_g.prespec_gated > 0 and st_f.prespec_gated == 0  # type: ignore[attr-defined]
+    assert st_g.prespec_gated > 0 and st_f.prespec_gated == 0
     # drafts a verdict overtakes are abandoned, not finished
-    assert st_f.prespec_cancelled > 0  # type: ignore[attr-defined]
+    assert st_f.prespec_cancelled > 0
 
 
 def test_a_conditional_tree_refused_for_room_is_dropped() -> None:
@@ -281,16 +287,16 @@ def test_a_conditional_tree_refused_for_room_is_dropped() -> None:
         out = np.array(evaluate(first, count))
         return out + rng.normal(0, 3.0, out.shape).astype(np.float32)
 
-    drafter._evaluate = noisy  # type: ignore[method-assign]
+    cast(Any, drafter)._evaluate = noisy
     tok = drafter.tokenizer
     p = load_prompts(1)[0].text
     prompt_tokens = tok.encode(tok.render_chat([{"role": "user", "content": p}]), add_special=False)
 
     small = TreeSpec("static", ExpansionConfig((2, 1)))
 
-    async def go() -> tuple[list[int], object]:
+    async def go() -> tuple[list[int], GenerationStats]:
         cfg = PrespecConfig(fanout=3, gate=False)
-        async with EdgeClient(srv.ws, drafter, prespec=cfg, link=LinkShape.rtt(20.0), tree=small) as c:  # type: ignore[arg-type]
+        async with EdgeClient(srv.ws, drafter, prespec=cfg, link=LinkShape.rtt(20.0), tree=small) as c:
             assert c.welcome is not None and c.welcome.limits.max_pending == 1
             told = dataclasses.replace(c.welcome, limits=dataclasses.replace(c.welcome.limits, max_pending=6))
             c.welcome = c.proto.welcome_msg = told
@@ -302,11 +308,11 @@ def test_a_conditional_tree_refused_for_room_is_dropped() -> None:
     model = tiny().model
     forward = model.forward_packed
 
-    def slow_forward(*args: object, **kw: object) -> object:  # conditional trees arrive mid-verify
+    def slow_forward(*args: Any, **kw: Any) -> list[torch.Tensor]:  # conditional trees arrive mid-verify
         time.sleep(0.4)
-        return forward(*args, **kw)  # type: ignore[arg-type]
+        return forward(*args, **kw)
 
-    model.forward_packed = slow_forward  # type: ignore[method-assign]
+    cast(Any, model).forward_packed = slow_forward
     try:
         with LiveServer(max_pending=1) as srv:
             toks, st = asyncio.run(go())
@@ -314,7 +320,7 @@ def test_a_conditional_tree_refused_for_room_is_dropped() -> None:
         del model.forward_packed
     ref, gaps = greedy_with_gaps(tiny(), prompt_tokens, 24)
     compare(toks, ref, gaps)
-    assert st.prespec_refused > 0  # type: ignore[attr-defined]
+    assert st.prespec_refused > 0
 
 
 @pytest.mark.parametrize(
@@ -329,7 +335,7 @@ def test_a_conditional_tree_refused_for_room_is_dropped() -> None:
         ("leaf_min_reach", 1.5),
     ],
 )
-def test_prespec_config_names_the_bad_field(field: str, value: object) -> None:
+def test_prespec_config_names_the_bad_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"PrespecConfig.{field} must be"):
-        PrespecConfig(**{field: value})  # type: ignore[arg-type]
+        PrespecConfig(**{field: value})
     PrespecConfig(min_gain=0.1, leaf_min_reach=0.0, allocation="top")  # in range: accepted

@@ -10,6 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -21,9 +23,11 @@ from tests.cloud_verifier.test_lifecycle import _free_port
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 
-async def _run(client: EdgeClient, n: int, on_chunk: object = None, **kw: object) -> list[int]:
+async def _run(
+    client: EdgeClient, n: int, on_chunk: Callable[[int], None] | None = None, **kw: Any
+) -> list[int]:
     got = 0
-    async for _ in client.generate(PROMPT, max_new_tokens=n, raw=True, **kw):  # type: ignore[arg-type]
+    async for _ in client.generate(PROMPT, max_new_tokens=n, raw=True, **kw):
         got += 1
         if callable(on_chunk):
             on_chunk(got)
@@ -119,6 +123,7 @@ def test_a_verifier_that_comes_back_with_another_model_is_an_error() -> None:
 
     drafter = create_drafter("torch", "tiny")
     with LiveServer() as a, LiveServer() as b:
+        assert b.state.info is not None
         b.state.info = replace(b.state.info, model_id="another-model")
 
         def stop_a(chunks: int) -> None:

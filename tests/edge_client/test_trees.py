@@ -38,7 +38,8 @@ ALPHA = 1e-6
 
 def _logp(prefix: list[int]) -> np.ndarray:
     x = fake_logits(prefix, V).astype(np.float64)
-    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+    logp: np.ndarray = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+    return logp
 
 
 def _check_result(r: DraftResult, committed: list[int], cond: tuple[int, ...] = ()) -> None:
