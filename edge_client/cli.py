@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from edge_client.client import TreeSpec
 
 
-def _generate_parser(sub: argparse._SubParsersAction) -> None:
+def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "generate",
         help="generate text: draft token trees here, verify them on the cloud verifier",
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _export_onnx_parser(sub: argparse._SubParsersAction) -> None:
+def _export_onnx_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "export-onnx",
         help="export a draft model to ONNX for the onnx drafter backend",
@@ -190,7 +190,7 @@ def _export_onnx(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_parser(sub: argparse._SubParsersAction) -> None:
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve",
         help="serve an OpenAI-compatible API on this device, drafting here and verifying in the cloud",

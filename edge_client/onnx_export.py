@@ -29,6 +29,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,7 +176,9 @@ def export(
     from shared import model_store
 
     gguf = source_path(source)
-    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    say: Callable[[str], None] = (
+        (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    )
     if target is None:
         say(f"export-onnx: loading {source} (dequantizing to fp32)")
         name = str(gguf) if gguf is not None else TINY

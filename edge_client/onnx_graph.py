@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Literal, overload
 
 import numpy as np
 
@@ -71,7 +71,18 @@ class _Writer:
         self._n += 1
         return f"{hint}_{self._n}"
 
-    def op(self, op_type: str, inputs: list[str], hint: str = "", n_out: int = 1, **attrs: Any) -> Any:
+    @overload
+    def op(
+        self, op_type: str, inputs: list[str], hint: str = "", n_out: Literal[1] = 1, **attrs: Any
+    ) -> str: ...
+    @overload
+    def op(
+        self, op_type: str, inputs: list[str], hint: str = "", *, n_out: Literal[2, 3], **attrs: Any
+    ) -> list[str]: ...
+    def op(
+        self, op_type: str, inputs: list[str], hint: str = "", n_out: int = 1, **attrs: Any
+    ) -> str | list[str]:
+        """One node; its output name (n_out > 1: the list of names)."""
         outs = [self.name(hint or op_type.lower()) for _ in range(n_out)]
         self.nodes.append(self.h.make_node(op_type, inputs, outs, **attrs))
         return outs[0] if n_out == 1 else outs

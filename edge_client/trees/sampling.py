@@ -111,7 +111,8 @@ def ranked(
 
 def softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+    p: np.ndarray = e / e.sum(axis=-1, keepdims=True)
+    return p
 
 
 def top_logp(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
