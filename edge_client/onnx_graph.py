@@ -7,8 +7,10 @@ ONNX op (opset 18), the row and past axes are symbolic by construction, and the 
 to one external-data file a tensor at a time, so exporting Qwen2.5-Coder-0.5B holds about one
 copy of its floats. The arithmetic mirrors `LlamaModel.forward_packed`: RMSNorm, fused q|k|v
 (+ biases for qwen2), rotate-half RoPE on absolute positions, grouped-query attention with an
-additive mask, SwiGLU, final norm and LM head (tied heads get their own transposed copy so the
-head is a plain MatMul that onnxruntime's dynamic quantization can turn into int8).
+additive mask, SwiGLU, final norm and LM head (fp32: a tied head gets its own transposed copy, a
+plain MatMul). With int8, every projection and the head are MatMulNBits over 8-bit blocks written
+as they are quantized (edge_client.onnx_quant), and the embedding is a Gather of those blocks (a
+tied head shares them).
 
 Inputs / outputs (P = past rows, n = new rows, k = rows whose logits are wanted):
 
