@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import httpx
@@ -204,9 +204,11 @@ def test_every_collective_tensor_is_on_the_group_device(tp2: Target, monkeypatch
     for name in ("broadcast", "all_reduce", "gather"):
         real = getattr(torch.distributed, name)
 
-        def spy(t: torch.Tensor, *a: object, _real: object = real, _name: str = name, **k: object) -> object:
+        def spy(
+            t: torch.Tensor, *a: object, _real: Callable[..., object] = real, _name: str = name, **k: object
+        ) -> object:
             seen.setdefault(_name, set()).add(t.device)
-            return _real(t, *a, **k)  # type: ignore[operator]
+            return _real(t, *a, **k)
 
         monkeypatch.setattr(torch.distributed, name, spy)
     kv = tp2.new_kv_cache(8, 16)

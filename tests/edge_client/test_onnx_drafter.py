@@ -17,6 +17,7 @@ import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import pytest
@@ -30,6 +31,10 @@ from edge_client.client import TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from edge_client.onnx_export import INT8_LAYOUT, MANIFEST, ExportError, check_manifest, read_manifest
+
+if TYPE_CHECKING:
+    from edge_client.drafters.onnx_drafter import OnnxDrafter
+    from edge_client.drafters.torch_drafter import TorchDrafter
 
 FP32_ATOL = 1e-3  # the bound on max |Δlogit| between onnx fp32 and torch on the same weights
 # SmolLM2-135M int8 vs fp32 over 48 greedy positions: onnxruntime's quantize_dynamic export (int8
@@ -160,13 +165,14 @@ def test_int8_export_quantizes_without_a_float_copy(tmp_path: Path, monkeypatch:
 def test_one_tree_level_is_one_run(onnx_tiny: Path) -> None:
     with create_drafter("onnx", str(onnx_tiny), **LIMITS) as d:
         calls: list[int] = []
-        run = d._session.run  # type: ignore[attr-defined]
+        session = cast("OnnxDrafter", d)._session
+        run = session.run
 
         def counted(*args: object, **kw: object) -> object:
             calls.append(1)
             return run(*args, **kw)
 
-        d._session.run = counted  # type: ignore[attr-defined]
+        session.run = counted
         d.sync(d.tokenizer.encode(PROMPT))
         before = len(calls)
         d.extend([-1, -1, 0, 1], [5, 6, 7, 8])
@@ -253,7 +259,7 @@ def smollm2_exports(smollm2_torch: Drafter, tmp_path_factory: pytest.TempPathFac
     from edge_client.onnx_export import export
 
     root = tmp_path_factory.mktemp("onnx-smollm2")
-    target = smollm2_torch._target  # type: ignore[attr-defined]
+    target = cast("TorchDrafter", smollm2_torch)._target
     out = {"fp32": root / "fp32", "int8": root / "int8"}
     export("smollm2-135m", out["fp32"], progress=False, target=target)
     export("smollm2-135m", out["int8"], int8=True, progress=False, target=target)

@@ -6,6 +6,8 @@ a generation mid-flight, each checked on what the core sends and how it accounts
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -21,9 +23,9 @@ PROMPT = [3, 14, 15, 9, 26, 5]
 SHAPE = TreeSpec("static", ExpansionConfig((2, 1, 1)))
 
 
-def _session(prespec: PrespecConfig | None = None, **kw: object) -> Scripted:
+def _session(prespec: PrespecConfig | None = None, **kw: Any) -> Scripted:
     cfg = prespec if prespec is not None else PrespecConfig(fanout=3, max_chain=2, gate=False)
-    return Scripted(FakeDrafter(64), Request(Mode.GREEDY, SHAPE), cfg, **kw)  # type: ignore[arg-type]
+    return Scripted(FakeDrafter(64), Request(Mode.GREEDY, SHAPE), cfg, **kw)
 
 
 def _children_of(s: Scripted, parent: int) -> dict[int, tuple[int, ...]]:
