@@ -150,7 +150,35 @@ class ModeRuns:
             "tau_by_category": {
                 c: round(t / r, 4) if r else 0.0 for c, (t, r) in sorted(self.by_category.items())
             },
+            "by_suite": self.by_suite(),
         }
+
+    def by_suite(self) -> dict[str, dict[str, float]]:
+        """HumanEval and Spec-Bench apart (the goals are per suite): medians over the suite's
+        generations of ms/token, tau and target forwards per token, and tau pooled."""
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for r in self.records:
+            if r.get("category"):
+                groups.setdefault(suite_of(r["category"]), []).append(r)
+        out = {}
+        for suite, recs in sorted(groups.items()):
+            tokens = sum(len(r["tokens"]) for r in recs)
+            rounds = sum(r["rounds"] for r in recs)
+            out[suite] = {
+                "generations": len(recs),
+                "ms_per_token": round(statistics.median(r["ms_per_token"] for r in recs), 4),
+                "tau": round(statistics.median(r["tau"] for r in recs), 4),
+                "tau_pooled": round(tokens / rounds, 4) if rounds else 0.0,
+                "target_forwards_per_token": round(
+                    statistics.median(r["forwards"] / max(len(r["tokens"]), 1) for r in recs), 4
+                ),
+            }
+        return out
+
+
+def suite_of(category: str) -> str:
+    """The prompt suite of a category: HumanEval's one, or Spec-Bench's many."""
+    return "humaneval" if category == "humaneval" else "spec_bench"
 
 
 def report(runs: dict[str, ModeRuns], by_cat: dict[str, list[float]], exact: bool) -> dict[str, Any]:
@@ -191,6 +219,13 @@ def print_report(result: dict[str, Any], title: str) -> None:
                 ["category", *(f"tau {m}" for m in spec)],
             )
         )
+    suites = [
+        [m, suite, v["ms_per_token"], v["tau"], v["tau_pooled"], v["target_forwards_per_token"]]
+        for m, s in result["modes"].items()
+        for suite, v in s.get("by_suite", {}).items()
+    ]
+    if suites:
+        print(table(suites, ["mode", "suite", "ms/token", "tau", "tau pooled", "target fwd/token"]))
     depth = max((len(result["modes"][m]["acceptance_by_depth"]) for m in spec), default=0)
     if depth:
         print("fraction of rounds accepting a node at depth d:")

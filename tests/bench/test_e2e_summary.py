@@ -67,6 +67,13 @@ def test_categories_and_depths_are_pooled() -> None:
     assert s["tau_by_category"] == {"humaneval": pytest.approx(14 / 3, abs=1e-4), "math": pytest.approx(2.0)}
     assert s["acceptance_by_depth"] == pytest.approx([5 / 6, 3 / 6, 1 / 6], abs=1e-4)
     assert runs.records[0]["prompt"] == "HumanEval/0" and runs.records[1]["category"] == "math"
+    # the goals are per suite: HumanEval apart from every Spec-Bench category
+    suites = s["by_suite"]
+    assert set(suites) == {"humaneval", "spec_bench"}
+    assert suites["humaneval"]["generations"] == 2 and suites["spec_bench"]["generations"] == 1
+    assert suites["humaneval"]["tau"] == pytest.approx((5.0 + 4.0) / 2)  # median of 10/2 and 4/1
+    assert suites["humaneval"]["tau_pooled"] == pytest.approx(14 / 3, abs=1e-4)
+    assert suites["spec_bench"]["target_forwards_per_token"] == pytest.approx(3 / 6)
 
 
 def test_runs_made_in_pieces_merge_into_one_report(tmp_path: Any) -> None:
