@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from edge_client.tokenizer import EdgeTokenizer
 
@@ -33,6 +34,16 @@ def byte_decoder() -> dict[str, int]:
             table[chr(256 + shift)] = b
             shift += 1
     return table
+
+
+def plain_text_copy(tok: Any) -> Any:
+    """A copy of a `tokenizers.Tokenizer` that encodes special-token texts (e.g. "<|im_end|>") as
+    ordinary text: what `encode(..., parse_special=False)` means for a raw prompt."""
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(tok.to_str())
+    copy.encode_special_tokens = True
+    return copy
 
 
 class StoredTokenizer(EdgeTokenizer):
@@ -60,11 +71,17 @@ class StoredTokenizer(EdgeTokenizer):
         added = self._tok.get_added_tokens_decoder()
         self._special = {int(i) for i, t in added.items() if t.special}
         self._bytes = byte_decoder() if isinstance(self._tok.decoder, decoders.ByteLevel) else None
+        self._plain_tok: Any = None
 
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        if not parse_special:
-            raise NotImplementedError("the stored tokenizer always parses special tokens")
-        return list(self._tok.encode(text, add_special_tokens=add_special).ids)
+        tok = self._tok if parse_special else self._plain()
+        return list(tok.encode(text, add_special_tokens=add_special).ids)
+
+    def _plain(self) -> Any:
+        """A copy of the tokenizer that reads special-token texts as plain text (raw prompts)."""
+        if self._plain_tok is None:
+            self._plain_tok = plain_text_copy(self._tok)
+        return self._plain_tok
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:
         if not 0 <= token < self.vocab_size:

@@ -24,7 +24,7 @@ import torch
 from cloud_verifier.model import SeqInput, load_target
 from edge_client.drafters.base import Drafter
 from edge_client.models import DRAFT_ALIASES, resolve_draft
-from edge_client.stored_tokenizer import byte_decoder
+from edge_client.stored_tokenizer import byte_decoder, plain_text_copy
 from edge_client.tokenizer import EdgeTokenizer
 
 BLOCK = 16
@@ -45,10 +45,13 @@ class TargetTokenizerAdapter(EdgeTokenizer):
         from tokenizers import decoders
 
         self._bytes = byte_decoder() if isinstance(tok.tokenizer.decoder, decoders.ByteLevel) else None
+        self._plain_tok: Any = None  # built on the first raw prompt (special-token texts as text)
 
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         if not parse_special:
-            raise NotImplementedError("the target tokenizer always parses special tokens")
+            if self._plain_tok is None:
+                self._plain_tok = plain_text_copy(self._tok.tokenizer)
+            return list(self._plain_tok.encode(text, add_special_tokens=add_special).ids)
         return list(self._tok.encode(text, add_special=add_special))
 
     def token_bytes(self, token: int, *, special: bool = False) -> bytes:

@@ -268,6 +268,23 @@ def test_fingerprint_is_the_tokenizers(make: Factory) -> None:
     assert len(d.vocab_fingerprint()) == 64
 
 
+def test_raw_text_reads_special_token_texts_as_text(make: Factory, backend: str, smollm2_path: Path) -> None:
+    """encode(parse_special=False), what a raw prompt (`generate(..., raw=True)`, HumanEval's code)
+    uses: "<|im_end|>" written in the text is text, tokenized as llama.cpp tokenizes it."""
+    if backend == "fake":
+        pytest.skip("the fake drafter's tokenizer has no special tokens")
+    from edge_client.tokenizer import LlamaCppTokenizer
+
+    tok, ref = make().tokenizer, LlamaCppTokenizer(smollm2_path)
+    text = "def f():\n    return '<|im_end|>' + \"<|im_start|>\""
+    raw = tok.encode(text, add_special=False, parse_special=False)
+    assert raw == ref.encode(text, add_special=False, parse_special=False)
+    assert 2 not in raw and 1 not in raw  # neither special token
+    assert tok.encode(text, add_special=False).count(2) == 1  # parsed, it is the special token
+    plain = "def f():\n    return 1"
+    assert tok.encode(plain, parse_special=False) == tok.encode(plain)
+
+
 # ------------------------------------------------------------------------------------ registry
 def test_registry_names_and_errors() -> None:
     assert set(available_backends()) >= {"llama_cpp", "torch", "onnx"}
