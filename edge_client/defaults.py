@@ -10,6 +10,7 @@ weights once per batch), so depth, not width, is what a tree pays for on the edg
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -26,9 +27,23 @@ FALLBACK_TREE = "1,1,3,1,1,1,1,1"  # SpecInfer's ⟨1,1,3,1,1,1,1,1⟩
 
 
 def recommended_tree(draft: str | Path) -> str:
-    """The expansion config (as "k1,k2,...") recommended for a draft alias; SpecInfer's default
+    """The expansion config (as "k1,k2,...") recommended for a draft alias, or for an
+    `edge-client export-onnx` folder of one (its manifest names the source); SpecInfer's default
     for anything else."""
-    return RECOMMENDED_TREES.get(str(draft), FALLBACK_TREE)
+    key = str(draft)
+    if key not in RECOMMENDED_TREES:
+        key = export_source(draft) or key
+    return RECOMMENDED_TREES.get(key, FALLBACK_TREE)
+
+
+def export_source(draft: str | Path) -> str | None:
+    """The draft an ONNX export folder was made from (its manifest's `source`), else None."""
+    manifest = Path(draft) / "manifest.json"
+    try:
+        source = json.loads(manifest.read_text(encoding="utf-8")).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return source if isinstance(source, str) else None
 
 
 def parse_draft(text: str) -> tuple[str, TreeSpec | None]:

@@ -225,3 +225,16 @@ def test_cli_draft_shapes() -> None:
     ]
     with pytest.raises(ValueError, match="shape the first draft"):
         draft_specs(["a@2"], lambda m: first)
+
+
+def test_an_export_folder_gets_its_source_drafts_recommended_tree(tmp_path: Any) -> None:
+    import json
+
+    from edge_client.defaults import FALLBACK_TREE, RECOMMENDED_TREES, recommended_tree
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"source": "qwen2.5-coder-0.5b-q4"}))
+    assert recommended_tree(tmp_path) == RECOMMENDED_TREES["qwen2.5-coder-0.5b-q4"] != FALLBACK_TREE
+    assert recommended_tree(str(tmp_path)) == RECOMMENDED_TREES["qwen2.5-coder-0.5b-q4"]
+    (tmp_path / "manifest.json").write_text("not json")
+    assert recommended_tree(tmp_path) == FALLBACK_TREE
+    assert recommended_tree(tmp_path / "missing") == FALLBACK_TREE
