@@ -283,6 +283,8 @@ class SpeculationCore:
                 return  # the generation ended (its last verdict is waiting in the queue)
             if self.cancelled or not (extends(c.full, now) or c.full == now):
                 continue  # a verdict arrived while drafting and ruled this outcome out
+            if self._room() <= 0:
+                continue  # trees sent while this one was drafted (a fallback) took the room
             yield from self._send_tree(dr, c.full, c.prob, c.parent)
             self.stats.prespec_sent += 1
 
@@ -318,9 +320,8 @@ class SpeculationCore:
         self.planner.expand_all()
 
     def _room(self) -> int:
-        """Trees the server can still take: max_pending besides the one it verifies; with none in
-        flight (after a miss, chained trees may wait for the fallback) every outstanding tree may
-        be pending."""
+        """Trees the server can still take: max_pending besides the one it verifies (with none in
+        flight, after a miss, every outstanding tree may be pending)."""
         proto = self.proto
         room = self.welcome.limits.max_pending + (1 if proto.in_flight is not None else 0)
         return room - len(proto.outstanding)
