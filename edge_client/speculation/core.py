@@ -320,11 +320,10 @@ class SpeculationCore:
         self.planner.expand_all()
 
     def _room(self) -> int:
-        """Trees the server can still take: max_pending besides the one it verifies (with none in
-        flight, after a miss, every outstanding tree may be pending)."""
+        """Conditional trees the server can still take: max_pending besides the one in flight,
+        whose slot stays free for a miss's fallback (the prompt's round is no outstanding tree)."""
         proto = self.proto
-        room = self.welcome.limits.max_pending + (1 if proto.in_flight is not None else 0)
-        return room - len(proto.outstanding)
+        return self.welcome.limits.max_pending - len(proto.outstanding - {proto.in_flight})
 
     def _can_prespeculate(self) -> bool:
         cfg = self.prespec

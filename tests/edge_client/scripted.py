@@ -137,8 +137,11 @@ class Scripted:
         *,
         next_round: int | None = None,
         done: bool = False,
+        stales_first: bool = True,
     ) -> Verdict:
-        """Answer tree `rnd`: the nodes `path` (root to node) accepted, then `bonus`."""
+        """Answer tree `rnd`: the nodes `path` (root to node) accepted, then `bonus`. The stales
+        that follow are decoded before the core takes the verdict up, or with `stales_first=False`
+        after it (still on their way)."""
         tree = self.trees[rnd]
         tokens = [int(tree.tokens[i]) for i in path] + [bonus]
         v = Verdict(
@@ -155,6 +158,8 @@ class Scripted:
         # the server then sends `stale` for every tree that can no longer match; the executor's
         # pump decodes those ahead of the core, as here (the core acknowledges each as it takes it up)
         decoded = self.proto.receive(encode(v), acknowledge=False)
+        if not stales_first:
+            self._run(self.core.receive(decoded, time.perf_counter()))
         stales = []
         if not done:
             for r in sorted(self.proto.outstanding):
@@ -164,7 +169,8 @@ class Scripted:
                     stales.append(
                         self.proto.receive(encode(Stale(round=r, reason="no match")), acknowledge=False)
                     )
-        self._run(self.core.receive(decoded, time.perf_counter()))
+        if stales_first:
+            self._run(self.core.receive(decoded, time.perf_counter()))
         for st in stales:
             self._run(self.core.receive(st, time.perf_counter()))
         return v

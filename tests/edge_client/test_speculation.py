@@ -14,7 +14,7 @@ import pytest
 from edge_client.speculation import DraftConditional, DraftPlain, PrespecConfig, Refused, Request, TreeSpec
 from edge_client.speculation.actions import SendTree
 from edge_client.speculation.outcomes import ChoiceModel, reach_probabilities
-from shared.messages import Mode, Verdict
+from shared.messages import Mode, SessionLimits, Verdict
 from shared.tree import ExpansionConfig
 from tests.edge_client.fake_drafter import FakeDrafter
 from tests.edge_client.scripted import Scripted
@@ -106,6 +106,44 @@ def test_a_conditional_tree_still_on_its_way_is_taken_as_the_tree_in_flight() ->
     s.stale(rid)
     assert s.core.in_flight is not None and s.core.in_flight != rid
     assert _plain_drafts(s) == drafts + 1
+
+
+def _a_missing_bonus(s: Scripted, rnd: int) -> int:
+    """A bonus after nothing accepted in tree `rnd` that no tree sent assumes: a miss."""
+    n = len(s.proto.committed)
+    assumed = {sp.full[n] for sp in s.core.ledger.specs.values() if len(sp.full) > n}
+    firsts = {int(s.trees[rnd].tokens[c]) for c in s.trees[rnd].children_of(-1)}
+    return next(t for t in range(1, 64) if t not in assumed | firsts)
+
+
+@pytest.mark.parametrize("max_pending", [1, 2, 4])
+@pytest.mark.parametrize("in_flight", ["prompt", "conditional"])
+def test_speculations_leave_the_slot_of_the_tree_in_flight_to_a_fallback(
+    max_pending: int, in_flight: str
+) -> None:
+    """The server keeps max_pending trees besides the one it verifies. Conditional trees never
+    take more (the prompt's tree in flight is not an outstanding tree round, a conditional one is),
+    so after a miss the synchronous tree goes out while the stales of all of them are still on
+    their way (a live 1000 ms round trip overflowed here: the edge tried an eighth tree)."""
+    s = _session(
+        PrespecConfig(fanout=3, max_chain=4, gate=False), limits=SessionLimits(max_pending=max_pending)
+    )
+    s.start(PROMPT)
+    s.idle()
+    rnd = 0
+    if in_flight == "conditional":
+        rnd, full = next(iter(_children_of(s, 0).items()))
+        s.verdict_to(0, full, next_round=rnd)
+        s.idle()
+    speculations = s.proto.outstanding - {rnd}
+    assert len(speculations) == max_pending, "the core fills the room it has, no more"
+    drafts = _plain_drafts(s)
+    s.verdict(rnd, [], _a_missing_bonus(s, rnd), stales_first=False)
+    fallback = s.draft_actions(SendTree)[-1].tree.round
+    assert _plain_drafts(s) == drafts + 1 and s.core.in_flight == fallback
+    assert not s.proto.outstanding - {fallback}, "the speculations came back stale"
+    s.idle()
+    assert len(s.proto.outstanding - {fallback}) == max_pending  # speculating again below it
 
 
 def test_a_tree_refused_for_room_is_dropped_and_one_in_flight_fails_the_generation() -> None:
