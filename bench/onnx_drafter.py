@@ -1,5 +1,8 @@
 """Draft speed on one thread: the onnx drafter (fp32 and int8) against llama.cpp Q4, per draft model.
 
+int8 is the default `export-onnx --int8` (8-bit blocks, MatMulNBits); `--backends ...,dynamic` adds
+onnxruntime's quantize_dynamic export (`--int8-method dynamic`, from --dynamic-dir).
+
 For each model: plain decode steps (one new committed token per `sync`, the drafter's cost per
 accepted token) and tree levels of 8 rows (one `extend` of 8 children of the committed end, the
 cost of one level of a wide tree), as draft tokens per second; then int8 vs fp32 agreement on the
@@ -34,6 +37,7 @@ LEVEL = 8  # rows of one tree level
 BACKENDS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "fp32": ("onnx fp32", "onnx", {"int8": False}),
     "int8": ("onnx int8", "onnx", {"int8": True}),
+    "dynamic": ("onnx int8 (quantize_dynamic)", "onnx", {"int8": True}),
     "q4": ("llama.cpp Q4", "llama_cpp", {}),
 }
 
@@ -92,13 +96,14 @@ def bench_model(model: str, a: argparse.Namespace) -> list[dict[str, Any]]:
     from edge_client.drafters.registry import create_drafter
 
     backends = [BACKENDS[b] for b in a.backends.split(",") if b]
-    dirs = {False: a.fp32_dir, True: a.int8_dir}
+    dirs = {"fp32": a.fp32_dir, "int8": a.int8_dir, "dynamic": a.dynamic_dir}
+    names = [b for b in a.backends.split(",") if b]
     rows: list[dict[str, Any]] = []
     ref_logits: list[np.ndarray] | None = None
     forced: list[list[int]] | None = None
     n_prompts = max(1, -(-a.positions // a.per_prompt))
-    for label, backend, opts in backends:
-        src = dirs[opts["int8"]] if backend == "onnx" and dirs[opts["int8"]] else model
+    for name, (label, backend, opts) in zip(names, backends, strict=True):
+        src = dirs.get(name) or model
         print(f"{model}: {label} ({src})", flush=True)
         d = create_drafter(backend, src, n_threads=1, max_context=2048, max_nodes=64, **opts)
         try:
@@ -142,16 +147,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fp32-dir", default=None, help="an fp32 export folder to use (one model only)")
     ap.add_argument("--int8-dir", default=None, help="an int8 export folder to use (one model only)")
     ap.add_argument(
+        "--dynamic-dir",
+        default=None,
+        help="for the `dynamic` backend: a folder from `edge-client export-onnx --int8 --int8-method "
+        "dynamic` (onnxruntime's quantize_dynamic; one model only, never made on first use)",
+    )
+    ap.add_argument(
         "--backends",
         default="fp32,int8,q4",
-        help="comma-separated, of fp32 (onnx), int8 (onnx), q4 (llama.cpp); the first is the agreement "
-        "reference (top-1 and TV are against it)",
+        help="comma-separated, of fp32 (onnx), int8 (onnx, 8-bit blocks), dynamic (onnx, quantize_dynamic: "
+        "needs --dynamic-dir), q4 (llama.cpp); the first is the agreement reference (top-1 and TV are "
+        "against it)",
     )
     ap.add_argument("--json", default=None, help="write the rows and the settings to this JSON file")
     a = ap.parse_args(argv)
     models = [m for m in a.models.split(",") if m]
-    if (a.fp32_dir or a.int8_dir) and len(models) != 1:
-        ap.error("--fp32-dir/--int8-dir name the export of ONE model: pass one --models")
+    if (a.fp32_dir or a.int8_dir or a.dynamic_dir) and len(models) != 1:
+        ap.error("--fp32-dir/--int8-dir/--dynamic-dir name the export of ONE model: pass one --models")
+    if "dynamic" in a.backends.split(",") and not a.dynamic_dir:
+        ap.error(
+            "--backends dynamic needs --dynamic-dir (edge-client export-onnx --int8 --int8-method dynamic)"
+        )
     if not a.backends or any(b not in BACKENDS for b in a.backends.split(",") if b):
         ap.error(f"--backends: a comma-separated list of {', '.join(BACKENDS)}")
     if a.positions < 1 or a.per_prompt < 1 or a.level_repeats < 1:

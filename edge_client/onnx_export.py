@@ -13,7 +13,10 @@ the ONNX model has exactly the torch drafter's weights. `int8` writes every proj
 and the embedding as symmetric 8-bit blocks of 16-128 input values with one scale each
 (edge_client.onnx_quant), quantized while the graph is written, a chunk of rows at a time, and run
 by onnxruntime's MatMulNBits with int8 activations; no fp32 graph is written first, so exporting
-Qwen2.5-Coder-0.5B needs little more memory than its fp32 torch model.
+Qwen2.5-Coder-0.5B needs little more memory than its fp32 torch model. `int8_method="dynamic"`
+instead writes the fp32 graph and runs onnxruntime's `quantize_dynamic` over it (int8 weights per
+output channel, activations quantized per run: MatMulInteger): faster on wide tree levels, less
+accurate, and it needs several times the model's memory while quantizing (over 5.6 GB for the 0.5B).
 
 Exports made on first use live in `<treespec cache>/onnx/<source content id>-<fp32|int8-LAYOUT>-f<FORMAT>/`
 (the content id is `shared.model_store.content_id`, as for the verifier's weight cache). Every
@@ -41,6 +44,8 @@ DATA_FILE = "model.onnx.data"
 TINY = "tiny"
 MAX_MANIFEST_BYTES = 1 << 20
 INT8_LAYOUT = "nbits8-blocks"
+DYNAMIC_LAYOUT = "ort-dynamic-qint8"  # onnxruntime's quantize_dynamic (MatMulInteger, per channel)
+INT8_METHODS = {"blocks": INT8_LAYOUT, "dynamic": DYNAMIC_LAYOUT}  # export-onnx --int8-method
 
 
 class ExportError(RuntimeError):
@@ -67,8 +72,8 @@ class Manifest:
     chat_template: str | None
     files: dict[str, int]  # file name -> size in bytes
     opset: int
-    # int8 only: "nbits8-blocks" (export-time 8-bit blocks, MatMulNBits); None: fp32, or an int8
-    # export from before (onnxruntime's quantize_dynamic), which still loads
+    # int8 only: "nbits8-blocks" (export-time 8-bit blocks, MatMulNBits) or "ort-dynamic-qint8"
+    # (onnxruntime's quantize_dynamic); None: fp32, or an int8 export from before (quantize_dynamic)
     int8_layout: str | None = None
     format: int = FORMAT
     kv_layout: str = "[rows, layers, kv_heads, head_dim]"
@@ -162,12 +167,23 @@ def cache_folder(source: str, int8: bool) -> Path:
 
 
 def export(
-    source: str, out: Path, *, int8: bool = False, progress: bool = True, target: Any = None
+    source: str,
+    out: Path,
+    *,
+    int8: bool = False,
+    progress: bool = True,
+    target: Any = None,
+    int8_method: str = "blocks",
 ) -> Manifest:
     """Export `source` into the folder `out` (replaced if it exists); returns its manifest.
 
     target: the already loaded fp32 `cloud_verifier.model.Target` of `source` (saves loading it
-    again, e.g. when the torch drafter holds it); by default it is loaded here."""
+    again, e.g. when the torch drafter holds it); by default it is loaded here.
+    int8_method: with int8, "blocks" (8-bit blocks written as the graph is) or "dynamic"
+    (onnxruntime's quantize_dynamic over the fp32 graph); see the module docstring."""
+    if int8_method not in INT8_METHODS:
+        raise ValueError(f"int8_method {int8_method!r}: one of {', '.join(INT8_METHODS)}")
+    dynamic = int8 and int8_method == "dynamic"
     import onnx
     import onnxruntime
     import torch
@@ -191,13 +207,19 @@ def export(
     try:
         from edge_client.onnx_graph import OPSET, write_model
 
-        kind = "int8 (8-bit blocks, quantized as written)" if int8 else "fp32"
+        kind = "fp32" if not int8 or dynamic else "int8 (8-bit blocks, quantized as written)"
         say(f"export-onnx: writing the {kind} graph ({target.config.num_parameters() / 1e6:.0f}M parameters)")
-        write_model(target.model, tmp / MODEL_FILE, DATA_FILE, int8=int8)
+        graph = tmp / "fp32" / MODEL_FILE if dynamic else tmp / MODEL_FILE
+        graph.parent.mkdir(exist_ok=True)
+        write_model(target.model, graph, DATA_FILE, int8=int8 and not dynamic)
         config, tok = target.config, target.tokenizer
         fingerprint = str(target.vocab_fingerprint)
         del target
         gc.collect()  # the module graph has reference cycles: free the floats now
+        if dynamic:
+            say("export-onnx: onnxruntime's quantize_dynamic (int8 weights per output channel)")
+            _quantize_dynamic(graph, tmp / MODEL_FILE)
+            shutil.rmtree(graph.parent)
         (tmp / "tokenizer.json").write_text(tok.tokenizer.to_str(), encoding="utf-8")
         (tmp / "tokens.json").write_text(json.dumps(tok.token_texts(), ensure_ascii=False), encoding="utf-8")
         sha = None if gguf is None else model_store.file_sha256(gguf, progress=progress, desc="hashing")
@@ -218,7 +240,7 @@ def export(
             chat_template=tok.chat_template,
             files={p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
             opset=OPSET,
-            int8_layout=INT8_LAYOUT if int8 else None,
+            int8_layout=INT8_METHODS[int8_method] if int8 else None,
             exported_with={
                 "torch": torch.__version__,
                 "onnx": onnx.__version__,
@@ -233,6 +255,18 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"export-onnx: wrote {out} ({sum(manifest.files.values()) / 1e6:.0f} MB)")
     return manifest
+
+
+def _quantize_dynamic(src: Path, dst: Path) -> None:
+    """onnxruntime's dynamic quantization of the fp32 graph `src` into `dst`, weights in DATA_FILE."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(src, dst, weight_type=QuantType.QInt8, per_channel=True, use_external_data_format=True)
+    if not (dst.parent / DATA_FILE).is_file():
+        raise ExportError(
+            f"onnxruntime's quantizer wrote no {DATA_FILE} beside {dst}; this onnxruntime is not supported "
+            "for --int8-method dynamic (use the default, blocks)"
+        )
 
 
 def ensure_export(source: str, *, int8: bool = False, progress: bool = True) -> Path:

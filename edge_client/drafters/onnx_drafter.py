@@ -29,6 +29,7 @@ import numpy as np
 
 from edge_client.drafters.base import Drafter, DrafterError
 from edge_client.onnx_export import (
+    INT8_LAYOUT,
     MANIFEST,
     MODEL_FILE,
     ExportError,
@@ -119,7 +120,7 @@ class OnnxDrafter(Drafter):
                 f"{folder}: the stored tokenizer does not match the manifest (vocabulary size or "
                 "fingerprint); the folder is damaged, export it again"
             )
-        if manifest.int8_layout is not None and _version(ort.__version__) < (1, 22):
+        if manifest.int8_layout == INT8_LAYOUT and _version(ort.__version__) < (1, 22):
             raise ExportError(
                 f"{folder} holds 8-bit MatMulNBits weights, which onnxruntime {ort.__version__} cannot "
                 "run on this CPU; pip install 'onnxruntime>=1.22' (or use an fp32 export)"
