@@ -235,3 +235,41 @@ def test_without_prespeculation_each_round_is_synchronous() -> None:
     s.verdict(0, [0], 7 if int(tree.tokens[s.trees[0].children_of(0)[0]]) != 7 else 8)
     assert _plain_drafts(s) == 2 and s.core.in_flight == 1 and s.proto.outstanding == {1}
     assert s.stats.rounds == 1 and s.stats.tree_nodes == [tree.num_nodes]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_sessions_keep_the_wire_limits_and_one_tree_in_flight(seed: int) -> None:
+    """Random scripted verifiers: hits (named in next_round or still on their way), misses, stales
+    decoded before or after the verdict, at random max_pending, fanout and chain depth. The core
+    never sends past the server's room (ClientProtocol.tree would raise), conditional trees leave
+    the in-flight slot free, and after every verdict but the last exactly one tree is in flight."""
+    rng = np.random.default_rng(seed)
+    max_pending = int(rng.integers(1, 5))
+    cfg = PrespecConfig(fanout=int(rng.integers(1, 4)), max_chain=int(rng.integers(1, 4)), gate=False)
+    s = _session(cfg, limits=SessionLimits(max_pending=max_pending))
+    s.start(PROMPT)
+    rounds = int(rng.integers(4, 16))
+    for i in range(rounds):
+        s.idle()
+        rnd = s.core.in_flight
+        assert rnd is not None and (rnd == 0 or rnd in s.proto.outstanding)
+        assert len(s.proto.outstanding - {rnd}) <= max_pending
+        hits = [r for r in _children_of(s, rnd) if r in s.proto.outstanding]
+        committed = tuple(s.proto.committed)
+        if i == rounds - 1:
+            s.verdict(rnd, [], 7, done=True)
+            assert s.core.finished and s.core.in_flight is None
+            break
+        first = bool(rng.random() < 0.5)
+        if hits and rng.random() < 0.7:
+            r = hits[int(rng.integers(len(hits)))]
+            full = s.core.ledger.specs[r].full
+            s.verdict_to(rnd, full, next_round=r if rng.random() < 0.5 else None, stales_first=first)
+            assert s.core.in_flight == r and tuple(s.proto.committed) == full
+        else:
+            bonus = _a_missing_bonus(s, rnd)
+            s.verdict(rnd, [], bonus, stales_first=first)
+            assert tuple(s.proto.committed) == (*committed, bonus)
+            fallback = s.draft_actions(SendTree)[-1].tree
+            assert s.core.in_flight == fallback.round and fallback.tree.base == len(committed) + 1
+    assert s.stats.rounds == len(s.delivered) == rounds
