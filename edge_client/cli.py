@@ -64,6 +64,12 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "nodes), @sequence=D (a chain), or without @ its recommended static tree",
     )
     p.add_argument(
+        "--parallel-drafters",
+        action="store_true",
+        help="with several --draft: draft each round's trees at the same time, one thread per drafter "
+        "(a merged round then takes the slowest drafter's time instead of the sum, given free cores)",
+    )
+    p.add_argument(
         "--drafter",
         default="llama_cpp",
         choices=["llama_cpp", "torch", "onnx"],
@@ -299,6 +305,9 @@ async def _generate(args: argparse.Namespace) -> int:
         print("edge-client: --prespec-min-gain applies to pre-speculation: add --prespec", file=sys.stderr)
         return 2
     prespec = prespec_cfg if args.prespec else False
+    if args.parallel_drafters and len(models) < 2:
+        print("edge-client: --parallel-drafters needs two or more --draft", file=sys.stderr)
+        return 2
     opts = {"n_threads": args.threads} if args.threads else {}
     drafters = [create_drafter(args.drafter, m, **opts) for m in models]
     out = sys.stdout
@@ -311,6 +320,7 @@ async def _generate(args: argparse.Namespace) -> int:
             prespec=prespec,
             ca_file=args.ca_file,
             resume=ResumeConfig(attempts=args.resume_attempts) if args.resume_attempts > 0 else False,
+            parallel_drafters=args.parallel_drafters,
         ) as client:
             async for chunk in client.generate(
                 args.prompt,

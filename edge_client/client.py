@@ -68,6 +68,9 @@ class EdgeClient(Session):
                 (SpecInfer Definition 3.2, edge_client.trees.merged); they must share one vocabulary
     tree:       the tree shape drafted each round; with several drafters one per drafter (or one
                 for all); after the first, a dynamic shape needs a fixed budget
+    parallel_drafters: with several drafters, draft each round's trees at the same time, a thread
+                per drafter (a merged round then costs the slowest drafter's time, given the cores);
+                default: in turn on the one drafting thread
     prespec:    pre-speculate conditional trees while a round is in flight (True: defaults)
     link:       emulate a network link in-process (one-way delays, jitter, bandwidth)
     transport:  an async factory of the byte transport (default: a WebSocket to `server`)
@@ -95,6 +98,7 @@ class EdgeClient(Session):
         couple: bool = True,
         ca_file: str | None = None,
         resume: bool | ResumeConfig = True,
+        parallel_drafters: bool = False,
     ) -> None:
         super().__init__(
             server, api_key=api_key, link=link, transport=transport, ca_file=ca_file, resume=resume
@@ -122,6 +126,10 @@ class EdgeClient(Session):
         self.couple = couple
         # llama.cpp contexts are single-threaded: one drafting thread, off the event loop
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter")
+        self.parallel: concurrent.futures.ThreadPoolExecutor | None = None
+        if parallel_drafters and len(self.drafters) > 1:
+            n = len(self.drafters) - 1  # the first drafter stays on the drafting thread
+            self.parallel = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="drafter-more")
         # calibration, outcome models, round trip, last tree: learned across generations
         self.learned = Learned()
         self.last: GenerationResult | None = None
@@ -145,6 +153,8 @@ class EdgeClient(Session):
     async def close(self) -> None:
         await super().close()
         self.pool.shutdown(wait=True)
+        if self.parallel is not None:
+            self.parallel.shutdown(wait=True)
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -264,7 +274,7 @@ class EdgeClient(Session):
             shapes = self.trees if len(self.trees) == len(self.drafters) else (req.tree,) * len(self.drafters)
             if req.mode.stochastic:  # draw counts must be fixed before drawing (see _request)
                 shapes = tuple(TreeSpec("static", t.expansion) if t.kind == "budget" else t for t in shapes)
-            step = DraftStep(self.drafters, req, self.welcome.limits, (req.tree, *shapes[1:]))
+            step = DraftStep(self.drafters, req, self.welcome.limits, (req.tree, *shapes[1:]), self.parallel)
             profile = DrafterProfile(step.max_nodes, step.ms_per_node)
         core = SpeculationCore(
             self.proto, self.welcome, req, self.prespec, self.learned, st, profile, msg.temperature

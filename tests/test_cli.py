@@ -56,6 +56,23 @@ def test_edge_refuses_a_bad_prespec_min_gain_before_connecting(
     assert "--prespec-min-gain" in err and message in err
 
 
+def test_edge_refuses_parallel_drafters_with_one_draft(capsys: pytest.CaptureFixture[str]) -> None:
+    from edge_client.cli import main
+
+    rc = main(
+        [
+            "generate",
+            "--server",
+            "ws://127.0.0.1:9/v1/session",
+            "--draft",
+            "tiny",
+            "--parallel-drafters",
+            "hi",
+        ]
+    )
+    assert rc == 2 and "--parallel-drafters needs two or more --draft" in capsys.readouterr().err
+
+
 def test_edge_tree_defaults_follow_the_draft() -> None:
     from edge_client.cli import _tree_spec
     from shared.model_store.catalog import DEFAULT_DRAFT

@@ -7,10 +7,10 @@ transport, and it decodes frames on a pump task, stamped on arrival, so that the
 order while the protocol (which the core's abandoned-draft checks read) is never behind the socket.
 
 With several drafters (SpecInfer Definition 3.2) every tree, conditional ones included, is drafted
-by each drafter in turn, each with its own shape, below the same sequence, and the trees are
-merged (trees.merged): the core sees one tree. Leaves are evaluated and the tree in flight is
-replayed in the first drafter's workspace; the others draft conditional trees below the anchor in
-theirs (a path they lack is evaluated on the way).
+by each drafter, in turn or (with a `parallel` pool) at the same time, each with its own shape,
+below the same sequence, and the trees are merged (trees.merged): the core sees one tree. Leaves
+are evaluated and the tree in flight is replayed in the first drafter's workspace; the others
+draft conditional trees below the anchor in theirs (a path they lack is evaluated on the way).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
 from edge_client.speculation.actions import (
@@ -52,6 +52,8 @@ from shared.messages import SessionLimits, Verdict
 from shared.protocol import ClientProtocol
 from shared.tree import ExpansionConfig
 
+T = TypeVar("T")
+
 
 class DraftStep:
     """Drafts what the core asks for (speculation.actions) with `drafters` under the server's limits.
@@ -61,6 +63,12 @@ class DraftStep:
     for the first drafter only: the others need a fixed budget). `run(action)` is called on the
     one drafting thread (llama.cpp contexts are single-threaded); `max_nodes` and `ms_per_node`
     describe the first drafter to the core's dynamic budget.
+
+    `parallel`: an executor with a thread for each drafter after the first: then the drafters draft
+    a round's trees at the same time (each drafter still on one thread at a time), and a merged
+    round costs the slowest drafter's time instead of the sum. Stochastic draws then come from a
+    generator spawned per drafter from the request's (reproducible for a seed; not the same draws
+    as in turn).
     """
 
     def __init__(
@@ -69,6 +77,7 @@ class DraftStep:
         req: Request,
         limits: SessionLimits,
         shapes: Sequence[TreeSpec] | None = None,
+        parallel: concurrent.futures.Executor | None = None,
     ) -> None:
         if not drafters:
             raise ValueError("the draft step needs at least one drafter")
@@ -83,6 +92,7 @@ class DraftStep:
         self.req = req
         self.limits = limits
         self.options = DraftOptions(mode=req.mode, sampling=req.sampling, rng=req.rng, coupling=req.coupling)
+        self.parallel = parallel if len(self.drafters) > 1 else None
 
     @property
     def drafter(self) -> Drafter:
@@ -109,8 +119,24 @@ class DraftStep:
         return None
 
     def _each(self, committed: Sequence[int], opts: DraftOptions, budget: int) -> DraftResult:
-        """Every drafter's tree below `committed` (+ opts.cond), in turn, merged."""
-        return merge_drafts([self._shape(i, committed, opts, budget) for i in range(len(self.drafters))])
+        """Every drafter's tree below `committed` (+ opts.cond), merged."""
+        return merge_drafts(self._all(lambda i, o: self._shape(i, committed, o, budget), opts))
+
+    def _all(self, work: Callable[[int, DraftOptions], T], opts: DraftOptions) -> list[T]:
+        """work(i, options) for every drafter i: in turn, or on the `parallel` pool (drafter 0 on
+        this thread). Every drafter has finished before this returns or raises (the first
+        drafter's error, in drafter order), so no drafter is still busy when the next step starts."""
+        n = len(self.drafters)
+        if self.parallel is None:
+            return [work(i, opts) for i in range(n)]
+        rngs = opts.rng.spawn(n) if opts.rng is not None else [None] * n
+        each = [opts.replace(rng=r) for r in rngs]
+        futures = [self.parallel.submit(work, i, each[i]) for i in range(1, n)]
+        try:
+            first = work(0, each[0])
+        finally:
+            concurrent.futures.wait(futures)
+        return [first, *(f.result() for f in futures)]
 
     def _shape(self, i: int, committed: Sequence[int], opts: DraftOptions, budget: int) -> DraftResult:
         drafter, spec, lim = self.drafters[i], self.shapes[i], self.limits
@@ -129,7 +155,7 @@ class DraftStep:
                 (full,) = a.fulls
                 opts = self.options.replace(cond=full[len(a.anchor) :], reuse_workspace=True, stop=a.stops[0])
                 return Drafted((self._each(a.anchor, opts, a.budget),))
-            per_drafter = [self._lockstep(i, a) for i in range(len(self.drafters))]
+            per_drafter = self._all(lambda i, o: self._lockstep(i, a, o), self.options)
         except WorkspaceFullError:
             return Drafted((None,) * n, workspace_full=True)
         except DraftCancelled:
@@ -140,7 +166,7 @@ class DraftStep:
             out.append(merge_drafts(drafts) if len(drafts) == len(per_drafter) else None)
         return Drafted(tuple(out), cancelled=sum(d is None for d in out))
 
-    def _lockstep(self, i: int, a: DraftConditional) -> list[DraftResult | None]:
+    def _lockstep(self, i: int, a: DraftConditional, options: DraftOptions) -> list[DraftResult | None]:
         """Drafter i's trees below each of a.fulls: together, one evaluation per level, for a static
         or sequence shape; one after the other for a dynamic one."""
         spec = self.shapes[i]
@@ -148,7 +174,7 @@ class DraftStep:
         if spec.kind == "budget":
             out: list[DraftResult | None] = []
             for cond, stop in zip(conds, a.stops, strict=True):
-                opts = self.options.replace(cond=cond, reuse_workspace=True, stop=stop)
+                opts = options.replace(cond=cond, reuse_workspace=True, stop=stop)
                 try:
                     out.append(self._shape(i, a.anchor, opts, a.budget))
                 except DraftCancelled:
@@ -157,7 +183,7 @@ class DraftStep:
         config = spec.expansion
         if spec.kind == "sequence":
             config = ExpansionConfig((1,) * min(spec.chain_depth, self.limits.max_depth))
-        return draft_static_many(self.drafters[i], a.anchor, config, conds, self.options, stops=list(a.stops))
+        return draft_static_many(self.drafters[i], a.anchor, config, conds, options, stops=list(a.stops))
 
     def _leaves(self, a: FinishLeaves) -> Drafted:
         try:

@@ -5,6 +5,9 @@ seeded ar, mss / rrs output distributed as the target's, by chi-square)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -15,7 +18,7 @@ import torch
 from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
-from edge_client.speculation import DraftPlain, DraftStep, Request
+from edge_client.speculation import DraftConditional, Drafted, DraftPlain, DraftStep, Request
 from edge_client.stats import GenerationStats
 from edge_client.trees import DraftOptions, DraftResult, Sampling, draft_static
 from edge_client.trees.merged import NOT_IN_WORKSPACE, merge_drafts
@@ -99,6 +102,95 @@ def test_draft_step_merges_each_drafters_shape_and_refuses_bad_shapes() -> None:
         DraftStep([a, b], req, limits, [req.tree])
 
 
+class BarrierFake(FakeDrafter):
+    """A FakeDrafter whose evaluations wait at a barrier shared with the others: drafting in turn
+    would never get past it, drafting at the same time does."""
+
+    def __init__(self, vocab_size: int, barrier: threading.Barrier, salt: int) -> None:
+        super().__init__(vocab_size)
+        self.barrier, self.salt, self.threads = barrier, salt, set[int]()
+
+    def _evaluate(self, first: int, count: int) -> np.ndarray:
+        self.threads.add(threading.get_ident())
+        self.barrier.wait()
+        rows = [
+            fake_logits(
+                [self.salt, *self._state, *(self._tokens[n] for n in self.path_to(i))], self.vocab_size
+            )
+            for i in range(first, first + count)
+        ]
+        return np.stack(rows)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "mss"])
+def test_parallel_drafters_draft_at_the_same_time_and_merge_the_same_trees(mode: str) -> None:
+    """With a `parallel` pool the drafters evaluate at the same time (each waits at a barrier only
+    the other can open) and the merged tree is what drafting in turn gives (greedy); with draws,
+    the same seed gives the same tree. Conditional trees too, in lockstep and alone."""
+    limits = SessionLimits()
+    shape = TreeSpec("static", ExpansionConfig((2, 1)))
+    sampling = Sampling(temperature=1.0) if mode == "mss" else None
+
+    def req(seed: int) -> Request:
+        rng = np.random.default_rng(seed) if sampling else None
+        return Request(Mode(mode), shape, sampling=sampling, rng=rng)
+
+    def step(seed: int, parallel: concurrent.futures.Executor | None) -> tuple[DraftStep, list[BarrierFake]]:
+        barrier = threading.Barrier(2 if parallel else 1, timeout=10)
+        ds = [BarrierFake(64, barrier, 0), BarrierFake(64, barrier, 7)]
+        return DraftStep(ds, req(seed), limits, [shape, shape], parallel), ds
+
+    actions: list[DraftPlain | DraftConditional] = [
+        DraftPlain((1, 2, 3), 0),
+        DraftConditional((1, 2, 3), ((1, 2, 3, 9),), (lambda: False,), lockstep=False),
+    ]
+    if mode == "greedy":  # lockstep is for greedy / match
+        actions.append(
+            DraftConditional((1, 2, 3), ((1, 2, 3, 9), (1, 2, 3, 4, 5)), (lambda: False,) * 2, True)
+        )
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        par, par_ds = step(3, pool)
+        again, _ = step(3, pool)
+        got = [_trees(par.run(a)) for a in actions]
+        assert got == [_trees(again.run(a)) for a in actions]  # reproducible for a seed
+    assert len(par_ds[0].threads | par_ds[1].threads) == 2
+    if mode == "greedy":
+        in_turn, _ = step(3, None)
+        assert got == [_trees(in_turn.run(a)) for a in actions]
+
+
+def _trees(out: object) -> list[tuple[list[int], list[int]]]:
+    results = out.results if isinstance(out, Drafted) else (out,)
+    assert all(isinstance(r, DraftResult) for r in results)
+    return [(r.tree.tokens.tolist(), r.tree.parents.tolist()) for r in results if isinstance(r, DraftResult)]
+
+
+def test_a_parallel_drafter_error_waits_for_the_others() -> None:
+    """A drafter that fails (its workspace full) fails the step only after every other drafter has
+    finished: none is still drafting when the next step starts."""
+    limits = SessionLimits()
+    shape = TreeSpec("static", ExpansionConfig((2, 1)))
+    done: list[float] = []
+
+    class Slow(FakeDrafter):
+        def _evaluate(self, first: int, count: int) -> np.ndarray:
+            time.sleep(0.05)
+            done.append(time.perf_counter())
+            return super()._evaluate(first, count)
+
+    full = FakeDrafter(64, max_nodes=4)  # room for the first tree (4 nodes), not for a second
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        st = DraftStep([full, Slow(64)], Request(Mode.GREEDY, shape), limits, [shape, shape], pool)
+        st.run(DraftPlain((1, 2, 3), 0))
+        before = len(done)
+        out = st.run(DraftConditional((1, 2, 3), ((1, 2, 3, 50),), (lambda: False,), lockstep=False))
+        returned, after = time.perf_counter(), len(done)
+        assert isinstance(out, Drafted) and out.workspace_full and out.results == (None,)
+        assert after > before and done[-1] <= returned  # the slow drafter had finished its tree
+        time.sleep(0.2)
+        assert len(done) == after  # and drafted nothing after the step returned
+
+
 def test_drafters_of_another_vocabulary_are_refused() -> None:
     with pytest.raises(ValueError, match=r"drafter 1 .* another vocabulary"):
         EdgeClient("ws://127.0.0.1:1/v1/session", [FakeDrafter(64), FakeDrafter(80)])
@@ -131,7 +223,8 @@ async def _gen(
 ) -> tuple[list[int], GenerationStats]:
     trees = kw.pop("trees", TreeSpec("static", ExpansionConfig((2, 1, 1))))
     prespec = kw.pop("prespec", False)
-    async with EdgeClient(url, drafters, tree=trees, prespec=prespec) as c:
+    parallel = kw.pop("parallel_drafters", False)
+    async with EdgeClient(url, drafters, tree=trees, prespec=prespec, parallel_drafters=parallel) as c:
         async for _ in c.generate(prompt, **kw):
             pass
         assert c.last is not None
@@ -155,6 +248,26 @@ def test_two_drafters_greedy_and_seeded_match_equal_ar() -> None:
         m_ar, _ = asyncio.run(_gen(srv.ws, drafters, "Tell me a story.", mode="ar", **kw))
         m, _ = asyncio.run(_gen(srv.ws, drafters, "Tell me a story.", mode="match", trees=trees, **kw))
         assert m == m_ar
+
+
+def test_parallel_drafters_through_the_verifier() -> None:
+    """Drafting at the same time changes no token: greedy with and without pre-speculation equals
+    ar; mss and rrs trees drawn at the same time pass the verifier's checks (a bad draw would be an
+    error frame and fail the generation; the noisy drafters make a seed's output vary, so their
+    reproducibility is tested on the draft step above)."""
+    drafters = _two_drafters()
+    trees = [TreeSpec("static", ExpansionConfig((2, 1, 1))), TreeSpec("static", ExpansionConfig((1, 2)))]
+    p = "Once upon a time"
+    with LiveServer(max_pending=6, trust_anonymous=True) as srv:
+        ar, _ = asyncio.run(_gen(srv.ws, drafters, p, max_new_tokens=20, mode="ar"))
+        for prespec in (False, PrespecConfig(fanout=2, gate=False)):
+            kw: dict[str, Any] = {"trees": trees, "prespec": prespec, "parallel_drafters": True}
+            got, st = asyncio.run(_gen(srv.ws, drafters, p, max_new_tokens=20, **kw))
+            assert got == ar and max(st.tree_nodes) > 6
+        for mode in ("mss", "rrs"):
+            kw = {"trees": trees, "parallel_drafters": True, "mode": mode, "temperature": 1.0, "seed": 5}
+            toks, st = asyncio.run(_gen(srv.ws, drafters, p, max_new_tokens=12, **kw))
+            assert (len(toks) == 12 or toks[-1] == 2) and st.rounds > 0  # no draw was refused
 
 
 def _first_token_probs(prompt: list[int], temperature: float, top_k: int) -> np.ndarray:
