@@ -284,11 +284,13 @@ def _first_token_probs(prompt: list[int], temperature: float, top_k: int) -> np.
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("mode", ["mss", "rrs"])
-def test_two_drafters_sample_the_targets_distribution(mode: str) -> None:
+def test_two_drafters_sample_the_targets_distribution(mode: str, parallel: bool) -> None:
     """Chi-square through the real client and verifier: the first token of many seeded mss / rrs
     generations with two noisy drafters (their q far from p, so rejections and residual updates
-    against both drafters' q rows at the root happen) is distributed as the target's."""
+    against both drafters' q rows at the root happen) is distributed as the target's; drafting in
+    turn and at the same time (each drafter's draws from its own spawned generator)."""
     drafters = _two_drafters(scale=3.0)
     tok = drafters[0].tokenizer
     prompt = tok.encode("Once upon a time", add_special=False)
@@ -297,7 +299,7 @@ def test_two_drafters_sample_the_targets_distribution(mode: str) -> None:
     firsts: list[int] = []
 
     async def run_all(url: str) -> None:
-        async with EdgeClient(url, drafters, tree=trees) as c:
+        async with EdgeClient(url, drafters, tree=trees, parallel_drafters=parallel) as c:
             for seed in range(n):
                 async for _ in c.generate(
                     prompt, max_new_tokens=1, mode=mode, temperature=temp, top_k=top_k, seed=seed
