@@ -283,8 +283,7 @@ class SpeculationCore:
                 return  # the generation ended (its last verdict is waiting in the queue)
             if self.cancelled or not (extends(c.full, now) or c.full == now):
                 continue  # a verdict arrived while drafting and ruled this outcome out
-            if self._room() <= 0:
-                continue  # trees sent while this one was drafted (a fallback) took the room
+            # (the batch was popped within _room(); frames decoded meanwhile only free room)
             yield from self._send_tree(dr, c.full, c.prob, c.parent)
             self.stats.prespec_sent += 1
 
