@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-PROMPTS = REPO.parent / "shared" / "data" / "prompts" / "spec_bench_dev.jsonl"
-HUMANEVAL = REPO.parent / "shared" / "data" / "prompts" / "humaneval_dev.jsonl"
+DATA = REPO / "bench" / "data"  # the prompt sets, with their source and licence (bench/data/README.md)
+PROMPTS = DATA / "spec_bench_dev.jsonl"
+HUMANEVAL = DATA / "humaneval_dev.jsonl"
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def load_humaneval(n: int, path: Path = HUMANEVAL) -> list[BenchPrompt]:
     completes the body (category "humaneval")."""
     if not path.exists():
         raise FileNotFoundError(
-            f"HumanEval prompts not found at {path} (the team kit sits beside the checkout)"
+            f"HumanEval prompts not found at {path}: pass a JSONL file of {{task_id, prompt}} lines"
         )
     out: list[BenchPrompt] = []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -55,7 +56,8 @@ def load_prompts(n: int, path: Path = PROMPTS) -> list[BenchPrompt]:
     is represented; deterministic."""
     if not path.exists():
         raise FileNotFoundError(
-            f"Spec-Bench prompts not found at {path} (the team kit sits beside the checkout)"
+            f"Spec-Bench prompts not found at {path}: "
+            "pass a JSONL file of {question_id, category, turns} lines"
         )
     by_cat: dict[str, list[BenchPrompt]] = {}
     for line in path.read_text().splitlines():

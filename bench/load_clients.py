@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from bench.harness import DATA
 from bench.load_figures import Tally
 from bench.proposer import LookupConfig, propose
 from cloud_verifier.model import TargetTokenizer
@@ -22,7 +23,7 @@ from shared.errors import ErrorCode
 from shared.messages import Error, Hello, Mode, Prompt, Stale, Tree, Verdict, Welcome
 from shared.protocol import ClientProtocol
 
-PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts"
+PROMPTS = DATA
 PROMPT_FILE = "spec_bench_dev.jsonl"
 # a refused hello will be refused again: stop the run instead of reconnecting in a loop
 FATAL_AT_HELLO = (ErrorCode.VOCAB_MISMATCH, ErrorCode.UNAUTHORIZED, ErrorCode.BAD_VERSION)

@@ -33,12 +33,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.harness import PROMPTS as HARNESS_PROMPTS
 from cloud_verifier.model import Target, greedy_generate, load_target, prefill, tree_round
 from cloud_verifier.model.llama import ATTENTION_MODES
 from shared.model_store import DEFAULT_TARGET
 from shared.tree import TokenTree
 
-PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "prompts" / "spec_bench_dev.jsonl"
+PROMPTS = HARNESS_PROMPTS
 FALLBACK_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import torch
 
+from bench.harness import DATA
 from cloud_verifier.kv_cache import PagedKVCache
 from cloud_verifier.model import LlamaModel, decode_step, prefill
 from shared.tree import TokenTree
 
-PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "prompts"
+PROMPTS = DATA  # the prompt sets in bench/data
 
 
 def random_tree(rng: random.Random, num_nodes: int, vocab: int, base: int, cond: list[int]) -> TokenTree:
