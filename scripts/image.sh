@@ -6,26 +6,36 @@
 #                                                target, wait for /readyz, generate from the host and
 #                                                check the tokens equal target-only decoding, stop it
 #
-# Engine: $CONTAINER_ENGINE, else podman, else docker; with neither, on a Debian machine as root,
-# podman is installed with apt. Base: python:3.11-slim-bookworm from the registry when it can be
-# pulled; otherwise (no registry reachable, as on the development machines) a Debian bookworm base
-# is made with debootstrap from the Debian mirror apt uses and imported once (treespec/debian-base).
+# Engine: $CONTAINER_ENGINE, else docker when its daemon answers and there is no podman, else podman
+# (on a Debian machine as root, podman, runc and debootstrap are installed with apt when missing).
+# Base: python:3.11-slim-bookworm from the registry when it can be pulled; otherwise (no registry
+# reachable, as on the development machines) a Debian bookworm base is made with debootstrap from
+# the Debian mirror apt uses, kept as a tarball in the work folder outside the repository
+# ($TREESPEC_IMAGE_WORK, default ~/.cache/treespec/image) and imported once (treespec/debian-base).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-WORK=${TREESPEC_IMAGE_WORK:-$ROOT/build/image}
+# work files and the cached Debian base live outside the repository (kept between clones and CI runs)
+WORK=${TREESPEC_IMAGE_WORK:-${XDG_CACHE_HOME:-$HOME/.cache}/treespec/image}
 mkdir -p "$WORK"
 say() { echo "[image] $*" >&2; }
 
+# podman, runc and debootstrap, whichever is missing, with apt (as root on Debian); false when it can't
+apt_podman() {
+  local missing=() tool
+  for tool in podman runc debootstrap; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  [ ${#missing[@]} = 0 ] && return 0
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 1
+  say "installing ${missing[*]} with apt"
+  apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >&2
+}
+
 engine() {
   if [ -n "${CONTAINER_ENGINE:-}" ]; then echo "$CONTAINER_ENGINE"; return; fi
-  if command -v podman >/dev/null; then echo podman; return; fi
-  if command -v docker >/dev/null && docker info >/dev/null 2>&1; then echo docker; return; fi
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    say "no container engine: installing podman, runc and debootstrap with apt"
-    apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >&2
-    echo podman; return
+  if command -v docker >/dev/null && ! command -v podman >/dev/null && docker info >/dev/null 2>&1; then
+    echo docker; return
   fi
+  if apt_podman || command -v podman >/dev/null; then echo podman; return; fi
   say "no container engine: install podman (or docker), or set CONTAINER_ENGINE"; exit 2
 }
 
@@ -62,8 +72,14 @@ base_image() {
   if "$ENGINE" image exists "$local" 2>/dev/null || "$ENGINE" image inspect "$local" >/dev/null 2>&1; then
     echo "$local"; return
   fi
+  local saved="$WORK/debian-base-bookworm.tar"
+  if [ -s "$saved" ]; then
+    say "importing the cached Debian base $saved"
+    "$ENGINE" import - "$local" <"$saved" >&2
+    echo "$local"; return
+  fi
   if timeout 60 "$ENGINE" pull -q "$remote" >/dev/null 2>&1; then echo "$remote"; return; fi
-  say "no image registry reachable: making a Debian bookworm base with debootstrap (once, ~3 min)"
+  say "no image registry reachable: making a Debian bookworm base with debootstrap (once, ~3 min; cached in $WORK)"
   command -v debootstrap >/dev/null || { say "needs debootstrap (apt-get install debootstrap)"; exit 2; }
   local mirror
   mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
@@ -72,7 +88,8 @@ base_image() {
   local rootfs="$WORK/rootfs"
   rm -rf "$rootfs"
   debootstrap --variant=minbase bookworm "$rootfs" "$mirror" >&2
-  tar -C "$rootfs" -c . | "$ENGINE" import - "$local" >&2
+  tar -C "$rootfs" -c . >"$saved.part" && mv "$saved.part" "$saved"
+  "$ENGINE" import - "$local" <"$saved" >&2
   rm -rf "$rootfs"
   echo "$local"
 }
