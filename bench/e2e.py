@@ -22,7 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.e2e_results import ModeRuns, merge_results, print_report, report
-from bench.harness import BenchPrompt, CoreSplit, Verifier, load_suite
+from bench.harness import BenchPrompt, CoreSplit, Verifier, add_prompt_file_arg, suite_from_args
 from edge_client.client import EdgeClient, GenerationResult, PrespecConfig, TreeSpec
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import create_drafter
@@ -151,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--prompts", type=int, default=20, help="Spec-Bench dev prompts (round-robin over categories)"
     )
+    add_prompt_file_arg(ap)
     ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     ap.add_argument(
@@ -208,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tree_text = a.tree or recommended_tree(a.draft)
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
-    prompts = load_suite(a.humaneval, a.prompts)
+    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
     tree = ExpansionConfig.parse(tree_text)
     verifier = None
     api_key = None
@@ -251,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result["config"] = {
         "humaneval": a.humaneval,
         "prompts": a.prompts,
+        "prompt_files": [str(f) for f in a.prompt_file or []],
         "tokens": a.tokens,
         "temperature": a.temperature,
         "mode": mode.value,

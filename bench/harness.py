@@ -3,6 +3,7 @@ its own cores, the edge pinned to the others (DESIGN section 6), and the verifie
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -49,6 +50,70 @@ def load_humaneval(n: int, path: Path = HUMANEVAL) -> list[BenchPrompt]:
 def load_suite(humaneval: int, spec_bench: int) -> list[BenchPrompt]:
     """HumanEval prompts first, then Spec-Bench ones (round-robin over its categories)."""
     return load_humaneval(humaneval) + load_prompts(spec_bench)
+
+
+def load_prompt_file(path: Path) -> list[BenchPrompt]:
+    """A user's prompts: JSONL whose lines are either Spec-Bench's form `{"question_id",
+    "category", "turns"}` (the first turn, as one chat turn) or HumanEval's `{"task_id",
+    "prompt"}` (raw: the model continues it). Raises ValueError naming the file and line of a
+    line that is neither."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"--prompt-file {path}: cannot read it ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text") from None
+    out: list[BenchPrompt] = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--prompt-file {path}:{no}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: a line must be a JSON object")
+        turns, prompt = d.get("turns"), d.get("prompt")
+        if isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0]:
+            qid = d.get("question_id", f"{path.stem}:{no}")
+            out.append(BenchPrompt(qid, str(d.get("category", path.stem)), turns[0]))
+        elif isinstance(prompt, str) and prompt:
+            tid = d.get("task_id", f"{path.stem}:{no}")
+            out.append(BenchPrompt(tid, str(d.get("category", path.stem)), prompt, raw=True))
+        else:
+            raise ValueError(
+                f"{where}: expected Spec-Bench's {{question_id, category, turns: [text, ...]}} "
+                "or HumanEval's {task_id, prompt: text} (a non-empty first turn or prompt)"
+            )
+    if not out:
+        raise ValueError(f"--prompt-file {path}: no prompts in it")
+    return out
+
+
+def add_prompt_file_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--prompt-file",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="PATH",
+        help="JSONL of your own prompts, used instead of the built-in sets (repeatable): lines of "
+        'Spec-Bench\'s form {"question_id", "category", "turns"} (first turn, as a chat turn) or '
+        'HumanEval\'s {"task_id", "prompt"} (raw)',
+    )
+
+
+def suite_from_args(
+    ap: argparse.ArgumentParser, humaneval: int, spec_bench: int, files: list[Path] | None
+) -> list[BenchPrompt]:
+    """The prompts of a benchmark run: every --prompt-file in order, else the built-in sets."""
+    if not files:
+        return load_suite(humaneval, spec_bench)
+    try:
+        return [p for f in files for p in load_prompt_file(f)]
+    except ValueError as exc:
+        ap.error(str(exc))
 
 
 def load_prompts(n: int, path: Path = PROMPTS) -> list[BenchPrompt]:

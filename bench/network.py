@@ -22,7 +22,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.e2e import run_modes, trusted_key_file
-from bench.harness import CoreSplit, Verifier, die_with_parent, free_port, load_suite
+from bench.harness import (
+    CoreSplit,
+    Verifier,
+    add_prompt_file_arg,
+    die_with_parent,
+    free_port,
+    suite_from_args,
+)
 from bench.network_report import MODES, OPTIONAL, merge, report, write_results
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import create_drafter
@@ -101,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--prompts", type=int, default=4, help="Spec-Bench dev prompts (round-robin over categories)"
     )
+    add_prompt_file_arg(ap)
     ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
     ap.add_argument(
         "--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (or an ONNX export folder)"
@@ -170,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
     print(f"link: {'TCP delay proxy process' if a.proxy else 'in-process shaper'}", flush=True)
-    prompts = load_suite(a.humaneval, a.prompts)
+    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
     a.tree = a.tree or recommended_tree(a.draft)
     tree = ExpansionConfig.parse(a.tree)
     rows: list[dict[str, Any]] = []

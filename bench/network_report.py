@@ -152,7 +152,7 @@ def write_results(
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         doc = {"rows": rows, "complete": complete, "config": config}
-        Path(path).write_text(json.dumps(doc, indent=2))
+        Path(path).write_text(json.dumps(doc, indent=2, default=str))  # paths (--prompt-file) as text
 
 
 def _goals(rows: list[dict[str, Any]]) -> None:
