@@ -62,6 +62,7 @@ class Engine:
         self.steps = 0
         self.forwards = 0
         self.last_step_end = time.monotonic()
+        self._pending_since = self.last_step_end  # when ready work last appeared in an idle engine
         self._last_step_s = 0.0
         self.on_step: Callable[[int, int, float], None] | None = None  # (rows, sessions, seconds)
         self.cost_ms: dict[int, float] = {}  # the measured verify cost curve (rows: ms), for stall checks
@@ -121,6 +122,8 @@ class Engine:
         if s.closed:
             return
         assert s.job is None, "one round in flight per session"
+        if not self.pending_work:  # ready work waits from now on (see healthy)
+            self._pending_since = time.monotonic()
         s.job = Job(round_id, tree)
         self._wake.set()
 
@@ -135,14 +138,17 @@ class Engine:
 
     def healthy(self) -> bool:
         """False when the loop died, a step has run far past its expected time, or ready work has
-        waited stall_s with no step running."""
+        waited stall_s with no step running. The wait counts from the later of the last step's end
+        and the moment work became ready in an idle engine: measured from the last step alone, the
+        first round after stall_s of idling looked stalled until its step began."""
         if self._task is None or self._task.done() or not all(check() for check in self.checks):
             return False
         now = time.monotonic()
         if self._step_started is not None:
             limit = max(self.config.stall_s, self.config.stall_factor * self._step_expected_s)
             return now - self._step_started <= limit
-        return not (self.pending_work and now - self.last_step_end > self.config.stall_s)
+        waiting_since = max(self.last_step_end, self._pending_since)
+        return not (self.pending_work and now - waiting_since > self.config.stall_s)
 
     def _expected_s(self, rows: int) -> float:
         """What a forward of `rows` rows should take: the measured verify cost curve at the first
