@@ -4,7 +4,9 @@
 #   scripts/image.sh build [verifier|edge|all]   build images (default: all)
 #   scripts/image.sh test                        build the verifier image, run it with the SmolLM2
 #                                                target, wait for /readyz, generate from the host and
-#                                                check the tokens equal target-only decoding, stop it
+#                                                check the tokens equal target-only decoding; build
+#                                                the edge image and check the same from inside it;
+#                                                stop the verifier
 #
 # Engine: $CONTAINER_ENGINE, else docker when its daemon answers and there is no podman, else podman
 # (on a Debian machine as root, podman, runc and debootstrap are installed with apt when missing).
@@ -111,6 +113,26 @@ build() {
   done
 }
 
+# the edge image against the running verifier: its greedy tokens (tree speculation, SmolLM2 draft in
+# llama.cpp) equal its target-only `ar` tokens, and `edge-client serve` starts
+edge_check() {
+  local port=$1 cache=$2 url="ws://127.0.0.1:$1/v1/session" prompt="Write a haiku about rain."
+  build edge
+  local run=("$ENGINE" run --rm "${RUN_FLAGS[@]}" -v "$cache:/cache" treespec/edge:latest)
+  local tree ar
+  tree=$("${run[@]}" generate --server "$url" --draft smollm2-135m-q4 --max-new-tokens 32 --json "$prompt") || return 1
+  ar=$("${run[@]}" generate --server "$url" --draft smollm2-135m-q4 --max-new-tokens 32 --mode ar --json "$prompt") || return 1
+  "${PYTHON:-.venv/bin/python}" - "$tree" "$ar" <<'PY' || return 1
+import json, sys
+tree, ar = (json.loads(s.strip().splitlines()[-1]) for s in sys.argv[1:3])
+same = tree["tokens"] == ar["tokens"] and len(ar["tokens"]) > 0
+print(f"edge-check: edge image greedy == edge image ar ({len(ar['tokens'])} tokens, tau {tree['stats']['tau']:.2f}): {same}")
+sys.exit(0 if same else 1)
+PY
+  "${run[@]}" serve --help >/dev/null || { say "edge-client serve does not start in the edge image"; return 1; }
+  echo "edge-check: edge-client serve --help runs in the edge image"
+}
+
 smoke_test() {
   build verifier
   local port=${TREESPEC_IMAGE_TEST_PORT:-18765} name=treespec-verifier-test cache="$WORK/cache"
@@ -126,6 +148,7 @@ smoke_test() {
   "${PYTHON:-.venv/bin/python}" -m tests.cloud_verifier.image_check --url "ws://127.0.0.1:$port/v1/session" \
     --user-check "$ENGINE exec $name id -u" --timeout 900 || status=$?
   [ "$status" = 0 ] || "$ENGINE" logs --tail 40 "$name" >&2 || true
+  [ "$status" = 0 ] && { edge_check "$port" "$cache" || status=$?; }
   "$ENGINE" stop -t 30 "$name" >/dev/null 2>&1 || true
   say "image test: $([ "$status" = 0 ] && echo passed || echo FAILED)"
   return $status

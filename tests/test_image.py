@@ -30,6 +30,7 @@ def test_verifier_image_serves_exact_tokens() -> None:
     assert r.returncode == 0, r.stderr[-4000:]
     assert "greedy through the edge client == target-only ar" in r.stdout and ": True" in r.stdout
     assert "must not be 0" in r.stdout
+    assert "edge-check: edge image greedy == edge image ar" in r.stdout and "serve --help runs" in r.stdout
 
 
 # ------------------------------------------------------------------ checks that need no container engine
