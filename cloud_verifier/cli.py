@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import sys
 from collections.abc import Sequence
 
 from cloud_verifier.config import ServerConfig
+
+
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
+    return port
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -28,7 +36,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "random weights, SmolLM2 vocabulary), or a path to a .gguf file or a safetensors directory",
     )
     p.add_argument("--host", default=d.host, help="interface to listen on")
-    p.add_argument("--port", type=int, default=d.port, help="TCP port to listen on")
+    p.add_argument("--port", type=_port, default=d.port, help="TCP port to listen on (0: any free one)")
     p.add_argument(
         "--api-key-file",
         default=d.api_key_file,
@@ -234,15 +242,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def file_error(config: ServerConfig) -> str | None:
+    """What is wrong with a file the config names (the flag, the path, why), or None. Checked
+    before anything loads, so a missing key file or certificate ends the start in one line."""
+    from cloud_verifier.auth import KeyStore
+
+    if config.api_key_file is not None:
+        try:
+            KeyStore.from_file(config.api_key_file)
+        except OSError as exc:
+            return f"--api-key-file {config.api_key_file}: {exc.strerror or exc}"
+        except ValueError as exc:
+            return f"--api-key-file: {exc}"
+    if config.ssl_certfile and config.ssl_keyfile:
+        for flag, path in (("--ssl-certfile", config.ssl_certfile), ("--ssl-keyfile", config.ssl_keyfile)):
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                return f"{flag} {path}: {exc.strerror or exc}"
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+        except (OSError, ValueError) as exc:
+            return (
+                f"--ssl-certfile {config.ssl_certfile} / --ssl-keyfile {config.ssl_keyfile}: not a PEM "
+                f"certificate chain and its private key ({exc})"
+            )
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()  # its defaults read CLOUD_VERIFIER_* variables
+    except ValueError as exc:
+        print(f"cloud-verifier: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     if args.command == "serve":
         from dataclasses import fields, replace
 
         # sleeping OpenMP waiters: spinning barriers stall badly on shared cores (set before torch loads)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-        from cloud_verifier.server import serve
 
         base = ServerConfig.from_env()
         updates = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if hasattr(args, f.name)}
@@ -250,6 +290,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("cloud-verifier: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
             return 2
         config = replace(base, **updates)
+        wrong = file_error(config)
+        if wrong is not None:
+            print(f"cloud-verifier: {wrong}", file=sys.stderr)
+            return 2
+
+        from cloud_verifier.server import serve
+
         if config.tensor_parallel > 1 or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
             from cloud_verifier.parallel import serve_parallel
 

@@ -55,7 +55,8 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, base: ServerConfig | None = None) -> ServerConfig:
-        """Apply CLOUD_VERIFIER_<FIELD> environment variables (e.g. CLOUD_VERIFIER_PORT=9000)."""
+        """Apply CLOUD_VERIFIER_<FIELD> environment variables (e.g. CLOUD_VERIFIER_PORT=9000); a value
+        of the wrong kind is a ValueError naming the variable."""
         cfg = base or cls()
         updates: dict[str, object] = {}
         for f in fields(cls):
@@ -63,12 +64,17 @@ class ServerConfig:
             if raw is None:
                 continue
             default = getattr(cfg, f.name)
+            name = f"CLOUD_VERIFIER_{f.name.upper()}"
             if isinstance(default, bool):
+                if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                    raise ValueError(f"{name}={raw!r}: expected 1/true/yes/on or 0/false/no/off")
                 updates[f.name] = raw.lower() in ("1", "true", "yes", "on")
-            elif isinstance(default, int):
-                updates[f.name] = int(raw)
-            elif isinstance(default, float):
-                updates[f.name] = float(raw)
+            elif isinstance(default, int | float):
+                try:
+                    updates[f.name] = type(default)(raw)
+                except ValueError:
+                    kind = "an integer" if isinstance(default, int) else "a number"
+                    raise ValueError(f"{name}={raw!r}: expected {kind}") from None
             else:
                 updates[f.name] = raw
         return replace(cfg, **updates)  # type: ignore[arg-type]

@@ -5,6 +5,9 @@ after idling; SIGTERM with HTTP streams in flight."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -159,3 +162,49 @@ def test_a_loop_that_plans_nothing_while_work_waits_is_still_a_stall(monkeypatch
         early, late, status = asyncio.run(main())
         assert (early, late, status) == (200, 503, 200)
         assert httpx.get(srv.http + "/readyz").status_code == 200
+
+
+# ------------------------------------------------------------------- files on the command line
+def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "cloud_verifier.cli", "serve", "--model", "tiny", "--port", "0", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_missing_or_broken_files_end_the_start_in_one_line(tmp_path: Path) -> None:
+    """Each: exit status 2 and one line on stderr naming the flag (or variable), the path and
+    why; no traceback (a missing key file or certificate used to end in one)."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    bad_keys = tmp_path / "keys"
+    bad_keys.write_text("k-1 sessions=many\n")
+    cases: list[tuple[list[str], dict[str, str], str]] = [
+        (["--api-key-file", "/nope/keys"], {}, "--api-key-file /nope/keys: No such file or directory"),
+        (["--api-key-file", str(tmp_path)], {}, f"--api-key-file {tmp_path}: Is a directory"),
+        (["--api-key-file", str(bad_keys)], {}, f"--api-key-file: {bad_keys}:1: expected"),
+        (
+            ["--ssl-certfile", "/nope/cert.pem", "--ssl-keyfile", str(garbage)],
+            {},
+            "--ssl-certfile /nope/cert.pem: No such file or directory",
+        ),
+        (
+            ["--ssl-certfile", str(garbage), "--ssl-keyfile", "/nope/key.pem"],
+            {},
+            "--ssl-keyfile /nope/key.pem: No such file or directory",
+        ),
+        (
+            ["--ssl-certfile", str(garbage), "--ssl-keyfile", str(garbage)],
+            {},
+            f"--ssl-certfile {garbage} / --ssl-keyfile {garbage}: not a PEM certificate chain",
+        ),
+        ([], {"CLOUD_VERIFIER_API_KEY_FILE": "/nope/keys"}, "--api-key-file /nope/keys: No such file"),
+        ([], {"CLOUD_VERIFIER_PORT": "eighty"}, "CLOUD_VERIFIER_PORT='eighty': expected an integer"),
+        ([], {"CLOUD_VERIFIER_TRUST_ANONYMOUS": "maybe"}, "CLOUD_VERIFIER_TRUST_ANONYMOUS='maybe': expected"),
+    ]
+    for args, env, line in cases:
+        r = _serve(*args, env=env)
+        assert r.returncode == 2, (args, env, r.stderr[-2000:])
+        assert "Traceback" not in r.stderr, r.stderr[-2000:]
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"cloud-verifier: {line}"), r.stderr
+    r = _serve("--port", "70000")  # it used to start, listening on no port it was given
+    assert r.returncode == 2 and "argument --port: 70000 is not a TCP port (0-65535)" in r.stderr, r.stderr
