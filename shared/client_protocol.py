@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+
 from shared.errors import ErrorCode, ProtocolError
 from shared.matching import tree_matches
 from shared.messages import (
@@ -68,8 +70,16 @@ class ClientProtocol:
         self.last_verdict_round = 0
         self.in_flight: int | None = None  # the round the server is verifying (class docstring)
         self._trees: dict[int, TokenTree] = {}  # the trees of the outstanding rounds
+        self._prompt_tree: TokenTree | None = None  # the tree the prompt carried (round 0)
+        self._max_new_tokens = 0  # of the generation running
+        self._generated = 0  # tokens the verdicts of the generation running committed
         self.stats = FrameStats()
         self._context: list[int] = []
+
+    @property
+    def context(self) -> list[int]:
+        """The session's context after its last generation (what a `continue` prompt extends)."""
+        return list(self._context)
 
     def _send(self, msg: Message) -> bytes:
         frame = encode(msg)
@@ -99,6 +109,9 @@ class ClientProtocol:
         self.mode = msg.mode
         self.committed = self.committed_for(msg)
         self.awaiting_prompt = True
+        self._prompt_tree = msg.tree
+        self._max_new_tokens = msg.max_new_tokens
+        self._generated = 0
         self.in_flight = 0
         self.state = ClientState.GENERATING
         return frame
@@ -215,30 +228,107 @@ class ClientProtocol:
         self._trees.pop(rnd, None)
 
     def _on_verdict(self, v: Verdict) -> None:
+        """Check a verdict against what the client sent before anything of it is committed: a
+        verifier that breaks the protocol must not leave a token in the client's output."""
         self._require(ClientState.GENERATING, ClientState.CANCELLING)
+        tree: TokenTree | None = None
         if v.round == 0:
             legal = self.awaiting_prompt or self.mode is Mode.AR or self.state is ClientState.CANCELLING
             if not legal:
                 raise ProtocolError(ErrorCode.BAD_ORDER, "unexpected round-0 verdict", "round")
-            self.awaiting_prompt = False
+            if self.awaiting_prompt:
+                tree = self._prompt_tree
         else:
             if v.round not in self.outstanding or v.round <= self.last_verdict_round:
                 raise ProtocolError(
                     ErrorCode.BAD_ORDER, f"verdict for round {v.round} not outstanding", "round"
                 )
-            self._settle(v.round)
-            self.last_verdict_round = v.round
-        self.committed.extend(int(t) for t in v.tokens)
-        if v.committed_len != len(self.committed):
+            tree = self._trees.get(v.round)
+            if tree is not None and not tree_matches(tree, self.committed):
+                raise ProtocolError(
+                    ErrorCode.BAD_ORDER,
+                    f"verdict for round {v.round}, whose tree does not match the committed sequence",
+                    "round",
+                )
+        self._check_tokens(v, tree)
+        if v.committed_len != len(self.committed) + len(v.tokens):
             raise ProtocolError(
                 ErrorCode.BAD_MESSAGE,
-                f"committed_len {v.committed_len} but the client holds {len(self.committed)} tokens",
+                f"committed_len {v.committed_len} but the client holds "
+                f"{len(self.committed) + len(v.tokens)} tokens",
                 "committed_len",
             )
-        if v.next_round is not None and v.next_round not in self.outstanding:
+        if v.next_round is not None and (v.next_round not in self.outstanding or v.next_round == v.round):
             raise ProtocolError(
                 ErrorCode.BAD_ORDER, f"next_round {v.next_round} was never sent", "next_round"
             )
+        # the verdict is consistent with what was sent: commit it
+        if v.round == 0:
+            self.awaiting_prompt = False
+        else:
+            self._settle(v.round)
+            self.last_verdict_round = v.round
+        self.committed.extend(int(t) for t in v.tokens)
+        self._generated += len(v.tokens)
         if v.done:
             self._context = list(self.committed)
             self.state = ClientState.IDLE
+
+    def _check_tokens(self, v: Verdict, tree: TokenTree | None) -> None:
+        """The verdict's tokens are in the vocabulary and within max_new_tokens, and its accepted
+        nodes are a root-to-leaf path of `tree` (the tree the round sent; None: no tree) whose tokens
+        start the verdict's, the bonus after them."""
+        tokens = v.tokens.astype(np.int64)
+        w = self.welcome_msg
+        if w is not None and tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= w.vocab_size):
+            raise ProtocolError(
+                ErrorCode.OUT_OF_RANGE,
+                f"a token id outside the vocabulary [0, {w.vocab_size}): {tokens.tolist()[:16]}",
+                "tokens",
+            )
+        room = self._max_new_tokens - self._generated
+        if len(tokens) > room:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{len(tokens)} tokens but max_new_tokens {self._max_new_tokens} leaves room for {room}",
+                "tokens",
+            )
+        if not v.done and (len(tokens) == 0 or len(tokens) == room):
+            why = "no token" if len(tokens) == 0 else "max_new_tokens reached"
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"a verdict with {why} must be done", "done")
+        if w is not None and len(self.committed) + len(tokens) > w.limits.max_context:
+            raise ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{len(tokens)} tokens take the context over max_context {w.limits.max_context}",
+                "tokens",
+            )
+        acc = v.accepted_nodes.astype(np.int64)
+        n = 0 if tree is None else tree.num_nodes
+        if len(acc) and (int(acc.min()) < 0 or int(acc.max()) >= n):
+            raise ProtocolError(
+                ErrorCode.BAD_MESSAGE,
+                f"accepted nodes {acc.tolist()[:16]} not in the tree of {n} nodes",
+                "accepted_nodes",
+            )
+        if tree is not None:
+            parent = -1
+            for i in acc.tolist():
+                if int(tree.parents[i]) != parent:
+                    raise ProtocolError(
+                        ErrorCode.BAD_MESSAGE,
+                        "the accepted nodes are not a root-to-leaf path of the tree",
+                        "accepted_nodes",
+                    )
+                parent = i
+            if not np.array_equal(tokens[: len(acc)], tree.tokens[acc].astype(np.int64)):
+                raise ProtocolError(
+                    ErrorCode.BAD_MESSAGE, "the tokens are not the accepted nodes' tokens", "tokens"
+                )
+        if not len(acc) <= len(tokens) <= len(acc) + 1:
+            raise ProtocolError(
+                ErrorCode.BAD_MESSAGE,
+                f"{len(tokens)} tokens for {len(acc)} accepted nodes (at most one bonus token)",
+                "tokens",
+            )
+        if v.has_bonus != (len(tokens) == len(acc) + 1):
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, "has_bonus disagrees with the tokens", "has_bonus")
