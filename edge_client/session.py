@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -17,7 +19,8 @@ from typing import Any, Self
 
 from edge_client.transport import LinkShape, ShapedTransport, Transport, TransportClosed, WebSocketTransport
 from shared.errors import ErrorCode, ProtocolError
-from shared.messages import Error, Hello, Welcome
+from shared.message_types import PROTOCOL_VERSION
+from shared.messages import Close, Error, Hello, Welcome
 from shared.protocol import ClientProtocol, ClientState
 
 
@@ -32,24 +35,125 @@ class GenerationError(RuntimeError):
 
 class ConnectionLost(GenerationError):
     """The connection to the verifier dropped (reset, restart, draining, overload): a generation can
-    resume on a new session. A close for a reason of the protocol (1007, 1008, 1009) is not this."""
+    resume on a new session. A close for a reason of the protocol (1002, 1007, 1008, 1009) is not this."""
+
+
+class ProtocolViolation(GenerationError):
+    """The verifier broke the protocol (a frame that does not decode, a verdict for a round never
+    sent, tokens outside the vocabulary or beyond max_new_tokens, an unusable welcome): `code` and
+    `field` name what was wrong. Nothing of the offending frame reached the output; the connection
+    is dropped (the next generation opens a new one)."""
+
+
+class VerifierTimeout(GenerationError):
+    """The verifier did not answer in time (Timeouts); `awaited` names what the client waited for:
+    "welcome", "verdict", "cancel" or "close"."""
+
+    def __init__(self, message: str, awaited: str) -> None:
+        super().__init__(message)
+        self.awaited = awaited
 
 
 # close codes after which the same request may succeed on a new session (None: no close frame)
-RESUMABLE_CLOSES = (None, 1001, 1006, 1011, 1012, 1013)
+RESUMABLE_CLOSES = (None, 1001, 1006, 1011, 1012, 1013, 1014)
+
+_CLOSE_WHY = {
+    1002: "a protocol error",
+    1003: "data it cannot accept",
+    1007: "invalid data",
+    1008: "a policy violation",
+    1009: "a frame over the size limit",
+    1010: "a missing extension",
+}
 
 
 def _closed(exc: TransportClosed) -> GenerationError:
-    message = f"the verifier closed the connection: {exc.reason or exc.code}"
-    return ConnectionLost(message) if exc.code in RESUMABLE_CLOSES else GenerationError(message)
+    why = _CLOSE_WHY.get(exc.code) if exc.code is not None else None
+    by = "the client closed the connection" if exc.by_client else "the verifier closed the connection"
+    detail = f" ({exc.code}, {why})" if why else f" ({exc.code})" if exc.code is not None else ""
+    message = f"{by}{detail}: {exc.reason or 'no reason given'}"
+    if exc.code in RESUMABLE_CLOSES:
+        return ConnectionLost(message)
+    return GenerationError(message)
+
+
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
+
+
+def check_welcome(w: Welcome, fingerprint: str) -> None:
+    """Refuse a welcome the client cannot work with (ProtocolViolation, or GenerationError with
+    VOCAB_MISMATCH when the vocabularies differ). A verifier that does not state its vocabulary
+    cannot be trusted to verify this draft."""
+
+    def bad(field: str, why: str) -> ProtocolViolation:
+        return ProtocolViolation(
+            f"unusable welcome from the verifier: {why}", ErrorCode.BAD_MESSAGE, f"welcome.{field}"
+        )
+
+    if w.version != PROTOCOL_VERSION:
+        raise bad("version", f"protocol version {w.version}, the client speaks {PROTOCOL_VERSION}")
+    if not _FINGERPRINT.fullmatch(w.vocab_fingerprint):
+        shown = repr(w.vocab_fingerprint[:80]) if w.vocab_fingerprint else "empty"
+        raise bad("vocab_fingerprint", f"the vocabulary fingerprint is {shown}, not 64 hex digits")
+    if w.vocab_fingerprint != fingerprint:
+        raise GenerationError(
+            f"vocabulary mismatch: the draft model's tokenizer is not the target's ({w.model_id}); "
+            "use a draft model built on the target's vocabulary",
+            ErrorCode.VOCAB_MISMATCH,
+            "vocab_fingerprint",
+        )
+    if not w.allowed_modes:
+        raise bad("allowed_modes", "no mode is allowed")
+    if any(not 0 <= t < w.vocab_size for t in w.eos_ids):
+        raise bad("eos_ids", f"an end-of-generation id outside the vocabulary [0, {w.vocab_size})")
+    lim = w.limits
+    if lim.max_nodes < 1 or lim.max_depth < 1:
+        raise bad("limits", f"max_nodes {lim.max_nodes} and max_depth {lim.max_depth} leave no tree")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long the client waits for the verifier (EdgeClient(timeouts=...)); running out raises
+    VerifierTimeout naming what was awaited.
+
+    welcome_s:      opening the connection, and then the welcome after the hello
+    verdict_s:      with a round in flight, the longest time without a frame from the verifier (its
+                    pings do not count); at least verdict_cost_x times the slowest verify the welcome
+                    advertises (verify_cost_ms), up to 10 x verdict_s
+    cancel_s:       after a cancel, the verdict that ends the generation (else the connection is
+                    dropped, and the next generation opens a new one)
+    close_s:        the closing handshake
+    """
+
+    welcome_s: float = 30.0
+    verdict_s: float = 60.0
+    verdict_cost_x: float = 100.0
+    cancel_s: float = 10.0
+    close_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("welcome_s", "verdict_s", "cancel_s", "close_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"Timeouts.{name} must be a finite number of seconds > 0, got {v}")
+        if not (math.isfinite(self.verdict_cost_x) and self.verdict_cost_x >= 0):
+            raise ValueError(f"Timeouts.verdict_cost_x must be finite and >= 0, got {self.verdict_cost_x}")
+
+    def verdict_timeout(self, welcome: Welcome) -> float:
+        """The wait for a verdict on this verifier (see the class docstring)."""
+        slowest_s = max(welcome.verify_cost_ms.values(), default=0.0) / 1e3
+        return max(self.verdict_s, min(self.verdict_cost_x * slowest_s, 10 * self.verdict_s))
 
 
 @dataclass(frozen=True)
 class ResumeConfig:
     """Reconnecting after the connection drops (EdgeClient(resume=...)).
 
-    attempts:  connection attempts per drop (each tries the next server URL, round robin)
-    backoff_s: the first wait between attempts, doubled each time up to max_backoff_s
+    attempts:  connection attempts per drop (each tries the next server URL, round robin); also the
+               drops in a row that a generation survives with no new token between them (a verifier
+               that drops every session after the prompt): one more ends it with ConnectionLost
+    backoff_s: the first wait between attempts, doubled each time up to max_backoff_s (resumes in a
+               row with no new token wait the same way)
     """
 
     attempts: int = 10
@@ -60,6 +164,10 @@ class ResumeConfig:
         if self.attempts < 1 or not self.backoff_s >= 0 or not self.max_backoff_s >= self.backoff_s:
             raise ValueError("need attempts >= 1 and 0 <= backoff_s <= max_backoff_s")
 
+    def delay(self, retry: int) -> float:
+        """The wait before retry number `retry` (1: the first retry)."""
+        return min(self.backoff_s * 2.0 ** max(0, min(retry - 1, 60)), self.max_backoff_s)
+
 
 class Session:
     """One session with the verifier at a time (see the module docstring).
@@ -69,6 +177,7 @@ class Session:
     link:      emulate a network link in-process (one-way delays, jitter, bandwidth)
     transport: an async factory of the byte transport (default: a WebSocket to `server`)
     resume:    reconnect when the connection drops (True: ResumeConfig defaults; False: never)
+    timeouts:  how long to wait for the verifier (Timeouts defaults)
     """
 
     def __init__(
@@ -80,6 +189,7 @@ class Session:
         transport: Callable[[], Awaitable[Transport]] | None = None,
         ca_file: str | None = None,
         resume: bool | ResumeConfig = True,
+        timeouts: Timeouts | None = None,
     ) -> None:
         self.servers = [server] if isinstance(server, str) else list(server)
         if not self.servers:
@@ -88,6 +198,7 @@ class Session:
         self.resume: ResumeConfig | None = (
             resume if isinstance(resume, ResumeConfig) else (ResumeConfig() if resume else None)
         )
+        self.timeouts = timeouts or Timeouts()
         self.resumes: list[float] = []  # seconds each resume took (drop to the new session's welcome)
         self.ca_file = ca_file
         self.api_key = api_key
@@ -96,6 +207,9 @@ class Session:
         self._transport: Transport | None = None
         self.proto = ClientProtocol()
         self.welcome: Welcome | None = None
+        # the context of a session that was dropped between generations: a `continue` prompt on
+        # the next session re-sends it
+        self._lost_context: list[int] = []
 
     def vocab_fingerprint(self) -> str:
         """The fingerprint of the vocabulary the hello announces (the subclass knows it)."""
@@ -112,11 +226,8 @@ class Session:
         assert self.resume is not None
         old = self.welcome
         t0 = time.perf_counter()
-        if self._transport is not None:
-            with contextlib.suppress(Exception):
-                await self._transport.close()
-        self._transport, self.welcome, self.proto = None, None, ClientProtocol()
-        delay = self.resume.backoff_s
+        await self._close_transport()
+        self.welcome, self.proto = None, ClientProtocol()
         last: Exception | None = None
         for attempt in range(self.resume.attempts):
             if len(self.servers) > 1 or attempt:
@@ -131,14 +242,10 @@ class Session:
                 if exc.code is not None:  # refused for a reason (auth, vocabulary): not transient
                     raise
                 last = exc
-            if self._transport is not None:
-                with contextlib.suppress(Exception):
-                    await self._transport.close()
-            self._transport = None
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, self.resume.max_backoff_s)
+            await self._close_transport()
+            await asyncio.sleep(self.resume.delay(attempt + 1))
         else:
-            raise GenerationError(
+            raise ConnectionLost(
                 f"the verifier did not come back after {self.resume.attempts} attempts: {last}"
             )
         if old is not None and (w.model_id, w.vocab_fingerprint) != (old.model_id, old.vocab_fingerprint):
@@ -156,40 +263,74 @@ class Session:
             inner = await self._transport_factory()
         else:
             try:
-                inner = await WebSocketTransport.connect(self.server, self.api_key, ca_file=self.ca_file)
+                inner = await WebSocketTransport.connect(
+                    self.server,
+                    self.api_key,
+                    open_timeout=self.timeouts.welcome_s,
+                    close_timeout=self.timeouts.close_s,
+                    ca_file=self.ca_file,
+                )
             except ValueError as exc:  # a bad URL
                 raise GenerationError(f"cannot reach the verifier at {self.server}: {exc}") from exc
             except Exception as exc:  # refused, unreachable, bad certificate, a failed handshake
                 raise ConnectionLost(f"cannot reach the verifier at {self.server}: {exc}") from exc
         self._transport = ShapedTransport(inner, self.link) if self.link is not None else inner
         fp = self.vocab_fingerprint()
-        await self.send(
-            self.proto.hello(Hello(vocab_fingerprint=fp, api_key=self.api_key, client="edge-client/0.1"))
-        )
-        msg = await self.recv()
-        if isinstance(msg, Error):
-            raise self.refused(msg)
-        if not isinstance(msg, Welcome):
-            raise GenerationError(f"expected welcome, got {msg.TYPE.value}")
-        if msg.vocab_fingerprint and msg.vocab_fingerprint != fp:
-            raise GenerationError(
-                f"vocabulary mismatch: the draft model's tokenizer is not the target's ({msg.model_id}); "
-                "use a draft model built on the target's vocabulary",
-                ErrorCode.VOCAB_MISMATCH,
-                "vocab_fingerprint",
+        try:
+            await self.send(
+                self.proto.hello(Hello(vocab_fingerprint=fp, api_key=self.api_key, client="edge-client/0.1"))
             )
+            try:
+                msg = await asyncio.wait_for(self.recv(), self.timeouts.welcome_s)
+            except TimeoutError:
+                raise VerifierTimeout(
+                    f"no welcome from the verifier at {self.server} within {self.timeouts.welcome_s:g} s "
+                    "of the hello",
+                    "welcome",
+                ) from None
+            if isinstance(msg, Error):
+                raise self.refused(msg)
+            if not isinstance(msg, Welcome):
+                raise ProtocolViolation(
+                    f"expected welcome, got {msg.TYPE.value}", ErrorCode.BAD_ORDER, "type"
+                )
+            check_welcome(msg, fp)
+        except BaseException:
+            await self._close_transport()
+            self.proto = ClientProtocol()
+            raise
         self.welcome = msg
         return msg
+
+    async def _close_transport(self) -> None:
+        """Close the transport, waiting at most Timeouts.close_s for the closing handshake."""
+        transport, self._transport = self._transport, None
+        if transport is None:
+            return
+        try:
+            await asyncio.wait_for(transport.close(), self.timeouts.close_s)
+        except (Exception, asyncio.CancelledError):  # a peer that never closes: given up on
+            pass
+
+    async def drop_connection(self) -> None:
+        """Give the connection up (the verifier broke the protocol, stopped answering, or closed):
+        the next generation opens a new session; its context is kept for a `continue` prompt."""
+        if self.welcome is not None or self._transport is not None:
+            self._lost_context = self.proto.context or self._lost_context
+        if self._transport is not None and self.proto.state not in (ClientState.CLOSED, ClientState.START):
+            with contextlib.suppress(GenerationError, ProtocolError):
+                await asyncio.wait_for(self.send(self.proto.close()), self.timeouts.close_s)
+        await self._close_transport()
+        self.welcome, self.proto = None, ClientProtocol()
 
     async def close(self) -> None:
         if self._transport is not None:
             if self.proto.state not in (ClientState.CLOSED, ClientState.START):
                 try:
-                    await self.send(self.proto.close())
-                except (GenerationError, ProtocolError):
+                    await asyncio.wait_for(self.send(self.proto.close()), self.timeouts.close_s)
+                except (GenerationError, ProtocolError, TimeoutError):
                     pass
-            await self._transport.close()
-            self._transport = None
+            await self._close_transport()
 
     async def __aenter__(self) -> Self:
         await self.connect()
@@ -207,15 +348,22 @@ class Session:
             raise _closed(exc) from exc
 
     async def recv(self) -> Any:
+        """The next frame, decoded and checked against the session (ClientProtocol.receive). A frame
+        that breaks the protocol raises ProtocolViolation; the verifier's `close` ends the session."""
         if self._transport is None:
             raise GenerationError("not connected: call connect() first")
         try:
             data = await self._transport.recv()
+            # decoded on arrival; the speculation core acknowledges each frame when it takes it up
+            # (ClientProtocol.acknowledge), which moves the protocol's in-flight marker
+            msg = self.proto.receive(data, acknowledge=False)
         except TransportClosed as exc:
             raise _closed(exc) from exc
-        # decoded on arrival; the speculation core acknowledges each frame when it takes it up
-        # (ClientProtocol.acknowledge), which moves the protocol's in-flight marker
-        return self.proto.receive(data, acknowledge=False)
+        except ProtocolError as exc:
+            raise ProtocolViolation(f"the verifier broke the protocol: {exc}", exc.code, exc.field) from exc
+        if isinstance(msg, Close):
+            raise GenerationError(f"the verifier closed the session: {msg.reason or 'no reason given'}")
+        return msg
 
     def refused(self, e: Error) -> GenerationError:
         where = f" (field {e.field})" if e.field else ""
@@ -225,4 +373,14 @@ class Session:
         return self.proto.last_round + 1
 
 
-__all__ = ["RESUMABLE_CLOSES", "ConnectionLost", "GenerationError", "ResumeConfig", "Session"]
+__all__ = [
+    "RESUMABLE_CLOSES",
+    "ConnectionLost",
+    "GenerationError",
+    "ProtocolViolation",
+    "ResumeConfig",
+    "Session",
+    "Timeouts",
+    "VerifierTimeout",
+    "check_welcome",
+]

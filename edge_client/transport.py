@@ -14,14 +14,18 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from shared.errors import ErrorCode, ProtocolError
+
 
 class TransportClosed(Exception):
-    """The connection ended; `code` and `reason` are the WebSocket close code and reason if known."""
+    """The connection ended; `code` and `reason` are the WebSocket close code and reason if known,
+    `by_client` whether this side closed it (e.g. 1009: the peer sent a frame over max_size)."""
 
-    def __init__(self, code: int | None = None, reason: str = "") -> None:
+    def __init__(self, code: int | None = None, reason: str = "", by_client: bool = False) -> None:
         super().__init__(f"connection closed ({code}): {reason}" if code is not None else "connection closed")
         self.code = code
         self.reason = reason
+        self.by_client = by_client
 
 
 class Transport(Protocol):
@@ -46,9 +50,11 @@ class WebSocketTransport:
         max_size: int = 1 << 22,
         open_timeout: float = 30.0,
         ca_file: str | None = None,
+        close_timeout: float = 5.0,
     ) -> WebSocketTransport:
         """Open `url` (ws:// or wss://). wss:// checks the server's certificate against the system's
-        CAs, or against `ca_file` (PEM) when given (e.g. a private CA or a self-signed certificate)."""
+        CAs, or against `ca_file` (PEM) when given (e.g. a private CA or a self-signed certificate).
+        A peer that does not finish the closing handshake within `close_timeout` is cut off."""
         import ssl
 
         from websockets.asyncio.client import connect
@@ -64,6 +70,7 @@ class WebSocketTransport:
             additional_headers=headers,
             max_size=max_size,
             open_timeout=open_timeout,
+            close_timeout=close_timeout,
             compression=None,
             ssl=tls,
         )
@@ -84,7 +91,9 @@ class WebSocketTransport:
             data = await self._ws.recv()  # type: ignore[attr-defined]
         except ConnectionClosed as exc:
             raise _closed(exc) from exc
-        return data if isinstance(data, bytes) else data.encode()
+        if not isinstance(data, bytes):
+            raise ProtocolError(ErrorCode.BAD_FRAME, "a text frame (messages are binary frames)", "frame")
+        return data
 
     async def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -92,7 +101,11 @@ class WebSocketTransport:
 
 
 def _closed(exc: Exception) -> TransportClosed:
-    rcvd = getattr(exc, "rcvd", None)
+    """The close that ended a `websockets` connection: the one this side sent when it closed first
+    (1009 for a frame over max_size, 1002 for a protocol error), else the peer's."""
+    rcvd, sent = getattr(exc, "rcvd", None), getattr(exc, "sent", None)
+    if sent is not None and (rcvd is None or getattr(exc, "rcvd_then_sent", None) is False):
+        return TransportClosed(sent.code, sent.reason, by_client=True)
     if rcvd is not None:
         return TransportClosed(rcvd.code, rcvd.reason)
     return TransportClosed(None, str(exc))
@@ -149,6 +162,7 @@ class ShapedTransport:
         self._down = DelayLine(shape.down_ms, shape.jitter_ms, shape.bandwidth_mbps, seed + 1)
         self._out: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
         self._in: asyncio.Queue[tuple[float, bytes | TransportClosed]] = asyncio.Queue()
+        self._head: tuple[float, bytes | TransportClosed] | None = None  # taken, not yet delivered
         self._tasks = [asyncio.create_task(self._pump_out()), asyncio.create_task(self._pump_in())]
 
     async def _pump_out(self) -> None:
@@ -175,11 +189,14 @@ class ShapedTransport:
         await self._out.put((self._up.arrival(len(data)), data))
 
     async def recv(self) -> bytes:
-        at, data = await self._in.get()
+        # cancel-safe: a frame taken off the queue stays at the head until it is delivered
+        if self._head is None:
+            self._head = await self._in.get()
+        at, data = self._head
         await _sleep_until(at)
         if isinstance(data, TransportClosed):
-            await self._in.put((at, data))  # stay closed for later readers
-            raise data
+            raise data  # the head stays: closed for later readers too
+        self._head = None
         return data
 
     async def close(self) -> None:
