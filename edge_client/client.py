@@ -17,16 +17,27 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from edge_client.drafters.base import Drafter
-from edge_client.session import RESUMABLE_CLOSES, ConnectionLost, GenerationError, ResumeConfig, Session
+from edge_client.session import (
+    RESUMABLE_CLOSES,
+    ConnectionLost,
+    GenerationError,
+    ProtocolViolation,
+    ResumeConfig,
+    Session,
+    Timeouts,
+    VerifierTimeout,
+)
 from edge_client.speculation import (
     DrafterProfile,
     DraftStep,
@@ -43,8 +54,9 @@ from edge_client.text import ChatMessage, IncrementalDetokenizer, as_messages, f
 from edge_client.tokenizer import EdgeTokenizer
 from edge_client.transport import LinkShape, Transport
 from edge_client.trees import Coupling, Sampling
-from shared.errors import ErrorCode
+from shared.errors import ErrorCode, ProtocolError
 from shared.messages import Mode, Prompt, Verdict
+from shared.protocol import ClientState
 
 __all__ = [
     "RESUMABLE_CLOSES",
@@ -54,10 +66,24 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "PrespecConfig",
+    "ProtocolViolation",
     "ResumeConfig",
     "SyncEdgeClient",
+    "Timeouts",
     "TreeSpec",
+    "VerifierTimeout",
 ]
+
+
+@dataclass
+class _Running:
+    """The generation open on a session: its rounds' driver and their verdict stream (both replaced
+    on a resume), whether its consumer holds it at a yield, and whether a later generate took over."""
+
+    driver: RoundExecutor | None = None
+    verdicts: AsyncGenerator[Verdict, None] | None = None
+    at_yield: bool = False
+    abandoned: bool = False
 
 
 class EdgeClient(Session):
@@ -81,6 +107,7 @@ class EdgeClient(Session):
                 to the next
     resume:     reconnect when the connection drops and go on from the committed tokens (True:
                 ResumeConfig defaults; False: a drop ends the generation with ConnectionLost)
+    timeouts:   how long to wait for the verifier's welcome, verdicts, cancel and close (Timeouts)
     """
 
     def __init__(
@@ -99,9 +126,16 @@ class EdgeClient(Session):
         ca_file: str | None = None,
         resume: bool | ResumeConfig = True,
         parallel_drafters: bool = False,
+        timeouts: Timeouts | None = None,
     ) -> None:
         super().__init__(
-            server, api_key=api_key, link=link, transport=transport, ca_file=ca_file, resume=resume
+            server,
+            api_key=api_key,
+            link=link,
+            transport=transport,
+            ca_file=ca_file,
+            resume=resume,
+            timeouts=timeouts,
         )
         self.drafters: tuple[Drafter, ...] = (
             () if drafter is None else tuple(drafter) if isinstance(drafter, Sequence) else (drafter,)
@@ -133,6 +167,8 @@ class EdgeClient(Session):
         # calibration, outcome models, round trip, last tree: learned across generations
         self.learned = Learned()
         self.last: GenerationResult | None = None
+        self._running: _Running | None = None  # the generation on this session, if one is open
+        self._gen_lock = asyncio.Lock()  # generations begin and end one at a time
 
     def _check_vocabularies(self) -> None:
         """Merged trees need one vocabulary: every drafter's fingerprint must be the first's."""
@@ -173,7 +209,7 @@ class EdgeClient(Session):
         tree: TreeSpec | None = None,
         continue_: bool = False,
         on_verdict: Callable[[Verdict, bool], None] | None = None,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """Stream the target's text for `prompt` (text, chat messages, or token ids).
 
         A plain prompt becomes one user turn of the model's chat template unless `raw`. Generation
@@ -182,9 +218,14 @@ class EdgeClient(Session):
         `self.last` (tokens, text, stats). `on_verdict(verdict, prespeculated)` sees every verdict
         before its text is yielded; prespeculated: its tree was already at the server when the
         previous verdict came (a pre-speculation hit, no round trip).
+
+        Every failure is a GenerationError (ConnectionLost, ProtocolViolation, VerifierTimeout, a
+        refusal with its code and field); `self.last` keeps the tokens committed before it. Stopping
+        early (closing the iterator, cancelling the task, an exception in the consumer, dropping
+        the iterator) cancels the generation at the verifier; the next generate works on the same
+        session, or on a new one if the connection was unusable.
         """
-        if self.welcome is None:
-            await self.connect()
+        await self._settle()
         assert self.welcome is not None
         mode = Mode(mode)
         req = self._request(mode, temperature, top_k, top_p, seed, tree or self.tree)
@@ -197,8 +238,12 @@ class EdgeClient(Session):
         detok = IncrementalDetokenizer(lambda t: self.tokenizer.token_bytes(t))
         up0, down0 = self.proto.stats.bytes_out, self.proto.stats.bytes_in
         t_start = time.perf_counter()
+        tokens = prompt_tokens
+        if continue_ and not self.proto.context and self._lost_context:
+            # the session that held the context was dropped: send the context again
+            tokens, continue_ = self._lost_context + prompt_tokens, False
         msg = Prompt(
-            tokens=np.asarray(prompt_tokens, dtype=np.int32),
+            tokens=np.asarray(tokens, dtype=np.int32),
             mode=mode,
             temperature=temperature,
             top_k=top_k,
@@ -211,59 +256,146 @@ class EdgeClient(Session):
         emitted = 0  # characters of gen.text already yielded
         cut: int | None = None
         next_round: int | None = None  # the round the server took up with no round trip
-        while True:
-            driver = self._rounds(req, msg, st)
-            try:
-                async for v in driver.run(msg):
-                    if not st.first_token_s:
-                        st.first_token_s = time.perf_counter() - t_start
-                    if on_verdict is not None:
-                        on_verdict(v, v.round != 0 and v.round == next_round)
-                    next_round = v.next_round
-                    new = v.tokens.tolist()
-                    gen.tokens.extend(new)
-                    detok.push(new)
-                    if v.done:
-                        detok.flush()
-                    text = detok.text
-                    if cut is None and stop:
-                        cut = find_stop(text, stop, emitted)
-                    if cut is not None:
-                        text = text[:cut]
-                    if len(text) > emitted:
-                        yield text[emitted:]
-                        emitted = len(text)
-                    gen.text = text
-                    if v.done:
-                        gen.reason = "stop_string" if cut is not None else v.reason
-                    elif cut is not None and not driver.cancelled:
-                        driver.cancel()
-                        await self.send(self.proto.cancel())
-                break
-            except Refused as exc:
-                raise self.refused(exc.error) from None
-            except ConnectionLost:
-                if self.resume is None or cut is not None:
-                    raise
-                # resume: a new session, the whole committed sequence as its prompt (the keyed
-                # sampler depends only on seed and position, so match goes on exactly too);
-                # conditional trees in flight are gone and get drafted again
-                committed = list(self.proto.committed)
-                if len(gen.tokens) >= max_new_tokens:
-                    gen.reason = "length"
+        progress, stalls = 0, 0  # tokens at the last drop; drops in a row with no new token
+        running = _Running()
+        self._running = running
+        failure: BaseException | None = None
+        try:
+            while True:
+                driver = self._rounds(req, msg, st)
+                running.driver = driver
+                verdicts = running.verdicts = driver.run(msg)
+                try:
+                    async with contextlib.aclosing(verdicts):
+                        async for v in verdicts:
+                            if not st.first_token_s:
+                                st.first_token_s = time.perf_counter() - t_start
+                            if on_verdict is not None:
+                                on_verdict(v, v.round != 0 and v.round == next_round)
+                            next_round = v.next_round
+                            new = v.tokens.tolist()
+                            gen.tokens.extend(new)
+                            detok.push(new)
+                            if v.done:
+                                detok.flush()
+                            text = detok.text
+                            if cut is None and stop:
+                                cut = find_stop(text, stop, emitted)
+                            if cut is not None:
+                                text = text[:cut]
+                            if len(text) > emitted:
+                                running.at_yield = True
+                                yield text[emitted:]
+                                running.at_yield = False
+                                if running.abandoned:
+                                    raise GenerationError(
+                                        "this generation was abandoned: another generate() started on "
+                                        "this client before it ended"
+                                    )
+                                emitted = len(text)
+                            gen.text = text
+                            if v.done:
+                                gen.reason = "stop_string" if cut is not None else v.reason
+                            elif cut is not None and not driver.cancelled:
+                                driver.cancel()
+                                if self.proto.state is ClientState.GENERATING:  # else its end is decoded
+                                    await self.send(self.proto.cancel())
                     break
-                await self._reconnect()
-                st.resumes += 1
-                msg = dataclasses.replace(
-                    msg,
-                    tokens=np.asarray(committed, dtype=np.int32),
-                    max_new_tokens=max_new_tokens - len(gen.tokens),
-                    continue_=False,
-                    tree=None,
-                )
+                except Refused as exc:
+                    raise self.refused(exc.error) from None
+                except ConnectionLost as exc:
+                    if self.resume is None or cut is not None:
+                        raise
+                    # resume: a new session, the whole committed sequence as its prompt (the keyed
+                    # sampler depends only on seed and position, so match goes on exactly too);
+                    # conditional trees in flight are gone and get drafted again
+                    committed = list(self.proto.committed)
+                    if len(gen.tokens) >= max_new_tokens:
+                        gen.reason = "length"
+                        break
+                    # a verifier that drops every session before a new token: give up, with backoff
+                    stalls = 1 if len(gen.tokens) > progress else stalls + 1
+                    progress = len(gen.tokens)
+                    if stalls > self.resume.attempts:
+                        raise ConnectionLost(
+                            f"the verifier dropped the connection {stalls} times in a row with no new "
+                            f"token ({len(gen.tokens)} committed): giving up; last: {exc}"
+                        ) from exc
+                    if stalls > 1:
+                        await asyncio.sleep(self.resume.delay(stalls - 1))
+                    await self._reconnect()
+                    st.resumes += 1
+                    msg = dataclasses.replace(
+                        msg,
+                        tokens=np.asarray(committed, dtype=np.int32),
+                        max_new_tokens=max_new_tokens - len(gen.tokens),
+                        continue_=False,
+                        tree=None,
+                    )
+        except ProtocolError as exc:  # a frame of this client's broke the protocol (e.g. over max_bytes)
+            failure = exc
+            raise GenerationError(f"the client could not go on: {exc}", exc.code, exc.field) from exc
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            if self._running is running:
+                self._running = None
+                await self._end(running, failure)
+        self._lost_context = []
         st.wall_s = time.perf_counter() - t_start
         st.bytes_up = self.proto.stats.bytes_out - up0
         st.bytes_down = self.proto.stats.bytes_in - down0
+
+    async def _end(self, running: _Running, failure: BaseException | None) -> None:
+        """A generation is over: if the verifier still generates (the consumer stopped early, the
+        client failed), cancel it there; if the connection cannot be trusted any more (the verifier
+        broke the protocol, timed out, closed), drop it: the next generate opens a new session."""
+        async with self._gen_lock:
+            if running.driver is not None:
+                running.driver.cancel()  # drafts still running for it stop at their next check
+            if running.verdicts is not None:
+                with contextlib.suppress(RuntimeError):  # (already running: closed by its owner)
+                    await running.verdicts.aclose()  # its frame pump stops reading
+            broken = isinstance(failure, (ProtocolViolation, VerifierTimeout, ConnectionLost))
+            if broken or self._transport is None or self.proto.state is ClientState.CLOSED:
+                await self.drop_connection()
+            elif self.proto.state is ClientState.GENERATING:
+                try:
+                    await asyncio.wait_for(self.send(self.proto.cancel()), self.timeouts.close_s)
+                except (GenerationError, ProtocolError, TimeoutError):
+                    await self.drop_connection()
+            # the verdict that ends the cancelled generation is read by the next generate (_settle)
+
+    async def _settle(self) -> None:
+        """Before a generation: end one abandoned without being closed, read what a cancelled one
+        still sends (up to its done verdict, Timeouts.cancel_s), and connect if needed."""
+        async with self._gen_lock:
+            old = self._running
+            if old is not None:
+                if not old.at_yield:
+                    raise GenerationError(
+                        "a generation is already running on this client: one at a time (use another "
+                        "EdgeClient, or close the first generation)"
+                    )
+                self._running = None
+                old.abandoned = True
+        if old is not None:
+            await self._end(old, None)
+        async with self._gen_lock:
+            if self.welcome is not None and self.proto.state is ClientState.CANCELLING:
+                try:
+                    async with asyncio.timeout(self.timeouts.cancel_s):
+                        while self.proto.state is ClientState.CANCELLING:
+                            self.proto.acknowledge(await self.recv())
+                except TimeoutError:
+                    await self.drop_connection()
+                except GenerationError:
+                    await self.drop_connection()
+            if self.welcome is not None and self.proto.state is not ClientState.IDLE:
+                await self.drop_connection()
+            if self.welcome is None:
+                await self.connect()
 
     def _rounds(self, req: Request, msg: Prompt, st: GenerationStats) -> RoundExecutor:
         """The speculation core of one generation and the shell that runs it on this session."""
@@ -279,7 +411,8 @@ class EdgeClient(Session):
         core = SpeculationCore(
             self.proto, self.welcome, req, self.prespec, self.learned, st, profile, msg.temperature
         )
-        return RoundExecutor(core, step, self.proto, self.send, self.recv, self.pool)
+        timeout = self.timeouts.verdict_timeout(self.welcome)
+        return RoundExecutor(core, step, self.proto, self.send, self.recv, self.pool, timeout)
 
     def _request(
         self, mode: Mode, temperature: float, top_k: int, top_p: float, seed: int, spec: TreeSpec
@@ -339,11 +472,15 @@ class SyncEdgeClient:
     def generate(self, prompt: str | Sequence[ChatMessage] | Sequence[int], **kwargs: Any) -> Iterator[str]:
         """Yield text chunks as they arrive (blocking)."""
         agen = self.client.generate(prompt, **kwargs)
-        while True:
-            try:
-                yield self._call(agen.__anext__())
-            except StopAsyncIteration:
-                return
+        try:
+            while True:
+                try:
+                    chunk = self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:  # stopped early: cancel the generation at the verifier now, not when collected
+            self._call(agen.aclose())
 
     def complete(
         self, prompt: str | Sequence[ChatMessage] | Sequence[int], **kwargs: Any

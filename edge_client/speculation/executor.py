@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
+from edge_client.session import VerifierTimeout
 from edge_client.speculation.actions import (
     DRAFT_ACTIONS,
     Action,
@@ -49,7 +50,7 @@ from edge_client.trees import (
 )
 from edge_client.trees.merged import merge_drafts
 from shared.messages import SessionLimits, Verdict
-from shared.protocol import ClientProtocol
+from shared.protocol import ClientProtocol, ClientState
 from shared.tree import ExpansionConfig
 
 T = TypeVar("T")
@@ -199,6 +200,8 @@ class RoundExecutor:
     send:  sends one encoded frame (the client's transport; raises when the connection drops)
     recv:  receives and decodes one frame (the client's protocol)
     pool:  the one drafting thread
+    verdict_timeout_s: the longest silence of the verifier while the client waits for a verdict
+           (the prompt's, the round in flight's, the end of a cancel); then VerifierTimeout
     """
 
     def __init__(
@@ -209,6 +212,7 @@ class RoundExecutor:
         send: Callable[[bytes], Awaitable[None]],
         recv: Callable[[], Awaitable[Any]],
         pool: concurrent.futures.Executor,
+        verdict_timeout_s: float | None = None,
     ) -> None:
         self.core = core
         self.step = step
@@ -216,6 +220,7 @@ class RoundExecutor:
         self._send = send
         self._recv = recv
         self.pool = pool
+        self.verdict_timeout_s = verdict_timeout_s
         self._out: list[Verdict] = []
 
     @property
@@ -253,7 +258,7 @@ class RoundExecutor:
             return None
         raise TypeError(f"unknown action {action!r}")
 
-    async def run(self, prompt: Any) -> AsyncIterator[Verdict]:
+    async def run(self, prompt: Any) -> AsyncGenerator[Verdict, None]:
         core = self.core
         await self._run(core.start(prompt))
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -278,12 +283,32 @@ class RoundExecutor:
                     while self._out:
                         yield self._out.pop(0)
         finally:
+            # the pump must be gone before anyone else reads the connection (a cancel's drain, the
+            # next generation): frames it decoded are in the protocol's state already
             pump.cancel()
+            await asyncio.wait([pump])
+
+    def _awaiting_verdict(self) -> bool:
+        """The client waits for the verifier: the prompt's verdict, the round in flight's, or the
+        verdict that ends a cancelled generation (not while the edge drafts after a miss)."""
+        p = self.proto
+        if p.state is ClientState.CANCELLING:
+            return True
+        return p.state is ClientState.GENERATING and (p.awaiting_prompt or p.in_flight is not None)
 
     async def _pump(self, queue: asyncio.Queue[Any]) -> None:
         while True:
             try:
-                msg = await self._recv()
+                try:
+                    msg = await asyncio.wait_for(self._recv(), self.verdict_timeout_s)
+                except TimeoutError:
+                    if not self._awaiting_verdict():
+                        continue
+                    raise VerifierTimeout(
+                        f"no verdict from the verifier within {self.verdict_timeout_s:g} s (the round in "
+                        f"flight: {self.proto.in_flight}); it answers pings but not the round",
+                        "verdict",
+                    ) from None
             except BaseException as exc:  # a broken connection reaches the loop as an exception
                 await queue.put((exc, time.perf_counter()))
                 return
