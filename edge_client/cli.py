@@ -309,8 +309,17 @@ async def _generate(args: argparse.Namespace) -> int:
         print("edge-client: --parallel-drafters needs two or more --draft", file=sys.stderr)
         return 2
     opts = {"n_threads": args.threads} if args.threads else {}
-    drafters = [create_drafter(args.drafter, m, **opts) for m in models]
+    drafters = []
+    try:
+        for m in models:
+            drafters.append(create_drafter(args.drafter, m, **opts))
+    except (OSError, ValueError, ImportError, RuntimeError) as exc:  # a missing file, a bad model
+        for drafter in drafters:
+            drafter.close()
+        _error(f"cannot load the draft model {m!r}: {exc}")
+        return 2
     out = sys.stdout
+    streamed = False  # text written without its final newline
     try:
         async with EdgeClient(
             [args.server, *args.fallback],
@@ -332,19 +341,20 @@ async def _generate(args: argparse.Namespace) -> int:
                 mode=args.mode,
                 raw=args.raw,
             ):
-                if not args.json:
+                if not args.json and chunk:
                     out.write(chunk)
                     out.flush()
+                    streamed = True
             gen = client.last
             assert gen is not None
     except GenerationError as exc:
-        print(f"\nedge-client: {exc}", file=sys.stderr)
+        _error(str(exc), streamed)
         return 1
     except OSError as exc:
-        print(f"\nedge-client: cannot reach the verifier at {args.server}: {exc}", file=sys.stderr)
+        _error(f"cannot reach the verifier at {args.server}: {exc}", streamed)
         return 1
     except ValueError as exc:  # drafters of different vocabularies
-        print(f"edge-client: {exc}", file=sys.stderr)
+        _error(str(exc), streamed)
         return 2
     finally:
         for drafter in drafters:
@@ -371,6 +381,14 @@ async def _generate(args: argparse.Namespace) -> int:
             f"{st.bytes_up} B up / {st.bytes_down} B down, end: {gen.reason}]\n"
         )
     return 0
+
+
+def _error(message: str, streamed: bool = False) -> None:
+    """One line on stderr (after ending a line of streamed text on stdout), no traceback."""
+    if streamed:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    print(f"edge-client: error: {' '.join(message.split())}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
