@@ -1,8 +1,9 @@
 """What the service's endpoints and session sockets share: the config, keys, admission, metrics,
-the target and engine once loaded, the open sessions, and whether it is draining."""
+the target and engine once loaded, the open sessions and HTTP requests, and whether it is draining."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,6 +30,8 @@ class AppState:
     load_error: str | None = None
     sessions: set[Session] = field(default_factory=set)
     draining: bool = False
+    http_running: int = 0  # HTTP requests past the gate (http_gate.py) and not yet answered
+    http_cut: asyncio.Event = field(default_factory=asyncio.Event)  # the drain's deadline: end them
     on_load_error: Callable[[str], None] | None = None  # serve(): stop the process
 
     @property

@@ -40,8 +40,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--api-key-file",
         default=d.api_key_file,
-        help="file with one API key per line, optionally followed by 'trusted'; without it "
-        "access is open and every client is untrusted",
+        help="file with one API key per line, optionally followed by 'trusted', 'sessions=N', "
+        "'tokens_per_min=M' (a word beginning with '#' starts a comment); reloaded on SIGHUP; every "
+        "HTTP path but /healthz, /readyz and /metrics then needs a key; without it access is open and "
+        "every client is untrusted",
     )
     p.add_argument(
         "--trust-anonymous",
@@ -166,9 +168,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=float,
         default=d.drain_timeout_s,
         dest="drain_timeout_s",
-        help="on SIGTERM / SIGINT: seconds running generations get to finish (new sessions are refused "
-        "and /readyz answers 503 meanwhile); then sessions are closed with 1001 and the process exits "
-        "0; a second signal exits at once (0: no drain)",
+        help="on SIGTERM / SIGINT: seconds running generations (sessions and HTTP requests) get to "
+        "finish (new sessions are refused, new HTTP requests and /readyz answer 503 meanwhile); then "
+        "sessions are closed with 1001, HTTP requests end with an error and the process exits 0; a "
+        "second signal exits at once (0: no drain)",
     )
     p.add_argument(
         "--allowed-origins",

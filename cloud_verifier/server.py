@@ -2,8 +2,9 @@
 
 `create_app(config)` loads the target in the background (/readyz answers 503 until it is ready),
 measures the verify cost curve, starts the engine loop and serves sessions (each WebSocket:
-session_socket.py); `serve` runs it under uvicorn with a graceful drain, `ThreadedServer` in a
-thread (tests, benches).
+session_socket.py) and the OpenAI routes behind the HTTP gate (keys, drain: http_gate.py); `serve`
+runs it under uvicorn with a graceful drain on SIGTERM / SIGINT and reloads the key file on SIGHUP,
+`ThreadedServer` in a thread (tests, benches).
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -30,6 +33,7 @@ from cloud_verifier.config import ServerConfig
 from cloud_verifier.cost import cached_verify_cost
 from cloud_verifier.engine import Engine
 from cloud_verifier.engine_state import EngineConfig
+from cloud_verifier.http_gate import HttpGate
 from cloud_verifier.http_protocol import with_header_timeout
 from cloud_verifier.model import Target, load_target
 from cloud_verifier.session import ModelInfo
@@ -167,6 +171,9 @@ def create_app(
 
     app = FastAPI(title="cloud-verifier", lifespan=lifespan)
     app.state.verifier = state
+    # with a key file, every HTTP route but /healthz, /readyz and /metrics needs a key (FastAPI's
+    # /docs, /redoc and /openapi.json included); the drain counts and ends HTTP requests there
+    app.add_middleware(HttpGate, state=state)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -222,23 +229,51 @@ def create_app(
 
 
 async def drain(state: AppState, timeout_s: float) -> None:
-    """Graceful shutdown: stop admitting (/readyz 503, new connections 1013), let running
-    generations finish for up to `timeout_s`, close every session with 1001 and a reason."""
+    """Graceful shutdown: stop admitting (/readyz 503, new connections 1013, new HTTP requests 503),
+    let running generations (sessions and HTTP requests) finish for up to `timeout_s`, then close
+    every session with 1001 and a reason and end every HTTP request still running with an error
+    (http_gate.py)."""
     state.draining = True
     state.admission.closed = True
     deadline = time.monotonic() + timeout_s
     running = sum(1 for s in state.sessions if s.generating)
-    log.info("draining: %d sessions, %d generating; up to %.0f s", len(state.sessions), running, timeout_s)
+    log.info(
+        "draining: %d sessions, %d generating, %d HTTP requests; up to %.0f s",
+        len(state.sessions),
+        running,
+        state.http_running,
+        timeout_s,
+    )
     while True:
         for s in list(state.sessions):
             if not s.generating:  # between generations (or never started one): nothing to lose
                 s.close(CloseCode.GOING_AWAY, "server draining: reconnect to another verifier")
-        if all(s.closed for s in state.sessions) or time.monotonic() >= deadline:
+        done = all(s.closed for s in state.sessions) and state.http_running == 0
+        if done or time.monotonic() >= deadline:
             break
         await asyncio.sleep(0.05)
+    if state.http_running:
+        log.warning("drain timeout: ending %d HTTP requests with an error", state.http_running)
+    state.http_cut.set()
     for s in list(state.sessions):
         s.close(CloseCode.GOING_AWAY, f"server shutting down: generation not finished within {timeout_s:g} s")
-    await asyncio.sleep(0.2)  # the writers send the close frames
+    await asyncio.sleep(0.2)  # the writers send the close frames, the gate the HTTP errors
+
+
+def reload_keys(state: AppState) -> bool:
+    """SIGHUP: read the key file again. New requests and sessions see the new keys; a file that
+    cannot be read or parsed leaves the keys in use, with one log line saying why."""
+    path = state.config.api_key_file
+    if path is None:
+        log.warning("SIGHUP: no --api-key-file to reload; access stays open")
+        return False
+    try:
+        n = state.keys.reload(path)
+    except (OSError, ValueError) as exc:
+        log.error("SIGHUP: the key file was not reloaded, the keys in use stay: %s", exc)
+        return False
+    log.info("SIGHUP: reloaded %s: %d keys", path, n)
+    return True
 
 
 def _uvicorn_config(
@@ -286,7 +321,9 @@ def serve(config: ServerConfig, loader: TargetLoader | None = None) -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's Server whose first exit signal drains the sessions (`drain`) before shutting down."""
+    """uvicorn's Server whose first exit signal drains the sessions and HTTP requests (`drain`)
+    before shutting down, and whose SIGHUP reloads the key file (`reload_keys`; main thread only,
+    where signals arrive)."""
 
     def __init__(self, config: uvicorn.Config, state: AppState, drain_timeout_s: float) -> None:
         super().__init__(config)
@@ -297,7 +334,14 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
+        hup = threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGHUP")
+        if hup:  # the default action of SIGHUP ends the process
+            self._loop.add_signal_handler(signal.SIGHUP, reload_keys, self.state)
+        try:
+            await super().serve(sockets)
+        finally:
+            if hup:
+                self._loop.remove_signal_handler(signal.SIGHUP)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._draining is not None or self._loop is None or self.drain_timeout_s <= 0:
@@ -329,11 +373,10 @@ class ThreadedServer:
         port: int = 0,
         loader: TargetLoader | None = None,
     ) -> None:
-        import threading
-
         self.config = config
         self.app = create_app(config, target=target, loader=loader)
-        self.server = uvicorn.Server(_uvicorn_config(self.app, config, host, port, "warning"))
+        uv_config = _uvicorn_config(self.app, config, host, port, "warning")
+        self.server = DrainingServer(uv_config, self.state, config.drain_timeout_s)
         self.thread = threading.Thread(target=self.server.run, name="verifier", daemon=True)
         self.host = host
         self.port = port
@@ -367,8 +410,12 @@ class ThreadedServer:
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         return self
 
+    def drain(self) -> None:
+        """What SIGTERM does to `serve`: drain (`drain`), then stop; returns at once."""
+        self.server.handle_exit(signal.SIGTERM, None)
+
     def stop(self) -> None:
-        """Stop serving; the lifespan stops the engine after its step in flight."""
+        """Stop serving, no drain; the lifespan stops the engine after its step in flight."""
         self.server.should_exit = True
         if self.thread.is_alive():
             self.thread.join(timeout=60)
