@@ -935,3 +935,46 @@ def test_the_cli_prints_one_line_when_the_verifier_breaks_the_protocol(
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("edge-client: error: the verifier broke the protocol"), err
     assert "BAD_FRAME" in lines[0]
+
+
+# ------------------------------------------------------------------------ the real verifier
+
+
+@pytest.mark.parametrize("prespec", [False, True])
+def test_after_an_abandoned_generation_the_real_verifier_session_stays_exact(prespec: bool) -> None:
+    """Abandoned mid-stream twice (closed, then dropped unclosed) with conditional trees in flight:
+    the same session then generates exactly the target's tokens."""
+    from edge_client.drafters.registry import create_drafter
+    from tests.cloud_verifier.service import LiveServer, reference
+
+    drafter = create_drafter("torch", "tiny")
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+
+    async def main(url: str) -> tuple[list[int], bool]:
+        c = EdgeClient(url, drafter, prespec=prespec, timeouts=FAST)
+        agen = c.generate(prompt, max_new_tokens=200, raw=True)
+        async for _ in agen:
+            break
+        await agen.aclose()
+        session = c.welcome
+        dropped = c.generate(prompt, max_new_tokens=200, raw=True)
+        await dropped.__anext__()  # left open
+        out = await _tokens_of(c, prompt, 40)
+        same = c.welcome is session and session is not None
+        await c.close()
+        return out, same
+
+    try:
+        with LiveServer() as srv:
+            out, same_session = _run(main(srv.ws), 120)
+    finally:
+        drafter.close()
+    assert out == reference(tuple(prompt), 40)
+    assert same_session
+
+
+async def _tokens_of(c: EdgeClient, prompt: list[int], n: int) -> list[int]:
+    async for _ in c.generate(prompt, max_new_tokens=n, raw=True):
+        pass
+    assert c.last is not None
+    return list(c.last.tokens)
