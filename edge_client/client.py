@@ -187,6 +187,10 @@ class EdgeClient(Session):
         return self.drafter.vocab_fingerprint() if self.drafter is not None else self.tokenizer.fingerprint
 
     async def close(self) -> None:
+        old = self._running
+        if old is not None and old.at_yield:  # a generation left open: cancel it first
+            self._running, old.abandoned = None, True
+            await self._end(old, None)
         await super().close()
         self.pool.shutdown(wait=True)
         if self.parallel is not None:
@@ -480,7 +484,8 @@ class SyncEdgeClient:
                     return
                 yield chunk
         finally:  # stopped early: cancel the generation at the verifier now, not when collected
-            self._call(agen.aclose())
+            if self._loop.is_running():
+                self._call(agen.aclose())
 
     def complete(
         self, prompt: str | Sequence[ChatMessage] | Sequence[int], **kwargs: Any

@@ -298,6 +298,25 @@ def test_an_exception_in_the_consumer_leaves_the_client_usable() -> None:
     assert lv.connections == 1 and lv.sessions[0].cancels == 1
 
 
+def test_closing_the_client_with_a_generation_left_open_cancels_it() -> None:
+    d = FakeDrafter(V)
+
+    async def main() -> tuple[Liar, Any]:
+        async with liar(_serve_honestly, d.vocab_fingerprint()) as lv:
+            c = _client(lv.url, d)
+            agen = c.generate(PROMPT, max_new_tokens=500)
+            await agen.__anext__()
+            await c.close()
+            for _ in range(100):  # the verifier reads the cancel before the close
+                if lv.sessions[0].cancels:
+                    break
+                await asyncio.sleep(0.01)
+            return lv, agen
+
+    lv, _agen = _run(main())
+    assert lv.sessions[0].cancels == 1
+
+
 @contextlib.contextmanager
 def _liar_in_thread(script: Script, fingerprint: str) -> Iterator[Liar]:
     """`liar` on an event loop of its own thread, for clients that run their own loop."""
