@@ -161,6 +161,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.http_cut = asyncio.Event()  # of this event loop (an app may be served again)
         loading = asyncio.create_task(_load(state, target, loader))
         yield
         loading.cancel()
