@@ -5,7 +5,12 @@ local draft model) and is verified in the cloud, so the answer is exactly the cl
 `temperature` 0 is `greedy`, above it `match` (seeded: reproducible); an extra `mode` field asks
 for `mss` / `rrs` where the key allows them. Responses carry `usage` and, in an extra `treespec`
 field, the speculation's figures (tokens per round, rounds, pre-speculation hit rate, verify and
-round-trip times). One generation runs at a time (the draft model is single-threaded); others wait.
+round-trip times). One generation runs at a time (the draft model is single-threaded); a few others
+wait for it, each for a bounded time (ServeConfig).
+
+The endpoint spends the user's key, so it answers only its own (edge_client.http_guard: Host,
+Origin, Content-Type, body size). A generation whose client goes away (a stream closed mid-answer,
+an abandoned request) is stopped, and any failure is an OpenAI-style JSON error.
 """
 
 from __future__ import annotations
@@ -13,18 +18,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from edge_client.client import EdgeClient, GenerationError
+from edge_client.http_guard import Guard, ServeConfig, read_json, valid_text, watch_disconnect
 from shared.messages import Mode, Verdict
 from shared.openai_compat import (
-    MAX_BODY_BYTES,
     SSE_DONE,
     ApiError,
     CompletionRequest,
@@ -34,14 +41,140 @@ from shared.openai_compat import (
     completion_prompt_value,
     new_id,
     parse_common,
-    parse_json_body,
     sse,
     usage,
 )
+from shared.protocol import ClientState
+
+log = logging.getLogger(__name__)
 
 
 def _respond(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def _internal(what: str) -> ApiError:
+    return ApiError(500, f"{what} failed inside edge-client serve (see its log)", None, "internal_error",
+                    "server_error")  # fmt: skip
+
+
+def _gone() -> ApiError:
+    return ApiError(499, "the client went away; the generation was cancelled", None, "client_closed")
+
+
+class EdgeSession:
+    """The one verifier session behind the endpoint and the gate of its generations: one at a
+    time, at most `max_waiting` behind it for at most `wait_s` each; reading routes never wait."""
+
+    def __init__(self, make_client: Callable[[], EdgeClient], config: ServeConfig) -> None:
+        self.make_client = make_client
+        self.config = config
+        self.client: EdgeClient | None = None
+        self.waiting = 0
+        self._connecting = asyncio.Lock()
+        self._generating = asyncio.Lock()
+        self._releases: set[asyncio.Task[None]] = set()
+
+    async def session(self) -> EdgeClient:
+        """The open session (opened on first use, reopened after a drop)."""
+        async with self._connecting:
+            c = self.client
+            if c is not None and c.welcome is not None:
+                return c
+            if c is not None:
+                await self._discard(c)
+            c = self.make_client()
+            try:
+                await c.connect()
+            except GenerationError as exc:
+                await self._discard(c)
+                raise ApiError(
+                    502, f"the verifier is unreachable: {exc}", None, "verifier_unreachable", "server_error"
+                ) from None
+            self.client = c
+            return c
+
+    async def acquire(self, gone: asyncio.Task[None]) -> None:
+        """Wait for the running generation to end (ApiError: too many waiting, waited too long, or
+        the client went away meanwhile)."""
+        cfg = self.config
+        if self._generating.locked() and self.waiting >= cfg.max_waiting:
+            raise ApiError(
+                429,
+                f"busy: a generation is running and {self.waiting} requests already wait for the draft "
+                f"model (at most {cfg.max_waiting}); try again later",
+                None,
+                "too_many_waiting",
+                "rate_limit_error",
+                {"Retry-After": "5"},
+            )
+        self.waiting += 1
+        take = asyncio.ensure_future(self._generating.acquire())
+        try:
+            await asyncio.wait({take, gone}, timeout=cfg.wait_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.waiting -= 1
+            if not take.done():
+                take.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await take
+        held = take.done() and not take.cancelled() and take.exception() is None
+        if held and not gone.done():
+            return
+        if held:
+            self._generating.release()
+        if gone.done():
+            raise _gone()
+        raise ApiError(
+            503,
+            f"busy: another generation has held the draft model for the longest wait, {cfg.wait_s:g} s; "
+            "try again later",
+            None,
+            "busy",
+            "server_error",
+            {"Retry-After": "5"},
+        )
+
+    def release(
+        self,
+        c: EdgeClient | None,
+        failed: bool = False,
+        stop: Callable[[], Awaitable[bool]] | None = None,
+    ) -> asyncio.Task[None]:
+        """End a generation, in a task of its own (a cancelled request cannot interrupt it): `stop`
+        what is still running (returns whether it failed); a session left mid-generation (its client
+        went away, the verifier misbehaved) or after a failure is closed, so the verifier stops and
+        the next request opens a new one; then the next waiting request goes."""
+
+        async def run() -> None:
+            try:
+                bad = failed
+                if stop is not None:
+                    bad = await stop() or bad
+                if c is not None and (bad or c is not self.client or _mid_generation(c)):
+                    await self._discard(c)
+            except Exception:
+                log.exception("edge-client serve: ending a generation")
+            finally:
+                self._generating.release()
+
+        task = asyncio.create_task(run())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        return task
+
+    async def _discard(self, c: EdgeClient) -> None:
+        if self.client is c:
+            self.client = None
+        try:
+            await c.close()
+        except Exception:
+            log.exception("edge-client serve: closing a verifier session")
+
+
+def _mid_generation(c: EdgeClient) -> bool:
+    """Left generating with no cancel sent (a cancelling session reads its end on the next generate)."""
+    return c.welcome is not None and c.proto.state is ClientState.GENERATING
 
 
 def speculation_stats(client: EdgeClient) -> dict[str, Any]:
@@ -64,30 +197,38 @@ def speculation_stats(client: EdgeClient) -> dict[str, Any]:
     return {"tokens": len(gen.tokens), **{k: d[k] for k in keys if k in d}}
 
 
-def create_app(make_client: Callable[[], EdgeClient]) -> FastAPI:
-    """The local API over one verifier session (opened on the first request, reopened if it drops)."""
-    app = FastAPI(title="edge-client serve")
-    lock = asyncio.Lock()
-    box: dict[str, EdgeClient] = {}
+class _Stream(StreamingResponse):
+    """A streaming response that closes its generator as soon as it ends, however it ends (the
+    client gone mid-answer included), not whenever the garbage collector gets to it."""
 
-    async def session() -> EdgeClient:
-        c = box.get("client")
-        if c is None or c.welcome is None:
-            c = make_client()
-            try:
-                await c.connect()
-            except GenerationError as exc:
-                raise ApiError(
-                    502, f"the verifier is unreachable: {exc}", None, "verifier_unreachable", "server_error"
-                ) from None
-            box["client"] = c
-        return c
+    def __init__(self, body: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._body = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()
+
+
+def create_app(make_client: Callable[[], EdgeClient], config: ServeConfig | None = None) -> FastAPI:
+    """The local API over one verifier session (opened on the first request, reopened if it drops)."""
+    cfg = config or ServeConfig()
+    app = FastAPI(title="edge-client serve")
+    app.add_middleware(Guard, config=cfg)
+    edge = EdgeSession(make_client, cfg)
+    app.state.edge = edge
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        return _respond(_internal("the request"))
+
+    app.add_exception_handler(Exception, unexpected)
 
     @app.get("/v1/models")
     async def models() -> Response:
         try:
-            async with lock:
-                c = await session()
+            c = await edge.session()
         except ApiError as exc:
             return _respond(exc)
         assert c.welcome is not None
@@ -106,55 +247,58 @@ def create_app(make_client: Callable[[], EdgeClient]) -> FastAPI:
         )
 
     async def handle(request: Request, chat: bool) -> Response:
-        raw = await request.body()
         try:
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", None, "too_large")
-            body = parse_json_body(raw)
+            body = await read_json(request, cfg)
         except ApiError as exc:
             return _respond(exc)
-        await lock.acquire()  # released when the generation (or its stream) ends
+        gone = watch_disconnect(request)
         try:
-            c = await session()
-            assert c.welcome is not None
-            model = c.welcome.model_id
-            if body.get("model") not in (None, model):
-                raise ApiError(
-                    404,
-                    f"the model {body['model']!r} is not served here (this is {model!r})",
-                    "model",
-                    "model_not_found",
-                )
-            if chat:
-                ids = c.encode_prompt(chat_messages(body))
-            else:
-                p = completion_prompt_value(body, c.welcome.vocab_size)
-                ids = c.encode_prompt(p, raw=True) if isinstance(p, str) else p
-            req = parse_common(body, ids, c.welcome.limits.max_context, chat)
-            mode = _mode(body, req, c)
+            return await complete(body, chat, gone)
+        finally:
+            gone.cancel()
+
+    async def complete(body: dict[str, Any], chat: bool, gone: asyncio.Task[None]) -> Response:
+        try:
+            await edge.acquire(gone)
         except ApiError as exc:
-            lock.release()
+            return _respond(exc)
+        c: EdgeClient | None = None
+        try:
+            c = await edge.session()
+            req, mode, model = _parse(body, chat, c)
+            if gone.done():
+                raise _gone()
+        except ApiError as exc:
+            edge.release(c)
             return _respond(exc)
         except Exception:
-            lock.release()
-            raise
+            log.exception("edge-client serve: reading a request")
+            edge.release(c, failed=True)
+            return _respond(_internal("reading the request"))
         rid, created = new_id(chat), int(time.time())
         stream = _generate(c, req, mode)
         if req.stream:
-            return StreamingResponse(
-                _sse(stream, lock, c, req, model, rid, created, chat), media_type="text/event-stream"
-            )
+            return _Stream(_sse(stream, edge, c, req, model, rid, created, chat))
+        run = asyncio.create_task(_collect(stream))
+        failed = False
         try:
-            parts = []
-            finish = "stop"
-            async for piece, fin in stream:
-                parts.append(piece)
-                finish = fin or finish
-        except GenerationError as exc:
-            box.pop("client", None)  # reopen the session next time
-            return _respond(ApiError(502, str(exc), None, "verifier_error", "server_error"))
+            await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():  # the client went away: stop drafting and verifying for no one
+                run.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await run
+                return _respond(_gone())
+            err = run.exception()
+            if isinstance(err, GenerationError):
+                return _respond(ApiError(502, str(err), err.field, "verifier_error", "server_error"))
+            if err is not None:
+                failed = True
+                log.error("edge-client serve: a generation failed", exc_info=err)
+                return _respond(_internal("the generation"))
         finally:
-            lock.release()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(edge.release(c, failed))
+        text, finish = run.result()
         gen = c.last
         assert gen is not None
         obj = "chat.completion" if chat else "text_completion"
@@ -164,8 +308,8 @@ def create_app(make_client: Callable[[], EdgeClient]) -> FastAPI:
                 "object": obj,
                 "created": created,
                 "model": model,
-                "choices": [choice(chat, "".join(parts), finish)],
-                "usage": usage(len(ids), len(gen.tokens)),
+                "choices": [choice(chat, text, finish)],
+                "usage": usage(len(req.prompt_ids), len(gen.tokens)),
                 "treespec": speculation_stats(c),
             }
         )
@@ -190,23 +334,34 @@ def create_app(make_client: Callable[[], EdgeClient]) -> FastAPI:
     async def live(request: Request) -> Response:
         """The page's stream: per verdict, its tokens with how each came, and the running figures."""
         try:
-            body = parse_json_body(await request.body())
+            body = await read_json(request, cfg)
             prompt = body.get("prompt")
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+            valid_text(prompt, "prompt")
             n = body.get("max_tokens", 96)
             if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
                 raise ApiError(400, "'max_tokens' must be an integer in [1, 4096]", "max_tokens")
         except ApiError as exc:
             return _respond(exc)
-        await lock.acquire()
+        gone = watch_disconnect(request)
         try:
-            c = await session()
+            await edge.acquire(gone)
         except ApiError as exc:
-            lock.release()
+            gone.cancel()
             return _respond(exc)
+        c: EdgeClient | None = None
+        try:
+            c = await edge.session()
+            if gone.done():
+                raise _gone()
+        except ApiError as exc:
+            edge.release(c)
+            return _respond(exc)
+        finally:
+            gone.cancel()
         mode = Mode.AR if body.get("cloud_only") else Mode.GREEDY
-        return StreamingResponse(_live(c, prompt, n, mode, lock), media_type="text/event-stream")
+        return _Stream(_live(c, prompt, n, mode, edge))
 
     return app
 
@@ -214,8 +369,41 @@ def create_app(make_client: Callable[[], EdgeClient]) -> FastAPI:
 LIVE_PAGE = Path(__file__).resolve().parent / "static" / "live.html"
 
 
-async def _live(c: EdgeClient, prompt: str, n: int, mode: Mode, lock: asyncio.Lock) -> AsyncIterator[bytes]:
+def _parse(body: dict[str, Any], chat: bool, c: EdgeClient) -> tuple[CompletionRequest, Mode, str]:
+    """The request, its mode and the model it names, checked against the session (ApiError)."""
+    assert c.welcome is not None
+    model = c.welcome.model_id
+    if body.get("model") not in (None, model):
+        raise ApiError(404, f"the model {body['model']!r} is not served here (this is {model!r})", "model",
+                       "model_not_found")  # fmt: skip
+    if chat:
+        msgs = chat_messages(body)
+        for m in msgs:
+            valid_text(m["content"], "messages")
+        ids = c.encode_prompt(msgs)
+    else:
+        p = completion_prompt_value(body, c.welcome.vocab_size)
+        if isinstance(p, str):
+            valid_text(p, "prompt")
+            ids = c.encode_prompt(p, raw=True) if p else []
+        else:
+            ids = p
+        if not ids:  # an empty prompt would become an empty chat turn (EdgeClient.generate)
+            raise ApiError(400, "'prompt' is empty: give some text or at least one token id", "prompt")
+    req = parse_common(body, ids, c.welcome.limits.max_context, chat)
+    return req, _mode(body, req, c), model
+
+
+def _sse_error(message: str, kind: str, code: str | None = None) -> bytes:
+    doc = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n".encode()
+
+
+async def _live(
+    c: EdgeClient, prompt: str, n: int, mode: Mode, edge: EdgeSession
+) -> AsyncGenerator[bytes, None]:
     events: asyncio.Queue[bytes | None] = asyncio.Queue()
+    failed = False
 
     def on_verdict(v: Verdict, prespeculated: bool) -> None:
         toks = v.tokens.tolist()
@@ -234,27 +422,39 @@ async def _live(c: EdgeClient, prompt: str, n: int, mode: Mode, lock: asyncio.Lo
         events.put_nowait(f"data: {json.dumps(doc, ensure_ascii=False)}\n\n".encode())
 
     async def produce() -> None:
+        nonlocal failed
         try:
-            async for _ in c.generate(prompt, max_new_tokens=n, mode=mode, on_verdict=on_verdict):
-                pass
+            gen = c.generate(prompt, max_new_tokens=n, mode=mode, on_verdict=on_verdict)
+            async with contextlib.aclosing(gen):
+                async for _ in gen:
+                    pass
             events.put_nowait(
                 f"data: {json.dumps({'done': True, 'stats': speculation_stats(c)})}\n\n".encode()
             )
         except GenerationError as exc:
             events.put_nowait(f"data: {json.dumps({'error': str(exc)})}\n\n".encode())
+        except Exception:
+            failed = True
+            log.exception("edge-client serve: a live generation failed")
+            msg = "the generation failed inside edge-client serve (see its log)"
+            events.put_nowait(f"data: {json.dumps({'error': msg})}\n\n".encode())
         finally:
             events.put_nowait(None)
 
     task = asyncio.create_task(produce())
+
+    async def stop() -> bool:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        return failed
+
     try:
         while (item := await events.get()) is not None:
             yield item
     finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        lock.release()
+        edge.release(c, stop=stop)
 
 
 def _mode(body: dict[str, Any], req: CompletionRequest, c: EdgeClient) -> Mode:
@@ -264,7 +464,7 @@ def _mode(body: dict[str, Any], req: CompletionRequest, c: EdgeClient) -> Mode:
         return Mode.GREEDY if req.temperature == 0 else Mode.MATCH
     try:
         mode = Mode(asked)
-    except ValueError:
+    except (ValueError, TypeError):
         raise ApiError(400, f"'mode' must be one of {[m.value for m in Mode]}", "mode") from None
     assert c.welcome is not None
     if mode not in c.welcome.allowed_modes:
@@ -278,9 +478,9 @@ def _mode(body: dict[str, Any], req: CompletionRequest, c: EdgeClient) -> Mode:
 
 async def _generate(
     c: EdgeClient, req: CompletionRequest, mode: Mode
-) -> AsyncIterator[tuple[str, str | None]]:
+) -> AsyncGenerator[tuple[str, str | None], None]:
     """(text piece, finish reason on the last one)."""
-    async for piece in c.generate(
+    gen = c.generate(
         req.prompt_ids,
         max_new_tokens=req.max_tokens,
         temperature=req.temperature,
@@ -289,23 +489,41 @@ async def _generate(
         seed=req.seed,
         mode=mode,
         stop=req.stop,
-    ):
-        yield piece, None
-    gen = c.last
-    reason = gen.reason if gen is not None else None
+    )
+    async with contextlib.aclosing(gen):  # closed here, not later by the garbage collector
+        async for piece in gen:
+            yield piece, None
+    last = c.last
+    reason = last.reason if last is not None else None
     yield "", "length" if reason in ("length", "context") else "stop"
 
 
+async def _collect(stream: AsyncGenerator[tuple[str, str | None], None]) -> tuple[str, str]:
+    parts: list[str] = []
+    finish = "stop"
+    async with contextlib.aclosing(stream):
+        async for piece, fin in stream:
+            parts.append(piece)
+            finish = fin or finish
+    return "".join(parts), finish
+
+
 async def _sse(
-    stream: AsyncIterator[tuple[str, str | None]],
-    lock: asyncio.Lock,
+    stream: AsyncGenerator[tuple[str, str | None], None],
+    edge: EdgeSession,
     c: EdgeClient,
     req: CompletionRequest,
     model: str,
     rid: str,
     created: int,
     chat: bool,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
+    failed = False
+
+    async def stop() -> bool:
+        await stream.aclose()  # if the client left at a yield: the generation stops here
+        return failed
+
     try:
         if chat:
             yield sse(
@@ -323,6 +541,14 @@ async def _sse(
             yield sse(rid, created, model, chat, [], usage=usage(len(req.prompt_ids), len(c.last.tokens)))
         yield SSE_DONE
     except GenerationError as exc:
-        yield f"data: {json.dumps({'error': {'message': str(exc), 'type': 'server_error'}})}\n\n".encode()
+        yield _sse_error(str(exc), "server_error", "verifier_error")
+    except Exception:
+        failed = True
+        log.exception("edge-client serve: a streamed generation failed")
+        yield _sse_error("the generation failed inside edge-client serve (see its log)", "server_error",
+                         "internal_error")  # fmt: skip
     finally:
-        lock.release()
+        edge.release(c, stop=stop)
+
+
+__all__ = ["EdgeSession", "ServeConfig", "create_app", "speculation_stats"]
