@@ -214,10 +214,21 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         description="POST /v1/chat/completions, POST /v1/completions (streaming or not) and GET /v1/models "
         "on a local port. Each request drafts with the local model and is verified by the cloud verifier, "
         "so the output is exactly the cloud target's. temperature 0 is greedy, above it match (seeded); "
-        "an extra 'mode' field asks for mss/rrs where the key allows them.",
+        "an extra 'mode' field asks for mss/rrs where the key allows them. It spends your key, so it "
+        "answers only its own: the Host header must name --host or a loopback name (421 otherwise), a "
+        "browser's Origin must be the endpoint's own or an --allow-origin (403), POST bodies must be "
+        "Content-Type: application/json (415).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (keep it local)")
+    p.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web app's origin (e.g. http://localhost:3000) whose pages may call the API (CORS); "
+        "repeatable; other sites' pages are refused",
+    )
     p.add_argument("--port", type=int, default=8080, help="TCP port of the local API")
     p.add_argument(
         "--server", default="ws://127.0.0.1:8000/v1/session", help="ws:// or wss:// URL of the verifier"
@@ -239,13 +250,18 @@ def _serve(args: argparse.Namespace) -> int:
     from edge_client.client import EdgeClient, TreeSpec
     from edge_client.defaults import recommended_tree
     from edge_client.drafters.registry import create_drafter
-    from edge_client.serve import create_app
+    from edge_client.serve import ServeConfig, create_app
     from shared.tree import ExpansionConfig
 
     try:
         spec = TreeSpec("static", ExpansionConfig.parse(args.tree or recommended_tree(args.draft)))
     except ValueError as exc:
         print(f"edge-client: --tree: {exc}", file=sys.stderr)
+        return 2
+    try:
+        config = ServeConfig(host=args.host, allow_origins=tuple(args.allow_origin))
+    except ValueError as exc:
+        print(f"edge-client: --allow-origin: {exc}", file=sys.stderr)
         return 2
     opts = {"n_threads": args.threads} if args.threads else {}
     drafter = create_drafter(args.drafter, args.draft, **opts)
@@ -265,7 +281,7 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        uvicorn.run(create_app(make), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(create_app(make, config), host=args.host, port=args.port, log_level="warning")
     finally:
         drafter.close()
     return 0
