@@ -570,3 +570,18 @@ def test_json_nested_100k_deep_is_a_400(stack: Stack) -> None:
         err = error_of(_post(stack, path, raw), 400)
         assert "JSON" in err["message"], err
     exact_completion(stack.edge)
+
+
+def test_serve_cli_takes_allowed_origins_and_refuses_a_malformed_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from edge_client import cli
+
+    assert (
+        cli.main(["serve", "--allow-origin", "http://localhost:3000", "--allow-origin", "app.example/x"]) == 2
+    )
+    assert "--allow-origin" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--allow-origin" in help_text and "Host" in help_text and "Origin" in help_text
