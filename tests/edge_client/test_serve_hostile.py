@@ -195,6 +195,19 @@ def test_models_and_healthz_answer_while_a_generation_streams(stack: Stack) -> N
     exact_completion(stack.edge, timeout=20)
 
 
+def test_a_request_whose_client_leaves_while_waiting_stops_waiting(stack: Stack) -> None:
+    body = {"prompt": PROMPT, "temperature": 0, "max_tokens": LONG, "stream": True}
+    gate = stack.edge.app.state.edge
+    with httpx.Client(timeout=30) as h, h.stream("POST", f"{stack.edge.url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        read_first_text(lines)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{stack.edge.url}/v1/completions", json={"prompt": PROMPT}, timeout=0.5)
+        wait_until(lambda: gate.waiting == 0, 5, "the request went on waiting for no one")
+        assert next(x for x in lines if x)
+    exact_completion(stack.edge, timeout=20)
+
+
 def test_requests_waiting_for_the_generation_are_bounded() -> None:
     from edge_client.serve import ServeConfig
 
@@ -454,6 +467,16 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read() -> None:
     assert status == 413, body
     assert MAX_BODY_BYTES < read <= MAX_BODY_BYTES + (64 << 10)
     assert str(MAX_BODY_BYTES) in json.loads(body)["error"]["message"]
+
+
+def test_a_body_that_never_ends_is_a_408() -> None:
+    from edge_client.serve import ServeConfig
+
+    app = _unreachable_app(ServeConfig(body_timeout_s=0.3))
+    t0 = time.monotonic()
+    status, body, read = _asgi_post(app, [(b"transfer-encoding", b"chunked")], iter([b'{"prompt": "Hi"']))
+    assert status == 408 and read == 15 and time.monotonic() - t0 < 5
+    assert "0.3 s" in json.loads(body)["error"]["message"]
 
 
 def test_a_chunked_body_over_the_limit_on_the_wire_is_answered_early() -> None:
