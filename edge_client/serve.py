@@ -70,13 +70,15 @@ class EdgeSession:
         self.make_client = make_client
         self.config = config
         self.client: EdgeClient | None = None
+        self.model_id: str | None = None  # the last welcome's
         self.waiting = 0
         self._connecting = asyncio.Lock()
         self._generating = asyncio.Lock()
         self._releases: set[asyncio.Task[None]] = set()
 
     async def session(self) -> EdgeClient:
-        """The open session (opened on first use, reopened after a drop)."""
+        """The open session (opened on first use, reopened after a drop); for a generation, which
+        holds the gate (a session without a welcome may be resuming a generation)."""
         async with self._connecting:
             c = self.client
             if c is not None and c.welcome is not None:
@@ -92,7 +94,16 @@ class EdgeSession:
                     502, f"the verifier is unreachable: {exc}", None, "verifier_unreachable", "server_error"
                 ) from None
             self.client = c
+            assert c.welcome is not None
+            self.model_id = c.welcome.model_id
             return c
+
+    async def model(self) -> str:
+        """The model served, without touching a session a generation may be using (or resuming)."""
+        if self.model_id is None:
+            await self.session()
+        assert self.model_id is not None
+        return self.model_id
 
     async def acquire(self, gone: asyncio.Task[None]) -> None:
         """Wait for the running generation to end (ApiError: too many waiting, waited too long, or
@@ -228,16 +239,15 @@ def create_app(make_client: Callable[[], EdgeClient], config: ServeConfig | None
     @app.get("/v1/models")
     async def models() -> Response:
         try:
-            c = await edge.session()
+            model = await edge.model()
         except ApiError as exc:
             return _respond(exc)
-        assert c.welcome is not None
         return JSONResponse(
             {
                 "object": "list",
                 "data": [
                     {
-                        "id": c.welcome.model_id,
+                        "id": model,
                         "object": "model",
                         "created": 0,
                         "owned_by": "treespec (verified in the cloud)",
