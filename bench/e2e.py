@@ -1,4 +1,4 @@
-"""End to end on one machine: target-only AR vs sequence vs tree speculation (DESIGN section 6).
+"""End to end on one machine: target-only AR vs sequence vs tree speculation (docs/architecture.md §6).
 
 Starts the verifier in its own process on its own cores, drafts with llama.cpp on the other
 cores (one thread), and runs every mode on the same Spec-Bench prompts, interleaved prompt by

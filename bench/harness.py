@@ -1,5 +1,5 @@
 """What the end-to-end benches share: Spec-Bench prompts, a verifier in its own process pinned to
-its own cores, the edge pinned to the others (DESIGN section 6), and the verifier's counters."""
+its own cores, the edge pinned to the others (docs/architecture.md §6), and the verifier's counters."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Latency over a network: target-only AR vs sequence vs tree vs tree + pre-speculation (DESIGN 6).
+"""Latency over a network: target-only AR vs sequence vs tree vs tree + pre-speculation
+(docs/architecture.md §6).
 
 For every round-trip time, every mode runs the same Spec-Bench prompts, greedy and at temperature
 0.7 (sample-and-match). The link is emulated either in the client's process (a delay and

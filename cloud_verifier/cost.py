@@ -1,7 +1,7 @@
 """The verify cost curve: forward milliseconds for N tree nodes, measured at start-up.
 
 The server advertises it in `welcome.verify_cost_ms`; the edge sizes its trees by it (more nodes
-while a node costs little, DESIGN section 6).
+while a node costs little, docs/architecture.md §6).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Paged KV pool: fixed-size blocks, a free list, per-sequence block tables, tree scratch slots.
 
 A sequence's positions [0, cached_len) are committed. A forward writes its n new rows (row 0 =
-the last committed token, then tree nodes or a prefill chunk; DESIGN section 3.1) into the
+the last committed token, then tree nodes or a prefill chunk; docs/architecture.md §3.1) into the
 *scratch* positions cached_len .. cached_len + n - 1, allocating blocks as needed. Nothing is
 committed until the engine knows the verdict: `commit_rows` moves the kept rows' K/V down to the
 contiguous positions after the prefix (a tree's accepted path is scattered through its rows) and

@@ -1,4 +1,4 @@
-"""The target's sampling distribution p and target-only decoding (DESIGN section 4).
+"""The target's sampling distribution p and target-only decoding (docs/architecture.md §4).
 
 `target_probs` turns target logits into p (temperature, then top-k, then top-p, as in HF
 `generate`); every verification algorithm tests drafts against this p. Sampling is by inverse CDF

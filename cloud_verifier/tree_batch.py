@@ -1,6 +1,7 @@
-"""A batch of token trees as tensors for verification (DESIGN 3.1): each row's children as slots
-(`draw_slots`), the q rows padded to one width (`padded_rows`), and `TreeBatch`, T trees stacked
-with -1 padding (production verifies T = 1; the exactness harness stacks many trials)."""
+"""A batch of token trees as tensors for verification (docs/architecture.md §3.4): each row's
+children as slots (`draw_slots`), the q rows padded to one width (`padded_rows`), and `TreeBatch`,
+T trees stacked with -1 padding (production verifies T = 1; the exactness harness stacks many
+trials)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Exact verification of token trees (DESIGN sections 3.1 and 4): pure functions over torch tensors.
+"""Exact verification of token trees (docs/architecture.md §3 and §4): pure functions over torch tensors.
 
 Terms (as in vLLM's rejection sampler): a walk starts at row 0 (the last committed token) and at
 each row tests the draws (or children) there; an accepted draw moves the walk to its node, and the
@@ -299,7 +299,7 @@ def verify_tree(
 ) -> VerifyResult:
     """Verify one tree (the engine's call, once per session per round).
 
-    logits: [N + 1, V] on the model's device, row 0 = the last committed token (DESIGN 3.1).
+    logits: [N + 1, V] on the model's device, row 0 = the last committed token (docs/architecture.md §3.1).
     mode greedy / match / naive take any tree; mss / rrs need its draws and q rows, and the tree must
     have passed `TokenTree.validate` for the mode (every drawn token has mass in its q row; rrs:
     without_replacement=True). match keys its sampler by (seed, absolute position) exactly like

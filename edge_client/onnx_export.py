@@ -60,7 +60,7 @@ class Manifest:
     source_id: str  # shared.model_store.content_id of the GGUF ("tiny" for the test model)
     source_sha256: str | None  # sha256 of the GGUF file (None for "tiny")
     vocab_size: int
-    fingerprint: str  # vocabulary fingerprint (DESIGN section 3.2)
+    fingerprint: str  # vocabulary fingerprint (PROTOCOL.md section 8)
     int8: bool
     num_layers: int
     num_kv_heads: int

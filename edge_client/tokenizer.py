@@ -1,7 +1,7 @@
 """The edge-side tokenizer: text <-> token ids for the draft model, from the draft's own GGUF.
 
 The edge and the cloud must agree on what every id means; that is checked once per session with
-the vocabulary fingerprint (DESIGN section 3.2), computed here from the token texts exactly as the
+the vocabulary fingerprint (PROTOCOL.md section 8), computed here from the token texts exactly as the
 GGUF stores them (`tokenizer.ggml.tokens`, which llama.cpp returns from `llama_vocab_get_text`).
 
 Decoding returns BYTES, not str: a byte-level BPE token may hold part of a UTF-8 character, and the
@@ -47,7 +47,7 @@ class EdgeTokenizer(abc.ABC):
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 vocabulary fingerprint of DESIGN section 3.2 (hex)."""
+        """sha256 vocabulary fingerprint of PROTOCOL.md section 8 (hex)."""
         return vocab_fingerprint(self.token_texts())
 
     def render_chat(

@@ -1,8 +1,8 @@
 """Tree attention over the paged KV cache for a packed verify forward: one fused Triton kernel for
 every session's rows, its typed launcher, and the plain-torch reference that CPU CI tests it against.
 
-What a row sees (DESIGN 3.1): session s owns the packed rows row_starts[s]:row_starts[s+1]; its new row
-i sits at position cached + i, and sees every cached position (< cached) and new row j iff
+What a row sees (docs/architecture.md §3.1): session s owns the packed rows row_starts[s]:row_starts[s+1];
+its new row i sits at position cached + i, and sees every cached position (< cached) and new row j iff
   - causal session (prefill chunk, single step, any n): j <= i;
   - tree session (row 0 = the last committed token, rows 1..n-1 = up to 64 tree nodes): j == 0, j == i,
     or bit j-1 of the row's int64 mask (`ancestor_masks` builds it from a parent array).
@@ -35,7 +35,7 @@ def ancestor_masks(parents: Sequence[int]) -> torch.Tensor:
 
     parents[k] is the row of node k+1's parent (0 = row 0, the root; otherwise an earlier node, so
     parents[k] <= k). Bit j-1 of row i's mask is set for every node j on the path root -> i, i itself
-    included; row 0's mask is 0. (DESIGN's TokenTree parents, -1 for a child of row 0 and node
+    included; row 0's mask is 0. (shared/tree.py's TokenTree parents, -1 for a child of row 0 and node
     indices from 0, are `[p + 1 for p in tree.parents]`.) Bit 63 (node 64) is int64's sign bit.
     """
     n = len(parents) + 1

@@ -1,4 +1,4 @@
-"""Counter-based uniforms keyed by (session seed, absolute position) (DESIGN section 4).
+"""Counter-based uniforms keyed by (session seed, absolute position) (PROTOCOL.md section 7).
 
 Sample-and-match verification and target-only decoding draw the token at absolute position `pos`
 of a seeded session by inverse CDF at `keyed_uniform(seed, pos)`. The edge knows the seed it sent,

@@ -12,7 +12,7 @@ from shared.tree import TokenTree
 
 
 def tree_matches(tree: TokenTree, committed: Sequence[int] | np.ndarray) -> bool:
-    """DESIGN 3.1: base + len(cond) == len(S) and S[base:] == cond."""
+    """PROTOCOL.md section 5: base + len(cond) == len(S) and S[base:] == cond."""
     n = len(committed)
     if tree.committed_len != n or tree.base > n:
         return False

@@ -1,4 +1,4 @@
-"""Protocol messages as typed dataclasses, and their msgpack codec (DESIGN section 3.2). The
+"""Protocol messages as typed dataclasses, and their msgpack codec (PROTOCOL.md sections 2-3). The
 messages are in handshake.py and round_messages.py, their types and modes in message_types.py;
 this module has the codec and gathers the public names.
 

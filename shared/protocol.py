@@ -1,4 +1,4 @@
-"""The session protocol, sans I/O: bytes in, events and bytes out (DESIGN sections 3.1-3.2).
+"""The session protocol, sans I/O: bytes in, events and bytes out (PROTOCOL.md sections 3-5).
 
 `ServerProtocol` (server_protocol.py, its events in server_events.py) and `ClientProtocol`
 (client_protocol.py) accept only legal message orders; anything else becomes a `ProtocolError`

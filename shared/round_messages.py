@@ -1,4 +1,4 @@
-"""The messages of a generation (DESIGN section 3.2): `Prompt` and `Tree` from the edge, `Verdict`
+"""The messages of a generation (PROTOCOL.md section 3): `Prompt` and `Tree` from the edge, `Verdict`
 and `Stale` from the cloud, `Error`, `Cancel`, `Close`; a token tree's wire form."""
 
 from __future__ import annotations

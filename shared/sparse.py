@@ -1,4 +1,4 @@
-"""Sparse draft distributions quantized to u16 weights (DESIGN section 3.1).
+"""Sparse draft distributions quantized to u16 weights (PROTOCOL.md section 6).
 
 A draft row q is a set of token ids with integer weights that sum to exactly 2^16 = 65,536. The
 edge quantizes FIRST and then samples from exactly these weights; the verifier divides by 2^16.

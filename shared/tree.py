@@ -1,4 +1,4 @@
-"""Token trees: arrays, never node objects (DESIGN section 3.1).
+"""Token trees: arrays, never node objects (docs/architecture.md §3).
 
 The committed sequence S has length L; its last token is "row 0" of a verify forward (it was the
 previous round's bonus and is not yet in the target's KV cache). Tree nodes are rows 1..N:

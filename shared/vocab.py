@@ -1,4 +1,4 @@
-"""The vocabulary fingerprint (DESIGN section 3.2).
+"""The vocabulary fingerprint (PROTOCOL.md section 8).
 
 sha256 over: u32 LE vocab_size, then for each id in order: u32 LE byte length + the UTF-8 bytes of
 the token's text as stored in the model (GGUF `tokenizer.ggml.tokens`, Hugging Face `tokenizer.json`

@@ -1,5 +1,5 @@
 """The cloud target: a Llama-family decoder with a packed tree-attention forward, its loaders
-(GGUF, safetensors) and tokenizer. See DESIGN sections 3.1, 5 and 6."""
+(GGUF, safetensors) and tokenizer. See docs/architecture.md §3.1, §5 and §6."""
 
 from cloud_verifier.kv_cache import KVCacheFull, PagedKVCache
 from cloud_verifier.model.config import ModelConfig, RopeScaling, make_tiny_config

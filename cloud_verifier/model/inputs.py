@@ -2,7 +2,7 @@
 masks built from it: which new rows a row may see (`allowed_rows`), the additive attention mask
 (`attention_mask`), and each sequence's rows in the packed batch (`row_bounds`).
 
-The SeqInputs of the three kinds of work an engine step packs (DESIGN section 3.1) are built here
+The SeqInputs of the three kinds of work an engine step packs (docs/architecture.md §3.1) are built here
 too:
 
 - a tree round (`tree_round`): the committed-but-uncached tail of the sequence (at least its last
@@ -82,7 +82,7 @@ def check_input(x: SeqInput, vocab_size: int) -> None:
     """Refuse a malformed SeqInput before the forward reserves or writes anything.
 
     Shapes are always checked; value ranges only for CPU tensors (on a GPU they would cost a
-    device sync per input; the engine validates ids where they arrive, DESIGN section 7).
+    device sync per input; the engine validates ids where they arrive, docs/architecture.md §7).
     """
     n = x.num_rows
     if x.tokens.dim() != 1 or x.positions.shape != x.tokens.shape:

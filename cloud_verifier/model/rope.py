@@ -1,6 +1,6 @@
 """Rotary position embeddings (RoPE) in the rotate-half layout of Hugging Face checkpoints.
 
-Positions are absolute (DESIGN section 3.1: a tree node sits at base + len(cond) + depth - 1), so
+Positions are absolute (docs/architecture.md §3.1: a tree node sits at base + len(cond) + depth - 1), so
 the cos/sin rows are computed per packed row from its own position, once per forward, and shared
 by every layer.
 """

@@ -1,6 +1,6 @@
 """Loading a Hugging Face model directory: config.json + *.safetensors + tokenizer files.
 
-This is how real deployments ship a target (DESIGN section 5). Tensors are read one at a time
+This is how real deployments ship a target (docs/architecture.md §5). Tensors are read one at a time
 (memory-mapped by safetensors) and copied straight into the model's fused parameters, so peak
 memory stays near one copy of the weights.
 """

@@ -3,7 +3,7 @@
 Built with the `tokenizers` library, either from GGUF metadata (byte-level BPE: tokens + merges +
 the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`) or from a Hugging Face `tokenizer.json`.
 `token_texts()` is the vocabulary exactly as the model stores it, which is what the vocabulary
-fingerprint (DESIGN section 3.2) hashes, so it is kept apart from the tokenizer object (whose own
+fingerprint (PROTOCOL.md section 8) hashes, so it is kept apart from the tokenizer object (whose own
 view may add or drop entries).
 """
 

@@ -7,7 +7,7 @@ A drafter holds two things:
 - a **workspace** of draft nodes hanging below the committed end. Node ids are 0, 1, 2, ... in the
   order nodes were added since the last `sync`; node i has a token, a parent (-1 = the committed
   end, else an earlier node id) and a depth (1 for children of the committed end). Its absolute
-  position is L + depth - 1, the same numbering as a TokenTree's nodes (DESIGN section 3.1).
+  position is L + depth - 1, the same numbering as a TokenTree's nodes (docs/architecture.md §3.1).
 
 The workspace is a forest, not one tree: a tree builder drafts a tree into it; pre-speculation
 (SSD) then drafts conditional trees below workspace nodes (e.g. "accept the path to node j, then
@@ -100,7 +100,7 @@ class Drafter(abc.ABC):
 
     # ------------------------------------------------------------------ the contract
     def vocab_fingerprint(self) -> str:
-        """sha256 fingerprint of the draft vocabulary (DESIGN section 3.2), compared at `hello`."""
+        """sha256 fingerprint of the draft vocabulary (PROTOCOL.md section 8), compared at `hello`."""
         return self.tokenizer.fingerprint
 
     def sync(self, committed: Sequence[int]) -> np.ndarray:

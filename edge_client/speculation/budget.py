@@ -1,6 +1,6 @@
 """How many nodes a dynamic tree should have: the budget from the server's measured cost curve.
 
-Model (DESIGN section 6). One round costs
+Model (docs/architecture.md §6). One round costs
 
     round_ms(N) = rtt_ms + draft_ms(N) + verify_ms(N),    draft_ms(N) = draft_fixed_ms + draft_ms_per_node * N
 

@@ -3,7 +3,7 @@
 Speculative Speculative Decoding (Saguaro, arXiv 2603.03251): while a verification is in flight,
 predict its outcome (how many tree tokens are accepted, and the bonus token that follows) and
 prepare the next speculation for the likely outcomes. Here each prepared speculation is a
-*conditional tree* (DESIGN 3.1): it assumes the committed sequence will be `S + cond`, where
+*conditional tree* (docs/architecture.md §3.2): it assumes the committed sequence will be `S + cond`, where
 cond = the accepted path's tokens + the bonus. The verifier keeps it and starts it right after
 the verdict that makes it match, with no round trip; the others come back `stale`.
 

@@ -1,4 +1,4 @@
-"""Token-tree builders: what the edge drafts each round (DESIGN sections 3.1 and 6).
+"""Token-tree builders: what the edge drafts each round (docs/architecture.md §3 and §6).
 
 One concept per module:
 

@@ -244,7 +244,7 @@ def check_stop(stop: Callable[[], bool] | None) -> None:
 # Stochastic modes (mss, rrs) take exactly k_i draws from the node's quantized q row (with
 # replacement for mss; without, by Gumbel-top-k, for rrs) and the rows travel with the tree. The
 # number of draws at a node is fixed before drawing and no draw is dropped; duplicate mss draws
-# share one node and stay separate draws (DESIGN 3.1).
+# share one node and stay separate draws (docs/architecture.md §3.3).
 
 _DEFAULT = DraftOptions()
 

@@ -2,8 +2,8 @@
 
 Greedy generation on 20 Spec-Bench dev prompts (first turn, chat template) x 64 new tokens must
 match token for token. Two fp32 implementations sum in different orders, so a divergence where the
-reference's top-2 logit gap is < 1e-4 is reported as a near-tie and does not fail (DESIGN
-section 4); any other divergence fails.
+reference's top-2 logit gap is < 1e-4 is reported as a near-tie and does not fail (docs/architecture.md
+§4); any other divergence fails.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 - greedy generation of this runtime equals transformers' (both fp32, same GGUF) on 5 dev prompts
   (2 HumanEval raw, 3 Spec-Bench chat) x 64 new tokens; a divergence where the reference's top-2
-  logit gap is < 1e-4 is reported as a near-tie, not failed (DESIGN section 4);
+  logit gap is < 1e-4 is reported as a near-tie, not failed (docs/architecture.md §4);
 - tokenization of 12 prompts is the same in the verifier, in transformers and in the edge's
   llama.cpp tokenizer of the 0.5B draft; the vocabulary fingerprints and the end-of-generation
   sets agree between the 1.5B target and the 0.5B draft.

@@ -2,7 +2,7 @@
 "model" attention on a GPU). On a CPU the kernel runs in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 where there is no CUDA): the tiny model's logits with the kernel match SDPA's
 and a greedy generation is identical. On CUDA (`cuda` marker) the same in bf16/fp16/fp32, with
-greedy divergences at near-ties reported, not failed (DESIGN 4)."""
+greedy divergences at near-ties reported, not failed (docs/architecture.md §4)."""
 
 from __future__ import annotations
 
@@ -178,9 +178,9 @@ def test_model_attention_is_triton_on_cuda_and_the_pool_has_no_tiled_keys() -> N
 
 @pytest.mark.cuda
 def test_cuda_bf16_greedy_generation_reports_near_tie_divergences() -> None:
-    """bf16 on a GPU promises the distribution, not bit-identity (DESIGN 4): greedy generations with
-    the kernel and with SDPA are compared; a divergence is accepted only at a near-tie of SDPA's
-    logits (top-2 gap under the bf16 tolerance) and is reported."""
+    """bf16 on a GPU promises the distribution, not bit-identity (docs/architecture.md §4): greedy
+    generations with the kernel and with SDPA are compared; a divergence is accepted only at a
+    near-tie of SDPA's logits (top-2 gap under the bf16 tolerance) and is reported."""
     model = build_model(make_tiny_config(VOCAB), 0, torch.bfloat16, "cuda")
     prompt = list(range(5, 45))
     outs = {}

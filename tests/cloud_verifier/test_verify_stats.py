@@ -1,4 +1,4 @@
-"""Statistical proof of exactness on the production functions (DESIGN section 4, issue item 4).
+"""Statistical proof of exactness on the production functions (docs/architecture.md §4, issue item 4).
 
 Each case runs `cloud_verifier.exactness.run_case`: >= 200,000 trials batched through
 `cloud_verifier.verify.verify_batch`, a fresh tree drafted from q every round, and a Pearson

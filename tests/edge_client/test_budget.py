@@ -11,7 +11,7 @@ from edge_client.speculation.budget import (
     verify_ms,
 )
 
-CPU_COST = {1: 40.0, 4: 58.0, 8: 55.0, 16: 68.0, 32: 91.0, 64: 143.0}  # DESIGN §8, transformers here
+CPU_COST = {1: 40.0, 4: 58.0, 8: 55.0, 16: 68.0, 32: 91.0, 64: 143.0}  # docs/architecture.md §8
 GPU_COST = {1: 12.0, 4: 12.0, 8: 12.1, 16: 12.2, 32: 12.4, 64: 12.8}
 
 

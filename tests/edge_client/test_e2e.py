@@ -57,7 +57,7 @@ def greedy_with_gaps(target: Target, prompt: Sequence[int], n: int) -> tuple[lis
 
 def compare(got: list[int], ref: list[int], gaps: list[float]) -> str | None:
     """None if equal; 'near-tie at i' if they first differ where the reference's top-2 gap < 1e-4;
-    raises AssertionError on any other divergence (DESIGN section 4)."""
+    raises AssertionError on any other divergence (docs/architecture.md §4)."""
     for i, (a, b) in enumerate(zip(got, ref, strict=False)):
         if a != b:
             if gaps[i] < NEAR_TIE:
