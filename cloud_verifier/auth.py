@@ -1,4 +1,4 @@
-"""API keys, the trust policy (DESIGN section 4) and per-key limits.
+"""API keys, the trust policy (docs/architecture.md §4) and per-key limits.
 
 A key file holds one key per line, then optional words: `trusted`, `sessions=N` (at most N
 concurrent sessions and HTTP generations under this key) and `tokens_per_min=M` (tokens generated

@@ -119,7 +119,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         choices=["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
         help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU; fp32, bf16 and fp16 "
         "are short names). On a GPU in bf16/fp16 verification is exact in distribution; a greedy choice "
-        "at a near-tie of the logits may differ from one-token decoding (DESIGN 4)",
+        "at a near-tie of the logits may differ from one-token decoding (docs/architecture.md §4)",
     )
     p.add_argument(
         "--attention",

@@ -9,8 +9,8 @@ on a worker thread, so pings, /readyz and other sessions' I/O keep flowing durin
 What a step packs is planning.py's `plan_step`; the state it works on (sessions, jobs, results, the
 config) is in engine_state.py.
 
-A round's rows (DESIGN 3.1): the committed tokens not yet in the KV cache (normally just row 0, the
-previous bonus; the whole prompt at prefill) and then the tree nodes.
+A round's rows (docs/architecture.md §3.1): the committed tokens not yet in the KV cache (normally
+just row 0, the previous bonus; the whole prompt at prefill) and then the tree nodes.
 """
 
 from __future__ import annotations

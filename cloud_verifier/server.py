@@ -1,4 +1,4 @@
-"""The FastAPI service: WS /v1/session, GET /healthz, /readyz, /metrics (DESIGN sections 3 and 7).
+"""The FastAPI service: WS /v1/session, GET /healthz, /readyz, /metrics (docs/architecture.md §2, §7).
 
 `create_app(config)` loads the target in the background (/readyz answers 503 until it is ready),
 measures the verify cost curve, starts the engine loop and serves sessions (each WebSocket:

@@ -1,4 +1,4 @@
-"""The handshake messages (DESIGN section 3.2): the client's `Hello`, the server's `Welcome` with
+"""The handshake messages (PROTOCOL.md section 3): the client's `Hello`, the server's `Welcome` with
 the `SessionLimits` it enforces."""
 
 from __future__ import annotations
