@@ -7,7 +7,8 @@
 - `actions`: what the core asks of its shell; `core`: SpeculationCore (events in, actions out);
 - `executor`: the asyncio shell, and the draft step it runs on the drafting thread (DraftStep).
 
-Follow one round (default: greedy, a static tree, no pre-speculation), file by file:
+Follow one round (default: greedy, a static tree, no pre-speculation), file by file (docs/architecture.md
+§2 tells the same round with the state each object owns):
 
 1. edge_client/client.py: `EdgeClient.generate` builds the Prompt, the core and its shell (`_rounds`)
    and streams each verdict's text.
