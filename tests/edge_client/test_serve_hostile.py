@@ -564,7 +564,6 @@ def test_a_lone_surrogate_an_empty_prompt_and_a_bad_mode_are_400s_naming_them(st
     )
 
 
-@pytest.mark.xfail(reason="shared.openai_compat does not refuse these yet (a 500 JSON error meanwhile)")
 def test_numbers_too_large_and_unsupported_parameters_are_400s_naming_them(stack: Stack) -> None:
     """The shared parser's rules (shared.openai_compat) hold on the edge too."""
     huge = "9" * 400
