@@ -4,9 +4,13 @@ Every WebSocket session (from its welcome) and every HTTP generation holds one s
 `capacity` (the server's max_sessions) and one of its key's `sessions=N`. A WebSocket hello that
 finds no slot is refused at once (close 1013, with the wait to retry in the reason); an HTTP request
 waits in a FIFO queue of at most `max_waiting` for up to `wait_s`, then gets 429 with Retry-After.
-A key's `tokens_per_min` is a token bucket holding one minute's worth: generated tokens are taken
-from it, and a new generation is refused while it is empty (the wait until it refills is the
-Retry-After). Nothing here grows with the number of requests beyond `max_waiting` waiters.
+A key's `tokens_per_min` is a token bucket holding one minute's worth, charged for prompt and
+output tokens alike. An HTTP generation reserves its whole cost at admission (prompt + max_tokens,
+as a real API counts a request against its rate limit before running it): it is refused while
+the bucket holds less (the wait until it refills is the Retry-After), and the tokens it did not
+generate are refunded when it ends. A WebSocket generation is charged its prompt when it starts
+and its tokens as they are produced; a new one is refused while the bucket is empty. Nothing here
+grows with the number of requests beyond `max_waiting` waiters.
 """
 
 from __future__ import annotations
@@ -65,21 +69,25 @@ class Admission:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    def _check(self, who: Principal) -> None:
+    def _check(self, who: Principal, tokens: int = 0) -> None:
         if self.closed:
             raise Refused("the server is draining: use another replica", 5)
         if who.max_sessions is not None and self._per_key[who.name] >= who.max_sessions:
             raise Refused(f"this key's limit of {who.max_sessions} concurrent sessions is reached", 1)
-        self.check_tokens(who)
+        self.check_tokens(who, tokens)
 
-    def check_tokens(self, who: Principal) -> None:
-        """Refused while the key's tokens-per-minute bucket is empty (a new generation waits)."""
+    def check_tokens(self, who: Principal, tokens: int = 0) -> None:
+        """Refused unless the key's tokens-per-minute bucket holds `tokens` (0: is not empty); a
+        cost over the whole bucket is never admitted (the caller refuses it first, as too large)."""
         if who.tokens_per_min is not None:
             b = self._bucket(who)
-            if b.refill() <= 0:
+            need = max(tokens, 1)
+            if b.refill() < need:
+                what = f"{tokens} tokens" if tokens else "it"
                 raise Refused(
-                    f"this key's limit of {who.tokens_per_min} tokens per minute is reached",
-                    (1 - b.level) / b.rate,
+                    f"this key's limit of {who.tokens_per_min} tokens per minute is reached "
+                    f"(it has {max(0, int(b.level))} left now, this request needs {what})",
+                    (need - b.level) / b.rate,
                 )
 
     def _bucket(self, who: Principal) -> _Bucket:
@@ -97,36 +105,57 @@ class Admission:
             raise Refused(f"the server is at its limit of {self.capacity} sessions", 1)
         return self._take(who)
 
-    async def acquire(self, who: Principal) -> Ticket:
-        """A slot, waiting in the queue for up to wait_s if there is room in it; else Refused."""
-        self._check(who)
+    async def acquire(self, who: Principal, tokens: int = 0) -> Ticket:
+        """A slot, waiting in the queue for up to wait_s if there is room in it; else Refused.
+        `tokens` (an HTTP generation's prompt + max_tokens) are taken from the key's bucket with
+        the slot: give back what was not used with `refund`. Cancelled while it waits (its client
+        went away), it leaves the queue and holds nothing, even if a slot was just handed to it."""
+        self._check(who, tokens)
         if self.in_use < self.capacity and not self._waiters:
-            return self._take(who)
+            return self._take(who, tokens)
         if len(self._waiters) >= self.max_waiting:
             raise Refused(f"the server is at capacity and {self.max_waiting} requests already wait", 1)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self.wait_s)
+            async with asyncio.timeout(self.wait_s):
+                await asyncio.shield(fut)
         except TimeoutError:
-            if fut.done() and not fut.cancelled():  # granted at the last moment: give it back
-                self._grant_next_or_free()
+            self._give_back(fut)
             raise Refused(f"no slot within {self.wait_s:g} s", 1) from None
+        except asyncio.CancelledError:
+            self._give_back(fut)
+            raise
         finally:
             if fut in self._waiters:
                 self._waiters.remove(fut)
         try:
-            self._check(who)  # the key's own limits, again after the wait
+            self._check(who, tokens)  # the key's own limits, again after the wait
         except Refused:
             self._grant_next_or_free()
             raise
         self._per_key[who.name] += 1
+        self._reserve(who, tokens)
         return Ticket(who.name)  # in_use was handed over by release()
 
-    def _take(self, who: Principal) -> Ticket:
+    def _give_back(self, fut: asyncio.Future[None]) -> None:
+        """A waiter leaves without its slot: one handed to it at the last moment passes on."""
+        if fut.done() and not fut.cancelled():
+            self._grant_next_or_free()
+        else:
+            fut.cancel()
+
+    def _take(self, who: Principal, tokens: int = 0) -> Ticket:
         self.in_use += 1
         self._per_key[who.name] += 1
+        self._reserve(who, tokens)
         return Ticket(who.name)
+
+    def _reserve(self, who: Principal, tokens: int) -> None:
+        if who.tokens_per_min is not None and tokens:
+            b = self._bucket(who)
+            b.refill()
+            b.level -= tokens
 
     def release(self, ticket: Ticket) -> None:
         self._per_key[ticket.key] -= 1
@@ -143,8 +172,12 @@ class Admission:
         self.in_use -= 1
 
     def spend(self, who: Principal, tokens: int) -> None:
-        """Tokens generated under `who` (its bucket may go negative: the next generation waits)."""
+        """Tokens prefilled or generated under `who` (its bucket may go negative: the next
+        generation waits)."""
+        self._reserve(who, tokens)
+
+    def refund(self, who: Principal, tokens: int) -> None:
+        """Give back reserved tokens that were not used (a generation ended before max_tokens)."""
         if who.tokens_per_min is not None and tokens:
             b = self._bucket(who)
-            b.refill()
-            b.level -= tokens
+            b.level = min(b.capacity, b.refill() + tokens)

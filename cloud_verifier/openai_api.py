@@ -5,11 +5,19 @@ sessions, so it is batched with them step by step. Sampling is the verifier's: t
 greedy, and a seeded request samples with the keyed sampler, so it emits exactly the tokens of a
 seeded `ar` session (and of a seeded `match` one). Errors have OpenAI's body:
 `{"error": {"message", "type", "param", "code"}}`.
+
+What a request may cost is bounded before it runs: the prompt is rendered and tokenized on a
+small worker pool (never on the event loop), after a cheap check that refuses a text too long to
+fit the context (`PromptBound`); a key's `tokens_per_min` is charged the prompt plus `max_tokens`
+at admission and refunded what was not generated; a client that goes away ends its generation,
+freeing its slot and KV cache at once (a stream's, and a whole answer's while it is collected).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -19,6 +27,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from cloud_verifier.admission import Admission, Refused, Ticket
 from cloud_verifier.auth import AuthError, KeyStore, Principal
@@ -39,24 +48,102 @@ from shared.openai_compat import (
     parse_common,
     parse_json_body,
     sse,
+    text_bytes,
     usage,
 )
 from shared.openai_compat import choice as whole_choice
 
-
-def completion_prompt(body: dict[str, Any], target: Target) -> list[int]:
-    p = completion_prompt_value(body, target.config.vocab_size)
-    return target.tokenizer.encode(p) if isinstance(p, str) else p
+TOKENIZE_WORKERS = 2  # prompts rendered and tokenized at once (the rest queue for a worker)
 
 
-def chat_prompt(body: dict[str, Any], target: Target) -> list[int]:
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a BPE vocabulary."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = chr(256 + n)
+    return chars
+
+
+@dataclass(frozen=True)
+class PromptBound:
+    """A lower bound on a text's token count that costs one pass over its bytes, for byte-level BPE
+    tokenizers: each byte of the text is one character of the BPE alphabet and a token covers at
+    most `bytes_per_token` of them, so a text of B bytes is at least B / bytes_per_token tokens.
+    Bytes whose character is not in the vocabulary are dropped by the tokenizer (no unknown token),
+    so they are not counted. A text refused by this bound is longer than the context however it
+    tokenizes: no prompt that fits is ever refused by it."""
+
+    bytes_per_token: int  # the longest token, in UTF-8 bytes of its text (>= the bytes it covers)
+    dropped: bytes  # bytes the tokenizer drops (their alphabet character is not in the vocabulary)
+
+    def min_tokens(self, text: str) -> int:
+        kept = len(text.encode("utf-8").translate(None, self.dropped))
+        return -(-kept // self.bytes_per_token)
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> PromptBound | None:
+        """The bound of a `tokenizers.Tokenizer`, or None where the reasoning does not hold: a
+        normalizer (may rewrite or delete text), a pre-tokenizer that may remove text, a model that
+        is not BPE, an unknown token (one may stand for any run of text), or an added token that
+        strips the whitespace beside it."""
+        spec = json.loads(tokenizer.to_str())
+        model = spec.get("model") or {}
+        if spec.get("normalizer") is not None or model.get("type") != "BPE" or model.get("unk_token"):
+            return None
+        pre = spec.get("pre_tokenizer") or {}
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+        kinds = [p.get("type") for p in parts]
+        if "ByteLevel" not in kinds or not set(kinds) <= {"ByteLevel", "Digits", "Split", "Punctuation"}:
+            return None
+        if any(p.get("behavior") == "Removed" for p in parts):
+            return None
+        if any(a.get("lstrip") or a.get("rstrip") for a in spec.get("added_tokens") or []):
+            return None
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        dropped = bytes(b for b, c in _byte_level_chars().items() if c not in vocab)
+        return cls(max(len(t.encode("utf-8")) for t in vocab), dropped)
+
+
+def _fits(text: str, bound: PromptBound | None, max_context: int, param: str) -> None:
+    if bound is not None and (least := bound.min_tokens(text)) >= max_context:
+        raise ApiError(400, f"the prompt is at least {least} tokens ({text_bytes(text, param)} bytes); this "
+                       f"model's context is {max_context}", param, "context_length_exceeded")  # fmt: skip
+
+
+def completion_prompt(
+    body: dict[str, Any], target: Target, max_context: int | None = None, bound: PromptBound | None = None
+) -> list[int]:
+    """/v1/completions' prompt as token ids (CPU work: call it off the event loop)."""
+    p = completion_prompt_value(body, target.config.vocab_size, max_context)
+    if isinstance(p, list):
+        return p
+    if max_context is not None:
+        _fits(p, bound, max_context, "prompt")
+    return _encode(target, p, add_special=True)
+
+
+def chat_prompt(
+    body: dict[str, Any], target: Target, max_context: int | None = None, bound: PromptBound | None = None
+) -> list[int]:
+    """/v1/chat/completions' messages through the chat template, as token ids (CPU work: call it
+    off the event loop)."""
     try:
         text = target.tokenizer.apply_chat_template(chat_messages(body), add_generation_prompt=True)
     except ApiError:
         raise
     except Exception as exc:
         raise ApiError(400, f"the chat template failed on these messages: {exc}", "messages") from None
-    return target.tokenizer.encode(text, add_special=False)
+    if max_context is not None:
+        _fits(text, bound, max_context, "messages")
+    return _encode(target, text, add_special=False)
+
+
+def _encode(target: Target, text: str, add_special: bool) -> list[int]:
+    """`TargetTokenizer.encode`'s ids. `encode_batch` lets go of the GIL while it works (`encode`
+    holds it for the whole call), so the event loop runs while a tokenize worker is busy."""
+    (enc,) = target.tokenizer.tokenizer.encode_batch([text], add_special_tokens=add_special)
+    return list(enc.ids)
 
 
 # ------------------------------------------------------------------------------------- decoding
@@ -108,15 +195,19 @@ class TextStream:
 
 @dataclass
 class Generation:
-    """One request's target-only generation in the engine."""
+    """One request's target-only generation in the engine. Its key was charged the prompt and
+    max_tokens at admission; `close` frees the engine sequence and the slot and refunds the tokens
+    not generated (whether it finished, failed, or its client went away)."""
 
     engine: Engine
     req: CompletionRequest
     admission: Admission
     who: Principal
     ticket: Ticket
+    on_close: Callable[[], None] | None = None
     results: asyncio.Queue[RoundResult] = field(default_factory=asyncio.Queue)
     ended: bool = False
+    generated: int = 0
 
     def start(self) -> None:
         r = self.req
@@ -134,7 +225,7 @@ class Generation:
 
     def _on_result(self, res: RoundResult) -> None:
         self.results.put_nowait(res)
-        self.admission.spend(self.who, len(res.tokens))
+        self.generated += len(res.tokens)
         if not res.done and not self.ended:
             self.engine.submit(self.seq, 0, None)
 
@@ -143,7 +234,10 @@ class Generation:
             self.ended = True
             self.engine.close(self.seq)
             self.seq.on_result = _ignore
+            self.admission.refund(self.who, max(0, self.req.max_tokens - self.generated))
             self.admission.release(self.ticket)
+            if self.on_close is not None:
+                self.on_close()
 
     async def stream(self) -> AsyncIterator[RoundResult]:
         while True:
@@ -170,6 +264,17 @@ class ApiContext:
     model_id: Callable[[], str | None]
     on_done: Callable[[float, int, float], None] | None = None  # (time to first token, tokens, seconds)
     running: int = 0
+    # prompts are rendered and tokenized here, never on the event loop
+    tokenizers: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(TOKENIZE_WORKERS, "tokenize")
+    )
+    _bound: tuple[Target, PromptBound | None] | None = None
+
+    def bound(self, target: Target) -> PromptBound | None:
+        """The target's PromptBound (computed once, on a tokenize worker)."""
+        if self._bound is None or self._bound[0] is not target:
+            self._bound = (target, PromptBound.of(target.tokenizer.tokenizer))
+        return self._bound[1]
 
 
 def install(app: FastAPI, ctx: ApiContext) -> None:
@@ -192,7 +297,7 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
         return engine, target, model
 
     async def read_body(request: Request) -> dict[str, Any]:
-        raw = b""
+        raw = bytearray()  # appended in place: many small chunks cost no more than one big one
         try:
             async with asyncio.timeout(BODY_TIMEOUT_S):
                 async for chunk in request.stream():
@@ -204,7 +309,7 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", None,
                            "timeout") from None  # fmt: skip
-        return parse_json_body(raw)
+        return parse_json_body(bytes(raw))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -216,38 +321,67 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
         data = [{"id": model, "object": "model", "created": 0, "owned_by": "treespec"}]
         return JSONResponse({"object": "list", "data": data})
 
-    async def handle(request: Request, chat: bool) -> Response:
+    async def prompt_ids(body: dict[str, Any], target: Target, chat: bool) -> list[int]:
+        """Render and tokenize on a tokenize worker: the event loop, and every other request and
+        session, keep running while a 4 MiB prompt is worked through."""
+
+        def work() -> list[int]:
+            bound = ctx.bound(target)
+            if chat:
+                return chat_prompt(body, target, ctx.max_context, bound)
+            return completion_prompt(body, target, ctx.max_context, bound)
+
+        return await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, work)
+
+    def charge(who: Principal, req: CompletionRequest, body: dict[str, Any], chat: bool) -> CompletionRequest:
+        """The request as its key's tokens_per_min can pay for it: a default max_tokens is cut to
+        what the key may spend in a minute; a request that could never be paid is a 400."""
+        limit = who.tokens_per_min
+        if limit is None:
+            return req
+        n = len(req.prompt_ids)
+        if n >= limit:
+            raise ApiError(400, f"the prompt is {n} tokens; this key may use at most {limit} tokens per "
+                           "minute (prompt and output)", "messages" if chat else "prompt",
+                           "request_too_large")  # fmt: skip
+        key = "max_tokens"
+        if chat and body.get("max_completion_tokens") is not None:
+            key = "max_completion_tokens"
+        if body.get(key) is None:
+            return dataclasses.replace(req, max_tokens=min(req.max_tokens, limit - n))
+        if n + req.max_tokens > limit:
+            raise ApiError(400, f"the prompt's {n} tokens + {key} {req.max_tokens} exceed this key's limit "
+                           f"of {limit} tokens per minute", key, "request_too_large")  # fmt: skip
+        return req
+
+    async def answer(
+        body: dict[str, Any], who: Principal, engine: Engine, target: Target, model: str, chat: bool
+    ) -> Response:
         try:
-            who = authorize(request)
-            engine, target, model = ready()
-            body = await read_body(request)
-            asked = body.get("model")
-            if asked is not None and asked != model:
-                raise ApiError(404, f"the model {asked!r} is not served here (this is {model!r})", "model",
-                               "model_not_found")  # fmt: skip
-            ids = chat_prompt(body, target) if chat else completion_prompt(body, target)
-            req = parse_common(body, ids, ctx.max_context, chat)
+            ids = await prompt_ids(body, target, chat)
+            req = charge(who, parse_common(body, ids, ctx.max_context, chat), body, chat)
             try:
-                ticket = await ctx.admission.acquire(who)
+                ticket = await ctx.admission.acquire(who, len(req.prompt_ids) + req.max_tokens)
             except Refused as exc:
                 raise ApiError(429, exc.reason, None, "rate_limit_exceeded", "rate_limit_error",
                                {"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
         except ApiError as exc:
             return _respond(exc)
-        gen = Generation(engine, req, ctx.admission, who, ticket)
+
+        def closed() -> None:
+            ctx.running -= 1
+
+        gen = Generation(engine, req, ctx.admission, who, ticket, on_close=closed)
         gen.start()
         ctx.running += 1
         rid = new_id(chat)
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(
-                _sse(gen, target, model, rid, created, chat, ctx), media_type="text/event-stream"
-            )
+            return GenerationStream(gen, _sse(gen, target, model, rid, created, chat, ctx))
         try:
             text, ids_out, finish, err = await _collect(gen, target, ctx)
         finally:
             gen.close()
-            ctx.running -= 1
         if err is not None:
             return _respond(ApiError(500, err, None, "internal_error", "server_error"))
         counts = _usage(req, ids_out)
@@ -266,6 +400,42 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
             }
         )
 
+    async def handle(request: Request, chat: bool) -> Response:
+        try:
+            who = authorize(request)
+            engine, target, model = ready()
+            body = await read_body(request)
+            asked = body.get("model")
+            if asked is not None and not isinstance(asked, str):
+                raise ApiError(400, "'model' must be a string", "model")
+            if asked is not None and asked != model:
+                raise ApiError(404, f"the model {asked[:100]!r} is not served here (this is {model!r})",
+                               "model", "model_not_found")  # fmt: skip
+        except ApiError as exc:
+            return _respond(exc)
+        # from here the client may go away at any moment (while its prompt is tokenized, while it
+        # waits for a slot, while its whole answer is generated): then the work stops, and the
+        # generation's slot and KV cache are freed at once. A stream's response watches for the
+        # disconnect itself once it has begun (Starlette's StreamingResponse).
+        gone = asyncio.ensure_future(_disconnected(request))
+        work = asyncio.ensure_future(answer(body, who, engine, target, model, chat))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this request is cancelled (the drain's deadline): so is its work
+            work.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        await asyncio.wait({work})
+        if not work.cancelled() and work.exception() is None:
+            late = work.result()
+            if isinstance(late, GenerationStream):  # it had begun just as the client left
+                late.gen.close()
+        return Response(status_code=499)  # nobody reads it: the client has gone
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle(request, chat=False)
@@ -277,6 +447,28 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         return _respond(exc)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (call once the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class GenerationStream(StreamingResponse):
+    """The server-sent events of a generation, which is closed however the response ends: the
+    stream finished, the client went away, or the response never began (the generator's own
+    `finally` does not run for a generator that was never started)."""
+
+    def __init__(self, gen: Generation, events: AsyncIterator[bytes]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
 
 
 def _usage(req: CompletionRequest, ids_out: list[int]) -> dict[str, int]:
@@ -364,4 +556,3 @@ async def _sse(
         yield SSE_DONE
     finally:  # also when the client goes away mid-stream: the engine drops the sequence
         gen.close()
-        ctx.running -= 1
