@@ -148,6 +148,7 @@ class Session:
                     )
                     self._error(self.proto.abort(err))
                     return
+                self.admission.spend(self.principal, len(ev.prompt.tokens))  # the prefill counts too
             self._gen_start, self._gen_first, self._gen_tokens = time.perf_counter(), None, 0
             log.info(
                 "generation started",
