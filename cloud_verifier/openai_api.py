@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from cloud_verifier.admission import Admission, Refused, Ticket
@@ -309,6 +310,9 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", None,
                            "timeout") from None  # fmt: skip
+        except ClientDisconnect:  # gone before its body ended: no answer is read (it was a 500)
+            raise ApiError(499, "the client closed the connection before the body ended", None,
+                           "client_closed") from None  # fmt: skip
         return parse_json_body(bytes(raw))
 
     @app.get("/v1/models")

@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 from cloud_verifier.admission import Admission, Refused
 from cloud_verifier.auth import Principal
 from cloud_verifier.openai_api import PromptBound
+from shared.errors import ErrorCode
+from shared.messages import Error, Message, Mode, Prompt, Verdict, Welcome
 from tests.cloud_verifier.service import (
     AsyncSession,
     LiveServer,
@@ -178,6 +181,38 @@ def test_a_client_that_leaves_frees_its_generation_slot_and_kv() -> None:
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_client_that_leaves_mid_body_is_no_server_error() -> None:
+    """Starlette's ClientDisconnect escaped the route: an "Exception in ASGI application" traceback
+    in the log per client that left halfway through its body."""
+    handler = _Records()
+    records = handler.records
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    with LiveServer() as srv:
+        uvicorn_log.addHandler(handler)
+        try:
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"prompt": '
+            )
+            time.sleep(0.2)
+            _reset(s)
+            time.sleep(0.3)
+        finally:
+            uvicorn_log.removeHandler(handler)
+        assert not [r.getMessage() for r in records if r.levelno >= logging.ERROR]
+        assert httpx.get(srv.http + "/readyz").status_code == 200
+
+
 class _Prober:
     """Polls /healthz from a thread; the slowest answer is how long the event loop was frozen."""
 
@@ -296,6 +331,28 @@ def test_tokens_per_min_counts_the_prompt_and_reserves_max_tokens(tmp_path: Path
         assert r.status_code == 200, r.text
         use = r.json()["usage"]
         assert use["total_tokens"] <= 60 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_a_websocket_prompt_counts_against_tokens_per_min(tmp_path: Path) -> None:
+    """A session's prompt (its prefill) is charged to its key as its output is: 40 prompt tokens
+    on a 30-a-minute key leave nothing for the next generation (only output counted before)."""
+    keys = tmp_path / "keys"
+    keys.write_text("k-30 tokens_per_min=30\n")
+    with LiveServer(api_key_file=str(keys)) as srv:
+
+        async def main() -> tuple[Message, Message]:
+            s = await AsyncSession.open(srv.ws, api_key="k-30")
+            assert isinstance(await s.recv(), Welcome)
+            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(5, 40)), Mode.AR, max_new_tokens=1)))
+            first = await s.recv()
+            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(6, 4)), Mode.AR, max_new_tokens=1)))
+            second = await s.recv()
+            await s.close()
+            return first, second
+
+        first, second = asyncio.run(main())
+        assert isinstance(first, Verdict) and first.done
+        assert isinstance(second, Error) and second.code == ErrorCode.RATE_LIMITED, second
 
 
 HI_JSON = json.dumps(HI)
