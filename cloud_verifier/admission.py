@@ -8,9 +8,11 @@ A key's `tokens_per_min` is a token bucket holding one minute's worth, charged f
 output tokens alike. An HTTP generation reserves its whole cost at admission (prompt + max_tokens,
 as a real API counts a request against its rate limit before running it): it is refused while
 the bucket holds less (the wait until it refills is the Retry-After), and the tokens it did not
-generate are refunded when it ends. A WebSocket generation is charged its prompt when it starts
-and its tokens as they are produced; a new one is refused while the bucket is empty. Nothing here
-grows with the number of requests beyond `max_waiting` waiters.
+generate are refunded when it ends. A WebSocket generation reserves its prompt + max_new_tokens
+the same way when it starts and is refunded what it did not generate when it ends. A key whose
+limit changes (the key file reloaded) keeps its bucket's level, at the new rate. Nothing here
+grows with the number of requests beyond `max_waiting` waiters; `close` (the drain) refuses the
+waiters at once.
 """
 
 from __future__ import annotations
@@ -92,11 +94,23 @@ class Admission:
 
     def _bucket(self, who: Principal) -> _Bucket:
         assert who.tokens_per_min is not None
+        per_min = float(who.tokens_per_min)
         b = self._buckets.get(who.name)
         if b is None:
-            per_min = float(who.tokens_per_min)
             b = self._buckets[who.name] = _Bucket(per_min / 60.0, per_min, per_min)
+        elif b.capacity != per_min:  # the key file was reloaded with another limit for this key
+            b.refill()
+            b.rate, b.capacity = per_min / 60.0, per_min
+            b.level = min(b.level, per_min)
         return b
+
+    def close(self) -> None:
+        """Admit nothing new (the drain) and refuse every waiter now rather than at its timeout."""
+        self.closed = True
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(Refused("the server is draining: use another replica", 5))
 
     def try_acquire(self, who: Principal) -> Ticket:
         """A slot now, or Refused."""
@@ -140,7 +154,7 @@ class Admission:
 
     def _give_back(self, fut: asyncio.Future[None]) -> None:
         """A waiter leaves without its slot: one handed to it at the last moment passes on."""
-        if fut.done() and not fut.cancelled():
+        if fut.done() and not fut.cancelled() and fut.exception() is None:  # not refused by close
             self._grant_next_or_free()
         else:
             fut.cancel()

@@ -1,8 +1,10 @@
 """API keys, the trust policy (docs/architecture.md §4) and per-key limits.
 
 A key file holds one key per line, then optional words: `trusted`, `sessions=N` (at most N
-concurrent sessions and HTTP generations under this key) and `tokens_per_min=M` (tokens generated
-per minute, a token bucket of one minute's worth), e.g.
+concurrent sessions and HTTP generations under this key) and `tokens_per_min=M` (prompt and
+generated tokens per minute, a token bucket of one minute's worth; a generation reserves its prompt
++ max tokens when it starts and gets back what it did not generate: cloud_verifier/admission.py),
+e.g.
 
     # the mobile app
     k-3f9a1c trusted sessions=4 tokens_per_min=20000  # rotated 2026-11

@@ -235,7 +235,7 @@ async def drain(state: AppState, timeout_s: float) -> None:
     every session with 1001 and a reason and end every HTTP request still running with an error
     (http_gate.py)."""
     state.draining = True
-    state.admission.closed = True
+    state.admission.close()  # new work refused, and the requests waiting for a slot at once
     deadline = time.monotonic() + timeout_s
     running = sum(1 for s in state.sessions if s.generating)
     log.info(

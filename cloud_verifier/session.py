@@ -98,6 +98,7 @@ class Session:
         self._gen_start = 0.0  # the generation in progress: start, time to its first token, tokens
         self._gen_first: float | None = None
         self._gen_tokens = 0
+        self._reserved = 0  # tokens per minute held for the generation in progress, not yet used
 
     @property
     def generating(self) -> bool:
@@ -134,21 +135,50 @@ class Session:
                 self._error(self.proto.fail(exc))
         self._flush()
 
+    def _reserve(self, ev: PromptReceived) -> bool:
+        """Hold the generation's whole cost against the key's tokens per minute, prompt (the
+        prefill counts) + max_new_tokens, as an HTTP request does; what it does not generate is
+        given back when it ends. False (and the error sent) when the key cannot pay for it."""
+        assert self.admission is not None and self.principal is not None
+        self._settle_reservation()
+        who, prompt = self.principal, ev.prompt
+        room = max(0, self.engine.config.max_context - len(ev.committed))
+        cost = len(prompt.tokens) + min(prompt.max_new_tokens, room)
+        err: ProtocolError | None = None
+        if who.tokens_per_min is not None and cost > who.tokens_per_min:
+            err = ProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{len(prompt.tokens)} prompt tokens + max_new_tokens {min(prompt.max_new_tokens, room)} "
+                f"is more than this key's {who.tokens_per_min} tokens per minute: ask for fewer",
+                "max_new_tokens",
+                round=0,
+            )
+        else:
+            try:
+                self.admission.check_tokens(who, cost)
+            except Refused as exc:
+                msg = f"{exc.reason}; retry in {exc.retry_after_s} s"
+                err = ProtocolError(ErrorCode.RATE_LIMITED, msg, round=0)
+        if err is not None:
+            self._error(self.proto.abort(err))
+            return False
+        self.admission.spend(who, cost)
+        self._reserved = cost - len(prompt.tokens)
+        return True
+
+    def _settle_reservation(self) -> None:
+        """Give back the reserved tokens the last generation did not use."""
+        if self._reserved and self.admission is not None and self.principal is not None:
+            self.admission.refund(self.principal, self._reserved)
+        self._reserved = 0
+
     def _handle(self, ev: object) -> None:
         if isinstance(ev, HelloReceived):
             self._on_hello(ev)
         elif isinstance(ev, PromptReceived):
             assert self.seq is not None and self.principal is not None
-            if self.admission is not None:
-                try:
-                    self.admission.check_tokens(self.principal)
-                except Refused as exc:
-                    err = ProtocolError(
-                        ErrorCode.RATE_LIMITED, f"{exc.reason}; retry in {exc.retry_after_s} s", round=0
-                    )
-                    self._error(self.proto.abort(err))
-                    return
-                self.admission.spend(self.principal, len(ev.prompt.tokens))  # the prefill counts too
+            if self.admission is not None and not self._reserve(ev):
+                return
             self._gen_start, self._gen_first, self._gen_tokens = time.perf_counter(), None, 0
             log.info(
                 "generation started",
@@ -163,6 +193,7 @@ class Session:
             # the protocol ends the generation at the in-flight round's verdict, or already did
             if not ev.in_flight and self.seq is not None:
                 self.engine.end(self.seq)
+                self._settle_reservation()
         elif isinstance(ev, ClosedByPeer):
             self.close(CloseCode.NORMAL, "client closed")
         elif isinstance(ev, ErrorSent):
@@ -225,14 +256,14 @@ class Session:
         m = self.metrics
         if r.error is not None:
             # the round failed (BUSY: no KV room; INTERNAL): the generation ends with the error alone
+            self._settle_reservation()
             self._error(self.proto.abort(r.error))
             self._flush()
             return
         if r.tree_nodes:
             m.record_round(r.tree_nodes, r.accepted_depths)
         m.emitted_tokens.inc(len(r.tokens))
-        if self.admission is not None and self.principal is not None:
-            self.admission.spend(self.principal, len(r.tokens))
+        self._reserved = max(0, self._reserved - len(r.tokens))  # paid for when it was reserved
         if self._gen_first is None:
             self._gen_first = time.perf_counter() - self._gen_start
         self._gen_tokens += len(r.tokens)
@@ -255,6 +286,8 @@ class Session:
                 reason=r.reason,
             )
         )
+        if not self.generating:  # done, or the in-flight round of a cancelled generation
+            self._settle_reservation()
         if nxt is not None:
             m.cond_hits.inc()
             self.engine.submit(self.seq, nxt.round, nxt.tree)
@@ -299,6 +332,7 @@ class Session:
         self.closed = True
         log.info("session closed (%d): %s", code, reason, extra={"session": self.sid, "code": code})
         self.writable.set()  # a reader waiting for the writer must see the close
+        self._settle_reservation()
         if self.ticket is not None and self.admission is not None:
             self.admission.release(self.ticket)
             self.ticket = None

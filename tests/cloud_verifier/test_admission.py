@@ -84,8 +84,8 @@ def test_limits_through_a_live_verifier(tmp_path: Path) -> None:
                 refused = None
             except Exception as exc:
                 refused = getattr(exc, "rcvd", None)
-            # spend the key's 20 tokens a minute, then ask again
-            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(1)), Mode.AR, max_new_tokens=25)))
+            # reserve 18 of the key's 20 tokens a minute (12 prompt + 6 new), then ask again
+            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(1)), Mode.AR, max_new_tokens=6)))
             while True:
                 v = await s.recv()
                 assert isinstance(v, Verdict), v
@@ -107,3 +107,96 @@ def test_limits_through_a_live_verifier(tmp_path: Path) -> None:
         assert isinstance(limited, Error) and limited.code == ErrorCode.RATE_LIMITED and limited.round == 0
         assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
         assert "concurrent" in r.json()["error"]["message"] or "tokens" in r.json()["error"]["message"]
+
+
+def test_the_drain_refuses_the_waiters_at_once() -> None:
+    """Requests waiting for a slot when the drain starts are refused then, not at their timeout
+    (they held the drain up to --queue-wait)."""
+
+    async def main() -> None:
+        adm = Admission(capacity=1, max_waiting=4, wait_s=30)
+        t = adm.try_acquire(ANY)
+        waiters = [asyncio.create_task(adm.acquire(ANY)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert adm.waiting == 3
+        start = asyncio.get_running_loop().time()
+        adm.close()
+        for w in waiters:
+            with pytest.raises(Refused, match="draining"):
+                await w
+        assert asyncio.get_running_loop().time() - start < 1
+        assert adm.waiting == 0 and adm.in_use == 1  # the running one keeps its slot
+        with pytest.raises(Refused, match="draining"):
+            await adm.acquire(ANY)
+        adm.release(t)
+        assert adm.in_use == 0
+
+    asyncio.run(main())
+
+
+def test_a_reloaded_key_file_changes_a_keys_rate() -> None:
+    """A key whose tokens_per_min changes on reload keeps its bucket's level at the new limit (the
+    bucket was made once per key and kept the old rate)."""
+    adm = Admission(capacity=10, max_waiting=0, wait_s=0)
+    adm.spend(Principal("k", False, None, 6000), 5900)  # 100 left of 6000
+    adm.check_tokens(Principal("k", False, None, 6000), 90)
+    slower = Principal("k", False, None, 60)  # reloaded: 60 a minute
+    adm.check_tokens(slower, 60)  # the level is capped at the new minute's worth
+    with pytest.raises(Refused, match="60 tokens per minute"):
+        adm.check_tokens(slower, 61)
+    adm.spend(slower, 60)
+    with pytest.raises(Refused) as exc:
+        adm.check_tokens(slower, 30)
+    assert 29 <= exc.value.retry_after_s <= 31  # refilled at 1 token a second, not 100
+
+
+def test_a_websocket_generation_reserves_its_whole_cost(tmp_path: Path) -> None:
+    """A session's generation holds prompt + max_new_tokens against its key while it runs, as an
+    HTTP request does (a new one was refused only once the bucket was empty, so two sessions could
+    overdraw it), gets back what it did not generate, and one that can never fit is refused naming
+    max_new_tokens."""
+    keys = tmp_path / "keys"
+    keys.write_text("k-100 tokens_per_min=100\n")
+    with LiveServer(api_key_file=str(keys)) as srv:
+
+        def ask(s: AsyncSession, seed: int, mode: Mode, new: int) -> bytes:
+            return s.proto.prompt(Prompt(np.array(prompt_tokens(seed, 10)), mode, max_new_tokens=new))
+
+        async def main() -> list[Message]:
+            a = await AsyncSession.open(srv.ws, api_key="k-100")
+            b = await AsyncSession.open(srv.ws, api_key="k-100")
+            assert isinstance(await a.recv(), Welcome) and isinstance(await b.recv(), Welcome)
+            out: list[Message] = []
+            # a: 10 + 60 reserved; greedy with no tree, so it waits for a tree after round 0
+            await a.ws.send(
+                a.proto.prompt(Prompt(np.array(prompt_tokens(1, 10)), Mode.GREEDY, max_new_tokens=60))
+            )
+            out.append(await a.recv())
+            # b: 10 + 30 does not fit in what is left
+            await b.ws.send(
+                b.proto.prompt(Prompt(np.array(prompt_tokens(2, 10)), Mode.AR, max_new_tokens=30))
+            )
+            out.append(await b.recv())
+            # a cancels: the 59 tokens it did not generate come back, and b fits
+            await a.ws.send(a.proto.cancel())
+            out.append(await a.recv())
+            await b.ws.send(
+                b.proto.prompt(Prompt(np.array(prompt_tokens(2, 10)), Mode.AR, max_new_tokens=30))
+            )
+            out.append(await b.recv())
+            # never fits: 10 + 95 > 100 a minute
+            await a.ws.send(
+                a.proto.prompt(Prompt(np.array(prompt_tokens(3, 10)), Mode.AR, max_new_tokens=95))
+            )
+            out.append(await a.recv())
+            await a.close()
+            await b.close()
+            return out
+
+        first, limited, cancelled, admitted, too_big = asyncio.run(main())
+        assert isinstance(first, Verdict) and not first.done
+        assert isinstance(limited, Error) and limited.code == ErrorCode.RATE_LIMITED, limited
+        assert isinstance(cancelled, Verdict) and cancelled.done, cancelled
+        assert isinstance(admitted, Verdict), admitted
+        assert isinstance(too_big, Error) and too_big.code == ErrorCode.LIMIT_EXCEEDED, too_big
+        assert too_big.field == "max_new_tokens" and "100 tokens per minute" in too_big.message

@@ -336,8 +336,9 @@ def test_tokens_per_min_counts_the_prompt_and_reserves_max_tokens(tmp_path: Path
 
 
 def test_a_websocket_prompt_counts_against_tokens_per_min(tmp_path: Path) -> None:
-    """A session's prompt (its prefill) is charged to its key as its output is: 40 prompt tokens
-    on a 30-a-minute key leave nothing for the next generation (only output counted before)."""
+    """A session's prompt (its prefill) is charged to its key as its output is: 25 prompt tokens
+    (+ 1 new) on a 30-a-minute key leave too little for the next generation (only output counted
+    before)."""
     keys = tmp_path / "keys"
     keys.write_text("k-30 tokens_per_min=30\n")
     with LiveServer(api_key_file=str(keys)) as srv:
@@ -345,7 +346,7 @@ def test_a_websocket_prompt_counts_against_tokens_per_min(tmp_path: Path) -> Non
         async def main() -> tuple[Message, Message]:
             s = await AsyncSession.open(srv.ws, api_key="k-30")
             assert isinstance(await s.recv(), Welcome)
-            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(5, 40)), Mode.AR, max_new_tokens=1)))
+            await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(5, 25)), Mode.AR, max_new_tokens=1)))
             first = await s.recv()
             await s.ws.send(s.proto.prompt(Prompt(np.array(prompt_tokens(6, 4)), Mode.AR, max_new_tokens=1)))
             second = await s.recv()
