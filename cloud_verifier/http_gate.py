@@ -9,6 +9,11 @@ checked at hello).
   it sets `AppState.http_cut` (its deadline) are stopped and answered: a stream that has begun ends
   with an error event and `data: [DONE]`, a response not yet begun is a 503.
 
+- Load: at most `max_http_requests(config)` HTTP requests are in flight (the generations the
+  server runs and queues, and a few more reading their bodies or answering /v1/models); one more
+  is 503 with Retry-After before its body is read, so bodies held in memory are bounded too
+  (each at most MAX_BODY_BYTES).
+
 Error bodies are OpenAI's (`{"error": {"message", "type", "param", "code"}}`), as on /v1.
 """
 
@@ -23,10 +28,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cloud_verifier.app_state import AppState
 from cloud_verifier.auth import AuthError
+from cloud_verifier.config import ServerConfig
 from shared.openai_compat import SSE_DONE, ApiError
 
 # answered without a key and during a drain: health probes and metrics scrapes
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+HTTP_SLACK = 16  # requests beyond the generations' slots and queue: reading bodies, /v1/models
+
+
+def max_http_requests(config: ServerConfig) -> int:
+    return config.max_sessions + config.max_waiting + HTTP_SLACK
 
 
 class HttpGate:
@@ -47,6 +60,11 @@ class HttpGate:
             state.keys.authenticate(_bearer(scope))
         except AuthError as exc:
             await _respond(send, ApiError(401, str(exc), None, "invalid_api_key"))
+            return
+        limit = max_http_requests(state.config)
+        if state.http_running >= limit:
+            why = f"the verifier has {limit} HTTP requests in flight: retry shortly or use another replica"
+            await _respond(send, ApiError(503, why, None, "overloaded", "server_error", {"Retry-After": "1"}))
             return
         state.http_running += 1
         try:

@@ -112,6 +112,9 @@ def _fits(text: str, bound: PromptBound | None, max_context: int, param: str) ->
                        f"model's context is {max_context}", param, "context_length_exceeded")  # fmt: skip
 
 
+INLINE_JSON_BYTES = 64 << 10  # bodies up to this size are parsed on the event loop (< 1 ms)
+
+
 def completion_prompt(
     body: dict[str, Any], target: Target, max_context: int | None = None, bound: PromptBound | None = None
 ) -> list[int]:
@@ -326,7 +329,11 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
         except ClientDisconnect:  # gone before its body ended: no answer is read (it was a 500)
             raise ApiError(499, "the client closed the connection before the body ended", None,
                            "client_closed") from None  # fmt: skip
-        return parse_json_body(bytes(raw))
+        body = bytes(raw)
+        if len(body) <= INLINE_JSON_BYTES:
+            return parse_json_body(body)
+        # a large body is parsed on a worker: the event loop (every session) keeps its turn
+        return await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, parse_json_body, body)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -169,6 +169,7 @@ def create_app(
             s.close(CloseCode.GOING_AWAY, "server shutting down")
         if state.engine is not None:
             await state.engine.stop()
+        api.tokenizers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="cloud-verifier", lifespan=lifespan)
     app.state.verifier = state

@@ -484,3 +484,33 @@ def test_the_text_stream_decodes_each_token_a_bounded_number_of_times() -> None:
         assert decoded[0] <= 8 * len(ids), decoded[0]
         full = real(ids, skip_special=True)
         assert out == full or (full.endswith("\ufffd") and full.startswith(out)), sample
+
+
+def test_http_requests_in_flight_are_bounded_before_their_bodies_are_read() -> None:
+    """Each request may hold a body of up to 4 MiB while it waits for admission: past the slots, the
+    queue and a little slack, one more is refused at once (503 with Retry-After), not read; the
+    server serves again as soon as they leave."""
+    from cloud_verifier.http_gate import max_http_requests
+
+    with LiveServer(max_sessions=1, max_waiting=1) as srv:
+        limit = max_http_requests(srv.state.config)
+        slow: list[socket.socket] = []
+        try:
+            for _ in range(limit):  # each stops halfway through its body
+                s = socket.create_connection(("127.0.0.1", srv.port))
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b'Content-Length: 1000\r\n\r\n{"prompt": '
+                )
+                slow.append(s)
+            _until(lambda: srv.state.http_running == limit, 10, "the slow requests to be in flight")
+            r = httpx.post(srv.http + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "overloaded"
+            assert httpx.get(srv.http + "/healthz").status_code == 200  # probes are not counted
+        finally:
+            for s in slow:
+                _reset(s)
+        _until(lambda: srv.state.http_running == 0, 10, "the slow requests to end")
+        r = httpx.post(srv.http + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
