@@ -286,6 +286,9 @@ def _uvicorn_config(
         host=host,
         port=port,
         log_level=log_level,
+        # uvicorn's default dictConfig would give its loggers handlers of their own, bound to the
+        # stderr of the moment and bypassing logs.setup (--log-format json): they propagate instead
+        log_config=None,
         http=with_header_timeout(config.header_timeout_s),
         h11_max_incomplete_event_size=MAX_HTTP_HEADER_BYTES,  # request line + headers
         ws="websockets-sansio",
@@ -312,7 +315,6 @@ def serve(config: ServerConfig, loader: TargetLoader | None = None) -> int:
     app = create_app(config, loader=loader)
     state: AppState = app.state.verifier
     uv_config = _uvicorn_config(app, config, config.host, config.port, config.log_level)
-    uv_config.log_config = None  # keep the handlers of logs.setup
     server = DrainingServer(uv_config, state, config.drain_timeout_s)
     state.on_load_error = lambda err: setattr(server, "should_exit", True)
     server.run()

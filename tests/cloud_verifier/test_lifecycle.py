@@ -111,6 +111,8 @@ def test_sigterm_drains_running_generations_then_exits_0() -> None:
         assert [e["message"] for e in mine[:2]] == ["session welcomed", "generation started"]
         assert any(e["message"] == "generation ended" and e["tokens"] == 150 for e in mine)
         assert any(e["message"].startswith("draining") for e in events)
+        # uvicorn's own lines too (its default logging config gave them text handlers of their own)
+        assert any(e["logger"].startswith("uvicorn") for e in events)
 
 
 def test_a_model_that_cannot_load_ends_the_process() -> None:

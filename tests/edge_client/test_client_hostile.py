@@ -950,7 +950,7 @@ def test_the_cli_prints_one_line_when_the_verifier_breaks_the_protocol(
         argv = ["generate", "hello", "--raw", "--drafter", "torch", "--draft", "tiny", "--server", lv.url]
         rc = cli.main(argv)
     err = capsys.readouterr().err
-    assert rc == 1 and "Traceback" not in err
+    assert rc == 1 and "Traceback" not in err, err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("edge-client: error: the verifier broke the protocol"), err
     assert "BAD_FRAME" in lines[0]

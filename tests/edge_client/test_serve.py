@@ -28,7 +28,9 @@ openai = pytest.importorskip("openai")
 def edge_api(verifier_url: str) -> Iterator[str]:
     drafter = create_drafter("torch", "tiny")
     app = create_app(lambda: EdgeClient(verifier_url, drafter, prespec=True))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    # log_config=None: no handlers bound to this test's captured stderr outlive it
+    uv = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None)
+    server = uvicorn.Server(uv)
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     deadline = time.monotonic() + 30

@@ -63,7 +63,9 @@ def edge_server(verifier: str, config: Any = None, prespec: bool = True, **clien
         return c
 
     app = create_app(make) if config is None else create_app(make, config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    # log_config=None: no handlers bound to this test's captured stderr outlive it
+    uv = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None)
+    server = uvicorn.Server(uv)
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     deadline = time.monotonic() + 30
@@ -486,7 +488,9 @@ def test_a_chunked_body_over_the_limit_on_the_wire_is_answered_early() -> None:
 
     drafter = FakeDrafter()
     app = create_app(lambda: EdgeClient("ws://127.0.0.1:9/v1/session", drafter))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    # log_config=None: no handlers bound to this test's captured stderr outlive it
+    uv = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None)
+    server = uvicorn.Server(uv)
     t = threading.Thread(target=server.run, daemon=True)
     t.start()
     while not server.started:
