@@ -5,21 +5,19 @@ verifier's own target-only decoding; a seeded sampled request equals seeded `ar`
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
 
 from edge_client.client import EdgeClient
 from edge_client.drafters.registry import create_drafter
 from edge_client.serve import create_app
 from shared.messages import Mode, Prompt, Verdict, Welcome
 from tests.cloud_verifier.service import AsyncSession, LiveServer, reference
+from tests.edge_client.local_server import served
 
 openai = pytest.importorskip("openai")
 
@@ -28,21 +26,10 @@ openai = pytest.importorskip("openai")
 def edge_api(verifier_url: str) -> Iterator[str]:
     drafter = create_drafter("torch", "tiny")
     app = create_app(lambda: EdgeClient(verifier_url, drafter, prespec=True))
-    # log_config=None: no handlers bound to this test's captured stderr outlive it
-    uv = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None)
-    server = uvicorn.Server(uv)
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}/v1"
+        with served(app) as port:
+            yield f"http://127.0.0.1:{port}/v1"
     finally:
-        server.should_exit = True
-        t.join(10)
         drafter.close()
 
 

@@ -7,6 +7,7 @@ tokens."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import select
 import socket
@@ -19,7 +20,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 
 from edge_client.client import EdgeClient
@@ -28,6 +28,7 @@ from edge_client.serve import create_app
 from edge_client.transport import LinkShape, Transport, WebSocketTransport
 from tests.cloud_verifier.service import LiveServer, reference, tiny
 from tests.edge_client.fake_drafter import FakeDrafter
+from tests.edge_client.local_server import served
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7]
 LONG = 400  # tokens: ~9 s at SLOW (the tiny target never ends early; it drafts ~9 tokens a round)
@@ -63,21 +64,10 @@ def edge_server(verifier: str, config: Any = None, prespec: bool = True, **clien
         return c
 
     app = create_app(make) if config is None else create_app(make, config)
-    # log_config=None: no handlers bound to this test's captured stderr outlive it
-    uv = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None)
-    server = uvicorn.Server(uv)
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
     try:
-        yield Edge(f"http://127.0.0.1:{port}", app, made)
+        with served(app) as port:
+            yield Edge(f"http://127.0.0.1:{port}", app, made)
     finally:
-        server.should_exit = True
-        t.join(10)
         drafter.close()
 
 
@@ -488,15 +478,7 @@ def test_a_chunked_body_over_the_limit_on_the_wire_is_answered_early() -> None:
 
     drafter = FakeDrafter()
     app = create_app(lambda: EdgeClient("ws://127.0.0.1:9/v1/session", drafter))
-    # log_config=None: no handlers bound to this test's captured stderr outlive it
-    uv = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None)
-    server = uvicorn.Server(uv)
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    while not server.started:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
+    with served(app) as port:
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
         s.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -518,7 +500,7 @@ def test_a_chunked_body_over_the_limit_on_the_wire_is_answered_early() -> None:
                     break
         s.setblocking(True)
         s.settimeout(10)
-        with __import__("contextlib").suppress(ConnectionError):
+        with contextlib.suppress(ConnectionError):
             while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
                 data = s.recv(65536)
                 if not data:
@@ -528,9 +510,6 @@ def test_a_chunked_body_over_the_limit_on_the_wire_is_answered_early() -> None:
         assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
         assert str(MAX_BODY_BYTES).encode() in answer
         assert sent < MAX_BODY_BYTES + (64 << 20), sent  # the limit plus socket buffers, not 400 MB
-    finally:
-        server.should_exit = True
-        t.join(10)
 
 
 # ------------------------------------------------------------------ malformed parameters
