@@ -416,7 +416,7 @@ class EdgeClient(Session):
             self.proto, self.welcome, req, self.prespec, self.learned, st, profile, msg.temperature
         )
         timeout = self.timeouts.verdict_timeout(self.welcome)
-        return RoundExecutor(core, step, self.proto, self.send, self.recv, self.pool, timeout)
+        return RoundExecutor(core, step, self.send, self.recv, self.pool, timeout)
 
     def _request(
         self, mode: Mode, temperature: float, top_k: int, top_p: float, seed: int, spec: TreeSpec

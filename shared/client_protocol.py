@@ -5,6 +5,7 @@ which round the server is verifying (the edge's one in-flight marker)."""
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,6 +44,16 @@ class ClientState(enum.Enum):
     CLOSED = "closed"
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """The committed sequence and whether a generation runs, as of the frames decoded so far: an
+    immutable value the protocol replaces (never mutates), so another thread (the edge's drafting
+    thread, checking whether a verdict ruled its draft out) reads a consistent one."""
+
+    committed: tuple[int, ...] = ()
+    generating: bool = False
+
+
 class ClientProtocol:
     """One connection, client side: checks the server's frames against what the client sent.
 
@@ -55,7 +66,8 @@ class ClientProtocol:
     A frame moves it when it is acknowledged: at once by `receive`, or, for a reader that decodes
     ahead of the code acting on the frames (the edge's pump and its speculation core),
     `receive(data, acknowledge=False)` and later `acknowledge(msg)`, in order. The committed
-    sequence, the outstanding rounds and the state always follow the frames decoded.
+    sequence, the outstanding rounds and the state always follow the frames decoded, and so does
+    `snapshot` (an immutable copy of the committed sequence and whether a generation runs).
     """
 
     def __init__(self, wire: WireLimits = DEFAULT_WIRE_LIMITS) -> None:
@@ -75,6 +87,11 @@ class ClientProtocol:
         self._generated = 0  # tokens the verdicts of the generation running committed
         self.stats = FrameStats()
         self._context: list[int] = []
+        self.snapshot = Snapshot()
+
+    def _publish(self) -> None:
+        """Replace `snapshot` after the committed sequence or the state changed."""
+        self.snapshot = Snapshot(tuple(self.committed), self.state is ClientState.GENERATING)
 
     @property
     def context(self) -> list[int]:
@@ -114,6 +131,7 @@ class ClientProtocol:
         self._generated = 0
         self.in_flight = 0
         self.state = ClientState.GENERATING
+        self._publish()
         return frame
 
     def committed_for(self, msg: Prompt) -> list[int]:
@@ -143,12 +161,15 @@ class ClientProtocol:
 
     def cancel(self) -> bytes:
         self._require(ClientState.GENERATING)
+        frame = self._send(Cancel())
         self.state = ClientState.CANCELLING
-        return self._send(Cancel())
+        self._publish()
+        return frame
 
     def close(self, reason: str | None = None) -> bytes:
         frame = self._send(Close(reason))
         self.state = ClientState.CLOSED
+        self._publish()
         return frame
 
     # -- incoming
@@ -157,7 +178,10 @@ class ClientProtocol:
 
         acknowledge=False: `in_flight` waits for `acknowledge(msg)` (see the class docstring)."""
         self.stats.inc(len(data))
-        msg = self._apply(decode(data, self.wire))
+        try:
+            msg = self._apply(decode(data, self.wire))
+        finally:
+            self._publish()
         if acknowledge:
             self.acknowledge(msg)
         return msg

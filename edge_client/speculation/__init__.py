@@ -12,8 +12,8 @@ Follow one round (default: greedy, a static tree, no pre-speculation), file by f
 
 1. edge_client/client.py: `EdgeClient.generate` builds the Prompt, the core and its shell (`_rounds`)
    and streams each verdict's text.
-2. edge_client/speculation/executor.py: `RoundExecutor.run` executes the core's actions; `DraftStep`
-   drafts on the drafting thread; the pump decodes frames as they arrive.
+2. edge_client/speculation/executor.py: `RoundExecutor.run` executes the core's actions (typed:
+   speculation.actions); `DraftStep` drafts on the drafting thread; the pump decodes frames as they arrive.
 3. edge_client/speculation/core.py: `SpeculationCore.start` / `receive`: draft, send, account the
    verdict, draft again after a miss.
 4. edge_client/trees/builder.py: `draft_static` grows the tree level by level (`TreeBuilder`).
@@ -35,24 +35,31 @@ from __future__ import annotations
 
 from edge_client.speculation.actions import (
     Action,
+    Ask,
     Deliver,
+    Delivered,
     DraftConditional,
     Drafted,
     DraftPlain,
     FinishLeaves,
     Reanchor,
-    SendPrompt,
-    SendTree,
+    Reanchored,
+    Send,
+    Sent,
+    Steps,
 )
 from edge_client.speculation.config import PrespecConfig, Request, TreeSpec
-from edge_client.speculation.core import DrafterProfile, Refused, SpeculationCore
+from edge_client.speculation.core import Clock, DrafterProfile, Refused, SpeculationCore
 from edge_client.speculation.estimates import Learned, RoundEstimates
 from edge_client.speculation.executor import DraftStep, RoundExecutor
 from edge_client.speculation.ledger import Ledger, Speculation
 
 __all__ = [
     "Action",
+    "Ask",
+    "Clock",
     "Deliver",
+    "Delivered",
     "DraftConditional",
     "DraftPlain",
     "DraftStep",
@@ -63,13 +70,15 @@ __all__ = [
     "Ledger",
     "PrespecConfig",
     "Reanchor",
+    "Reanchored",
     "Refused",
     "Request",
     "RoundEstimates",
     "RoundExecutor",
-    "SendPrompt",
-    "SendTree",
+    "Send",
+    "Sent",
     "Speculation",
     "SpeculationCore",
+    "Steps",
     "TreeSpec",
 ]

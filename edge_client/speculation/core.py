@@ -34,21 +34,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Callable, Generator
 
 import numpy as np
 
 from edge_client.speculation.actions import (
-    Action,
+    Ask,
     Deliver,
     DraftConditional,
     Drafted,
     DraftPlain,
     FinishLeaves,
     Reanchor,
-    SendPrompt,
-    SendTree,
+    Send,
+    Steps,
+    ask,
 )
 from edge_client.speculation.budget import choose_budget, next_gains
 from edge_client.speculation.config import DrafterProfile, PrespecConfig, Refused, Request
@@ -59,14 +59,19 @@ from edge_client.speculation.planner import Planner
 from edge_client.stats import GenerationStats
 from edge_client.trees import DraftResult
 from shared.errors import ErrorCode
-from shared.messages import Error, Mode, Prompt, Stale, Tree, Verdict, Welcome
+from shared.messages import Error, Message, Mode, Prompt, Stale, Tree, Verdict, Welcome
 from shared.protocol import ClientProtocol, ClientState
 
-Steps = Generator[Action, Any, None]
+Clock = Callable[[], float]
 
 
 class SpeculationCore:
-    """The rounds of one generation (see the module docstring)."""
+    """The rounds of one generation (see the module docstring).
+
+    `clock` is the time the core reasons in (perf_counter seconds by default): when a verdict is
+    due, what the cost gate has left, drafting times. The shell stamps frames with the same clock;
+    a test passes a scripted one.
+    """
 
     def __init__(
         self,
@@ -78,6 +83,7 @@ class SpeculationCore:
         stats: GenerationStats,
         drafter: DrafterProfile | None,
         temperature: float = 0.0,
+        clock: Clock = time.perf_counter,
     ) -> None:
         self.proto = proto
         self.welcome = welcome
@@ -86,6 +92,7 @@ class SpeculationCore:
         self.learned = learned
         self.stats = stats
         self.drafter = drafter
+        self.clock = clock
         self.choice: ChoiceModel = learned.choice_model(
             temperature if req.mode is not Mode.GREEDY else 0.0, coupled=req.coupling is not None
         )
@@ -111,25 +118,25 @@ class SpeculationCore:
         if self.req.mode is not Mode.AR:
             first = yield from self._draft_plain(full)
         msg = prompt if first is None else dataclasses.replace(prompt, tree=first.tree)
-        t_sent: float = yield SendPrompt(msg)
+        frame = self.proto.prompt(msg)
+        sent = yield from ask(Send(frame, "prompt", 0))
         if first is not None:
-            self.ledger.specs[0] = Speculation(0, first, full, 1.0, None, t_sent)
-            self.est.verdict_due = t_sent + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
-            self._sent(0)
+            self._sent(Speculation(0, first, full, 1.0, None, sent.at))
+            self.est.verdict_due = sent.at + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
 
     def idle(self, quiet: bool) -> Steps | None:
         """Work while waiting: evaluate pending leaves, or draft the next conditional tree; only
         when `quiet` (no frame is waiting to be received), but the gate is asked (and counts a
         held-back tree) either way."""
-        if self.ledger.leaves_pending and quiet:
+        if self.ledger.has_pending_leaves() and quiet:
             return self._finish_leaves()
         if self._can_prespeculate() and quiet:
             return self._prespeculate_one()
         return None
 
-    def receive(self, msg: object, received: float) -> Steps:
-        """A decoded frame (received at perf_counter time `received`): account it, deliver a
-        verdict, and draft synchronously after a miss."""
+    def receive(self, msg: Message, received: float) -> Steps:
+        """A decoded frame (received at clock time `received`): account it, deliver a verdict, and
+        draft synchronously after a miss."""
         if isinstance(msg, Error):
             refused = self._refused_speculation(msg)
             self.proto.acknowledge(msg)
@@ -137,8 +144,7 @@ class SpeculationCore:
                 return
             raise Refused(msg)
         if isinstance(msg, Stale):
-            self.ledger.specs.pop(msg.round, None)
-            self.ledger.attempted.pop(msg.round, None)
+            self.ledger.stale(msg.round)
             # the tree taken for current (one still on its way when the verdict came) may be refused
             # after all: then nothing is in flight, draft below the committed sequence
             was_in_flight = msg.round == self.in_flight
@@ -147,7 +153,7 @@ class SpeculationCore:
                 return
         elif isinstance(msg, Verdict):
             reanchor = self._on_verdict(msg, received)
-            yield Deliver(msg)
+            yield from ask(Deliver(msg))
             if msg.done:
                 self.finished = True
                 return
@@ -156,9 +162,9 @@ class SpeculationCore:
                 spec, committed_now = reanchor
                 self.anchor = committed_now
                 self.workspace_full = False
-                self.ledger.leaves_pending.clear()
-                yield Reanchor(committed_now, spec.draft.tree)
-                self.ledger.expanded.discard(spec.round)
+                self.ledger.workspace_moved()
+                yield from ask(Reanchor(committed_now, spec.draft.tree))
+                self.ledger.reexpand(spec.round)
                 self.planner.expand(spec.round)
         else:
             return
@@ -183,12 +189,12 @@ class SpeculationCore:
         self.planner.clear()
 
     # ------------------------------------------------------------------ drafting
-    def _draft_plain(self, committed: tuple[int, ...]) -> Generator[Action, Any, DraftResult]:
+    def _draft_plain(self, committed: tuple[int, ...]) -> Generator[Ask[object], object, DraftResult]:
         """A tree below `committed`, drafter re-synced to it (the anchor moves)."""
         self.anchor = committed
         self.workspace_full = False
-        self.ledger.leaves_pending.clear()  # the old workspace is gone
-        dr: DraftResult = yield DraftPlain(committed, self._budget())
+        self.ledger.workspace_moved()  # the old workspace is gone
+        dr = yield from ask(DraftPlain(committed, self._budget()))
         self.stats.draft_ms.append(dr.draft_ms)
         self.est.note_draft(dr)
         return dr
@@ -213,34 +219,26 @@ class SpeculationCore:
         )
 
     def _ruled_out(self, full: tuple[int, ...]) -> bool:
-        """The verdicts decoded so far exclude `full`. Called from the drafting thread: a verdict
-        half-applied only delays the answer."""
-        proto = self.proto
-        if self.cancelled or proto.state is not ClientState.GENERATING:
+        """The verdicts decoded so far exclude `full`. Called from the drafting thread: it reads the
+        protocol's immutable snapshot, never its lists."""
+        snap = self.proto.snapshot
+        if self.cancelled or not snap.generating:
             return True
-        committed = tuple(proto.committed)
-        return not (full[: len(committed)] == committed)
+        return full[: len(snap.committed)] != snap.committed
 
     def _finish_leaves(self) -> Steps:
-        pending = dict(self.ledger.leaves_pending)
-        work = tuple(
-            (rid, self.ledger.specs[rid].draft, tuple(nodes))
-            for rid, nodes in pending.items()
-            if rid in self.ledger.specs
-        )
-        t0 = time.perf_counter()
+        pending = self.ledger.leaves_pending()
+        work = tuple((r, spec.draft, nodes) for r, nodes in pending.items() if (spec := self.ledger.get(r)))
+        t0 = self.clock()
+        results: dict[int, DraftResult | None] = dict.fromkeys(pending)
         if work:
-            done: Drafted = yield FinishLeaves(work)
+            done = yield from ask(FinishLeaves(work))
             if done.workspace_full:
                 self.workspace_full = True
             else:
-                for (rid, _, _), dr in zip(work, done.results, strict=True):
-                    spec = self.ledger.specs.get(rid)
-                    if spec is not None and dr is not None:
-                        self.ledger.specs[rid] = dataclasses.replace(spec, draft=dr)
-        self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
-        for rid in pending:
-            self.ledger.leaves_pending.pop(rid, None)
+                results.update((rid, dr) for (rid, _, _), dr in zip(work, done.results, strict=True))
+        self.stats.prespec_ms += (self.clock() - t0) * 1e3
+        self.ledger.leaves_evaluated(results)
         self.planner.expand_all()
 
     def _prespeculate_one(self) -> Steps:
@@ -255,11 +253,11 @@ class SpeculationCore:
         if not batch:
             return
         for c in batch:
-            self.ledger.attempted[c.parent] = self.ledger.attempted.get(c.parent, 0.0) + c.prob
-        t0 = time.perf_counter()
-        drafted: list[DraftResult | None]
+            self.ledger.attempt(c.parent, c.prob)
+        t0 = self.clock()
+        drafted: tuple[DraftResult | None, ...]
         if self.workspace_full:
-            drafted = [None] * len(batch)
+            drafted = (None,) * len(batch)
         else:
             action = DraftConditional(
                 self.anchor,
@@ -268,12 +266,12 @@ class SpeculationCore:
                 lockstep=len(batch) > 1,
                 budget=self._budget(),
             )
-            out: Drafted = yield action
+            out: Drafted = yield from ask(action)
             if out.workspace_full:
                 self.workspace_full = True
             self.stats.prespec_cancelled += out.cancelled
-            drafted = list(out.results)
-        self.stats.prespec_ms += (time.perf_counter() - t0) * 1e3
+            drafted = out.results
+        self.stats.prespec_ms += (self.clock() - t0) * 1e3
         for c, dr in zip(batch, drafted, strict=True):
             if dr is None:
                 continue
@@ -290,32 +288,29 @@ class SpeculationCore:
     # ------------------------------------------------------------------ sending
     def _send_tree(
         self, dr: DraftResult, full: tuple[int, ...], prob: float, parent: int | None
-    ) -> Generator[Action, Any, int]:
+    ) -> Generator[Ask[object], object, int]:
         proto = self.proto
         rid = proto.last_round + 1
-        wire = rebase(dr.tree, len(proto.committed))
-        size, sent_at = yield SendTree(Tree(round=rid, tree=wire))
-        self._bytes_since_verdict += size
-        self.ledger.specs[rid] = Speculation(rid, dr, full, prob, parent, sent_at)
+        frame = proto.tree(Tree(round=rid, tree=rebase(dr.tree, len(proto.committed))))
+        sent = yield from ask(Send(frame, "tree", rid))
+        self._bytes_since_verdict += sent.size
         self.learned.last_draft = dr
         if self.in_flight == rid:  # sent with none in flight, for the committed sequence
-            self.est.verdict_due = sent_at + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
-        self._sent(rid)
+            self.est.verdict_due = sent.at + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
+        self._sent(Speculation(rid, dr, full, prob, parent, sent.at))
         return rid
 
-    def _sent(self, rid: int) -> None:
-        """Tree `rid` is on its way: queue its outcomes, or first those of its leaves that are likely
-        enough to be reached to be worth evaluating (PrespecConfig.leaf_min_reach)."""
+    def _sent(self, spec: Speculation) -> None:
+        """Tree `spec.round` is on its way: record it with those of its leaves likely enough to be
+        reached to be worth evaluating (PrespecConfig.leaf_min_reach), and queue its outcomes."""
         cfg = self.prespec
-        if cfg is None:
-            return
-        spec = self.ledger.specs[rid]
-        missing = spec.draft.workspace_ids == -1  # not evaluated (merged trees: NOT_IN_WORKSPACE is -2)
-        if bool(missing.any()):
-            reach = spec.prob * reach_probabilities(spec.draft, self.choice)
-            wanted = np.flatnonzero(missing & (reach >= cfg.leaf_min_reach)).tolist()
-            if wanted:
-                self.ledger.leaves_pending[rid] = wanted
+        leaves: tuple[int, ...] = ()
+        if cfg is not None:
+            missing = spec.draft.workspace_ids == -1  # not evaluated (merged trees: NOT_IN_WORKSPACE is -2)
+            if bool(missing.any()):
+                reach = spec.prob * reach_probabilities(spec.draft, self.choice)
+                leaves = tuple(np.flatnonzero(missing & (reach >= cfg.leaf_min_reach)).tolist())
+        self.ledger.sent(spec, leaves)
         self.planner.expand_all()
 
     def _room(self) -> int:
@@ -332,7 +327,8 @@ class SpeculationCore:
             return False
         if self._bytes_since_verdict >= cfg.byte_budget:
             return False
-        if cfg.gate and not self.planner.worth_next(self.in_flight, self.est, self.learned.rtt_ms):
+        rtt = self.learned.rtt_ms
+        if cfg.gate and not self.planner.worth_next(self.in_flight, self.est, rtt, self.clock()):
             self.stats.prespec_gated += 1
             return False
         return True
@@ -344,21 +340,20 @@ class SpeculationCore:
         r = e.round
         if e.fatal or e.code is not ErrorCode.TOO_MANY_PENDING or r is None or r == self.in_flight:
             return False
-        if not self.ledger.drop_conditional(r):
+        if not self.ledger.refused(r):
             return False
         self.stats.prespec_refused += 1
         return True
 
     def _on_verdict(self, v: Verdict, now: float) -> tuple[Speculation, tuple[int, ...]] | None:
-        """Account a verdict (received at perf_counter time `now`); find the tree now in flight;
-        returns what to re-anchor on, if needed."""
+        """Account a verdict (received at clock time `now`); find the tree now in flight; returns
+        what to re-anchor on, if needed."""
         st, proto, ledger = self.stats, self.proto, self.ledger
-        spec = ledger.specs.pop(v.round, None)
         # the odds the outcome model gave the outcomes of this tree that conditional drafts were
         # started for (counting those abandoned: a draft still running when the verdict comes is
         # finished and sent only if the verdict matches it)
-        attempted = ledger.attempted.pop(v.round, 0.0)
-        predicted = min(1.0, attempted / spec.prob) if spec is not None and spec.prob > 0 else 0.0
+        answered = ledger.answered(v.round)
+        spec = answered.spec
         st.rounds += 1
         st.tokens += len(v.tokens)
         st.verify_ms.append(v.verify_ms)
@@ -386,13 +381,14 @@ class SpeculationCore:
         # a conditional tree that matched is verified right away: its verdict follows in one verify
         self.est.verdict_due = None if nxt is None else now + self.est.verify_ms / 1e3
         if not v.done and not self.cancelled and self.req.mode is not Mode.AR:
-            st.record_outcome(len(v.accepted_nodes), nxt is not None, predicted)
+            st.record_outcome(len(v.accepted_nodes), nxt is not None, answered.predicted)
         self.planner.keep_known()
         self.planner.expand_all()
-        if self.in_flight is not None and self.workspace_full and self.in_flight in ledger.specs:
+        live = None if nxt is None else ledger.get(nxt)
+        if live is not None and self.workspace_full:
             self.planner.clear()
-            return ledger.specs[self.in_flight], committed
+            return live, committed
         return None
 
 
-__all__ = ["DrafterProfile", "Refused", "SpeculationCore", "Steps"]
+__all__ = ["Clock", "DrafterProfile", "Refused", "SpeculationCore", "Steps"]

@@ -17,26 +17,28 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
 from edge_client.session import VerifierTimeout
 from edge_client.speculation.actions import (
     DRAFT_ACTIONS,
-    Action,
+    Ask,
     Deliver,
+    Delivered,
+    DraftAction,
     DraftConditional,
     Drafted,
     DraftPlain,
     FinishLeaves,
-    Reanchor,
-    SendPrompt,
-    SendTree,
+    Reanchored,
+    Send,
+    Sent,
+    Steps,
 )
 from edge_client.speculation.config import Request, TreeSpec
-from edge_client.speculation.core import SpeculationCore, Steps
+from edge_client.speculation.core import SpeculationCore
 from edge_client.speculation.outcomes import replay
 from edge_client.trees import (
     DraftCancelled,
@@ -49,7 +51,7 @@ from edge_client.trees import (
     finish_leaves_many,
 )
 from edge_client.trees.merged import merge_drafts
-from shared.messages import SessionLimits, Verdict
+from shared.messages import Message, Prompt, SessionLimits, Verdict
 from shared.protocol import ClientProtocol, ClientState
 from shared.tree import ExpansionConfig
 
@@ -107,7 +109,7 @@ class DraftStep:
         st = self.drafter.stats
         return st.extend_ms / st.extend_nodes if st.extend_nodes else 0.0
 
-    def run(self, action: DraftPlain | DraftConditional | FinishLeaves | Reanchor) -> object:
+    def run(self, action: DraftAction) -> DraftResult | Drafted | Reanchored:
         if isinstance(action, DraftPlain):
             return self._each(action.committed, self.options, action.budget)
         if isinstance(action, DraftConditional):
@@ -117,7 +119,7 @@ class DraftStep:
         for d in self.drafters:
             d.sync(action.committed)
         replay(self.drafter, action.tree)
-        return None
+        return Reanchored()
 
     def _each(self, committed: Sequence[int], opts: DraftOptions, budget: int) -> DraftResult:
         """Every drafter's tree below `committed` (+ opts.cond), merged."""
@@ -198,25 +200,29 @@ class RoundExecutor:
     """Runs one generation's core and yields its verdicts in order.
 
     send:  sends one encoded frame (the client's transport; raises when the connection drops)
-    recv:  receives and decodes one frame (the client's protocol)
+    recv:  receives one frame, decoded on arrival by the client's protocol (the pump; the core
+           acknowledges each frame when it takes it up)
     pool:  the one drafting thread
     verdict_timeout_s: the longest silence of the verifier while the client waits for a verdict
            (the prompt's, the round in flight's, the end of a cancel); then VerifierTimeout
+
+    The shell writes nothing of the round state: the core encodes every frame it sends through
+    its protocol (`Send` carries the bytes) and keeps the ledger; the shell stamps times with the
+    core's clock.
     """
 
     def __init__(
         self,
         core: SpeculationCore,
         step: DraftStep | None,
-        proto: ClientProtocol,
         send: Callable[[bytes], Awaitable[None]],
-        recv: Callable[[], Awaitable[Any]],
+        recv: Callable[[], Awaitable[Message]],
         pool: concurrent.futures.Executor,
         verdict_timeout_s: float | None = None,
     ) -> None:
         self.core = core
         self.step = step
-        self.proto = proto
+        self.proto: ClientProtocol = core.proto
         self._send = send
         self._recv = recv
         self.pool = pool
@@ -230,63 +236,57 @@ class RoundExecutor:
     def cancel(self) -> None:
         self.core.cancel()
 
-    async def _run(self, steps: Steps) -> None:
-        """Drive one core step to its end, executing each action it yields."""
-        result: Any = None
+    async def _drive(self, steps: Steps) -> AsyncGenerator[Verdict, None]:
+        """Drive one core step to its end, executing each action it yields; a verdict is yielded
+        to the client the moment the core delivers it."""
+        result: object = None
         while True:
             try:
                 action = steps.send(result)
             except StopIteration:
                 return
             result = await self._execute(action)
+            while self._out:
+                yield self._out.pop(0)
 
-    async def _execute(self, action: Action) -> Any:
+    async def _execute(self, action: Ask[object]) -> object:
         if isinstance(action, DRAFT_ACTIONS):
             assert self.step is not None
             loop = asyncio.get_running_loop()
             return await loop.run_in_executor(self.pool, self.step.run, action)
-        if isinstance(action, SendPrompt):
-            t_sent = time.perf_counter()
-            await self._send(self.proto.prompt(action.prompt))
-            return t_sent
-        if isinstance(action, SendTree):
-            frame = self.proto.tree(action.tree)
-            await self._send(frame)
-            return len(frame), time.perf_counter()
+        if isinstance(action, Send):
+            await self._send(action.frame)
+            return Sent(len(action.frame), self.core.clock())
         if isinstance(action, Deliver):
             self._out.append(action.verdict)
-            return None
+            return Delivered()
         raise TypeError(f"unknown action {action!r}")
 
-    async def run(self, prompt: Any) -> AsyncGenerator[Verdict, None]:
+    async def run(self, prompt: Prompt) -> AsyncGenerator[Verdict, None]:
         core = self.core
-        await self._run(core.start(prompt))
-        queue: asyncio.Queue[Any] = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(queue))
+        steps: Steps | None = core.start(prompt)
+        queue: asyncio.Queue[tuple[Message | BaseException, float]] = asyncio.Queue()
+        pump: asyncio.Task[None] | None = None
         try:
-            while not core.finished:
-                idle = core.idle(quiet=queue.empty())
-                if idle is not None:
-                    await self._run(idle)
-                    continue
-                msg, received = await queue.get()
-                if isinstance(msg, BaseException):
-                    raise msg
-                steps = core.receive(msg, received)
-                result: Any = None
-                while True:  # a verdict is yielded to the client the moment the core delivers it
-                    try:
-                        action = steps.send(result)
-                    except StopIteration:
-                        break
-                    result = await self._execute(action)
-                    while self._out:
-                        yield self._out.pop(0)
+            while steps is not None:
+                async for v in self._drive(steps):
+                    yield v
+                if pump is None:  # the prompt is sent: its frames may come
+                    pump = asyncio.create_task(self._pump(queue))
+                if core.finished:
+                    break
+                steps = core.idle(quiet=queue.empty())
+                if steps is None:
+                    msg, received = await queue.get()
+                    if isinstance(msg, BaseException):
+                        raise msg
+                    steps = core.receive(msg, received)
         finally:
             # the pump must be gone before anyone else reads the connection (a cancel's drain, the
             # next generation): frames it decoded are in the protocol's state already
-            pump.cancel()
-            await asyncio.wait([pump])
+            if pump is not None:
+                pump.cancel()
+                await asyncio.wait([pump])
 
     def _awaiting_verdict(self) -> bool:
         """The client waits for the verifier: the prompt's verdict, the round in flight's, or the
@@ -296,7 +296,8 @@ class RoundExecutor:
             return True
         return p.state is ClientState.GENERATING and (p.awaiting_prompt or p.in_flight is not None)
 
-    async def _pump(self, queue: asyncio.Queue[Any]) -> None:
+    async def _pump(self, queue: asyncio.Queue[tuple[Message | BaseException, float]]) -> None:
+        clock = self.core.clock
         while True:
             try:
                 try:
@@ -310,11 +311,11 @@ class RoundExecutor:
                         "verdict",
                     ) from None
             except BaseException as exc:  # a broken connection reaches the loop as an exception
-                await queue.put((exc, time.perf_counter()))
+                await queue.put((exc, clock()))
                 return
             # stamped on arrival: the loop may be busy drafting when it comes, and the round trip
             # (stats, dynamic budgets, the cost gate) must not count that wait
-            await queue.put((msg, time.perf_counter()))
+            await queue.put((msg, clock()))
 
 
 __all__ = ["DraftStep", "RoundExecutor"]

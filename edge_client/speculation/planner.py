@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import time
 from dataclasses import dataclass
 
 from edge_client.speculation.config import PrespecConfig
@@ -43,28 +42,23 @@ class Planner:
 
     def keep_known(self) -> None:
         """Drop the candidates of trees the ledger forgot."""
-        self.heap = [h for h in self.heap if h[2] in self.ledger.specs]
+        self.heap = [h for h in self.heap if h[2] in self.ledger]
         heapq.heapify(self.heap)
 
     def expand_all(self) -> None:
         """Queue the outcomes of every sent tree close enough to the committed sequence."""
-        cfg = self.cfg
-        if cfg is None:
-            return
-        ledger = self.ledger
-        for rid, spec in list(ledger.specs.items()):
-            if rid in ledger.leaves_pending:
-                continue
-            if rid not in ledger.expanded and ledger.ahead(spec) < cfg.max_chain:
+        if self.cfg is not None:
+            for rid in self.ledger.to_expand(self.cfg.max_chain):
                 self.expand(rid)
 
     def expand(self, rid: int) -> None:
         """Queue the likely outcomes of tree `rid` as candidates for conditional trees."""
         cfg = self.cfg
-        spec = self.ledger.specs.get(rid)
-        if cfg is None or spec is None or rid in self.ledger.expanded:
+        if cfg is None:
             return
-        self.ledger.expanded.add(rid)
+        spec = self.ledger.expanding(rid)
+        if spec is None:
+            return
         for o in predict_outcomes(spec.draft, cfg.fanout, cfg.r, cfg.allocation, self.choice):
             heapq.heappush(self.heap, (-spec.prob * o.prob, next(self._order), rid, o))
 
@@ -80,7 +74,7 @@ class Planner:
             if out and -neg_p < cfg.batch_min_prob:
                 break
             heapq.heappop(self.heap)
-            spec = self.ledger.specs.get(parent)
+            spec = self.ledger.get(parent)
             if spec is None:
                 continue
             full = spec.full + outcome.cond
@@ -89,22 +83,21 @@ class Planner:
             out.append(Candidate(parent, full, spec.prob * outcome.prob))
         return out
 
-    def worth_next(self, in_flight: int, est: RoundEstimates, rtt_ms: float) -> bool:
-        """The cost gate (outcomes.worth_drafting) for the most likely candidate."""
+    def worth_next(self, in_flight: int, est: RoundEstimates, rtt_ms: float, now: float) -> bool:
+        """The cost gate (outcomes.worth_drafting) for the most likely candidate, at clock time `now`."""
         cfg = self.cfg
         assert cfg is not None
         if est.draft_ms is None:
             return True
         neg_p, _, parent, _ = self.heap[0]
-        specs = self.ledger.specs
-        live = specs.get(in_flight)
+        live = self.ledger.get(in_flight)
         base = live.prob if live is not None and live.prob > 0 else 1.0
         p_hit = min(1.0, -neg_p / base)
         # the outcomes of the tree in flight that already have a conditional tree at the server
-        cover = sum(s.prob for s in specs.values() if s.parent == in_flight) / base
+        cover = sum(s.prob for s in self.ledger.children_of(in_flight)) / base
         if parent == in_flight:
             cover += p_hit
         p_fallback = min(1.0, max(0.0, 1.0 - cover))
         due = est.verdict_due
-        left = 0.0 if due is None else (due - time.perf_counter()) * 1e3
+        left = 0.0 if due is None else (due - now) * 1e3
         return worth_drafting(p_hit, p_fallback, est.draft_ms, rtt_ms, left, est.step_ms, cfg.min_gain)

@@ -7,7 +7,6 @@ and decoded as on the wire, in whatever order it likes.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,24 +14,53 @@ import numpy as np
 
 from edge_client.drafters.base import Drafter
 from edge_client.speculation import (
-    Action,
+    Ask,
     Deliver,
+    Delivered,
     DrafterProfile,
     DraftStep,
     Learned,
     PrespecConfig,
     Request,
-    SendPrompt,
-    SendTree,
+    Send,
+    Sent,
     SpeculationCore,
+    Steps,
 )
 from edge_client.speculation.actions import DRAFT_ACTIONS, FinishLeaves
-from edge_client.speculation.core import Steps
 from edge_client.stats import GenerationStats
+from edge_client.trees import DraftResult
 from shared.errors import ErrorCode
-from shared.messages import Error, Hello, Mode, Prompt, SessionLimits, Stale, Verdict, Welcome, encode
+from shared.messages import (
+    Error,
+    Hello,
+    Mode,
+    Prompt,
+    SessionLimits,
+    Stale,
+    Tree,
+    Verdict,
+    Welcome,
+    decode,
+    encode,
+)
 from shared.protocol import ClientProtocol, can_still_match
 from shared.tree import TokenTree
+
+
+@dataclass
+class ScriptedClock:
+    """The core's clock in a scripted session: time moves only when the test (or a draft's
+    measured time, `advance_by_drafts`) moves it."""
+
+    now: float = 1000.0
+    advance_by_drafts: bool = False
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, ms: float) -> None:
+        self.now += ms / 1e3
 
 
 @dataclass
@@ -45,6 +73,7 @@ class Scripted:
     limits: SessionLimits = field(default_factory=lambda: SessionLimits(max_pending=6))
     learned: Learned = field(default_factory=Learned)
     temperature: float = 0.0
+    clock: ScriptedClock = field(default_factory=ScriptedClock)
 
     def __post_init__(self) -> None:
         self.proto = ClientProtocol()
@@ -70,14 +99,15 @@ class Scripted:
             self.stats,
             DrafterProfile(self.step.max_nodes, self.step.ms_per_node),
             self.temperature,
+            clock=self.clock,
         )
         self.trees: dict[int, TokenTree] = {}  # every tree sent, by round (0: the prompt's)
         self.delivered: list[Verdict] = []
-        self.actions: list[Action] = []
+        self.actions: list[Ask[object]] = []
 
     # ------------------------------------------------------------------ running the core
     def _run(self, steps: Steps | None) -> None:
-        result: Any = None
+        result: object = None
         while steps is not None:
             try:
                 action = steps.send(result)
@@ -86,22 +116,37 @@ class Scripted:
             self.actions.append(action)
             result = self._execute(action)
 
-    def _execute(self, action: Action) -> Any:
+    def _execute(self, action: Ask[object]) -> object:
         if isinstance(action, DRAFT_ACTIONS):
-            return self.step.run(action)
-        if isinstance(action, SendPrompt):
-            self.proto.prompt(action.prompt)
-            if action.prompt.tree is not None:
-                self.trees[0] = action.prompt.tree
-            return time.perf_counter()
-        if isinstance(action, SendTree):
-            frame = self.proto.tree(action.tree)
-            self.trees[action.tree.round] = action.tree.tree
-            return len(frame), time.perf_counter()
+            out = self.step.run(action)
+            if self.clock.advance_by_drafts and isinstance(out, DraftResult):
+                self.clock.advance(out.draft_ms)
+            return out
+        if isinstance(action, Send):
+            # the verifier's side of the wire: the frame as the server would decode it
+            msg = decode(action.frame)
+            if isinstance(msg, Prompt):
+                if msg.tree is not None:
+                    self.trees[0] = msg.tree
+            elif isinstance(msg, Tree):
+                self.trees[msg.round] = msg.tree
+            else:
+                raise AssertionError(f"the core sent a {type(msg).__name__}")
+            return Sent(len(action.frame), self.clock())
         if isinstance(action, Deliver):
             self.delivered.append(action.verdict)
-            return None
+            return Delivered()
         raise TypeError(action)
+
+    def sent_trees(self) -> list[Tree]:
+        """The trees the core sent, in order, as the server decodes them."""
+        out = []
+        for a in self.actions:
+            if isinstance(a, Send) and a.kind == "tree":
+                msg = decode(a.frame)
+                assert isinstance(msg, Tree)
+                out.append(msg)
+        return out
 
     def start(self, tokens: list[int], max_new_tokens: int = 64) -> None:
         prompt = Prompt(
@@ -123,7 +168,7 @@ class Scripted:
 
     def _receive(self, msg: Verdict | Stale | Error) -> None:
         decoded = self.proto.receive(encode(msg), acknowledge=False)
-        self._run(self.core.receive(decoded, time.perf_counter()))
+        self._run(self.core.receive(decoded, self.clock()))
 
     # ------------------------------------------------------------------ the verifier's answers
     def outstanding_trees(self) -> dict[int, TokenTree]:
@@ -144,6 +189,7 @@ class Scripted:
         after it (still on their way)."""
         tree = self.trees[rnd]
         tokens = [int(tree.tokens[i]) for i in path] + [bonus]
+        self.clock.advance(5.0)  # verify_ms
         v = Verdict(
             round=rnd,
             tokens=np.asarray(tokens, dtype=np.int32),
@@ -159,7 +205,7 @@ class Scripted:
         # pump decodes those ahead of the core, as here (the core acknowledges each as it takes it up)
         decoded = self.proto.receive(encode(v), acknowledge=False)
         if not stales_first:
-            self._run(self.core.receive(decoded, time.perf_counter()))
+            self._run(self.core.receive(decoded, self.clock()))
         stales = []
         if not done:
             for r in sorted(self.proto.outstanding):
@@ -170,9 +216,9 @@ class Scripted:
                         self.proto.receive(encode(Stale(round=r, reason="no match")), acknowledge=False)
                     )
         if stales_first:
-            self._run(self.core.receive(decoded, time.perf_counter()))
+            self._run(self.core.receive(decoded, self.clock()))
         for st in stales:
-            self._run(self.core.receive(st, time.perf_counter()))
+            self._run(self.core.receive(st, self.clock()))
         return v
 
     def verdict_to(self, rnd: int, full: tuple[int, ...], **kw: Any) -> Verdict:

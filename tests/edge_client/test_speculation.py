@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from edge_client.speculation import DraftConditional, DraftPlain, PrespecConfig, Refused, Request, TreeSpec
-from edge_client.speculation.actions import SendTree
 from edge_client.speculation.outcomes import ChoiceModel, reach_probabilities
 from shared.messages import Mode, SessionLimits, Verdict
 from shared.tree import ExpansionConfig
@@ -30,7 +29,7 @@ def _session(prespec: PrespecConfig | None = None, **kw: Any) -> Scripted:
 
 def _children_of(s: Scripted, parent: int) -> dict[int, tuple[int, ...]]:
     """The conditional trees sent for outcomes of tree `parent`: round -> the sequence it assumes."""
-    return {r: sp.full for r, sp in s.core.ledger.specs.items() if sp.parent == parent}
+    return {sp.round: sp.full for sp in s.core.ledger.children_of(parent)}
 
 
 def _plain_drafts(s: Scripted) -> int:
@@ -50,23 +49,23 @@ def test_first_tree_rides_with_the_prompt_and_conditional_trees_follow() -> None
         assert full[: len(PROMPT)] == tuple(PROMPT) and len(full) > len(PROMPT)
         assert tree.base == len(PROMPT) and tuple(tree.cond.tolist()) == full[len(PROMPT) :]
     # chains: outcomes of conditional trees too; only trees fewer than max_chain (2) ahead expand
-    assert any(sp.parent not in (None, 0) for sp in s.core.ledger.specs.values())
-    assert all(s.core.ledger.ahead(sp) <= 2 for sp in s.core.ledger.specs.values())
+    assert any(sp.parent not in (None, 0) for sp in s.core.ledger)
+    assert all(s.core.ledger.ahead(sp) <= 2 for sp in s.core.ledger)
 
 
 def test_a_hit_needs_no_draft_and_the_chain_goes_on() -> None:
     s = _session()
     s.start(PROMPT)
     s.idle()
-    rid, full = max(_children_of(s, 0).items(), key=lambda kv: s.core.ledger.specs[kv[0]].prob)
+    rid, full = max(_children_of(s, 0).items(), key=lambda kv: s.core.ledger[kv[0]].prob)
     drafts = _plain_drafts(s)
     v = s.verdict_to(0, full, next_round=rid)
     assert [d.round for d in s.delivered] == [v.round] and tuple(s.proto.committed) == full
     assert s.core.in_flight == rid and _plain_drafts(s) == drafts  # no synchronous draft
     assert s.stats.hits == 1 and s.stats.decided == 1
-    assert all(sp.full[: len(full)] == full for sp in s.core.ledger.specs.values())  # the rest forgotten
+    assert all(sp.full[: len(full)] == full for sp in s.core.ledger)  # the rest forgotten
     # the trees that assumed another outcome came back stale; the chain below `rid` goes on
-    assert all(r in s.core.ledger.specs for r in s.proto.outstanding)
+    assert all(r in s.core.ledger for r in s.proto.outstanding)
     s.idle()
     grand = _children_of(s, rid)
     assert grand, "outcomes of the tree now in flight get conditional trees"
@@ -85,11 +84,11 @@ def test_a_miss_drafts_below_the_committed_sequence() -> None:
     assert tuple(s.proto.committed) == (*PROMPT, bonus)
     last = s.draft_actions(DraftPlain)[-1]
     assert last.committed == (*PROMPT, bonus) and _plain_drafts(s) == 2
-    sent = s.draft_actions(SendTree)[-1].tree
+    sent = s.sent_trees()[-1]
     assert sent.tree.base == len(PROMPT) + 1 and sent.tree.cond.size == 0
     assert s.core.in_flight == sent.round and s.core.anchor == (*PROMPT, bonus)
     assert s.stats.hits == 0 and s.stats.decided == 1
-    assert not any(sp.full[: len(PROMPT) + 1] != (*PROMPT, bonus) for sp in s.core.ledger.specs.values())
+    assert not any(sp.full[: len(PROMPT) + 1] != (*PROMPT, bonus) for sp in s.core.ledger)
 
 
 def test_a_conditional_tree_still_on_its_way_is_taken_as_the_tree_in_flight() -> None:
@@ -111,7 +110,7 @@ def test_a_conditional_tree_still_on_its_way_is_taken_as_the_tree_in_flight() ->
 def _a_missing_bonus(s: Scripted, rnd: int) -> int:
     """A bonus after nothing accepted in tree `rnd` that no tree sent assumes: a miss."""
     n = len(s.proto.committed)
-    assumed = {sp.full[n] for sp in s.core.ledger.specs.values() if len(sp.full) > n}
+    assumed = {sp.full[n] for sp in s.core.ledger if len(sp.full) > n}
     firsts = {int(s.trees[rnd].tokens[c]) for c in s.trees[rnd].children_of(-1)}
     return next(t for t in range(1, 64) if t not in assumed | firsts)
 
@@ -139,7 +138,7 @@ def test_speculations_leave_the_slot_of_the_tree_in_flight_to_a_fallback(
     assert len(speculations) == max_pending, "the core fills the room it has, no more"
     drafts = _plain_drafts(s)
     s.verdict(rnd, [], _a_missing_bonus(s, rnd), stales_first=False)
-    fallback = s.draft_actions(SendTree)[-1].tree.round
+    fallback = s.sent_trees()[-1].round
     assert _plain_drafts(s) == drafts + 1 and s.core.in_flight == fallback
     assert not s.proto.outstanding - {fallback}, "the speculations came back stale"
     s.idle()
@@ -152,7 +151,7 @@ def test_a_tree_refused_for_room_is_dropped_and_one_in_flight_fails_the_generati
     s.idle()
     rid = next(iter(_children_of(s, 0)))
     s.too_many_pending(rid)
-    assert s.stats.prespec_refused == 1 and rid not in s.core.ledger.specs
+    assert s.stats.prespec_refused == 1 and rid not in s.core.ledger
     with pytest.raises(Refused):
         s.too_many_pending(0)  # the tree in flight: not a speculation, the generation fails
 
@@ -160,7 +159,7 @@ def test_a_tree_refused_for_room_is_dropped_and_one_in_flight_fails_the_generati
 def test_a_draft_a_verdict_rules_out_is_abandoned_and_not_sent() -> None:
     s = _session(PrespecConfig(fanout=3, max_chain=2, gate=False, batch=1))
     s.start(PROMPT)
-    while s.core.ledger.leaves_pending:
+    while s.core.ledger.has_pending_leaves():
         s._run(s.core.idle(quiet=True))
     steps = s.core.idle(quiet=True)
     assert steps is not None
@@ -168,7 +167,7 @@ def test_a_draft_a_verdict_rules_out_is_abandoned_and_not_sent() -> None:
     assert isinstance(action, DraftConditional) and len(action.fulls) == 1
     assumed = action.fulls[0][len(PROMPT)]
     other = next(t for t in range(64) if t != assumed and t not in s.trees[0].tokens[:2].tolist())
-    sent = len(s.draft_actions(SendTree))
+    sent = len(s.sent_trees())
     # the verdict is decoded (as the executor's pump does) while the draft runs
     from shared.messages import encode
 
@@ -185,7 +184,7 @@ def test_a_draft_a_verdict_rules_out_is_abandoned_and_not_sent() -> None:
     result = s.step.run(action)
     with pytest.raises(StopIteration):
         steps.send(result)
-    assert s.stats.prespec_cancelled == 1 and len(s.draft_actions(SendTree)) == sent
+    assert s.stats.prespec_cancelled == 1 and len(s.sent_trees()) == sent
 
 
 def test_the_end_of_the_generation_mid_flight() -> None:
@@ -206,7 +205,7 @@ def test_leaves_are_evaluated_only_when_they_may_be_reached() -> None:
     right, the drafting thread never spends time on leaves."""
     s = _session(PrespecConfig(fanout=3, max_chain=2, gate=False, leaf_min_reach=0.1))
     s.start(PROMPT)
-    spec = s.core.ledger.specs[0]
+    spec = s.core.ledger[0]
     reach = spec.prob * reach_probabilities(spec.draft, s.core.choice)
     unevaluated = set(np.flatnonzero(spec.draft.workspace_ids < 0).tolist())
     s.idle()
@@ -217,7 +216,7 @@ def test_leaves_are_evaluated_only_when_they_may_be_reached() -> None:
     assert all(reach[n] >= 0.1 for n in evaluated)
     assert all(reach[n] < 0.1 for n in unevaluated - evaluated)
     assert unevaluated - evaluated, "some side branches were left out"
-    assert bool((s.core.ledger.specs[0].draft.workspace_ids[list(evaluated)] >= 0).all())
+    assert bool((s.core.ledger[0].draft.workspace_ids[list(evaluated)] >= 0).all())
 
     never = Scripted(FakeDrafter(64), Request(Mode.GREEDY, SHAPE), PrespecConfig(leaf_min_reach=0.1))
     never.learned.choice[(0.0, False)] = ChoiceModel(temperature=0.0, agree=0.0, tested=1e6, decay=1.0)
@@ -263,13 +262,13 @@ def test_random_sessions_keep_the_wire_limits_and_one_tree_in_flight(seed: int) 
         first = bool(rng.random() < 0.5)
         if hits and rng.random() < 0.7:
             r = hits[int(rng.integers(len(hits)))]
-            full = s.core.ledger.specs[r].full
+            full = s.core.ledger[r].full
             s.verdict_to(rnd, full, next_round=r if rng.random() < 0.5 else None, stales_first=first)
             assert s.core.in_flight == r and tuple(s.proto.committed) == full
         else:
             bonus = _a_missing_bonus(s, rnd)
             s.verdict(rnd, [], bonus, stales_first=first)
             assert tuple(s.proto.committed) == (*committed, bonus)
-            fallback = s.draft_actions(SendTree)[-1].tree
+            fallback = s.sent_trees()[-1]
             assert s.core.in_flight == fallback.round and fallback.tree.base == len(committed) + 1
     assert s.stats.rounds == len(s.delivered) == rounds
