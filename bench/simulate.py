@@ -1,0 +1,809 @@
+"""Replay logged rounds under other costs: ms/token for the edge and the verifier on separate
+machines, for a verifier whose cost is flat in the tree's size (a GPU's shape), and for policies
+(outcomes pre-speculated per round, the miss path's drafting cost, the round trip), in seconds.
+
+Input: the round traces `bench.network --trace PATH` writes (`{"config", "generations": [{"mode",
+"rtt_ms", "temperature", "prompt_index", "trace", "stats"}]}`, `trace` an
+`edge_client.stats.RoundTrace`: every send, verdict and draft action of a generation with the
+drafter's evaluations, on the edge's clock).
+
+The model (a discrete-event replay, one generation at a time):
+
+- the edge has one drafting thread; it runs the logged draft actions in their order, each
+  re-costed (its evaluations at the drafter curve's ms for their rows, plus the action's logged
+  time outside evaluations), none before the verdict it followed in the log has arrived, and
+  each after the same slack it had in the log (the core's own work between actions, sends);
+- a tree leaves when the action that drafted it ends (plus the logged gap to its send) and
+  reaches the verifier RTT/2 (+ half the link overhead measured in the trace) later;
+- the verifier verifies the rounds in the logged order: round j starts when its tree is there
+  and the previous verification has ended (+ the server's per-round overhead measured in the
+  trace); it takes V(N) (N = the tree's rows, row 0 included); the verdict reaches the edge
+  RTT/2 later. A hit whose tree is not at the server yet stalls until it is (a late hit);
+- on a miss the edge drafts synchronously (the logged plain draft re-costed, T_b) and sends; the
+  conditional drafts of the old speculation still queued are dropped and the one running stops
+  after its current evaluation (the core abandons a draft a verdict rules out);
+- a generation's ms/token is (the replayed span from its first draft to its last verdict + the
+  logged time outside that span) / its tokens.
+
+Scenarios: `colocated` (the trace's own timings: every evaluation's and verification's logged
+ms; this must reproduce the measured ms/token, the validation column), `separate` (the drafter
+and verifier cost curves: --drafter-curve / --verifier-curve, else fit from the trace's own
+evaluations and verdicts, i.e. co-located costs smoothed), `flat` (the drafter curve, and a
+verifier that costs --flat-verifier ms whatever the tree's size).
+
+What a replay can honestly change, and what not:
+
+- RTT (--rtt-ms): any value; the rounds' outcomes stay as logged;
+- N (--n): outcomes pre-speculated per round, at most what the log drafted: the conditional trees
+  of each parent beyond the N likeliest (by the outcome model's odds when sent) are not drafted
+  (a lockstep draft of several trees evaluates proportionally fewer rows), and a hit on one of
+  them becomes a miss with a synchronous draft. A replay cannot invent hits for outcomes never
+  drafted: for N beyond the log, the hit rate needs the prediction ceiling (bench.outcomes);
+- the miss path's cost (--backup-ms): the synchronous draft after a miss takes this long; the
+  tokens of the round it starts stay as logged (a cheaper backup tree also accepts fewer tokens,
+  which the replay cannot know: pair it with bench.outcomes / bench.network's measured tau);
+- timing-driven decisions of the core (the cost gate, which drafts were cut by a verdict) stay as
+  logged.
+
+    python -m bench.simulate bench/out/network_trace.json --rtt-ms 0,50,100 --n 1,2,4 \\
+        --verifier-curve bench/out/verifier_curve.json --flat-verifier 30 --json bench/out/sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import csv
+import json
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.harness import table
+from edge_client.stats import DraftEvent, RoundTrace, SendEvent, VerdictEvent
+
+# draft actions a miss drops when it comes before they begin (conditional drafts are also abandoned
+# after the evaluation under way; leaves, once begun, are finished)
+CUT_KINDS = ("conditional", "leaves")
+SCENARIOS = ("colocated", "separate", "flat")
+
+
+# --------------------------------------------------------------------------- cost curves
+@dataclass(frozen=True)
+class Curve:
+    """ms of one evaluation (drafter) or forward (verifier) of n rows: piecewise linear through
+    `points` (rows ascending), flat below the first, the last segment's slope (not below 0)
+    beyond the last."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.points:
+            raise ValueError("a cost curve needs at least one (rows, ms) point")
+        xs = [p[0] for p in self.points]
+        if xs != sorted(xs) or len(set(xs)) != len(xs):
+            raise ValueError("a cost curve's rows must be distinct and ascending")
+        if any(ms < 0 for _, ms in self.points):
+            raise ValueError("a cost curve's ms must be 0 or more")
+
+    def __call__(self, rows: float) -> float:
+        pts = self.points
+        xs = [p[0] for p in pts]
+        if rows <= xs[0] or len(pts) == 1:
+            return pts[0][1] if rows <= xs[0] else pts[-1][1]
+        if rows >= xs[-1]:
+            (x0, y0), (x1, y1) = pts[-2], pts[-1]
+            return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (rows - x1)
+        i = bisect.bisect_right(xs, rows)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+
+    @classmethod
+    def flat(cls, ms: float) -> Curve:
+        return cls(((1.0, float(ms)),))
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[float, float]]) -> Curve:
+        """The median ms at each row count seen."""
+        by: dict[float, list[float]] = {}
+        for rows, ms in samples:
+            by.setdefault(float(rows), []).append(float(ms))
+        if not by:
+            raise ValueError("no samples to fit a cost curve to")
+        return cls(tuple((x, statistics.median(by[x])) for x in sorted(by)))
+
+    @classmethod
+    def load(cls, path: Path) -> Curve:
+        """A curve file: CSV of `rows,ms` lines (a header line is skipped), or JSON as
+        {"rows": [...], "ms": [...]}, [[rows, ms], ...] or {"<rows>": ms, ...}."""
+        text = path.read_text(encoding="utf-8")
+        pts: list[tuple[float, float]] = []
+        if path.suffix.lower() == ".csv":
+            for row in csv.reader(text.splitlines()):
+                if len(row) < 2:
+                    continue
+                try:
+                    pts.append((float(row[0]), float(row[1])))
+                except ValueError:
+                    continue  # a header
+        else:
+            doc = json.loads(text)
+            if isinstance(doc, dict) and "rows" in doc and "ms" in doc:
+                pts = [(float(x), float(y)) for x, y in zip(doc["rows"], doc["ms"], strict=True)]
+            elif isinstance(doc, dict):
+                pts = [(float(x), float(y)) for x, y in doc.items()]
+            elif isinstance(doc, list):
+                pts = [(float(p[0]), float(p[1])) for p in doc]
+        if not pts:
+            raise ValueError(f"{path}: no (rows, ms) points")
+        return cls.fit(pts)
+
+    def as_dict(self) -> dict[str, list[float]]:
+        return {"rows": [p[0] for p in self.points], "ms": [round(p[1], 3) for p in self.points]}
+
+
+# --------------------------------------------------------------------------- input
+@dataclass(frozen=True)
+class Generation:
+    """One traced generation: its trace, and what was measured of it."""
+
+    trace: RoundTrace
+    tokens: int
+    ms_per_token: float  # measured (wall time / tokens)
+    mode: str = ""
+    rtt_ms: float = 0.0
+    temperature: float = 0.0
+    prompt_index: int = 0
+
+    @property
+    def wall_ms(self) -> float:
+        return self.ms_per_token * self.tokens
+
+
+def trace_from_dict(d: dict[str, Any]) -> RoundTrace:
+    """A RoundTrace from its as_dict() form."""
+    return RoundTrace(
+        sends=[SendEvent(**e) for e in d.get("sends", [])],
+        verdicts=[VerdictEvent(**e) for e in d.get("verdicts", [])],
+        drafts=[
+            DraftEvent(
+                **{**e, "evaluations": tuple((str(k), int(r), float(ms)) for k, r, ms in e["evaluations"])}
+            )
+            for e in d.get("drafts", [])
+        ],
+    )
+
+
+def load_generations(paths: Sequence[Path]) -> tuple[list[Generation], list[Generation]]:
+    """The traced generations of `bench.network --trace` files: (speculative ones with a trace
+    of at least one verdict, mode-ar ones (no trees: their measured ms/token is the reference))."""
+    spec: list[Generation] = []
+    ar: list[Generation] = []
+    for path in paths:
+        try:
+            doc = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read a trace file ({exc})") from None
+        gens = doc.get("generations") if isinstance(doc, dict) else None
+        if not isinstance(gens, list):
+            raise ValueError(f"{path}: no 'generations' list; is it a bench.network --trace file?")
+        for g in gens:
+            st = g.get("stats") or {}
+            gen = Generation(
+                trace=trace_from_dict(g.get("trace") or {}),
+                tokens=int(st.get("tokens", 0)),
+                ms_per_token=float(st.get("ms_per_token", 0.0)),
+                mode=str(g.get("mode", "")),
+                rtt_ms=float(g.get("rtt_ms", 0.0)),
+                temperature=float(g.get("temperature", 0.0)),
+                prompt_index=int(g.get("prompt_index", 0)),
+            )
+            if gen.mode == "ar":
+                ar.append(gen)
+            elif gen.trace.verdicts and gen.trace.sends and gen.tokens > 0:
+                spec.append(gen)
+    return spec, ar
+
+
+# --------------------------------------------------------------------------- what the log says
+@dataclass(frozen=True)
+class Overheads:
+    """Time the replay does not derive from costs, measured in the traces (ms).
+
+    link:   a round trip beyond the nominal RTT and the verification (framing, sockets, the event
+            loops), from the rounds sent with the server idle (after a miss): verdict - send -
+            verify - RTT
+    server: between two verifications back to back (a hit whose tree was there in time): the
+            server's own per-round work outside the verify time (verdict, next tree, gathering)
+    """
+
+    link: float = 0.0
+    server: float = 0.0
+
+    @classmethod
+    def measure(cls, gens: Sequence[Generation]) -> Overheads:
+        link: list[float] = []
+        server: list[float] = []
+        for g in gens:
+            tr = g.trace
+            sends = {s.round: s for s in tr.sends}
+            vs = tr.verdicts
+            for j, v in enumerate(vs):
+                s = sends.get(v.round)
+                if s is None:
+                    continue
+                prev = vs[j - 1] if j else None
+                if prev is None or not prev.hit:  # sent with nothing in flight
+                    if j:  # round 0 carries the prompt's prefill in its verify time
+                        link.append((v.t - s.t) * 1e3 - v.verify_ms - g.rtt_ms)
+                elif s.t * 1e3 + g.rtt_ms / 2 < prev.t * 1e3 - g.rtt_ms / 2:
+                    # at the server before the previous verification ended: back to back
+                    server.append((v.t - prev.t) * 1e3 - v.verify_ms)
+        return cls(_median0(link), _median0(server))
+
+
+def _median0(xs: Sequence[float]) -> float:
+    return max(0.0, statistics.median(xs)) if xs else 0.0
+
+
+@dataclass
+class _Draft:
+    """A draft action on the replayed drafting thread."""
+
+    epoch: int  # verdicts taken up before it started (it waits for the last of them)
+    kind: str
+    evals: list[tuple[int, float]]  # (rows, logged ms) of each evaluation
+    other_ms: float  # its logged time outside evaluations
+    slack_ms: float  # logged wait after it could have started (the core's work, sends)
+    trees: int
+    sends: list[SendEvent] = field(default_factory=list)
+    send_gap_ms: dict[int, float] = field(default_factory=dict)  # round -> ms from its end to the send
+    fixed_ms: float | None = None  # a fixed time instead of its evaluations (--backup-ms)
+    synthetic: bool = False  # a miss path the policy made (no draft of the log)
+
+
+def _drafts(trace: RoundTrace) -> list[_Draft]:
+    vt = [v.t for v in trace.verdicts]
+    out: list[_Draft] = []
+    prev_end: float | None = None
+    for d in sorted(trace.drafts, key=lambda e: e.t0):
+        epoch = bisect.bisect_right(vt, d.t0)
+        ready = d.t0 if prev_end is None else max(prev_end, vt[epoch - 1] if epoch else prev_end)
+        evals = [(int(r), float(ms)) for _, r, ms in d.evaluations]
+        other = max(0.0, (d.t1 - d.t0) * 1e3 - sum(ms for _, ms in evals))
+        out.append(_Draft(epoch, d.kind, evals, other, max(0.0, (d.t0 - ready) * 1e3), d.trees))
+        prev_end = d.t1
+    # each send belongs to the last draft that ended before it
+    ends = [d.t1 for d in sorted(trace.drafts, key=lambda e: e.t0)]
+    for s in trace.sends:
+        i = bisect.bisect_right(ends, s.t + 1e-9) - 1
+        if i < 0:
+            i = 0
+        out[i].sends.append(s)
+        out[i].send_gap_ms[s.round] = max(0.0, (s.t - ends[i]) * 1e3)
+    return out
+
+
+# --------------------------------------------------------------------------- the replay
+@dataclass(frozen=True)
+class Costs:
+    """What drafting and verifying cost in a scenario (None: the trace's own logged ms)."""
+
+    name: str
+    drafter: Curve | None = None
+    verifier: Curve | None = None
+    prefill: str = "logged"  # round 0's verification: "logged" (it holds the prompt's prefill) or "curve"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The knobs a replay can change (module docstring). None: as logged."""
+
+    rtt_ms: float | None = None
+    n: int | None = None
+    backup_ms: float | None = None
+
+    def label(self) -> str:
+        return (
+            "logged"
+            if self == Policy()
+            else ", ".join(
+                f"{k} {v:g}"
+                for k, v in (("rtt", self.rtt_ms), ("N", self.n), ("T_b", self.backup_ms))
+                if v is not None
+            )
+        )
+
+
+@dataclass(frozen=True)
+class Replay:
+    """One generation replayed."""
+
+    tokens: int
+    ms: float  # replayed wall time (span + outside)
+    span_ms: float
+    outside_ms: float
+    rounds: int
+    decided: int
+    hits: int
+    stall_ms: float  # late hits: the verifier waited for the next tree
+    miss_draft_ms: float  # synchronous drafting after misses (the critical path's)
+    verify_ms: float  # the verifier's busy time
+    prespec_ms: float  # drafting off the critical path
+
+    @property
+    def ms_per_token(self) -> float:
+        return self.ms / self.tokens if self.tokens else 0.0
+
+
+def _dropped_rounds(sends: Sequence[SendEvent], n: int | None) -> set[int]:
+    """Conditional trees a policy of N outcomes per parent does not draft: beyond the N likeliest
+    of their parent's, and the conditional trees below those."""
+    if n is None:
+        return set()
+    by_parent: dict[int, list[SendEvent]] = {}
+    for s in sends:
+        if s.parent is not None:
+            by_parent.setdefault(s.parent, []).append(s)
+    dropped: set[int] = set()
+    for kids in by_parent.values():
+        kids.sort(key=lambda s: (-s.prob, s.round))
+        dropped.update(s.round for s in kids[n:])
+    changed = True
+    while changed:  # descendants of dropped trees were never drafted either
+        changed = False
+        for s in sends:
+            if s.parent in dropped and s.round not in dropped:
+                dropped.add(s.round)
+                changed = True
+    return dropped
+
+
+def replay(gen: Generation, costs: Costs, policy: Policy = Policy(), over: Overheads = Overheads()) -> Replay:
+    """Replay one generation's rounds (module docstring) under `costs` and `policy`."""
+    tr = gen.trace
+    vs = tr.verdicts
+    rtt = gen.rtt_ms if policy.rtt_ms is None else policy.rtt_ms
+    up = down = (rtt + over.link) / 2
+    drafts = _drafts(tr)
+    nodes = {s.round: s.nodes for s in tr.sends}
+    dropped = _dropped_rounds(tr.sends, policy.n)
+
+    def eval_ms(rows: int, logged: float) -> float:
+        return logged if costs.drafter is None else costs.drafter(rows)
+
+    def draft_ms(d: _Draft) -> float:
+        return sum(eval_ms(r, ms) for r, ms in d.evals) + d.other_ms
+
+    def verify_ms(j: int) -> float:
+        v = vs[j]
+        if costs.verifier is None or (j == 0 and costs.prefill == "logged"):
+            return v.verify_ms
+        return costs.verifier(nodes.get(v.round, 0) + 1)
+
+    # the log's own miss paths (plain drafts after a verdict); --backup-ms fixes their time
+    miss_drafts = [d for d in drafts if d.kind == "plain" and d.epoch > 0]
+    if policy.backup_ms is not None:
+        for d in miss_drafts:
+            d.fixed_ms = policy.backup_ms
+    # a miss path the policy makes: as long as the log's (median), else the first tree's drafting
+    # without its prompt sync
+    if policy.backup_ms is not None:
+        template = policy.backup_ms
+    elif miss_drafts:
+        template = statistics.median(draft_ms(d) for d in miss_drafts)
+    else:
+        first = next((d for d in drafts if d.kind == "plain"), None)
+        ext = first.evals[1:] if first is not None else []
+        template = sum(eval_ms(r, ms) for r, ms in ext) + (eval_ms(1, ext[0][1]) if ext else 0.0)
+    slack_plain = statistics.median(d.slack_ms for d in miss_drafts) if miss_drafts else 0.0
+    gaps = [g for d in miss_drafts for g in d.send_gap_ms.values()]
+    gap_plain = statistics.median(gaps) if gaps else 0.0
+
+    # the policy: the conditional trees it does not draft; a hit on one of them becomes a miss
+    hit = [v.hit and not (v.next is not None and v.next in dropped) for v in vs]
+    plan: list[tuple[int, int, int, _Draft]] = []  # (epoch, miss path first, log order, draft)
+    for j, v in enumerate(vs):
+        if v.hit and not hit[j]:
+            nxt = v.next
+            assert nxt is not None
+            s = SendEvent(v.t, nxt, None, nodes.get(nxt, 0), 0, 0, 1.0, 0)
+            syn = _Draft(j + 1, "plain", [], 0.0, slack_plain, 1, [s], {nxt: gap_plain}, template, True)
+            plan.append((j + 1, 0, -1, syn))
+    for i, d in enumerate(drafts):
+        kept = [s for s in d.sends if s.round not in dropped]
+        if d.kind in CUT_KINDS and d.sends and not kept and len(d.sends) >= d.trees:
+            continue  # every tree it drafted is one the policy does not draft
+        if len(kept) < len(d.sends) and d.trees:
+            share = (d.trees - (len(d.sends) - len(kept))) / d.trees
+            evals = [(max(1, round(r * share)), ms * share) for r, ms in d.evals]
+            d = replace(d, evals=evals, sends=kept)
+        plan.append((d.epoch, 1, i, d))
+    plan.sort(key=lambda x: x[:3])
+
+    # the event loop: drafts in order, each verdict as soon as its tree's send time is known
+    t_origin = min(e.t0 for e in tr.drafts) if tr.drafts else vs[0].t
+    arrive: dict[int, float] = {}  # round -> ms it reaches the verifier (0 = the first draft began)
+    verdict_at: list[float] = []
+    verify_end = 0.0
+    thread_free = 0.0
+    stall = miss_draft = busy = prespec = 0.0
+
+    def settle_verdicts() -> None:
+        nonlocal verify_end, stall, busy
+        while len(verdict_at) < len(vs):
+            j = len(verdict_at)
+            a = arrive.get(vs[j].round)
+            if a is None:
+                return
+            start = a
+            if j and hit[j - 1]:  # verified after the previous one, if its tree is there in time
+                free = verify_end + over.server
+                stall += max(0.0, a - free)
+                start = max(a, free)
+            start = max(start, verify_end)
+            v = verify_ms(j)
+            busy += v
+            verify_end = start + v
+            verdict_at.append(verify_end + down)
+
+    def first_miss_from(epoch: int) -> float | None:
+        for j in range(epoch, len(verdict_at)):
+            if not hit[j] and not vs[j].done:
+                return verdict_at[j]
+        return None
+
+    for _, _, _, d in plan:
+        settle_verdicts()
+        if d.epoch > len(verdict_at):
+            raise ValueError("trace inconsistent: a draft follows a verdict whose tree was never sent")
+        opened = verdict_at[d.epoch - 1] if d.epoch else 0.0
+        start = max(thread_free, opened) + d.slack_ms
+        cut = first_miss_from(d.epoch) if d.kind in CUT_KINDS else None
+        if cut is not None and cut <= start:
+            continue  # a verdict ruled it out before it began
+        if d.kind == "leaves":
+            cut = None  # evaluating leaves is not abandoned once begun
+        t = start
+        stopped = False
+        if d.fixed_ms is not None:
+            t += d.fixed_ms
+        else:
+            n_eval = max(1, len(d.evals))
+            for rows, ms in d.evals:
+                t += eval_ms(rows, ms) + d.other_ms / n_eval
+                if cut is not None and t >= cut:
+                    stopped = True  # abandoned after the evaluation under way
+                    break
+            if not d.evals:
+                t += d.other_ms
+        thread_free = t
+        if d.kind == "plain" and d.epoch > 0:
+            miss_draft += t - start
+        elif d.kind in CUT_KINDS:
+            prespec += t - start
+        if not stopped:
+            for s in d.sends:
+                arrive[s.round] = t + d.send_gap_ms.get(s.round, 0.0) + up
+    settle_verdicts()
+    if len(verdict_at) < len(vs):
+        raise ValueError("trace inconsistent: a verified round's tree was never sent")
+
+    outside = max(0.0, gen.wall_ms - (vs[-1].t - t_origin) * 1e3)
+    span = verdict_at[-1]
+    return Replay(
+        tokens=gen.tokens,
+        ms=span + outside,
+        span_ms=span,
+        outside_ms=outside,
+        rounds=len(vs),
+        decided=sum(1 for v in vs if not v.done),
+        hits=sum(1 for j, v in enumerate(vs) if hit[j] and not v.done),
+        stall_ms=stall,
+        miss_draft_ms=miss_draft,
+        verify_ms=busy,
+        prespec_ms=prespec,
+    )
+
+
+# --------------------------------------------------------------------------- scenarios
+def fit_drafter(gens: Sequence[Generation]) -> Curve:
+    """The drafter's ms per evaluation of n rows, from the traces' own evaluations."""
+    return Curve.fit((r, ms) for g in gens for d in g.trace.drafts for _, r, ms in d.evaluations)
+
+
+def fit_verifier(gens: Sequence[Generation]) -> Curve:
+    """The verifier's ms per forward of N rows (tree nodes + row 0), from the traces' verdicts
+    (round 0 left out: its time holds the prompt's prefill)."""
+    samples: list[tuple[float, float]] = []
+    for g in gens:
+        nodes = {s.round: s.nodes for s in g.trace.sends}
+        for v in g.trace.verdicts:
+            if v.round != 0 and v.round in nodes:
+                samples.append((nodes[v.round] + 1, v.verify_ms))
+    return Curve.fit(samples)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One scenario x policy over every generation."""
+
+    scenario: str
+    policy: Policy
+    replays: tuple[Replay, ...]
+    measured_ms_per_token: float | None  # co-located, logged policy only
+    ar_ms_per_token: float | None
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.tokens for r in self.replays)
+
+    @property
+    def ms_per_token(self) -> float:
+        return sum(r.ms for r in self.replays) / max(1, self.tokens)
+
+    def as_dict(self) -> dict[str, Any]:
+        rs = self.replays
+        rounds = max(1, sum(r.rounds for r in rs))
+        decided = sum(r.decided for r in rs)
+        misses = max(1, decided - sum(r.hits for r in rs))
+        err = (
+            None
+            if self.measured_ms_per_token is None
+            else round(100 * (self.ms_per_token / self.measured_ms_per_token - 1), 2)
+        )
+        return {
+            "scenario": self.scenario,
+            "policy": self.policy.label(),
+            "rtt_ms": self.policy.rtt_ms,
+            "n": self.policy.n,
+            "backup_ms": self.policy.backup_ms,
+            "ms_per_token": round(self.ms_per_token, 3),
+            "measured_ms_per_token": None
+            if self.measured_ms_per_token is None
+            else round(self.measured_ms_per_token, 3),
+            "error_pct": err,
+            "x_ar": None if not self.ar_ms_per_token else round(self.ms_per_token / self.ar_ms_per_token, 3),
+            "tau": round(self.tokens / rounds, 3),
+            "hit_rate": round(sum(r.hits for r in rs) / decided, 4) if decided else None,
+            "verify_ms_per_round": round(sum(r.verify_ms for r in rs) / rounds, 2),
+            "stall_ms_per_round": round(sum(r.stall_ms for r in rs) / rounds, 2),
+            "miss_draft_ms_per_miss": round(sum(r.miss_draft_ms for r in rs) / misses, 2),
+            "prespec_ms_per_round": round(sum(r.prespec_ms for r in rs) / rounds, 2),
+            "verifier_ms_per_token": round(sum(r.verify_ms for r in rs) / max(1, self.tokens), 3),
+            "per_generation_ms_per_token": [round(r.ms_per_token, 3) for r in rs],
+        }
+
+
+def simulate(
+    gens: Sequence[Generation],
+    scenarios: dict[str, Costs],
+    policies: Sequence[Policy],
+    ar_ms_per_token: float | None = None,
+    progress: bool = False,
+) -> tuple[list[Row], Overheads]:
+    """Every scenario x policy over `gens` (one mode, temperature and logged RTT); the overheads
+    measured in them. `ar_ms_per_token`: mode ar's measured ms/token beside them (co-located)."""
+    over = Overheads.measure(gens)
+    measured = sum(g.wall_ms for g in gens) / max(1, sum(g.tokens for g in gens))
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        total = len(scenarios) * len(policies) * len(gens)
+        bar = tqdm(total=total, desc="replay", file=sys.stderr, delay=2.0)
+    rows: list[Row] = []
+    for name, costs in scenarios.items():
+        # mode ar streams a token per one-row forward: its cost per token in this scenario
+        ar_ms = ar_ms_per_token if costs.verifier is None else costs.verifier(1) + over.server
+        for pol in policies:
+            reps = []
+            for g in gens:
+                reps.append(replay(g, costs, pol, over))
+                if bar is not None:
+                    bar.update()
+            logged = pol == Policy()
+            rows.append(
+                Row(name, pol, tuple(reps), measured if name == "colocated" and logged else None, ar_ms)
+            )
+    if bar is not None:
+        bar.close()
+    return rows, over
+
+
+def _floats(ap: argparse.ArgumentParser, flag: str, text: str | None) -> list[float]:
+    if not text:
+        return []
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"{flag} takes comma-separated numbers, got {text!r}")
+
+
+def policies_of(rtts: Sequence[float], ns: Sequence[int], backups: Sequence[float]) -> list[Policy]:
+    """The logged policy first, then every combination of the values given (a knob not given
+    stays as logged)."""
+    out = [Policy()]
+    for rtt in [None, *rtts]:
+        for n in [None, *ns]:
+            for b in [None, *backups]:
+                p = Policy(rtt, n, b)
+                if p not in out:
+                    out.append(p)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.simulate",
+        description="Replay logged rounds (bench.network --trace) under other costs and policies: ms/token "
+        "co-located (the validation: it must match the measured figure), on separate machines, and with a "
+        "verifier whose cost is flat in the tree's size. The module docstring says what a replay can and "
+        "cannot change.",
+    )
+    ap.add_argument("traces", nargs="+", type=Path, help="trace files written by bench.network --trace PATH")
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated bench modes to replay (default: every traced mode but ar)",
+    )
+    ap.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIOS),
+        help="colocated: the trace's own timings (validation); separate: the cost curves; flat: the drafter "
+        "curve and a verifier flat in N (default: all three)",
+    )
+    ap.add_argument(
+        "--drafter-curve",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the drafter's ms per evaluation of n rows measured in isolation: CSV `rows,ms` or JSON "
+        '({"rows": [...], "ms": [...]}, [[rows, ms], ...] or {"rows": ms}); default: fit (median per row '
+        "count) from the traces' own evaluations, i.e. co-located",
+    )
+    ap.add_argument(
+        "--verifier-curve",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the verifier's ms per forward of N rows (tree nodes + row 0) measured in isolation, same "
+        "formats; default: fit from the traces' verdicts (verify_ms against tree size), i.e. co-located",
+    )
+    ap.add_argument(
+        "--flat-verifier",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="the flat scenario's verifier: MS per forward whatever N (a GPU's shape; also the prompt's "
+        "round); default: the verifier curve at one row",
+    )
+    ap.add_argument(
+        "--rtt-ms", default=None, help="comma-separated round-trip times to replay besides the logged one"
+    )
+    ap.add_argument(
+        "--n",
+        default=None,
+        help="comma-separated outcomes pre-speculated per round to replay: each tree's conditional trees "
+        "beyond the N likeliest are not drafted (a hit on one becomes a miss); at most what the log drafted",
+    )
+    ap.add_argument(
+        "--backup-ms",
+        default=None,
+        help="comma-separated drafting times (ms) of the miss path's synchronous tree to replay instead "
+        "of the logged ones (the round's tokens stay as logged)",
+    )
+    ap.add_argument(
+        "--json", type=Path, default=None, metavar="PATH", help="write the rows to this JSON file"
+    )
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = ap.parse_args(argv)
+    scen_names = [x for x in a.scenarios.split(",") if x]
+    bad = [x for x in scen_names if x not in SCENARIOS]
+    if bad or not scen_names:
+        ap.error(f"--scenarios: unknown {bad or 'none given'}; choose from {','.join(SCENARIOS)}")
+    rtts = _floats(ap, "--rtt-ms", a.rtt_ms)
+    ns = [int(x) for x in _floats(ap, "--n", a.n)]
+    if any(n < 1 for n in ns):
+        ap.error("--n takes counts of 1 or more")
+    backups = _floats(ap, "--backup-ms", a.backup_ms)
+    if any(x < 0 for x in (*rtts, *backups)):
+        ap.error("--rtt-ms and --backup-ms take values of 0 or more")
+    try:
+        gens, ar = load_generations(a.traces)
+        drafter = Curve.load(a.drafter_curve) if a.drafter_curve else None
+        verifier = Curve.load(a.verifier_curve) if a.verifier_curve else None
+    except (OSError, ValueError) as exc:
+        ap.error(str(exc))
+    if a.modes:
+        keep = {m for m in a.modes.split(",") if m}
+        gens = [g for g in gens if g.mode in keep]
+    if not gens:
+        ap.error("no traced speculative generation in the trace files (run bench.network with --trace PATH)")
+    groups: dict[tuple[str, float, float], list[Generation]] = {}
+    for g in gens:
+        groups.setdefault((g.mode, g.temperature, g.rtt_ms), []).append(g)
+    policies = policies_of(rtts, ns, backups)
+    out_rows: list[dict[str, Any]] = []
+    curves: dict[str, Any] = {}
+    for (mode, temp, rtt), gs in groups.items():
+        d_curve = drafter or fit_drafter(gs)
+        v_curve = verifier or fit_verifier(gs)
+        flat = Curve.flat(a.flat_verifier if a.flat_verifier is not None else v_curve(1))
+        all_scen = {
+            "colocated": Costs("colocated"),
+            "separate": Costs("separate", d_curve, v_curve),
+            "flat": Costs("flat", d_curve, flat, prefill="curve"),
+        }
+        scen = {k: all_scen[k] for k in scen_names}
+        ar_same = [g for g in ar if g.temperature == temp and g.rtt_ms == rtt]
+        ar_ms = sum(g.wall_ms for g in ar_same) / max(1, sum(g.tokens for g in ar_same)) if ar_same else None
+        rows, over = simulate(gs, scen, policies, ar_ms, progress=not a.no_progress)
+        key = f"{mode} T={temp:g} rtt={rtt:g}"
+        curves[key] = {
+            "drafter": d_curve.as_dict(),
+            "drafter_source": str(a.drafter_curve or "fit from the traces"),
+            "verifier": v_curve.as_dict(),
+            "verifier_source": str(a.verifier_curve or "fit from the traces"),
+            "flat_verifier_ms": flat(1),
+            "overheads_ms": {"link": round(over.link, 3), "server": round(over.server, 3)},
+            "generations": len(gs),
+        }
+        for r in rows:
+            out_rows.append({"mode": mode, "temperature": temp, "logged_rtt_ms": rtt, **r.as_dict()})
+    print(_report(out_rows, curves))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+            "groups": curves,
+        }
+        doc["config"]["traces"] = [str(t) for t in a.traces]
+        a.json.write_text(json.dumps({**doc, "rows": out_rows}, indent=2))
+    return 0
+
+
+def _report(rows: Sequence[dict[str, Any]], groups: dict[str, Any]) -> str:
+    def f(x: object, fmt: str = "{:.1f}") -> str:
+        return "-" if x is None else fmt.format(x)
+
+    lines: list[str] = []
+    for key, g in groups.items():
+        o = g["overheads_ms"]
+        lines.append(
+            f"{key}: {g['generations']} generations; drafter curve {g['drafter_source']}, verifier curve "
+            f"{g['verifier_source']}, flat verifier {g['flat_verifier_ms']:.1f} ms; measured overheads: "
+            f"link {o['link']:.1f} ms a round trip, server {o['server']:.1f} ms a round"
+        )
+    header = [
+        "mode", "T", "scenario", "policy", "ms/tok", "measured", "err %", "x ar", "tau", "hit",
+        "V/round", "stall/round", "T_b/miss", "verifier ms/tok",
+    ]  # fmt: skip
+    body = [
+        [
+            r["mode"],
+            f"{r['temperature']:g}",
+            r["scenario"],
+            r["policy"] if r["policy"] != "logged" else f"logged (rtt {r['logged_rtt_ms']:g})",
+            f(r["ms_per_token"]),
+            f(r["measured_ms_per_token"]),
+            f(r["error_pct"], "{:+.1f}"),
+            f(r["x_ar"], "{:.2f}"),
+            f(r["tau"], "{:.2f}"),
+            f(r["hit_rate"], "{:.2f}"),
+            f(r["verify_ms_per_round"]),
+            f(r["stall_ms_per_round"]),
+            f(r["miss_draft_ms_per_miss"]),
+            f(r["verifier_ms_per_token"]),
+        ]
+        for r in rows
+    ]
+    lines.append(table(body, header))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
