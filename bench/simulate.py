@@ -17,7 +17,8 @@ The model (a discrete-event replay, one generation at a time):
   reaches the verifier RTT/2 (+ half the link overhead measured in the trace) later;
 - the verifier verifies the rounds in the logged order: round j starts when its tree is there
   and the previous verification has ended (+ the server's per-round overhead measured in the
-  trace); it takes V(N) (N = the tree's rows, row 0 included); the verdict reaches the edge
+  trace); it takes V(N) (N = the tree's nodes, as the verifier's cost curve counts them); the
+  verdict reaches the edge
   RTT/2 later. A hit whose tree is not at the server yet stalls until it is (a late hit);
 - on a miss the edge drafts synchronously (the logged plain draft re-costed, T_b) and sends; the
   conditional drafts of the old speculation still queued are dropped and the one running stops
@@ -57,7 +58,7 @@ import csv
 import json
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,8 @@ class Curve:
     @classmethod
     def load(cls, path: Path) -> Curve:
         """A curve file: CSV of `rows,ms` lines (a header line is skipped), or JSON as
-        {"rows": [...], "ms": [...]}, [[rows, ms], ...] or {"<rows>": ms, ...}."""
+        {"rows": [...], "ms": [...]}, [[rows, ms], ...], {"<rows>": ms, ...} or the verifier's
+        cost file {"verify_cost_ms": {"<nodes>": ms, ...}}."""
         text = path.read_text(encoding="utf-8")
         pts: list[tuple[float, float]] = []
         if path.suffix.lower() == ".csv":
@@ -131,6 +133,8 @@ class Curve:
                     continue  # a header
         else:
             doc = json.loads(text)
+            if isinstance(doc, dict) and isinstance(doc.get("verify_cost_ms"), dict):
+                doc = doc["verify_cost_ms"]  # the verifier's measured curve (cloud_verifier.cost)
             if isinstance(doc, dict) and "rows" in doc and "ms" in doc:
                 pts = [(float(x), float(y)) for x, y in zip(doc["rows"], doc["ms"], strict=True)]
             elif isinstance(doc, dict):
@@ -370,6 +374,8 @@ def replay(gen: Generation, costs: Costs, policy: Policy = Policy(), over: Overh
     up = down = (rtt + over.link) / 2
     drafts = _drafts(tr)
     nodes = {s.round: s.nodes for s in tr.sends}
+    samples = [(r, ms) for d in drafts for r, ms in d.evals]
+    own = Curve.fit(samples) if samples else Curve.flat(0.0)
     dropped = _dropped_rounds(tr.sends, policy.n)
 
     def eval_ms(rows: int, logged: float) -> float:
@@ -382,7 +388,7 @@ def replay(gen: Generation, costs: Costs, policy: Policy = Policy(), over: Overh
         v = vs[j]
         if costs.verifier is None or (j == 0 and costs.prefill == "logged"):
             return v.verify_ms
-        return costs.verifier(nodes.get(v.round, 0) + 1)
+        return costs.verifier(nodes.get(v.round, 0))
 
     # the log's own miss paths (plain drafts after a verdict); --backup-ms fixes their time
     miss_drafts = [d for d in drafts if d.kind == "plain" and d.epoch > 0]
@@ -418,8 +424,16 @@ def replay(gen: Generation, costs: Costs, policy: Policy = Policy(), over: Overh
         if d.kind in CUT_KINDS and d.sends and not kept and len(d.sends) >= d.trees:
             continue  # every tree it drafted is one the policy does not draft
         if len(kept) < len(d.sends) and d.trees:
-            share = (d.trees - (len(d.sends) - len(kept))) / d.trees
-            evals = [(max(1, round(r * share)), ms * share) for r, ms in d.evals]
+            left = d.trees - (len(d.sends) - len(kept))
+            if all(s.nodes == s.depth for s in d.sends):
+                # chains drafted together (the outcome cache's schedule): an evaluation holds a row
+                # per chain still growing and the likeliest chains are the deepest, so keeping the
+                # `left` likeliest caps every evaluation's rows at `left`
+                fewer = [min(r, left) for r, _ in d.evals]
+            else:  # trees of one shape in lockstep: each evaluation holds every tree's rows
+                fewer = [max(1, round(r * left / d.trees)) for r, _ in d.evals]
+            # the logged ms of fewer rows: scaled along this generation's own drafter curve
+            evals = [(n, ms * own(n) / max(own(r), 1e-9)) for n, (r, ms) in zip(fewer, d.evals, strict=True)]
             d = replace(d, evals=evals, sends=kept)
         plan.append((d.epoch, 1, i, d))
     plan.sort(key=lambda x: x[:3])
@@ -516,14 +530,14 @@ def fit_drafter(gens: Sequence[Generation]) -> Curve:
 
 
 def fit_verifier(gens: Sequence[Generation]) -> Curve:
-    """The verifier's ms per forward of N rows (tree nodes + row 0), from the traces' verdicts
+    """The verifier's ms per forward of a tree of N nodes, from the traces' verdicts
     (round 0 left out: its time holds the prompt's prefill)."""
     samples: list[tuple[float, float]] = []
     for g in gens:
         nodes = {s.round: s.nodes for s in g.trace.sends}
         for v in g.trace.verdicts:
             if v.round != 0 and v.round in nodes:
-                samples.append((nodes[v.round] + 1, v.verify_ms))
+                samples.append((nodes[v.round], v.verify_ms))
     return Curve.fit(samples)
 
 
@@ -582,11 +596,13 @@ def simulate(
     gens: Sequence[Generation],
     scenarios: dict[str, Costs],
     policies: Sequence[Policy],
-    ar_ms_per_token: float | None = None,
+    ar_ms_per_token: Mapping[str, float | None] | None = None,
     progress: bool = False,
 ) -> tuple[list[Row], Overheads]:
     """Every scenario x policy over `gens` (one mode, temperature and logged RTT); the overheads
-    measured in them. `ar_ms_per_token`: mode ar's measured ms/token beside them (co-located)."""
+    measured in them. `ar_ms_per_token`: mode ar's ms/token in each scenario, for the "x ar"
+    column (a scenario not named: its verifier's one-row forward + the server's overhead; none
+    with the logged costs)."""
     over = Overheads.measure(gens)
     measured = sum(g.wall_ms for g in gens) / max(1, sum(g.tokens for g in gens))
     bar = None
@@ -598,7 +614,10 @@ def simulate(
     rows: list[Row] = []
     for name, costs in scenarios.items():
         # mode ar streams a token per one-row forward: its cost per token in this scenario
-        ar_ms = ar_ms_per_token if costs.verifier is None else costs.verifier(1) + over.server
+        if ar_ms_per_token is not None and name in ar_ms_per_token:
+            ar_ms = ar_ms_per_token[name]
+        else:
+            ar_ms = None if costs.verifier is None else costs.verifier(1) + over.server
         for pol in policies:
             reps = []
             for g in gens:
@@ -670,7 +689,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=Path,
         default=None,
         metavar="PATH",
-        help="the verifier's ms per forward of N rows (tree nodes + row 0) measured in isolation, same "
+        help="the verifier's ms per forward of a tree of N nodes measured in isolation, same formats, or "
+        "the verifier's own start-up measurement ({\"verify_cost_ms\": {N: ms}}, the cost cache's file, "
+        "as welcome advertises it); "
         "formats; default: fit from the traces' verdicts (verify_ms against tree size), i.e. co-located",
     )
     ap.add_argument(
@@ -679,7 +700,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         metavar="MS",
         help="the flat scenario's verifier: MS per forward whatever N (a GPU's shape; also the prompt's "
-        "round); default: the verifier curve at one row",
+        "round); default: mode ar's measured ms/token in the trace files (a one-row step, the edge idle), "
+        "else the verifier curve's cheapest point",
     )
     ap.add_argument(
         "--rtt-ms", default=None, help="comma-separated round-trip times to replay besides the logged one"
@@ -732,16 +754,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     for (mode, temp, rtt), gs in groups.items():
         d_curve = drafter or fit_drafter(gs)
         v_curve = verifier or fit_verifier(gs)
-        flat = Curve.flat(a.flat_verifier if a.flat_verifier is not None else v_curve(1))
+        ar_same = [g for g in ar if g.temperature == temp and g.rtt_ms == rtt]
+        ar_ms = sum(g.wall_ms for g in ar_same) / max(1, sum(g.tokens for g in ar_same)) if ar_same else None
+        over = Overheads.measure(gs)
+        one_row = min(ms for _, ms in v_curve.points)  # the fit's cheapest forward (few rows)
+        if a.flat_verifier is not None:
+            flat_ms = a.flat_verifier
+        elif ar_ms is not None:
+            flat_ms = max(0.0, ar_ms - over.server)  # ar's one-row step, the edge idle
+        else:
+            flat_ms = one_row
+        flat = Curve.flat(flat_ms)
+        ar_by = {
+            "colocated": ar_ms,
+            # ar runs with the edge idle: its measured step is already the verifier's own
+            "separate": verifier(1) + over.server if verifier else (ar_ms or one_row + over.server),
+            "flat": flat_ms + over.server,
+        }
         all_scen = {
             "colocated": Costs("colocated"),
             "separate": Costs("separate", d_curve, v_curve),
             "flat": Costs("flat", d_curve, flat, prefill="curve"),
         }
         scen = {k: all_scen[k] for k in scen_names}
-        ar_same = [g for g in ar if g.temperature == temp and g.rtt_ms == rtt]
-        ar_ms = sum(g.wall_ms for g in ar_same) / max(1, sum(g.tokens for g in ar_same)) if ar_same else None
-        rows, over = simulate(gs, scen, policies, ar_ms, progress=not a.no_progress)
+        rows, over = simulate(gs, scen, policies, ar_by, progress=not a.no_progress)
         key = f"{mode} T={temp:g} rtt={rtt:g}"
         curves[key] = {
             "drafter": d_curve.as_dict(),

@@ -36,8 +36,11 @@ def draft(t0: float, t1: float, kind: str, *evals: tuple[int, float], trees: int
     return DraftEvent(t0, t1, kind, trees, tuple(("extend", r, ms) for r, ms in evals))
 
 
-def send(t: float, rid: int, parent: int | None = None, prob: float = 1.0, nodes: int = 3) -> SendEvent:
-    return SendEvent(t, rid, parent, nodes, nodes, 0, prob, 100)
+def send(
+    t: float, rid: int, parent: int | None = None, prob: float = 1.0, nodes: int = 3, depth: int = 2
+) -> SendEvent:
+    """A tree of `nodes` nodes and `depth` levels left (depth = nodes: a chain)."""
+    return SendEvent(t, rid, parent, nodes, depth, 0, prob, 100)
 
 
 def verdict(t: float, rid: int, nxt: int | None, done: bool = False, tokens: int = 4) -> VerdictEvent:
@@ -56,8 +59,8 @@ FLAT = Costs("flat-test", Curve.flat(D), Curve.flat(V), prefill="curve")
 
 
 def all_hits(rounds: int) -> RoundTrace:
-    """Every round's tree drafted, one after the other, before the first verdict (conditional
-    trees of conditional trees); every verdict hits the next one."""
+    """Every round's tree drafted one after the other from the start (conditional trees of
+    conditional trees); every verdict hits the next one; verdict times as the model has them."""
     drafts = [draft(0.0, 0.01, "plain", (5, D))]
     sends = [send(0.01, 0)]
     verdicts = []
@@ -67,7 +70,7 @@ def all_hits(rounds: int) -> RoundTrace:
             drafts.append(draft(t, t + 0.01, "conditional", (3, D)))
             sends.append(send(t + 0.01, j + 1, parent=j, prob=0.8))
         last = j == rounds - 1
-        verdicts.append(verdict(1.0 * (j + 1), j, None if last else j + 1, done=last))
+        verdicts.append(verdict(0.16 + 0.1 * j, j, None if last else j + 1, done=last))
     return RoundTrace(sends, verdicts, drafts)
 
 
@@ -75,10 +78,10 @@ def all_misses(rounds: int) -> RoundTrace:
     """Every round drafted synchronously after the previous verdict (no pre-speculation)."""
     drafts, sends, verdicts = [], [], []
     for j in range(rounds):
-        t = 0.1 * j
+        t = 0.16 * j
         drafts.append(draft(t, t + 0.01, "plain", (5, D)))
         sends.append(send(t + 0.01, j))
-        verdicts.append(verdict(0.1 * (j + 1), j, None, done=j == rounds - 1))
+        verdicts.append(verdict(0.16 * (j + 1), j, None, done=j == rounds - 1))
     return RoundTrace(sends, verdicts, drafts)
 
 
@@ -182,6 +185,33 @@ def test_fewer_outcomes_turn_hits_on_the_dropped_ones_into_misses() -> None:
     assert replay(gen(lockstep_pair()), costs, Policy(n=2)).span_ms == pytest.approx(logged.span_ms)
 
 
+def test_fewer_outcomes_shorten_a_schedule_of_chains() -> None:
+    """Three chains drafted together (rows per evaluation 3, 3, 2, 1: depths 4, 3 and 2); N = 2
+    keeps the two likeliest, the deepest: every evaluation holds at most 2 rows."""
+    chains = [send(0.04, 1, 0, 0.5, 4, 4), send(0.04, 2, 0, 0.3, 3, 3), send(0.04, 3, 0, 0.1, 2, 2)]
+    tr = RoundTrace(
+        [send(0.01, 0), *chains],
+        [verdict(0.2, 0, 1), verdict(0.3, 1, None, done=True)],
+        [
+            draft(0.0, 0.01, "plain", (5, D)),
+            draft(0.01, 0.04, "conditional", (3, 7.0), (3, 7.0), (2, 6.0), (1, 5.0), trees=3),
+        ],
+    )
+    seen: list[float] = []
+
+    class Spy(Curve):
+        def __call__(self, rows: float) -> float:
+            seen.append(rows)
+            return 4.0 + rows
+
+    costs = Costs("t", Spy(((1.0, 5.0),)), Curve.flat(V), prefill="curve")
+    replay(gen(tr), costs, Policy(n=2))
+    assert seen == [5, 2, 2, 2, 1]
+    # co-located, the logged ms of fewer rows follow the generation's own cost per row count
+    r = replay(gen(tr), Costs("colocated", None, Curve.flat(V), prefill="curve"), Policy(n=1))
+    assert r.prespec_ms == pytest.approx(5.0 * 4 + 5.0)  # 1 row at each evaluation, + 5 ms outside them
+
+
 def test_backup_ms_prices_the_logs_own_miss_paths() -> None:
     base = replay(gen(all_misses(4)), FLAT)
     cheap = replay(gen(all_misses(4)), FLAT, Policy(backup_ms=2.0))
@@ -232,7 +262,10 @@ def test_curves_interpolate_and_extrapolate_and_load(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps({"rows": [1, 4, 8], "ms": [10, 16, 32]}))
     (tmp_path / "b.json").write_text(json.dumps([[1, 10], [4, 16], [8, 32]]))
     (tmp_path / "d.json").write_text(json.dumps({"1": 10, "4": 16, "8": 32}))
-    for name in ("c.csv", "a.json", "b.json", "d.json"):
+    (tmp_path / "e.json").write_text(
+        json.dumps({"model": "m", "verify_cost_ms": {"1": 10, "4": 16, "8": 32}})
+    )
+    for name in ("c.csv", "a.json", "b.json", "d.json", "e.json"):
         assert Curve.load(tmp_path / name) == c
     with pytest.raises(ValueError):
         Curve(((2.0, 1.0), (1.0, 1.0)))
@@ -241,17 +274,18 @@ def test_curves_interpolate_and_extrapolate_and_load(tmp_path: Path) -> None:
 def test_curves_fit_from_the_trace() -> None:
     g = gen(all_hits(3))
     assert fit_drafter([g]).points == ((3.0, D), (5.0, D))
-    assert fit_verifier([g]).points == ((4.0, V),)  # 3 nodes + row 0; round 0 (prefill) left out
+    assert fit_verifier([g]).points == ((3.0, V),)  # by tree nodes; round 0 (its prefill) left out
 
 
 def trace_file(path: Path, gens: list[Generation], ar_ms_per_token: float = 80.0) -> Path:
+    """The generations as a bench.network --trace file (and one mode-ar generation)."""
     doc = {
         "config": {"note": "hand-built"},
         "generations": [
             {
                 "mode": g.mode,
                 "rtt_ms": g.rtt_ms,
-                "temperature": 0.0,
+                "temperature": g.temperature,
                 "prompt_index": i,
                 "trace": g.trace.as_dict(),
                 "stats": {"tokens": g.tokens, "ms_per_token": g.ms_per_token},
@@ -301,6 +335,31 @@ def test_cli_prints_and_writes_every_scenario_and_policy(
         main([str(f), "--scenarios", "gpu"])
 
 
+def test_separate_machines_take_the_given_verifier_curve(tmp_path: Path) -> None:
+    f = trace_file(tmp_path / "t.json", [gen(all_hits(4))])
+    curve = tmp_path / "v.json"
+    curve.write_text(json.dumps({"verify_cost_ms": {"1": 20.0, "3": 40.0}}))
+    out = tmp_path / "sim.json"
+    args = [
+        str(f),
+        "--verifier-curve",
+        str(curve),
+        "--flat-verifier",
+        "15",
+        "--json",
+        str(out),
+        "--no-progress",
+    ]
+    assert main(args) == 0
+    rows = {r["scenario"]: r for r in json.loads(out.read_text())["rows"]}
+    # round 0 keeps its logged time (it holds the prompt's prefill), the others cost V(3 nodes)
+    assert rows["separate"]["verify_ms_per_round"] == pytest.approx((V + 3 * 40.0) / 4)
+    assert rows["flat"]["verify_ms_per_round"] == pytest.approx(15.0)
+    assert rows["separate"]["x_ar"] == pytest.approx(rows["separate"]["ms_per_token"] / 20.0, rel=1e-3)
+    # all hits: a round costs a verification, so the flat verifier is the fastest
+    assert rows["flat"]["ms_per_token"] < rows["separate"]["ms_per_token"] < rows["colocated"]["ms_per_token"]
+
+
 def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -311,9 +370,12 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- the validation
-def record_small_pair(prompts: int = 3, tokens: int = 48, rtt_ms: float = 50.0) -> list[Generation]:
+def record_small_pair(
+    prompts: int = 3, tokens: int = 48, rtt_ms: float = 50.0, temperature: float = 0.0
+) -> list[Generation]:
     """Traced generations of the small pair (smollm2-135m verifying in this process, its Q4
-    llama.cpp export drafting), tree + pre-speculation over an emulated RTT."""
+    llama.cpp export drafting), tree + pre-speculation over an emulated RTT; greedy, or seeded
+    match at `temperature`."""
     from bench.harness import load_prompts
     from cloud_verifier.model import load_target
     from edge_client.client import EdgeClient, TreeSpec
@@ -330,13 +392,17 @@ def record_small_pair(prompts: int = 3, tokens: int = 48, rtt_ms: float = 50.0) 
         async with EdgeClient(url, drafter, tree=TreeSpec(), prespec=True, link=link, trace=True) as c:
             async for _ in c.generate("Hello", max_new_tokens=4):
                 pass  # warm up
+            mode = "greedy" if temperature == 0 else "match"
             for i, p in enumerate(load_prompts(prompts)):
-                async for _ in c.generate(p.text, max_new_tokens=tokens):
+                gen = c.generate(p.text, max_new_tokens=tokens, temperature=temperature, seed=i, mode=mode)
+                async for _ in gen:
                     pass
                 assert c.last is not None
                 st = c.last.stats
                 assert st.trace is not None
-                out.append(Generation(st.trace, st.tokens, st.ms_per_token, "tree_prespec", rtt_ms, 0.0, i))
+                out.append(
+                    Generation(st.trace, st.tokens, st.ms_per_token, "tree_prespec", rtt_ms, temperature, i)
+                )
 
     try:
         with LiveServer(target=target, max_context=4096, max_pending=8) as srv:
