@@ -366,6 +366,15 @@ def _dropped_rounds(sends: Sequence[SendEvent], n: int | None) -> set[int]:
     return dropped
 
 
+def logged_outcomes(trace: RoundTrace) -> int:
+    """The most conditional trees the log sent for the outcomes of one tree."""
+    per: dict[int, int] = {}
+    for s in trace.sends:
+        if s.parent is not None:
+            per[s.parent] = per.get(s.parent, 0) + 1
+    return max(per.values(), default=0)
+
+
 def replay(gen: Generation, costs: Costs, policy: Policy = Policy(), over: Overheads = Overheads()) -> Replay:
     """Replay one generation's rounds (module docstring) under `costs` and `policy`."""
     tr = gen.trace
@@ -550,6 +559,7 @@ class Row:
     replays: tuple[Replay, ...]
     measured_ms_per_token: float | None  # co-located, logged policy only
     ar_ms_per_token: float | None
+    logged_outcomes: int = 0  # the most conditional trees the log drafted for one tree's outcomes
 
     @property
     def tokens(self) -> int:
@@ -572,6 +582,9 @@ class Row:
         return {
             "scenario": self.scenario,
             "policy": self.policy.label(),
+            # N at or beyond what the log drafted replays the log: a replay cannot invent hits
+            "n_as_logged": self.policy.n is not None and self.policy.n >= self.logged_outcomes,
+            "logged_outcomes_per_tree": self.logged_outcomes,
             "rtt_ms": self.policy.rtt_ms,
             "n": self.policy.n,
             "backup_ms": self.policy.backup_ms,
@@ -605,6 +618,7 @@ def simulate(
     with the logged costs)."""
     over = Overheads.measure(gens)
     measured = sum(g.wall_ms for g in gens) / max(1, sum(g.tokens for g in gens))
+    most = max((logged_outcomes(g.trace) for g in gens), default=0)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -625,9 +639,8 @@ def simulate(
                 if bar is not None:
                     bar.update()
             logged = pol == Policy()
-            rows.append(
-                Row(name, pol, tuple(reps), measured if name == "colocated" and logged else None, ar_ms)
-            )
+            shown = measured if name == "colocated" and logged else None
+            rows.append(Row(name, pol, tuple(reps), shown, ar_ms, most))
     if bar is not None:
         bar.close()
     return rows, over
@@ -802,6 +815,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _policy_cell(r: dict[str, Any]) -> str:
+    if r["policy"] == "logged":
+        return f"logged (rtt {r['logged_rtt_ms']:g})"
+    if r["n_as_logged"]:
+        return f"{r['policy']} (N: as logged, {r['logged_outcomes_per_tree']})"
+    return str(r["policy"])
+
+
 def _report(rows: Sequence[dict[str, Any]], groups: dict[str, Any]) -> str:
     def f(x: object, fmt: str = "{:.1f}") -> str:
         return "-" if x is None else fmt.format(x)
@@ -823,7 +844,7 @@ def _report(rows: Sequence[dict[str, Any]], groups: dict[str, Any]) -> str:
             r["mode"],
             f"{r['temperature']:g}",
             r["scenario"],
-            r["policy"] if r["policy"] != "logged" else f"logged (rtt {r['logged_rtt_ms']:g})",
+            _policy_cell(r),
             f(r["ms_per_token"]),
             f(r["measured_ms_per_token"]),
             f(r["error_pct"], "{:+.1f}"),

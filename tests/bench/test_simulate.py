@@ -181,8 +181,10 @@ def test_fewer_outcomes_turn_hits_on_the_dropped_ones_into_misses() -> None:
     verdict0 = first + RTT / 2 + V + RTT / 2
     assert one.span_ms == pytest.approx(verdict0 + 30.0 + RTT / 2 + V + RTT / 2)
     assert one.miss_draft_ms == pytest.approx(30.0)
-    # N as large as the log's: the logged policy
+    # N as large as the log's: the logged policy, and the rows say so
     assert replay(gen(lockstep_pair()), costs, Policy(n=2)).span_ms == pytest.approx(logged.span_ms)
+    rows, _ = simulate([gen(lockstep_pair())], {"t": costs}, [Policy(n=1), Policy(n=2), Policy(n=5)])
+    assert [r.as_dict()["n_as_logged"] for r in rows] == [False, True, True]
 
 
 def test_fewer_outcomes_shorten_a_schedule_of_chains() -> None:
