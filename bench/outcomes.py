@@ -19,7 +19,8 @@ policy's list for a budget of N is checked for the actual one:
   cache per position; N not divisible by K + 1: the extra guesses go to the likelier lengths).
 
 Drafting at T > 0 is coupled (the edge's default in match: the draft's token at the keyed
-uniform leads each node), and its outcome model is the coupled one, as EdgeClient uses.
+uniform leads each node), and its outcome model is the coupled one, as EdgeClient uses
+(--no-couple: neither).
 
     python -m bench.outcomes --model smollm2-135m --draft smollm2-135m-q4 --prompts 4 --humaneval 2 \\
         --tokens 64 --json bench/out/outcomes.json --plot bench/out/outcomes.png
@@ -143,6 +144,7 @@ def walk_positions(
     temperature: float = 0.0,
     seed: int = 0,
     prompt_index: int = 0,
+    couple: bool = True,
     policies: Sequence[str] = POLICIES,
     on_position: Callable[[], object] | None = None,
 ) -> list[Position]:
@@ -151,7 +153,8 @@ def walk_positions(
     from the verdict (as the edge does after each verdict)."""
     seq = [*prompt, *output]
     if temperature > 0:
-        opts = DraftOptions(mode=Mode.MATCH, coupling=Coupling(seed, temperature), eval_leaves=True)
+        coupling = Coupling(seed, temperature) if couple else None
+        opts = DraftOptions(mode=Mode.MATCH, coupling=coupling, eval_leaves=True)
     else:
         opts = DraftOptions(mode=Mode.GREEDY, eval_leaves=True)
     out: list[Position] = []
@@ -215,7 +218,7 @@ def report(summary: dict[str, Any], max_n: int) -> str:
     shown = sorted({n for n in SHOWN_N if n <= max_n} | {max_n})
     lines = []
     for temp, s in summary.items():
-        what = "greedy" if temp == "0" else f"match, T {temp} (coupled)"
+        what = "greedy" if temp == "0" else f"match, T {temp}"
         lines.append(
             f"\n{what}: share of positions whose outcome is in the policy's N outcomes ({s['positions']})"
         )
@@ -286,13 +289,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--temperatures",
         default="0,0.7",
         help="comma-separated target temperatures: 0 greedy, else sampled with the keyed sampler (seed = the "
-        "prompt's index, as bench.network seeds it) and drafted coupled",
+        "prompt's index, as bench.network seeds it) and drafted coupled unless --no-couple",
     )
     ap.add_argument("--max-n", type=int, default=30, help="largest number of outcomes per round to check")
     ap.add_argument(
         "--tree",
         default=None,
         help="the main tree's expansion config, e.g. 2,1,1,1 (default: the draft's recommended tree)",
+    )
+    ap.add_argument(
+        "--no-couple",
+        action="store_true",
+        help="at T > 0 draft without the keyed uniforms (the draft's most likely tokens lead each node) and "
+        "predict with the uncoupled outcome model (the draft's distribution at T)",
     )
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads for the target (0: torch's default)"
@@ -345,12 +354,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for temp in temps:
             learned = Learned()  # one edge client's outcome model per temperature, across prompts
-            model = learned.choice_model(temp, coupled=temp > 0)
+            model = learned.choice_model(temp, coupled=temp > 0 and not a.no_couple)
             for i, ids in enumerate(encoded):
                 seq = target_output(target, ids, a.tokens + tree.depth + 1, temp, seed=i)
                 got = walk_positions(
                     drafter, ids, seq, a.tokens, tree, model, a.max_n, temp, seed=i, prompt_index=i,
-                    on_position=lambda: bar.update(),
+                    couple=not a.no_couple, on_position=lambda: bar.update(),
                 )  # fmt: skip
                 positions.extend(got)
                 bar.update(a.tokens - len(got))

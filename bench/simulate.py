@@ -14,37 +14,43 @@ The model (a discrete-event replay, one generation at a time):
   time outside evaluations), none before the verdict it followed in the log has arrived, and
   each after the same slack it had in the log (the core's own work between actions, sends);
 - a tree leaves when the action that drafted it ends (plus the logged gap to its send) and
-  reaches the verifier RTT/2 (+ half the link overhead measured in the trace) later;
-- the verifier verifies the rounds in the logged order: round j starts when its tree is there
-  and the previous verification has ended (+ the server's per-round overhead measured in the
-  trace); it takes V(N) (N = the tree's nodes, as the verifier's cost curve counts them); the
-  verdict reaches the edge
-  RTT/2 later. A hit whose tree is not at the server yet stalls until it is (a late hit);
-- on a miss the edge drafts synchronously (the logged plain draft re-costed, T_b) and sends; the
-  conditional drafts of the old speculation still queued are dropped and the one running stops
-  after its current evaluation (the core abandons a draft a verdict rules out);
+  reaches the verifier RTT/2 (+ half the link overhead measured in the traces) later;
+- the verifier verifies the rounds in the logged order: a round sent after a miss starts when
+  its tree arrives; after a hit the next starts when the previous verification ends (+ the
+  server's per-round overhead measured in the traces), or when its tree arrives if later (a late
+  hit: the verifier stalls). A verification takes V(N), N the tree's nodes (as the verifier's
+  cost curve counts them; the prompt's round keeps its logged time, it holds the prefill, except
+  with the flat verifier); the verdict reaches the edge RTT/2 later;
+- on a miss the edge drafts synchronously (the logged miss-path draft re-costed: T_b) and sends;
+  the conditional drafts of the old speculation not yet begun are dropped, and the one under way
+  stops after its current evaluation (the core abandons a draft a verdict rules out); leaves
+  being evaluated are finished;
 - a generation's ms/token is (the replayed span from its first draft to its last verdict + the
   logged time outside that span) / its tokens.
 
 Scenarios: `colocated` (the trace's own timings: every evaluation's and verification's logged
 ms; this must reproduce the measured ms/token, the validation column), `separate` (the drafter
-and verifier cost curves: --drafter-curve / --verifier-curve, else fit from the trace's own
+and verifier cost curves: --drafter-curve / --verifier-curve, else fit from the traces' own
 evaluations and verdicts, i.e. co-located costs smoothed), `flat` (the drafter curve, and a
-verifier that costs --flat-verifier ms whatever the tree's size).
+verifier that costs --flat-verifier ms whatever the tree's size). "x ar" divides by mode ar's
+ms/token in the same scenario: measured (ar generations in the trace files, the edge idle), else
+the verifier's one-node forward.
 
 What a replay can honestly change, and what not:
 
 - RTT (--rtt-ms): any value; the rounds' outcomes stay as logged;
-- N (--n): outcomes pre-speculated per round, at most what the log drafted: the conditional trees
-  of each parent beyond the N likeliest (by the outcome model's odds when sent) are not drafted
-  (a lockstep draft of several trees evaluates proportionally fewer rows), and a hit on one of
-  them becomes a miss with a synchronous draft. A replay cannot invent hits for outcomes never
-  drafted: for N beyond the log, the hit rate needs the prediction ceiling (bench.outcomes);
+- N (--n): outcomes pre-speculated per tree, at most what the log drafted: the conditional trees
+  of each tree beyond its N likeliest (by the outcome model's odds when sent) are not drafted (a
+  lockstep draft of several trees evaluates proportionally fewer rows; a schedule of chains, the
+  likeliest deepest, at most N rows an evaluation), and a hit on one of them becomes a miss with
+  a synchronous draft. A replay cannot invent hits for outcomes never drafted: N at or beyond the
+  log's is the log (rows say `n_as_logged`); for larger N the hit rate needs the prediction
+  ceiling (bench.outcomes);
 - the miss path's cost (--backup-ms): the synchronous draft after a miss takes this long; the
   tokens of the round it starts stay as logged (a cheaper backup tree also accepts fewer tokens,
   which the replay cannot know: pair it with bench.outcomes / bench.network's measured tau);
-- timing-driven decisions of the core (the cost gate, which drafts were cut by a verdict) stay as
-  logged.
+- timing-driven decisions of the core (the cost gate, the backup shape chosen, which drafts a
+  verdict cut short) stay as logged, and so do the verdicts (hit or miss, tokens).
 
     python -m bench.simulate bench/out/network_trace.json --rtt-ms 0,50,100 --n 1,2,4 \\
         --verifier-curve bench/out/verifier_curve.json --flat-verifier 30 --json bench/out/sim.json
@@ -668,13 +674,27 @@ def policies_of(rtts: Sequence[float], ns: Sequence[int], backups: Sequence[floa
     return out
 
 
+EPILOG = """\
+what a replay can change: the RTT (any value), N (at most the outcomes the log drafted per tree:
+the others' conditional trees are not drafted and a hit on one becomes a miss; N at or beyond
+the log's replays the log, rows say n_as_logged; larger N needs the prediction ceiling of
+bench.outcomes), the miss path's drafting time (the round's tokens stay as logged), and the
+costs (scenarios). What it cannot: the verdicts (hit or miss, tokens), the core's timing-driven
+choices (cost gate, backup shape, which drafts a verdict cut short): they stay as logged.
+columns: ms/tok (replayed), measured (co-located, logged policy), err % (the validation),
+x ar (against mode ar in the same scenario), tau, hit (hit rate), V/round (verification),
+stall/round (the verifier waiting for a late hit's tree), T_b/miss (synchronous drafting after
+a miss), verifier ms/tok (the verifier's busy time per token: the cloud's cost)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.simulate",
-        description="Replay logged rounds (bench.network --trace) under other costs and policies: ms/token "
-        "co-located (the validation: it must match the measured figure), on separate machines, and with a "
-        "verifier whose cost is flat in the tree's size. The module docstring says what a replay can and "
-        "cannot change.",
+        description="Replay logged rounds (bench.network --trace) under other costs and policies:\n"
+        "ms/token co-located (the validation: it must match the measured figure), on separate\n"
+        "machines, and with a verifier whose cost is flat in the tree's size.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("traces", nargs="+", type=Path, help="trace files written by bench.network --trace PATH")
     ap.add_argument(
@@ -704,8 +724,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PATH",
         help="the verifier's ms per forward of a tree of N nodes measured in isolation, same formats, or "
         "the verifier's own start-up measurement ({\"verify_cost_ms\": {N: ms}}, the cost cache's file, "
-        "as welcome advertises it); "
-        "formats; default: fit from the traces' verdicts (verify_ms against tree size), i.e. co-located",
+        "as welcome advertises it); default: fit from the traces' verdicts (verify_ms against tree "
+        "size), i.e. co-located",
     )
     ap.add_argument(
         "--flat-verifier",
@@ -732,7 +752,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "of the logged ones (the round's tokens stay as logged)",
     )
     ap.add_argument(
-        "--json", type=Path, default=None, metavar="PATH", help="write the rows to this JSON file"
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write the rows, each group's curves and overheads, and the config to this JSON file",
     )
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
