@@ -49,7 +49,7 @@ from edge_client.speculation import (
     SpeculationCore,
     TreeSpec,
 )
-from edge_client.stats import GenerationResult, GenerationStats
+from edge_client.stats import GenerationResult, GenerationStats, RoundTrace
 from edge_client.text import ChatMessage, IncrementalDetokenizer, as_messages, find_stop
 from edge_client.tokenizer import EdgeTokenizer
 from edge_client.transport import LinkShape, Transport
@@ -108,6 +108,8 @@ class EdgeClient(Session):
     resume:     reconnect when the connection drops and go on from the committed tokens (True:
                 ResumeConfig defaults; False: a drop ends the generation with ConnectionLost)
     timeouts:   how long to wait for the verifier's welcome, verdicts, cancel and close (Timeouts)
+    trace:      record every send, verdict and draft evaluation of each generation on its stats
+                (GenerationStats.trace, a stats.RoundTrace) for replaying the rounds (bench.simulate)
     """
 
     def __init__(
@@ -127,6 +129,7 @@ class EdgeClient(Session):
         resume: bool | ResumeConfig = True,
         parallel_drafters: bool = False,
         timeouts: Timeouts | None = None,
+        trace: bool = False,
     ) -> None:
         super().__init__(
             server,
@@ -158,6 +161,7 @@ class EdgeClient(Session):
         )
         self.wire_top_k = wire_top_k
         self.couple = couple
+        self.trace = trace
         # llama.cpp contexts are single-threaded: one drafting thread, off the event loop
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter")
         self.parallel: concurrent.futures.ThreadPoolExecutor | None = None
@@ -239,6 +243,8 @@ class EdgeClient(Session):
         gen = GenerationResult(prompt_tokens=list(prompt_tokens))
         self.last = gen
         st = gen.stats
+        if self.trace:
+            st.trace = RoundTrace()
         detok = IncrementalDetokenizer(lambda t: self.tokenizer.token_bytes(t))
         up0, down0 = self.proto.stats.bytes_out, self.proto.stats.bytes_in
         t_start = time.perf_counter()
@@ -411,7 +417,7 @@ class EdgeClient(Session):
             if req.mode.stochastic:  # draw counts must be fixed before drawing (see _request)
                 shapes = tuple(TreeSpec("static", t.expansion) if t.kind == "budget" else t for t in shapes)
             step = DraftStep(self.drafters, req, self.welcome.limits, (req.tree, *shapes[1:]), self.parallel)
-            profile = DrafterProfile(step.max_nodes, step.ms_per_node)
+            profile = DrafterProfile(step.max_nodes, step.ms_per_node, step.eval_ms)
         core = SpeculationCore(
             self.proto, self.welcome, req, self.prespec, self.learned, st, profile, msg.temperature
         )

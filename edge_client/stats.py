@@ -2,9 +2,71 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class SendEvent:
+    """A tree left (round 0: with the prompt). parent: the round whose outcome it assumes (None:
+    drafted below the committed sequence); ahead: tokens it assumes beyond the committed sequence
+    when it left; prob: the odds the outcome model gave it of being verified."""
+
+    t: float
+    round: int
+    parent: int | None
+    nodes: int
+    depth: int
+    ahead: int
+    prob: float
+    size: int
+
+
+@dataclass(frozen=True)
+class VerdictEvent:
+    """A verdict was taken up (t: when it arrived). accepted: nodes accepted; hit: the next tree
+    was at the server already; next: the round now in flight (None: none, a miss)."""
+
+    t: float
+    round: int
+    accepted: int
+    tokens: int
+    verify_ms: float
+    hit: bool
+    next: int | None
+    done: bool
+
+
+@dataclass(frozen=True)
+class DraftEvent:
+    """One draft action on the drafting thread, from t0 to t1: kind (plain, conditional, leaves,
+    reanchor), the trees asked for, and each evaluation of the first drafter as (kind, rows, ms):
+    "sync" of the committed tail or "extend" of draft nodes."""
+
+    t0: float
+    t1: float
+    kind: str
+    trees: int
+    evaluations: tuple[tuple[str, int, float], ...]
+
+
+@dataclass
+class RoundTrace:
+    """Every send, verdict and draft of a generation on the core's clock (seconds), for replaying
+    the rounds under other costs (bench.simulate). Off unless asked for (EdgeClient(trace=True))."""
+
+    sends: list[SendEvent] = field(default_factory=list)
+    verdicts: list[VerdictEvent] = field(default_factory=list)
+    drafts: list[DraftEvent] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "sends": [dataclasses.asdict(e) for e in self.sends],
+            "verdicts": [dataclasses.asdict(e) for e in self.verdicts],
+            "drafts": [dataclasses.asdict(e) for e in self.drafts],
+        }
 
 
 @dataclass
@@ -33,6 +95,9 @@ class GenerationStats:
     wall_s: float = 0.0
     first_token_s: float = 0.0
     resumes: int = 0  # times the connection dropped and the generation went on on a new session
+    trace: RoundTrace | None = None  # every send, verdict and draft (None: not traced)
+    # the miss path's trees by shape (speculation.backup)
+    backups: dict[str, int] = field(default_factory=dict)
 
     @property
     def tau(self) -> float:
@@ -97,6 +162,7 @@ class GenerationStats:
                 None if self.predicted_hit_rate is None else round(self.predicted_hit_rate, 4)
             ),
             "hit_rate_by_depth": {str(k): round(v, 4) for k, v in self.hit_rate_by_depth().items()},
+            "backups": dict(self.backups),
         }
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -64,9 +64,45 @@ class DrafterStats:
     extend_calls: int = 0  # = batched evaluations of draft nodes
     extend_nodes: int = 0
     extend_ms: float = 0.0
+    # each evaluation as (kind, rows, ms), kind "sync" or "extend"; None: not logged (DraftStep
+    # logs them for a round trace, stats.RoundTrace)
+    log: list[tuple[str, int, float]] | None = None
+    # the running cost of one evaluation by its rows (an exponential average per row count)
+    by_rows: dict[int, float] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+    def observe(self, rows: int, ms: float) -> None:
+        """One evaluation of `rows` rows took `ms`."""
+        old = self.by_rows.get(rows)
+        self.by_rows[rows] = ms if old is None else 0.8 * old + 0.2 * ms
+
+    def eval_ms(self, rows: int) -> float | None:
+        """The expected ms of one evaluation of `rows` rows: the running average at that size,
+        else linear between the nearest sizes measured (flat below the smallest, the last slope
+        beyond the largest); None before any evaluation."""
+        if not self.by_rows:
+            return None
+        if rows in self.by_rows:
+            return self.by_rows[rows]
+        xs = sorted(self.by_rows)
+        ys = [self.by_rows[x] for x in xs]
+        if rows < xs[0]:
+            return ys[0]
+        if rows > xs[-1]:
+            if len(xs) == 1:
+                return ys[0]
+            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            return ys[-1] + slope * (rows - xs[-1])
+        return float(np.interp(rows, xs, ys))
+
+    def take_log(self) -> tuple[tuple[str, int, float], ...]:
+        """The evaluations logged since the last call (logging stays on)."""
+        if self.log is None:
+            return ()
+        out, self.log = tuple(self.log), []
+        return out
 
 
 class Drafter(abc.ABC):
@@ -148,7 +184,12 @@ class Drafter(abc.ABC):
         out = self._commit(keep, path, tail)
         self.stats.sync_calls += 1
         self.stats.sync_tokens += len(tail)
-        self.stats.sync_ms += (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.sync_ms += ms
+        if tail:
+            self.stats.observe(len(tail), ms)
+        if self.stats.log is not None and tail:
+            self.stats.log.append(("sync", len(tail), ms))
         if tail:
             if out is None:
                 raise AssertionError("backend returned no logits for evaluated tokens")
@@ -220,7 +261,11 @@ class Drafter(abc.ABC):
             ) from exc
         self.stats.extend_calls += 1
         self.stats.extend_nodes += n
-        self.stats.extend_ms += (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        self.stats.extend_ms += ms
+        self.stats.observe(n, ms)
+        if self.stats.log is not None:
+            self.stats.log.append(("extend", n, ms))
         if out.shape != (n, self.vocab_size):
             raise AssertionError(
                 f"backend returned logits of shape {out.shape}, expected {(n, self.vocab_size)}"

@@ -23,6 +23,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from edge_client.speculation.config import TreeSpec
 from edge_client.trees import DraftResult
 from shared.messages import Verdict
 from shared.tree import TokenTree
@@ -79,11 +80,13 @@ class Delivered:
 
 @dataclass(frozen=True)
 class DraftPlain(Ask[DraftResult]):
-    """A tree below `committed`, the drafter re-synced to it; `budget` nodes for a dynamic shape.
-    Its leaves are left unevaluated (FinishLeaves, after it is sent)."""
+    """A tree below `committed`, the drafter re-synced to it; `budget` nodes for a dynamic shape;
+    `shape` instead of the configured one (the miss path's, speculation.backup). Its leaves are
+    left unevaluated (FinishLeaves, after it is sent)."""
 
     committed: tuple[int, ...]
     budget: int
+    shape: TreeSpec | None = None
 
     def take(self, result: object) -> DraftResult:
         if not isinstance(result, DraftResult):
@@ -95,13 +98,15 @@ class DraftPlain(Ask[DraftResult]):
 class DraftConditional(Ask[Drafted]):
     """Trees below each of `fulls` (each extends `anchor`, the sequence the drafter is synced to),
     in the current workspace; `stops[i]()` True abandons tree i between evaluations. `lockstep`:
-    all of them together, one drafter evaluation per level (trees.lockstep)."""
+    all of them together, one drafter evaluation per level (trees.lockstep). `shapes`: one per
+    tree instead of the configured shape (the outcome cache's chains, speculation.schedule)."""
 
     anchor: tuple[int, ...]
     fulls: tuple[tuple[int, ...], ...]
     stops: tuple[Callable[[], bool], ...]
     lockstep: bool
     budget: int = 0  # nodes of a dynamic shape
+    shapes: tuple[TreeSpec, ...] | None = None
 
     def take(self, result: object) -> Drafted:
         if not isinstance(result, Drafted) or len(result.results) != len(self.fulls):

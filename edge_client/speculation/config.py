@@ -59,6 +59,18 @@ class PrespecConfig:
                  with at least this probability are (the side branches of a sampled tree, or every
                  leaf of a weak draft's, are almost never reached: evaluating them only occupies
                  the drafting thread, at about the cost of a tree node each)
+    cache:       the outcome cache (speculation.schedule): the likeliest outcome of the tree in
+                 flight gets a tree of the configured shape, drafted alone; then up to `outcomes`
+                 further outcomes are drafted together as chains whose depths are planned against
+                 the drafter's measured cost per evaluation and the time left before the verdict
+                 is due (static and sequence shapes in greedy / match; otherwise, or before the
+                 drafter's costs are measured, trees are batched as with cache off: `batch` at a
+                 time, each of the configured shape)
+    outcomes:    with the cache, the outcomes of one tree queued as candidates (Saguaro's N)
+    backup:      the tree drafted after a miss, when its drafting is on the critical path
+                 (speculation.backup): "auto" prices the configured shape and chains of every depth
+                 with measured costs and drafts the one with the most tokens per ms of round;
+                 "tree" always drafts the configured shape; "chain" always the best chain
     """
 
     fanout: int = 3
@@ -71,6 +83,9 @@ class PrespecConfig:
     gate: bool = True
     min_gain: float = 0.0
     leaf_min_reach: float = 0.02
+    backup: str = "auto"
+    cache: bool = True
+    outcomes: int = 24
 
     def __post_init__(self) -> None:
         checks = (
@@ -83,6 +98,8 @@ class PrespecConfig:
             ("r", self.r > 0, "positive"),
             ("min_gain", self.min_gain >= 0, "0 or more"),
             ("leaf_min_reach", 0 <= self.leaf_min_reach <= 1, "in [0, 1]"),
+            ("outcomes", self.outcomes >= 1, "at least 1"),
+            ("backup", self.backup in ("auto", "tree", "chain"), "'auto', 'tree' or 'chain'"),
         )
         for name, ok, what in checks:
             if not ok:
@@ -110,10 +127,13 @@ class Refused(Exception):
 
 @dataclass(frozen=True)
 class DrafterProfile:
-    """What the core's dynamic budget needs to know of the drafter (the draft step supplies it)."""
+    """What the core's dynamic budget and miss path need to know of the drafter (the draft step
+    supplies it): its workspace, its ms per node, and its ms for one evaluation of n rows (None
+    before it measured any)."""
 
     max_nodes: int
     ms_per_node: Callable[[], float]
+    eval_ms: Callable[[int], float | None] = lambda rows: None
 
 
 __all__ = ["DrafterProfile", "PrespecConfig", "Refused", "Request", "TreeSpec"]

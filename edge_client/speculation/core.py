@@ -47,20 +47,24 @@ from edge_client.speculation.actions import (
     FinishLeaves,
     Reanchor,
     Send,
+    Sent,
     Steps,
     ask,
 )
+from edge_client.speculation.backup import choose_backup
 from edge_client.speculation.budget import choose_budget, next_gains
-from edge_client.speculation.config import DrafterProfile, PrespecConfig, Refused, Request
-from edge_client.speculation.estimates import Learned, RoundEstimates
+from edge_client.speculation.config import DrafterProfile, PrespecConfig, Refused, Request, TreeSpec
+from edge_client.speculation.estimates import Learned, RoundEstimates, ema
 from edge_client.speculation.ledger import Ledger, Speculation, extends
 from edge_client.speculation.outcomes import ChoiceModel, reach_probabilities, rebase
-from edge_client.speculation.planner import Planner
-from edge_client.stats import GenerationStats
+from edge_client.speculation.planner import Candidate, Planner
+from edge_client.speculation.schedule import chain_gains, plan_chains
+from edge_client.stats import GenerationStats, SendEvent, VerdictEvent
 from edge_client.trees import DraftResult
 from shared.errors import ErrorCode
 from shared.messages import Error, Message, Mode, Prompt, Stale, Tree, Verdict, Welcome
 from shared.protocol import ClientProtocol, ClientState
+from shared.tree import ExpansionConfig
 
 Clock = Callable[[], float]
 
@@ -104,6 +108,10 @@ class SpeculationCore:
         self.cancelled = False
         self.finished = False
         self._bytes_since_verdict = 0
+        # what a tree of the configured shape yields and costs: (tokens, nodes, draft ms)
+        self._full: tuple[float, int, float] | None = None
+        self._cache_first: int | None = None  # the round in flight whose likeliest outcome was drafted
+        self._cache_idle: int | None = None  # the round in flight for which no more chains fit
 
     @property
     def in_flight(self) -> int | None:
@@ -121,6 +129,7 @@ class SpeculationCore:
         frame = self.proto.prompt(msg)
         sent = yield from ask(Send(frame, "prompt", 0))
         if first is not None:
+            self._trace_send(first, 0, None, 0, 1.0, sent)
             self._sent(Speculation(0, first, full, 1.0, None, sent.at))
             self.est.verdict_due = sent.at + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
 
@@ -176,7 +185,7 @@ class SpeculationCore:
             return
         committed = tuple(self.proto.committed)
         self.planner.clear()
-        dr = yield from self._draft_plain(committed)
+        dr = yield from self._draft_plain(committed, self._backup())
         now = self.proto
         if now.state is not ClientState.GENERATING or tuple(now.committed) != committed:
             # a verdict came in while drafting (the generation may even have ended): this tree is
@@ -189,18 +198,68 @@ class SpeculationCore:
         self.planner.clear()
 
     # ------------------------------------------------------------------ drafting
-    def _draft_plain(self, committed: tuple[int, ...]) -> Generator[Ask[object], object, DraftResult]:
-        """A tree below `committed`, drafter re-synced to it (the anchor moves)."""
+    def _draft_plain(
+        self, committed: tuple[int, ...], shape: TreeSpec | None = None
+    ) -> Generator[Ask[object], object, DraftResult]:
+        """A tree below `committed` (of `shape`, else the configured one), drafter re-synced to it
+        (the anchor moves)."""
         self.anchor = committed
         self.workspace_full = False
         self.ledger.workspace_moved()  # the old workspace is gone
-        dr = yield from ask(DraftPlain(committed, self._budget()))
+        budget = self._budget(rtt=True) if shape is None else 0
+        dr = yield from ask(DraftPlain(committed, budget, shape))
         self.stats.draft_ms.append(dr.draft_ms)
         self.est.note_draft(dr)
+        if shape is None:
+            self._note_full(dr)
         return dr
 
-    def _budget(self) -> int:
-        """Nodes of a dynamic tree (TreeSpec budget), from the server's cost curve; 0 otherwise."""
+    def _note_full(self, dr: DraftResult, plain: bool = True) -> None:
+        """A tree of the configured shape: what such a tree yields and, drafted below the committed
+        sequence (`plain`), costs (the miss path's prices)."""
+        tokens = 1.0 + float(reach_probabilities(dr, self.choice).sum())
+        old = self._full
+        ms = dr.draft_ms if plain or old is None else old[2]
+        self._full = (ema(None if old is None else old[0], tokens), dr.tree.num_nodes, ms)
+
+    def _backup(self) -> TreeSpec | None:
+        """The miss path's tree (speculation.backup; None: the configured shape)."""
+        cfg, prof = self.prespec, self.drafter
+        deterministic = not self.req.mode.stochastic and self.req.tree.kind != "sequence"
+        if cfg is None or cfg.backup == "tree" or prof is None or self._full is None or not deterministic:
+            return None
+        one = prof.eval_ms(1)
+        if one is None:
+            return None
+        costs: dict[int, float] = {}
+
+        def eval_ms(rows: int) -> float:
+            if rows not in costs:
+                ms = prof.eval_ms(rows)
+                costs[rows] = one * rows if ms is None else ms
+            return costs[rows]
+
+        tokens, nodes, full_ms = self._full
+        best, options = choose_backup(
+            self.req.tree,
+            tokens,
+            nodes,
+            self.choice.alpha,
+            eval_ms,
+            self.welcome.verify_cost_ms,
+            self.learned.rtt_ms,
+            self.welcome.limits.max_depth,
+            full_draft_ms=full_ms,
+        )
+        if cfg.backup == "chain":
+            best = max((o for o in options if o.shape.kind == "sequence"), key=lambda o: o.rate)
+        self.stats.backups[best.label] = self.stats.backups.get(best.label, 0) + 1
+        return None if best is options[0] else best.shape
+
+    def _budget(self, rtt: bool = False) -> int:
+        """Nodes of a dynamic tree (TreeSpec budget), from the server's cost curve; 0 otherwise.
+        `rtt`: the tree is drafted with nothing in flight (the round trip is on the critical path
+        even with pre-speculation)."""
         spec = self.req.tree
         if spec.kind != "budget" or self.drafter is None:
             return 0
@@ -212,10 +271,10 @@ class SpeculationCore:
         seen = None
         if last is not None:
             seen = (reach_probabilities(last, self.choice), last.frontier_probs, last.tree.max_depth)
-        rtt = 0.0 if self.prespec is not None else self.learned.rtt_ms
+        rtt_ms = self.learned.rtt_ms if rtt or self.prespec is None else 0.0
         per_node, gains = self.drafter.ms_per_node(), next_gains(alpha, cap, seen)
         return choose_budget(
-            self.welcome.verify_cost_ms, gains, rtt_ms=rtt, draft_ms_per_node=per_node, max_nodes=cap
+            self.welcome.verify_cost_ms, gains, rtt_ms=rtt_ms, draft_ms_per_node=per_node, max_nodes=cap
         )
 
     def _ruled_out(self, full: tuple[int, ...]) -> bool:
@@ -248,8 +307,18 @@ class SpeculationCore:
         assert cfg is not None
         lockstep = self.req.tree.kind in ("static", "sequence") and not self.req.mode.stochastic
         committed = tuple(self.proto.committed)
-        limit = cfg.batch if lockstep else 1
-        batch = self.planner.pop(limit, committed, self._room(), self.welcome.limits.max_depth)
+        max_depth = self.welcome.limits.max_depth
+        shapes: tuple[TreeSpec, ...] | None = None
+        cache = self._cache_schedule() if cfg.cache and lockstep else None
+        if cache is None:
+            limit = cfg.batch if lockstep else 1
+            batch = self.planner.pop(limit, committed, self._room(), max_depth)
+        elif cache == "first":
+            # the likeliest outcome first and alone, with the configured shape
+            batch = self.planner.pop(1, committed, self._room(), max_depth)
+            self._cache_first = self.in_flight
+        else:
+            batch, shapes = self._plan_cache(committed, float(cache))
         if not batch:
             return
         for c in batch:
@@ -263,8 +332,9 @@ class SpeculationCore:
                 self.anchor,
                 tuple(c.full for c in batch),
                 tuple(functools.partial(self._ruled_out, c.full) for c in batch),
-                lockstep=len(batch) > 1,
+                lockstep=len(batch) > 1 or shapes is not None,
                 budget=self._budget(),
+                shapes=shapes,
             )
             out: Drafted = yield from ask(action)
             if out.workspace_full:
@@ -276,6 +346,8 @@ class SpeculationCore:
             if dr is None:
                 continue
             self.est.note_draft(dr)
+            if shapes is None:
+                self._note_full(dr, plain=False)
             now = tuple(self.proto.committed)
             if self.proto.state is not ClientState.GENERATING:
                 return  # the generation ended (its last verdict is waiting in the queue)
@@ -285,20 +357,92 @@ class SpeculationCore:
             yield from self._send_tree(dr, c.full, c.prob, c.parent)
             self.stats.prespec_sent += 1
 
+    def _cache_schedule(self) -> str | float | None:
+        """The outcome cache's next step: "first" (the likeliest outcome of the tree in flight,
+        alone, full shape), the ms left to draft chains in, or None (no cache: batch as before;
+        the drafter's costs are not measured yet)."""
+        prof = self.drafter
+        if prof is None or prof.eval_ms(1) is None or self._full is None:
+            return None
+        top = self.planner.top()
+        if top is not None and top[1] == self.in_flight and self._cache_first != self.in_flight:
+            return "first"
+        due = self.est.verdict_due
+        now = self.clock()
+        left = (due - now) * 1e3 if due is not None else self.est.verify_ms + self.learned.rtt_ms
+        return max(0.0, left)
+
+    def _plan_cache(
+        self, committed: tuple[int, ...], left_ms: float
+    ) -> tuple[list[Candidate], tuple[TreeSpec, ...] | None]:
+        """Chains for the next likeliest outcomes, their depths planned to end before the verdict
+        is due (speculation.schedule.plan_chains); nothing when no chain fits (then the core
+        waits for the next frame)."""
+        cfg, prof = self.prespec, self.drafter
+        assert cfg is not None and prof is not None
+        cands = self.planner.pop(cfg.outcomes, committed, self._room(), self.welcome.limits.max_depth, 0.0)
+        if not cands:
+            return [], None
+        one = prof.eval_ms(1) or 0.0
+
+        def eval_ms(rows: int) -> float:
+            ms = prof.eval_ms(rows)
+            return one * rows if ms is None else ms
+
+        miss = self._miss_ms_per_token(eval_ms)
+        depth = min(self.req.tree.chain_depth, self.welcome.limits.max_depth)
+        gains = chain_gains(self.choice.alpha, depth, miss, self.welcome.verify_cost_ms)
+        plan = plan_chains([c.prob for c in cands], gains, eval_ms, left_ms)
+        chosen = [(c, d) for c, d in zip(cands, plan.depths, strict=True) if d > 0]
+        self.planner.restore([c for c, d in zip(cands, plan.depths, strict=True) if d == 0])
+        if not chosen:
+            self._cache_idle = self.in_flight
+            return [], None
+        shapes = tuple(TreeSpec("sequence", ExpansionConfig((1,) * d), depth=d) for _, d in chosen)
+        return [c for c, _ in chosen], shapes
+
+    def _miss_ms_per_token(self, eval_ms: Callable[[int], float]) -> float:
+        """What a token costs after a miss: the miss path's round over its tokens."""
+        assert self._full is not None
+        tokens, nodes, full_ms = self._full
+        best, _ = choose_backup(
+            self.req.tree,
+            tokens,
+            nodes,
+            self.choice.alpha,
+            eval_ms,
+            self.welcome.verify_cost_ms,
+            self.learned.rtt_ms,
+            self.welcome.limits.max_depth,
+            full_draft_ms=full_ms,
+        )
+        return best.round_ms / max(best.tokens, 1e-9)
+
     # ------------------------------------------------------------------ sending
     def _send_tree(
         self, dr: DraftResult, full: tuple[int, ...], prob: float, parent: int | None
     ) -> Generator[Ask[object], object, int]:
         proto = self.proto
         rid = proto.last_round + 1
+        ahead = len(full) - len(proto.committed)
         frame = proto.tree(Tree(round=rid, tree=rebase(dr.tree, len(proto.committed))))
         sent = yield from ask(Send(frame, "tree", rid))
+        self._trace_send(dr, rid, parent, ahead, prob, sent)
         self._bytes_since_verdict += sent.size
         self.learned.last_draft = dr
         if self.in_flight == rid:  # sent with none in flight, for the committed sequence
             self.est.verdict_due = sent.at + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
         self._sent(Speculation(rid, dr, full, prob, parent, sent.at))
         return rid
+
+    def _trace_send(
+        self, dr: DraftResult, rid: int, parent: int | None, ahead: int, prob: float, sent: Sent
+    ) -> None:
+        trace = self.stats.trace
+        if trace is not None:
+            tree = dr.tree
+            depth = tree.max_depth
+            trace.sends.append(SendEvent(sent.at, rid, parent, tree.num_nodes, depth, ahead, prob, sent.size))
 
     def _sent(self, spec: Speculation) -> None:
         """Tree `spec.round` is on its way: record it with those of its leaves likely enough to be
@@ -325,10 +469,17 @@ class SpeculationCore:
             return False
         if not self.planner.heap or self._room() <= 0:
             return False
+        if self._cache_idle == self.in_flight:
+            return False  # the outcome cache has no time left before this round's verdict
         if self._bytes_since_verdict >= cfg.byte_budget:
             return False
         rtt = self.learned.rtt_ms
-        if cfg.gate and not self.planner.worth_next(self.in_flight, self.est, rtt, self.clock()):
+        planned = cfg.cache and self._cache_first == self.in_flight  # the cache's chains keep to its time
+        if (
+            cfg.gate
+            and not planned
+            and not self.planner.worth_next(self.in_flight, self.est, rtt, self.clock())
+        ):
             self.stats.prespec_gated += 1
             return False
         return True
@@ -382,6 +533,10 @@ class SpeculationCore:
         self.est.verdict_due = None if nxt is None else now + self.est.verify_ms / 1e3
         if not v.done and not self.cancelled and self.req.mode is not Mode.AR:
             st.record_outcome(len(v.accepted_nodes), nxt is not None, answered.predicted)
+        if st.trace is not None:
+            hit = nxt is not None and not v.done
+            acc_n, n_tok = len(v.accepted_nodes), len(v.tokens)
+            st.trace.verdicts.append(VerdictEvent(now, v.round, acc_n, n_tok, v.verify_ms, hit, nxt, v.done))
         self.planner.keep_known()
         self.planner.expand_all()
         live = None if nxt is None else ledger.get(nxt)

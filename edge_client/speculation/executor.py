@@ -32,6 +32,7 @@ from edge_client.speculation.actions import (
     Drafted,
     DraftPlain,
     FinishLeaves,
+    Reanchor,
     Reanchored,
     Send,
     Sent,
@@ -40,6 +41,7 @@ from edge_client.speculation.actions import (
 from edge_client.speculation.config import Request, TreeSpec
 from edge_client.speculation.core import SpeculationCore
 from edge_client.speculation.outcomes import replay
+from edge_client.stats import DraftEvent
 from edge_client.trees import (
     DraftCancelled,
     DraftOptions,
@@ -109,9 +111,18 @@ class DraftStep:
         st = self.drafter.stats
         return st.extend_ms / st.extend_nodes if st.extend_nodes else 0.0
 
+    def eval_ms(self, rows: int) -> float | None:
+        """The drafters' ms for one evaluation of `rows` rows (merged: the slowest if in parallel,
+        else their sum); None before every drafter measured one."""
+        each = [d.stats.eval_ms(rows) for d in self.drafters]
+        known = [x for x in each if x is not None]
+        if len(known) < len(each):
+            return None
+        return max(known) if self.parallel is not None else sum(known)
+
     def run(self, action: DraftAction) -> DraftResult | Drafted | Reanchored:
         if isinstance(action, DraftPlain):
-            return self._each(action.committed, self.options, action.budget)
+            return self._each(action.committed, self.options, action.budget, action.shape)
         if isinstance(action, DraftConditional):
             return self._conditional(action)
         if isinstance(action, FinishLeaves):
@@ -121,9 +132,12 @@ class DraftStep:
         replay(self.drafter, action.tree)
         return Reanchored()
 
-    def _each(self, committed: Sequence[int], opts: DraftOptions, budget: int) -> DraftResult:
-        """Every drafter's tree below `committed` (+ opts.cond), merged."""
-        return merge_drafts(self._all(lambda i, o: self._shape(i, committed, o, budget), opts))
+    def _each(
+        self, committed: Sequence[int], opts: DraftOptions, budget: int, shape: TreeSpec | None = None
+    ) -> DraftResult:
+        """Every drafter's tree below `committed` (+ opts.cond), merged; `shape` instead of each
+        drafter's own."""
+        return merge_drafts(self._all(lambda i, o: self._shape(i, committed, o, budget, shape), opts))
 
     def _all(self, work: Callable[[int, DraftOptions], T], opts: DraftOptions) -> list[T]:
         """work(i, options) for every drafter i: in turn, or on the `parallel` pool (drafter 0 on
@@ -141,8 +155,10 @@ class DraftStep:
             concurrent.futures.wait(futures)
         return [first, *(f.result() for f in futures)]
 
-    def _shape(self, i: int, committed: Sequence[int], opts: DraftOptions, budget: int) -> DraftResult:
-        drafter, spec, lim = self.drafters[i], self.shapes[i], self.limits
+    def _shape(
+        self, i: int, committed: Sequence[int], opts: DraftOptions, budget: int, shape: TreeSpec | None = None
+    ) -> DraftResult:
+        drafter, spec, lim = self.drafters[i], shape or self.shapes[i], self.limits
         if spec.kind == "sequence":
             return draft_sequence(drafter, committed, min(spec.chain_depth, lim.max_depth), opts)
         if spec.kind == "budget":
@@ -174,6 +190,14 @@ class DraftStep:
         or sequence shape; one after the other for a dynamic one."""
         spec = self.shapes[i]
         conds = [f[len(a.anchor) :] for f in a.fulls]
+        if a.shapes is not None:
+            configs = [
+                sh.expansion
+                if sh.kind == "static"
+                else ExpansionConfig((1,) * min(sh.chain_depth, self.limits.max_depth))
+                for sh in a.shapes
+            ]
+            return draft_static_many(self.drafters[i], a.anchor, configs, conds, options, stops=list(a.stops))
         if spec.kind == "budget":
             out: list[DraftResult | None] = []
             for cond, stop in zip(conds, a.stops, strict=True):
@@ -194,6 +218,22 @@ class DraftStep:
         except WorkspaceFullError:
             return Drafted((None,) * len(a.work), workspace_full=True)
         return Drafted(tuple(done))
+
+
+_DRAFT_KINDS: dict[type, str] = {
+    DraftPlain: "plain",
+    DraftConditional: "conditional",
+    FinishLeaves: "leaves",
+    Reanchor: "reanchor",
+}
+
+
+def _trees_asked(action: DraftAction) -> int:
+    if isinstance(action, DraftConditional):
+        return len(action.fulls)
+    if isinstance(action, FinishLeaves):
+        return len(action.work)
+    return 1
 
 
 class RoundExecutor:
@@ -228,6 +268,8 @@ class RoundExecutor:
         self.pool = pool
         self.verdict_timeout_s = verdict_timeout_s
         self._out: list[Verdict] = []
+        if step is not None and core.stats.trace is not None:
+            step.drafter.stats.log = []  # the trace's draft events carry each evaluation
 
     @property
     def cancelled(self) -> bool:
@@ -253,7 +295,14 @@ class RoundExecutor:
         if isinstance(action, DRAFT_ACTIONS):
             assert self.step is not None
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self.pool, self.step.run, action)
+            t0 = self.core.clock()
+            result = await loop.run_in_executor(self.pool, self.step.run, action)
+            trace = self.core.stats.trace
+            if trace is not None:
+                kind, trees = _DRAFT_KINDS[type(action)], _trees_asked(action)
+                log = self.step.drafter.stats.take_log()
+                trace.drafts.append(DraftEvent(t0, self.core.clock(), kind, trees, log))
+            return result
         if isinstance(action, Send):
             await self._send(action.frame)
             return Sent(len(action.frame), self.core.clock())

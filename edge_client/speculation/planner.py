@@ -25,6 +25,7 @@ class Candidate:
     parent: int
     full: tuple[int, ...]
     prob: float
+    entry: tuple[float, int, int, Outcome] | None = None  # its place in the heap (Planner.restore)
 
 
 class Planner:
@@ -59,29 +60,51 @@ class Planner:
         spec = self.ledger.expanding(rid)
         if spec is None:
             return
-        for o in predict_outcomes(spec.draft, cfg.fanout, cfg.r, cfg.allocation, self.choice):
+        fanout = max(cfg.fanout, cfg.outcomes) if cfg.cache else cfg.fanout
+        for o in predict_outcomes(spec.draft, fanout, cfg.r, cfg.allocation, self.choice):
             heapq.heappush(self.heap, (-spec.prob * o.prob, next(self._order), rid, o))
 
-    def pop(self, limit: int, committed: tuple[int, ...], room: int, max_depth: int) -> list[Candidate]:
+    def pop(
+        self,
+        limit: int,
+        committed: tuple[int, ...],
+        room: int,
+        max_depth: int,
+        min_prob: float | None = None,
+    ) -> list[Candidate]:
         """Up to `limit` candidates, most likely first: the top one, then others at least
-        cfg.batch_min_prob likely while the server has `room` for them."""
+        `min_prob` (default cfg.batch_min_prob) likely while the server has `room` for them."""
         cfg = self.cfg
         assert cfg is not None
+        floor = cfg.batch_min_prob if min_prob is None else min_prob
         max_cond = max_depth + 1
         out: list[Candidate] = []
         while self.heap and len(out) < max(1, min(limit, room)):
             neg_p, _, parent, outcome = self.heap[0]
-            if out and -neg_p < cfg.batch_min_prob:
+            if out and -neg_p < floor:
                 break
-            heapq.heappop(self.heap)
+            entry = heapq.heappop(self.heap)
             spec = self.ledger.get(parent)
             if spec is None:
                 continue
             full = spec.full + outcome.cond
             if not extends(full, committed) or len(full) - len(committed) > 4 * max_cond:
                 continue
-            out.append(Candidate(parent, full, spec.prob * outcome.prob))
+            out.append(Candidate(parent, full, spec.prob * outcome.prob, entry))
         return out
+
+    def restore(self, candidates: list[Candidate]) -> None:
+        """Put popped candidates back (a schedule had no time for them)."""
+        for c in candidates:
+            if c.entry is not None:
+                heapq.heappush(self.heap, c.entry)
+
+    def top(self) -> tuple[float, int] | None:
+        """The most likely candidate's odds and parent round, if any."""
+        if not self.heap:
+            return None
+        neg_p, _, parent, _ = self.heap[0]
+        return -neg_p, parent
 
     def worth_next(self, in_flight: int, est: RoundEstimates, rtt_ms: float, now: float) -> bool:
         """The cost gate (outcomes.worth_drafting) for the most likely candidate, at clock time `now`."""

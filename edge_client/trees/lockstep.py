@@ -32,12 +32,14 @@ _DEFAULT = DraftOptions()
 def draft_static_many(
     drafter: Drafter,
     committed: Sequence[int],
-    config: ExpansionConfig,
+    config: ExpansionConfig | Sequence[ExpansionConfig],
     conds: Sequence[Sequence[int]],
     opts: DraftOptions = _DEFAULT,
     stops: Sequence[Callable[[], bool] | None] | None = None,
 ) -> list[DraftResult | None]:
-    """Draft tree ⟨k1..km⟩ below `committed + cond` for every cond, in the current workspace.
+    """Draft tree ⟨k1..km⟩ below `committed + cond` for every cond, in the current workspace;
+    `config` is one shape for all, or one per cond (say chains of different depths: evaluation l
+    then holds the level-l nodes of the trees deeper than l + 1).
 
     The drafter must be synced to exactly `committed` (as for reuse_workspace=True); each cond is
     followed down the workspace as far as it exists there and the rest is added as a chain (all
@@ -56,6 +58,9 @@ def draft_static_many(
     if drafter.committed_len != len(committed) or drafter.committed_tokens() != [int(t) for t in committed]:
         raise ValueError("draft_static_many needs the drafter synced to exactly `committed`")
     n = len(conds)
+    configs = [config] * n if isinstance(config, ExpansionConfig) else list(config)
+    if len(configs) != n:
+        raise ValueError(f"{len(configs)} shapes for {n} conds: give one, or one per cond")
     stops = list(stops) if stops is not None else [None] * n
     if len(stops) != n:
         raise ValueError("stops must have one entry per cond")
@@ -69,15 +74,19 @@ def draft_static_many(
                 break
             node, i = child, i + 1
         walks.append((node, [int(t) for t in cond[i:]]))
-    levels = np.cumprod(config.ks)[:-1]  # evaluated levels (the last one is not)
-    nodes_needed = sum(len(rest) for _, rest in walks) + n * int(levels.sum())
-    leaves_needed = n * (int(levels[-1]) if levels.size else 1)
+    nodes_needed = sum(len(rest) for _, rest in walks)
+    leaves_needed = 0
+    for cfg in configs:
+        levels = np.cumprod(cfg.ks)[:-1]  # evaluated levels (the last one is not)
+        nodes_needed += int(levels.sum())
+        leaves_needed += int(levels[-1]) if levels.size else 1
     if (
         drafter.num_nodes + nodes_needed > drafter.max_nodes
         or drafter.num_leaves + leaves_needed > drafter.max_leaves
     ):
+        shapes = str(configs[0]) if len(set(configs)) == 1 else "of several shapes"
         raise WorkspaceFullError(
-            f"{n} trees {config} need {nodes_needed} nodes on {leaves_needed} new branches; the drafter "
+            f"{n} trees {shapes} need {nodes_needed} nodes on {leaves_needed} new branches; the drafter "
             f"holds {drafter.max_nodes} / {drafter.max_leaves} "
             f"({drafter.num_nodes} / {drafter.num_leaves} in use)"
         )
@@ -108,28 +117,33 @@ def draft_static_many(
     alive = [True] * n
     frontiers: list[list[tuple[int, np.ndarray]]] = [[(-1, logits)] for _, logits in roots]
     at = [len(committed) + len(c) for c in conds]  # absolute position of the token after row 0
-    for level, k in enumerate(config.ks):
+    depth = max(c.depth for c in configs)
+    for level in range(depth):
         new: list[list[int]] = [[] for _ in conds]
         for t in range(n):
-            if not alive[t]:
+            if not alive[t] or level >= configs[t].depth:
                 continue
+            k = configs[t].ks[level]
             acc = accs[t]
             for node, logits in frontiers[t]:
                 ids, vals = ranked(logits, max(k, alternatives), coupling, at[t] + level)
                 acc.set_alt(node + 1, ids, np.exp(vals))
                 for tok, lp in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
                     new[t].append(acc.add(node, tok, lp))
-        if level == config.depth - 1:
+        growing = [alive[t] and level < configs[t].depth - 1 for t in range(n)]  # to evaluate
+        if not any(growing):
             break
         for t in range(n):
             stop = stops[t]
             if alive[t] and stop is not None and stop():
-                alive[t] = False
+                alive[t] = growing[t] = False
         if not any(alive):
             raise DraftCancelled("drafting stopped: no tree of the batch is wanted any more")
+        if not any(growing):
+            break
         parents, tokens, owner = [], [], []
         for t in range(n):
-            if not alive[t]:
+            if not growing[t]:
                 continue
             acc, root_id = accs[t], roots[t][0]
             for nd in new[t]:

@@ -7,6 +7,8 @@ and decoded as on the wire, in whatever order it likes.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +29,7 @@ from edge_client.speculation import (
     SpeculationCore,
     Steps,
 )
-from edge_client.speculation.actions import DRAFT_ACTIONS, FinishLeaves
+from edge_client.speculation.actions import DRAFT_ACTIONS, Drafted, FinishLeaves
 from edge_client.stats import GenerationStats
 from edge_client.trees import DraftResult
 from shared.errors import ErrorCode
@@ -50,11 +52,10 @@ from shared.tree import TokenTree
 
 @dataclass
 class ScriptedClock:
-    """The core's clock in a scripted session: time moves only when the test (or a draft's
-    measured time, `advance_by_drafts`) moves it."""
+    """The core's clock in a scripted session: time moves only when the test moves it, a verdict
+    is verified (5 ms), or a draft runs (Scripted.draft_ms)."""
 
     now: float = 1000.0
-    advance_by_drafts: bool = False
 
     def __call__(self) -> float:
         return self.now
@@ -74,6 +75,9 @@ class Scripted:
     learned: Learned = field(default_factory=Learned)
     temperature: float = 0.0
     clock: ScriptedClock = field(default_factory=ScriptedClock)
+    draft_ms: float | None = None  # every tree drafted takes this long on the clock (None: no time)
+    eval_ms: Callable[[int], float | None] | None = None  # the drafter's cost curve (None: measured)
+    verify_cost_ms: dict[int, float] = field(default_factory=lambda: {1: 10.0, 64: 20.0})  # in welcome
 
     def __post_init__(self) -> None:
         self.proto = ClientProtocol()
@@ -85,7 +89,7 @@ class Scripted:
             eos_ids=(0,),
             allowed_modes=tuple(Mode),
             limits=self.limits,
-            verify_cost_ms={1: 10.0, 64: 20.0},
+            verify_cost_ms=self.verify_cost_ms,
         )
         self.proto.receive(encode(welcome))
         self.stats = GenerationStats()
@@ -97,7 +101,7 @@ class Scripted:
             self.prespec,
             self.learned,
             self.stats,
-            DrafterProfile(self.step.max_nodes, self.step.ms_per_node),
+            DrafterProfile(self.step.max_nodes, self.step.ms_per_node, self.eval_ms or self.step.eval_ms),
             self.temperature,
             clock=self.clock,
         )
@@ -118,10 +122,7 @@ class Scripted:
 
     def _execute(self, action: Ask[object]) -> object:
         if isinstance(action, DRAFT_ACTIONS):
-            out = self.step.run(action)
-            if self.clock.advance_by_drafts and isinstance(out, DraftResult):
-                self.clock.advance(out.draft_ms)
-            return out
+            return self._timed(self.step.run(action))
         if isinstance(action, Send):
             # the verifier's side of the wire: the frame as the server would decode it
             msg = decode(action.frame)
@@ -137,6 +138,20 @@ class Scripted:
             self.delivered.append(action.verdict)
             return Delivered()
         raise TypeError(action)
+
+    def _timed(self, out: object) -> object:
+        """With `draft_ms`, every tree in a draft's result took that long, on the scripted clock."""
+        ms = self.draft_ms
+        if ms is None:
+            return out
+        if isinstance(out, DraftResult):
+            self.clock.advance(ms)
+            return dataclasses.replace(out, draft_ms=ms)
+        if isinstance(out, Drafted):
+            done = tuple(None if d is None else dataclasses.replace(d, draft_ms=ms) for d in out.results)
+            self.clock.advance(ms * sum(d is not None for d in done))
+            return dataclasses.replace(out, results=done)
+        return out
 
     def sent_trees(self) -> list[Tree]:
         """The trees the core sent, in order, as the server decodes them."""

@@ -6,14 +6,26 @@ a generation mid-flight, each checked on what the core sends and how it accounts
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
 import pytest
 
-from edge_client.speculation import DraftConditional, DraftPlain, PrespecConfig, Refused, Request, TreeSpec
+from edge_client.speculation import (
+    DraftConditional,
+    Drafted,
+    DraftPlain,
+    PrespecConfig,
+    Refused,
+    Request,
+    Send,
+    TreeSpec,
+)
+from edge_client.speculation.ledger import Answered, Ledger
 from edge_client.speculation.outcomes import ChoiceModel, reach_probabilities
-from shared.messages import Mode, SessionLimits, Verdict
+from edge_client.stats import RoundTrace
+from shared.messages import Mode, Prompt, SessionLimits, Verdict
 from shared.tree import ExpansionConfig
 from tests.edge_client.fake_drafter import FakeDrafter
 from tests.edge_client.scripted import Scripted
@@ -23,7 +35,9 @@ SHAPE = TreeSpec("static", ExpansionConfig((2, 1, 1)))
 
 
 def _session(prespec: PrespecConfig | None = None, **kw: Any) -> Scripted:
-    cfg = prespec if prespec is not None else PrespecConfig(fanout=3, max_chain=2, gate=False)
+    # the tests of the ledger's chains draft every outcome with the full shape (no outcome cache:
+    # tests/edge_client/test_schedule.py has it)
+    cfg = prespec if prespec is not None else PrespecConfig(fanout=3, max_chain=2, gate=False, cache=False)
     return Scripted(FakeDrafter(64), Request(Mode.GREEDY, SHAPE), cfg, **kw)
 
 
@@ -125,7 +139,8 @@ def test_speculations_leave_the_slot_of_the_tree_in_flight_to_a_fallback(
     so after a miss the synchronous tree goes out while the stales of all of them are still on
     their way (a live 1000 ms round trip overflowed here: the edge tried an eighth tree)."""
     s = _session(
-        PrespecConfig(fanout=3, max_chain=4, gate=False), limits=SessionLimits(max_pending=max_pending)
+        PrespecConfig(fanout=3, max_chain=4, gate=False, cache=False),
+        limits=SessionLimits(max_pending=max_pending),
     )
     s.start(PROMPT)
     s.idle()
@@ -157,7 +172,7 @@ def test_a_tree_refused_for_room_is_dropped_and_one_in_flight_fails_the_generati
 
 
 def test_a_draft_a_verdict_rules_out_is_abandoned_and_not_sent() -> None:
-    s = _session(PrespecConfig(fanout=3, max_chain=2, gate=False, batch=1))
+    s = _session(PrespecConfig(fanout=3, max_chain=2, gate=False, batch=1, cache=False))
     s.start(PROMPT)
     while s.core.ledger.has_pending_leaves():
         s._run(s.core.idle(quiet=True))
@@ -203,7 +218,7 @@ def test_leaves_are_evaluated_only_when_they_may_be_reached() -> None:
     """A sent tree's leaves are evaluated (to predict the bonus after a full acceptance) only where
     the outcome model gives them a fair chance, leaf by leaf; with a model sure the draft is never
     right, the drafting thread never spends time on leaves."""
-    s = _session(PrespecConfig(fanout=3, max_chain=2, gate=False, leaf_min_reach=0.1))
+    s = _session(PrespecConfig(fanout=3, max_chain=2, gate=False, leaf_min_reach=0.1, cache=False))
     s.start(PROMPT)
     spec = s.core.ledger[0]
     reach = spec.prob * reach_probabilities(spec.draft, s.core.choice)
@@ -241,11 +256,19 @@ def test_random_sessions_keep_the_wire_limits_and_one_tree_in_flight(seed: int) 
     """Random scripted verifiers: hits (named in next_round or still on their way), misses, stales
     decoded before or after the verdict, at random max_pending, fanout and chain depth. The core
     never sends past the server's room (ClientProtocol.tree would raise), conditional trees leave
-    the in-flight slot free, and after every verdict but the last exactly one tree is in flight."""
+    the in-flight slot free, and after every verdict but the last exactly one tree is in flight.
+    Odd seeds run the outcome cache with a slow scripted drafter and a long round trip, so that its
+    chains fit."""
     rng = np.random.default_rng(seed)
     max_pending = int(rng.integers(1, 5))
-    cfg = PrespecConfig(fanout=int(rng.integers(1, 4)), max_chain=int(rng.integers(1, 4)), gate=False)
-    s = _session(cfg, limits=SessionLimits(max_pending=max_pending))
+    cache = seed % 2 == 1
+    cfg = PrespecConfig(
+        fanout=int(rng.integers(1, 4)), max_chain=int(rng.integers(1, 4)), gate=False, cache=cache
+    )
+    timing: dict[str, Any] = {"eval_ms": lambda n: 40.0 + 2.0 * n, "draft_ms": 30.0} if cache else {}
+    s = _session(cfg, limits=SessionLimits(max_pending=max_pending), **timing)
+    if cache:
+        s.learned.rtt_ms = 400.0
     s.start(PROMPT)
     rounds = int(rng.integers(4, 16))
     for i in range(rounds):
@@ -272,3 +295,111 @@ def test_random_sessions_keep_the_wire_limits_and_one_tree_in_flight(seed: int) 
             fallback = s.sent_trees()[-1]
             assert s.core.in_flight == fallback.round and fallback.tree.base == len(committed) + 1
     assert s.stats.rounds == len(s.delivered) == rounds
+
+
+def _gated_run(draft_ms: float) -> Scripted:
+    """The first tree in flight, the verdict due in 60 ms (a 60 ms round trip learned, verified
+    in no time), every draft taking `draft_ms` on the scripted clock; the core works until it
+    stops on its own."""
+    cfg = PrespecConfig(fanout=3, max_chain=2, gate=True, min_gain=0.0, batch=1, cache=False)
+    s = _session(cfg, draft_ms=draft_ms)
+    s.learned.rtt_ms = 60.0
+    s.start(PROMPT)
+    s.idle()
+    return s
+
+
+def test_the_cost_gate_reads_the_cores_clock() -> None:
+    """The gate weighs a conditional draft against the time left before the verdict in flight is
+    due, on the core's clock: when drafting takes no time on it every candidate is worth drafting;
+    when each draft takes 25 ms the verdict comes due after two, and the unlikely outcomes are
+    held back (a fallback would wait for them)."""
+    free = _gated_run(0.0)
+    assert free.stats.prespec_gated == 0 and free.stats.prespec_sent > 2
+    slow = _gated_run(25.0)
+    assert slow.stats.prespec_gated > 0
+    assert 0 < slow.stats.prespec_sent < free.stats.prespec_sent
+    due = slow.core.est.verdict_due
+    assert due is not None and slow.clock() > due - 0.025  # it stopped with less than a draft left
+    # the clock moved only by the drafts (the first tree, leaf evaluations, conditional trees)
+    steps = (slow.clock() - 1000.0) / 0.025
+    assert steps == pytest.approx(round(steps)) and round(steps) >= 1 + slow.stats.prespec_sent
+
+
+def test_a_shell_answering_with_the_wrong_result_fails_naming_the_action() -> None:
+    """Every action checks its result's type: a shell bug surfaces as a TypeError naming the
+    action, not as an attribute error deep in the core."""
+    s = _session()
+    steps = s.core.start(Prompt(tokens=np.asarray(PROMPT, np.int32), mode=Mode.GREEDY, max_new_tokens=8))
+    action = steps.send(None)
+    assert isinstance(action, DraftPlain)
+    with pytest.raises(TypeError, match="DraftPlain got a Drafted"):
+        steps.send(Drafted(()))
+    with pytest.raises(TypeError, match="Send got a float"):
+        Send(b"", "tree", 1).take(0.5)
+    with pytest.raises(TypeError, match="DraftConditional got a Drafted"):
+        DraftConditional((), ((1,), (2,)), (lambda: False, lambda: False), lockstep=True).take(
+            Drafted((None,))
+        )
+
+
+def test_the_ledger_is_changed_only_by_its_transitions() -> None:
+    """A round's life in the ledger: sent (with leaves pending), leaves evaluated, expanded once,
+    attempted, answered with the share of its odds attempted; stale and refused conditional trees
+    leave it; a verdict forgets what it rules out."""
+    s = _session()
+    s.start(PROMPT)
+    first = s.core.ledger[0]
+    ledger = Ledger()
+    ledger.sent(first, leaves=(3, 4))
+    with pytest.raises(ValueError, match="round 0 is in the ledger already"):
+        ledger.sent(first)
+    assert ledger.leaves_pending() == {0: (3, 4)} and ledger.to_expand(2) == []
+    ledger.leaves_evaluated({0: None})
+    assert not ledger.has_pending_leaves() and ledger.to_expand(2) == [0]
+    assert ledger.expanding(0) is first and ledger.expanding(0) is None and ledger.to_expand(2) == []
+    a = dataclasses.replace(first, round=1, full=(*PROMPT, 7), prob=0.5, parent=0)
+    b = dataclasses.replace(first, round=2, full=(*PROMPT, 8), prob=0.25, parent=0)
+    c = dataclasses.replace(first, round=3, full=(*PROMPT, 7, 9), prob=0.2, parent=1)
+    for spec in (a, b, c):
+        ledger.sent(spec)
+    assert ledger.ahead(c) == 2 and [sp.round for sp in ledger.children_of(0)] == [1, 2]
+    assert ledger.refused(0) is False and 0 in ledger  # the tree in flight is no conditional tree
+    assert ledger.refused(2) is True and 2 not in ledger
+    ledger.attempt(0, 0.5)
+    ledger.attempt(0, 0.25)
+    answered = ledger.answered(0)
+    assert answered.spec is first and answered.predicted == pytest.approx(0.75)
+    assert ledger.answered(0) == Answered(None, 0.0)
+    ledger.forget_unreachable((*PROMPT, 8))  # the verdict went another way: 1 and 3 cannot happen
+    assert len(ledger) == 0
+    ledger.sent(a)
+    ledger.stale(1)
+    assert 1 not in ledger
+
+
+def test_the_round_trace_records_sends_and_verdicts_on_the_cores_clock() -> None:
+    """With a trace, every tree sent and every verdict taken up is recorded with the core's clock:
+    the first tree with the prompt, conditional trees with their parent and odds, hits and the
+    miss's fallback."""
+    s = _session(draft_ms=10.0)
+    s.stats.trace = RoundTrace()
+    s.start(PROMPT)
+    s.idle()
+    rid, full = next(iter(_children_of(s, 0).items()))
+    s.verdict_to(0, full, next_round=rid)
+    s.verdict(rid, [], _a_missing_bonus(s, rid))
+    trace = s.stats.trace
+    assert [e.round for e in trace.sends] == [0, *(t.round for t in s.sent_trees())]
+    first = trace.sends[0]
+    assert first.parent is None and first.ahead == 0 and first.t == pytest.approx(1000.010)
+    kid = next(e for e in trace.sends if e.round == rid)
+    assert kid.parent == 0 and kid.ahead == len(full) - len(PROMPT) and 0 < kid.prob < 1
+    assert kid.nodes == s.trees[rid].num_nodes and kid.depth == s.trees[rid].max_depth
+    assert [(v.round, v.hit, v.next) for v in trace.verdicts[:1]] == [(0, True, rid)]
+    miss = trace.verdicts[1]
+    assert miss.round == rid and miss.accepted == 0 and miss.tokens == 1 and miss.hit is False
+    assert miss.next is None  # the fallback is drafted after the verdict was taken up
+    assert trace.sends[-1].parent is None and trace.sends[-1].t > miss.t
+    assert sum(v.hit for v in trace.verdicts) == s.stats.hits
+    assert set(trace.as_dict()) == {"sends", "verdicts", "drafts"}
