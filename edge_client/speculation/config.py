@@ -9,7 +9,7 @@ from typing import Literal
 
 import numpy as np
 
-from edge_client.trees import Coupling, Sampling
+from edge_client.trees import Coupling, Saguaro, Sampling
 from shared.messages import Error, Mode
 from shared.tree import ExpansionConfig
 
@@ -59,6 +59,12 @@ class PrespecConfig:
                  with at least this probability are (the side branches of a sampled tree, or every
                  leaf of a weak draft's, are almost never reached: evaluating them only occupies
                  the drafting thread, at about the cost of a tree node each)
+    saguaro_c:   Saguaro sampling in mss / rrs (trees.Saguaro): at every node the q row the draws
+                 come from and the verifier receives has the weights of the `fanout` + (draws
+                 there) likeliest tokens, the drafted ones and the bonus candidates pre-speculation
+                 caches, scaled by C (0 < C <= 1; 1: off), so that the bonus after a rejection
+                 lands on a cached token more often. Output stays exactly the target's (the
+                 verifier tests the draws against the row they came from); acceptance may fall
     cache:       the outcome cache (speculation.schedule): the likeliest outcome of the tree in
                  flight gets a tree of the configured shape, drafted alone; then up to `outcomes`
                  further outcomes are drafted together as chains whose depths are planned against
@@ -83,6 +89,7 @@ class PrespecConfig:
     gate: bool = True
     min_gain: float = 0.0
     leaf_min_reach: float = 0.02
+    saguaro_c: float = 1.0
     backup: str = "auto"
     cache: bool = True
     outcomes: int = 24
@@ -98,12 +105,19 @@ class PrespecConfig:
             ("r", self.r > 0, "positive"),
             ("min_gain", self.min_gain >= 0, "0 or more"),
             ("leaf_min_reach", 0 <= self.leaf_min_reach <= 1, "in [0, 1]"),
+            ("saguaro_c", 0 < self.saguaro_c <= 1, "in (0, 1] (1: off)"),
             ("outcomes", self.outcomes >= 1, "at least 1"),
             ("backup", self.backup in ("auto", "tree", "chain"), "'auto', 'tree' or 'chain'"),
         )
         for name, ok, what in checks:
             if not ok:
                 raise ValueError(f"PrespecConfig.{name} must be {what}, got {getattr(self, name)!r}")
+
+    @property
+    def saguaro(self) -> Saguaro | None:
+        """Saguaro sampling for the mss / rrs trees of a pre-speculating generation (its
+        Sampling.saguaro), None when saguaro_c is 1."""
+        return Saguaro(self.saguaro_c, self.fanout) if self.saguaro_c < 1 else None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 One concept per module:
 
-- `sampling`: how a row of draft logits becomes candidate tokens (ranking, coupling, q rows);
+- `sampling`: how a row of draft logits becomes candidate tokens (ranking, coupling, q rows,
+  Saguaro sampling);
 - `builder`: the tree under construction, `DraftOptions`, `DraftResult`, and the static shapes
   (SpecInfer's expansion ⟨k1..km⟩ and the chain ⟨1,...,1⟩), the default round's tree;
 - `dynamic`: best-first under a node budget (Sequoia / EAGLE-2 style);
@@ -22,7 +23,7 @@ from edge_client.trees.builder import (
 )
 from edge_client.trees.dynamic import draft_dynamic
 from edge_client.trees.lockstep import draft_static_many, finish_leaves, finish_leaves_many
-from edge_client.trees.sampling import WIRE_TOP_K, Coupling, Sampling
+from edge_client.trees.sampling import WIRE_TOP_K, Coupling, Saguaro, Sampling
 
 __all__ = [
     "DEFAULT_ALTERNATIVES",
@@ -31,6 +32,7 @@ __all__ = [
     "DraftCancelled",
     "DraftOptions",
     "DraftResult",
+    "Saguaro",
     "Sampling",
     "draft_dynamic",
     "draft_sequence",

@@ -51,7 +51,7 @@ class DraftOptions:
     """How to draft one tree (every shape takes these; the shape's own sizes are separate).
 
     mode:            greedy / match rank the draft's tokens; mss / rrs sample (need sampling, rng)
-    sampling:        the q-row transform stochastic modes draw from
+    sampling:        the q-row transform stochastic modes draw from (with Saguaro sampling, if any)
     rng:             the generator stochastic modes draw with
     coupling:        mode match at temperature > 0: the coupled token leads each node's children
     cond:            tokens assumed after the committed sequence (a conditional tree)
@@ -89,7 +89,8 @@ class DraftResult:
 
     tree:           the TokenTree (base = len(committed), cond as given)
     node_prob:      [N] float32, draft probability of node i's token at its parent: softmax at
-                    temperature 1 (deterministic modes) or the q weight / 2^16 it was drawn with
+                    temperature 1 (deterministic modes) or its weight / 2^16 in the node's q row
+                    (stochastic modes; before Saguaro scaling: the row drawn from is in tree.draws)
     path_prob:      [N] float32, product of node_prob along the root-to-node path; its sum is the
                     draft's estimate of the expected accepted length
     workspace_ids:  [N] int32, the drafter workspace node of each tree node; -1 for nodes never
@@ -242,7 +243,8 @@ def check_stop(stop: Callable[[], bool] | None) -> None:
 # Drafted level by level, so each drafter evaluation (one llama_decode) covers a whole level.
 # Deterministic modes take the draft's top-k_i tokens at each node (distinct siblings).
 # Stochastic modes (mss, rrs) take exactly k_i draws from the node's quantized q row (with
-# replacement for mss; without, by Gumbel-top-k, for rrs) and the rows travel with the tree. The
+# replacement for mss; without, by Gumbel-top-k, for rrs; with Saguaro sampling from the row with
+# the pre-speculated candidates scaled, trees.sampling.Saguaro) and the rows travel with the tree. The
 # number of draws at a node is fixed before drawing and no draw is dropped; duplicate mss draws
 # share one node and stay separate draws (docs/architecture.md §3.3).
 
@@ -320,16 +322,22 @@ def _sample_children(
     sampling: Sampling,
     rng: np.random.Generator,
 ) -> list[int]:
-    """Exactly k draws (rrs: min(k, row length)) at `node` from its quantized q row; new nodes."""
+    """Exactly k draws (rrs: min(k, row length)) at `node` from its quantized q row; new nodes.
+
+    The draws come from the row shipped with the tree (`Sampling.shipped_row`: q, or with Saguaro
+    sampling q with its candidates scaled), so the verifier tests them against the row they were
+    drawn from. The alternatives and each node's probability are the draft's own q: what the
+    outcome model takes for the target's distribution."""
     q = sampling.q_row(logits)
+    shipped = sampling.shipped_row(q, k)
     qrow = len(acc.q_rows)
-    acc.q_rows.append(q)
+    acc.q_rows.append(shipped)
     order = np.argsort(-q.weights, kind="stable")
     acc.set_alt(node + 1, q.ids[order], q.weights[order] / 65536.0)
     if mode is Mode.RRS:
-        drawn = q.sample_without_replacement(rng, min(k, len(q)))
+        drawn = shipped.sample_without_replacement(rng, min(k, len(shipped)))
     else:
-        drawn = q.sample(rng, k)
+        drawn = shipped.sample(rng, k)
     new: list[int] = []
     for tok in drawn.tolist():
         child = acc.child.get((node, tok))

@@ -6,6 +6,11 @@ target will sample, by the verifier's keyed uniforms, leads. Stochastic modes (m
 from a q row (`Sampling.q_row`): the draft distribution at the requested temperature / top-k /
 top-p, truncated to at most `wire_top_k` tokens and quantized to u16 weights FIRST
 (shared.sparse), so that the edge samples from exactly the weights that travel with the tree.
+
+Saguaro sampling (`Saguaro`, pre-speculation only): the row a node draws from and ships is q with
+the weights of the tokens pre-speculation caches there scaled by C < 1 (`Sampling.shipped_row`).
+The verifier tests the draws against exactly that row, so the output stays the target's; what the
+draft believes (the alternatives the outcome model reads, each node's probability) stays q.
 """
 
 from __future__ import annotations
@@ -24,18 +29,71 @@ WIRE_TOP_K = 48  # default cap on q-row length: ~6 bytes a token on the wire, ~0
 
 
 @dataclass(frozen=True)
+class Saguaro:
+    """Saguaro sampling (SSD, arXiv 2603.03251): bend a q row toward the tokens pre-speculation
+    caches, so that the bonus token after a rejection lands on one of them more often.
+
+    After the draws at a node are rejected, mss / rrs draw the bonus from the residual
+    norm(max(0, p - q)). Scaling the cached candidates' weights in q by c < 1 (the row
+    renormalised) lowers q there and so raises the residual there: were the draft equal to the
+    target, the residual would lie on the candidates alone. The edge draws the node's tokens from
+    the scaled row and ships that row with the tree; the verifier tests the draws against exactly
+    the row shipped, so the output is still exactly the target's, whatever c.
+
+    The candidates at a node that makes k draws are the `fanout + k` heaviest tokens of its q row
+    (ties: the lower token id). Pre-speculation caches, as bonus candidates at a node, the draft's
+    likeliest tokens other than the drafted children (speculation.outcomes), at most `fanout` of
+    them; the children are most often the k likeliest, so this set is the drafted children and the
+    `fanout` bonus candidates behind them. It is chosen before drawing, from q alone: a set that
+    depended on the draws would make the row they were drawn from depend on them, and the row
+    shipped would no longer be the one drawn from (the reference implementation likewise scales
+    the F + 1 likeliest tokens of a chain's rows).
+
+    c:      the factor, 0 < c <= 1 (1: the row is left as it is)
+    fanout: bonus candidates cached per node (PrespecConfig.fanout)
+    """
+
+    c: float
+    fanout: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0 < self.c <= 1:
+            raise ValueError(f"Saguaro sampling needs 0 < c <= 1 (1: off), got {self.c!r}")
+        if self.fanout < 1:
+            raise ValueError(f"Saguaro sampling needs fanout >= 1, got {self.fanout!r}")
+
+    def candidates(self, q: SparseDist, draws: int) -> np.ndarray:
+        """Positions in `q` (ascending) of the tokens scaled at a node making `draws` draws."""
+        n = min(self.fanout + max(draws, 0), len(q))
+        heaviest: np.ndarray = np.argsort(-q.weights, kind="stable")[:n]  # ids ascending: ties by id
+        return np.sort(heaviest)
+
+    def apply(self, q: SparseDist, draws: int) -> SparseDist:
+        """The row a node making `draws` draws samples from and ships: q with its candidates'
+        weights times c, renormalised and quantized again (every weight stays >= 1, the sum 2^16)."""
+        at = self.candidates(q, draws)
+        if self.c == 1 or at.size == len(q):  # nothing scaled, or everything alike: q itself
+            return q
+        w = q.weights.astype(np.float64)
+        w[at] *= self.c
+        return SparseDist(q.ids.copy(), quantize(w))
+
+
+@dataclass(frozen=True)
 class Sampling:
     """What the target is asked to do; stochastic trees draw from the same transform of the draft.
 
     temperature, top_k (0: all), top_p: applied to the draft logits as the target applies them
     wire_top_k: the most tokens a q row keeps (bounds bytes per round); the top_p mass is taken
                 over the top_k set first, then the row is cut to wire_top_k tokens
+    saguaro:    Saguaro sampling of the rows drawn from and shipped (pre-speculation; None: off)
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     wire_top_k: int = WIRE_TOP_K
+    saguaro: Saguaro | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -50,6 +108,11 @@ class Sampling:
         w = quantize(p[idx])
         order = np.argsort(idx, kind="stable")
         return SparseDist(idx[order].astype(np.int32), w[order])
+
+    def shipped_row(self, q: SparseDist, draws: int) -> SparseDist:
+        """The row a node making `draws` draws samples them from and ships with the tree: its q row
+        `q` (from `q_row`), with Saguaro sampling its candidates scaled (`Saguaro.apply`)."""
+        return q if self.saguaro is None else self.saguaro.apply(q, draws)
 
 
 @dataclass(frozen=True)
@@ -141,9 +204,9 @@ def top_alternatives(
     coupling: Coupling | None = None,
     position: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The draft's `a` most likely next tokens and their probabilities: from the q row that
-    stochastic modes draw from (`sampling`), else softmax at temperature 1 (with `coupling`, the
-    coupled token at absolute `position` first)."""
+    """The draft's `a` most likely next tokens and their probabilities: from the q row of
+    stochastic modes (`sampling`; the draft's own, before any Saguaro scaling), else softmax at
+    temperature 1 (with `coupling`, the coupled token at absolute `position` first)."""
     if sampling is not None:
         q = sampling.q_row(logits)
         order = np.argsort(-q.weights, kind="stable")[:a]
