@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -14,6 +15,16 @@ from shared.model_store.catalog import DEFAULT_DRAFT
 
 if TYPE_CHECKING:
     from edge_client.client import TreeSpec
+
+
+SAGUARO_HELP = (
+    "Saguaro sampling in mode mss or rrs: at every node of a sampled tree, the draft's probabilities "
+    "of the tokens pre-speculation caches there (the drafted ones and the likeliest bonus tokens after "
+    "them) are scaled by C in the q rows the edge draws from and sends, so that the bonus token after a "
+    "rejection is more often one that a conditional tree was drafted for. 0 < C <= 1; default 1: off. "
+    "The output stays exactly the target's distribution (the verifier tests every draw against the row "
+    "it came from); acceptance per draw may fall"
+)
 
 
 def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -130,6 +141,9 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="with --prespec: draft a conditional tree only when it is expected to save at least X ms "
         "of latency per ms spent drafting it (default 0: whatever costs no expected latency; e.g. 0.1 "
         "holds back trees that are rarely used, saving edge energy)",
+    )
+    p.add_argument(
+        "--saguaro-c", type=float, default=1.0, metavar="C", help=f"with --prespec: {SAGUARO_HELP}"
     )
     p.add_argument("--threads", type=int, default=0, help="draft model threads (0: the backend's default)")
     p.add_argument(
@@ -251,6 +265,7 @@ def _serve(args: argparse.Namespace) -> int:
     from edge_client.defaults import recommended_tree
     from edge_client.drafters.registry import create_drafter
     from edge_client.serve import ServeConfig, create_app
+    from edge_client.speculation import PrespecConfig
     from shared.tree import ExpansionConfig
 
     try:
@@ -263,6 +278,14 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"edge-client: --allow-origin: {exc}", file=sys.stderr)
         return 2
+    try:
+        prespec_cfg = PrespecConfig(saguaro_c=args.saguaro_c)
+    except ValueError as exc:
+        print(f"edge-client: --saguaro-c: {exc}", file=sys.stderr)
+        return 2
+    if args.saguaro_c != 1 and args.no_prespec:
+        print("edge-client: --saguaro-c applies to pre-speculation: drop --no-prespec", file=sys.stderr)
+        return 2
     opts = {"n_threads": args.threads} if args.threads else {}
     drafter = create_drafter(args.drafter, args.draft, **opts)
 
@@ -272,7 +295,7 @@ def _serve(args: argparse.Namespace) -> int:
             drafter,
             api_key=args.api_key,
             tree=spec,
-            prespec=not args.no_prespec,
+            prespec=False if args.no_prespec else prespec_cfg,
             ca_file=args.ca_file,
         )
 
@@ -319,6 +342,20 @@ async def _generate(args: argparse.Namespace) -> int:
         return 2
     if args.prespec_min_gain and not args.prespec:
         print("edge-client: --prespec-min-gain applies to pre-speculation: add --prespec", file=sys.stderr)
+        return 2
+    try:
+        prespec_cfg = dataclasses.replace(prespec_cfg, saguaro_c=args.saguaro_c)  # refuses <= 0, > 1, nan
+    except ValueError as exc:
+        print(f"edge-client: --saguaro-c: {exc}", file=sys.stderr)
+        return 2
+    if args.saguaro_c != 1 and not args.prespec:
+        print("edge-client: --saguaro-c applies to pre-speculation: add --prespec", file=sys.stderr)
+        return 2
+    if args.saguaro_c != 1 and args.mode not in ("mss", "rrs"):
+        print(
+            "edge-client: --saguaro-c applies to the sampled modes: add --mode mss or --mode rrs",
+            file=sys.stderr,
+        )
         return 2
     prespec = prespec_cfg if args.prespec else False
     if args.parallel_drafters and len(models) < 2:
