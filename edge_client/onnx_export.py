@@ -32,6 +32,8 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -174,16 +176,21 @@ def export(
     progress: bool = True,
     target: Any = None,
     int8_method: str = "blocks",
+    on_stage: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Export `source` into the folder `out` (replaced if it exists); returns its manifest.
 
     target: the already loaded fp32 `cloud_verifier.model.Target` of `source` (saves loading it
     again, e.g. when the torch drafter holds it); by default it is loaded here.
     int8_method: with int8, "blocks" (8-bit blocks written as the graph is) or "dynamic"
-    (onnxruntime's quantize_dynamic over the fp32 graph); see the module docstring."""
+    (onnxruntime's quantize_dynamic over the fp32 graph); see the module docstring.
+    on_stage: called with what the export starts doing (loading, writing the graph, ...), e.g. to
+    label a progress bar."""
     if int8_method not in INT8_METHODS:
         raise ValueError(f"int8_method {int8_method!r}: one of {', '.join(INT8_METHODS)}")
     dynamic = int8 and int8_method == "dynamic"
+    stage: Callable[[str], None] = on_stage or (lambda what: None)
+    stage("importing torch and onnx")
     import onnx
     import onnxruntime
     import torch
@@ -196,6 +203,7 @@ def export(
         (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     )
     if target is None:
+        stage("loading the GGUF (dequantizing to fp32)")
         say(f"export-onnx: loading {source} (dequantizing to fp32)")
         name = str(gguf) if gguf is not None else TINY
         target = load_target(name, dtype="float32", device="cpu", progress=progress)
@@ -208,6 +216,7 @@ def export(
         from edge_client.onnx_graph import OPSET, write_model
 
         kind = "fp32" if not int8 or dynamic else "int8 (8-bit blocks, quantized as written)"
+        stage(f"writing the {'int8' if int8 else 'fp32'} graph")
         say(f"export-onnx: writing the {kind} graph ({target.config.num_parameters() / 1e6:.0f}M parameters)")
         graph = tmp / "fp32" / MODEL_FILE if dynamic else tmp / MODEL_FILE
         graph.parent.mkdir(exist_ok=True)
@@ -217,9 +226,11 @@ def export(
         del target
         gc.collect()  # the module graph has reference cycles: free the floats now
         if dynamic:
+            stage("quantize_dynamic")
             say("export-onnx: onnxruntime's quantize_dynamic (int8 weights per output channel)")
             _quantize_dynamic(graph, tmp / MODEL_FILE)
             shutil.rmtree(graph.parent)
+        stage("writing the tokenizer, hashing the source")
         (tmp / "tokenizer.json").write_text(tok.tokenizer.to_str(), encoding="utf-8")
         (tmp / "tokens.json").write_text(json.dumps(tok.token_texts(), ensure_ascii=False), encoding="utf-8")
         sha = None if gguf is None else model_store.file_sha256(gguf, progress=progress, desc="hashing")
@@ -283,15 +294,84 @@ def ensure_export(source: str, *, int8: bool = False, progress: bool = True) -> 
     return folder
 
 
+# First-use estimates for the message before an export, from this project's 2-core x86 machine:
+# Qwen2.5-Coder-0.5B Q4_K_M (491 MB) took 43 s on a quiet machine and 68 s on a busy one, and
+# peaked at 4.3 GB resident (dequantizing included, no cached fp32 weights)
+EXPORT_S_PER_GB = 110.0  # seconds per GB of GGUF
+EXPORT_MEMORY_X = 9.0  # peak resident memory per byte of a Q4 GGUF (its fp32 model is ~5x)
+
+
+def export_estimate(gguf: Path | None) -> tuple[float, float]:
+    """(seconds, peak GB) an export of `gguf` (None: `tiny`) may take on a machine like ours."""
+    size_gb = 0.0 if gguf is None else gguf.stat().st_size / 1e9
+    return max(5.0, EXPORT_S_PER_GB * size_gb), max(0.5, EXPORT_MEMORY_X * size_gb)
+
+
 def _export_on_first_use(source: str, folder: Path, int8: bool, progress: bool) -> None:
+    seconds, gigabytes = export_estimate(source_path(source))
     if progress:
+        minutes = f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
         print(
-            f"edge-client: exporting {source} to ONNX ({'int8' if int8 else 'fp32'}) into {folder}, "
-            "once; later uses load it",
+            f"edge-client: exporting {source} to ONNX ({'int8' if int8 else 'fp32'}) into {folder}. This "
+            f"happens once; later uses load the export. It needs torch and onnx, may take about {minutes} "
+            f"(longer on a slower machine) and about {gigabytes:.1f} GB of memory.",
             file=sys.stderr,
             flush=True,
         )
-    export(source, folder, int8=int8, progress=progress)
+    with _TimeBar(seconds, f"exporting {source}", enabled=progress) as bar:
+        export(source, folder, int8=int8, progress=False, on_stage=bar.stage)
+    if progress:
+        print(f"edge-client: exported {source} in {bar.elapsed:.0f} s", file=sys.stderr, flush=True)
+
+
+class _TimeBar:
+    """A progress bar over an estimated duration: a ticker moves it with the clock (held below
+    100% until the work ends), and the label says what the work is doing now."""
+
+    def __init__(self, seconds: float, desc: str, *, enabled: bool) -> None:
+        from tqdm import tqdm
+
+        self._desc = desc
+        self._total = max(1, round(seconds))
+        self._bar = tqdm(
+            total=self._total,
+            desc=desc,
+            disable=not enabled,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} of about {total_fmt} s",
+            file=sys.stderr,
+        )
+        self._t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._tick, name="export-progress", daemon=True)
+        self.elapsed = 0.0
+
+    def stage(self, what: str) -> None:
+        self._bar.set_description_str(f"{self._desc}: {what}", refresh=False)
+        self._advance()
+
+    def _advance(self) -> None:
+        shown = min(int(time.monotonic() - self._t0), self._total - 1)  # 100% only when done
+        if shown > self._bar.n:
+            self._bar.update(shown - self._bar.n)
+        else:
+            self._bar.refresh()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(0.5):
+            self._advance()
+
+    def __enter__(self) -> _TimeBar:
+        self._ticker.start()
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._stop.set()
+        self._ticker.join()
+        self.elapsed = time.monotonic() - self._t0
+        if exc_type is None:
+            self._bar.set_description_str(f"{self._desc}: done", refresh=False)
+            self._bar.update(self._total - self._bar.n)
+        self._bar.close()
 
 
 def describe(manifest: Manifest) -> dict[str, Any]:
