@@ -6,7 +6,8 @@ sampling (`Saguaro.apply`: the fanout + k heaviest tokens of each row scaled by 
 every node of the shape), and the joint distribution of the next output tokens, verified by the
 production `verify_batch`, is tested against the target alone (Pearson chi-square, reject at
 p < 1e-6). The wrong variant draws from the scaled rows but ships the draft's own rows (C applied to
-drafting, not to the q the verifier gets): the same test must reject it.
+drafting, not to the q the verifier gets): the same test must reject it. The last test shows what C
+buys: after a rejection the bonus is a cached candidate more often.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from cloud_verifier.exactness import (
     simulate,
 )
 from cloud_verifier.exactness import cases as harness
-from cloud_verifier.exactness.rounds import START_TOKEN, rows_of
+from cloud_verifier.exactness.rounds import START_LEN, START_TOKEN, rows_of
 from cloud_verifier.sampling import SamplingParams
+from cloud_verifier.verify import Algorithm, verify_batch
 from edge_client.trees import Saguaro
 from shared.sparse import Q_TOTAL, SparseDist
 from shared.tree import ExpansionConfig
@@ -122,3 +124,32 @@ def test_the_harness_round_ships_the_rows_it_draws_from() -> None:
     row_parent, _ = rows_of(ExpansionConfig(CHAIN.expansions[0]).parents())
     ctx = torch.cat([root.unsqueeze(1), rnd.drafted[0]], 1)[:, torch.from_numpy(row_parent + 1)]
     assert torch.equal(rnd.q_probs * Q_TOTAL, pair.drafts[0][ctx].float())
+
+
+def _cached_bonus_share(c: float, trials: int = 40_000) -> tuple[float, float]:
+    """One mss draw at the root, from the Saguaro row at `c` (1: the draft's own): the share of
+    rounds that reject it, and the share of those whose bonus is one of the 3 likeliest tokens of
+    the draft's q other than the drafted one (the bonus candidates pre-speculation caches)."""
+    one = Shape("one", ((1,),), 1, 27)
+    pair = pair_for(one)
+    drafted_from = saguaro_pair(pair, c, 1) if c < 1 else pair
+    gen = torch.Generator().manual_seed(11)
+    root = torch.randint(0, pair.vocab, (trials,), generator=gen)
+    rnd = draw_round(drafted_from, one, "replacement", root, gen)
+    logits = pair.target[torch.cat([root.unsqueeze(1), rnd.tokens], 1)]
+    batch = rnd.batch(np.full(trials, START_LEN, dtype=np.int64))
+    res = verify_batch(Algorithm("mss"), batch, logits, SamplingParams(1.0), generator=gen)
+    rejected = res.num_accepted == 0
+    top = torch.argsort(-pair.drafts[0][root], dim=-1, stable=True)[:, :4]  # the draft's top 4
+    others = top != rnd.tokens[:, :1]
+    rank = others.cumsum(-1)  # the candidates: the first 3 of the top 4 that were not drafted
+    cached = ((top == res.bonus.unsqueeze(1)) & others & (rank <= 3)).any(-1)
+    return float(rejected.double().mean()), float(cached[rejected].double().mean())
+
+
+def test_saguaro_sampling_moves_the_bonus_onto_the_cached_candidates() -> None:
+    """What C is for: after a rejection the bonus is one of the candidates pre-speculation caches
+    more often the smaller C (at the price of more rejections)."""
+    (rej1, hit1), (rej5, hit5), (rej25, hit25) = (_cached_bonus_share(c) for c in (1.0, 0.5, 0.25))
+    assert hit1 + 0.05 < hit5 and hit5 + 0.05 < hit25, (hit1, hit5, hit25)
+    assert rej1 < rej5 < rej25, (rej1, rej5, rej25)
