@@ -172,9 +172,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path")
     ap.add_argument(
         "--drafter",
-        default="llama_cpp",
-        choices=["llama_cpp", "torch", "onnx"],
-        help="draft backend (onnx: --draft may also be an `edge-client export-onnx` folder)",
+        default="auto",
+        choices=["auto", "llama_cpp", "torch", "onnx"],
+        help="draft backend (auto: llama.cpp or the ONNX int8 export, whichever is faster on this machine, "
+        "measured once and cached; onnx: --draft may also be an `edge-client export-onnx` folder)",
     )
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
     ap.add_argument(
@@ -235,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         forwards = _remote_forwards(url)
     split.pin_edge()
     drafter = create_drafter(a.drafter, a.draft, n_threads=1)
+    drafter_name = drafter.name
     try:
         runs, by_cat = asyncio.run(
             run_modes(
@@ -266,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "temperature": a.temperature,
         "mode": mode.value,
         "draft": a.draft,
-        "drafter": a.drafter,
+        "drafter": drafter_name,  # the backend that drafted (auto resolved)
         "model": a.model,
         "tree": tree_text,
         "seed": a.seed,

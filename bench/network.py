@@ -116,9 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument(
         "--drafter",
-        default="llama_cpp",
-        choices=["llama_cpp", "torch", "onnx"],
-        help="draft backend (onnx: --draft may also be an `edge-client export-onnx` folder)",
+        default="auto",
+        choices=["auto", "llama_cpp", "torch", "onnx"],
+        help="draft backend (auto: llama.cpp or the ONNX int8 export, whichever is faster on this machine, "
+        "measured once and cached; onnx: --draft may also be an `edge-client export-onnx` folder)",
     )
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
     ap.add_argument(
@@ -192,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with verifier:
         split.pin_edge()
         drafter = create_drafter(a.drafter, a.draft, n_threads=1)
+        a.drafter = drafter.name  # auto resolved: the report's config names the backend that drafted
         try:
             for rtt in rtts:
                 for temp in temps:

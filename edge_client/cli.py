@@ -82,10 +82,12 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     p.add_argument(
         "--drafter",
-        default="llama_cpp",
-        choices=["llama_cpp", "torch", "onnx"],
-        help="draft backend: llama.cpp (GGUF), the torch reference, or onnxruntime (--draft may then "
-        "also be an export-onnx folder; an alias or GGUF is exported to ONNX on first use)",
+        default="auto",
+        choices=["auto", "llama_cpp", "torch", "onnx"],
+        help="draft backend: auto (default: on first use of a draft alias, export it to ONNX int8 and "
+        "time llama.cpp against ONNX Runtime on this device, then draft with the faster; the decision "
+        "is cached, see README), llama.cpp (GGUF), the torch reference, or onnxruntime (--draft may "
+        "then also be an export-onnx folder; an alias or GGUF is exported to ONNX on first use)",
     )
     shape = p.add_mutually_exclusive_group()
     shape.add_argument(
@@ -251,7 +253,10 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--api-key", default=os.environ.get("EDGE_CLIENT_API_KEY"), help="the verifier's API key")
     p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model alias or GGUF path")
     p.add_argument(
-        "--drafter", default="llama_cpp", choices=["llama_cpp", "torch", "onnx"], help="draft backend"
+        "--drafter",
+        default="auto",
+        choices=["auto", "llama_cpp", "torch", "onnx"],
+        help="draft backend (auto, the default: llama.cpp or ONNX int8, whichever is faster here)",
     )
     p.add_argument("--tree", default=None, help="expansion config, e.g. 2,1,1,1 (default: the draft's)")
     p.add_argument("--no-prespec", action="store_true", help="no pre-speculation (conditional trees)")
