@@ -260,6 +260,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument("--tree", default=None, help="expansion config, e.g. 2,1,1,1 (default: the draft's)")
     p.add_argument("--no-prespec", action="store_true", help="no pre-speculation (conditional trees)")
+    p.add_argument(
+        "--saguaro-c",
+        type=float,
+        default=1.0,
+        metavar="C",
+        help=f"for requests in mode mss or rrs, with pre-speculation on: {SAGUARO_HELP}",
+    )
     p.add_argument("--threads", type=int, default=0, help="draft model threads (0: the backend's default)")
 
 
