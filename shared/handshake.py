@@ -1,5 +1,6 @@
 """The handshake messages (PROTOCOL.md section 3): the client's `Hello`, the server's `Welcome` with
-the `SessionLimits` it enforces."""
+the `SessionLimits` it enforces, and the optional fields a client asks for in `hello.features`
+(PROTOCOL.md section 10)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from shared.wire import (
     le_bytes,
 )
 
+# Optional fields a server of this release sends only to a client that names them in
+# `hello.features` (a decoder of an earlier release refuses unknown fields; PROTOCOL.md section 10).
+FEATURE_GAP_MS = "verdict.gap_ms"  # verdict.gap_ms: the server's wait before the round it answers
+FEATURE_PENDING_BYTES = "limits.max_pending_bytes"  # welcome.limits.max_pending_bytes
+FEATURES = (FEATURE_GAP_MS, FEATURE_PENDING_BYTES)  # every feature this release knows, in order
+
 
 @dataclass(frozen=True)
 class Hello:
@@ -26,6 +33,12 @@ class Hello:
     version: int = PROTOCOL_VERSION
     api_key: str | None = None
     client: str | None = None  # free-form client name/version, for logs
+    # optional fields the client reads (FEATURES); names a server does not know are ignored. Empty:
+    # not sent, so a hello without features is what a client of an earlier release sends
+    features: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "features", tuple(self.features))
 
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"version": self.version, "vocab_fingerprint": self.vocab_fingerprint}
@@ -33,6 +46,8 @@ class Hello:
             d["api_key"] = self.api_key
         if self.client is not None:
             d["client"] = self.client
+        if self.features:
+            d["features"] = list(self.features)
         return d
 
     @classmethod
@@ -42,16 +57,23 @@ class Hello:
             vocab_fingerprint=r.text("vocab_fingerprint"),
             api_key=r.text("api_key", None),
             client=r.text("client", None),
+            features=tuple(r.str_list("features", ())),
         )
 
 
 @dataclass(frozen=True)
 class SessionLimits:
-    """What the server advertises in `welcome.limits`."""
+    """What the server advertises in `welcome.limits`.
+
+    max_pending_bytes bounds the frame bytes of one session's pending trees together; None: no bound
+    besides max_pending frames of max_bytes (ServerProtocol), and nothing on the wire. A server sends
+    it only to a client that asked for it (FEATURE_PENDING_BYTES); a client reads None when the
+    server did not send it.
+    """
 
     max_nodes: int = 64
     max_depth: int = 16
-    max_pending: int = 4
+    max_pending: int = 32  # room for an outcome cache of ~30 conditional trees a round
     max_bytes: int = 1 << 20
     max_context: int = 4096
     # the work of a stochastic tree's draws (shared.tree.DrawLimits)
@@ -59,13 +81,14 @@ class SessionLimits:
     max_row_draws: int = DrawLimits.max_row_draws
     max_q_ids: int = DrawLimits.max_q_ids
     max_q_row: int = DrawLimits.max_q_row
+    max_pending_bytes: int | None = None
 
     @property
     def draws(self) -> DrawLimits:
         return DrawLimits(self.max_draws, self.max_row_draws, self.max_q_ids, self.max_q_row)
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "max_nodes": self.max_nodes,
             "max_depth": self.max_depth,
             "max_pending": self.max_pending,
@@ -76,6 +99,9 @@ class SessionLimits:
             "max_q_ids": self.max_q_ids,
             "max_q_row": self.max_q_row,
         }
+        if self.max_pending_bytes is not None:
+            d["max_pending_bytes"] = self.max_pending_bytes
+        return d
 
     @classmethod
     def from_wire(cls, r: Reader) -> SessionLimits:
@@ -90,6 +116,8 @@ class SessionLimits:
             max_row_draws=r.integer("max_row_draws", 1, default=DrawLimits.max_row_draws),
             max_q_ids=r.integer("max_q_ids", 1, default=DrawLimits.max_q_ids),
             max_q_row=r.integer("max_q_row", 1, default=DrawLimits.max_q_row),
+            # optional: sent only to a client that asked for it (hello.features)
+            max_pending_bytes=r.integer("max_pending_bytes", 1, default=None),
         )
         r.finish()
         return out

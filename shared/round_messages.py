@@ -156,7 +156,10 @@ class Verdict:
 
     round 0 answers no tree: a prompt sent without one, a token of mode ar, or the end of a
     cancelled generation. tokens = accepted path then the bonus, cut at the first stop id or at
-    max_new_tokens. next_round names a pending tree the server is already verifying.
+    max_new_tokens. next_round names a pending tree the server is already verifying. gap_ms: the
+    ms from the server's previous verdict to the moment it could start verifying this round's tree
+    (~0 for a pending tree started at once; after a miss, the edge's drafting and the round trip);
+    None for round 0, and on the wire only for a client that asked (hello.features).
     """
 
     TYPE: ClassVar[MsgType] = MsgType.VERDICT
@@ -169,6 +172,7 @@ class Verdict:
     verify_ms: float = 0.0
     done: bool = False
     reason: str | None = None  # when done: "stop", "length", "context", "cancelled"
+    gap_ms: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", as_ints(self.tokens))
@@ -188,6 +192,8 @@ class Verdict:
             d["next_round"] = self.next_round
         if self.reason is not None:
             d["reason"] = self.reason
+        if self.gap_ms is not None:
+            d["gap_ms"] = float(self.gap_ms)
         return d
 
     @classmethod
@@ -202,6 +208,7 @@ class Verdict:
             verify_ms=r.number("verify_ms", 0.0, 1e9, 0.0),
             done=r.flag("done"),
             reason=r.text("reason", None),
+            gap_ms=r.number("gap_ms", 0.0, 1e9, None),
         )
 
 

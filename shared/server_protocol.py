@@ -4,12 +4,14 @@ out. Anything out of order becomes a `ProtocolError` naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from shared.errors import ErrorCode, ProtocolError
+from shared.handshake import FEATURE_GAP_MS, FEATURE_PENDING_BYTES
 from shared.matching import can_still_match, tree_matches
 from shared.messages import (
     PROTOCOL_VERSION,
@@ -51,8 +53,14 @@ class Generation:
     committed: list[int]  # S: this protocol's own, or the verifier's list (`share_committed`)
     in_flight: int | None = 0  # round being verified (0: the prompt's answer)
     pending: dict[int, TokenTree] = field(default_factory=dict)
+    pending_bytes: dict[int, int] = field(default_factory=dict)  # each pending tree's frame bytes
     cancelled: bool = False
     shared: bool = False  # `committed` is the verifier's: it extends it, verdict() only checks it
+
+    def unpend(self, r: int) -> TokenTree:
+        """Take pending tree `r` out (verified next, or gone stale)."""
+        self.pending_bytes.pop(r, None)
+        return self.pending.pop(r)
 
 
 class ServerProtocol:
@@ -80,6 +88,7 @@ class ServerProtocol:
         self.context: list[int] = []  # committed sequence of the last generation (for `continue`)
         self.last_round = 0
         self.stats = FrameStats()
+        self.features: frozenset[str] = frozenset()  # what the client's hello asked for
         self._out: list[bytes] = []
 
     # -- outgoing
@@ -93,8 +102,12 @@ class ServerProtocol:
         self._out.append(frame)
 
     def welcome(self, msg: Welcome) -> None:
+        """Send the welcome. Its optional limits go out only to a client that asked for them
+        (hello.features): a decoder of an earlier release refuses fields it does not know."""
         if self.state is not ServerState.AWAIT_HELLO:
             raise RuntimeError(f"welcome in state {self.state.value}")
+        if msg.limits.max_pending_bytes is not None and FEATURE_PENDING_BYTES not in self.features:
+            msg = dataclasses.replace(msg, limits=dataclasses.replace(msg.limits, max_pending_bytes=None))
         self.allowed_modes = frozenset(msg.allowed_modes)
         self.state = ServerState.IDLE
         self._send(msg)
@@ -137,7 +150,8 @@ class ServerProtocol:
     def verdict(self, v: Verdict) -> VerifyTree | None:
         """Send the verdict of the round in flight; returns the pending tree to verify next, if any.
 
-        Fills `next_round`; ends the generation when `v.done` or after a cancel.
+        Fills `next_round`; ends the generation when `v.done` or after a cancel. `v.gap_ms` goes
+        out only to a client that asked for it (hello.features), and never for round 0.
         """
         gen = self.gen
         if self.state is not ServerState.GENERATING or gen is None or gen.in_flight is None:
@@ -160,10 +174,10 @@ class ServerProtocol:
             matching = [r for r, t in gen.pending.items() if tree_matches(t, gen.committed)]
             if matching:
                 best = max(matching)
-                nxt = VerifyTree(best, gen.pending.pop(best))
+                nxt = VerifyTree(best, gen.unpend(best))
             for r in sorted(gen.pending):
                 if not can_still_match(gen.pending[r], gen.committed, growing=nxt is not None):
-                    del gen.pending[r]
+                    gen.unpend(r)
                     self._send(Stale(r, "superseded" if r in matching else "mismatch"))
         in_flight = None if nxt is None else nxt.round
         if gen.prompt.mode is Mode.AR and not done:
@@ -180,6 +194,7 @@ class ServerProtocol:
                 verify_ms=v.verify_ms,
                 done=done,
                 reason=reason,
+                gap_ms=v.gap_ms if FEATURE_GAP_MS in self.features and v.round != 0 else None,
             )
         )
         if done:
@@ -192,6 +207,7 @@ class ServerProtocol:
         for r in sorted(gen.pending):
             self._send(Stale(r, reason))
         gen.pending.clear()
+        gen.pending_bytes.clear()
 
     # -- incoming
     def receive(self, data: bytes) -> list[ServerEvent]:
@@ -201,11 +217,11 @@ class ServerProtocol:
         self.stats.inc(len(data))
         try:
             msg = decode(data, self.wire)
-            return self._dispatch(msg)
+            return self._dispatch(msg, len(data))
         except ProtocolError as exc:
             return [self.fail(exc)]
 
-    def _dispatch(self, msg: Message) -> list[ServerEvent]:
+    def _dispatch(self, msg: Message, size: int) -> list[ServerEvent]:
         if self.state is ServerState.AWAIT_HELLO:
             if not isinstance(msg, Hello):
                 raise ProtocolError(
@@ -218,6 +234,7 @@ class ServerProtocol:
                     "version",
                     fatal=True,
                 )
+            self.features = frozenset(msg.features)
             return [HelloReceived(msg)]
         if isinstance(msg, Close):
             self.state = ServerState.CLOSED
@@ -225,7 +242,7 @@ class ServerProtocol:
         if isinstance(msg, Prompt):
             return [self._on_prompt(msg)]
         if isinstance(msg, Tree):
-            return self._on_tree(msg)
+            return self._on_tree(msg, size)
         if isinstance(msg, Cancel):
             return self._on_cancel()
         raise ProtocolError(
@@ -307,7 +324,8 @@ class ServerProtocol:
                 round=rnd,
             )
 
-    def _on_tree(self, msg: Tree) -> list[ServerEvent]:
+    def _on_tree(self, msg: Tree, size: int) -> list[ServerEvent]:
+        """A tree frame of `size` bytes: verified at once, kept pending, stale or refused."""
         r = msg.round
         if r <= self.last_round:
             raise ProtocolError(
@@ -339,7 +357,17 @@ class ServerProtocol:
                 "round",
                 round=r,
             )
+        held, budget = sum(gen.pending_bytes.values()), self.limits.max_pending_bytes
+        if budget is not None and held + size > budget:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_PENDING,
+                f"this {size}-byte tree would make the pending trees {held + size} bytes, over "
+                f"max_pending_bytes {budget}",
+                "round",
+                round=r,
+            )
         gen.pending[r] = msg.tree
+        gen.pending_bytes[r] = size
         return []
 
     def _on_cancel(self) -> list[ServerEvent]:

@@ -124,8 +124,10 @@ class Reader:
         a = np.frombuffer(v, dtype=dtype)
         return a.astype(np.int64 if dtype in ("<u4", "<i8") else np.int32)
 
-    def str_list(self, key: str) -> list[str]:
-        v = self.raw(key)
+    def str_list(self, key: str, default: Any = ...) -> Any:
+        v = self.raw(key, default)
+        if v is default and default is not ...:
+            return v
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise self.bad(key, "must be a list of strings")
         if len(v) > self.limits.max_list:

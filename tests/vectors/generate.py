@@ -12,6 +12,7 @@ when the protocol changes on purpose.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -21,6 +22,7 @@ import msgpack
 import numpy as np
 
 from shared.errors import ErrorCode, ProtocolError
+from shared.handshake import FEATURES
 from shared.messages import (
     Cancel,
     Close,
@@ -139,7 +141,18 @@ def frames() -> list[dict[str, Any]]:
     )
     out = [
         valid("hello", Hello(FP, api_key="k-1", client="example/1.0")),
+        valid(
+            "hello with features",
+            Hello(FP, features=(*FEATURES, "some.later.feature")),
+            "the optional fields the client reads (PROTOCOL.md section 10); a server ignores names it "
+            "does not know",
+        ),
         valid("welcome", welcome),
+        valid(
+            "welcome with max_pending_bytes",
+            dataclasses.replace(welcome, limits=dataclasses.replace(LIMITS, max_pending_bytes=300)),
+            "sent only to a client whose hello names limits.max_pending_bytes",
+        ),
         valid("prompt greedy", Prompt(np.array([1, 2, 3]), Mode.GREEDY, max_new_tokens=16)),
         valid(
             "prompt match with a first tree",
@@ -171,6 +184,12 @@ def frames() -> list[dict[str, Any]]:
             Verdict(2, np.array([2]), np.array([], np.int32), True, 8, None, 3.0, True, "stop"),
         ),
         valid("verdict with next_round", Verdict(1, np.array([4, 5]), np.array([0]), True, 6, 2, 9.0)),
+        valid(
+            "verdict with gap_ms",
+            Verdict(2, np.array([6]), np.array([], np.int32), True, 7, None, 9.0, gap_ms=41.5),
+            "the server waited 41.5 ms for this round's tree; sent only to a client whose hello names "
+            "verdict.gap_ms",
+        ),
         valid("stale", Stale(2, "mismatch")),
         valid(
             "error",
@@ -205,6 +224,8 @@ def frames() -> list[dict[str, Any]]:
         invalid("round zero", _with(Tree(1, TokenTree.chain([1], base=1)), round=0)),
         invalid("base negative", _with(Tree(1, TokenTree.chain([1], base=1)), base=-1)),
         invalid("string too long", _with(Hello(FP), client="x" * 5000)),
+        invalid("features not a list", _with(Hello(FP), features="verdict.gap_ms")),
+        invalid("gap_ms negative", _with(Verdict(1, np.array([4]), np.array([0]), True, 5), gap_ms=-1.0)),
         invalid("frame over max_bytes", _with(Prompt(np.array([1])), tokens=b"\x01\x00\x00\x00" * 1100)),
     ]
     return out
@@ -214,9 +235,11 @@ LIMITS_WIRE = ServerProtocol(vocab_size=VOCAB, limits=LIMITS).wire
 
 
 # ---------------------------------------------------------------------------------------- sessions
-def _session(name: str, steps: list[tuple[str, Message | bytes]], note: str = "") -> dict[str, Any]:
+def _session(
+    name: str, steps: list[tuple[str, Message | bytes]], note: str = "", limits: SessionLimits = LIMITS
+) -> dict[str, Any]:
     """Run steps on a fresh ServerProtocol; record what it sends after each."""
-    proto = ServerProtocol(vocab_size=VOCAB, limits=LIMITS)
+    proto = ServerProtocol(vocab_size=VOCAB, limits=limits)
     out = []
     for who, item in steps:
         frame = item if isinstance(item, bytes) else encode(item)
@@ -235,7 +258,7 @@ def _session(name: str, steps: list[tuple[str, Message | bytes]], note: str = ""
         step["sent"] = [meaning(msgpack.unpackb(f)) for f in sent]
         step["sent_hex"] = [f.hex() for f in sent]
         out.append(step)
-    return {"name": name, "note": note, "vocab_size": VOCAB, "limits": LIMITS.to_wire(), "steps": out}
+    return {"name": name, "note": note, "vocab_size": VOCAB, "limits": limits.to_wire(), "steps": out}
 
 
 def sessions() -> list[dict[str, Any]]:
@@ -248,6 +271,9 @@ def sessions() -> list[dict[str, Any]]:
         ("client", prompt),
     ]
     v0 = Verdict(0, np.array([13]), np.array([], np.int32), True, 4)  # the prompt's answer: S = 10 11 12 13
+    bytes_limits = dataclasses.replace(LIMITS, max_pending_bytes=150)
+    welcome_bytes = dataclasses.replace(welcome, limits=bytes_limits)
+    v1_gap = Verdict(1, np.array([14, 15]), np.array([0]), True, 6, gap_ms=37.25)
     return [
         _session(
             "a greedy round",
@@ -301,6 +327,45 @@ def sessions() -> list[dict[str, Any]]:
             "cancel ends the generation at the round in flight",
             [*start, ("client", Cancel()), ("server_app", v0)],
             "the prompt's verdict comes back done, reason cancelled",
+        ),
+        _session(
+            "optional fields go to a client that asks for them",
+            [
+                ("client", Hello(FP, features=FEATURES)),
+                ("server_app", welcome_bytes),
+                ("client", prompt),
+                ("server_app", v0),
+                ("client", Tree(1, TokenTree.chain([14], base=4))),
+                ("server_app", v1_gap),
+            ],
+            "the welcome keeps limits.max_pending_bytes and verdict 1 keeps gap_ms (verdict 0 never has one)",
+            limits=bytes_limits,
+        ),
+        _session(
+            "and to no other client",
+            [
+                ("client", hello),
+                ("server_app", welcome_bytes),
+                ("client", prompt),
+                ("server_app", v0),
+                ("client", Tree(1, TokenTree.chain([14], base=4))),
+                ("server_app", v1_gap),
+            ],
+            "a hello without features: the welcome is sent without max_pending_bytes and verdict 1 "
+            "without gap_ms, as a client of an earlier release expects",
+            limits=bytes_limits,
+        ),
+        _session(
+            "pending trees over max_pending_bytes",
+            [
+                ("client", Hello(FP, features=FEATURES)),
+                ("server_app", welcome_bytes),
+                ("client", prompt),
+                *[("client", Tree(r, TokenTree.chain([1] * 4, base=3, cond=[r]))) for r in range(1, 3)],
+            ],
+            "max_pending_bytes 150: the first pending tree (an 86-byte frame) is kept, the second would "
+            "make 172 bytes: TOO_MANY_PENDING, not fatal",
+            limits=bytes_limits,
         ),
     ]
 

@@ -28,13 +28,15 @@ export class ProtocolError extends Error {
 export interface Limits {
   max_nodes: number; max_depth: number; max_pending: number; max_bytes: number; max_context: number;
   max_draws?: number; max_row_draws?: number; max_q_ids?: number; max_q_row?: number;
+  max_pending_bytes?: number;  // only when hello.features names limits.max_pending_bytes
 }
 export interface Tree {
   base: number; cond: number[]; tokens: number[]; parents: number[];
   draws?: { node: number[]; drafter: number[]; qrow: number[]; q_ptr: number[]; q_ids: number[]; q_wm1: number[] };
 }
 export type Message =
-  | { type: "hello"; version: number; vocab_fingerprint: string; api_key?: string; client?: string }
+  | { type: "hello"; version: number; vocab_fingerprint: string; api_key?: string; client?: string;
+      features?: string[] }
   | { type: "welcome"; version: number; session_id: string; model_id: string; vocab_size: number;
       vocab_fingerprint: string; eos_ids: number[]; allowed_modes: Mode[]; limits: Limits;
       verify_cost_ms: Record<string, number> }
@@ -42,7 +44,8 @@ export type Message =
       seed: bigint | number; max_new_tokens: number; stop_ids: number[]; continue: boolean; tree?: Tree }
   | ({ type: "tree"; round: number } & Tree)
   | { type: "verdict"; round: number; tokens: number[]; accepted_nodes: number[]; has_bonus: boolean;
-      committed_len: number; verify_ms: number; done: boolean; next_round?: number; reason?: string }
+      committed_len: number; verify_ms: number; done: boolean; next_round?: number; reason?: string;
+      gap_ms?: number }
   | { type: "stale"; round: number; reason: string }
   | { type: "error"; code: string; message: string; fatal: boolean; field?: string; round?: number }
   | { type: "cancel" }
@@ -138,6 +141,13 @@ class Reader {
     if (v.length / SIZE[dt] > maxLen) throw this.bad(k, `over the limit of ${maxLen}`, "LIMIT_EXCEEDED");
     return unpackArray(v, dt);
   }
+  strList(k: string, optional = false): string[] | undefined {
+    const v = this.raw(k, optional);
+    if (v === undefined) return undefined;
+    if (!Array.isArray(v) || !v.every((x) => typeof x === "string")) throw this.bad(k, "must be a list of strings");
+    if (v.length > MAX_LIST) throw this.bad(k, `over ${MAX_LIST} entries`, "LIMIT_EXCEEDED");
+    return v as string[];
+  }
   sub(k: string): Reader {
     const v = this.raw(k);
     if (v === null || typeof v !== "object" || Array.isArray(v) || v instanceof Uint8Array || v instanceof F64) {
@@ -202,6 +212,7 @@ const DECODERS: Record<string, (r: Reader) => Message> = {
     vocab_fingerprint: r.text("vocab_fingerprint")!,
     ...opt("api_key", r.text("api_key", true)),
     ...opt("client", r.text("client", true)),
+    ...opt("features", r.strList("features", true)),
   }),
   welcome: (r) => {
     const modes = r.raw("allowed_modes");
@@ -216,7 +227,7 @@ const DECODERS: Record<string, (r: Reader) => Message> = {
       max_nodes: l.int("max_nodes"), max_depth: l.int("max_depth"), max_pending: l.int("max_pending"),
       max_bytes: l.int("max_bytes", 1), max_context: l.int("max_context", 1),
     };  // prettier-ignore
-    for (const k of ["max_draws", "max_row_draws", "max_q_ids", "max_q_row"] as const) {
+    for (const k of ["max_draws", "max_row_draws", "max_q_ids", "max_q_row", "max_pending_bytes"] as const) {
       const v = l.integer(k, 1, MAX_U31, true);
       if (v !== undefined) limits[k] = Number(v);
     }
@@ -247,6 +258,7 @@ const DECODERS: Record<string, (r: Reader) => Message> = {
     accepted_nodes: r.array("accepted_nodes", "<i4", MAX_NODES), has_bonus: r.flag("has_bonus")!,
     committed_len: r.int("committed_len", 0), ...opt("next_round", r.integer("next_round", 1, MAX_U31, true)),
     verify_ms: r.number("verify_ms", 0, 1e9) ?? 0, done: r.flag("done")!, ...opt("reason", r.text("reason", true)),
+    ...opt("gap_ms", r.number("gap_ms", 0, 1e9)),
   }),  // prettier-ignore
   stale: (r) => ({ type: "stale", round: r.int("round", 1), reason: r.text("reason")! }),
   error: (r) => ({
@@ -284,6 +296,7 @@ export function encodeMessage(m: Message): Uint8Array {
       Object.assign(d, { version: m.version, vocab_fingerprint: m.vocab_fingerprint });
       if (m.api_key !== undefined) d.api_key = m.api_key;
       if (m.client !== undefined) d.client = m.client;
+      if (m.features !== undefined && m.features.length) d.features = [...m.features];
       break;
     case "welcome": {
       const limits: { [k: string]: Value } = { ...m.limits } as { [k: string]: Value };
@@ -315,6 +328,7 @@ export function encodeMessage(m: Message): Uint8Array {
       });  // prettier-ignore
       if (m.next_round !== undefined) d.next_round = m.next_round;
       if (m.reason !== undefined) d.reason = m.reason;
+      if (m.gap_ms !== undefined) d.gap_ms = new F64(m.gap_ms);
       break;
     case "stale":
       Object.assign(d, { round: m.round, reason: m.reason });
