@@ -84,6 +84,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=d.max_pending,
         help="conditional trees a session may queue besides the round in flight",
     )
+    p.add_argument(
+        "--max-pending-bytes",
+        type=int,
+        default=d.max_pending_bytes,
+        help="frame bytes of a session's queued conditional trees together (one more tree over it is "
+        "refused with TOO_MANY_PENDING)",
+    )
     p.add_argument("--max-nodes", type=int, default=d.max_nodes, help="tree nodes per round")
     p.add_argument("--max-depth", type=int, default=d.max_depth, help="tree depth per round")
     p.add_argument("--max-context", type=int, default=d.max_context, help="committed tokens per session")

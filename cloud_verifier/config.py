@@ -22,7 +22,8 @@ class ServerConfig:
     max_sessions: int = 64  # concurrent sessions and HTTP generations
     max_waiting: int = 64  # HTTP requests waiting for a slot (more: 429 at once)
     queue_wait_s: float = 30.0  # how long an HTTP request waits for a slot before 429
-    max_pending: int = 4  # conditional trees kept per session besides the one in flight
+    max_pending: int = 32  # conditional trees kept per session besides the one in flight
+    max_pending_bytes: int = 1 << 20  # frame bytes of one session's pending trees together
     max_nodes: int = 64  # tree nodes per round
     max_depth: int = 16
     max_context: int = 4096  # committed tokens per session (prompt + output)

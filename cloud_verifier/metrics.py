@@ -38,6 +38,13 @@ class Metrics:
             buckets=_SECONDS,
             registry=r,
         )
+        self.round_gap_seconds = Histogram(
+            "specdec_round_gap_seconds",
+            "Seconds from a verdict to its session's next tree being handed to the engine (the wait "
+            "for the edge: ~0 for a pending conditional tree, drafting + round trip after a miss)",
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.step_rows = Histogram(
             "specdec_engine_step_rows", "Rows per engine forward", buckets=_NODE_BUCKETS, registry=r
         )

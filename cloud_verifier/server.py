@@ -119,6 +119,7 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
             max_nodes=cfg.max_nodes,
             max_depth=cfg.max_depth,
             max_pending=cfg.max_pending,
+            max_pending_bytes=cfg.max_pending_bytes,
             max_bytes=cfg.max_bytes,
             max_context=cfg.max_context,
             max_draws=cfg.max_draws,

@@ -4,6 +4,11 @@ Frames in go through `ServerProtocol`; its events start generations and rounds i
 engine calls `on_result` on the event-loop thread after each step; the verdict goes through the
 protocol, which may name a pending conditional tree to verify next, and that tree is submitted at
 once, so it runs in the very next engine step with no round trip.
+
+The gap of a round is the time from the session's previous verdict to its tree being submitted: ~0
+for a pending tree started at once, the edge's drafting and the round trip after a miss. It goes to
+`/metrics` (specdec_round_gap_seconds) and into the round's verdict (`gap_ms`, for a client that
+asked for it in hello.features).
 """
 
 from __future__ import annotations
@@ -99,6 +104,8 @@ class Session:
         self._gen_first: float | None = None
         self._gen_tokens = 0
         self._reserved = 0  # tokens per minute held for the generation in progress, not yet used
+        self._verdict_at: float | None = None  # when the last verdict of this generation was sent
+        self._gap: tuple[int, float] | None = None  # (round, its gap in ms) of the round submitted
 
     @property
     def generating(self) -> bool:
@@ -184,11 +191,12 @@ class Session:
                 "generation started",
                 extra={"session": self.sid, "mode": ev.prompt.mode.value, "prompt_tokens": len(ev.committed)},
             )
+            self._verdict_at, self._gap = None, None
             self.engine.start(self.seq, ev.prompt, ev.committed)
             self.proto.share_committed(self.seq.committed)  # the engine's list is the one sequence
         elif isinstance(ev, VerifyTree):
             assert self.seq is not None
-            self.engine.submit(self.seq, ev.round, ev.tree)
+            self._submit(ev)
         elif isinstance(ev, CancelReceived):
             # the protocol ends the generation at the in-flight round's verdict, or already did
             if not ev.in_flight and self.seq is not None:
@@ -198,6 +206,20 @@ class Session:
             self.close(CloseCode.NORMAL, "client closed")
         elif isinstance(ev, ErrorSent):
             self._error(ev)
+
+    def _submit(self, ev: VerifyTree) -> None:
+        """Hand a tree round to the engine, noting its gap (the wait since the last verdict)."""
+        assert self.seq is not None
+        if self._verdict_at is not None:
+            gap_s = max(0.0, time.perf_counter() - self._verdict_at)
+            self.metrics.round_gap_seconds.observe(gap_s)
+            self._gap = (ev.round, gap_s * 1e3)
+        self.engine.submit(self.seq, ev.round, ev.tree)
+
+    def _gap_ms(self, round_: int) -> float | None:
+        """The gap before round `round_` (None: round 0, or not measured)."""
+        gap = self._gap
+        return gap[1] if gap is not None and gap[0] == round_ and round_ != 0 else None
 
     def _on_hello(self, ev: HelloReceived) -> None:
         hello = ev.hello
@@ -284,13 +306,15 @@ class Session:
                 verify_ms=r.verify_ms,
                 done=r.done,
                 reason=r.reason,
+                gap_ms=self._gap_ms(r.round),
             )
         )
+        self._verdict_at = time.perf_counter() if self.generating else None
         if not self.generating:  # done, or the in-flight round of a cancelled generation
             self._settle_reservation()
         if nxt is not None:
             m.cond_hits.inc()
-            self.engine.submit(self.seq, nxt.round, nxt.tree)
+            self._submit(nxt)
         elif self.generating and self.seq.mode is Mode.AR:
             if self.writable.is_set():
                 self.engine.submit(self.seq, 0, None)
