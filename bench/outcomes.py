@@ -278,7 +278,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "greedy and sampled, overall and by accepted length.",
     )
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target alias or path (runs in this process)")
-    ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (llama.cpp, one thread)")
+    ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (one thread)")
+    ap.add_argument(
+        "--drafter",
+        default="auto",
+        choices=["auto", "llama_cpp", "torch", "onnx"],
+        help="draft backend, as bench.network picks it (auto: llama.cpp or the ONNX int8 export, whichever "
+        "is faster here; the backends' quantizations draft slightly different trees)",
+    )
     ap.add_argument(
         "--prompts", type=int, default=4, help="Spec-Bench dev prompts (round-robin over categories)"
     )
@@ -344,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]), add_special=False)
             )
     longest = max(len(e) for e in encoded) + a.tokens + tree.depth + 2
-    drafter = create_drafter("llama_cpp", a.draft, n_threads=1, max_nodes=max(256, 4 * tree.num_nodes))
+    drafter = create_drafter(a.drafter, a.draft, n_threads=1, max_nodes=max(256, 4 * tree.num_nodes))
     if longest > drafter.max_context:
         ap.error(f"a prompt of {longest} tokens with its positions does not fit the draft's context")
     positions: list[Position] = []
@@ -367,13 +374,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar.close()
         drafter.close()
     summary = summarise(positions, POLICIES, a.max_n)
-    print(f"{a.model} / {a.draft}, tree {tree_text}, {len(prompts)} prompts x {a.tokens} positions")
+    print(
+        f"{a.model} / {a.draft} ({drafter.name}), tree {tree_text}, "
+        f"{len(prompts)} prompts x {a.tokens} positions"
+    )
     print(report(summary, a.max_n))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "prompt_file"}
         cfg["prompt_files"] = [str(f) for f in a.prompt_file or []]
         cfg["tree"] = tree_text
+        cfg["drafter_backend"] = drafter.name  # what auto chose
         doc = {"config": cfg, "summary": summary, "positions": [p.as_dict() for p in positions]}
         a.json.write_text(json.dumps(doc, indent=1))
     if a.plot:

@@ -121,15 +121,25 @@ def test_help_names_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--model", "--draft", "--prompts", "--humaneval", "--tokens", "--temperatures", "--max-n"):
+    for flag in ("--model", "--draft", "--drafter", "--prompts", "--humaneval", "--tokens", "--temperatures"):
         assert flag in text
-    assert "--json" in text and "--plot" in text and "--prompt-file" in text
+    assert "--max-n" in text and "--json" in text and "--plot" in text and "--prompt-file" in text
 
 
 @pytest.mark.slow
 def test_a_tiny_run_on_the_small_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, png = tmp_path / "o.json", tmp_path / "o.png"
-    args = ["--model", "smollm2-135m", "--draft", "smollm2-135m-q4", "--prompts", "1", "--humaneval", "1"]
+    args = [
+        "--model",
+        "smollm2-135m",
+        "--draft",
+        "smollm2-135m-q4",
+        "--drafter",
+        "llama_cpp",
+        "--threads",
+        "1",
+    ]
+    args += ["--prompts", "1", "--humaneval", "1"]
     args += ["--tokens", "16", "--max-n", "10", "--json", str(out), "--plot", str(png), "--no-progress"]
     assert main(args) == 0
     assert "N=10" in capsys.readouterr().out
