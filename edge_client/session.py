@@ -19,6 +19,7 @@ from typing import Any, Self
 
 from edge_client.transport import LinkShape, ShapedTransport, Transport, TransportClosed, WebSocketTransport
 from shared.errors import ErrorCode, ProtocolError
+from shared.handshake import FEATURES
 from shared.message_types import PROTOCOL_VERSION
 from shared.messages import Close, Error, Hello, Welcome
 from shared.protocol import ClientProtocol, ClientState
@@ -278,7 +279,14 @@ class Session:
         fp = self.vocab_fingerprint()
         try:
             await self.send(
-                self.proto.hello(Hello(vocab_fingerprint=fp, api_key=self.api_key, client="edge-client/0.1"))
+                self.proto.hello(
+                    Hello(
+                        vocab_fingerprint=fp,
+                        api_key=self.api_key,
+                        client="edge-client/0.1",
+                        features=FEATURES,
+                    )
+                )
             )
             try:
                 msg = await asyncio.wait_for(self.recv(), self.timeouts.welcome_s)

@@ -78,6 +78,9 @@ class GenerationStats:
     accepted_counts: list[int] = field(default_factory=list)  # rounds that accepted a node at depth d+1
     rtt_ms: list[float] = field(default_factory=list)  # send -> verdict minus the server's verify ms
     verify_ms: list[float] = field(default_factory=list)
+    # the server's wait before each round (verdict.gap_ms: from its previous verdict to this round's
+    # tree being verified; ~0 for a pending tree, drafting + round trip after a miss)
+    gap_ms: list[float] = field(default_factory=list)
     draft_ms: list[float] = field(default_factory=list)  # drafting on the critical path (not pre-speculation)
     tree_nodes: list[int] = field(default_factory=list)
     bytes_up: int = 0
@@ -149,6 +152,7 @@ class GenerationStats:
             "accepted_per_depth": [round(a, 4) for a in self.accepted_per_depth],
             "rtt_ms": med(self.rtt_ms),
             "verify_ms": med(self.verify_ms),
+            "gap_ms": med(self.gap_ms) if self.gap_ms else None,
             "draft_ms": med(self.draft_ms),
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,

@@ -508,6 +508,8 @@ class SpeculationCore:
         st.rounds += 1
         st.tokens += len(v.tokens)
         st.verify_ms.append(v.verify_ms)
+        if v.gap_ms is not None:
+            st.gap_ms.append(v.gap_ms)
         self.est.note_verify(v.verify_ms)
         if spec is not None:
             tree = spec.draft.tree
