@@ -445,8 +445,12 @@ class EdgeClient(Session):
             raise GenerationError(f"mode {mode.value} samples: give a temperature > 0 (or use greedy)")
         if spec.kind == "budget":
             spec = TreeSpec("static", spec.expansion)  # draw counts must be fixed before drawing
+        saguaro = self.prespec.saguaro if self.prespec is not None else None  # --saguaro-c
         return Request(
-            mode, spec, Sampling(temperature, top_k, top_p, self.wire_top_k), np.random.default_rng(seed)
+            mode,
+            spec,
+            Sampling(temperature, top_k, top_p, self.wire_top_k, saguaro),
+            np.random.default_rng(seed),
         )
 
     def encode_prompt(

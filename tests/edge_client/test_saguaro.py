@@ -175,3 +175,40 @@ def test_help_explains_saguaro_c() -> None:
         args = parser.parse_args([command, "--saguaro-c", "0.5", *(["hi"] if command == "generate" else [])])
         assert args.saguaro_c == 0.5
     assert parser.parse_args(["generate", "hi"]).saguaro_c == 1.0  # off unless asked for
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["mss", "rrs"])
+def test_a_prespeculating_client_drafts_with_saguaro_and_the_verifier_takes_its_trees(mode: str) -> None:
+    """EdgeClient(prespec=PrespecConfig(saguaro_c=0.5)) drafts its mss / rrs trees from the scaled
+    rows (its request's sampling carries Saguaro(0.5, fanout)) and the verifier accepts every tree
+    it sends, conditional ones included."""
+    import asyncio
+
+    from edge_client.client import EdgeClient
+    from edge_client.drafters.registry import create_drafter
+    from edge_client.speculation import TreeSpec
+    from edge_client.transport import LinkShape
+    from shared.messages import Mode
+    from tests.cloud_verifier.service import LiveServer
+
+    drafter = create_drafter("torch", "tiny")
+    cfg = PrespecConfig(fanout=3, gate=False, saguaro_c=0.5)
+    with LiveServer(trust_anonymous=True, max_pending=6) as srv:
+
+        async def go() -> tuple[Sampling | None, int, int, int]:
+            async with EdgeClient(
+                srv.ws, drafter, prespec=cfg, link=LinkShape.rtt(1000.0), tree=TreeSpec()
+            ) as c:
+                sampling = c._request(Mode(mode), 1.0, 0, 1.0, 2, TreeSpec()).sampling
+                async for _ in c.generate(
+                    "Once upon a time", max_new_tokens=24, mode=mode, temperature=1.0, seed=2
+                ):
+                    pass
+                assert c.last is not None
+                st = c.last.stats
+                return sampling, len(c.last.tokens), st.prespec_sent, st.prespec_refused
+
+        sampling, n, sent, refused = asyncio.run(go())
+    assert sampling is not None and sampling.saguaro == Saguaro(0.5, 3)
+    assert n == 24 and sent > 0 and refused == 0
