@@ -104,15 +104,27 @@ async def run_modes(
     link: LinkShape | None = None,
     api_key: str | None = None,
     couple: bool = True,
+    trace: bool = False,
+    on_generation: Callable[[str, int, GenerationResult], None] | None = None,
 ) -> tuple[dict[str, ModeRuns], dict[str, list[float]]]:
     """Each prompt in each mode (interleaved prompt by prompt); per-mode runs and the tree mode's
     tau per category. One session per mode, all through the same link. `couple`: coupled
-    sample-and-match drafting (EdgeClient's `couple`)."""
+    sample-and-match drafting (EdgeClient's `couple`); `trace`: record each generation's rounds
+    (EdgeClient's `trace`); `on_generation(mode, prompt index, result)` after each generation."""
     runs = {m: ModeRuns() for m in modes}
     by_cat: dict[str, list[float]] = {}
     vs = variants(modes, tree)
     clients = {
-        m: EdgeClient(url, drafter, tree=v.tree, prespec=v.prespec, link=link, api_key=api_key, couple=couple)
+        m: EdgeClient(
+            url,
+            drafter,
+            tree=v.tree,
+            prespec=v.prespec,
+            link=link,
+            api_key=api_key,
+            couple=couple,
+            trace=trace,
+        )
         for m, v in vs.items()
     }
     for c in clients.values():
@@ -140,6 +152,8 @@ async def run_modes(
                 gen: GenerationResult | None = client.last
                 assert gen is not None
                 runs[m].add(gen, forwards() - f0, p)
+                if on_generation is not None:
+                    on_generation(m, i, gen)
                 if m == "tree":
                     by_cat.setdefault(p.category, []).append(gen.stats.tau)
                 bar.update(1)

@@ -7,8 +7,12 @@ bandwidth shaper in its transport) or, with --proxy, by a TCP delay proxy run as
 process between the client and the verifier (real sockets; `tc netem` is not available on these
 machines). Verifier and edge are pinned to disjoint cores.
 
+Every row carries where the time goes (bench.network_report.decomposition: V, T_b, p, stall, the
+prefill share and the server's gap), from round traces the clients always record; `--trace PATH`
+writes those traces, one per generation, for bench.simulate.
+
     python -m bench.network --proxy --rtt-ms 0,25,50,100 --prompts 20 --tokens 128 \\
-        --json bench/out/network.json --plot bench/out/network.png
+        --json bench/out/network.json --plot bench/out/network.png --trace bench/out/network_trace.json
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench.e2e import run_modes, trusted_key_file
+from bench.e2e_results import ModeRuns
 from bench.harness import (
+    BenchPrompt,
     CoreSplit,
     Verifier,
     add_prompt_file_arg,
@@ -31,9 +37,12 @@ from bench.harness import (
     free_port,
     suite_from_args,
 )
-from bench.network_report import MODES, OPTIONAL, merge, report, write_results
+from bench.network_report import MODES, OPTIONAL, decomposition, merge, report, write_results, write_trace
+from edge_client.client import GenerationResult
 from edge_client.defaults import recommended_tree
+from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
+from edge_client.stats import GenerationStats
 from edge_client.transport import LinkShape
 from shared.messages import Mode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -99,6 +108,107 @@ class Proxy:
         return f"ws://127.0.0.1:{self.port}/v1/session"
 
 
+def mode_row(
+    mode: str, rtt_ms: float, temperature: float, runs: ModeRuns, gens: Sequence[GenerationStats]
+) -> dict[str, Any]:
+    """One JSON row: the mode's summary over its generations (`runs`) and where its time went
+    (`decomposition` of the same generations' stats)."""
+    s = runs.summary()
+    prespec = "prespec" in mode
+    row: dict[str, Any] = {
+        "rtt_ms": rtt_ms,
+        "mode": mode,
+        "temperature": temperature,
+        "ms_per_token": s["ms_per_token"],
+        "tau": s["tau"],
+        "hit_rate": s["hit_rate"] if prespec else None,
+        "hit_rate_by_depth": s["hit_rate_by_depth"] if prespec else None,
+        "predicted_hit_rate": s["predicted_hit_rate"] if prespec else None,
+        "target_forwards_per_token": s["target_forwards_per_token"],
+        "bytes_up_per_token": s["bytes_up_per_token"],
+        "bytes_down_per_token": s["bytes_down_per_token"],
+        "draft_ms_per_round": s["draft_ms_per_round"],
+        "verify_ms_per_round": s["verify_ms_per_round"],
+        "rtt_ms_per_round": s["rtt_ms_per_round"],
+        "prespec_draft_ms_per_round": s["prespec_draft_ms_per_round"],
+        "prespec_trees_per_round": s["prespec_trees_per_round"],
+        "prespec_cancelled_per_round": s["prespec_cancelled_per_round"],
+        "prespec_refused_per_round": s["prespec_refused_per_round"],
+    }
+    d = decomposition(gens)
+    row.update(
+        {
+            "V_ms": d["V_ms"],
+            "T_b_ms": d["T_b_ms"],
+            "p": row["hit_rate"],
+            "stall_ms_per_round": d["stall_ms_per_round"],
+            "prefill_share_ms_per_token": d["prefill_share_ms_per_token"],
+            "gap_ms": d["gap_ms"],
+        }
+    )
+    return row
+
+
+def trace_entry(
+    mode: str, rtt_ms: float, temperature: float, prompt_index: int, stats: GenerationStats
+) -> dict[str, Any]:
+    """One generation of the --trace file: its rounds (edge_client.stats.RoundTrace) and stats."""
+    return {
+        "mode": mode,
+        "rtt_ms": rtt_ms,
+        "temperature": temperature,
+        "prompt_index": prompt_index,
+        "trace": stats.trace.as_dict() if stats.trace is not None else None,
+        "stats": stats.as_dict(),
+    }
+
+
+async def run_block(
+    url: str,
+    drafter: Drafter,
+    prompts: Sequence[BenchPrompt],
+    tokens: int,
+    rtt_ms: float,
+    temperature: float,
+    tree: ExpansionConfig,
+    forwards: Callable[[], float],
+    modes: Sequence[str],
+    link: LinkShape | None = None,
+    api_key: str | None = None,
+    couple: bool = True,
+    progress: bool = True,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every mode on every prompt at one RTT and temperature (bench.e2e.run_modes, traced): the
+    rows, and the generations as --trace entries."""
+    spec = Mode.GREEDY if temperature == 0 else Mode.MATCH
+    gens: dict[str, list[GenerationStats]] = {m: [] for m in modes}
+    entries: list[dict[str, Any]] = []
+
+    def taken(mode: str, index: int, gen: GenerationResult) -> None:
+        gens[mode].append(gen.stats)
+        entries.append(trace_entry(mode, rtt_ms, temperature, index, gen.stats))
+
+    runs, _ = await run_modes(
+        url,
+        drafter,
+        prompts,
+        tokens,
+        temperature,
+        spec,
+        tree,
+        forwards,
+        modes=modes,
+        progress=progress,
+        link=link,
+        api_key=api_key,
+        couple=couple,
+        trace=True,
+        on_generation=taken,
+    )
+    rows = [mode_row(m, rtt_ms, temperature, r, gens[m]) for m, r in runs.items()]
+    return rows, entries
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench.network",
@@ -142,9 +252,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--bandwidth-mbps", type=float, default=0.0, help="bandwidth cap of the link (0: none)")
     ap.add_argument(
-        "--max-pending", type=int, default=8, help="the verifier's max_pending (conditional trees)"
+        "--max-pending",
+        type=int,
+        default=None,
+        help="the verifier's max_pending (conditional trees a session may queue; default: the "
+        "verifier's own, cloud_verifier.config)",
     )
-    ap.add_argument("--json", default=None, help="write {'rows': [...]} to this file")
+    ap.add_argument(
+        "--json",
+        default=None,
+        help="write {'rows': [...]} to this file; besides the table's figures each row has V_ms (median "
+        "verify ms a round as the client saw it), T_b_ms (median synchronous draft ms after a miss), p "
+        "(hit rate), stall_ms_per_round (a hit's wait for its next verdict beyond one verify, per "
+        "round), prefill_share_ms_per_token (the prompt's round 0 over the tokens) and gap_ms (median "
+        "ms the verifier waited for the edge's next tree); bench.network_report.decomposition defines "
+        "each",
+    )
+    ap.add_argument(
+        "--trace",
+        default=None,
+        metavar="PATH",
+        help="write every generation's round trace to this JSON file ({'config', 'generations': [{mode, "
+        "rtt_ms, temperature, prompt_index, trace, stats}]}: each send, verdict and draft with its "
+        "time), rewritten after every RTT x temperature block; the input of bench.simulate",
+    )
     ap.add_argument("--plot", default=None, help="draw ms/token against RTT to this PNG")
     ap.add_argument(
         "--no-couple",
@@ -184,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.tree = a.tree or recommended_tree(a.draft)
     tree = ExpansionConfig.parse(a.tree)
     rows: list[dict[str, Any]] = []
-    args = ["--max-pending", str(a.max_pending)]
+    generations: list[dict[str, Any]] = []
+    args = [] if a.max_pending is None else ["--max-pending", str(a.max_pending)]
     api_key = None
     if any(m.endswith("_rrs") for m in modes):
         key_file, api_key = trusted_key_file()
@@ -197,7 +329,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for rtt in rtts:
                 for temp in temps:
-                    mode = Mode.GREEDY if temp == 0 else Mode.MATCH
                     run = [m for m in modes if temp > 0 or not m.endswith("_rrs")]  # rrs samples
                     if not run:
                         continue
@@ -208,51 +339,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                             url = stack.enter_context(proxy).url
                         else:
                             link = LinkShape.rtt(rtt, a.jitter_ms, a.bandwidth_mbps)
-                        runs, _ = asyncio.run(
-                            run_modes(
+                        block, entries = asyncio.run(
+                            run_block(
                                 url,
                                 drafter,
                                 prompts,
                                 a.tokens,
+                                rtt,
                                 temp,
-                                mode,
                                 tree,
                                 verifier.forwards,
-                                modes=run,
-                                progress=not a.no_progress,
+                                run,
                                 link=link,
                                 api_key=api_key,
                                 couple=not a.no_couple,
+                                progress=not a.no_progress,
                             )
                         )
-                    for m, r in runs.items():
-                        s = r.summary()
-                        rows.append(
-                            {
-                                "rtt_ms": rtt,
-                                "mode": m,
-                                "temperature": temp,
-                                "ms_per_token": s["ms_per_token"],
-                                "tau": s["tau"],
-                                "hit_rate": s["hit_rate"] if "prespec" in m else None,
-                                "hit_rate_by_depth": s["hit_rate_by_depth"] if "prespec" in m else None,
-                                "predicted_hit_rate": s["predicted_hit_rate"] if "prespec" in m else None,
-                                "target_forwards_per_token": s["target_forwards_per_token"],
-                                "bytes_up_per_token": s["bytes_up_per_token"],
-                                "bytes_down_per_token": s["bytes_down_per_token"],
-                                "draft_ms_per_round": s["draft_ms_per_round"],
-                                "verify_ms_per_round": s["verify_ms_per_round"],
-                                "rtt_ms_per_round": s["rtt_ms_per_round"],
-                                "prespec_draft_ms_per_round": s["prespec_draft_ms_per_round"],
-                                "prespec_trees_per_round": s["prespec_trees_per_round"],
-                                "prespec_cancelled_per_round": s["prespec_cancelled_per_round"],
-                                "prespec_refused_per_round": s["prespec_refused_per_round"],
-                            }
-                        )
+                    rows += block
+                    generations += entries
                     print(f"rtt {rtt:g} ms, T={temp:g}: done", flush=True)
-                    write_results(
-                        a.json, rows, vars(a), complete=False
-                    )  # a crash later keeps what is measured
+                    # a crash later keeps what is measured
+                    write_results(a.json, rows, vars(a), complete=False)
+                    write_trace(a.trace, vars(a), generations)
         finally:
             drafter.close()
     return report(a, rows, vars(a))

@@ -1,15 +1,19 @@
-"""bench.network's results: the modes and row keys, the merge of runs made in pieces (`--merge`),
-the table, the JSON file, the goals and the plot."""
+"""bench.network's results: the modes and row keys, where a mode's time goes (`decomposition`), the
+merge of runs made in pieces (`--merge`), the tables, the JSON and trace files, the goals and the
+plot."""
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench.harness import read_runs, table
+from edge_client.stats import GenerationStats
 
 MODES = ("ar", "sequence", "tree", "tree_prespec")
 OPTIONAL = (
@@ -45,6 +49,67 @@ ROW_KEYS = (
     *("bytes_up_per_token", "bytes_down_per_token", "draft_ms_per_round", "verify_ms_per_round"),
     "rtt_ms_per_round",
 )
+# where the time goes (decomposition), in rows of this release; rows of older files lack them
+TIME_KEYS = ("V_ms", "T_b_ms", "p", "stall_ms_per_round", "prefill_share_ms_per_token", "gap_ms")
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def decomposition(gens: Sequence[GenerationStats]) -> dict[str, float | None]:
+    """Where one mode's time went over its generations, the terms of
+
+        ms/token x tau ~= V + (1 - p) (RTT + T_b) + stall + prefill share
+
+    V_ms: the median over rounds of the verify ms the verdicts report (every verdict but each
+    generation's first, whose verify holds the prompt's prefill).
+    T_b_ms: the median over rounds of the synchronous drafting after a miss (each generation's
+    critical-path drafts but the first, drafted before the prompt); None when no round missed.
+    stall_ms_per_round: from the round traces (GenerationStats.trace). After a hit (the next tree
+    was already at the server, or on its way, when a verdict arrived) the next verdict should follow
+    one verify later; the stall of that round is the time between the two verdicts' arrivals minus
+    the later verdict's verify_ms (the tree still travelling, the verifier's queue). A miss's wait
+    is RTT + T_b, not stall. Summed over the hit rounds and divided by every round after each
+    generation's first verdict (hits and misses); None without traces.
+    prefill_share_ms_per_token: the median over generations of the prompt's round-0 time (from
+    sending the prompt to its verdict; in mode ar, which drafts nothing, the time to the first
+    verdict) over the generation's tokens.
+    gap_ms: the median over rounds of the verifier's wait for the edge (verdict.gap_ms: from its
+    previous verdict to this round's tree reaching its engine); None when the verifier did not send
+    it.
+    p, the hit rate, is the row's hit_rate.
+    """
+    verify = [ms for st in gens for ms in st.verify_ms[1:]]
+    drafts = [ms for st in gens for ms in st.draft_ms[1:]]
+    gaps = [ms for st in gens for ms in st.gap_ms]
+    stall, rounds, traced = 0.0, 0, False
+    prefill: list[float] = []
+    for st in gens:
+        tr = st.trace
+        round0_ms: float | None = None
+        if tr is not None:
+            traced = True
+            vs = tr.verdicts
+            rounds += max(len(vs) - 1, 0)
+            for prev, cur in itertools.pairwise(vs):
+                if prev.hit:
+                    stall += (cur.t - prev.t) * 1e3 - cur.verify_ms
+            sent0 = next((e.t for e in tr.sends if e.round == 0), None)
+            if vs and sent0 is not None:
+                round0_ms = (vs[0].t - sent0) * 1e3
+        if round0_ms is None and st.first_token_s:
+            first_draft = st.draft_ms[0] if st.draft_ms else 0.0
+            round0_ms = st.first_token_s * 1e3 - first_draft
+        if round0_ms is not None and st.tokens:
+            prefill.append(round0_ms / st.tokens)
+    return {
+        "V_ms": _median(verify),
+        "T_b_ms": _median(drafts),
+        "stall_ms_per_round": round(stall / rounds, 4) if traced and rounds else None,
+        "prefill_share_ms_per_token": _median(prefill),
+        "gap_ms": _median(gaps),
+    }
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -141,6 +206,37 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, 
             ],
         )
     )
+    timed = [r for r in rows if any(r.get(k) is not None for k in TIME_KEYS)]
+    if timed:
+        print("\nwhere the time goes (ms/token x tau ~= V + (1 - p)(RTT + T_b) + stall + prefill share)")
+        print(
+            table(
+                [
+                    [
+                        r["rtt_ms"],
+                        r["temperature"],
+                        r["mode"],
+                        r["ms_per_token"],
+                        r["tau"],
+                        *("-" if r.get(k) is None else r[k] for k in TIME_KEYS),
+                    ]
+                    for r in timed
+                ],
+                [
+                    "rtt",
+                    "T",
+                    "mode",
+                    "ms/token",
+                    "tau",
+                    "V ms",
+                    "T_b ms",
+                    "p",
+                    "stall ms/rnd",
+                    "prefill ms/tok",
+                    "gap ms",
+                ],
+            )
+        )
     _goals(rows)
     write_results(a.json, rows, config, complete=True)
     if a.plot:
@@ -157,6 +253,15 @@ def write_results(
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         doc = {"rows": rows, "complete": complete, "config": config}
         Path(path).write_text(json.dumps(doc, indent=2, default=str))  # paths (--prompt-file) as text
+
+
+def write_trace(path: str | None, config: dict[str, Any], generations: list[dict[str, Any]]) -> None:
+    """The --trace file: {"config", "generations": [{mode, rtt_ms, temperature, prompt_index, trace,
+    stats}]} (bench.simulate reads it), rewritten after every RTT x temperature block."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        doc = {"config": config, "generations": generations}
+        Path(path).write_text(json.dumps(doc, default=str))
 
 
 def _goals(rows: list[dict[str, Any]]) -> None:

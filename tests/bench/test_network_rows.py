@@ -1,0 +1,179 @@
+"""bench.network's rows carry where the time goes (V, T_b, p, stall, prefill share, the server's
+gap) and --trace writes every generation's rounds: hand-built stats with known answers, and one
+cheap traced run of the row code against the tiny verifier."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.e2e_results import ModeRuns
+from bench.harness import BenchPrompt
+from bench.network import main, mode_row, run_block, trace_entry
+from bench.network_report import decomposition, report, write_trace
+from edge_client.client import GenerationResult
+from edge_client.stats import GenerationStats, RoundTrace, SendEvent, VerdictEvent
+from shared.tree import ExpansionConfig
+
+OLD_KEYS = (
+    *("rtt_ms", "mode", "temperature", "ms_per_token", "tau", "hit_rate", "hit_rate_by_depth"),
+    *("predicted_hit_rate", "target_forwards_per_token", "bytes_up_per_token", "bytes_down_per_token"),
+    *("draft_ms_per_round", "verify_ms_per_round", "rtt_ms_per_round", "prespec_draft_ms_per_round"),
+    *("prespec_trees_per_round", "prespec_cancelled_per_round", "prespec_refused_per_round"),
+)
+NEW_KEYS = ("V_ms", "T_b_ms", "p", "stall_ms_per_round", "prefill_share_ms_per_token", "gap_ms")
+
+
+def _verdict(t: float, rnd: int, verify_ms: float, hit: bool, done: bool = False) -> VerdictEvent:
+    return VerdictEvent(t, rnd, 1, 2, verify_ms, hit, rnd + 1 if hit else None, done)
+
+
+def traced() -> GenerationStats:
+    """Four verdicts: round 0 (150 ms after the prompt left) a hit, round 1 25 ms later (20 ms of
+    verify: 5 ms of stall) a miss, round 2 after the miss (no stall counted), a hit, round 3 40 ms
+    later (30 ms of verify: 10 ms of stall)."""
+    tr = RoundTrace(
+        sends=[SendEvent(1.0, 0, None, 4, 2, 0, 1.0, 80)],
+        verdicts=[
+            _verdict(1.150, 0, 100.0, hit=True),
+            _verdict(1.175, 1, 20.0, hit=False),
+            _verdict(1.300, 2, 20.0, hit=True),
+            _verdict(1.340, 3, 30.0, hit=False, done=True),
+        ],
+    )
+    return GenerationStats(
+        rounds=4,
+        tokens=10,
+        verify_ms=[100.0, 20.0, 20.0, 30.0],
+        draft_ms=[5.0, 7.0],  # the first tree (before the prompt), then the miss after round 1
+        gap_ms=[0.1, 40.0, 0.2],
+        trace=tr,
+        hits=2,
+        decided=3,
+        wall_s=0.35,
+    )
+
+
+def untraced() -> GenerationStats:
+    """Mode ar: no tree, no trace; the first verdict 50 ms after the start."""
+    return GenerationStats(rounds=3, tokens=5, verify_ms=[40.0, 10.0, 10.0], first_token_s=0.05, wall_s=0.1)
+
+
+def test_the_decomposition_of_hand_built_rounds() -> None:
+    d = decomposition([traced()])
+    assert d["V_ms"] == 20.0  # median of 20, 20, 30: round 0's prefill left out
+    assert d["T_b_ms"] == 7.0  # the miss's draft, not the first tree's
+    assert d["stall_ms_per_round"] == pytest.approx((5.0 + 10.0) / 3)  # over the 3 rounds after the first
+    assert d["prefill_share_ms_per_token"] == pytest.approx(150.0 / 10)
+    assert d["gap_ms"] == 0.2
+    both = decomposition([traced(), untraced()])
+    assert both["V_ms"] == 20.0  # 10, 10, 20, 20, 30
+    assert both["prefill_share_ms_per_token"] == pytest.approx((15.0 + 50.0 / 5) / 2)
+    assert both["stall_ms_per_round"] == pytest.approx(5.0)  # the untraced generation adds no rounds
+    alone = decomposition([untraced()])
+    assert alone["T_b_ms"] is None and alone["gap_ms"] is None and alone["stall_ms_per_round"] is None
+    assert alone["V_ms"] == 10.0 and alone["prefill_share_ms_per_token"] == pytest.approx(10.0)
+
+
+def test_a_late_hit_is_stall() -> None:
+    st = traced()
+    assert st.trace is not None
+    # the tree of round 1 reached the server 60 ms after verdict 0: 85 ms between the verdicts
+    st.trace.verdicts[1] = _verdict(1.235, 1, 20.0, hit=False)
+    assert decomposition([st])["stall_ms_per_round"] == pytest.approx((65.0 + 10.0) / 3)
+
+
+def test_a_row_keeps_every_key_and_adds_the_decomposition() -> None:
+    st = traced()
+    runs = ModeRuns()
+    runs.add(GenerationResult(prompt_tokens=[1, 2], tokens=list(range(10)), stats=st), forwards=4.0)
+    row = mode_row("tree_prespec", 50.0, 0.0, runs, [st])
+    assert set(row) == set(OLD_KEYS) | set(NEW_KEYS)
+    assert row["p"] == row["hit_rate"] == pytest.approx(2 / 3, abs=1e-4)
+    assert (row["V_ms"], row["T_b_ms"], row["gap_ms"]) == (20.0, 7.0, 0.2)
+    plain = mode_row("tree", 50.0, 0.0, runs, [st])
+    assert plain["p"] is None and plain["hit_rate"] is None  # as hit_rate: only pre-speculating modes
+    entry = trace_entry("tree_prespec", 50.0, 0.0, 3, st)
+    assert entry["prompt_index"] == 3 and entry["trace"]["verdicts"][1]["verify_ms"] == 20.0
+    assert entry["stats"]["tokens"] == 10 and entry["stats"]["gap_ms"] == 0.2
+
+
+def test_the_report_shows_where_the_time_goes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    st = traced()
+    runs = ModeRuns()
+    runs.add(GenerationResult(prompt_tokens=[1, 2], tokens=list(range(10)), stats=st), forwards=4.0)
+    rows = [mode_row("tree_prespec", 50.0, 0.0, runs, [st])]
+    out = tmp_path / "n.json"
+    assert report(argparse.Namespace(json=str(out), plot=None), rows, {"model": "m"}) == 0
+    text = capsys.readouterr().out
+    table = text[text.index("where the time goes") :]
+    header, _, line = table.splitlines()[1:4]
+    assert "stall ms/rnd" in header and "gap ms" in header
+    assert [float(x) for x in line.split()[-6:]] == [20.0, 7.0, 0.667, 5.0, 15.0, 0.2]
+    assert json.loads(out.read_text())["rows"][0]["stall_ms_per_round"] == 5.0
+
+
+def test_help_explains_every_new_flag_and_key(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--trace PATH" in text and "bench.simulate" in text
+    for key in NEW_KEYS:
+        assert key in text
+    assert "--max-pending" in text and "default: the verifier's own" in text
+
+
+def test_a_traced_block_on_the_tiny_pair(tmp_path: Path) -> None:
+    """The row and trace code on a real run: the tiny verifier in this process, the same weights
+    drafting with torch; one short prompt in ar, tree and tree + pre-speculation."""
+    from bench.simulate import load_generations
+    from edge_client.drafters.registry import create_drafter
+    from tests.cloud_verifier.service import LiveServer
+
+    drafter = create_drafter("torch", "tiny", n_threads=1)
+    prompts = [BenchPrompt("q0", "writing", "Write a short poem about the sea.")]
+    try:
+        with LiveServer() as srv:
+            rows, entries = asyncio.run(
+                run_block(
+                    srv.ws,
+                    drafter,
+                    prompts,
+                    8,
+                    0.0,
+                    0.0,
+                    ExpansionConfig.parse("2,1,1"),
+                    lambda: 0.0,
+                    ["ar", "tree", "tree_prespec"],
+                    progress=False,
+                )
+            )
+    finally:
+        drafter.close()
+    by_mode = {r["mode"]: r for r in rows}
+    assert set(by_mode) == {"ar", "tree", "tree_prespec"}
+    for r in rows:
+        assert set(r) == set(OLD_KEYS) | set(NEW_KEYS)
+        assert r["V_ms"] is not None and r["V_ms"] > 0
+        assert r["prefill_share_ms_per_token"] is not None and r["prefill_share_ms_per_token"] > 0
+        assert r["p"] == r["hit_rate"]
+        assert r["stall_ms_per_round"] is not None
+    # the verifier sent its gap for every tree round (the edge asks for it in its hello)
+    for m in ("tree", "tree_prespec"):
+        assert by_mode[m]["gap_ms"] is not None and by_mode[m]["gap_ms"] >= 0
+    assert by_mode["ar"]["gap_ms"] is None and by_mode["ar"]["T_b_ms"] is None  # no tree, no draft
+    assert by_mode["tree"]["T_b_ms"] is not None and by_mode["tree"]["T_b_ms"] > 0  # every round misses
+    # one trace entry per generation, and bench.simulate reads the file
+    assert sorted(e["mode"] for e in entries) == ["ar", "tree", "tree_prespec"]
+    for e in entries:
+        assert e["trace"] is not None and e["trace"]["verdicts"] and e["stats"]["tokens"] > 0
+    path = tmp_path / "trace.json"
+    write_trace(str(path), {"model": "tiny"}, entries)
+    doc = json.loads(path.read_text())
+    assert doc["config"] == {"model": "tiny"} and len(doc["generations"]) == 3
+    spec, ar = load_generations([path])
+    assert len(spec) == 2 and len(ar) == 1
