@@ -18,6 +18,13 @@ def _port(text: str) -> int:
     return port
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive integer")
+    return n
+
+
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     d = ServerConfig.from_env()
     p = sub.add_parser(
@@ -86,7 +93,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     p.add_argument(
         "--max-pending-bytes",
-        type=int,
+        type=_positive,
         default=d.max_pending_bytes,
         help="frame bytes of a session's queued conditional trees together (one more tree over it is "
         "refused with TOO_MANY_PENDING)",

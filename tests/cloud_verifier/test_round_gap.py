@@ -134,3 +134,14 @@ def test_the_byte_bound_holds_for_every_client() -> None:
                 assert "max_pending_bytes 100" in e.message
             return
         pytest.fail("round 0 was always answered before the trees reached the server")
+
+
+def test_the_command_line_sets_the_bounds_and_refuses_a_byte_bound_below_one() -> None:
+    from cloud_verifier.cli import build_parser
+
+    a = build_parser().parse_args(["serve"])
+    assert (a.max_pending, a.max_pending_bytes) == (32, 1 << 20)
+    a = build_parser().parse_args(["serve", "--max-pending", "40", "--max-pending-bytes", "65536"])
+    assert (a.max_pending, a.max_pending_bytes) == (40, 65536)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-pending-bytes", "0"])
