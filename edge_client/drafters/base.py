@@ -80,8 +80,10 @@ class DrafterStats:
 
     def eval_ms(self, rows: int) -> float | None:
         """The expected ms of one evaluation of `rows` rows: the running average at that size,
-        else linear between the nearest sizes measured (flat below the smallest, the last slope
-        beyond the largest); None before any evaluation."""
+        else linear between the nearest sizes measured (flat below the smallest); beyond the
+        largest size measured, in proportion to the rows (pessimistic: a batch larger than any
+        seen is priced as if every row cost what the largest one's rows did, so a plan grows its
+        batches step by step as they are measured); None before any evaluation."""
         if not self.by_rows:
             return None
         if rows in self.by_rows:
@@ -91,10 +93,7 @@ class DrafterStats:
         if rows < xs[0]:
             return ys[0]
         if rows > xs[-1]:
-            if len(xs) == 1:
-                return ys[0]
-            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
-            return ys[-1] + slope * (rows - xs[-1])
+            return ys[-1] * rows / xs[-1]
         return float(np.interp(rows, xs, ys))
 
     def take_log(self) -> tuple[tuple[str, int, float], ...]:

@@ -98,3 +98,24 @@ def test_the_configured_tree_when_asked_or_when_drafting_and_nodes_are_cheap() -
 def test_backup_must_be_a_known_policy() -> None:
     with pytest.raises(ValueError, match=r"PrespecConfig\.backup must be 'auto', 'tree' or 'chain'"):
         PrespecConfig(backup="fast")
+
+
+def test_the_drafters_cost_per_evaluation_is_measured_by_rows() -> None:
+    """DrafterStats.eval_ms: the running average at a measured size, linear between sizes, flat
+    below the smallest and in proportion to the rows beyond the largest (a batch larger than any
+    measured is priced pessimistically, so plans grow batches as they are measured)."""
+    from edge_client.drafters.base import DrafterStats
+
+    st = DrafterStats()
+    assert st.eval_ms(4) is None
+    st.observe(1, 80.0)
+    st.observe(4, 100.0)
+    assert st.eval_ms(1) == 80.0 and st.eval_ms(4) == 100.0
+    assert st.eval_ms(2) == pytest.approx(80.0 + 20.0 / 3)
+    assert st.eval_ms(24) == pytest.approx(600.0)  # 100 ms for 4 rows: 25 a row beyond
+    st.observe(4, 200.0)  # a running average, not the last sample
+    assert st.eval_ms(4) == pytest.approx(0.8 * 100.0 + 0.2 * 200.0)
+    drafter = FakeDrafter(64)
+    drafter.sync([1, 2, 3])
+    drafter.extend([-1, -1, 0], [4, 5, 6])
+    assert drafter.stats.eval_ms(3) is not None and drafter.stats.eval_ms(3) == drafter.stats.by_rows[3]
