@@ -259,7 +259,18 @@ class Session:
         self.resumes.append(time.perf_counter() - t0)
 
     async def connect(self) -> Welcome:
-        """Open the session: hello, then the server's welcome (or a clear refusal)."""
+        """Open the session: hello, then the server's welcome (or a clear refusal). A verifier of
+        an earlier release refuses a hello naming `features` (an unknown field to its strict
+        decoder): the client then opens the session again without them (it does without the
+        optional fields, PROTOCOL.md section 10)."""
+        try:
+            return await self._connect(FEATURES)
+        except GenerationError as exc:
+            if not (exc.code is ErrorCode.BAD_MESSAGE and exc.field == "features"):
+                raise
+        return await self._connect(())
+
+    async def _connect(self, features: tuple[str, ...]) -> Welcome:
         if self._transport_factory is not None:
             inner = await self._transport_factory()
         else:
@@ -284,7 +295,7 @@ class Session:
                         vocab_fingerprint=fp,
                         api_key=self.api_key,
                         client="edge-client/0.1",
-                        features=FEATURES,
+                        features=features,
                     )
                 )
             )
