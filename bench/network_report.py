@@ -20,6 +20,7 @@ OPTIONAL = (
     "tree_prespec_ungated",
     "tree_prespec_frugal",
     "tree_prespec_single",
+    "tree_prespec_cache",
     "tree_prespec_batch",
     "tree_prespec_fulltree",
     "tree_prespec_chain",

@@ -65,13 +65,15 @@ class PrespecConfig:
                  caches, scaled by C (0 < C <= 1; 1: off), so that the bonus after a rejection
                  lands on a cached token more often. Output stays exactly the target's (the
                  verifier tests the draws against the row they came from); acceptance may fall
-    cache:       the outcome cache (speculation.schedule): the likeliest outcome of the tree in
-                 flight gets a tree of the configured shape, drafted alone; then up to `outcomes`
-                 further outcomes are drafted together as chains whose depths are planned against
-                 the drafter's measured cost per evaluation and the time left before the verdict
-                 is due (static and sequence shapes in greedy / match; otherwise, or before the
-                 drafter's costs are measured, trees are batched as with cache off: `batch` at a
-                 time, each of the configured shape)
+    cache:       the outcome cache (speculation.schedule; off by default: on the real pair
+                 co-located it raised the hit rate but lowered tau and added late hits, README):
+                 the likeliest outcome of the tree in flight gets a tree of the configured shape,
+                 drafted alone; then up to `outcomes` further outcomes are drafted together as
+                 chains whose depths are planned against the drafter's measured cost per
+                 evaluation and the time left before the verdict is due (static and sequence
+                 shapes in greedy / match; otherwise, or before the drafter's costs are measured,
+                 trees are batched as with cache off: `batch` at a time, each of the configured
+                 shape)
     outcomes:    with the cache, the outcomes of one tree queued as candidates (Saguaro's N)
     backup:      the tree drafted after a miss, when its drafting is on the critical path
                  (speculation.backup): "auto" prices the configured shape and chains of every depth
@@ -91,7 +93,7 @@ class PrespecConfig:
     leaf_min_reach: float = 0.02
     saguaro_c: float = 1.0
     backup: str = "auto"
-    cache: bool = True
+    cache: bool = False
     outcomes: int = 24
 
     def __post_init__(self) -> None:

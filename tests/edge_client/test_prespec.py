@@ -339,3 +339,35 @@ def test_prespec_config_names_the_bad_field(field: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"PrespecConfig.{field} must be"):
         PrespecConfig(**{field: value})
     PrespecConfig(min_gain=0.1, leaf_min_reach=0.0, allocation="top")  # in range: accepted
+
+
+def test_the_outcome_cache_and_the_priced_miss_path_keep_the_output() -> None:
+    """With the outcome cache on (chains for the further outcomes, planned to the verdict) and the
+    miss path forced to chains, greedy and seeded match give exactly the output of no
+    pre-speculation; the cache's chains really go out and the misses really draft chains."""
+    prompt = load_prompts(1)[0].text
+    drafter = create_drafter("torch", "tiny")
+
+    async def traced(url: str, cfg: PrespecConfig, **kw: Any) -> tuple[list[int], GenerationStats]:
+        async with EdgeClient(
+            url, drafter, prespec=cfg, link=LinkShape.rtt(300.0), tree=TreeSpec(), trace=True
+        ) as c:
+            async for _ in c.generate(prompt, **kw):
+                pass
+            assert c.last is not None
+            return c.last.tokens, c.last.stats
+
+    cfg = PrespecConfig(fanout=3, gate=False, cache=True, backup="chain")
+    with LiveServer(max_pending=32) as srv:
+        runs: list[dict[str, Any]] = [{}, {"mode": "match", "temperature": 0.8, "seed": 4}]
+        for kw in runs:
+            off, _ = _run(srv.ws, drafter, prompt, False, max_new_tokens=32, **kw)
+            on, st = asyncio.run(traced(srv.ws, cfg, max_new_tokens=32, **kw))
+            assert on == off, kw
+            assert st.trace is not None
+            chains = [e for e in st.trace.sends if e.parent is not None and e.nodes == e.depth]
+            assert chains, "the outcome cache sent chains"
+            misses = st.decided - st.hits
+            assert sum(st.backups.values()) <= misses
+            if misses:
+                assert st.backups and all(k.startswith("chain") for k in st.backups)
