@@ -147,6 +147,29 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument(
         "--saguaro-c", type=float, default=1.0, metavar="C", help=f"with --prespec: {SAGUARO_HELP}"
     )
+    p.add_argument(
+        "--prespec-backup",
+        choices=["auto", "tree", "chain"],
+        default="auto",
+        help="with --prespec: the tree drafted after a miss, on the critical path (auto, the default: "
+        "the configured tree or a chain, whichever gives the most tokens per ms of round from the "
+        "drafter's measured costs, the round trip and the verifier's cost curve; tree: always the "
+        "configured tree; chain: always the best chain)",
+    )
+    p.add_argument(
+        "--prespec-cache",
+        action="store_true",
+        help="with --prespec: the outcome cache: the likeliest outcome of the round in flight gets a "
+        "full tree, up to --prespec-outcomes further outcomes get chains in lockstep, planned to end "
+        "before the verdict is due (greedy/match, static or chain shapes; off by default, README)",
+    )
+    p.add_argument(
+        "--prespec-outcomes",
+        type=int,
+        default=24,
+        metavar="N",
+        help="with --prespec-cache: outcomes of one tree the cache may draft chains for (default 24)",
+    )
     p.add_argument("--threads", type=int, default=0, help="draft model threads (0: the backend's default)")
     p.add_argument(
         "--json",
@@ -366,6 +389,21 @@ async def _generate(args: argparse.Namespace) -> int:
     if args.saguaro_c != 1 and args.mode not in ("mss", "rrs"):
         print(
             "edge-client: --saguaro-c applies to the sampled modes: add --mode mss or --mode rrs",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        prespec_cfg = dataclasses.replace(
+            prespec_cfg, backup=args.prespec_backup, cache=args.prespec_cache, outcomes=args.prespec_outcomes
+        )
+    except ValueError as exc:
+        print(f"edge-client: --prespec-outcomes: {exc}", file=sys.stderr)
+        return 2
+    tuned = args.prespec_backup != "auto" or args.prespec_cache or args.prespec_outcomes != 24
+    if tuned and not args.prespec:
+        print(
+            "edge-client: --prespec-backup, --prespec-cache and --prespec-outcomes apply to "
+            "pre-speculation: add --prespec",
             file=sys.stderr,
         )
         return 2

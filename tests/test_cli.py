@@ -87,3 +87,32 @@ def test_edge_tree_defaults_follow_the_draft() -> None:
     assert spec.kind == "sequence" and spec.expansion.ks == (1, 1, 3, 1, 1)
     given = parser.parse_args(["generate", "--tree", "1,2", "hi"])
     assert _tree_spec(given, DEFAULT_DRAFT).expansion.ks == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--prespec", "--prespec-cache", "--prespec-outcomes", "0"],
+            "--prespec-outcomes: PrespecConfig.outcomes",
+        ),
+        (["--prespec-cache"], "add --prespec"),
+        (["--prespec-backup", "chain"], "add --prespec"),
+    ],
+)
+def test_edge_refuses_bad_outcome_cache_or_miss_path_flags_before_connecting(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edge_client.cli import main
+
+    rc = main(["generate", "--server", "ws://127.0.0.1:9/v1/session", "--draft", "tiny", *flags, "hi"])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+def test_edge_help_explains_the_miss_path_and_the_outcome_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    from edge_client.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "--prespec-backup" in out and "--prespec-cache" in out and "--prespec-outcomes" in out
