@@ -80,7 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with Verifier(model, cores=split.verifier, threads=len(split.verifier), echo=True) as verifier:
         print(f"verifier ready after {time.perf_counter() - t_start:.0f} s", flush=True)
         split.pin_edge()
-        drafter = create_drafter("llama_cpp", draft, n_threads=1)
+        # auto: llama.cpp or its ONNX int8 export, whichever drafts faster here (measured once, cached)
+        drafter = create_drafter("auto", draft, n_threads=1)
+        print(f"edge drafter: {drafter.name}", flush=True)
         try:
             for rtt in rtts:
                 print(f"\n=== RTT {rtt:g} ms ===", flush=True)

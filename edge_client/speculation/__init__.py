@@ -3,7 +3,9 @@
 - `config`: TreeSpec, PrespecConfig, Request (what a generation asks for);
 - `outcomes`: the outcome model, Saguaro's fan-out and the cost gate (pure functions);
 - `estimates`: what is learned across generations (Learned) and within one (RoundEstimates);
-- `ledger`: the sent trees; `planner`: the candidate outcomes, most likely first;
+- `ledger`: the sent trees (a method per transition); `planner`: the candidate outcomes, most likely
+  first; `schedule`: the outcome cache's chains, planned to the verdict; `backup`: the miss path's
+  tree, priced with measured costs;
 - `actions`: what the core asks of its shell; `core`: SpeculationCore (events in, actions out);
 - `executor`: the asyncio shell, and the draft step it runs on the drafting thread (DraftStep).
 
