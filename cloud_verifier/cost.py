@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,7 +41,10 @@ def measure_verify_cost(
     prefix: int = 64,
     repeats: int = 3,
 ) -> dict[int, float]:
-    """Median forward ms for each N at a committed prefix of `prefix` tokens (row 0 + N nodes)."""
+    """Forward ms for each N at a committed prefix of `prefix` tokens (row 0 + N nodes): the
+    fastest of `repeats` runs after a warm-up (other work on the machine only ever adds time), and
+    never more than a larger N's (a forward of fewer rows does not cost more; a curve measured
+    while something else ran once advertised 1303 ms for 1 node and 818 for 4)."""
     dev = target.device
     vocab = target.config.vocab_size
     out: dict[int, float] = {}
@@ -81,10 +83,20 @@ def measure_verify_cost(
                         torch.cuda.synchronize(dev)
                     times.append((time.perf_counter() - t0) * 1e3)
                     kv.discard(_PROBE_SEQ)
-                out[n] = round(statistics.median(times[1:]), 3)  # the first run warms up
+                out[n] = round(min(times[1:]), 3)  # the first run warms up
     finally:
         kv.free(_PROBE_SEQ)
-    return out
+    return monotone(out)
+
+
+def monotone(curve: dict[int, float]) -> dict[int, float]:
+    """The curve with each N's ms at most any larger N's (a suffix minimum)."""
+    out: dict[int, float] = {}
+    best = float("inf")
+    for n in sorted(curve, reverse=True):
+        best = min(best, curve[n])
+        out[n] = best
+    return {n: out[n] for n in sorted(out)}
 
 
 def cost_cache_key(target: Target, threads: int, nodes: Sequence[int], prefix: int) -> str:
@@ -113,6 +125,7 @@ def cost_cache_key(target: Target, threads: int, nodes: Sequence[int], prefix: i
         ",".join(map(str, nodes)),
         str(prefix),
         torch.__version__,
+        "fastest-of-repeats,monotone",  # the method: a curve measured the old way is measured again
     ]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
