@@ -38,7 +38,8 @@ class Learned:
     def choice_model(self, temperature: float, coupled: bool = False) -> ChoiceModel:
         """The outcome model for this temperature (its acceptance estimate carries over). Coupled
         drafting (trees.Coupling) is modelled like greedy: the target takes the draft's coupled
-        token with a learned probability, else one in proportion to the draft's other ones."""
+        token with a learned probability, else one by the landing model (where p's inverse CDF
+        lands near the keyed uniform; its scale is learned here too and carries over)."""
         key = (round(float(temperature), 3), coupled)
         if key not in self.choice:
             self.choice[key] = ChoiceModel(temperature=0.0 if coupled else key[0])

@@ -35,12 +35,13 @@ energy matters more than the last few ms.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from edge_client.drafters.base import Drafter
 from edge_client.trees import DraftResult
+from edge_client.trees.sampling import Landing
 from shared.tree import TokenTree
 
 
@@ -77,6 +78,16 @@ class ChoiceModel:
     temperature T > 0 (the target samples): the draft's distribution at temperature T stands in
     for the target's (deterministic trees rank on the draft at temperature 1, so it is sharpened;
     stochastic trees already carry q at T).
+
+    Coupled drafting (mode match at T > 0, trees.Coupling) is modelled like greedy, with
+    temperature 0: the coupled token is the "top" one, taken with probability alpha, and the
+    runners-up are the landing model's candidates (trees.sampling.Landing): their recorded
+    probabilities are the draft's mass outside the coupled token spread by where the target's
+    token lands in the CDF when it misses (Ranking.probs), so the proportional rule gives the
+    landing model's P(x | miss), calibrated by beta as above. `landing` learns the landing
+    model's scale from the verdicts' mismatches at coupled rows, and every tree observed hands
+    its drafting side (DraftResult.landing, the Coupling's) the learned state, so the next trees
+    are ranked with it.
     """
 
     temperature: float = 0.0
@@ -85,6 +96,7 @@ class ChoiceModel:
     decay: float = 0.98
     alt_hits: float = 2.0
     alt_predicted: float = 2.0
+    landing: Landing = field(default_factory=Landing)
 
     @property
     def alpha(self) -> float:
@@ -118,7 +130,8 @@ class ChoiceModel:
     def observe(self, dr: DraftResult, accepted_nodes: Sequence[int], tokens: Sequence[int]) -> None:
         """Learn alpha from a verdict: at each row of the walked path (row 0, then the accepted
         nodes), did the target's token (the next accepted node's, or the bonus) equal the draft's
-        top token there?"""
+        top token there? Where it did not at a coupled row, the landing model learns where it
+        landed instead."""
         rows = [-1, *accepted_nodes]
         for i, r in enumerate(rows):
             if i >= len(tokens):
@@ -130,11 +143,16 @@ class ChoiceModel:
             self.agree = self.decay * self.agree + float(target == top)
             self.tested = self.decay * self.tested + 1.0
             if target != top:
+                landing_row = dr.landing_rows.get(r + 1)
+                if landing_row is not None:
+                    self.landing.observe(landing_row, target)
                 ok = alts >= 0
                 predicted = float(_runner_up_share(q[ok].astype(np.float64)).sum())
                 hit = float(bool((alts[ok][1:] == target).any()))
                 self.alt_hits = self.decay * self.alt_hits + hit
                 self.alt_predicted = self.decay * self.alt_predicted + predicted
+        if dr.landing is not None and dr.landing is not self.landing:
+            dr.landing.adopt(self.landing)
 
 
 def _runner_up_share(q: np.ndarray) -> np.ndarray:

@@ -21,18 +21,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
 from edge_client.trees.sampling import (
     Coupling,
+    Landing,
+    LandingRow,
     Sampling,
     coupling_for,
     draft_mode,
-    ranked,
+    ranked_alts,
     top_alternatives,
 )
 from shared.messages import Mode
@@ -97,12 +99,19 @@ class DraftResult:
                     evaluated (the last level, unless eval_leaves)
     root_id:        the workspace node the tree hangs below (-1: the committed end)
     alt_tokens:     [N + 1, A] int32, the draft's A most likely next tokens after row 0 (index 0)
-                    and after node i (index i + 1), most likely first; -1 where not evaluated
-    alt_probs:      [N + 1, A] float32, their probabilities (same distribution as node_prob)
+                    and after node i (index i + 1), most likely first; -1 where not evaluated.
+                    Coupled (match at T > 0): the coupled token, then the likeliest other
+                    targets by the landing model (trees.sampling.Coupling.rank)
+    alt_probs:      [N + 1, A] float32, their probabilities (same distribution as node_prob);
+                    coupled: q_T of the coupled token, then the draft's mass outside it times
+                    the landing model's P(target = x | not the coupled token) (`Ranking.probs`)
     frontier_probs: [F] float32, descending path probabilities of the best candidates left out
                     (dynamic trees; sizes the next budget, see edge_client.speculation.budget)
     draft_ms:       wall time of drafting, sync included
     evaluations:    batched drafter evaluations made (extend calls)
+    landing_rows:   coupled rows (index as alt_tokens) whose candidates' CDF intervals were
+                    recorded, to learn the landing model's sigma from verdicts
+    landing:        the learner the coupled rows were ranked with (Coupling.landing), or None
     """
 
     tree: TokenTree
@@ -115,6 +124,8 @@ class DraftResult:
     frontier_probs: np.ndarray
     draft_ms: float
     evaluations: int
+    landing_rows: Mapping[int, LandingRow] = field(default_factory=dict)
+    landing: Landing | None = None
 
     @property
     def expected_accepted(self) -> float:
@@ -165,6 +176,8 @@ class TreeBuilder:
         self.d_node: list[int] = []
         self.d_qrow: list[int] = []
         self.child: dict[tuple[int, int], int] = {}
+        self.landing_rows: dict[int, LandingRow] = {}
+        self.landing: Landing | None = None  # set by shapes that record landing rows
 
     def add(self, parent: int, token: int, logp: float) -> int:
         node = len(self.tokens)
@@ -178,11 +191,16 @@ class TreeBuilder:
         self.child[(parent, token)] = node
         return node
 
-    def set_alt(self, row: int, ids: np.ndarray, probs: np.ndarray) -> None:
-        """Alternatives after row `row` (0: row 0, i + 1: node i)."""
+    def set_alt(
+        self, row: int, ids: np.ndarray, probs: np.ndarray, landing: LandingRow | None = None
+    ) -> None:
+        """Alternatives after row `row` (0: row 0, i + 1: node i), with a coupled row's landing
+        candidates (Coupling.rank)."""
         n = min(self.a, ids.size)
         self.alt_tok[row][:n] = ids[:n]
         self.alt_p[row][:n] = probs[:n]
+        if landing is not None:
+            self.landing_rows[row] = landing
 
     def result(
         self,
@@ -214,6 +232,8 @@ class TreeBuilder:
             frontier_probs=frontier.astype(np.float32),
             draft_ms=(time.perf_counter() - t0) * 1e3,
             evaluations=evaluations,
+            landing_rows=dict(self.landing_rows),
+            landing=self.landing if self.landing_rows else None,
         )
 
 
@@ -281,6 +301,7 @@ def draft_static(
     evals = drafter.stats.extend_calls
     root_id, root_logits = anchor_node(drafter, committed, cond, opts.reuse_workspace)
     acc = TreeBuilder(alternatives)
+    acc.landing = None if coupling is None else coupling.landing
     frontier: list[tuple[int, np.ndarray]] = [(-1, root_logits)]  # (tree node, logits after it)
     for level, k in enumerate(config.ks):
         new: list[int] = []
@@ -289,8 +310,8 @@ def draft_static(
                 assert sampling is not None and rng is not None
                 new.extend(_sample_children(acc, node, logits, k, m, sampling, rng))
             else:
-                ids, vals = ranked(logits, max(k, alternatives), coupling, at + level)
-                acc.set_alt(node + 1, ids, np.exp(vals))
+                ids, vals, probs, row = ranked_alts(logits, max(k, alternatives), coupling, at + level)
+                acc.set_alt(node + 1, ids, probs, row)
                 for tok, lp in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
                     new.append(acc.add(node, tok, lp))
         last = level == config.depth - 1
@@ -300,8 +321,11 @@ def draft_static(
         frontier = evaluate_level(drafter, acc, new, root_id)
     if eval_leaves:  # alternatives after the leaves
         for node, logits in frontier:
-            q = sampling if stochastic else None
-            acc.set_alt(node + 1, *top_alternatives(logits, alternatives, q, coupling, at + config.depth))
+            if stochastic:
+                acc.set_alt(node + 1, *top_alternatives(logits, alternatives, sampling))
+            else:
+                ids, _, probs, row = ranked_alts(logits, alternatives, coupling, at + config.depth)
+                acc.set_alt(node + 1, ids, probs, row)
     evals = drafter.stats.extend_calls - evals
     return acc.result(committed, cond, root_id, stochastic, np.zeros(0), t0, evals)
 

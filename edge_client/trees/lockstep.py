@@ -23,7 +23,7 @@ import numpy as np
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
 from edge_client.trees.builder import DraftCancelled, DraftOptions, DraftResult, TreeBuilder
-from edge_client.trees.sampling import coupling_for, draft_mode, ranked, top_alternatives
+from edge_client.trees.sampling import coupling_for, draft_mode, ranked_alts, top_alternatives
 from shared.tree import ExpansionConfig
 
 _DEFAULT = DraftOptions()
@@ -114,6 +114,8 @@ def draft_static_many(
             roots.append((first + end, out[end]))
 
     accs = [TreeBuilder(alternatives) for _ in conds]
+    for acc in accs:
+        acc.landing = None if coupling is None else coupling.landing
     alive = [True] * n
     frontiers: list[list[tuple[int, np.ndarray]]] = [[(-1, logits)] for _, logits in roots]
     at = [len(committed) + len(c) for c in conds]  # absolute position of the token after row 0
@@ -126,8 +128,8 @@ def draft_static_many(
             k = configs[t].ks[level]
             acc = accs[t]
             for node, logits in frontiers[t]:
-                ids, vals = ranked(logits, max(k, alternatives), coupling, at[t] + level)
-                acc.set_alt(node + 1, ids, np.exp(vals))
+                ids, vals, probs, row = ranked_alts(logits, max(k, alternatives), coupling, at[t] + level)
+                acc.set_alt(node + 1, ids, probs, row)
                 for tok, lp in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
                     new[t].append(acc.add(node, tok, lp))
         growing = [alive[t] and level < configs[t].depth - 1 for t in range(n)]  # to evaluate
@@ -235,11 +237,17 @@ def finish_leaves_many(
             continue
         tree = dr.tree
         alt_tok, alt_p = dr.alt_tokens.copy(), dr.alt_probs.copy()
+        landing_rows = dict(dr.landing_rows)
         a = alt_tok.shape[1]
         for n in nodes:
             ws[n] = first + row
             at = tree.committed_len + int(tree.depth[n])  # absolute position of the token after node n
-            ids, probs = top_alternatives(out[row], a, sampling if m.stochastic else None, coupling, at)
+            if m.stochastic:
+                ids, probs = top_alternatives(out[row], a, sampling)
+            else:
+                ids, _, probs, lrow = ranked_alts(out[row], a, coupling, at)
+                if lrow is not None:
+                    landing_rows[n + 1] = lrow
             row += 1
             k = min(a, ids.size)
             alt_tok[n + 1, :] = -1
@@ -253,6 +261,8 @@ def finish_leaves_many(
                 alt_tokens=alt_tok,
                 alt_probs=alt_p.astype(np.float32),
                 evaluations=dr.evaluations + 1,
+                landing_rows=landing_rows,
+                landing=dr.landing if coupling is None else coupling.landing,
             )
         )
     return results

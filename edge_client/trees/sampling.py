@@ -16,7 +16,7 @@ draft believes (the alternatives the outcome model reads, each node's probabilit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -115,6 +115,136 @@ class Sampling:
         return q if self.saguaro is None else self.saguaro.apply(q, draws)
 
 
+# The landing model's scale grid: sigma is learned as a posterior over these values (Landing)
+LANDING_SIGMAS = np.geomspace(1e-4, 1.0, 29)
+LANDING_HEAVY = 64  # candidates: the row's heaviest tokens (those within reach of u can take a miss)
+LANDING_NEAREST = 32  # and the coupled token's nearest neighbours in the CDF on each side
+LANDING_RECORDED = 32  # candidates recorded per row (besides the coupled token) to learn sigma from
+
+
+@dataclass(frozen=True, eq=False)
+class LandingRow:
+    """One coupled row's candidates in the draft's tempered CDF, what learning sigma needs.
+
+    tokens: [W] the coupled token first, then the candidates by landing probability
+    lo, hi: [W] each candidate's interval [F(x-), F(x)) in q_T's normalized CDF (token-id order),
+            minus u: the coupled token's straddles 0 (lo[0] <= 0 < hi[0]); the others lie left
+            (hi <= lo[0]) or right (lo >= hi[0]) of it
+    u:      the keyed uniform, as the inverse-CDF threshold over the row's total (in [0, 1))
+    """
+
+    tokens: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    u: float
+
+    def shares(self, sigma: float | np.ndarray) -> np.ndarray:
+        """P(target = tokens[1:] | target != tokens[0]) under the landing model with scale
+        `sigma` (a scalar: [W - 1]; an array [G]: [G, W - 1])."""
+        return landing_shares(self.lo[1:], self.hi[1:], -float(self.lo[0]), float(self.hi[0]), self.u, sigma)
+
+
+def landing_shares(
+    lo: np.ndarray, hi: np.ndarray, left: float, right: float, u: float, sigma: float | np.ndarray
+) -> np.ndarray:
+    """The landing model: P(target = x | target != the coupled token c) for candidates x.
+
+    The target samples where p's CDF crosses u; with p close to the draft's tempered q, p's CDF is
+    q's shifted near u by an error e, so the target's token is the one whose q-interval holds
+    u - e. Model e as Laplace(0, sigma) (heavy-tailed: the CDF error is a sum of the mass the two
+    models disagree on, carried by a few tokens). The target misses c when u - e leaves c's
+    interval, `left` below u or `right` above it; a candidate with interval [lo, hi) (offsets
+    from u, all on one side of c's) then gets the Laplace mass of its interval over the mass of
+    the row outside c's interval ([-u, 1 - u), the row's ends: nothing lies beyond them).
+
+    lo, hi: [W] offsets from u; sigma: a scalar or [G] scales. Returns [W] or [G, W]. Computed
+    with every exponent <= 0 (shifted by the nearer edge of c's interval), so any sigma is finite.
+    """
+    s = np.asarray(sigma, dtype=np.float64)
+    grid = s.ndim > 0
+    s = s.reshape(-1, 1)
+    lo64, hi64 = np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)
+    m = min(left, right)
+    rside = lo64 >= right  # right of c (lo >= c's upper edge), else left of it (hi <= its lower edge)
+    a = np.where(rside, lo64 - m, -hi64 - m)  # the near edge's distance beyond m (>= 0)
+    b = np.where(rside, hi64 - m, -lo64 - m)  # the far edge's
+    num = np.exp(-np.maximum(a, 0.0) / s) - np.exp(-np.maximum(b, 0.0) / s)
+    den = (
+        np.exp(-(right - m) / s)
+        - np.exp(-max(1.0 - u - m, 0.0) / s)
+        + np.exp(-(left - m) / s)
+        - np.exp(-max(u - m, 0.0) / s)
+    )
+    out: np.ndarray = np.where(den > 0, np.maximum(num, 0.0) / np.where(den > 0, den, 1.0), 0.0)
+    return out if grid else out[0]
+
+
+@dataclass
+class Landing:
+    """Where the target's token lands after it missed the coupled one: the scale sigma of the
+    landing model (`landing_shares`), learned online.
+
+    sigma is a posterior over LANDING_SIGMAS: a log-normal prior (median `prior_sigma`, log-sd
+    `prior_spread`) plus the decayed log-likelihoods of the observed mismatches, each the
+    probability the model gave the target's actual token given that it was not the coupled one
+    (or, for a token outside the recorded candidates, the model's mass outside them); sigma is
+    the posterior mean of log sigma. The outcome model (edge_client.speculation.outcomes
+    .ChoiceModel) feeds it from verdicts; the coupling ranks with the sigma it has learned.
+    """
+
+    prior_sigma: float = 0.03
+    prior_spread: float = 1.5
+    decay: float = 0.99
+    loglik: np.ndarray = field(default_factory=lambda: np.zeros(LANDING_SIGMAS.size))
+    seen: float = 0.0
+
+    @property
+    def posterior(self) -> np.ndarray:
+        """[G] posterior weights over LANDING_SIGMAS."""
+        prior = -0.5 * (np.log(LANDING_SIGMAS / self.prior_sigma) / self.prior_spread) ** 2
+        z = prior + self.loglik
+        w: np.ndarray = np.exp(z - z.max())
+        out: np.ndarray = w / w.sum()
+        return out
+
+    @property
+    def sigma(self) -> float:
+        return float(np.exp(np.dot(self.posterior, np.log(LANDING_SIGMAS))))
+
+    def observe(self, row: LandingRow, target: int) -> None:
+        """A verdict's token `target` at a row where the target missed the coupled token."""
+        if row.tokens.size < 1 or target == int(row.tokens[0]):
+            return
+        shares = row.shares(LANDING_SIGMAS)  # [G, W - 1]
+        at = np.flatnonzero(row.tokens[1:] == target)
+        like = shares[:, int(at[0])] if at.size else 1.0 - shares.sum(axis=1)
+        self.loglik = self.decay * self.loglik + np.log(np.clip(like, 1e-12, None))
+        self.seen = self.decay * self.seen + 1.0
+
+    def adopt(self, other: Landing) -> None:
+        """Take `other`'s learned state (the drafting side follows the outcome model's learner)."""
+        self.prior_sigma, self.prior_spread, self.decay = other.prior_sigma, other.prior_spread, other.decay
+        self.loglik, self.seen = other.loglik.copy(), other.seen
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """A coupled row's candidates, best first (`Coupling.rank`).
+
+    ids:   [k] the coupled token, then the others by the landing model's P(target = x | miss)
+    logp:  [k] their draft log-probabilities at temperature 1 (the tree's node probabilities)
+    probs: [k] what the outcome model reads: the coupled token's tempered draft probability
+           q_T(c), then (1 - q_T(c)) * P(target = x | miss): the draft's mass outside c, spread
+           by the landing model (so a share over 1 - probs[0] is P(x | miss) itself)
+    row:   the candidates' intervals, to learn sigma from the verdict
+    """
+
+    ids: np.ndarray
+    logp: np.ndarray
+    probs: np.ndarray
+    row: LandingRow
+
+
 @dataclass(frozen=True)
 class Coupling:
     """Sample-and-match drafting with the target's own randomness (mode match at temperature > 0).
@@ -123,16 +253,21 @@ class Coupling:
     `keyed_uniform(seed, pos)` (shared.keyed), and the edge chose the seed. Drafting with the same
     uniform on the draft's distribution (the same temperature / top-k / top-p, the CDF in token-id
     order) proposes the token the target will sample wherever the two distributions are close: at
-    every node the coupled token becomes the first child, ahead of the draft's most likely ones.
-    Nothing about exactness changes (the verifier samples from p whatever the tree); only what the
-    edge guesses does. The edge's outcome model then treats the coupled token as the draft's
-    "top" token (edge_client.speculation.outcomes.ChoiceModel), as greedy verification does the argmax.
+    every node the coupled token becomes the first child. Nothing about exactness changes (the
+    verifier samples from p whatever the tree); only what the edge guesses does.
+
+    After the coupled token, candidates are ranked by where the target's token lands when it is
+    not the coupled one (`Landing`, `landing_shares`): near u in the CDF's token-id order, not
+    simply among the draft's most probable tokens. `landing` holds the learned scale; the edge's
+    outcome model (edge_client.speculation.outcomes.ChoiceModel) treats the coupled token as
+    greedy verification does the argmax and the others by the landing probabilities.
     """
 
     seed: int
     temperature: float
     top_k: int = 0
     top_p: float = 1.0
+    landing: Landing = field(default_factory=Landing, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -140,36 +275,90 @@ class Coupling:
         if not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("need 0 < top_p <= 1 and top_k >= 0")
 
-    def token(self, logits: np.ndarray, position: int) -> int:
-        """The draft's token at absolute `position` by inverse CDF at the keyed uniform there."""
+    def _cdf(self, logits: np.ndarray) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """(kept ids in id order or None: all, their tempered probabilities, their CDF)."""
         p = softmax(tempered(logits.astype(np.float64), self.temperature))
         if self.top_k > 0 or self.top_p < 1:
             keep = np.sort(truncate(p, self.top_k, self.top_p))  # token-id order, as the target's CDF
-            cdf = np.cumsum(p[keep])
-        else:
-            keep, cdf = None, np.cumsum(p)
-        u = float(keyed_uniforms(self.seed, position))
+            return keep, p[keep], np.cumsum(p[keep])
+        return None, p, np.cumsum(p)
+
+    @staticmethod
+    def _index(cdf: np.ndarray, u: float) -> int:
         i = int(np.searchsorted(cdf, min(u * cdf[-1], cdf[-1] * BELOW_ONE), side="right"))
-        i = min(i, cdf.size - 1)
+        return min(i, cdf.size - 1)
+
+    def token(self, logits: np.ndarray, position: int) -> int:
+        """The draft's token at absolute `position` by inverse CDF at the keyed uniform there."""
+        keep, _, cdf = self._cdf(logits)
+        i = self._index(cdf, float(keyed_uniforms(self.seed, position)))
         return int(keep[i]) if keep is not None else i
+
+    def rank(self, logits: np.ndarray, k: int, position: int) -> Ranking:
+        """The coupled token at absolute `position`, then the k - 1 likeliest other targets by the
+        landing model at the current sigma. Candidates: the row's LANDING_HEAVY heaviest tokens
+        (one partition of the row, as for its top k: no sort of the vocabulary) and the coupled
+        token's LANDING_NEAREST nearest neighbours on each side in the CDF (in a flat row they
+        are the likeliest landings; in a peaked one the heavy tokens near u are)."""
+        keep, probs, cdf = self._cdf(logits)
+        total = float(cdf[-1])
+        u_raw = float(keyed_uniforms(self.seed, position))
+        c = self._index(cdf, u_raw)
+        u = min(u_raw, BELOW_ONE)
+        sigma = self.landing.sigma
+        lo_c = float(cdf[c - 1]) / total if c > 0 else 0.0
+        hi_c = float(cdf[c]) / total
+        top_ids, top_vals = top_logp(logits, max(k, LANDING_HEAVY))
+        top_j = top_ids if keep is None else np.searchsorted(keep, top_ids)
+        if keep is not None:
+            top_j = top_j[(top_j < keep.size) & (keep[np.minimum(top_j, keep.size - 1)] == top_ids)]
+        near = np.arange(max(c - LANDING_NEAREST, 0), min(c + LANDING_NEAREST + 1, cdf.size))
+        cand = np.unique(np.concatenate([near, top_j.astype(np.int64)]))
+        cand = cand[(cand != c) & (probs[cand] > 0)]
+        lo = np.where(cand > 0, cdf[np.maximum(cand - 1, 0)], 0.0) / total - u
+        hi = cdf[cand] / total - u
+        share = landing_shares(lo, hi, u - lo_c, hi_c - u, u, sigma)
+        order = np.lexsort((-probs[cand], -share))  # by share, then by the draft's mass
+        rec = order[:LANDING_RECORDED]
+        ids_j = np.r_[c, cand[rec]].astype(np.int64)
+        ids = ids_j if keep is None else keep[ids_j]
+        row = LandingRow(
+            tokens=ids.astype(np.int64),
+            lo=np.r_[lo_c - u, lo[rec]],
+            hi=np.r_[hi_c - u, hi[rec]],
+            u=u,
+        )
+        q_c = float(probs[c]) / total
+        alt = np.r_[q_c, (1.0 - q_c) * share[rec]]
+        lse = float(logits[top_ids[0]]) - float(top_vals[0])  # top_logp's log-normalizer
+        n = min(k, ids.size)
+        logp = logits[ids[:n]].astype(np.float64) - lse
+        return Ranking(ids[:n].astype(np.int64), logp, alt[:n], row)
 
 
 def ranked(
     logits: np.ndarray, k: int, coupling: Coupling | None, position: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """The k candidate tokens after logits [V], best first, with their log-probabilities at
-    temperature 1: the draft's most likely ones, or with `coupling` the coupled token first."""
-    ids, vals = top_logp(logits, k)
+    temperature 1: the draft's most likely ones, or with `coupling` the coupled token first and
+    then the likeliest other targets by the landing model (`Coupling.rank`)."""
     if coupling is None:
-        return ids, vals
-    c = coupling.token(logits, position)
-    hit = np.flatnonzero(ids == c)
-    if hit.size:
-        j = int(hit[0])
-        order = np.r_[j, np.delete(np.arange(ids.size), j)]
-        return ids[order], vals[order]
-    lp_c = float(logits[c]) - float(logits[ids[0]]) + float(vals[0])  # log-softmax via the top one
-    return np.r_[c, ids[:-1]].astype(ids.dtype), np.r_[lp_c, vals[:-1]]
+        return top_logp(logits, k)
+    r = coupling.rank(logits, k, position)
+    return r.ids, r.logp
+
+
+def ranked_alts(
+    logits: np.ndarray, k: int, coupling: Coupling | None, position: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, LandingRow | None]:
+    """`ranked` with what the builder records after the row: (ids, log-probabilities at
+    temperature 1, the alternatives' probabilities for the outcome model, the landing row).
+    Uncoupled: the probabilities are the draft's at temperature 1 and there is no landing row."""
+    if coupling is None:
+        ids, vals = top_logp(logits, k)
+        return ids, vals, np.exp(vals), None
+    r = coupling.rank(logits, k, position)
+    return r.ids, r.logp, r.probs, r.row
 
 
 def softmax(x: np.ndarray) -> np.ndarray:
@@ -206,13 +395,14 @@ def top_alternatives(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The draft's `a` most likely next tokens and their probabilities: from the q row of
     stochastic modes (`sampling`; the draft's own, before any Saguaro scaling), else softmax at
-    temperature 1 (with `coupling`, the coupled token at absolute `position` first)."""
+    temperature 1 (with `coupling`, the coupled token at absolute `position` first and the
+    landing model's candidates and probabilities after it, `Ranking.probs`)."""
     if sampling is not None:
         q = sampling.q_row(logits)
         order = np.argsort(-q.weights, kind="stable")[:a]
         return q.ids[order], q.weights[order] / 65536.0
-    ids, vals = ranked(logits, a, coupling, position)
-    return ids, np.exp(vals)
+    ids, _, probs, _ = ranked_alts(logits, a, coupling, position)
+    return ids, probs
 
 
 def coupling_for(mode: Mode, coupling: Coupling | None) -> Coupling | None:
