@@ -20,7 +20,10 @@ policy's list for a budget of N is checked for the actual one:
 
 Drafting at T > 0 is coupled (the edge's default in match: the draft's token at the keyed
 uniform leads each node), and its outcome model is the coupled one, as EdgeClient uses
-(--no-couple: neither).
+(--no-couple: neither). Coupled, the summary also has `after_mismatch`: at the positions where the
+target's token is not the coupled one, the share whose token is among the first F candidates
+after it, F = 1..8, by the landing model (the order coupled trees use, trees.sampling.Coupling.rank)
+and by the draft's most likely tokens (the order before it), teacher-forced on the same positions.
 
     python -m bench.outcomes --model smollm2-135m --draft smollm2-135m-q4 --prompts 4 --humaneval 2 \\
         --tokens 64 --json bench/out/outcomes.json --plot bench/out/outcomes.png
@@ -44,11 +47,13 @@ from edge_client.speculation.config import PrespecConfig
 from edge_client.speculation.estimates import Learned
 from edge_client.speculation.outcomes import ChoiceModel, Outcome, outcome_probabilities, predict_outcomes
 from edge_client.trees import Coupling, DraftOptions, DraftResult, draft_static
+from edge_client.trees.sampling import Landing, LandingRow, top_logp
 from shared.messages import Mode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.tree import ExpansionConfig, TokenTree
 
 POLICIES = ("probability", "geometric", "uniform")
+MISMATCH_F = 8  # after_mismatch: candidates after the coupled token checked
 NESTED = ("probability", "uniform")  # a budget of N + 1 adds one outcome to the list for N
 SHOWN_N = (1, 2, 3, 4, 6, 8, 12, 16, 20, 27, 30)
 
@@ -179,6 +184,54 @@ def walk_positions(
         if on_position is not None:
             on_position()
     return out
+
+
+# --------------------------------------------------------------------------- after a mismatch
+def mismatch_ranks(
+    drafter: Drafter,
+    prompt: Sequence[int],
+    output: Sequence[int],
+    coupling: Coupling,
+    max_f: int,
+    learn: Callable[[LandingRow, int], None] | None = None,
+) -> list[tuple[int, int]]:
+    """At every position of `output` (the target's keyed samples after `prompt`, teacher-forced)
+    where the target's token is not the draft's coupled one: its rank among the candidates after
+    the coupled token, (by the landing model, by the draft's most likely tokens), 0-based, max_f
+    where it is not among the first max_f. The landing model learns from each mismatch after its
+    ranking (`learn`, default coupling.landing.observe), as the edge learns from verdicts."""
+    learn = learn or coupling.landing.observe
+    first = drafter.sync(list(prompt))
+    rows = [first]
+    if len(output) > 1:
+        rows.extend(drafter.extend([-1, *range(len(output) - 2)], list(output[:-1])))
+    out: list[tuple[int, int]] = []
+    for i, (logits, tok) in enumerate(zip(rows, output, strict=True)):
+        r = coupling.rank(logits, max_f + 1, len(prompt) + i)
+        c = int(r.ids[0])
+        if tok == c:
+            continue
+        by_landing = [int(t) for t in r.ids[1:]]
+        top, _ = top_logp(logits, max_f + 1)
+        by_draft = [int(t) for t in top if int(t) != c][:max_f]
+        rank = (
+            by_landing.index(tok) if tok in by_landing else max_f,
+            by_draft.index(tok) if tok in by_draft else max_f,
+        )
+        out.append(rank)
+        learn(r.row, int(tok))
+    return out
+
+
+def top_f_rates(ranks: Sequence[tuple[int, int]], max_f: int) -> dict[str, list[float]]:
+    """Share of mismatches whose target token is among the first F candidates, F = 1..max_f."""
+    arr = np.asarray(ranks, dtype=np.int64).reshape(-1, 2)
+    if arr.shape[0] == 0:
+        return {"landing": [0.0] * max_f, "draft": [0.0] * max_f}
+    return {
+        name: [round(float((arr[:, col] < f).mean()), 4) for f in range(1, max_f + 1)]
+        for col, name in enumerate(("landing", "draft"))
+    }
 
 
 # --------------------------------------------------------------------------- summaries
@@ -355,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if longest > drafter.max_context:
         ap.error(f"a prompt of {longest} tokens with its positions does not fit the draft's context")
     positions: list[Position] = []
+    after_mismatch: dict[str, list[tuple[int, int]]] = {}
     bar = tqdm(
         total=len(prompts) * len(temps) * a.tokens, desc="positions", disable=a.no_progress, file=sys.stderr
     )
@@ -362,8 +416,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for temp in temps:
             learned = Learned()  # one edge client's outcome model per temperature, across prompts
             model = learned.choice_model(temp, coupled=temp > 0 and not a.no_couple)
+            landing = Landing()  # the ranks' own learner (the outcome model's learns from the trees)
             for i, ids in enumerate(encoded):
                 seq = target_output(target, ids, a.tokens + tree.depth + 1, temp, seed=i)
+                if temp > 0 and not a.no_couple:
+                    coupling = Coupling(i, temp, landing=landing)
+                    ranks = mismatch_ranks(drafter, ids, seq[: a.tokens], coupling, MISMATCH_F)
+                    after_mismatch.setdefault(f"{temp:g}", []).extend(ranks)
                 got = walk_positions(
                     drafter, ids, seq, a.tokens, tree, model, a.max_n, temp, seed=i, prompt_index=i,
                     couple=not a.no_couple, on_position=lambda: bar.update(),
@@ -374,11 +433,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar.close()
         drafter.close()
     summary = summarise(positions, POLICIES, a.max_n)
+    for key, ranks in after_mismatch.items():
+        if key in summary:
+            summary[key]["after_mismatch"] = {"mismatches": len(ranks), **top_f_rates(ranks, MISMATCH_F)}
     print(
         f"{a.model} / {a.draft} ({drafter.name}), tree {tree_text}, "
         f"{len(prompts)} prompts x {a.tokens} positions"
     )
     print(report(summary, a.max_n))
+    for key, at_t in summary.items():
+        am = at_t.get("after_mismatch")
+        if am:
+            n = am["mismatches"]
+            print(f"\nmatch, T {key}: after a mismatch ({n}), the target's token among the first F")
+            rows = [[order, *(f"{x:.3f}" for x in am[order])] for order in ("landing", "draft")]
+            print(table(rows, ["order", *(f"F={f}" for f in range(1, MISMATCH_F + 1))]))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "prompt_file"}

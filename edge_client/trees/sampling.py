@@ -2,7 +2,9 @@
 
 Deterministic modes (greedy, match) take the draft's top-k tokens at each node, ranked by its
 logits at temperature 1 (`ranked`); with `Coupling` (match at temperature > 0) the token the
-target will sample, by the verifier's keyed uniforms, leads. Stochastic modes (mss, rrs) draw
+target will sample, by the verifier's keyed uniforms, leads, and the others follow by where the
+target's token lands when it is not that one (the landing model: `Landing`, `landing_shares`,
+`Coupling.rank`). Stochastic modes (mss, rrs) draw
 from a q row (`Sampling.q_row`): the draft distribution at the requested temperature / top-k /
 top-p, truncated to at most `wire_top_k` tokens and quantized to u16 weights FIRST
 (shared.sparse), so that the edge samples from exactly the weights that travel with the tree.
