@@ -100,6 +100,8 @@ class SpeculationCore:
         self.choice: ChoiceModel = learned.choice_model(
             temperature if req.mode is not Mode.GREEDY else 0.0, coupled=req.coupling is not None
         )
+        if req.coupling is not None:  # the first trees rank with the landing scale learned so far
+            req.coupling.landing.adopt(self.choice.landing)
         self.ledger = Ledger()
         self.planner = Planner(self.ledger, self.prespec, self.choice)
         self.est = RoundEstimates()

@@ -19,7 +19,7 @@ from edge_client.trees.builder import (
     check_stop,
     evaluate_level,
 )
-from edge_client.trees.sampling import coupling_for, draft_mode, ranked
+from edge_client.trees.sampling import coupling_for, draft_mode, ranked_alts
 
 _DEFAULT = DraftOptions()
 
@@ -73,6 +73,7 @@ def draft_dynamic(
     evals = drafter.stats.extend_calls
     root_id, root_logits = anchor_node(drafter, committed, cond, reuse_workspace)
     acc = TreeBuilder(alternatives)
+    acc.landing = coupling.landing if coupling is not None else None
     heap: list[tuple[float, int, int, int, float]] = []  # (-path logp, order, parent, token, logp)
     top1: list[float] = []
     depth: list[int] = []
@@ -81,8 +82,8 @@ def draft_dynamic(
 
     def push_children(node: int, logits: np.ndarray) -> None:
         d = 0 if node < 0 else depth[node]
-        ids, vals = ranked(logits, max(branch, alternatives), coupling, at + d)
-        acc.set_alt(node + 1, ids, np.exp(vals))
+        ids, vals, probs, row = ranked_alts(logits, max(branch, alternatives), coupling, at + d)
+        acc.set_alt(node + 1, ids, probs, row)
         best = float(vals.max())
         top1.append(math.exp(best))
         base = rank[node] if node >= 0 else 0.0
@@ -114,8 +115,8 @@ def draft_dynamic(
             if depth[node] < max_depth:
                 push_children(node, logits)
             else:
-                ids, vals = ranked(logits, alternatives, coupling, at + depth[node])
-                acc.set_alt(node + 1, ids, np.exp(vals))
+                ids, _, probs, row = ranked_alts(logits, alternatives, coupling, at + depth[node])
+                acc.set_alt(node + 1, ids, probs, row)
     frontier = np.sort(np.exp(np.asarray([-h[0] for h in heap], dtype=np.float64)))[::-1][:64]
     evals = drafter.stats.extend_calls - evals
     return acc.result(committed, cond, root_id, False, frontier, t0, evals)

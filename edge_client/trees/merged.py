@@ -90,6 +90,10 @@ def merge_drafts(results: Sequence[DraftResult]) -> DraftResult:
         frontier_probs=frontier.astype(np.float32),
         draft_ms=float(sum(r.draft_ms for r in results)),
         evaluations=sum(r.evaluations for r in results),
+        # the first drafter's rows win, and its nodes keep their indices (maps[0] is the identity):
+        # its coupled rows' landing records stay valid in the merged tree
+        landing_rows=first.landing_rows,
+        landing=first.landing,
     )
 
 

@@ -217,3 +217,26 @@ def test_the_choice_model_reads_the_landing_shares_and_teaches_the_coupling() ->
     assert c.landing is not model.landing
     np.testing.assert_array_equal(c.landing.loglik, model.landing.loglik)
     assert c.landing.sigma == model.landing.sigma
+
+
+def test_budget_and_merged_trees_carry_the_landing_records() -> None:
+    """A coupled dynamic (budget) tree ranks and records its rows by the landing model too, and a
+    merged tree keeps its first drafter's records (its nodes keep their indices there)."""
+    from edge_client.trees import draft_dynamic
+    from edge_client.trees.merged import merge_drafts
+
+    c = Coupling(seed=3, temperature=T)
+    opts = DraftOptions(mode="match", coupling=c)
+    dyn = draft_dynamic(FakeDrafter(V), S, 8, opts)
+    assert dyn.landing is c.landing and dyn.landing_rows
+    for row, rec in dyn.landing_rows.items():
+        j = row - 1
+        path = [int(dyn.tree.tokens[i]) for i in dyn.tree.path(j)] if j >= 0 else []
+        r = c.rank(fake_logits(S + path, V), dyn.alt_tokens.shape[1], len(S) + len(path))
+        assert dyn.alt_tokens[row].tolist() == r.ids.tolist()
+        np.testing.assert_allclose(dyn.alt_probs[row], r.probs, rtol=1e-6)
+        assert rec.tokens.tolist()[: len(r.ids)] == r.ids.tolist()
+    first = draft_static(FakeDrafter(V), S, ExpansionConfig((2, 1)), opts)
+    other = draft_static(FakeDrafter(V), S, ExpansionConfig((1, 1, 1)), opts)
+    merged = merge_drafts([first, other])
+    assert merged.landing is first.landing and merged.landing_rows == first.landing_rows
