@@ -77,8 +77,9 @@ class PrespecConfig:
     outcomes:    with the cache, the outcomes of one tree queued as candidates (Saguaro's N)
     backup:      the tree drafted after a miss, when its drafting is on the critical path
                  (speculation.backup): "auto" prices the configured shape and chains of every depth
-                 with measured costs and drafts the one with the most tokens per ms of round;
-                 "tree" always drafts the configured shape; "chain" always the best chain
+                 with measured costs and drafts the one with the most tokens per ms of round
+                 (greedy verification; at T > 0 the configured shape); "tree" always drafts the
+                 configured shape; "chain" always the best chain
     """
 
     fanout: int = 3

@@ -225,10 +225,14 @@ class SpeculationCore:
         self._full = (ema(None if old is None else old[0], tokens), dr.tree.num_nodes, ms)
 
     def _backup(self) -> TreeSpec | None:
-        """The miss path's tree (speculation.backup; None: the configured shape)."""
+        """The miss path's tree (speculation.backup; None: the configured shape). `auto` prices
+        chains in greedy verification only: at T > 0 (match) the chains' tokens, priced from the
+        coupled agreement, came out optimistic on the real pair (README); `chain` forces them."""
         cfg, prof = self.prespec, self.drafter
         deterministic = not self.req.mode.stochastic and self.req.tree.kind != "sequence"
         if cfg is None or cfg.backup == "tree" or prof is None or self._full is None or not deterministic:
+            return None
+        if cfg.backup == "auto" and (self.req.coupling is not None or self.choice.temperature != 0):
             return None
         one = prof.eval_ms(1)
         if one is None:

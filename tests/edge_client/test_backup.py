@@ -119,3 +119,27 @@ def test_the_drafters_cost_per_evaluation_is_measured_by_rows() -> None:
     drafter.sync([1, 2, 3])
     drafter.extend([-1, -1, 0], [4, 5, 6])
     assert drafter.stats.eval_ms(3) is not None and drafter.stats.eval_ms(3) == drafter.stats.by_rows[3]
+
+
+def test_auto_keeps_the_configured_tree_at_a_temperature_and_chain_forces_chains() -> None:
+    """In match at T > 0 (coupled drafting) `auto` drafts the configured tree after a miss (the
+    chains' priced tokens were optimistic there); `chain` still drafts chains."""
+    from edge_client.trees import Coupling
+
+    for backup, chain in (("auto", False), ("chain", True)):
+        s = Scripted(
+            FakeDrafter(64),
+            Request(Mode.MATCH, MAIN, coupling=Coupling(seed=5, temperature=0.7)),
+            PrespecConfig(fanout=2, max_chain=1, gate=False, backup=backup),
+            eval_ms=lambda rows: 90.0,
+            verify_cost_ms=CPU_VERIFY,
+        )
+        s.start([3, 14, 15, 9, 26, 5])
+        s.idle()
+        assumed = {sp.full[6] for sp in s.core.ledger if len(sp.full) > 6}
+        first = s.trees[0]
+        drafted = first.tokens[first.depth == 1].tolist()
+        bonus = next(t for t in range(1, 64) if t not in assumed and t not in drafted)
+        s.verdict(0, [], bonus)
+        shape = s.draft_actions(DraftPlain)[-1].shape
+        assert (shape is not None and shape.kind == "sequence") is chain, backup
