@@ -51,7 +51,7 @@ from edge_client.speculation.actions import (
     Steps,
     ask,
 )
-from edge_client.speculation.backup import choose_backup
+from edge_client.speculation.backup import Backup, choose_backup
 from edge_client.speculation.budget import choose_budget, next_gains
 from edge_client.speculation.config import DrafterProfile, PrespecConfig, Refused, Request, TreeSpec
 from edge_client.speculation.estimates import Learned, RoundEstimates, ema
@@ -228,35 +228,16 @@ class SpeculationCore:
         """The miss path's tree (speculation.backup; None: the configured shape). `auto` prices
         chains in greedy verification only: at T > 0 (match) the chains' tokens, priced from the
         coupled agreement, came out optimistic on the real pair (README); `chain` forces them."""
-        cfg, prof = self.prespec, self.drafter
+        cfg = self.prespec
         deterministic = not self.req.mode.stochastic and self.req.tree.kind != "sequence"
-        if cfg is None or cfg.backup == "tree" or prof is None or self._full is None or not deterministic:
+        if cfg is None or cfg.backup == "tree" or self._full is None or not deterministic:
             return None
         if cfg.backup == "auto" and (self.req.coupling is not None or self.choice.temperature != 0):
             return None
-        one = prof.eval_ms(1)
-        if one is None:
+        eval_ms = self._eval_curve()
+        if eval_ms is None:
             return None
-        costs: dict[int, float] = {}
-
-        def eval_ms(rows: int) -> float:
-            if rows not in costs:
-                ms = prof.eval_ms(rows)
-                costs[rows] = one * rows if ms is None else ms
-            return costs[rows]
-
-        tokens, nodes, full_ms = self._full
-        best, options = choose_backup(
-            self.req.tree,
-            tokens,
-            nodes,
-            self.choice.alpha,
-            eval_ms,
-            self.welcome.verify_cost_ms,
-            self.learned.rtt_ms,
-            self.welcome.limits.max_depth,
-            full_draft_ms=full_ms,
-        )
+        best, options = self._price_backups(eval_ms)
         if cfg.backup == "chain":
             best = max((o for o in options if o.shape.kind == "sequence"), key=lambda o: o.rate)
         self.stats.backups[best.label] = self.stats.backups.get(best.label, 0) + 1
@@ -367,8 +348,7 @@ class SpeculationCore:
         """The outcome cache's next step: "first" (the likeliest outcome of the tree in flight,
         alone, full shape), the ms left to draft chains in, or None (no cache: batch as before;
         the drafter's costs are not measured yet)."""
-        prof = self.drafter
-        if prof is None or prof.eval_ms(1) is None or self._full is None:
+        if self._eval_curve() is None or self._full is None:
             return None
         top = self.planner.top()
         if top is not None and top[1] == self.in_flight and self._cache_first != self.in_flight:
@@ -384,18 +364,13 @@ class SpeculationCore:
         """Chains for the next likeliest outcomes, their depths planned to end before the verdict
         is due (speculation.schedule.plan_chains); nothing when no chain fits (then the core
         waits for the next frame)."""
-        cfg, prof = self.prespec, self.drafter
-        assert cfg is not None and prof is not None
+        cfg, eval_ms = self.prespec, self._eval_curve()
+        assert cfg is not None and eval_ms is not None
         cands = self.planner.pop(cfg.outcomes, committed, self._room(), self.welcome.limits.max_depth, 0.0)
         if not cands:
             return [], None
-        one = prof.eval_ms(1) or 0.0
-
-        def eval_ms(rows: int) -> float:
-            ms = prof.eval_ms(rows)
-            return one * rows if ms is None else ms
-
-        miss = self._miss_ms_per_token(eval_ms)
+        best, _ = self._price_backups(eval_ms)
+        miss = best.round_ms / max(best.tokens, 1e-9)  # what a token costs after a miss
         depth = min(self.req.tree.chain_depth, self.welcome.limits.max_depth)
         gains = chain_gains(self.choice.alpha, depth, miss, self.welcome.verify_cost_ms)
         plan = plan_chains([c.prob for c in cands], gains, eval_ms, left_ms)
@@ -407,11 +382,25 @@ class SpeculationCore:
         shapes = tuple(TreeSpec("sequence", ExpansionConfig((1,) * d), depth=d) for _, d in chosen)
         return [c for c, _ in chosen], shapes
 
-    def _miss_ms_per_token(self, eval_ms: Callable[[int], float]) -> float:
-        """What a token costs after a miss: the miss path's round over its tokens."""
+    def _eval_curve(self) -> Callable[[int], float] | None:
+        """The drafter's ms for one evaluation of n rows (n times the one-row cost where n was
+        never measured); None before it measured any."""
+        prof = self.drafter
+        one = None if prof is None else prof.eval_ms(1)
+        if prof is None or one is None:
+            return None
+
+        def eval_ms(rows: int) -> float:
+            ms = prof.eval_ms(rows)
+            return one * rows if ms is None else ms
+
+        return eval_ms
+
+    def _price_backups(self, eval_ms: Callable[[int], float]) -> tuple[Backup, list[Backup]]:
+        """The miss path's candidates priced (speculation.backup.choose_backup): the best, and all."""
         assert self._full is not None
         tokens, nodes, full_ms = self._full
-        best, _ = choose_backup(
+        return choose_backup(
             self.req.tree,
             tokens,
             nodes,
@@ -422,7 +411,6 @@ class SpeculationCore:
             self.welcome.limits.max_depth,
             full_draft_ms=full_ms,
         )
-        return best.round_ms / max(best.tokens, 1e-9)
 
     # ------------------------------------------------------------------ sending
     def _send_tree(
