@@ -144,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="in-process server: skip the unbatched comparison runs (halves the time)",
     )
     p.add_argument("--prompt-dir", type=Path, default=PROMPTS, help="folder holding spec_bench_dev.jsonl")
+    p.add_argument(
+        "--cloud-cost",
+        action="store_true",
+        help="instead: the cloud's cost per token, M real-pair edge clients (recorded, replayed as "
+        "separate devices) against M cloud-only ar clients (bench.load_cost; its own flags: "
+        "python -m bench.load --cloud-cost --help)",
+    )
     return p
 
 
@@ -179,6 +186,11 @@ def cpu_note(target: Target | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--cloud-cost" in argv:  # the other bench of this name: its own flags (bench.load_cost)
+        from bench import load_cost
+
+        return load_cost.main([x for x in argv if x != "--cloud-cost"])
     args = build_parser().parse_args(argv)
     lookup = LookupConfig(nodes=args.nodes, depth=args.depth, max_ngram=args.ngram)
     target: Target | None = None

@@ -1,0 +1,728 @@
+"""`python -m bench.load --cloud-cost`: what the cloud pays per generated token, M edge clients in
+the default pre-speculating mode against M cloud-only `ar` clients, at saturation.
+
+The edge's drafting runs on the user's device, not on the verifier's machine, so the cloud's cost
+is the verifier's busy time. On one 2-core machine sixteen real drafters cannot run beside the
+verifier, so the bench measures in two phases:
+
+1. **Record** (the real pair, co-located as in bench.network: the drafter on core 0, the verifier
+   on core 1, the link emulated at --rtt-ms): each prompt is generated once by a real edge client
+   in --mode (default `tree_prespec`), through a transport that logs every frame with its time.
+   Each generation becomes a script: every frame the edge sent, with the number of verdicts it had
+   taken up before it left and how long after the last of them (at the wire: the round trip and
+   the edge's drafting are inside that delay), and the tokens the verifier answered.
+2. **Replay** (the verifier alone on core 1; the clients are frame players on core 0, costing next
+   to nothing, as separate devices would): M clients connect, each loops over the scripts from
+   its own offset, and sends each frame as the edge did: once the same number of verdicts has
+   arrived, the same delay after the last. Pre-speculated trees thus reach a loaded verifier even
+   earlier than they did alone (the edge's drafting time is the edge's, whatever the load), and a
+   tree drafted after a miss leaves the same time after the verdict. Cloud-only `ar` clients send
+   the same prompts in mode ar. Every verdict's tokens are checked against the recording (greedy
+   or seeded: the replay must reproduce it; a generation that differs is cancelled and counted
+   as `diverged`).
+
+Per (kind, M), over --seconds after --warmup: verifier-seconds per generated token (the engine's
+forward seconds, from /metrics, over every client's tokens), tokens per forward, forwards per
+second and each client's ms/token (median over clients); the ratio edge / ar of verifier-seconds
+per token is the table's point (the goal: <= 1/3 with 16 clients on this CPU).
+
+**Flat cost curve (a GPU's shape).** `predict_flat` replays the same scripts in a discrete-event
+model of a verifier whose forward costs --flat-ms whatever its rows (every ready session packed
+into the next forward): the predicted verifier-seconds per token of both kinds at each M, beside
+the measured ones (the goal: <= 1/5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import heapq
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench.harness import BenchPrompt, CoreSplit, Verifier, add_prompt_file_arg, suite_from_args, table
+from shared.message_types import Mode
+from shared.messages import Cancel, Error, Prompt, Tree, Verdict, decode, encode
+from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
+from shared.wire import DEFAULT_WIRE_LIMITS
+
+KINDS = ("ar", "edge")
+
+
+# ----------------------------------------------------------------------------------- scripts
+@dataclass(frozen=True)
+class Step:
+    """One frame a client sends: once `after` verdicts of the generation have arrived, `delay_s`
+    after the last of them (after = 0: after the generation's prompt left)."""
+
+    frame: bytes
+    after: int
+    delay_s: float
+
+
+@dataclass
+class Script:
+    """One recorded generation: what the client sent, and the tokens the verifier answered."""
+
+    prompt_index: int
+    steps: list[Step]
+    tokens: list[int]  # every verdict's tokens, in order
+    verdicts: list[tuple[int, int]] = field(default_factory=list)  # (round, tokens) of each verdict
+    ms_per_token: float = 0.0  # as recorded (one client, the edge drafting)
+
+    def as_ar(self) -> Script:
+        """The same prompt for a cloud-only client: mode ar, no tree, nothing sent after it."""
+        first = decode(self.steps[0].frame)
+        if not isinstance(first, Prompt):
+            raise ValueError("a script starts with its prompt frame")
+        prompt = dataclasses.replace(first, mode=Mode.AR, tree=None)
+        return Script(
+            self.prompt_index, [Step(encode(prompt), 0, 0.0)], list(self.tokens), [(0, 1)] * len(self.tokens)
+        )
+
+
+class RecordingTransport:
+    """A transport that logs every frame with its time (out: as it leaves, in: as it arrives),
+    under the link shaper, so the delays between frames include the round trip."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.log: list[tuple[str, float, bytes]] = []
+
+    async def send(self, data: bytes) -> None:
+        self.log.append(("out", time.monotonic(), data))
+        await self.inner.send(data)
+
+    async def recv(self) -> bytes:
+        data: bytes = await self.inner.recv()
+        self.log.append(("in", time.monotonic(), data))
+        return data
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def script_from_log(log: Sequence[tuple[str, float, bytes]], prompt_index: int) -> Script:
+    """The script of the one generation in `log` (frames before its prompt are ignored)."""
+    steps: list[Step] = []
+    tokens: list[int] = []
+    rounds: list[tuple[int, int]] = []
+    verdicts = 0
+    last = 0.0
+    started = False
+    for direction, t, data in log:
+        msg = decode(data, DEFAULT_WIRE_LIMITS)
+        if direction == "out":
+            if isinstance(msg, Prompt):
+                if started:
+                    raise ValueError("two prompts in one generation's log")
+                started, last = True, t
+            if not started or not isinstance(msg, Prompt | Tree):
+                continue
+            steps.append(Step(data, verdicts, max(0.0, t - last)))
+        elif started and isinstance(msg, Verdict):
+            tokens += [int(x) for x in msg.tokens]
+            rounds.append((msg.round, len(msg.tokens)))
+            verdicts += 1
+            last = t
+            if msg.done:
+                break
+    if not steps:
+        raise ValueError("no prompt in the generation's log")
+    return Script(prompt_index, steps, tokens, rounds)
+
+
+async def record(
+    url: str,
+    drafter: Any,
+    prompts: Sequence[BenchPrompt],
+    tokens: int,
+    mode_name: str,
+    tree_text: str,
+    rtt_ms: float,
+    temperature: float,
+    progress: bool,
+) -> tuple[bytes, list[Script]]:
+    """Generate every prompt once with a real edge client in `mode_name`; its hello frame and the
+    generations' scripts."""
+    from bench.e2e import variants
+    from edge_client.client import EdgeClient
+    from edge_client.transport import LinkShape, WebSocketTransport
+    from shared.tree import ExpansionConfig
+
+    v = variants([mode_name], ExpansionConfig.parse(tree_text))[mode_name]
+    recorder: list[RecordingTransport] = []
+
+    async def factory() -> RecordingTransport:
+        r = RecordingTransport(await WebSocketTransport.connect(url))
+        recorder.append(r)
+        return r
+
+    client = EdgeClient(
+        url, drafter, tree=v.tree, prespec=v.prespec, link=LinkShape.rtt(rtt_ms), transport=factory
+    )
+    await client.connect()
+    scripts: list[Script] = []
+    mode = v.mode or (Mode.MATCH if temperature > 0 else Mode.GREEDY)
+    try:
+        async for _ in client.generate("Hello", max_new_tokens=4, mode=mode, temperature=temperature):
+            pass  # warm both sides up
+        bar = tqdm(total=len(prompts), desc=f"record {mode_name}", disable=not progress, file=sys.stderr)
+        for i, p in enumerate(prompts):
+            r = recorder[-1]
+            start = len(r.log)
+            async for _ in client.generate(
+                p.text, raw=p.raw, max_new_tokens=tokens, temperature=temperature, seed=i, mode=mode
+            ):
+                pass
+            if recorder[-1] is not r:
+                raise RuntimeError("the edge reconnected while recording; rerun the bench")
+            script = script_from_log(r.log[start:], i)
+            gen = client.last
+            assert gen is not None
+            script.ms_per_token = gen.stats.ms_per_token
+            scripts.append(script)
+            bar.update(1)
+        bar.close()
+        hello = next(d for direction, _, d in recorder[0].log if direction == "out")
+    finally:
+        await client.close()
+    return hello, scripts
+
+
+# ----------------------------------------------------------------------------------- replay
+@dataclass
+class Tally:
+    """What the clients of one run received inside the measured window."""
+
+    start: float = 0.0
+    end: float = 0.0
+    tokens: list[int] = field(default_factory=list)  # per client
+    generations: int = 0
+    diverged: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def count(self, client: int, n: int) -> None:
+        if self.start <= time.monotonic() <= self.end:
+            self.tokens[client] += n
+
+
+def renumbered(script: Script, base: int) -> tuple[list[bytes], int]:
+    """The script's frames with its tree rounds moved above `base` (a session's rounds only grow,
+    and a replay client plays many generations on one session); and the last round used."""
+    rounds = [m.round for m in map(decode, (st.frame for st in script.steps)) if isinstance(m, Tree)]
+    shift = base + 1 - min(rounds) if rounds else 0
+    frames = []
+    for st in script.steps:
+        msg = decode(st.frame)
+        frames.append(
+            encode(dataclasses.replace(msg, round=msg.round + shift)) if isinstance(msg, Tree) else st.frame
+        )
+    return frames, max(rounds) + shift if rounds else base
+
+
+async def play(
+    ws: Any, script: Script, frames: Sequence[bytes], client: int, tally: Tally, deadline: float
+) -> None:
+    """One generation: send the script's frames on their cue, take the verdicts, check them."""
+    arrived: list[float] = [time.monotonic()]  # the prompt's send, then each verdict's arrival
+    cue = asyncio.Event()
+
+    async def sender() -> None:
+        for step, frame in zip(script.steps, frames, strict=True):
+            while len(arrived) <= step.after:
+                cue.clear()
+                await cue.wait()
+            wait = arrived[step.after] + step.delay_s - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await ws.send(frame)
+
+    task = asyncio.create_task(sender())
+    got = 0
+    cancelled = False
+    try:
+        while time.monotonic() < deadline:
+            try:
+                msg = decode(await asyncio.wait_for(ws.recv(), max(0.01, deadline - time.monotonic())))
+            except TimeoutError:
+                return
+            if isinstance(msg, Error):
+                tally.errors.append(f"{msg.code.value}: {msg.message}")
+                if msg.fatal:
+                    raise RuntimeError(f"the verifier closed a replay session: {msg.message}")
+                continue
+            if not isinstance(msg, Verdict):
+                continue  # stale notices: a pre-speculated tree the outcome ruled out
+            new = [int(x) for x in msg.tokens]
+            if not cancelled and new != script.tokens[got : got + len(new)]:
+                tally.diverged += 1
+                cancelled = True
+                task.cancel()
+                await ws.send(encode(Cancel()))
+            got += len(new)
+            tally.count(client, len(new))
+            arrived.append(time.monotonic())
+            cue.set()
+            if msg.done:
+                if not cancelled:
+                    tally.generations += 1
+                return
+    finally:
+        task.cancel()
+
+
+async def client_loop(
+    url: str, hello: bytes, scripts: Sequence[Script], client: int, offset: int, tally: Tally
+) -> None:
+    from edge_client.transport import WebSocketTransport
+
+    ws = await WebSocketTransport.connect(url)
+    try:
+        await ws.send(hello)
+        welcome = decode(await ws.recv())
+        if isinstance(welcome, Error):
+            raise RuntimeError(f"the verifier refused a replay client: {welcome.message}")
+        i, last_round = offset, 0
+        while time.monotonic() < tally.end:
+            script = scripts[i % len(scripts)]
+            frames, last_round = renumbered(script, last_round)
+            await play(ws, script, frames, client, tally, tally.end)
+            i += 1
+    finally:
+        await ws.close()
+
+
+def scrape(verifier: Verifier) -> tuple[float, float]:
+    """(forward seconds, forwards) so far."""
+    m = verifier.metrics()
+    return m.get("specdec_verify_forward_seconds_sum", 0.0), m.get(
+        "specdec_verify_forward_seconds_count", 0.0
+    )
+
+
+async def measure(
+    verifier: Verifier,
+    hello: bytes,
+    scripts: Sequence[Script],
+    clients: int,
+    warmup_s: float,
+    seconds: float,
+) -> dict[str, Any]:
+    """M clients over the scripts for warmup + seconds; the window's figures."""
+    now = time.monotonic()
+    tally = Tally(start=now + warmup_s, end=now + warmup_s + seconds, tokens=[0] * clients)
+    offsets = [c * len(scripts) // clients for c in range(clients)]
+    loops = [
+        asyncio.create_task(client_loop(verifier.url, hello, scripts, c, offsets[c], tally))
+        for c in range(clients)
+    ]
+    await asyncio.sleep(max(0.0, tally.start - time.monotonic()))
+    s0, f0 = await asyncio.to_thread(scrape, verifier)
+    await asyncio.sleep(max(0.0, tally.end - time.monotonic()))
+    s1, f1 = await asyncio.to_thread(scrape, verifier)
+    results = await asyncio.gather(*loops, return_exceptions=True)
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        raise RuntimeError(f"{len(failures)} replay clients failed: {failures[0]!r}")
+    total = sum(tally.tokens)
+    busy, forwards = s1 - s0, f1 - f0
+    per_client = [seconds * 1e3 / t for t in tally.tokens if t > 0]
+    return {
+        "clients": clients,
+        "tokens": total,
+        "verifier_s": round(busy, 3),
+        "forwards": int(forwards),
+        "verifier_s_per_token": round(busy / total, 5) if total else None,
+        "tokens_per_forward": round(total / forwards, 3) if forwards else None,
+        "forwards_per_s": round(forwards / seconds, 3),
+        "verifier_busy": round(busy / seconds, 3),
+        "client_ms_per_token": round(statistics.median(per_client), 1) if per_client else None,
+        "generations": tally.generations,
+        "diverged": tally.diverged,
+        "errors": len(tally.errors),
+        "first_error": tally.errors[0] if tally.errors else None,
+    }
+
+
+# ----------------------------------------------------------------------------------- flat model
+@dataclass(frozen=True)
+class FlatRound:
+    """A round as the verifier serves it: its tree left after `after` verdicts, `delay_s` after the
+    last of them (server-side times: the round trip and the edge's drafting are inside), and its
+    verdict carried `tokens`."""
+
+    after: int
+    delay_s: float
+    tokens: int
+
+
+def flat_rounds(script: Script, ar: bool) -> list[FlatRound]:
+    """The rounds of one recorded generation: each verdict matched with the frame that carried the
+    round it verified (pre-speculated trees that were never verified cost the verifier nothing).
+    Cloud-only ar: a token a forward, each ready as soon as the previous one is out."""
+    if ar:
+        return [FlatRound(0, 0.0, 1) for _ in script.tokens]
+    carried: dict[int, Step] = {}
+    for step in script.steps:
+        msg = decode(step.frame)
+        rnd = 0 if isinstance(msg, Prompt) else msg.round if isinstance(msg, Tree) else None
+        if rnd is not None:
+            carried.setdefault(rnd, step)
+    out = []
+    for rnd, n in script.verdicts:
+        s = carried.get(rnd, script.steps[0])
+        out.append(FlatRound(s.after, s.delay_s, n))
+    return out
+
+
+def predict_flat(
+    games: Sequence[Sequence[FlatRound]], clients: int, flat_s: float, seconds: float
+) -> dict[str, float]:
+    """A verifier whose forward takes `flat_s` whatever it packs: every session whose next tree is
+    at the verifier joins the next forward. Each client loops over `games` (one generation's rounds
+    each) from its own offset; verifier-seconds per token and tokens per forward over `seconds`."""
+    t = 0.0
+    # per client: game index, round index, the times of its verdicts in this game (index 0: start)
+    games_at = [c * len(games) // clients for c in range(clients)]
+    rounds_at = [0] * clients
+    arrived: list[list[float]] = [[0.0] for _ in range(clients)]
+    ready: list[tuple[float, int]] = [(0.0, c) for c in range(clients)]
+    heapq.heapify(ready)
+    tokens = forwards = 0
+    while ready and t < seconds:
+        t = max(t, ready[0][0])
+        batch = []
+        while ready and ready[0][0] <= t:
+            batch.append(heapq.heappop(ready)[1])
+        t += flat_s
+        forwards += 1
+        for c in batch:
+            game = games[games_at[c] % len(games)]
+            tokens += game[rounds_at[c]].tokens
+            arrived[c].append(t)
+            rounds_at[c] += 1
+            if rounds_at[c] >= len(game):  # the next generation's prompt leaves at once
+                games_at[c], rounds_at[c], arrived[c] = games_at[c] + 1, 0, [t]
+                heapq.heappush(ready, (t, c))
+                continue
+            nxt = game[rounds_at[c]]
+            seen = arrived[c]
+            heapq.heappush(ready, (max(t, seen[min(nxt.after, len(seen) - 1)] + nxt.delay_s), c))
+    return {
+        "verifier_s_per_token": forwards * flat_s / tokens if tokens else float("nan"),
+        "tokens_per_forward": tokens / forwards if forwards else float("nan"),
+    }
+
+
+# ----------------------------------------------------------------------------------- main
+def save_scripts(path: Path, hello: bytes, scripts: Sequence[Script], config: dict[str, Any]) -> None:
+    doc = {
+        "config": config,
+        "hello": hello.hex(),
+        "scripts": [
+            {
+                "prompt_index": s.prompt_index,
+                "ms_per_token": s.ms_per_token,
+                "tokens": s.tokens,
+                "verdicts": s.verdicts,
+                "steps": [
+                    {"frame": st.frame.hex(), "after": st.after, "delay_s": st.delay_s} for st in s.steps
+                ],
+            }
+            for s in scripts
+        ],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+
+
+def load_scripts(path: Path) -> tuple[bytes, list[Script], dict[str, Any]]:
+    """Scripts an earlier run saved (--scripts); every frame is decoded (checked) before use."""
+    try:
+        doc = json.loads(path.read_text())
+        hello = bytes.fromhex(doc["hello"])
+        scripts = [
+            Script(
+                int(s["prompt_index"]),
+                [
+                    Step(bytes.fromhex(st["frame"]), int(st["after"]), float(st["delay_s"]))
+                    for st in s["steps"]
+                ],
+                [int(x) for x in s["tokens"]],
+                [(int(r), int(n)) for r, n in s["verdicts"]],
+                float(s["ms_per_token"]),
+            )
+            for s in doc["scripts"]
+        ]
+        decode(hello)
+        for s in scripts:
+            for st in s.steps:
+                decode(st.frame)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--scripts {path}: not a script file of this bench ({exc})") from None
+    if not scripts:
+        raise ValueError(f"--scripts {path}: no scripts in it")
+    return hello, scripts, dict(doc.get("config") or {})
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.load --cloud-cost",
+        description="The cloud's cost per generated token: M edge clients (recorded real-pair "
+        "generations in --mode, replayed frame by frame as separate devices would send them) against "
+        "M cloud-only ar clients, at saturation; measured on this CPU and predicted for a flat "
+        "(GPU-shaped) verifier.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--clients", type=_ints, default=[1, 4, 16], help="concurrent clients; a comma list runs each"
+    )
+    p.add_argument("--seconds", type=float, default=60.0, help="measured seconds per (kind, clients) run")
+    p.add_argument(
+        "--warmup", type=float, default=10.0, help="seconds of each run before the measured window"
+    )
+    p.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
+    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (the record phase)")
+    p.add_argument(
+        "--drafter",
+        default="auto",
+        choices=["auto", "llama_cpp", "torch", "onnx"],
+        help="draft backend of the record phase (auto: the faster of llama.cpp and ONNX int8, measured)",
+    )
+    p.add_argument(
+        "--mode", default="tree_prespec", help="the edge clients' mode (a bench.network mode name)"
+    )
+    p.add_argument("--tree", default=None, help="expansion config of the edge's tree (default: the draft's)")
+    p.add_argument("--rtt-ms", type=float, default=50.0, help="round trip of the recorded link")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded sample-and-match")
+    p.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (raw)")
+    p.add_argument("--prompts", type=int, default=4, help="Spec-Bench dev prompts")
+    add_prompt_file_arg(p)
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per generation")
+    p.add_argument(
+        "--flat-ms",
+        type=float,
+        default=30.0,
+        help="the flat verifier's forward ms (the GPU-shaped prediction)",
+    )
+    p.add_argument(
+        "--scripts",
+        type=Path,
+        default=None,
+        help="the recorded scripts: read them from this file if it exists (skipping the record phase), "
+        "else record and write them there",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write the rows and config to this JSON file")
+    p.add_argument("--plot", type=Path, default=None, help="draw verifier-seconds per token against clients")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def ratios(rows: Sequence[dict[str, Any]], key: str) -> dict[int, float | None]:
+    """edge / ar of `key` at each client count."""
+    by = {(r["kind"], r["clients"]): r.get(key) for r in rows}
+    out: dict[int, float | None] = {}
+    for m in sorted({r["clients"] for r in rows}):
+        e, a = by.get(("edge", m)), by.get(("ar", m))
+        out[m] = round(e / a, 3) if e and a else None
+    return out
+
+
+def plot(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, color in (("ar", "tab:gray"), ("edge", "tab:blue")):
+        rs = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["clients"])
+        ms = [r["clients"] for r in rs]
+        axes[0].plot(
+            ms,
+            [(r["verifier_s_per_token"] or math.nan) * 1e3 for r in rs],
+            "o-",
+            color=color,
+            label=f"{kind}, this CPU",
+        )
+        axes[1].plot(
+            ms, [r["flat_verifier_s_per_token"] * 1e3 for r in rs], "o--", color=color, label=f"{kind}, flat"
+        )
+    axes[0].set_title("measured (verifier on one core)")
+    axes[1].set_title("predicted, flat cost curve")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("verifier ms per generated token")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from edge_client.defaults import recommended_tree
+
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    from bench.e2e import ALL_MODES
+
+    if a.mode not in ALL_MODES or a.mode == "ar":
+        edge_modes = ", ".join(m for m in ALL_MODES if m != "ar")
+        ap.error(f"--mode: {a.mode!r} is not an edge mode; choose from {edge_modes}")
+    a.tree = a.tree or recommended_tree(a.draft)
+    split = CoreSplit.auto()
+    print(
+        split.describe() + "; in the replay the clients (frame players) stay on the edge's cores", flush=True
+    )
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "prompt_file"}
+    config["prompt_files"] = [str(f) for f in a.prompt_file or []]
+    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+    sessions = 2 * max(a.clients) + 4
+    verifier = Verifier(
+        a.model, cores=split.verifier, threads=len(split.verifier), args=["--max-sessions", str(sessions)]
+    )
+    rows: list[dict[str, Any]] = []
+    with verifier:
+        split.pin_edge()
+        if a.scripts is not None and a.scripts.exists():
+            try:
+                hello, scripts, recorded = load_scripts(a.scripts)
+            except ValueError as exc:
+                ap.error(str(exc))
+            print(
+                f"scripts: {len(scripts)} generations from {a.scripts} (recorded with {recorded.get('mode')})"
+            )
+        else:
+            from edge_client.drafters.registry import create_drafter
+
+            drafter = create_drafter(a.drafter, a.draft, n_threads=1)
+            config["drafter"] = drafter.name
+            try:
+                hello, scripts = asyncio.run(
+                    record(
+                        verifier.url,
+                        drafter,
+                        prompts,
+                        a.tokens,
+                        a.mode,
+                        a.tree,
+                        a.rtt_ms,
+                        a.temperature,
+                        not a.no_progress,
+                    )
+                )
+            finally:
+                drafter.close()
+            if a.scripts is not None:
+                save_scripts(a.scripts, hello, scripts, config)
+        ar_scripts = [s.as_ar() for s in scripts]
+        recorded_ms = statistics.median(s.ms_per_token for s in scripts)
+        tau = sum(len(s.tokens) for s in scripts) / max(1, sum(len(s.verdicts) - 1 for s in scripts))
+        print(
+            f"recorded: {len(scripts)} generations, median {recorded_ms:.0f} ms/token with one client, "
+            f"{tau:.2f} tokens a tree round",
+            flush=True,
+        )
+        runs = [(m, k) for m in a.clients for k in KINDS]
+        bar = tqdm(total=len(runs), desc="replay", disable=a.no_progress, file=sys.stderr)
+        for m, kind in runs:
+            row = asyncio.run(
+                measure(verifier, hello, ar_scripts if kind == "ar" else scripts, m, a.warmup, a.seconds)
+            )
+            games = [flat_rounds(s, kind == "ar") for s in (ar_scripts if kind == "ar" else scripts)]
+            flat = predict_flat(games, m, a.flat_ms / 1e3, max(600.0, 50 * a.seconds))
+            rows.append(
+                {
+                    "kind": kind,
+                    **row,
+                    "flat_verifier_s_per_token": round(flat["verifier_s_per_token"], 5),
+                    "flat_tokens_per_forward": round(flat["tokens_per_forward"], 3),
+                }
+            )
+            bar.update(1)
+        bar.close()
+    measured, flat_ratio = ratios(rows, "verifier_s_per_token"), ratios(rows, "flat_verifier_s_per_token")
+    print(
+        table(
+            [
+                [
+                    r["clients"],
+                    r["kind"],
+                    f"{r['verifier_s_per_token'] * 1e3:.1f}" if r["verifier_s_per_token"] else "-",
+                    r["tokens_per_forward"],
+                    f"{r['verifier_busy']:.2f}",
+                    r["client_ms_per_token"],
+                    f"{r['flat_verifier_s_per_token'] * 1e3:.2f}",
+                    r["flat_tokens_per_forward"],
+                    r["diverged"],
+                    r["errors"],
+                ]
+                for r in rows
+            ],
+            [
+                "clients",
+                "kind",
+                "verifier ms/token",
+                "tokens/forward",
+                "busy",
+                "client ms/token",
+                f"flat {a.flat_ms:g} ms: verifier ms/token",
+                "flat tokens/forward",
+                "diverged",
+                "errors",
+            ],
+        )
+    )
+    for m in sorted(measured):
+        print(f"{m} clients: edge / ar verifier-s a token {measured[m]} here, {flat_ratio[m]} flat")
+    goal16 = measured.get(16)
+    if goal16 is not None:
+        verdict = "met" if goal16 <= 1 / 3 else "not met"
+        print(f"goal: <= 0.333 with 16 clients on this CPU: {verdict} ({goal16})")
+    flat16 = flat_ratio.get(16)
+    if flat16 is not None:
+        verdict = "met" if flat16 <= 0.2 else "not met"
+        print(f"goal: <= 0.2 predicted flat with 16 clients: {verdict} ({flat16})")
+    if a.json is not None:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(
+            json.dumps(
+                {
+                    "config": config,
+                    "recorded": {"generations": len(scripts), "ms_per_token": recorded_ms, "tau": tau},
+                    "rows": rows,
+                    "edge_over_ar": {"measured": measured, "flat": flat_ratio},
+                },
+                indent=1,
+            )
+        )
+    if a.plot is not None:
+        plot(a.plot, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
