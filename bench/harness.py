@@ -220,6 +220,16 @@ def read_runs(
     return docs, first
 
 
+def read_metrics(http: str) -> dict[str, float]:
+    """Unlabelled Prometheus samples of the verifier at `http` (http://host:port), by name."""
+    with urllib.request.urlopen(http + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*) ([0-9.eE+-]+)$", text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
 @dataclass
 class Verifier:
     """A `cloud-verifier serve` child process."""
@@ -309,12 +319,7 @@ class Verifier:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled Prometheus samples of the verifier, by name."""
-        with urllib.request.urlopen(self.http + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*) ([0-9.eE+-]+)$", text, re.M):
-            out[m.group(1)] = float(m.group(2))
-        return out
+        return read_metrics(self.http)
 
     def forwards(self) -> float:
         """Target forward passes so far (every engine step is one forward)."""

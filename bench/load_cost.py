@@ -50,7 +50,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.harness import BenchPrompt, CoreSplit, Verifier, add_prompt_file_arg, suite_from_args, table
+from bench.harness import (
+    BenchPrompt,
+    CoreSplit,
+    Verifier,
+    add_prompt_file_arg,
+    read_metrics,
+    suite_from_args,
+    table,
+)
 from shared.message_types import Mode
 from shared.messages import Cancel, Error, Prompt, Tree, Verdict, decode, encode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -303,16 +311,17 @@ async def client_loop(
         await ws.close()
 
 
-def scrape(verifier: Verifier) -> tuple[float, float]:
-    """(forward seconds, forwards) so far."""
-    m = verifier.metrics()
+def scrape(http: str) -> tuple[float, float]:
+    """(forward seconds, forwards) of the verifier at `http` so far."""
+    m = read_metrics(http)
     return m.get("specdec_verify_forward_seconds_sum", 0.0), m.get(
         "specdec_verify_forward_seconds_count", 0.0
     )
 
 
 async def measure(
-    verifier: Verifier,
+    url: str,
+    http: str,
     hello: bytes,
     scripts: Sequence[Script],
     clients: int,
@@ -324,13 +333,12 @@ async def measure(
     tally = Tally(start=now + warmup_s, end=now + warmup_s + seconds, tokens=[0] * clients)
     offsets = [c * len(scripts) // clients for c in range(clients)]
     loops = [
-        asyncio.create_task(client_loop(verifier.url, hello, scripts, c, offsets[c], tally))
-        for c in range(clients)
+        asyncio.create_task(client_loop(url, hello, scripts, c, offsets[c], tally)) for c in range(clients)
     ]
     await asyncio.sleep(max(0.0, tally.start - time.monotonic()))
-    s0, f0 = await asyncio.to_thread(scrape, verifier)
+    s0, f0 = await asyncio.to_thread(scrape, http)
     await asyncio.sleep(max(0.0, tally.end - time.monotonic()))
-    s1, f1 = await asyncio.to_thread(scrape, verifier)
+    s1, f1 = await asyncio.to_thread(scrape, http)
     results = await asyncio.gather(*loops, return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
     if failures:
@@ -650,7 +658,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar = tqdm(total=len(runs), desc="replay", disable=a.no_progress, file=sys.stderr)
         for m, kind in runs:
             row = asyncio.run(
-                measure(verifier, hello, ar_scripts if kind == "ar" else scripts, m, a.warmup, a.seconds)
+                measure(
+                    verifier.url,
+                    verifier.http,
+                    hello,
+                    ar_scripts if kind == "ar" else scripts,
+                    m,
+                    a.warmup,
+                    a.seconds,
+                )
             )
             games = [flat_rounds(s, kind == "ar") for s in (ar_scripts if kind == "ar" else scripts)]
             flat = predict_flat(games, m, a.flat_ms / 1e3, max(600.0, 50 * a.seconds))

@@ -1,0 +1,107 @@
+"""bench.load --cloud-cost (bench.load_cost): scripts cut from frame logs, their replay against the
+real service on the tiny model (every verdict checked, cloud-only ar reproducing the edge's tokens),
+and the flat verifier model."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from bench import load_cost
+from bench.harness import load_suite
+from bench.load_cost import FlatRound, Script, Step, predict_flat, renumbered, script_from_log
+from edge_client.drafters.registry import create_drafter
+from shared.messages import Mode, Prompt, Tree, Verdict, decode, encode
+from shared.tree import TokenTree
+from tests.cloud_verifier.service import LiveServer
+
+
+def _tree(rnd: int) -> bytes:
+    return encode(Tree(round=rnd, tree=TokenTree.build([4, 5, 6], [-1, 0, 1], base=3)))
+
+
+def _verdict(rnd: int, tokens: list[int], done: bool = False) -> bytes:
+    return encode(
+        Verdict(rnd, np.array(tokens, dtype=np.int32), np.array([], dtype=np.int32), True, 3, done=done)
+    )
+
+
+PROMPT = encode(Prompt(np.array([1, 2, 3], dtype=np.int32), max_new_tokens=5))
+
+
+def test_a_script_keeps_each_frame_with_its_cue_and_the_answered_tokens() -> None:
+    log = [
+        ("out", 0.0, _tree(99)),  # before the prompt: another generation's, ignored
+        ("out", 1.0, PROMPT),
+        ("in", 2.0, _verdict(0, [5, 6])),
+        ("out", 2.3, _tree(1)),  # drafted after the first verdict: a miss path
+        ("out", 2.5, _tree(2)),  # pre-speculated: left before round 1's verdict
+        ("in", 4.0, _verdict(1, [7])),
+        ("in", 5.0, _verdict(2, [8, 9], done=True)),
+        ("out", 5.5, _tree(3)),  # after the done verdict: not the generation's
+    ]
+    s = script_from_log(log, 4)
+    assert s.prompt_index == 4 and s.tokens == [5, 6, 7, 8, 9]
+    assert s.verdicts == [(0, 2), (1, 1), (2, 2)]
+    assert [(st.after, round(st.delay_s, 6)) for st in s.steps] == [(0, 0.0), (1, 0.3), (1, 0.5)]
+    assert s.steps[0].frame == PROMPT and s.steps[2].frame == _tree(2)
+    with pytest.raises(ValueError, match="no prompt"):
+        script_from_log(log[:1], 0)
+
+
+def test_replayed_rounds_move_above_the_sessions_last_round() -> None:
+    s = Script(0, [Step(PROMPT, 0, 0.0), Step(_tree(5), 1, 0.1), Step(_tree(6), 1, 0.2)], [1, 2])
+    frames, last = renumbered(s, 10)
+    assert frames[0] == PROMPT and last == 12
+    assert [decode(f).round for f in frames[1:]] == [11, 12]  # type: ignore[union-attr]
+    assert renumbered(Script(0, [Step(PROMPT, 0, 0.0)], [1]), 7) == ([PROMPT], 7)
+    ar = s.as_ar()
+    msg = decode(ar.steps[0].frame)
+    assert isinstance(msg, Prompt) and msg.mode is Mode.AR and msg.tree is None
+    assert ar.tokens == [1, 2] and ar.verdicts == [(0, 1), (0, 1)] and len(ar.steps) == 1
+
+
+def test_the_flat_verifier_packs_every_ready_session() -> None:
+    ar = [[FlatRound(0, 0.0, 1)] * 8]
+    out = predict_flat(ar, 4, 0.01, 10.0)
+    assert out["tokens_per_forward"] == pytest.approx(4.0)
+    assert out["verifier_s_per_token"] == pytest.approx(0.0025)
+    # every tree pre-speculated (it left before the verdict it follows): rounds back to back
+    hits = [[FlatRound(max(0, k - 1), 0.0, 5) for k in range(6)]]
+    assert predict_flat(hits, 3, 0.01, 10.0)["tokens_per_forward"] == pytest.approx(15.0)
+    # every tree drafted after its verdict, 0.1 s later: one round a 0.11 s, the verifier mostly idle
+    misses = [[FlatRound(k, 0.1, 5) for k in range(6)]]
+    one = predict_flat(misses, 1, 0.01, 10.0)
+    assert one["tokens_per_forward"] == pytest.approx(5.0)
+    assert one["verifier_s_per_token"] == pytest.approx(0.002)
+    assert predict_flat(misses, 2, 0.01, 10.0)["tokens_per_forward"] == pytest.approx(10.0)
+
+
+def test_recorded_generations_replay_exactly_and_cloud_only_ar_reproduces_them() -> None:
+    """A real edge (tree_prespec, the tiny self-draft) recorded, then replayed by two clients: no
+    verdict differs from the recording, the verifier's seconds and forwards are read from
+    /metrics; mode ar on the same prompts answers the same tokens; a script whose recorded tokens
+    are wrong is caught."""
+    drafter = create_drafter("torch", "tiny")
+    prompts = load_suite(1, 1)
+    with LiveServer(max_pending=6) as srv:
+        hello, scripts = asyncio.run(
+            load_cost.record(srv.url, drafter, prompts, 24, "tree_prespec", "2,1,1", 20.0, 0.0, False)
+        )
+        assert len(scripts) == 2 and all(len(s.tokens) == 24 for s in scripts)
+        assert all(isinstance(decode(s.steps[0].frame), Prompt) for s in scripts)
+        assert any(len(s.steps) > 2 for s in scripts)
+        edge = asyncio.run(load_cost.measure(srv.url, srv.http, hello, scripts, 2, 0.3, 3.0))
+        assert edge["diverged"] == 0 and edge["errors"] == 0, edge
+        assert edge["tokens"] > 0 and edge["verifier_s"] > 0 and edge["forwards"] > 0
+        assert edge["tokens_per_forward"] > 1.0  # trees: several tokens a forward
+        ar_scripts = [s.as_ar() for s in scripts]
+        ar = asyncio.run(load_cost.measure(srv.url, srv.http, hello, ar_scripts, 2, 0.3, 3.0))
+        assert ar["diverged"] == 0 and ar["errors"] == 0 and ar["tokens"] > 0, ar
+        assert ar["tokens_per_forward"] <= 2.0  # a token per session per forward
+        wrong = [dataclasses.replace(s, tokens=[t + 1 for t in s.tokens]) for s in ar_scripts]
+        bad = asyncio.run(load_cost.measure(srv.url, srv.http, hello, wrong, 1, 0.0, 2.0))
+        assert bad["diverged"] > 0 and bad["generations"] == 0
