@@ -139,6 +139,7 @@ def mode_row(
     row.update(
         {
             "V_ms": d["V_ms"],
+            "V_idle_ms": d["V_idle_ms"],
             "T_b_ms": d["T_b_ms"],
             "p": row["hit_rate"],
             "stall_ms_per_round": d["stall_ms_per_round"],
@@ -262,7 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--json",
         default=None,
         help="write {'rows': [...]} to this file; besides the table's figures each row has V_ms (median "
-        "verify ms a round as the client saw it), T_b_ms (median synchronous draft ms after a miss), p "
+        "verify ms a round as the client saw it), V_idle_ms (the same rounds' trees at the verifier's "
+        "cost curve measured with the edge idle), T_b_ms (median synchronous draft ms after a miss), p "
         "(hit rate), stall_ms_per_round (a hit's wait for its next verdict beyond one verify, per "
         "round), prefill_share_ms_per_token (the prompt's round 0 over the tokens) and gap_ms (median "
         "ms the verifier waited for the edge's next tree); bench.network_report.decomposition defines "

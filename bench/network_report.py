@@ -25,6 +25,8 @@ OPTIONAL = (
     "tree_prespec_fulltree",
     "tree_prespec_chain",
     "tree_prespec_old",
+    "tree_prespec_top",
+    "tree_prespec_uniform",
     "sequence_prespec",
     "sequence_prespec_single",
     "budget",
@@ -51,7 +53,7 @@ ROW_KEYS = (
     "rtt_ms_per_round",
 )
 # where the time goes (decomposition), in rows of this release; rows of older files lack them
-TIME_KEYS = ("V_ms", "T_b_ms", "p", "stall_ms_per_round", "prefill_share_ms_per_token", "gap_ms")
+TIME_KEYS = ("V_ms", "V_idle_ms", "T_b_ms", "p", "stall_ms_per_round", "prefill_share_ms_per_token", "gap_ms")
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -65,6 +67,11 @@ def decomposition(gens: Sequence[GenerationStats]) -> dict[str, float | None]:
 
     V_ms: the median over rounds of the verify ms the verdicts report (every verdict but each
     generation's first, whose verify holds the prompt's prefill).
+    V_idle_ms: the median over the same rounds of the verifier's time for the same trees with the
+    edge idle: its advertised forward ms at each verified tree's nodes (welcome.verify_cost_ms,
+    measured at its start-up with nothing drafting beside it; GenerationStats.idle_verify_ms). V_ms
+    over V_idle_ms is what co-location (the edge drafting on the next core) costs the verifier.
+    None for mode ar (it drafts nothing: its V_ms is the edge-idle figure).
     T_b_ms: the median over rounds of the synchronous drafting after a miss (each generation's
     critical-path drafts but the first, drafted before the prompt); None when no round missed.
     stall_ms_per_round: from the round traces (GenerationStats.trace). After a hit (the next tree
@@ -82,6 +89,7 @@ def decomposition(gens: Sequence[GenerationStats]) -> dict[str, float | None]:
     p, the hit rate, is the row's hit_rate.
     """
     verify = [ms for st in gens for ms in st.verify_ms[1:]]
+    idle = [ms for st in gens for ms in st.idle_verify_ms[1:]]
     drafts = [ms for st in gens for ms in st.draft_ms[1:]]
     gaps = [ms for st in gens for ms in st.gap_ms]
     stall, rounds, traced = 0.0, 0, False
@@ -106,6 +114,7 @@ def decomposition(gens: Sequence[GenerationStats]) -> dict[str, float | None]:
             prefill.append(round0_ms / st.tokens)
     return {
         "V_ms": _median(verify),
+        "V_idle_ms": _median(idle),
         "T_b_ms": _median(drafts),
         "stall_ms_per_round": round(stall / rounds, 4) if traced and rounds else None,
         "prefill_share_ms_per_token": _median(prefill),
@@ -230,6 +239,7 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, 
                     "ms/token",
                     "tau",
                     "V ms",
+                    "V idle ms",
                     "T_b ms",
                     "p",
                     "stall ms/rnd",

@@ -83,6 +83,9 @@ class GenerationStats:
     gap_ms: list[float] = field(default_factory=list)
     draft_ms: list[float] = field(default_factory=list)  # drafting on the critical path (not pre-speculation)
     tree_nodes: list[int] = field(default_factory=list)
+    # the verifier's advertised forward ms for each verified tree's nodes (welcome.verify_cost_ms, measured
+    # at its start-up with no edge drafting beside it): the same rounds' verify time with the edge idle
+    idle_verify_ms: list[float] = field(default_factory=list)
     bytes_up: int = 0
     bytes_down: int = 0
     prespec_sent: int = 0  # conditional trees sent

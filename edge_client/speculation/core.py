@@ -53,6 +53,7 @@ from edge_client.speculation.actions import (
 )
 from edge_client.speculation.backup import Backup, choose_backup
 from edge_client.speculation.budget import choose_budget, next_gains
+from edge_client.speculation.budget import verify_ms as advertised_ms
 from edge_client.speculation.config import DrafterProfile, PrespecConfig, Refused, Request, TreeSpec
 from edge_client.speculation.estimates import Learned, RoundEstimates, ema
 from edge_client.speculation.ledger import Ledger, Speculation, extends
@@ -508,6 +509,9 @@ class SpeculationCore:
         if spec is not None:
             tree = spec.draft.tree
             st.tree_nodes.append(tree.num_nodes)
+            if self.welcome.verify_cost_ms:
+                idle = advertised_ms(self.welcome.verify_cost_ms, np.asarray([tree.num_nodes]))
+                st.idle_verify_ms.append(float(idle[0]))
             acc = v.accepted_nodes.tolist()
             st.record_accepted([int(tree.depth[i]) for i in acc])
             self.learned.calibration.update(spec.draft.expected_accepted, len(acc))

@@ -25,7 +25,7 @@ OLD_KEYS = (
     *("draft_ms_per_round", "verify_ms_per_round", "rtt_ms_per_round", "prespec_draft_ms_per_round"),
     *("prespec_trees_per_round", "prespec_cancelled_per_round", "prespec_refused_per_round"),
 )
-NEW_KEYS = ("V_ms", "T_b_ms", "p", "stall_ms_per_round", "prefill_share_ms_per_token", "gap_ms")
+NEW_KEYS = ("V_ms", "V_idle_ms", "T_b_ms", "p", "stall_ms_per_round", "prefill_share_ms_per_token", "gap_ms")
 
 
 def _verdict(t: float, rnd: int, verify_ms: float, hit: bool, done: bool = False) -> VerdictEvent:
@@ -49,6 +49,7 @@ def traced() -> GenerationStats:
         rounds=4,
         tokens=10,
         verify_ms=[100.0, 20.0, 20.0, 30.0],
+        idle_verify_ms=[12.0, 15.0, 11.0, 16.0],  # the curve at each tree's nodes: the edge idle
         draft_ms=[5.0, 7.0],  # the first tree (before the prompt), then the miss after round 1
         gap_ms=[0.1, 40.0, 0.2],
         trace=tr,
@@ -66,6 +67,7 @@ def untraced() -> GenerationStats:
 def test_the_decomposition_of_hand_built_rounds() -> None:
     d = decomposition([traced()])
     assert d["V_ms"] == 20.0  # median of 20, 20, 30: round 0's prefill left out
+    assert d["V_idle_ms"] == 15.0  # the same rounds with the edge idle: 15, 11, 16
     assert d["T_b_ms"] == 7.0  # the miss's draft, not the first tree's
     assert d["stall_ms_per_round"] == pytest.approx((5.0 + 10.0) / 3)  # over the 3 rounds after the first
     assert d["prefill_share_ms_per_token"] == pytest.approx(150.0 / 10)
@@ -77,6 +79,7 @@ def test_the_decomposition_of_hand_built_rounds() -> None:
     alone = decomposition([untraced()])
     assert alone["T_b_ms"] is None and alone["gap_ms"] is None and alone["stall_ms_per_round"] is None
     assert alone["V_ms"] == 10.0 and alone["prefill_share_ms_per_token"] == pytest.approx(10.0)
+    assert alone["V_idle_ms"] is None  # mode ar drafts nothing: its V_ms is the edge-idle figure
 
 
 def test_a_late_hit_is_stall() -> None:
@@ -112,8 +115,8 @@ def test_the_report_shows_where_the_time_goes(capsys: pytest.CaptureFixture[str]
     text = capsys.readouterr().out
     table = text[text.index("where the time goes") :]
     header, _, line = table.splitlines()[1:4]
-    assert "stall ms/rnd" in header and "gap ms" in header
-    assert [float(x) for x in line.split()[-6:]] == [20.0, 7.0, 0.667, 5.0, 15.0, 0.2]
+    assert "stall ms/rnd" in header and "gap ms" in header and "V idle ms" in header
+    assert [float(x) for x in line.split()[-7:]] == [20.0, 15.0, 7.0, 0.667, 5.0, 15.0, 0.2]
     assert json.loads(out.read_text())["rows"][0]["stall_ms_per_round"] == 5.0
 
 
@@ -137,7 +140,7 @@ def test_a_traced_block_on_the_tiny_pair(tmp_path: Path) -> None:
     drafter = create_drafter("torch", "tiny", n_threads=1)
     prompts = [BenchPrompt("q0", "writing", "Write a short poem about the sea.")]
     try:
-        with LiveServer() as srv:
+        with LiveServer(measure_cost=True) as srv:  # a cost curve: the edge-idle verify time
             rows, entries = asyncio.run(
                 run_block(
                     srv.ws,
@@ -166,6 +169,9 @@ def test_a_traced_block_on_the_tiny_pair(tmp_path: Path) -> None:
     for m in ("tree", "tree_prespec"):
         assert by_mode[m]["gap_ms"] is not None and by_mode[m]["gap_ms"] >= 0
     assert by_mode["ar"]["gap_ms"] is None and by_mode["ar"]["T_b_ms"] is None  # no tree, no draft
+    assert by_mode["ar"]["V_idle_ms"] is None
+    for m in ("tree", "tree_prespec"):
+        assert by_mode[m]["V_idle_ms"] is not None and by_mode[m]["V_idle_ms"] > 0
     assert by_mode["tree"]["T_b_ms"] is not None and by_mode["tree"]["T_b_ms"] > 0  # every round misses
     # one trace entry per generation, and bench.simulate reads the file
     assert sorted(e["mode"] for e in entries) == ["ar", "tree", "tree_prespec"]
