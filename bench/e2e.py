@@ -64,6 +64,11 @@ def _variants(tree: ExpansionConfig) -> dict[str, Variant]:
         "tree_prespec_frugal": Variant(
             tree=TreeSpec("static", tree), prespec=PrespecConfig(min_gain=FRUGAL_MIN_GAIN)
         ),
+        # the outcomes pre-speculated: the likeliest alone, or as many at every accepted length
+        "tree_prespec_top": Variant(tree=TreeSpec("static", tree), prespec=PrespecConfig(allocation="top")),
+        "tree_prespec_uniform": Variant(
+            tree=TreeSpec("static", tree), prespec=PrespecConfig(allocation="uniform")
+        ),
         "sequence_prespec": Variant(tree=TreeSpec("sequence", tree), prespec=True),
         # conditional trees drafted one at a time instead of in lockstep batches
         "tree_prespec_single": Variant(tree=TreeSpec("static", tree), prespec=PrespecConfig(batch=1)),

@@ -33,6 +33,9 @@ class TreeSpec:
         return self.depth or self.expansion.depth
 
 
+ALLOCATIONS = ("geometric", "top", "uniform")  # how a tree's outcomes are chosen (speculation.outcomes)
+
+
 @dataclass(frozen=True)
 class PrespecConfig:
     """How much to pre-speculate per round.
@@ -42,7 +45,8 @@ class PrespecConfig:
     max_chain:   how many rounds ahead a speculation may reach (2: also the outcomes of a
                  conditional tree, before the verdict that would start it)
     byte_budget: bytes of conditional trees sent between two verdicts
-    allocation:  "geometric" (Saguaro) or "top" (simply the most likely outcomes)
+    allocation:  "geometric" (Saguaro's fan-out), "top" (simply the most likely outcomes) or
+                 "uniform" (the same number at every accepted length)
     r:           power-law exponent of the miss rate in the geometric rule
     gate:        draft a conditional tree only when its expected saving (hit: no drafting and no
                  round trip on the critical path) outweighs its expected cost (miss: the fallback
@@ -104,7 +108,7 @@ class PrespecConfig:
             ("batch", self.batch >= 1, "at least 1"),
             ("batch_min_prob", 0 <= self.batch_min_prob <= 1, "in [0, 1]"),
             ("byte_budget", self.byte_budget >= 0, "0 or more"),
-            ("allocation", self.allocation in ("geometric", "top"), "'geometric' or 'top'"),
+            ("allocation", self.allocation in ALLOCATIONS, "'geometric', 'top' or 'uniform'"),
             ("r", self.r > 0, "positive"),
             ("min_gain", self.min_gain >= 0, "0 or more"),
             ("leaf_min_reach", 0 <= self.leaf_min_reach <= 1, "in [0, 1]"),

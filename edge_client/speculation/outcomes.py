@@ -253,7 +253,9 @@ def predict_outcomes(
     """The `budget` outcomes to pre-speculate for, most likely first.
 
     allocation "geometric": Saguaro's fan-out across accepted lengths (module docstring);
-    "top": simply the most likely (node, bonus) pairs.
+    "top": simply the most likely (node, bonus) pairs; "uniform": the same number F of outcomes at
+    every accepted length (its F most likely), F = budget / the lengths there are (at least 1), the
+    likeliest kept when that exceeds the budget (SSD's top-F per position).
     """
     if budget <= 0:
         return []
@@ -265,6 +267,11 @@ def predict_outcomes(
     order = np.argsort(-probs, kind="stable")
     if allocation == "top":
         chosen = order[:budget]
+    elif allocation == "uniform":
+        lengths = sorted({int(k) for k in depth})
+        per = max(1, budget // len(lengths))
+        picked = [int(i) for k in lengths for i in [j for j in order if depth[j] == k][:per]]
+        chosen = np.asarray(sorted(picked, key=lambda i: -probs[i])[:budget], dtype=np.int64)
     elif allocation == "geometric":
         kmax = int(depth.max())
         depth_p = np.zeros(kmax + 1)
@@ -281,7 +288,7 @@ def predict_outcomes(
             chosen_l.extend(at)
         chosen = np.asarray(sorted(chosen_l, key=lambda i: -probs[i]), dtype=np.int64)
     else:
-        raise ValueError(f"allocation must be 'geometric' or 'top', got {allocation!r}")
+        raise ValueError(f"allocation must be 'geometric', 'top' or 'uniform', got {allocation!r}")
     out = []
     for i in chosen.tolist():
         j = nodes[i]

@@ -68,6 +68,16 @@ def test_predicted_outcomes_are_real_continuations() -> None:
     assert best.bonus == int(dr.alt_tokens[best.node + 1][0])  # the draft's top token after the leaf
     geo = predict_outcomes(dr, 6, model=model)
     assert len(geo) == 6 and len({(o.node, o.bonus) for o in geo}) == 6
+    # uniform: as many outcomes at every accepted length (0..3 here), the likeliest of each
+    uni = predict_outcomes(dr, 8, model=confident, allocation="uniform")
+    by_depth = [sum(o.depth == k for o in uni) for k in range(tree.max_depth + 1)]
+    assert by_depth == [2] * (tree.max_depth + 1)
+    top = predict_outcomes(dr, 8, model=confident, allocation="top")
+    # the likeliest 8 cover at least as much probability as any other 8
+    assert sum(o.prob for o in top) >= sum(o.prob for o in uni) - 1e-12
+    assert [sum(o.depth == k for o in top) for k in range(tree.max_depth + 1)] != by_depth
+    with pytest.raises(ValueError, match="uniform"):
+        predict_outcomes(dr, 4, model=model, allocation="best")
 
 
 def test_choice_model_learns_agreement() -> None:
