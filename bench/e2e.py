@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -47,9 +48,17 @@ class Variant:
 FRUGAL_MIN_GAIN = 0.1
 
 
-def variants(names: Sequence[str], tree: ExpansionConfig) -> dict[str, Variant]:
+def variants(names: Sequence[str], tree: ExpansionConfig, saguaro_c: float = 1.0) -> dict[str, Variant]:
+    """The named variants; `saguaro_c` != 1 turns on Saguaro sampling (PrespecConfig.saguaro_c, mss
+    and rrs only) in every pre-speculating one."""
     table = _variants(tree)
-    return {n: table[n] for n in names}
+    out = {n: table[n] for n in names}
+    if saguaro_c != 1.0:
+        for n, v in out.items():
+            if v.prespec:
+                cfg = v.prespec if isinstance(v.prespec, PrespecConfig) else PrespecConfig()
+                out[n] = dataclasses.replace(v, prespec=dataclasses.replace(cfg, saguaro_c=saguaro_c))
+    return out
 
 
 def _variants(tree: ExpansionConfig) -> dict[str, Variant]:
@@ -115,6 +124,7 @@ async def run_modes(
     couple: bool = True,
     trace: bool = False,
     on_generation: Callable[[str, int, GenerationResult], None] | None = None,
+    saguaro_c: float = 1.0,
 ) -> tuple[dict[str, ModeRuns], dict[str, list[float]]]:
     """Each prompt in each mode (interleaved prompt by prompt); per-mode runs and the tree mode's
     tau per category. One session per mode, all through the same link. `couple`: coupled
@@ -122,7 +132,7 @@ async def run_modes(
     (EdgeClient's `trace`); `on_generation(mode, prompt index, result)` after each generation."""
     runs = {m: ModeRuns() for m in modes}
     by_cat: dict[str, list[float]] = {}
-    vs = variants(modes, tree)
+    vs = variants(modes, tree, saguaro_c)
     clients = {
         m: EdgeClient(
             url,

@@ -178,6 +178,7 @@ async def run_block(
     api_key: str | None = None,
     couple: bool = True,
     progress: bool = True,
+    saguaro_c: float = 1.0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every mode on every prompt at one RTT and temperature (bench.e2e.run_modes, traced): the
     rows, and the generations as --trace entries."""
@@ -205,6 +206,7 @@ async def run_block(
         couple=couple,
         trace=True,
         on_generation=taken,
+        saguaro_c=saguaro_c,
     )
     rows = [mode_row(m, rtt_ms, temperature, r, gens[m]) for m, r in runs.items()]
     return rows, entries
@@ -285,6 +287,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="sample-and-match rows draft without the verifier's keyed uniforms (the draft's most likely "
         "tokens lead each node instead of the token the target is likely to sample)",
     )
+    ap.add_argument(
+        "--saguaro-c",
+        type=float,
+        default=1.0,
+        metavar="C",
+        help="Saguaro sampling in every pre-speculating mode (mss / rrs only: the q rows the edge draws "
+        "from and ships scale the candidates it caches by C, 0 < C <= 1; 1: off); one C a run, kept in "
+        "the JSON config: a C sweep is a run per C",
+    )
     ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument(
         "--merge",
@@ -310,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES + OPTIONAL]
     if unknown or not modes:
         ap.error(f"--modes: unknown {unknown or 'none given'}; choose from {','.join(MODES + OPTIONAL)}")
+    if not 0 < a.saguaro_c <= 1:
+        ap.error(f"--saguaro-c must be in (0, 1], got {a.saguaro_c}")
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
     print(f"link: {'TCP delay proxy process' if a.proxy else 'in-process shaper'}", flush=True)
@@ -356,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 api_key=api_key,
                                 couple=not a.no_couple,
                                 progress=not a.no_progress,
+                                saguaro_c=a.saguaro_c,
                             )
                         )
                     rows += block

@@ -183,3 +183,21 @@ def test_a_traced_block_on_the_tiny_pair(tmp_path: Path) -> None:
     assert doc["config"] == {"model": "tiny"} and len(doc["generations"]) == 3
     spec, ar = load_generations([path])
     assert len(spec) == 2 and len(ar) == 1
+
+
+def test_saguaro_c_reaches_every_pre_speculating_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.e2e import variants
+    from edge_client.client import PrespecConfig
+
+    tree = ExpansionConfig.parse("2,1,1")
+    vs = variants(["tree", "tree_prespec", "tree_prespec_chain", "budget_prespec"], tree, 0.5)
+    assert vs["tree"].prespec is False
+    for m in ("tree_prespec", "tree_prespec_chain", "budget_prespec"):
+        cfg = vs[m].prespec
+        assert isinstance(cfg, PrespecConfig) and cfg.saguaro_c == 0.5
+    chain = vs["tree_prespec_chain"].prespec
+    assert isinstance(chain, PrespecConfig) and chain.backup == "chain"  # the variant's own settings kept
+    assert variants(["tree_prespec"], tree)["tree_prespec"].prespec is True  # C = 1: untouched
+    with pytest.raises(SystemExit):
+        main(["--saguaro-c", "0"])
+    assert "--saguaro-c must be in (0, 1]" in capsys.readouterr().err
