@@ -219,10 +219,13 @@ class Tally:
     generations: int = 0
     diverged: int = 0
     errors: list[str] = field(default_factory=list)
+    verify_ms: list[float] = field(default_factory=list)  # rounds after each generation's first
 
-    def count(self, client: int, n: int) -> None:
+    def count(self, client: int, n: int) -> bool:
         if self.start <= time.monotonic() <= self.end:
             self.tokens[client] += n
+            return True
+        return False
 
 
 def renumbered(script: Script, base: int) -> tuple[list[bytes], int]:
@@ -279,7 +282,8 @@ async def play(
                 task.cancel()
                 await ws.send(encode(Cancel()))
             got += len(new)
-            tally.count(client, len(new))
+            if tally.count(client, len(new)) and len(arrived) > 1:  # the first round holds the prefill
+                tally.verify_ms.append(msg.verify_ms)
             arrived.append(time.monotonic())
             cue.set()
             if msg.done:
@@ -356,6 +360,9 @@ async def measure(
         "forwards_per_s": round(forwards / seconds, 3),
         "verifier_busy": round(busy / seconds, 3),
         "client_ms_per_token": round(statistics.median(per_client), 1) if per_client else None,
+        # the median verify ms of a round (the server's verdict.verify_ms, prompts' rounds left out):
+        # with one edge client, the recorded rounds with no drafting beside the verifier
+        "V_ms": round(statistics.median(tally.verify_ms), 1) if tally.verify_ms else None,
         "generations": tally.generations,
         "diverged": tally.diverged,
         "errors": len(tally.errors),
@@ -691,6 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r["tokens_per_forward"],
                     f"{r['verifier_busy']:.2f}",
                     r["client_ms_per_token"],
+                    r["V_ms"] if r["V_ms"] is not None else "-",
                     f"{r['flat_verifier_s_per_token'] * 1e3:.2f}",
                     r["flat_tokens_per_forward"],
                     r["diverged"],
@@ -705,6 +713,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "tokens/forward",
                 "busy",
                 "client ms/token",
+                "V ms/round",
                 f"flat {a.flat_ms:g} ms: verifier ms/token",
                 "flat tokens/forward",
                 "diverged",

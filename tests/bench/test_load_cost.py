@@ -98,6 +98,7 @@ def test_recorded_generations_replay_exactly_and_cloud_only_ar_reproduces_them()
         assert edge["diverged"] == 0 and edge["errors"] == 0, edge
         assert edge["tokens"] > 0 and edge["verifier_s"] > 0 and edge["forwards"] > 0
         assert edge["tokens_per_forward"] > 1.0  # trees: several tokens a forward
+        assert edge["V_ms"] is not None and edge["V_ms"] > 0  # the rounds' verify time, edge idle
         ar_scripts = [s.as_ar() for s in scripts]
         ar = asyncio.run(load_cost.measure(srv.url, srv.http, hello, ar_scripts, 2, 0.3, 3.0))
         assert ar["diverged"] == 0 and ar["errors"] == 0 and ar["tokens"] > 0, ar
