@@ -26,7 +26,7 @@ from bench.e2e_results import ModeRuns, merge_results, print_report, report
 from bench.harness import BenchPrompt, CoreSplit, Verifier, add_prompt_file_arg, suite_from_args
 from edge_client.client import EdgeClient, GenerationResult, PrespecConfig, TreeSpec
 from edge_client.defaults import recommended_tree
-from edge_client.drafters.registry import create_drafter
+from edge_client.drafters.registry import backend_choices, create_drafter
 from edge_client.transport import LinkShape
 from shared.messages import Mode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--drafter",
         default="auto",
-        choices=["auto", "llama_cpp", "torch", "onnx"],
+        choices=backend_choices(),
         help="draft backend (auto: llama.cpp or the ONNX int8 export, whichever is faster on this machine, "
         "measured once and cached; onnx: --draft may also be an `edge-client export-onnx` folder)",
     )

@@ -59,6 +59,7 @@ from bench.harness import (
     suite_from_args,
     table,
 )
+from edge_client.drafters.registry import backend_choices
 from shared.message_types import Mode
 from shared.messages import Cancel, Error, Prompt, Tree, Verdict, decode, encode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -522,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--drafter",
         default="auto",
-        choices=["auto", "llama_cpp", "torch", "onnx"],
+        choices=backend_choices(),
         help="draft backend of the record phase (auto: the faster of llama.cpp and ONNX int8, measured)",
     )
     p.add_argument(

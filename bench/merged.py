@@ -23,7 +23,7 @@ from typing import Any
 from bench.e2e_results import ModeRuns
 from bench.harness import BenchPrompt, CoreSplit, Verifier, load_suite
 from edge_client.client import EdgeClient, TreeSpec
-from edge_client.drafters.registry import create_drafter
+from edge_client.drafters.registry import available_backends, create_drafter
 from shared.messages import Mode
 from shared.model_store import DEFAULT_TARGET
 
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--drafter",
         action="append",
         default=None,
-        choices=["llama_cpp", "torch", "onnx"],
+        choices=available_backends(),
         help="draft backend: once for every --draft, or once per --draft in order (default llama_cpp)",
     )
     ap.add_argument("--nodes", type=int, default=16, help="total tree nodes per round in every variant")

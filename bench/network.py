@@ -41,7 +41,7 @@ from bench.network_report import MODES, OPTIONAL, decomposition, merge, report, 
 from edge_client.client import GenerationResult
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.base import Drafter
-from edge_client.drafters.registry import create_drafter
+from edge_client.drafters.registry import backend_choices, create_drafter
 from edge_client.stats import GenerationStats
 from edge_client.transport import LinkShape
 from shared.messages import Mode
@@ -230,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--drafter",
         default="auto",
-        choices=["auto", "llama_cpp", "torch", "onnx"],
+        choices=backend_choices(),
         help="draft backend (auto: llama.cpp or the ONNX int8 export, whichever is faster on this machine, "
         "measured once and cached; onnx: --draft may also be an `edge-client export-onnx` folder)",
     )

@@ -43,6 +43,7 @@ import numpy as np
 
 from bench.harness import add_prompt_file_arg, suite_from_args, table
 from edge_client.drafters.base import Drafter
+from edge_client.drafters.registry import backend_choices
 from edge_client.speculation.config import PrespecConfig
 from edge_client.speculation.estimates import Learned
 from edge_client.speculation.outcomes import ChoiceModel, Outcome, outcome_probabilities, predict_outcomes
@@ -335,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--drafter",
         default="auto",
-        choices=["auto", "llama_cpp", "torch", "onnx"],
+        choices=backend_choices(),
         help="draft backend, as bench.network picks it (auto: llama.cpp or the ONNX int8 export, whichever "
         "is faster here; the backends' quantizations draft slightly different trees)",
     )

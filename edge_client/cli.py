@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from edge_client.drafters.registry import backend_choices
 from shared.model_store.catalog import DEFAULT_DRAFT
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument(
         "--drafter",
         default="auto",
-        choices=["auto", "llama_cpp", "torch", "onnx"],
+        choices=backend_choices(),
         help="draft backend: auto (default: on first use of a draft alias, export it to ONNX int8 and "
         "time llama.cpp against ONNX Runtime on this device, then draft with the faster; the decision "
         "is cached, see README), llama.cpp (GGUF), the torch reference, or onnxruntime (--draft may "
@@ -278,7 +279,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--drafter",
         default="auto",
-        choices=["auto", "llama_cpp", "torch", "onnx"],
+        choices=backend_choices(),
         help="draft backend (auto, the default: llama.cpp or ONNX int8, whichever is faster here)",
     )
     p.add_argument("--tree", default=None, help="expansion config, e.g. 2,1,1,1 (default: the draft's)")

@@ -283,6 +283,23 @@ def test_the_cli_lists_auto_as_the_default_drafter(command: str) -> None:
     assert "auto" in (drafter.help or "")
 
 
+def test_no_parser_spells_out_the_backends_itself() -> None:
+    """Every --drafter flag takes its choices from the registry (backend_choices /
+    available_backends), so a new backend appears in every parser, help text and error at once."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    listed = re.compile(r"choices=\[[^\]]*[\"']llama_cpp[\"']")
+    offenders = [
+        str(f.relative_to(root))
+        for pkg in ("edge_client", "bench", "cloud_verifier", "shared")
+        for f in sorted((root / pkg).rglob("*.py"))
+        if listed.search(f.read_text())
+    ]
+    assert offenders == []
+
+
 def test_the_registry_defaults_to_auto_and_the_default_draft() -> None:
     assert backend_choices() == ["auto", "llama_cpp", "torch", "onnx"]
     params = inspect.signature(create_drafter).parameters
