@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.harness import CoreSplit, Verifier, load_prompts, read_metrics, table
+from bench.harness import CoreSplit, Verifier, load_prompts, positive_ints, read_metrics, table
 from shared.message_types import Mode
 from shared.messages import Error, Hello, Prompt, Verdict, decode, encode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -118,14 +118,9 @@ class BusyVerifier:
             await ws.close()
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+def row_counts(text: str) -> list[int]:
+    """--rows: a comma list of positive integers, each once, ascending."""
+    return sorted(set(positive_ints(text)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list of draft backends: llama_cpp, onnx_int8 (the int8 export, made on first use), "
         "onnx_fp32, torch",
     )
-    p.add_argument("--rows", type=_ints, default=[1, 2, 4, 6, 8, 12, 16], help="row counts to time")
+    p.add_argument("--rows", type=row_counts, default=[1, 2, 4, 6, 8, 12, 16], help="row counts to time")
     p.add_argument("--repeats", type=int, default=9, help="evaluations timed per row count (median)")
     p.add_argument("--no-busy", action="store_true", help="skip the busy phase (no verifier is started)")
     p.add_argument("--json", type=Path, default=None, help="write the rows (and curve files beside it)")

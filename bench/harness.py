@@ -104,6 +104,17 @@ def add_prompt_file_arg(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: a comma list of positive integers, in the order given."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def suite_from_args(
     ap: argparse.ArgumentParser, humaneval: int, spec_bench: int, files: list[Path] | None
 ) -> list[BenchPrompt]:

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.harness import positive_ints
 from bench.load_clients import (
     PROMPTS,
     BenchError,
@@ -66,16 +67,6 @@ class InProcessServer(ThreadedServer):
 
 
 # --------------------------------------------------------------------------------------- main
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
     p = argparse.ArgumentParser(
@@ -85,7 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
-        "--clients", type=_ints, default=[4], help="concurrent sessions; a comma list (1,4,16) runs each"
+        "--clients",
+        type=positive_ints,
+        default=[4],
+        help="concurrent sessions; a comma list (1,4,16) runs each",
     )
     p.add_argument("--seconds", type=float, default=30.0, help="measured seconds per run")
     p.add_argument(

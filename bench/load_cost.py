@@ -55,6 +55,7 @@ from bench.harness import (
     CoreSplit,
     Verifier,
     add_prompt_file_arg,
+    positive_ints,
     read_metrics,
     suite_from_args,
     table,
@@ -492,16 +493,6 @@ def load_scripts(path: Path) -> tuple[bytes, list[Script], dict[str, Any]]:
     return hello, scripts, dict(doc.get("config") or {})
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.load --cloud-cost",
@@ -512,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
-        "--clients", type=_ints, default=[1, 4, 16], help="concurrent clients; a comma list runs each"
+        "--clients", type=positive_ints, default=[1, 4, 16], help="concurrent clients; a comma list runs each"
     )
     p.add_argument("--seconds", type=float, default=60.0, help="measured seconds per (kind, clients) run")
     p.add_argument(
