@@ -56,7 +56,7 @@ TP_STAGES = ("tensor_parallel", "tensor_parallel_bench")
 TP_TESTS = "tests/cloud_verifier/test_parallel_cuda.py"
 TP_GPUS = 2  # the tensor_parallel stage runs with at least this many visible GPUs
 TEST_PATHS = (
-    "tests/kernels",
+    "tests/treespec_kernels",
     "tests/cloud_verifier/test_verify_device.py",
     "tests/cloud_verifier/test_triton_forward.py",
     "tests/cloud_verifier/test_verify.py",

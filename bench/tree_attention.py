@@ -4,7 +4,7 @@ For every (sessions, nodes, prefix): `sessions` tree sessions, each with `prefix
 and a verify round of row 0 + `nodes` nodes (a random tree), K/V in a fragmented paged pool (every
 session's blocks shuffled through the pool). Three ways to compute one layer's attention:
 
-- triton: `kernels.tree_attention.tree_attention`, all sessions in one launch (check_values=False,
+- triton: `treespec_kernels.tree_attention.tree_attention`, all sessions in one launch (check_values=False,
   as a model's per-layer call runs; the arguments are checked once beforehand);
 - sdpa: what `LlamaModel._attend` does today, per session: gather the session's K/V through its
   slots (index_select), stack the GQA group's query heads along the rows, and
@@ -39,7 +39,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.tree_attention import ancestor_masks, reference_tree_attention, tree_attention, visibility
+from treespec_kernels.tree_attention import (
+    ancestor_masks,
+    reference_tree_attention,
+    tree_attention,
+    visibility,
+)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MAX_NODES = 64

@@ -12,7 +12,7 @@ so the positions of a block are adjacent for every head. When a sequence's block
 ids (the allocator tries hard to keep them so) attention reads its keys as a strided *view* of the
 pool, with no gather; otherwise it gathers by slot index.
 
-With `tiled_keys=True` (the batch-invariant CPU attention, kernels/cpu_attention.py) the pool also
+With `tiled_keys=True` (the batch-invariant CPU attention, treespec_kernels/cpu_attention.py) the pool also
 keeps each layer's keys transposed within tiles of 16 slots, `kt[layer, head, slot // 16, :,
 slot % 16]`, so that kernel loads 16 keys' worth of one dimension with one vector load. It is
 written and moved together with `k`; the block size must then be a multiple of 16.
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels import cpu_attention
+from treespec_kernels import cpu_attention
 
 TILE = 16  # slots per key tile of `kt`
 

@@ -2,7 +2,7 @@
 other than an optional dependency that is not installed (a module of the project that moved or
 was renamed, a name that no longer exists, a syntax error).
 
-    python scripts/import_check.py shared cloud_verifier kernels
+    python scripts/import_check.py shared cloud_verifier treespec_kernels
 
 The container images run it at build time, so a moved module breaks the build rather than the
 first request; tests run it over the development environment.
@@ -15,7 +15,7 @@ import pkgutil
 import sys
 import traceback
 
-PROJECT = ("shared", "cloud_verifier", "edge_client", "kernels", "bench")
+PROJECT = ("shared", "cloud_verifier", "edge_client", "treespec_kernels", "bench")
 
 
 def check(packages: list[str]) -> tuple[list[str], list[str], list[str]]:

@@ -35,7 +35,7 @@ def test_verifier_image_serves_exact_tokens() -> None:
 
 # ------------------------------------------------------------------ checks that need no container engine
 CONTAINERFILES = sorted((REPO / "docker").glob("Containerfile.*"))
-PROJECT = ("shared", "cloud_verifier", "edge_client", "kernels", "bench")
+PROJECT = ("shared", "cloud_verifier", "edge_client", "treespec_kernels", "bench")
 
 
 def _instructions(path: Path) -> list[tuple[str, str]]:

@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("edge_client", "cloud_verifier", "shared", "kernels", "bench")
+PACKAGES = ("edge_client", "cloud_verifier", "shared", "treespec_kernels", "bench")
 
 
 def module_name(path: Path) -> str:
@@ -123,7 +123,7 @@ def test_the_finder_sees_a_cycle_and_a_clean_graph() -> None:
 
 def test_the_graph_sees_imports_inside_functions() -> None:
     graph = import_graph(project_modules(("cloud_verifier",)))
-    assert "kernels.cpu_attention" not in graph  # only the packages asked for
+    assert "treespec_kernels.cpu_attention" not in graph  # only the packages asked for
     assert "cloud_verifier.model.llama" in graph["cloud_verifier.model"]
     assert graph["cloud_verifier.model.llama"] >= {"cloud_verifier.kv_cache", "cloud_verifier.model.gemm"}
 

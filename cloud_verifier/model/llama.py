@@ -23,7 +23,7 @@ from cloud_verifier.model import gemm, triton_attention
 from cloud_verifier.model.config import ModelConfig
 from cloud_verifier.model.inputs import SeqInput, allowed_rows, attention_mask, check_input, row_bounds
 from cloud_verifier.model.rope import Rotary
-from kernels import cpu_attention
+from treespec_kernels import cpu_attention
 
 # SeqInput and check_input are part of this module's interface (the sharded model imports them here)
 __all__ = ["ATTENTION_MODES", "DecoderLayer", "LlamaModel", "SeqInput", "check_input", "rms_norm"]
@@ -67,7 +67,8 @@ class LlamaModel(nn.Module):
     (packs) the projection weights; call `set_gemm` after changing weights in place.
 
     Attention: "model" computes attention in the weights' dtype; for float32 on a CPU it uses the
-    batch-invariant kernel of kernels/cpu_attention.py (every sum in an order fixed by key position), so
+    batch-invariant kernel of treespec_kernels/cpu_attention.py (every sum in an order fixed by key
+    position), so
     with oneDNN's row-invariant projections a tree node's logits are bit-identical to decoding
     its path token by token, at SDPA's speed. Elsewhere (GPU, bf16/fp16, no compiler) "model" is
     SDPA with the tree mask, except on a GPU with Triton installed, where it is the Triton tree-attention

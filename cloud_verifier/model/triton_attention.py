@@ -1,4 +1,4 @@
-"""The Triton tree-attention kernel (`kernels.tree_attention`) as the packed forward's attention.
+"""The Triton tree-attention kernel (`treespec_kernels.tree_attention`) as the packed forward's attention.
 
 One launch per layer serves every session of an engine step: the kernel reads each session's
 keys through its block table straight from the paged pool, so nothing is gathered and no dense
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from cloud_verifier.kv_cache import PagedKVCache
     from cloud_verifier.model.inputs import SeqInput
 
-MAX_TREE_ROWS = 65  # row 0 + 64 nodes: one int64 mask bit per node (kernels.tree_attention)
+MAX_TREE_ROWS = 65  # row 0 + 64 nodes: one int64 mask bit per node (treespec_kernels.tree_attention)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -116,7 +116,7 @@ def attend(
 ) -> torch.Tensor:
     """q [T, heads, head_dim] (every session's rows, packed) -> [T, heads, head_dim] over one layer
     of the pool. check: also check the index values (reads them back: a sync on a GPU)."""
-    from kernels.tree_attention import tree_attention
+    from treespec_kernels.tree_attention import tree_attention
 
     return tree_attention(
         q,

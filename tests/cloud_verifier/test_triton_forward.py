@@ -124,7 +124,7 @@ def test_triton_greedy_generation_is_sdpa_s() -> None:
 
 
 def test_tree_bitmasks_are_the_kernels_ancestor_masks() -> None:
-    from kernels.tree_attention import ancestor_masks
+    from treespec_kernels.tree_attention import ancestor_masks
 
     rng = np.random.default_rng(3)
     for nodes in (1, 2, 7, 33, 63, 64):

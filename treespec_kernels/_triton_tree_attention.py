@@ -1,5 +1,5 @@
-"""The Triton tree-attention kernel itself (imported lazily by `kernels.tree_attention`, so that module
-loads where Triton is missing). The launcher there checks every argument.
+"""The Triton tree-attention kernel itself (imported lazily by `treespec_kernels.tree_attention`, so
+that module loads where Triton is missing). The launcher there checks every argument.
 
 Triton's interpreter (CPU tensors, tests) works only when TRITON_INTERPRET=1 is set before Triton is
 imported: the library's own @triton.jit functions (tl.sum, tl.cumsum, ...) are wrapped at import.

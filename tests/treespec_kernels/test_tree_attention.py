@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.tree_attention import ancestor_masks, reference_tree_attention, tree_attention
+from treespec_kernels.tree_attention import ancestor_masks, reference_tree_attention, tree_attention
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # (atol, rtol) against the float32 reference: float32 sums in another order; 16-bit inputs also round
@@ -296,11 +296,11 @@ def test_launcher_refuses_by_value() -> None:
 
 
 def test_without_triton_the_module_loads_and_the_launcher_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels
+    import treespec_kernels
 
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.setitem(sys.modules, "kernels._triton_tree_attention", None)
-    monkeypatch.delattr(kernels, "_triton_tree_attention", raising=False)
+    monkeypatch.setitem(sys.modules, "treespec_kernels._triton_tree_attention", None)
+    monkeypatch.delattr(treespec_kernels, "_triton_tree_attention", raising=False)
     case = make_case([Session(2, 2)], 2, 1, 64, torch.float32, "cpu")
     reference_tree_attention(**case)  # plain torch
     with pytest.raises(RuntimeError, match="needs Triton"):

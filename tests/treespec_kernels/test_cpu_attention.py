@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/csrc/cpu_attention.cpp): batch-invariant tree attention, RMSNorm.
+"""The CPU kernels (treespec_kernels/csrc/cpu_attention.cpp): batch-invariant tree attention, RMSNorm.
 
 Three properties: it computes attention (against SDPA with the same mask, to float32 rounding);
 a row's output is bit-identical however the forward around it is shaped (a tree node against
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from cloud_verifier import kv_cache
 from cloud_verifier.kv_cache import TILE, PagedKVCache
 from cloud_verifier.model import build_model, decode_step, make_tiny_config, prefill
-from kernels import cpu_attention as ck
+from treespec_kernels import cpu_attention as ck
 
 if ck.disabled():
     pytest.skip(f"{ck.ENV}=off", allow_module_level=True)

@@ -169,12 +169,12 @@ def _check(
 
 
 def _triton_module() -> Any:
-    """kernels._triton_tree_attention, imported on first use. Without CUDA, Triton can only
+    """treespec_kernels._triton_tree_attention, imported on first use. Without CUDA, Triton can only
     interpret, so TRITON_INTERPRET=1 is set first when nothing has imported Triton yet."""
     if "triton" not in sys.modules and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        from kernels import _triton_tree_attention
+        from treespec_kernels import _triton_tree_attention
     except ImportError as exc:
         raise RuntimeError(
             f"tree_attention needs Triton ({exc}); install it with pip install 'treespec[gpu]'"
