@@ -1,5 +1,7 @@
-"""What the end-to-end benches share: Spec-Bench prompts, a verifier in its own process pinned to
-its own cores, the edge pinned to the others (docs/architecture.md §6), and the verifier's counters."""
+"""What the benches share: Spec-Bench prompts, a verifier in its own process pinned to its own
+cores, the edge pinned to the others (docs/architecture.md §6), the verifier's counters, and the
+one shape of every bench: the common flags (`add_common_args`), the result file (`write_result`:
+{"config", "rows", "complete"} and the bench's own keys) and a plot's saving (`save_figure`)."""
 
 from __future__ import annotations
 
@@ -13,10 +15,14 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # matplotlib loads only in the benches that draw
+    from matplotlib.figure import Figure
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "bench" / "data"  # the prompt sets, with their source and licence (bench/data/README.md)
@@ -102,6 +108,172 @@ def add_prompt_file_arg(ap: argparse.ArgumentParser) -> None:
         'Spec-Bench\'s form {"question_id", "category", "turns"} (first turn, as a chat turn) or '
         'HumanEval\'s {"task_id", "prompt"} (raw)',
     )
+
+
+# ------------------------------------------------------------------------- one shape of bench
+RESULT_KEYS = ("config", "rows", "complete")  # the envelope of every result file (write_result)
+
+
+def add_common_args(
+    ap: argparse.ArgumentParser,
+    *,
+    json: bool = False,
+    json_help: str = "",
+    seed: int | None = None,
+    seed_help: str = "",
+    tokens: int | None = None,
+    tokens_help: str = "",
+    prompt_file: bool = False,
+    no_progress: bool = False,
+) -> None:
+    """Declare the flags the benches share, each with one name, metavar and help text everywhere.
+    A module passes its own defaults (`seed`, `tokens`; None leaves the flag out) and, where a flag
+    means something particular there, a few words saying what (`*_help`):
+
+      --json PATH         the result file, written with write_result (default: none written)
+      --seed N            the run's seed (what it seeds: seed_help)
+      --tokens N          tokens per prompt or generation (tokens_help)
+      --prompt-file PATH  your own prompts instead of the built-in sets (suite_from_args)
+      --no-progress       no progress bars (tqdm, on stderr)
+
+    Which module takes which (tests/bench/test_harness_shape.py checks this table against every
+    module's call, and that no module declares one of these flags itself):
+
+      agreement         --json --tokens --prompt-file --no-progress
+      chaos             --json --seed --tokens --no-progress
+      demo              --json --tokens
+      draft_parallel    --json --prompt-file --no-progress
+      drafter_cost      --json --no-progress
+      e2e               --json --seed --tokens --prompt-file --no-progress
+      fuzz              --json --seed --no-progress
+      gpu_forward       --json --seed
+      load              --json --seed --tokens --no-progress
+      load_cost         --json --tokens --prompt-file --no-progress
+      lookup_tau        --json --tokens --prompt-file --no-progress
+      merged            --json --seed --tokens --prompt-file
+      network           --json --tokens --prompt-file --no-progress
+      onnx_drafter      --json
+      outcomes          --json --tokens --prompt-file --no-progress
+      parallel          --json --no-progress
+      peers             --json --tokens --prompt-file
+      prefill_share     --json --seed --tokens --no-progress
+      simulate          --json --no-progress
+      soak              --json --seed --no-progress
+      target_step       --json --no-progress
+      tree_attention    --json --seed
+      verify_exactness  --json --seed --no-progress
+
+    Left out where it would mean nothing: --prompt-file in the benches with no prompt suite (the
+    kernel and forward micro-benchmarks, the fuzzer, the soak and chaos runs on random tokens,
+    prefill_share's synthetic prompts, load's tokenized prompt folder (--prompt-dir), the drafter
+    timings on one fixed prompt, simulate's traces); --seed where the bench draws nothing at random
+    or seeds by prompt index as bench.network does (agreement, network, outcomes, load_cost); --tokens
+    where the bench counts positions, frames or rows instead; --no-progress where nothing draws a
+    bar (demo, merged, onnx_drafter, peers, gpu_forward, tree_attention). Not benches, so none of these:
+    gpu_check (writes its report into OUTDIR with write_result), netproxy (a proxy process), and
+    the libraries harness, e2e_results, network_report, peers_report, load_clients, load_figures,
+    llama_tools, proposer."""
+    if json:
+        what = "write the result to this JSON file ({config, rows, complete} and the bench's own keys)"
+        ap.add_argument(
+            "--json",
+            type=Path,
+            default=None,
+            metavar="PATH",
+            help=f"{what}: {json_help}" if json_help else what,
+        )
+    if seed is not None:
+        ap.add_argument(
+            "--seed", type=int, default=seed, metavar="N", help=f"seed: {seed_help}" if seed_help else "seed"
+        )
+    if tokens is not None:
+        ap.add_argument(
+            "--tokens", type=int, default=tokens, metavar="N", help=tokens_help or "new tokens per prompt"
+        )
+    if prompt_file:
+        add_prompt_file_arg(ap)
+    if no_progress:
+        ap.add_argument("--no-progress", action="store_true", help="no progress bars (tqdm, on stderr)")
+
+
+def _jsonable(value: object) -> object:
+    """json's `default`: a path as its text, an enum as its value; anything else it cannot hold
+    is a TypeError naming the type."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, Enum):
+        return value.value
+    raise TypeError(f"a {type(value).__name__} cannot be written to JSON: {value!r:.80}")
+
+
+def write_json(path: str | os.PathLike[str], doc: object, *, indent: int | None = None) -> Path:
+    """Write a JSON file that is not a bench's result (a trace, recorded scripts, a curve file:
+    the inputs of other benches, each with its own format): built whole first (paths as text),
+    then replacing the file at once, its folder made. Result files go through write_result."""
+    text = json.dumps(doc, indent=indent, default=_jsonable) + "\n"
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, out)
+    return out
+
+
+def write_result(
+    path: str | os.PathLike[str] | None,
+    config: Mapping[str, object] | argparse.Namespace,
+    rows: Sequence[Mapping[str, object]],
+    complete: bool,
+    /,
+    *,
+    indent: int | None = 2,
+    **extra: object,
+) -> Path | None:
+    """Write a bench's result file (its --json): {"config": the run's settings (a Namespace is
+    taken as vars()), "rows": the per-row results its table shows, "complete": True once every
+    planned row has finished (False in a file rewritten as rows come in)}, then the bench's own
+    keys (`extra`: whatever its earlier files held and its readers use). Nothing is written when
+    `path` is None (no --json). Paths are written as text, enums as their values; NaN stays
+    NaN (Python's json reads it). Returns the path written.
+
+    Refused before the file is touched (TypeError or ValueError): `complete` that is not a bool, a
+    config that is not a mapping of str keys, rows that are not a list (or tuple) of mappings of
+    str keys, an extra key that is one of RESULT_KEYS, a value JSON cannot hold."""
+    cfg = vars(config) if isinstance(config, argparse.Namespace) else config
+    if not isinstance(complete, bool):
+        raise TypeError(f"complete must be a bool, got {type(complete).__name__}")
+    if not isinstance(cfg, Mapping) or not all(isinstance(k, str) for k in cfg):
+        raise TypeError(f"config must be a mapping of str keys, got {type(cfg).__name__}")
+    if not isinstance(rows, (list, tuple)):
+        raise TypeError(f"rows must be a list of mappings, got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping) or not all(isinstance(k, str) for k in row):
+            raise TypeError(f"rows[{i}] must be a mapping of str keys, got {type(row).__name__}")
+    clash = sorted(set(extra) & set(RESULT_KEYS))
+    if clash:
+        raise ValueError(f"{', '.join(clash)}: the envelope's own keys, not extra keys")
+    if path is None:
+        return None
+    doc = {"config": dict(cfg), "rows": list(rows), "complete": complete, **extra}
+    return write_json(path, doc, indent=indent)
+
+
+def figure_rows(figures: Mapping[str, object]) -> list[dict[str, object]]:
+    """The rows of a figure / value table (chaos, fuzz, soak), as printed: one {figure, value} each."""
+    return [{"figure": k, "value": v} for k, v in figures.items()]
+
+
+def save_figure(fig: Figure, path: str | os.PathLike[str], *, dpi: int) -> Path:
+    """The end of every bench's plot: tight layout, the folder made, the PNG written, the figure
+    closed (pyplot keeps every open figure otherwise)."""
+    import matplotlib.pyplot as plt
+
+    out = Path(path)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
 
 
 def positive_ints(text: str) -> list[int]:
