@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
@@ -24,12 +23,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from bench.harness import free_port, table
+from bench.harness import add_common_args, figure_rows, free_port, table, write_result
 
 
 def _serve(port: int) -> subprocess.Popen[bytes]:
@@ -41,9 +39,16 @@ def _serve(port: int) -> subprocess.Popen[bytes]:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=100, help="verifier kills (at most one per generation)")
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens per generation")
-    ap.add_argument("--seed", type=int, default=0, help="randomness of prompts, modes and kill moments")
-    ap.add_argument("--json", default=None, help="write the figures to this JSON file")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="the figures (rows: one {figure, value} each) and every generation's record",
+        seed=0,
+        seed_help="randomness of prompts, modes and kill moments",
+        tokens=64,
+        tokens_help="new tokens per generation",
+        no_progress=True,
+    )
     a = ap.parse_args(argv)
     if a.kills < 1 or a.tokens < 8:
         ap.error("--kills >= 1 and --tokens >= 8")
@@ -84,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        bar = tqdm(total=a.kills, desc="chaos kills", file=sys.stderr)
+        bar = tqdm(total=a.kills, desc="chaos kills", file=sys.stderr, disable=a.no_progress)
         while len(procs) - 1 < a.kills:
             prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(4, 24))]
             mode = rng.choice(["greedy", "match"])
@@ -124,9 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "resumed_generations": sum(1 for r in records if r["resumes"]),
     }
     print(table([[k, v] for k, v in result.items()], ["figure", "value"]))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({**result, "records": records}, indent=2))
+    write_result(a.json, a, figure_rows(result), True, **result, records=records)
     return 0 if result["identical"] else 1
 
 

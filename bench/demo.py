@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from bench.e2e import run_modes
 from bench.e2e_results import ModeRuns
-from bench.harness import BenchPrompt, CoreSplit, Verifier, table
+from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, table, write_result
 from bench.network import Proxy
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import create_drafter
@@ -35,6 +35,7 @@ PAIRS = {
     "smollm2": ("smollm2-135m", "smollm2-135m-q4"),
 }
 MODES = ("ar", "tree_prespec")
+FIGURES = ("ms_per_token", "tau", "hit_rate", "target_forwards_per_token")  # of a mode's summary
 SHOWN = "tree_prespec"  # the mode whose answers are streamed (at the first RTT)
 PROMPTS = (
     BenchPrompt(
@@ -50,7 +51,13 @@ PROMPTS = (
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=sorted(PAIRS), default="qwen", help="model pair (target + draft)")
-    ap.add_argument("--tokens", type=int, default=96, help="new tokens per prompt (at most; EOS ends sooner)")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="the table's rows",
+        tokens=96,
+        tokens_help="new tokens per prompt (at most; EOS ends sooner)",
+    )
     ap.add_argument("--rtt-ms", default="0,50", help="round-trip times to run, through the delay proxy")
     ap.add_argument("--tree", default=None, help="expansion config (default: the draft's recommended tree)")
     a = ap.parse_args(argv)
@@ -126,7 +133,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(flush=True)
         finally:
             drafter.close()
+    identical = report(results, a, {"model": model, "draft": draft, "tree": tree_text})
+    print(f"demo wall time: {time.perf_counter() - t_start:.0f} s")
+    return 0 if identical else 1
+
+
+def report(results: dict[float, dict[str, ModeRuns]], a: argparse.Namespace, run: dict[str, str]) -> bool:
+    """The table (and --json) of every RTT and mode; whether every mode's tokens are ar's."""
     rows: list[list[object]] = []
+    records: list[dict[str, object]] = []  # the rows as figures (--json)
     identical = True
     for rtt, runs in results.items():
         ar = runs["ar"].summary()["ms_per_token"]
@@ -137,13 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(
                 [f"{rtt:g}", m, s["ms_per_token"], s["tau"], hit, s["target_forwards_per_token"], speed]
             )
+            records.append(
+                {"rtt_ms": rtt, "mode": m, **{k: s[k] for k in FIGURES}, "speedup_vs_ar": round(speed, 3)}
+            )
             identical &= r.tokens == runs["ar"].tokens
     print()
     headers = ["RTT ms", "mode", "ms/token", "tau", "hit rate", "target fwd/token", "speed-up vs ar"]
     print(table(rows, headers))
     print(f"every mode's tokens identical to target-only ar: {identical}")
-    print(f"demo wall time: {time.perf_counter() - t_start:.0f} s")
-    return 0 if identical else 1
+    write_result(a.json, {**vars(a), **run}, records, True, identical_to_ar=identical)
+    return identical
 
 
 if __name__ == "__main__":

@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import statistics
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from bench.harness import load_suite, table
+from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from edge_client.speculation import DraftPlain, DraftStep, Request, TreeSpec
@@ -42,7 +40,9 @@ def _round_ms(step: DraftStep, committed: tuple[int, ...], nodes: int) -> tuple[
     return 1e3 * (time.perf_counter() - t0), out
 
 
-def measure(drafters: Sequence[Drafter], a: argparse.Namespace) -> dict[str, Any]:
+def measure(
+    drafters: Sequence[Drafter], prompts: Sequence[BenchPrompt], a: argparse.Namespace
+) -> dict[str, Any]:
     shape = TreeSpec("budget", budget=a.nodes)
     req, limits = Request(Mode.GREEDY, shape), SessionLimits(max_nodes=64)
     n = len(drafters)
@@ -54,7 +54,6 @@ def measure(drafters: Sequence[Drafter], a: argparse.Namespace) -> dict[str, Any
     }
     ms: dict[str, list[float]] = {v: [] for v in steps}
     same = 0
-    prompts = load_suite(a.humaneval, a.prompts)
     try:
         for p in tqdm(prompts, desc="prompts", disable=a.no_progress):
             seq = tuple(drafters[0].tokenizer.encode(p.text, parse_special=not p.raw))
@@ -94,8 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--humaneval", type=int, default=0, help="HumanEval prompts")
     ap.add_argument("--positions", type=int, default=16, help="rounds drafted per prompt (positions)")
     ap.add_argument("--threads", type=int, default=1, help="threads per llama.cpp / onnx drafter")
-    ap.add_argument("--json", default=None, help="write the result to this JSON file")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common_args(
+        ap, json=True, json_help="the median ms of each variant", prompt_file=True, no_progress=True
+    )
     a = ap.parse_args(argv)
     backends = a.drafter or ["llama_cpp"]
     if len(a.draft) < 2:
@@ -105,12 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.nodes < 1 or a.positions < 1 or a.prompts + a.humaneval < 1:
         ap.error("--nodes, --positions and the prompt count must be positive")
     backends = backends * len(a.draft) if len(backends) == 1 else backends
+    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
     drafters = [
         create_drafter(b, d, n_threads=a.threads, max_context=4096, max_nodes=64)
         for b, d in zip(backends, a.draft, strict=True)
     ]
     try:
-        res = measure(drafters, a)
+        res = measure(drafters, prompts, a)
     finally:
         for d in drafters:
             d.close()
@@ -123,10 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{med['parallel'] / max(med[v] for v in alone):.2f}; identical merged trees "
         f"{res['identical_trees']}/{res['rounds']}"
     )
-    if a.json:
-        out = {**res, "config": vars(a), "drafter": backends, "cores": os.cpu_count()}
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=1))
+    out = [{"variant": v, "median_ms": med[v]} for v in med]
+    write_result(a.json, a, out, True, **res, drafter=backends, cores=os.cpu_count())
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -23,7 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.e2e_results import ModeRuns, merge_results, print_report, report
-from bench.harness import BenchPrompt, CoreSplit, Verifier, add_prompt_file_arg, suite_from_args
+from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, suite_from_args, write_result
 from edge_client.client import EdgeClient, GenerationResult, PrespecConfig, TreeSpec
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import backend_choices, create_drafter
@@ -193,8 +192,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--prompts", type=int, default=20, help="Spec-Bench dev prompts (round-robin over categories)"
     )
-    add_prompt_file_arg(ap)
-    ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rows: each mode's summary; records: every generation's (what --merge reads)",
+        seed=0,
+        seed_help="sampling seed of the first prompt (then +1 each)",
+        tokens=128,
+        prompt_file=True,
+        no_progress=True,
+    )
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     ap.add_argument(
         "--mode",
@@ -223,8 +230,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--url", default=None, help="use a running verifier at this ws:// URL instead of starting one"
     )
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed of the first prompt (then +1 each)")
-    ap.add_argument("--json", default=None, help="write the results to this JSON file")
     ap.add_argument(
         "--merge",
         default=None,
@@ -232,7 +237,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run nothing: put together earlier --json files of the same settings (e.g. ar in one run, "
         "the speculative modes in another), print the table and write --json",
     )
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     if a.merge:
         try:
@@ -312,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _print_and_write(result: dict[str, Any], cfg: dict[str, Any], path: str | None) -> None:
+def _print_and_write(result: dict[str, Any], cfg: dict[str, Any], path: Path | None) -> None:
     merged = f", merged from {len(cfg['merged_from'])} files" if cfg.get("merged_from") else ""
     print_report(
         result,
@@ -320,9 +324,8 @@ def _print_and_write(result: dict[str, Any], cfg: dict[str, Any], path: str | No
         f"T={cfg.get('temperature')}, tree {cfg.get('tree')}, {cfg.get('humaneval')} HumanEval + "
         f"{cfg.get('prompts')} Spec-Bench prompts x {cfg.get('tokens')} tokens{merged} (medians)",
     )
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(result, indent=2))
+    rows = [{"mode": m, **s} for m, s in result["modes"].items()]
+    write_result(path, cfg, rows, True, **{k: v for k, v in result.items() if k != "config"})
 
 
 def trusted_key_file() -> tuple[Path, str]:

@@ -19,9 +19,10 @@ minutes on an H200; a stage gets min(its own limit, what is left)):
                 Qwen2.5-Coder-0.5B in bf16 at TP=2 (NCCL) vs TP=1; also only with >= 2 GPUs
                 (OUTDIR/tensor_parallel.json)
 
-Writes OUTDIR/gpu_check.json (environment, every stage's command, status ok / failed / timeout /
-skipped, exit code, seconds and its JSON, the issue's two goals) and OUTDIR/gpu_check.log (every
-stage's output). A failing stage is recorded and the next one runs. Exit code: 0 when the report
+Writes OUTDIR/gpu_check.json (bench.harness.write_result's {config, rows: the stages, complete}
+besides environment, every stage's command, status ok / failed / timeout / skipped, exit code,
+seconds and its JSON, the issue's two goals) and OUTDIR/gpu_check.log (every stage's output). A
+failing stage is recorded and the next one runs. Exit code: 0 when the report
 was written (whatever the stages did: read "status"), 2 for bad arguments. Without a GPU nothing
 runs and the report says "no-gpu"; --dry-run writes the plan without running anything.
 """
@@ -41,6 +42,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.harness import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("wheels", "tests", "kernel_bench", "forward_bench", "tensor_parallel", "tensor_parallel_bench")
@@ -390,7 +393,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["tests"] = junit_counts(out / "pytest.xml") if "tests" in stages else None
     report["tp_tests"] = junit_counts(out / "pytest_tp.xml") if "tensor_parallel" in stages else None
     report["goals"] = goals(planned)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    # complete: every planned stage ran to its end (ok or failed) or was skipped for a reason other
+    # than the spent budget; rows: the stages (also under "stages", as the readers know it)
+    ran = bool(planned) and all(st.status in ("ok", "failed", "skipped") for st in planned)
+    complete = (
+        report["status"] in ("ok", "partial") and ran and all(st.note != BUDGET_SPENT for st in planned)
+    )
+    write_result(out / "gpu_check.json", args, report["stages"], complete, **report)
     print(f"bench.gpu_check: {report['status']} in {report['elapsed_s']} s; wrote {out / 'gpu_check.json'}")
     return 0
 

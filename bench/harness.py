@@ -197,12 +197,14 @@ def add_common_args(
 
 
 def _jsonable(value: object) -> object:
-    """json's `default`: a path as its text, an enum as its value; anything else it cannot hold
-    is a TypeError naming the type."""
+    """json's `default`: a path as its text, an enum as its value, a numpy scalar or array as its
+    Python number or list; anything else it cannot hold is a TypeError naming the type."""
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(value, Enum):
         return value.value
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()
     raise TypeError(f"a {type(value).__name__} cannot be written to JSON: {value!r:.80}")
 
 
@@ -225,16 +227,14 @@ def write_result(
     rows: Sequence[Mapping[str, object]],
     complete: bool,
     /,
-    *,
-    indent: int | None = 2,
     **extra: object,
 ) -> Path | None:
     """Write a bench's result file (its --json): {"config": the run's settings (a Namespace is
     taken as vars()), "rows": the per-row results its table shows, "complete": True once every
     planned row has finished (False in a file rewritten as rows come in)}, then the bench's own
     keys (`extra`: whatever its earlier files held and its readers use). Nothing is written when
-    `path` is None (no --json). Paths are written as text, enums as their values; NaN stays
-    NaN (Python's json reads it). Returns the path written.
+    `path` is None (no --json). Paths are written as text, enums as their values, numpy scalars
+    and arrays as numbers and lists; NaN stays NaN (Python's json reads it). Returns the path.
 
     Refused before the file is touched (TypeError or ValueError): `complete` that is not a bool, a
     config that is not a mapping of str keys, rows that are not a list (or tuple) of mappings of
@@ -255,7 +255,7 @@ def write_result(
     if path is None:
         return None
     doc = {"config": dict(cfg), "rows": list(rows), "complete": complete, **extra}
-    return write_json(path, doc, indent=indent)
+    return write_json(path, doc, indent=2)
 
 
 def figure_rows(figures: Mapping[str, object]) -> list[dict[str, object]]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.e2e_results import ModeRuns
-from bench.harness import BenchPrompt, CoreSplit, Verifier, load_suite
+from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, suite_from_args, write_result
 from edge_client.client import EdgeClient, TreeSpec
 from edge_client.drafters.registry import available_backends, create_drafter
 from shared.messages import Mode
@@ -97,14 +97,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=16, help="total tree nodes per round in every variant")
     ap.add_argument("--prompts", type=int, default=10, help="Spec-Bench prompts")
     ap.add_argument("--humaneval", type=int, default=0, help="HumanEval prompts")
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
     ap.add_argument("--mode", default="greedy", choices=["greedy", "match"], help="verification mode")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (match)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the first prompt (then +1 each)")
     ap.add_argument("--url", default=None, help="a running verifier's session URL (default: start one)")
     ap.add_argument("--api-key", default=None, help="API key for --url")
     ap.add_argument("--threads", type=int, default=1, help="threads per llama.cpp drafter")
-    ap.add_argument("--json", default=None, help="write the summaries to this JSON file")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rows: each variant's summary",
+        seed=0,
+        seed_help="seed of the first prompt (then +1 each)",
+        tokens=64,
+        prompt_file=True,
+    )
     a = ap.parse_args(argv)
     drafts = a.draft
     backends = a.drafter or ["llama_cpp"]
@@ -117,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(str(exc))
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
-    prompts = load_suite(a.humaneval, a.prompts)
+    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
     verifier = None
     url = a.url
     if url is None:
@@ -153,12 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         per_round = sum(nodes[v]) / len(nodes[v]) if nodes[v] else 0.0
         print(f"{v:8} {s['tau_pooled']:6.2f} {s['ms_per_token']:9.1f} {per_round:12.1f}")
     print("identical to ar:", result["identical_to_ar"])
-    if a.json:
-        import json
-        from pathlib import Path
-
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1))
+    rows = [
+        {"variant": v, **summary, "nodes_per_round": result["nodes_per_round"][v]}
+        for v, summary in result["variants"].items()
+    ]
+    write_result(a.json, result.pop("config"), rows, True, **result)
     return 0
 
 

@@ -32,12 +32,13 @@ from bench.harness import (
     BenchPrompt,
     CoreSplit,
     Verifier,
-    add_prompt_file_arg,
+    add_common_args,
     die_with_parent,
     free_port,
     suite_from_args,
+    write_result,
 )
-from bench.network_report import MODES, OPTIONAL, decomposition, merge, report, write_results, write_trace
+from bench.network_report import MODES, OPTIONAL, decomposition, merge, report, write_trace
 from edge_client.client import GenerationResult
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.base import Drafter
@@ -222,8 +223,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--prompts", type=int, default=4, help="Spec-Bench dev prompts (round-robin over categories)"
     )
-    add_prompt_file_arg(ap)
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rewritten after every RTT x temperature block (complete: false until the end); "
+        "besides the table's figures each row has V_ms (median verify ms a round as the client saw "
+        "it), V_idle_ms (the same rounds' trees at the verifier's cost curve measured with the edge "
+        "idle), T_b_ms (median synchronous draft ms after a miss), p (hit rate), stall_ms_per_round (a "
+        "hit's wait for its next verdict beyond one verify, per round), prefill_share_ms_per_token "
+        "(the prompt's round 0 over the tokens) and gap_ms (median ms the verifier waited for the "
+        "edge's next tree); bench.network_report.decomposition defines each",
+        tokens=64,
+        prompt_file=True,
+        no_progress=True,
+    )
     ap.add_argument(
         "--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (or an ONNX export folder)"
     )
@@ -262,17 +275,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "verifier's own, cloud_verifier.config)",
     )
     ap.add_argument(
-        "--json",
-        default=None,
-        help="write {'rows': [...]} to this file; besides the table's figures each row has V_ms (median "
-        "verify ms a round as the client saw it), V_idle_ms (the same rounds' trees at the verifier's "
-        "cost curve measured with the edge idle), T_b_ms (median synchronous draft ms after a miss), p "
-        "(hit rate), stall_ms_per_round (a hit's wait for its next verdict beyond one verify, per "
-        "round), prefill_share_ms_per_token (the prompt's round 0 over the tokens) and gap_ms (median "
-        "ms the verifier waited for the edge's next tree); bench.network_report.decomposition defines "
-        "each",
-    )
-    ap.add_argument(
         "--trace",
         default=None,
         metavar="PATH",
@@ -296,7 +298,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "from and ships scale the candidates it caches by C, 0 < C <= 1; 1: off); one C a run, kept in "
         "the JSON config: a C sweep is a run per C",
     )
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
     ap.add_argument(
         "--merge",
         default=None,
@@ -376,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     generations += entries
                     print(f"rtt {rtt:g} ms, T={temp:g}: done", flush=True)
                     # a crash later keeps what is measured
-                    write_results(a.json, rows, vars(a), complete=False)
+                    write_result(a.json, a, rows, False)
                     write_trace(a.trace, vars(a), generations)
         finally:
             drafter.close()

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from bench.harness import read_runs, table
+from bench.harness import read_runs, save_figure, table, write_json, write_result
 from edge_client.stats import GenerationStats
 
 MODES = ("ar", "sequence", "tree", "tree_prespec")
@@ -142,9 +140,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_ylabel("ms per token (median)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def merge(paths: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -249,30 +245,18 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, 
             )
         )
     _goals(rows)
-    write_results(a.json, rows, config, complete=True)
+    write_result(a.json, config, rows, True)
     if a.plot:
         plot(rows, a.plot)
         print(f"plot: {a.plot}")
     return 0
 
 
-def write_results(
-    path: str | None, rows: list[dict[str, Any]], config: dict[str, Any], complete: bool
-) -> None:
-    """The JSON file, rewritten after every RTT x temperature block (`complete` false until the end)."""
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        doc = {"rows": rows, "complete": complete, "config": config}
-        Path(path).write_text(json.dumps(doc, indent=2, default=str))  # paths (--prompt-file) as text
-
-
 def write_trace(path: str | None, config: dict[str, Any], generations: list[dict[str, Any]]) -> None:
     """The --trace file: {"config", "generations": [{mode, rtt_ms, temperature, prompt_index, trace,
     stats}]} (bench.simulate reads it), rewritten after every RTT x temperature block."""
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        doc = {"config": config, "generations": generations}
-        Path(path).write_text(json.dumps(doc, default=str))
+    if path:  # bench.simulate's input, not a result: its own format
+        write_json(path, {"config": config, "generations": generations})
 
 
 def _goals(rows: list[dict[str, Any]]) -> None:

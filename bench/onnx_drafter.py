@@ -24,12 +24,11 @@ import os
 import platform
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.harness import load_prompts, table
+from bench.harness import add_common_args, load_prompts, table, write_result
 
 MODELS = ("smollm2-135m-q4", "qwen2.5-coder-0.5b-q4")
 LEVEL = 8  # rows of one tree level
@@ -159,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "needs --dynamic-dir), q4 (llama.cpp); the first is the agreement reference (top-1 and TV are "
         "against it)",
     )
-    ap.add_argument("--json", default=None, help="write the rows and the settings to this JSON file")
+    add_common_args(ap, json=True, json_help="rows: one per model and backend")
     a = ap.parse_args(argv)
     models = [m for m in a.models.split(",") if m]
     if (a.fp32_dir or a.int8_dir or a.dynamic_dir) and len(models) != 1:
@@ -177,15 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     keys = ("model", "backend", "decode_tok_s", "level8_tok_s", "level8_ms", "top1_vs_fp32", "tv_vs_fp32")
     header = ["model", "backend", "decode tok/s", "level-8 tok/s", "level-8 ms", "top-1 vs fp32", "TV"]
     print(table([[r[k] for k in keys] for r in rows], header))
-    if a.json:
-        out = {
-            "rows": rows,
-            "config": vars(a),
-            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-            "load_average": os.getloadavg(),
-        }
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(out, indent=2))
+    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    write_result(a.json, a, rows, True, machine=machine, load_average=os.getloadavg())
     return 0
 
 

@@ -16,7 +16,6 @@ and the median time of one `verify_tree` call on a fixed 64-node tree over a 49,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.harness import add_common_args, write_result
 from cloud_verifier.exactness import (
     ALPHA,
     SHAPES,
@@ -123,6 +123,20 @@ def time_verify(
 
 
 # --------------------------------------------------------------------------- CLI
+# the fields of a case in the JSON's rows
+CASE_KEYS = (
+    "algorithm",
+    "shape",
+    "temperature",
+    "top_k",
+    "top_p",
+    "samples",
+    "p_value",
+    "expected_exact",
+    "passed",
+)
+
+
 def _format_p(p: float) -> str:
     return f"{p:.3g}" if p >= 1e-300 else "0"
 
@@ -135,8 +149,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument("--samples", type=int, default=200_000, help="trials per case")
-    ap.add_argument("--json", default=None, help="also write the results as JSON to this path")
-    ap.add_argument("--seed", type=int, default=0, help="base seed of every case")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rows: the chi-square cases (also as cases); acceptance, verify_ms",
+        seed=0,
+        seed_help="base seed of every case",
+        no_progress=True,
+    )
     ap.add_argument(
         "--acceptance-trials", type=int, default=100_000, help="trials per shape for tokens/round"
     )
@@ -147,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
 
     results = []
-    for case in tqdm(full_matrix(), desc="cases", unit="case"):
+    for case in tqdm(full_matrix(), desc="cases", unit="case", disable=args.no_progress):
         results.append(run_case(case, args.samples, args.seed))
     print(f"\nJoint output distribution vs the target alone (Pearson chi-square, reject at p < {ALPHA:g})")
     head = f"{'algorithm':<28}{'shape':<15}{'T':>4}{'top-k/p':>10}{'samples':>9}{'p-value':>11}"
@@ -190,34 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     ok = all(r.passed for r in results)
     print(f"\n{sum(r.passed for r in results)}/{len(results)} cases passed")
-    if args.json:
-        doc = {
-            "cases": [
-                {
-                    k: v
-                    for k, v in asdict(r).items()
-                    if k
-                    in (
-                        "algorithm",
-                        "shape",
-                        "temperature",
-                        "top_k",
-                        "top_p",
-                        "samples",
-                        "p_value",
-                        "expected_exact",
-                        "passed",
-                    )
-                }
-                for r in results
-            ],
-            "acceptance": acceptance,
-            "verify_ms": verify_ms,
-            "verify_ms_top_p_0.9": verify_ms_top_p,
-            "timing_tree": TIMING_NOTE,
-        }
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
+    cases = [{k: v for k, v in asdict(r).items() if k in CASE_KEYS} for r in results]
+    extra = {"acceptance": acceptance, "verify_ms": verify_ms, "verify_ms_top_p_0.9": verify_ms_top_p}
+    write_result(args.json, args, cases, True, cases=cases, **extra, timing_tree=TIMING_NOTE)
     return 0 if ok else 1
 
 

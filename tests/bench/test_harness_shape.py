@@ -50,7 +50,7 @@ def test_write_result_writes_the_envelope_and_the_benchs_own_keys(tmp_path: Path
     out = tmp_path / "deep" / "r.json"
     config = argparse.Namespace(json=out, prompt_file=[Path("a.jsonl")], kind=Kind.TREE, seed=0)
     rows = [{"mode": "ar", "ms": 1.5}, {"mode": "tree", "ms": float("nan")}]
-    assert write_result(out, config, rows, True, indent=None, records={"ar": [1]}) == out
+    assert write_result(out, config, rows, True, records={"ar": [1]}) == out
     doc = json.loads(out.read_text())
     assert list(doc)[:3] == list(RESULT_KEYS) and doc["complete"] is True and doc["records"] == {"ar": [1]}
     assert doc["config"] == {"json": str(out), "prompt_file": ["a.jsonl"], "kind": "tree", "seed": 0}
@@ -98,8 +98,11 @@ def test_write_result_checks_even_without_a_path() -> None:
 
 
 def test_write_json_is_for_other_formats(tmp_path: Path) -> None:
-    out = write_json(tmp_path / "c" / "curve.json", {"rows": [1, 2], "ms": [3.0, 4.0], "p": Path("x")})
-    assert json.loads(out.read_text()) == {"rows": [1, 2], "ms": [3.0, 4.0], "p": "x"}
+    import numpy as np
+
+    doc = {"rows": [1, 2], "ms": np.array([3.0, 4.0]), "p": Path("x"), "n": np.int64(5)}
+    out = write_json(tmp_path / "c" / "curve.json", doc)
+    assert json.loads(out.read_text()) == {"rows": [1, 2], "ms": [3.0, 4.0], "p": "x", "n": 5}
 
 
 def test_figure_rows_are_the_printed_table() -> None:
