@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import threading
@@ -33,7 +32,18 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.harness import CoreSplit, Verifier, load_prompts, positive_ints, read_metrics, table
+from bench.harness import (
+    CoreSplit,
+    Verifier,
+    add_common_args,
+    load_prompts,
+    positive_ints,
+    read_metrics,
+    save_figure,
+    table,
+    write_json,
+    write_result,
+)
 from shared.message_types import Mode
 from shared.messages import Error, Hello, Prompt, Verdict, decode, encode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -141,9 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=row_counts, default=[1, 2, 4, 6, 8, 12, 16], help="row counts to time")
     p.add_argument("--repeats", type=int, default=9, help="evaluations timed per row count (median)")
     p.add_argument("--no-busy", action="store_true", help="skip the busy phase (no verifier is started)")
-    p.add_argument("--json", type=Path, default=None, help="write the rows (and curve files beside it)")
+    add_common_args(p, json=True, json_help="the rows (and curve files beside it)", no_progress=True)
     p.add_argument("--plot", type=Path, default=None, help="draw ms per evaluation against rows to this PNG")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
@@ -165,9 +174,7 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], backends: Sequence[str]) ->
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -257,16 +264,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     if a.json is not None:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()}
-        a.json.write_text(
-            json.dumps({"config": config, "verifier_forwards_per_s": busy_rate, "rows": rows}, indent=1)
-        )
+        write_result(a.json, a, rows, True, verifier_forwards_per_s=busy_rate)
         for b in backends:
             for cond, ms in (("idle", idle.get(b)), ("busy", busy.get(b))):
-                if ms is not None:
-                    f = a.json.with_name(f"{a.json.stem}_{b}_{cond}.json")
-                    f.write_text(json.dumps({"rows": list(a.rows), "ms": ms}))
+                if ms is not None:  # bench.simulate's --drafter-curve: its own format, not a result
+                    write_json(
+                        a.json.with_name(f"{a.json.stem}_{b}_{cond}.json"), {"rows": list(a.rows), "ms": ms}
+                    )
         print(f"wrote {a.json} and its curve files", flush=True)
     if a.plot is not None:
         plot(a.plot, rows, backends)

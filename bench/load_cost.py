@@ -54,11 +54,14 @@ from bench.harness import (
     BenchPrompt,
     CoreSplit,
     Verifier,
-    add_prompt_file_arg,
+    add_common_args,
     positive_ints,
     read_metrics,
+    save_figure,
     suite_from_args,
     table,
+    write_json,
+    write_result,
 )
 from edge_client.drafters.registry import backend_choices
 from shared.message_types import Mode
@@ -460,8 +463,7 @@ def save_scripts(path: Path, hello: bytes, scripts: Sequence[Script], config: di
             for s in scripts
         ],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc))
+    write_json(path, doc)  # this bench's own input (--scripts), not a result
 
 
 def load_scripts(path: Path) -> tuple[bytes, list[Script], dict[str, Any]]:
@@ -525,8 +527,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded sample-and-match")
     p.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (raw)")
     p.add_argument("--prompts", type=int, default=4, help="Spec-Bench dev prompts")
-    add_prompt_file_arg(p)
-    p.add_argument("--tokens", type=int, default=64, help="new tokens per generation")
+    add_common_args(
+        p,
+        json=True,
+        json_help="rows: one per (kind, clients); recorded; edge_over_ar",
+        tokens=64,
+        tokens_help="new tokens per generation",
+        prompt_file=True,
+        no_progress=True,
+    )
     p.add_argument(
         "--flat-ms",
         type=float,
@@ -540,9 +549,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the recorded scripts: read them from this file if it exists (skipping the record phase), "
         "else record and write them there",
     )
-    p.add_argument("--json", type=Path, default=None, help="write the rows and config to this JSON file")
     p.add_argument("--plot", type=Path, default=None, help="draw verifier-seconds per token against clients")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
@@ -584,9 +591,7 @@ def plot(path: Path, rows: Sequence[dict[str, Any]]) -> None:
         ax.set_ylabel("verifier ms per generated token")
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -723,19 +728,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if flat16 is not None:
         verdict = "met" if flat16 <= 0.2 else "not met"
         print(f"goal: <= 0.2 predicted flat with 16 clients: {verdict} ({flat16})")
-    if a.json is not None:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(
-            json.dumps(
-                {
-                    "config": config,
-                    "recorded": {"generations": len(scripts), "ms_per_token": recorded_ms, "tau": tau},
-                    "rows": rows,
-                    "edge_over_ar": {"measured": measured, "flat": flat_ratio},
-                },
-                indent=1,
-            )
-        )
+    recording = {"generations": len(scripts), "ms_per_token": recorded_ms, "tau": tau}
+    edge_over_ar = {"measured": measured, "flat": flat_ratio}
+    write_result(a.json, config, rows, True, recorded=recording, edge_over_ar=edge_over_ar)
     if a.plot is not None:
         plot(a.plot, rows)
     return 0

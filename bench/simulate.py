@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.harness import table
+from bench.harness import add_common_args, table, write_result
 from edge_client.stats import DraftEvent, RoundTrace, SendEvent, VerdictEvent
 
 # draft actions a miss drops when it comes before they begin (conditional drafts are also abandoned
@@ -751,14 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="comma-separated drafting times (ms) of the miss path's synchronous tree to replay instead "
         "of the logged ones (the round's tokens stay as logged)",
     )
-    ap.add_argument(
-        "--json",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="write the rows, each group's curves and overheads, and the config to this JSON file",
-    )
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common_args(ap, json=True, json_help="groups: each group's curves and overheads", no_progress=True)
     a = ap.parse_args(argv)
     scen_names = [x for x in a.scenarios.split(",") if x]
     bad = [x for x in scen_names if x not in SCENARIOS]
@@ -828,14 +821,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in rows:
             out_rows.append({"mode": mode, "temperature": temp, "logged_rtt_ms": rtt, **r.as_dict()})
     print(_report(out_rows, curves))
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-            "groups": curves,
-        }
-        doc["config"]["traces"] = [str(t) for t in a.traces]
-        a.json.write_text(json.dumps({**doc, "rows": out_rows}, indent=2))
+    write_result(a.json, a, out_rows, True, groups=curves)
     return 0
 
 

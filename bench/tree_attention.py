@@ -26,19 +26,18 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from bench.harness import add_common_args, write_result
 from treespec_kernels.tree_attention import (
     ancestor_masks,
     reference_tree_attention,
@@ -161,14 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median)")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls first (the first compiles)")
     p.add_argument("--no-reference", action="store_true", help="skip the slow plain-torch reference")
-    p.add_argument("--seed", type=int, default=0, help="seed of the trees, the pool layout and the data")
     p.add_argument(
         "--block-m", type=int, default=None, help="kernel tile rows (query heads x rows); default tuned"
     )
     p.add_argument("--block-n", type=int, default=None, help="kernel key block; default tuned")
     p.add_argument("--num-warps", type=int, default=None, help="kernel warps; default tuned")
     p.add_argument("--num-stages", type=int, default=None, help="kernel pipeline stages; default tuned")
-    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    add_common_args(
+        p,
+        json=True,
+        json_help="rows: one per (sessions, nodes, prefix)",
+        seed=0,
+        seed_help="the trees, the pool layout and the data",
+    )
     return p
 
 
@@ -252,25 +256,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{sdpa_ms / triton_ms:>7.2f}"
                 )
                 del case, sdpa, fused
-    result = {
-        "rows": rows,
-        "config": {
-            "device": str(device),
-            "device_name": torch.cuda.get_device_name(device)
-            if device.type == "cuda"
-            else "cpu (interpreter)",
-            "heads": args.heads,
-            "kv_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "block_size": args.block_size,
-            "repeats": args.repeats,
-            "warmup": args.warmup,
-            "sdpa": "per session, dense additive mask, K/V gathered by slot (as LlamaModel._attend)",
-            **{k: v for k, v in tuning.items() if v is not None},
-        },
+    config = {
+        **{k: v for k, v in vars(args).items() if k not in tuning},  # tuning: only what was set
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "block_size": args.block_size,
+        "repeats": args.repeats,
+        "warmup": args.warmup,
+        "sdpa": "per session, dense additive mask, K/V gathered by slot (as LlamaModel._attend)",
+        **{k: v for k, v in tuning.items() if v is not None},
     }
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if write_result(args.json, config, rows, True) is not None:
         print(f"wrote {args.json}")
     return 0
 
