@@ -13,17 +13,15 @@ top-5 of 87-97%. Per category (HumanEval raw, Spec-Bench categories) and overall
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.harness import BenchPrompt, load_suite, table
+from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 
 TOP_K = (1, 2, 3, 4, 5)
@@ -31,8 +29,8 @@ TOP_K = (1, 2, 3, 4, 5)
 
 def target_output(target: Any, prompt: list[int], n: int, temperature: float, seed: int) -> list[int]:
     """The target's own continuation: greedy, or sampled at `temperature` with the verifier's sampler."""
-    from cloud_verifier.model import decode_step, prefill
     from cloud_verifier.sampling import SamplingParams, sample_next
+    from shared.model import decode_step, prefill
 
     params = SamplingParams(temperature=temperature)
     kv = target.new_kv_cache(-(-(len(prompt) + n) // 16) + 2, 16)
@@ -85,25 +83,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (raw)")
     ap.add_argument("--prompts", type=int, default=13, help="Spec-Bench dev prompts (one per category at 13)")
-    ap.add_argument("--tokens", type=int, default=64, help="target tokens per prompt")
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target alias or path")
     ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (llama.cpp)")
     ap.add_argument("--temperatures", default="0,1", help="target decoding: 0 greedy, else sampled")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for the target (0: default)")
-    ap.add_argument("--json", default=None, help="write the table to this JSON file")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rows: one per temperature and category; temperatures: the same by temperature",
+        tokens=64,
+        tokens_help="target tokens per prompt",
+        prompt_file=True,
+        no_progress=True,
+    )
     a = ap.parse_args(argv)
-    from cloud_verifier.model import load_target
+    prompts: list[BenchPrompt] = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
     from edge_client.drafters.registry import create_drafter
+    from shared.model import load_target
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    target = load_target(a.model, progress=True)
+    target = load_target(a.model, progress=not a.no_progress)
     target.model.prepare(release=True)
     drafter = create_drafter("llama_cpp", a.draft, n_threads=a.threads or 2, max_nodes=max(256, a.tokens + 8))
-    prompts: list[BenchPrompt] = load_suite(a.humaneval, a.prompts)
     temps = [float(t) for t in a.temperatures.split(",") if t]
     result: dict[str, Any] = {"config": vars(a), "temperatures": {}}
-    bar = tqdm(total=len(prompts) * len(temps), desc="agreement", file=sys.stderr)
+    bar = tqdm(total=len(prompts) * len(temps), desc="agreement", file=sys.stderr, disable=a.no_progress)
     for temp in temps:
         ranks: dict[str, list[int]] = {}
         for i, p in enumerate(prompts):
@@ -128,9 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ["category", *(f"top-{k}" for k in TOP_K), "positions"],
             )
         )
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2))
+    rows = [
+        {"temperature": t, "category": c, **v}
+        for t, cats in result["temperatures"].items()
+        for c, v in cats.items()
+    ]
+    write_result(a.json, result.pop("config"), rows, True, **result)
     return 0
 
 

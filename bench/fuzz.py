@@ -302,7 +302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     http = url.replace("ws://", "http://").split("/v1/")[0]
     import httpx
 
-    from cloud_verifier.model import load_target
+    from shared.model import load_target
 
     tiny = load_target("tiny", progress=False)
     hello = msgpack.packb({"type": "hello", "version": 1, "vocab_fingerprint": tiny.vocab_fingerprint})

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from bench.target_step import bench_tree
-from cloud_verifier.model import (
+from shared.model import (
     LlamaModel,
     ModelConfig,
     build_model,
@@ -41,8 +41,8 @@ from cloud_verifier.model import (
     prefill_chunk,
     tree_round,
 )
-from cloud_verifier.model.llama import ATTENTION_MODES
-from cloud_verifier.model.weights import resolve_device, resolve_dtype
+from shared.model.llama import ATTENTION_MODES
+from shared.model.weights import resolve_device, resolve_dtype
 
 # Qwen2.5-Coder-1.5B (shared/data/models.json; its GGUF metadata as config_from_gguf reads it)
 QWEN_1_5B = ModelConfig(

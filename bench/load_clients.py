@@ -18,9 +18,9 @@ from tqdm import tqdm
 from bench.harness import DATA
 from bench.load_figures import Tally
 from bench.proposer import LookupConfig, propose
-from cloud_verifier.model import TargetTokenizer
 from shared.errors import ErrorCode
 from shared.messages import Error, Hello, Mode, Prompt, Stale, Tree, Verdict, Welcome
+from shared.model import TargetTokenizer
 from shared.protocol import ClientProtocol
 
 PROMPTS = DATA
@@ -36,8 +36,8 @@ class BenchError(RuntimeError):
 # --------------------------------------------------------------------------------------- prompts
 def load_tokenizer(model: str) -> TargetTokenizer:
     """The tokenizer of `model` without loading its weights (for `--url`, where the server has them)."""
-    from cloud_verifier.model import gguf_loader, safetensors_loader
     from shared import model_store
+    from shared.model import gguf_loader, safetensors_loader
 
     alias = "smollm2-135m" if model == "tiny" else model
     path = model_store.resolve(alias, "target") if alias in model_store.ALIASES else Path(model)

@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (TS / "node_modules").exists():
         subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=TS, check=True, capture_output=True)
     subprocess.run(["npm", "run", "build"], cwd=TS, check=True, capture_output=True)
-    from cloud_verifier.model import load_target
+    from shared.model import load_target
 
     target = load_target(a.model, progress=False)
     tok = target.tokenizer

@@ -385,9 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tqdm import tqdm
 
     from bench.agreement import target_output
-    from cloud_verifier.model import load_target
     from edge_client.defaults import recommended_tree
     from edge_client.drafters.registry import create_drafter
+    from shared.model import load_target
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from bench.target_step import measure_forward
 from cloud_verifier import parallel
-from cloud_verifier.model import Target, load_target
+from shared.model import Target, load_target
 
 
 def _measure(target: Target, prefix: int, rows: list[int], repeats: int, label: str) -> dict[str, float]:

@@ -91,7 +91,7 @@ def run_hf(prompts: Sequence[BenchPrompt], tokens: int, model: str, draft: str, 
     import torch
     import transformers
 
-    from cloud_verifier.model import gguf_loader
+    from shared.model import gguf_loader
 
     torch.set_num_threads(threads)
     target_path = resolve(model, "target")
@@ -156,7 +156,7 @@ def run_llama_cpp(
     prompts: Sequence[BenchPrompt], tokens: int, model: str, draft: str, threads: int
 ) -> list[Runs]:
     from bench.llama_tools import ensure_tools
-    from cloud_verifier.model import gguf_loader
+    from shared.model import gguf_loader
 
     tools = ensure_tools()
     target_path = resolve(model, "target")

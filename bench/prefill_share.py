@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--chunks: comma-separated integers, got {a.chunks!r}")
     if not chunks or min(chunks) < 1 or a.prefill < 1 or a.tokens < 1 or a.repeats < 1:
         ap.error("--chunks, --prefill, --tokens and --repeats must be >= 1")
-    from cloud_verifier.model import load_target
+    from shared.model import load_target
 
     target = load_target(a.model, progress=False)
     hello = msgpack.packb({"type": "hello", "version": 1, "vocab_fingerprint": target.vocab_fingerprint})

@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         url, pid = a.url, a.pid
     http = url.replace("ws://", "http://").split("/v1/")[0]
-    from cloud_verifier.model import load_target
+    from shared.model import load_target
 
     hello = msgpack.packb(
         {

@@ -34,8 +34,8 @@ import torch
 from tqdm import tqdm
 
 from bench.harness import PROMPTS as HARNESS_PROMPTS
-from cloud_verifier.model import Target, greedy_generate, load_target, prefill, tree_round
-from cloud_verifier.model.llama import ATTENTION_MODES
+from shared.model import Target, greedy_generate, load_target, prefill, tree_round
+from shared.model.llama import ATTENTION_MODES
 from shared.model_store import DEFAULT_TARGET
 from shared.tree import TokenTree
 
@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tqdm(total=total, desc="measuring", unit="run") as bar:
         forward, paired = measure_forward(target, prefixes, rows, args.repeats, bar)
         decode = measure_decode(target, reference, prompt, args.decode_tokens, args.repeats, bar)
-    from cloud_verifier.model.gemm import choose
+    from shared.model.gemm import choose
 
     result: dict[str, Any] = {
         "forward_ms": forward,

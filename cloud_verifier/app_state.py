@@ -12,9 +12,9 @@ from cloud_verifier.auth import KeyStore
 from cloud_verifier.config import ServerConfig
 from cloud_verifier.engine import Engine
 from cloud_verifier.metrics import Metrics
-from cloud_verifier.model import Target
 from cloud_verifier.session import ModelInfo, Session
 from shared.messages import SessionLimits
+from shared.model import Target
 
 
 @dataclass

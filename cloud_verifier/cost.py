@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cloud_verifier.kv_cache import PagedKVCache
-from cloud_verifier.model import SeqInput, Target
 from shared import model_store
+from shared.model import SeqInput, Target
+from shared.model.kv_cache import PagedKVCache
 from shared.tree import TokenTree
 
 DEFAULT_NODES = (1, 2, 4, 8, 16, 32, 64)

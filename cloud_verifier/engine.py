@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from cloud_verifier.engine_state import EngineConfig, Job, Outcome, Planned, RoundResult, SeqState
-from cloud_verifier.kv_cache import KVCacheFull, PagedKVCache
-from cloud_verifier.model import SeqInput, Target, prefill_chunk, round_keep, tree_round
+from shared.model.kv_cache import KVCacheFull, PagedKVCache
+from shared.model import SeqInput, Target, prefill_chunk, round_keep, tree_round
 from cloud_verifier.planning import plan_step
 from cloud_verifier.sampling import sample_next_async
 from cloud_verifier.verify import (

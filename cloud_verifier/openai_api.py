@@ -34,8 +34,8 @@ from cloud_verifier.admission import Admission, Refused, Ticket
 from cloud_verifier.auth import AuthError, KeyStore, Principal
 from cloud_verifier.engine import Engine
 from cloud_verifier.engine_state import RoundResult
-from cloud_verifier.model import Target
 from shared.messages import Mode, Prompt
+from shared.model import Target
 from shared.openai_compat import (
     BODY_TIMEOUT_S,
     MAX_BODY_BYTES,

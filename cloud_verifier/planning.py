@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from cloud_verifier.engine_state import EngineConfig, Planned, SeqState
-from cloud_verifier.kv_cache import PagedKVCache
+from shared.model.kv_cache import PagedKVCache
 
 
 def plan_step(seqs: Iterable[SeqState], kv: PagedKVCache, config: EngineConfig, rr: int) -> list[Planned]:

@@ -35,11 +35,11 @@ from cloud_verifier.engine import Engine
 from cloud_verifier.engine_state import EngineConfig
 from cloud_verifier.http_gate import HttpGate
 from cloud_verifier.http_protocol import with_header_timeout
-from cloud_verifier.model import Target, load_target
 from cloud_verifier.session import ModelInfo
 from cloud_verifier.session_socket import serve_session
 from shared.errors import CloseCode
 from shared.messages import SessionLimits
+from shared.model import Target, load_target
 
 log = logging.getLogger("cloud_verifier")
 

@@ -1,6 +1,6 @@
 """A tokenizer read from files beside an exported model, with no torch and no llama.cpp.
 
-An ONNX export (edge_client.onnx_export) stores the cloud runtime's tokenizer of its source GGUF
+An ONNX export (edge_client.onnx.export) stores the cloud runtime's tokenizer of its source GGUF
 as `tokenizer.json` (the `tokenizers` serialization), `tokens.json` (the token texts in id order,
 as the GGUF stores them: the input of the vocabulary fingerprint) and a few fields in the manifest
 (BOS, end-of-generation ids, chat template), the same files the verifier's weight cache keeps.

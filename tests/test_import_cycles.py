@@ -122,10 +122,12 @@ def test_the_finder_sees_a_cycle_and_a_clean_graph() -> None:
 
 
 def test_the_graph_sees_imports_inside_functions() -> None:
-    graph = import_graph(project_modules(("cloud_verifier",)))
+    graph = import_graph(project_modules(("shared",)))
     assert "treespec_kernels.cpu_attention" not in graph  # only the packages asked for
-    assert "cloud_verifier.model.llama" in graph["cloud_verifier.model"]
-    assert graph["cloud_verifier.model.llama"] >= {"cloud_verifier.kv_cache", "cloud_verifier.model.gemm"}
+    assert "shared.model.llama" in graph["shared.model"]
+    assert graph["shared.model.llama"] >= {"shared.model.kv_cache", "shared.model.gemm"}
+    # weight_cache.py imports build_model inside a function
+    assert "shared.model.weights" in graph["shared.model.weight_cache"]
 
 
 def test_no_import_cycle() -> None:
@@ -139,3 +141,43 @@ def test_tensor_parallel_serving_depends_on_the_server_one_way() -> None:
     graph = import_graph(project_modules(("cloud_verifier",)))
     assert "cloud_verifier.server" in graph["cloud_verifier.parallel.service"]
     assert not any(m.startswith("cloud_verifier.parallel") for m in graph["cloud_verifier.server"])
+
+
+def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for w in graph[todo.pop()]:
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+def _layer_violations(graph: dict[str, set[str]], package: str, forbidden: tuple[str, ...]) -> list[str]:
+    return sorted(
+        f"{m} -> {w}"
+        for m in graph
+        if m.split(".")[0] == package
+        for w in graph[m]
+        if w.split(".")[0] in forbidden
+    )
+
+
+def test_the_layer_check_sees_a_violation() -> None:
+    graph = {"edge_client.a": {"shared.x"}, "shared.x": set(), "edge_client.b": {"cloud_verifier.y"}}
+    assert _layer_violations(graph, "edge_client", ("cloud_verifier",)) == [
+        "edge_client.b -> cloud_verifier.y"
+    ]
+    assert reaches({"a": {"b"}, "b": {"c"}, "c": set()}, "a") == {"b", "c"}
+
+
+def test_the_edge_never_imports_the_verifier_and_shared_imports_neither_side() -> None:
+    """An app embedding the edge SDK must not pull in the verifier (docs/architecture.md §1)."""
+    graph = import_graph(project_modules())
+    assert _layer_violations(graph, "edge_client", ("cloud_verifier", "bench")) == []
+    assert _layer_violations(graph, "cloud_verifier", ("edge_client", "bench")) == []
+    assert _layer_violations(graph, "shared", ("edge_client", "cloud_verifier", "bench")) == []
+    # the torch drafter runs the model code from shared
+    assert "shared.model.llama" in reaches(graph, "edge_client.drafters.torch_drafter")

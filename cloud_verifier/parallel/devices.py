@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from cloud_verifier.model.weights import resolve_device
+from shared.model.weights import resolve_device
 
 CPU = torch.device("cpu")
 

@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from cloud_verifier.kv_cache import PagedKVCache
 from cloud_verifier.parallel.group import TPGroup
 from cloud_verifier.parallel.protocol import Op, TensorParallelError
+from shared.model.kv_cache import PagedKVCache
 
 
 class ShardedKVCache(PagedKVCache):

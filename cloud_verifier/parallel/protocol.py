@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
-from cloud_verifier.model.llama import SeqInput
 from cloud_verifier.parallel.devices import CPU
+from shared.model.llama import SeqInput
 
 HEADER = 8  # int64 words of a command header: op, cache, n_ints, n_bytes, a0, a1, a2, a3
 MAX_INTS = 1 << 22  # int64 words of one command's payload (a forward of 512 rows needs ~1,600)

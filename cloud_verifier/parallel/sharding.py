@@ -16,15 +16,15 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from cloud_verifier.kv_cache import PagedKVCache
-from cloud_verifier.model import gemm
-from cloud_verifier.model.config import ModelConfig, make_tiny_config
-from cloud_verifier.model.llama import ATTENTION_MODES, DecoderLayer, LlamaModel, SeqInput, check_input
-from cloud_verifier.model.target import Target, load_target
-from cloud_verifier.model.weights import build_model, resolve_device, resolve_dtype
 from cloud_verifier.parallel.group import TPGroup
 from cloud_verifier.parallel.kv_cache import ShardedKVCache
 from cloud_verifier.parallel.protocol import Op, TensorParallelError, encode_inputs
+from shared.model import gemm
+from shared.model.config import ModelConfig, make_tiny_config
+from shared.model.kv_cache import PagedKVCache
+from shared.model.llama import ATTENTION_MODES, DecoderLayer, LlamaModel, SeqInput, check_input
+from shared.model.target import Target, load_target
+from shared.model.weights import build_model, resolve_device, resolve_dtype
 
 
 def check_shardable(config: ModelConfig, world: int, model: str) -> None:

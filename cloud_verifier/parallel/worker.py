@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cloud_verifier.kv_cache import PagedKVCache
-from cloud_verifier.model import gemm
-from cloud_verifier.model.llama import ATTENTION_MODES
 from cloud_verifier.parallel.group import TPGroup
 from cloud_verifier.parallel.kv_cache import cache_digest, ranks_agree
 from cloud_verifier.parallel.launch import join, under_torchrun
 from cloud_verifier.parallel.protocol import Op, TensorParallelError, decode_inputs
 from cloud_verifier.parallel.sharding import ShardedLlamaModel, load_worker_model, shard_model
+from shared.model import gemm
+from shared.model.kv_cache import PagedKVCache
+from shared.model.llama import ATTENTION_MODES
 
 log = logging.getLogger("cloud_verifier.parallel")
 

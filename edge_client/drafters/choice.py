@@ -1,7 +1,7 @@
 """`--drafter auto`: draft with whichever backend is faster on this device, measured once.
 
 On first use of a draft alias, `choose_backend` makes the ONNX int8 export of its GGUF (into the
-model cache, `edge_client.onnx_export.ensure_export`, with a progress bar), loads the GGUF in
+model cache, `edge_client.onnx.export.ensure_export`, with a progress bar), loads the GGUF in
 llama.cpp and the export in ONNX Runtime, and times both with the same short micro-benchmark:
 after a fixed prompt of PROMPT_TOKENS tokens, one evaluation of 1 row (a decode step) and one of 8
 rows (a tree level of 8 children of the committed end), WARMUP untimed rounds then REPEATS timed
@@ -214,13 +214,13 @@ def measure_backends(model: str, export_folder: Path, threads: int) -> Figures:
 
 
 def _export_int8(model: str) -> Path:
-    from edge_client.onnx_export import ensure_export
+    from edge_client.onnx.export import ensure_export
 
     return ensure_export(model, int8=True, progress=True)
 
 
 def _int8_folder(model: str) -> Path:
-    from edge_client.onnx_export import cache_folder
+    from edge_client.onnx.export import cache_folder
 
     return cache_folder(model, int8=True)
 

@@ -1,4 +1,4 @@
-"""onnxruntime drafter: an exported draft model (edge_client.onnx_export), one `run` per tree level.
+"""onnxruntime drafter: an exported draft model (edge_client.onnx.export), one `run` per tree level.
 
 The KV cache lives here, in one numpy buffer [max_context + max_nodes, layers, kv_heads, head_dim]
 per K and V, row r = the token at row r of this layout:
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.drafters.base import Drafter, DrafterError
-from edge_client.onnx_export import (
+from edge_client.onnx.export import (
     INT8_LAYOUT,
     MANIFEST,
     MODEL_FILE,
@@ -50,7 +50,7 @@ def resolve_export(model: str | Path, int8: bool | None, *, export: bool, progre
     if path.is_dir():
         return path
     if not export:
-        from edge_client.onnx_export import cache_folder
+        from edge_client.onnx.export import cache_folder
 
         folder = cache_folder(str(model), bool(int8))
         if not (folder / MANIFEST).is_file():

@@ -6,7 +6,7 @@ its ancestors and itself, exactly the verifier's tree forward) and returns the n
 the scratch rows are then discarded, so the workspace itself is never cached. `sync` keeps the
 longest cached prefix and evaluates the rest (an accepted path included) causally.
 
-Models: anything `cloud_verifier.model.load_target` loads (`tiny`, `smollm2-135m`, a .gguf file, a
+Models: anything `shared.model.load_target` loads (`tiny`, `smollm2-135m`, a .gguf file, a
 safetensors directory) and the draft aliases of edge_client.models (their GGUF, dequantized to
 fp32), so `torch` and `llama_cpp` can be compared on the same weights.
 """
@@ -21,11 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from cloud_verifier.model import SeqInput, load_target
 from edge_client.drafters.base import Drafter
 from edge_client.models import DRAFT_ALIASES, resolve_draft
 from edge_client.stored_tokenizer import byte_decoder, plain_text_copy
 from edge_client.tokenizer import EdgeTokenizer
+from shared.model import SeqInput, load_target
 
 BLOCK = 16
 _SEQ = 0  # the one KV-cache sequence of this drafter

@@ -27,8 +27,8 @@ Follow one round (default: greedy, a static tree, no pre-speculation), file by f
    to the engine; `_on_result` sends the verdict (shared/server_protocol.py keeps the pending trees).
 9. cloud_verifier/engine.py: `Engine._step` packs every session's ready rows into one forward,
    verifies, commits the accepted rows' KV.
-10. cloud_verifier/model/inputs.py: `tree_round`, the rows (row 0 + nodes), positions and tree mask.
-11. cloud_verifier/model/llama.py: `forward_packed`, the target's tree-attention forward.
+10. shared/model/inputs.py: `tree_round`, the rows (row 0 + nodes), positions and tree mask.
+11. shared/model/llama.py: `forward_packed`, the target's tree-attention forward.
 12. cloud_verifier/verify.py: `verify_tree`, the accepted path and the bonus token; back in 9, 8, 6,
     3 and 1.
 """

@@ -14,7 +14,7 @@ import torch
 
 from bench import gpu_check, gpu_forward
 from cloud_verifier.cli import build_parser
-from cloud_verifier.model.weights import resolve_dtype
+from shared.model.weights import resolve_dtype
 
 ROOT = Path(__file__).resolve().parents[2]
 

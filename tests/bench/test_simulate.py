@@ -379,10 +379,10 @@ def record_small_pair(
     llama.cpp export drafting), tree + pre-speculation over an emulated RTT; greedy, or seeded
     match at `temperature`."""
     from bench.harness import load_prompts
-    from cloud_verifier.model import load_target
     from edge_client.client import EdgeClient, TreeSpec
     from edge_client.drafters.registry import create_drafter
     from edge_client.transport import LinkShape
+    from shared.model import load_target
     from tests.cloud_verifier.service import LiveServer
 
     target = load_target("smollm2-135m", progress=False)

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from cloud_verifier.model.config import ModelConfig
-from cloud_verifier.model.llama import LlamaModel
-from cloud_verifier.model.rope import inverse_frequencies
-from cloud_verifier.model.tokenizer import CONTROL, bpe_from_gguf
-from cloud_verifier.model.weights import hf_state_dict
+from shared.model.config import ModelConfig
+from shared.model.llama import LlamaModel
+from shared.model.rope import inverse_frequencies
+from shared.model.tokenizer import CONTROL, bpe_from_gguf
+from shared.model.weights import hf_state_dict
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "a n", "Ġ in"]
@@ -162,7 +162,7 @@ def write_hf_dir(directory: Path, model: LlamaModel, model_type: str = "llama") 
 
 def logits_of(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     """[len, vocab] logits of a causal pass over `tokens` from an empty cache."""
-    from cloud_verifier.model import prefill_chunk
+    from shared.model import prefill_chunk
 
     kv = model.new_kv_cache(8, 16)
     kv.add(0)
@@ -173,7 +173,7 @@ def logits_of(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
 
 
 def config_for(kind: str, vocab: int) -> ModelConfig:
-    from cloud_verifier.model import RopeScaling, make_tiny_config
+    from shared.model import RopeScaling, make_tiny_config
 
     if kind == "llama":
         return make_tiny_config(vocab)

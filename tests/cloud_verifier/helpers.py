@@ -7,8 +7,8 @@ import random
 import torch
 
 from bench.harness import DATA
-from cloud_verifier.kv_cache import PagedKVCache
-from cloud_verifier.model import LlamaModel, decode_step, prefill
+from shared.model import LlamaModel, decode_step, prefill
+from shared.model.kv_cache import PagedKVCache
 from shared.tree import TokenTree
 
 PROMPTS = DATA  # the prompt sets in bench/data

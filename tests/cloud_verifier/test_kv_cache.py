@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from cloud_verifier.kv_cache import KVCacheFull, PagedKVCache
+from shared.model.kv_cache import KVCacheFull, PagedKVCache
 
 LAYERS, HEADS, DIM = 2, 2, 4
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_verifier.model import build_model, load_target, smollm2_gguf_path
-from cloud_verifier.model.gguf_loader import config_from_gguf, open_gguf, unpermute_rows
+from shared.model import build_model, load_target, smollm2_gguf_path
+from shared.model.gguf_loader import config_from_gguf, open_gguf, unpermute_rows
 from shared.vocab import vocab_fingerprint
 from tests.cloud_verifier.checkpoints import (
     MERGES,
@@ -87,7 +87,7 @@ def test_transformers_reads_the_same_logits(tmp_path: Path, kind: str) -> None:
 
 
 def test_tokenizer_round_trips_bytes() -> None:
-    from cloud_verifier.model.tokenizer import bpe_from_gguf
+    from shared.model.tokenizer import bpe_from_gguf
 
     tokens, types = small_vocab()
     tok = bpe_from_gguf(tokens, MERGES, types, "smollm", 1, True)

@@ -29,7 +29,8 @@ import torch
 
 from cloud_verifier import parallel
 from cloud_verifier.config import ServerConfig
-from cloud_verifier.model import (
+from cloud_verifier.server import ThreadedServer
+from shared.model import (
     Target,
     decode_step,
     load_target,
@@ -38,9 +39,8 @@ from cloud_verifier.model import (
     round_keep,
     tree_round,
 )
-from cloud_verifier.model.config import make_tiny_config
-from cloud_verifier.model.gemm import onednn_available
-from cloud_verifier.server import ThreadedServer
+from shared.model.config import make_tiny_config
+from shared.model.gemm import onednn_available
 from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree
 
 TOL = 1e-4  # |logit(TP=2) - logit(TP=1)| in float32, tiny (measured 1.1e-5)
@@ -478,7 +478,7 @@ def test_cli_serve_tensor_parallel_2_greedy_equals_tp1_and_a_killed_rank_turns_r
 def test_qwen_tp2_matches_tp1() -> None:
     """Prefill, a tree round and greedy decoding of Qwen2.5-Coder-0.5B at TP=2 against TP=1 (one
     model in memory at a time: the TP=1 figures first)."""
-    from cloud_verifier.model import greedy_generate
+    from shared.model import greedy_generate
 
     name = "qwen2.5-coder-0.5b"
     rng = random.Random(0)

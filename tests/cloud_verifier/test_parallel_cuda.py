@@ -23,7 +23,8 @@ import torch
 
 from cloud_verifier import parallel
 from cloud_verifier.config import ServerConfig
-from cloud_verifier.model import (
+from cloud_verifier.server import ThreadedServer
+from shared.model import (
     Target,
     decode_step,
     load_target,
@@ -32,8 +33,7 @@ from cloud_verifier.model import (
     round_keep,
     tree_round,
 )
-from cloud_verifier.model.generate import greedy_generate
-from cloud_verifier.server import ThreadedServer
+from shared.model.generate import greedy_generate
 from tests.cloud_verifier.helpers import max_diff, random_tree
 
 BF16_TOL = 0.1  # |logit(TP=2) - logit(TP=1)| of tiny in bf16 (not yet measured: no 2-GPU machine so far)

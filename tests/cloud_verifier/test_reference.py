@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from cloud_verifier.model import Target, greedy_generate, load_target, smollm2_gguf_path
-from cloud_verifier.model.weights import hf_state_dict
+from shared.model import Target, greedy_generate, load_target, smollm2_gguf_path
+from shared.model.weights import hf_state_dict
 from tests.cloud_verifier.checkpoints import logits_of
 from tests.cloud_verifier.helpers import PROMPTS
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from cloud_verifier.model import gguf_loader, greedy_generate, load_target
 from shared import model_store
+from shared.model import gguf_loader, greedy_generate, load_target
 from tests.cloud_verifier.helpers import PROMPTS
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,7 @@ import random
 import pytest
 import torch
 
-from cloud_verifier.kv_cache import KVCacheFull
-from cloud_verifier.model import (
+from shared.model import (
     LlamaModel,
     PagedKVCache,
     build_model,
@@ -25,8 +24,9 @@ from cloud_verifier.model import (
     round_keep,
     tree_round,
 )
-from cloud_verifier.model.gemm import onednn_available
-from cloud_verifier.model.inputs import SeqInput
+from shared.model.gemm import onednn_available
+from shared.model.inputs import SeqInput
+from shared.model.kv_cache import KVCacheFull
 from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree, straight_cache
 
 TOL = 1e-4
@@ -195,7 +195,7 @@ def test_logits_only_for_requested_rows(tiny: LlamaModel) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2() -> LlamaModel:
-    from cloud_verifier.model import load_target
+    from shared.model import load_target
 
     return load_target("smollm2-135m", progress=False).model
 
@@ -273,7 +273,7 @@ def test_fragmented_block_tables_read_the_same(tiny: LlamaModel) -> None:
 
 @pytest.fixture(scope="module")
 def qwen15() -> LlamaModel:
-    from cloud_verifier.model import load_target
+    from shared.model import load_target
 
     model = load_target("qwen2.5-coder-1.5b", progress=False).model
     model.prepare(release=True)  # one copy of the 7.1 GB of weights

@@ -14,8 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from cloud_verifier.kv_cache import PagedKVCache
-from cloud_verifier.model import (
+from shared.model import (
     LlamaModel,
     build_model,
     decode_step,
@@ -25,7 +24,8 @@ from cloud_verifier.model import (
     prefill_chunk,
     tree_round,
 )
-from cloud_verifier.model import triton_attention as ta
+from shared.model import triton_attention as ta
+from shared.model.kv_cache import PagedKVCache
 from shared.tree import TokenTree
 
 CUDA = pytest.param("cuda", marks=pytest.mark.cuda)

@@ -8,10 +8,10 @@ from typing import cast
 import pytest
 import torch
 
-from cloud_verifier.model import gguf_loader, load_target, weight_cache
-from cloud_verifier.model import target as target_mod
-from cloud_verifier.model.llama import DecoderLayer
-from cloud_verifier.model.weights import hf_state_dict
+from shared.model import gguf_loader, load_target, weight_cache
+from shared.model import target as target_mod
+from shared.model.llama import DecoderLayer
+from shared.model.weights import hf_state_dict
 
 from .checkpoints import logits_of
 

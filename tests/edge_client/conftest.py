@@ -42,7 +42,7 @@ def onnx_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny` exported to ONNX (fp32) once per session, for the onnx drafter's tests."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
-    from edge_client.onnx_export import export
+    from edge_client.onnx.export import export
 
     out = tmp_path_factory.mktemp("onnx") / "tiny"
     export("tiny", out, progress=False)
@@ -54,7 +54,7 @@ def onnx_tiny_int8(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`tiny` exported to ONNX with --int8 (8-bit blocks, MatMulNBits) once per session."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("onnx")
-    from edge_client.onnx_export import export
+    from edge_client.onnx.export import export
 
     out = tmp_path_factory.mktemp("onnx") / "tiny-int8"
     export("tiny", out, int8=True, progress=False)

@@ -79,7 +79,7 @@ def _torch_or_skip() -> None:
     try:
         from edge_client.drafters import torch_drafter  # noqa: F401
     except ImportError:
-        pytest.skip("cloud_verifier.model (the torch runtime) is not available")
+        pytest.skip("shared.model (the torch runtime) is not available")
 
 
 def _compare(alias: str) -> None:

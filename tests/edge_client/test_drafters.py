@@ -42,8 +42,8 @@ Factory = Callable[..., Drafter]
 
 def _torch_available() -> bool:
     try:
-        from cloud_verifier.model import load_target  # noqa: F401
         from edge_client.drafters import torch_drafter  # noqa: F401
+        from shared.model import load_target  # noqa: F401
     except ImportError:
         return False
     return True
@@ -53,7 +53,7 @@ def _torch_available() -> bool:
 def backend(request: pytest.FixtureRequest) -> str:
     name: str = request.param
     if name in ("torch", "onnx", "onnx_int8") and not _torch_available():
-        pytest.skip("cloud_verifier.model (the torch runtime) is not available")
+        pytest.skip("shared.model (the torch runtime) is not available")
     if name in ("onnx", "onnx_int8"):
         pytest.importorskip("onnxruntime")
     return name
@@ -297,7 +297,7 @@ def test_registry_names_and_errors() -> None:
 def test_torch_tokenizer_matches_llama_cpp(smollm2_path: Path) -> None:
     """The torch drafter's tokenizer (the cloud runtime's, adapted) and llama.cpp's agree."""
     if not _torch_available():
-        pytest.skip("cloud_verifier.model (the torch runtime) is not available")
+        pytest.skip("shared.model (the torch runtime) is not available")
     from edge_client.tokenizer import LlamaCppTokenizer
 
     d = create_drafter("torch", "tiny", max_context=64, max_nodes=8)

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from bench.harness import load_prompts
-from cloud_verifier.model import Target, decode_step, load_target, prefill
 from edge_client.client import EdgeClient, GenerationError, TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from edge_client.stats import GenerationResult, GenerationStats
 from shared.errors import ErrorCode
+from shared.model import Target, decode_step, load_target, prefill
 from tests.cloud_verifier.service import LiveServer, tiny
 from tests.edge_client.fake_drafter import FakeDrafter
 

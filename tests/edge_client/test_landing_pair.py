@@ -27,8 +27,8 @@ def test_after_a_mismatch_the_landing_order_finds_the_bonus_more_often() -> None
 
     from bench.agreement import target_output
     from bench.harness import load_suite
-    from cloud_verifier.model import load_target
     from edge_client.drafters.registry import create_drafter
+    from shared.model import load_target
 
     torch.set_num_threads(1)
     target = load_target("smollm2-135m", progress=False)

@@ -271,8 +271,8 @@ def test_parallel_drafters_through_the_verifier() -> None:
 
 
 def _first_token_probs(prompt: list[int], temperature: float, top_k: int) -> np.ndarray:
-    from cloud_verifier.model import prefill
     from cloud_verifier.sampling import SamplingParams, target_probs
+    from shared.model import prefill
 
     target = tiny()
     kv = target.new_kv_cache(len(prompt) // 16 + 8, 16)

@@ -30,7 +30,7 @@ from edge_client.cli import main as cli_main
 from edge_client.client import TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
-from edge_client.onnx_export import (
+from edge_client.onnx.export import (
     DYNAMIC_LAYOUT,
     INT8_LAYOUT,
     MANIFEST,
@@ -178,9 +178,9 @@ def test_int8_export_needs_onnxruntime_1_22(onnx_tiny_int8: Path, monkeypatch: p
 def test_int8_export_quantizes_without_a_float_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """numpy's buffers are traced by tracemalloc: the fp32 export's transposed head copy shows,
     the int8 export's peak stays a small fraction of one weight (rows are quantized in chunks)."""
-    from cloud_verifier.model import load_target
-    from edge_client import onnx_quant
-    from edge_client.onnx_graph import write_model
+    from edge_client.onnx import quant as onnx_quant
+    from edge_client.onnx.graph import write_model
+    from shared.model import load_target
 
     model = load_target("tiny", dtype="float32", device="cpu", progress=False).model
     head_bytes = model.embed.numel() * 4
@@ -242,7 +242,7 @@ def test_manifest_mismatches_are_refused(onnx_tiny: Path, tmp_path: Path) -> Non
 def test_first_use_exports_into_the_cache(
     onnx_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from edge_client import onnx_export
+    from edge_client.onnx import export as onnx_export
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
     exported: list[Path] = []
@@ -291,7 +291,7 @@ def smollm2_torch() -> Iterator[Drafter]:
 
 @pytest.fixture(scope="module")
 def smollm2_exports(smollm2_torch: Drafter, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from edge_client.onnx_export import export
+    from edge_client.onnx.export import export
 
     root = tmp_path_factory.mktemp("onnx-smollm2")
     target = cast("TorchDrafter", smollm2_torch)._target

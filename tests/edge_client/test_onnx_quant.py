@@ -1,4 +1,4 @@
-"""edge_client.onnx_quant: 8-bit blocks within half a step of the weights, chunking that changes
+"""edge_client.onnx.quant: 8-bit blocks within half a step of the weights, chunking that changes
 nothing, zero blocks, padding, and the block sizes MatMulNBits gets."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_client import onnx_quant
-from edge_client.onnx_quant import ZERO, block_size, dequantize, quantize_rows
+from edge_client.onnx import quant as onnx_quant
+from edge_client.onnx.quant import ZERO, block_size, dequantize, quantize_rows
 
 
 def _quantize(w: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:

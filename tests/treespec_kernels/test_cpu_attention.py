@@ -16,9 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cloud_verifier import kv_cache
-from cloud_verifier.kv_cache import TILE, PagedKVCache
-from cloud_verifier.model import build_model, decode_step, make_tiny_config, prefill
+from shared.model import build_model, decode_step, kv_cache, make_tiny_config, prefill
+from shared.model.kv_cache import TILE, PagedKVCache
 from treespec_kernels import cpu_attention as ck
 
 if ck.disabled():

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from cloud_verifier.model.config import ModelConfig, RopeScaling
-from cloud_verifier.model.llama import LlamaModel
-from cloud_verifier.model.tokenizer import CONTROL, TargetTokenizer, bpe_from_gguf
-from cloud_verifier.model.weights import WeightAssigner
+from shared.model.config import ModelConfig, RopeScaling
+from shared.model.llama import LlamaModel
+from shared.model.tokenizer import CONTROL, TargetTokenizer, bpe_from_gguf
+from shared.model.weights import WeightAssigner
 from shared.vocab import end_of_generation_ids
 
 SUPPORTED_ARCHS = ("llama", "qwen2")

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from cloud_verifier.kv_cache import PagedKVCache
-    from cloud_verifier.model.inputs import SeqInput
+    from shared.model.inputs import SeqInput
+    from shared.model.kv_cache import PagedKVCache
 
 MAX_TREE_ROWS = 65  # row 0 + 64 nodes: one int64 mask bit per node (treespec_kernels.tree_attention)
 HEAD_DIMS = (16, 32, 64, 128, 256)

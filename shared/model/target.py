@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from cloud_verifier.kv_cache import PagedKVCache
-from cloud_verifier.model import gguf_loader, safetensors_loader, weight_cache
-from cloud_verifier.model.config import ModelConfig, make_tiny_config
-from cloud_verifier.model.llama import LlamaModel
-from cloud_verifier.model.tokenizer import TargetTokenizer
-from cloud_verifier.model.weights import build_model, resolve_device, resolve_dtype
 from shared import model_store
+from shared.model import gguf_loader, safetensors_loader, weight_cache
+from shared.model.config import ModelConfig, make_tiny_config
+from shared.model.kv_cache import PagedKVCache
+from shared.model.llama import LlamaModel
+from shared.model.tokenizer import TargetTokenizer
+from shared.model.weights import build_model, resolve_device, resolve_dtype
 from shared.vocab import vocab_fingerprint
 
 ALIASES = (*model_store.aliases("target"), "tiny")

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from cloud_verifier.model.config import ModelConfig, RopeScaling
-from cloud_verifier.model.llama import LlamaModel
-from cloud_verifier.model.tokenizer import TargetTokenizer
 from shared import model_store
+from shared.model.config import ModelConfig, RopeScaling
+from shared.model.llama import LlamaModel
+from shared.model.tokenizer import TargetTokenizer
 
-log = logging.getLogger("cloud_verifier.weights")
+log = logging.getLogger("shared.model.weights")
 
 FORMAT = 1
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -149,7 +149,7 @@ def load(
     except (OSError, ValueError, KeyError, TypeError) as exc:
         log.warning("ignoring the weight cache entry %s (%s)", entry, exc)
         return None
-    from cloud_verifier.model.weights import build_model
+    from shared.model.weights import build_model
 
     model = build_model(config, None, dtype, device)
     params = dict(model.named_parameters(remove_duplicate=True))

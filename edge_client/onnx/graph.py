@@ -2,14 +2,14 @@
 a decode step, or one level of a token tree) against a KV cache the caller keeps.
 
 The graph is written node by node with `onnx.helper` from the weights of the project's own
-`LlamaModel` (a GGUF dequantized by `cloud_verifier.model`), not traced: every op is a standard
+`LlamaModel` (a GGUF dequantized by `shared.model`), not traced: every op is a standard
 ONNX op (opset 18), the row and past axes are symbolic by construction, and the weights stream
 to one external-data file a tensor at a time, so exporting Qwen2.5-Coder-0.5B holds about one
 copy of its floats. The arithmetic mirrors `LlamaModel.forward_packed`: RMSNorm, fused q|k|v
 (+ biases for qwen2), rotate-half RoPE on absolute positions, grouped-query attention with an
 additive mask, SwiGLU, final norm and LM head (fp32: a tied head gets its own transposed copy, a
 plain MatMul). With int8, every projection and the head are MatMulNBits over 8-bit blocks written
-as they are quantized (edge_client.onnx_quant), and the embedding is a Gather of those blocks (a
+as they are quantized (edge_client.onnx.quant), and the embedding is a Gather of those blocks (a
 tied head shares them).
 
 Inputs / outputs (P = past rows, n = new rows, k = rows whose logits are wanted):
@@ -47,7 +47,7 @@ MS_DOMAIN = "com.microsoft"  # MatMulNBits, onnxruntime's contrib op (int8 expor
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """The initializers of one int8 weight W [n, k] (edge_client.onnx_quant's block layout)."""
+    """The initializers of one int8 weight W [n, k] (edge_client.onnx.quant's block layout)."""
 
     q: str  # uint8 [n, blocks, block]
     scales: str  # float32 [n, blocks]
@@ -130,11 +130,11 @@ class _Writer:
         return self._external(hint, TensorProto.FLOAT, a.shape, offset, a.nbytes)
 
     def int8_weight(self, array: np.ndarray, hint: str) -> Int8Weight:
-        """W [out, in] as MatMulNBits' 8-bit blocks (edge_client.onnx_quant), streamed a chunk of
+        """W [out, in] as MatMulNBits' 8-bit blocks (edge_client.onnx.quant), streamed a chunk of
         rows at a time: no float copy of W is made."""
         from onnx import TensorProto
 
-        from edge_client.onnx_quant import block_size, quantize_rows
+        from edge_client.onnx.quant import block_size, quantize_rows
 
         rows, k = array.shape
         block = block_size(k)
@@ -156,16 +156,16 @@ def _np(p: Any) -> np.ndarray:
 
 
 def write_model(model: Any, out: Path, data_name: str = "model.onnx.data", *, int8: bool = False) -> None:
-    """Write `model` (a cloud_verifier LlamaModel with its projection weights in place) as
+    """Write `model` (a shared.model LlamaModel with its projection weights in place) as
     `out` (the graph) and `out.parent / data_name` (its weights).
 
-    int8: every projection, the LM head and the embedding as 8-bit blocks (edge_client.onnx_quant)
+    int8: every projection, the LM head and the embedding as 8-bit blocks (edge_client.onnx.quant)
     run by MatMulNBits; norms, biases and rotary tables stay float32."""
     import onnx
     from onnx import TensorProto
     from onnx import helper as h
 
-    from cloud_verifier.model.rope import inverse_frequencies
+    from shared.model.rope import inverse_frequencies
 
     if getattr(model, "released", False):
         raise ValueError("the model's projection weights were released after packing; load it again")
@@ -312,7 +312,7 @@ def _gather_int8(w: _Writer, q: Int8Weight, ids: str) -> str:
     """Rows `ids` of an int8 weight [n, k], dequantized: [len(ids), k] float32."""
     from onnx import TensorProto
 
-    from edge_client.onnx_quant import ZERO
+    from edge_client.onnx.quant import ZERO
 
     rows = w.op("Cast", [w.op("Gather", [q.q, ids], axis=0)], to=TensorProto.FLOAT)  # [m, blocks, block]
     scales = w.op("Unsqueeze", [w.op("Gather", [q.scales, ids], axis=0), w.const(np.array([-1], np.int64))])

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cloud_verifier.kv_cache import TILE, PagedKVCache, SeqSlots
-from cloud_verifier.model import gemm, triton_attention
-from cloud_verifier.model.config import ModelConfig
-from cloud_verifier.model.inputs import SeqInput, allowed_rows, attention_mask, check_input, row_bounds
-from cloud_verifier.model.rope import Rotary
+from shared.model import gemm, triton_attention
+from shared.model.config import ModelConfig
+from shared.model.inputs import SeqInput, allowed_rows, attention_mask, check_input, row_bounds
+from shared.model.kv_cache import TILE, PagedKVCache, SeqSlots
+from shared.model.rope import Rotary
 from treespec_kernels import cpu_attention
 
 # SeqInput and check_input are part of this module's interface (the sharded model imports them here)

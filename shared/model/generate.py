@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from cloud_verifier.kv_cache import PagedKVCache
-from cloud_verifier.model.inputs import decode_step, prefill_chunk
-from cloud_verifier.model.llama import LlamaModel
+from shared.model.inputs import decode_step, prefill_chunk
+from shared.model.kv_cache import PagedKVCache
+from shared.model.llama import LlamaModel
 
 
 def prefill(

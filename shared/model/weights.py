@@ -12,8 +12,8 @@ import re
 
 import torch
 
-from cloud_verifier.model.config import ModelConfig
-from cloud_verifier.model.llama import DecoderLayer, LlamaModel
+from shared.model.config import ModelConfig
+from shared.model.llama import DecoderLayer, LlamaModel
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

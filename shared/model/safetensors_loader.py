@@ -13,10 +13,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from cloud_verifier.model.config import ModelConfig, config_from_hf
-from cloud_verifier.model.llama import LlamaModel
-from cloud_verifier.model.tokenizer import TargetTokenizer
-from cloud_verifier.model.weights import WeightAssigner
+from shared.model.config import ModelConfig, config_from_hf
+from shared.model.llama import LlamaModel
+from shared.model.tokenizer import TargetTokenizer
+from shared.model.weights import WeightAssigner
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,10 +1,9 @@
 """The cloud target: a Llama-family decoder with a packed tree-attention forward, its loaders
 (GGUF, safetensors) and tokenizer. See docs/architecture.md §3.1, §5 and §6."""
 
-from cloud_verifier.kv_cache import KVCacheFull, PagedKVCache
-from cloud_verifier.model.config import ModelConfig, RopeScaling, make_tiny_config
-from cloud_verifier.model.generate import greedy_generate, prefill
-from cloud_verifier.model.inputs import (
+from shared.model.config import ModelConfig, RopeScaling, make_tiny_config
+from shared.model.generate import greedy_generate, prefill
+from shared.model.inputs import (
     SeqInput,
     check_input,
     decode_step,
@@ -12,10 +11,11 @@ from cloud_verifier.model.inputs import (
     round_keep,
     tree_round,
 )
-from cloud_verifier.model.llama import LlamaModel
-from cloud_verifier.model.target import ALIASES, Target, load_target, smollm2_gguf_path
-from cloud_verifier.model.tokenizer import TargetTokenizer
-from cloud_verifier.model.weights import build_model
+from shared.model.kv_cache import KVCacheFull, PagedKVCache
+from shared.model.llama import LlamaModel
+from shared.model.target import ALIASES, Target, load_target, smollm2_gguf_path
+from shared.model.tokenizer import TargetTokenizer
+from shared.model.weights import build_model
 
 __all__ = [
     "ALIASES",

@@ -2,16 +2,16 @@
 
 An export folder holds:
 
-    model.onnx, model.onnx.data   the graph of edge_client.onnx_graph and its weights
+    model.onnx, model.onnx.data   the graph of edge_client.onnx.graph and its weights
     tokenizer.json, tokens.json   the tokenizer (edge_client.stored_tokenizer)
     manifest.json                 what was exported: source and its sha256, vocabulary size and
                                   fingerprint, shapes, int8 or not, file sizes, format version
 
 The source is a draft alias, a GGUF path, or `tiny` (the seeded random-weight test model); its
-GGUF is dequantized to fp32 by the cloud runtime's loader (`cloud_verifier.model.load_target`), so
+GGUF is dequantized to fp32 by the cloud runtime's loader (`shared.model.load_target`), so
 the ONNX model has exactly the torch drafter's weights. `int8` writes every projection, the LM head
 and the embedding as symmetric 8-bit blocks of 16-128 input values with one scale each
-(edge_client.onnx_quant), quantized while the graph is written, a chunk of rows at a time, and run
+(edge_client.onnx.quant), quantized while the graph is written, a chunk of rows at a time, and run
 by onnxruntime's MatMulNBits with int8 activations; no fp32 graph is written first, so exporting
 Qwen2.5-Coder-0.5B needs little more memory than its fp32 torch model. `int8_method="dynamic"`
 instead writes the fp32 graph and runs onnxruntime's `quantize_dynamic` over it (int8 weights per
@@ -180,7 +180,7 @@ def export(
 ) -> Manifest:
     """Export `source` into the folder `out` (replaced if it exists); returns its manifest.
 
-    target: the already loaded fp32 `cloud_verifier.model.Target` of `source` (saves loading it
+    target: the already loaded fp32 `shared.model.Target` of `source` (saves loading it
     again, e.g. when the torch drafter holds it); by default it is loaded here.
     int8_method: with int8, "blocks" (8-bit blocks written as the graph is) or "dynamic"
     (onnxruntime's quantize_dynamic over the fp32 graph); see the module docstring.
@@ -195,8 +195,8 @@ def export(
     import onnxruntime
     import torch
 
-    from cloud_verifier.model import load_target
     from shared import model_store
+    from shared.model import load_target
 
     gguf = source_path(source)
     say: Callable[[str], None] = (
@@ -213,7 +213,7 @@ def export(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        from edge_client.onnx_graph import OPSET, write_model
+        from edge_client.onnx.graph import OPSET, write_model
 
         kind = "fp32" if not int8 or dynamic else "int8 (8-bit blocks, quantized as written)"
         stage(f"writing the {'int8' if int8 else 'fp32'} graph")
