@@ -1,9 +1,10 @@
-"""The engine's state as plain dataclasses: a session's generation (`SeqState`), the round it wants
-verified (`Job`), a round's outcome (`RoundResult`), the engine's config, and one session's part of
-a step (`Planned`)."""
+"""The engine's state as plain dataclasses: a session's generation (`SeqState`) with its explicit
+status (`SeqStatus`, transitions checked), the round it wants verified (`Job`), a round's outcome
+(`RoundResult`), the engine's config, and one session's part of a step (`Planned`)."""
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,35 @@ class RoundResult:
     error: ProtocolError | None = None
 
 
+class SeqStatus(enum.Enum):
+    """Where a session stands with the engine. Only the event loop's thread moves it (step.py)."""
+
+    IDLE = "idle"  # no generation running
+    WAITING = "waiting"  # a generation between rounds: the client is drafting its next tree
+    READY = "ready"  # a round queued for the next step
+    RUNNING = "running"  # its round is in the step now running
+    CLOSING = "closing"  # closed during its step: released when the step ends
+    CLOSED = "closed"  # forgotten, KV freed
+
+
+# what each status may become: start/submit queue a round (IDLE, WAITING -> READY), a step takes it
+# (-> RUNNING) and hands back a prefill chunk or a deferred round (-> READY) or a verdict (-> WAITING,
+# or IDLE when the generation ended); a cancel between rounds ends it (WAITING -> IDLE); a close
+# during a step waits for the step (RUNNING -> CLOSING -> CLOSED)
+TRANSITIONS: dict[SeqStatus, frozenset[SeqStatus]] = {
+    SeqStatus.IDLE: frozenset({SeqStatus.READY, SeqStatus.CLOSED}),
+    SeqStatus.WAITING: frozenset({SeqStatus.READY, SeqStatus.IDLE, SeqStatus.CLOSED}),
+    SeqStatus.READY: frozenset({SeqStatus.RUNNING, SeqStatus.CLOSED}),
+    SeqStatus.RUNNING: frozenset({SeqStatus.READY, SeqStatus.WAITING, SeqStatus.IDLE, SeqStatus.CLOSING}),
+    SeqStatus.CLOSING: frozenset({SeqStatus.CLOSED}),
+    SeqStatus.CLOSED: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A session asked to move between two statuses the engine never connects (a bug)."""
+
+
 @dataclass
 class SeqState:
     """The engine's view of one session's generation."""
@@ -59,10 +89,20 @@ class SeqState:
     generator: torch.Generator | None = None
     max_new_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()
-    job: Job | None = None
-    busy: bool = False
-    closed: bool = False
-    active: bool = False  # a generation is running (its next round may come any moment)
+    job: Job | None = None  # the queued or running round (READY, RUNNING)
+    status: SeqStatus = SeqStatus.IDLE
+    cancelled: bool = False  # a cancel came with a round queued or running: IDLE after that round
+
+    def move(self, to: SeqStatus) -> None:
+        """Change status; IllegalTransition when TRANSITIONS does not allow it."""
+        if to not in TRANSITIONS[self.status]:
+            raise IllegalTransition(f"session {self.sid}: {self.status.value} -> {to.value} is not allowed")
+        self.status = to
+
+    @property
+    def working(self) -> bool:
+        """The engine holds a round of this session (queued or in a step)."""
+        return self.status in (SeqStatus.READY, SeqStatus.RUNNING, SeqStatus.CLOSING)
 
 
 @dataclass(frozen=True)
@@ -94,7 +134,3 @@ class Planned:
     def rows(self) -> int:
         """Rows it feeds the forward: its committed tokens, then (when final) its tree's nodes."""
         return len(self.pre) + (self.job.tree.num_nodes if self.final and self.job.tree is not None else 0)
-
-
-# a planned round and how it ended: a result, nothing yet (a prefill chunk), or an error
-Outcome = tuple[Planned, RoundResult | None, ProtocolError | None]

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from cloud_verifier.engine_state import EngineConfig, Planned, SeqState
+from cloud_verifier.engine_state import EngineConfig, Planned, SeqState, SeqStatus
 from shared.model.kv_cache import PagedKVCache
 
 
 def plan_step(seqs: Iterable[SeqState], kv: PagedKVCache, config: EngineConfig, rr: int) -> list[Planned]:
     """The step's rounds, in forward order. rr: the round-robin counter (which ready session, in
     session-id order, goes first among equals)."""
-    ready = [s for s in seqs if s.job is not None and not s.busy and not s.closed]
+    ready = [s for s in seqs if s.status is SeqStatus.READY]
     if not ready:
         return []
     ready.sort(key=lambda s: s.sid)

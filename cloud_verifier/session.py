@@ -130,7 +130,7 @@ class Session:
     @property
     def working(self) -> bool:
         """The engine holds a round of this session (queued or in a step): not idle."""
-        return self.seq is not None and (self.seq.job is not None or self.seq.busy)
+        return self.seq is not None and self.seq.working
 
     # ------------------------------------------------------------------ frames in
     def receive(self, data: bytes) -> None:

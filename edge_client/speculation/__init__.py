@@ -25,8 +25,8 @@ Follow one round (default: greedy, a static tree, no pre-speculation), file by f
 7. shared/round_messages.py: the Prompt, Tree and Verdict messages and a tree's wire form.
 8. cloud_verifier/session.py: `Session.receive` turns frames into protocol events and hands the tree
    to the engine; `_on_result` sends the verdict (shared/server_protocol.py keeps the pending trees).
-9. cloud_verifier/engine.py: `Engine._step` packs every session's ready rows into one forward,
-   verifies, commits the accepted rows' KV.
+9. cloud_verifier/step.py: `StepRunner.execute` packs every session's ready rows into one
+   forward, verifies, commits the accepted rows' KV (engine.py schedules it).
 10. shared/model/inputs.py: `tree_round`, the rows (row 0 + nodes), positions and tree mask.
 11. shared/model/llama.py: `forward_packed`, the target's tree-attention forward.
 12. cloud_verifier/verify.py: `verify_tree`, the accepted path and the bonus token; back in 9, 8, 6,

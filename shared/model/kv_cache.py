@@ -12,19 +12,26 @@ so the positions of a block are adjacent for every head. When a sequence's block
 ids (the allocator tries hard to keep them so) attention reads its keys as a strided *view* of the
 pool, with no gather; otherwise it gathers by slot index.
 
-With `tiled_keys=True` (the batch-invariant CPU attention, treespec_kernels/cpu_attention.py) the pool also
-keeps each layer's keys transposed within tiles of 16 slots, `kt[layer, head, slot // 16, :,
+With `tiled_keys=True` (the batch-invariant CPU attention, treespec_kernels/cpu_attention.py) the
+pool also keeps each layer's keys transposed within tiles of 16 slots, `kt[layer, head, slot // 16, :,
 slot % 16]`, so that kernel loads 16 keys' worth of one dimension with one vector load. It is
 written and moved together with `k`; the block size must then be a multiple of 16.
 
 Refusals (`KVCacheFull`, bad ids, bad keep lists) are raised before anything is modified.
+
+Threads: the engine's worker thread reserves, writes and commits the rows of the sequences in its
+step while the event loop's thread adds and frees other sequences, so every method that changes
+the block bookkeeping (the free map, block tables, lengths) holds the pool's lock.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -89,6 +96,23 @@ class SeqSlots:
     read: tuple[int, int] | torch.Tensor
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(
+    method: Callable[Concatenate[PagedKVCache, _P], _R],
+) -> Callable[Concatenate[PagedKVCache, _P], _R]:
+    """Run a PagedKVCache method under the pool's lock."""
+
+    @functools.wraps(method)
+    def run(self: PagedKVCache, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -127,6 +151,7 @@ class PagedKVCache:
         self._write_tiled = _tiled_writer() if tiled_keys else _put_tiled
         self._free = np.ones(num_blocks, dtype=bool)
         self._num_free = num_blocks
+        self._lock = threading.RLock()  # the bookkeeping; see the module doc
         self._seqs: dict[int, _Seq] = {}
 
     # ------------------------------------------------------------------ accounting
@@ -185,23 +210,27 @@ class PagedKVCache:
             raise KeyError(f"sequence {seq_id} is not in the KV cache") from None
 
     # ------------------------------------------------------------------ lifecycle
+    @_locked
     def add(self, seq_id: int) -> None:
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id} is already in the KV cache")
         self._seqs[seq_id] = _Seq()
 
+    @_locked
     def free(self, seq_id: int) -> None:
         """Release every block of the sequence and forget it."""
         seq = self._seq(seq_id)
         self._release(seq.blocks)
         del self._seqs[seq_id]
 
+    @_locked
     def discard(self, seq_id: int) -> None:
         """Drop the uncommitted scratch rows of the last forward."""
         seq = self._seq(seq_id)
         seq.scratch = 0
         self._trim(seq)
 
+    @_locked
     def truncate(self, seq_id: int, length: int) -> None:
         """Forget committed positions from `length` on (and any scratch)."""
         seq = self._seq(seq_id)
@@ -210,6 +239,7 @@ class PagedKVCache:
         seq.cached, seq.scratch = length, 0
         self._trim(seq)
 
+    @_locked
     def commit_rows(self, seq_id: int, keep: Sequence[int]) -> None:
         """Keep scratch rows `keep` (increasing) at positions cached_len, cached_len + 1, ...
 
@@ -241,6 +271,7 @@ class PagedKVCache:
         self.commit_rows(seq_id, [0, *(1 + int(i) for i in accepted_nodes)])
 
     # ------------------------------------------------------------------ used by the forward
+    @_locked
     def reserve(self, requests: Sequence[tuple[int, int]]) -> list[SeqSlots]:
         """Make scratch room for (seq_id, n_rows) of one forward, all or nothing.
 

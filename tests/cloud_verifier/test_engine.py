@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from cloud_verifier.engine import Engine
-from cloud_verifier.engine_state import EngineConfig, RoundResult, SeqState
+from cloud_verifier.engine_state import EngineConfig, Planned, RoundResult, SeqState
+from cloud_verifier.planning import plan_step
 from shared.errors import ErrorCode
 from shared.messages import Mode, Prompt
 from shared.tree import TokenTree
@@ -20,6 +21,11 @@ from tests.cloud_verifier.service import prompt_tokens, reference, tiny
 def _engine(**cfg: Any) -> Engine:
     t = tiny()
     return Engine(t, t.new_kv_cache(256, 16), EngineConfig(**cfg))
+
+
+def _plan(e: Engine) -> list[Planned]:
+    """What the next step would pack (planning only: nothing is marked running)."""
+    return plan_step(e.seqs.values(), e.kv, e.config, 0)
 
 
 def _start(e: Engine, n_prompt: int, seed: int) -> SeqState:
@@ -33,13 +39,11 @@ def test_a_long_prefill_is_chunked_small_while_others_wait() -> None:
     async def main() -> None:
         e = _engine(token_budget=512, prefill_chunk=32)
         long = _start(e, 400, 1)
-        plan = e._plan()
+        plan = _plan(e)
         # alone, a prompt takes the whole budget: all 400 rows, row 0 included, in one step
         assert [(p.seq.sid, len(p.pre), p.final) for p in plan] == [(long.sid, 400, True)]
         short = _start(e, 1, 2)  # a one-row round (like a decode step) joins
-        for p in plan:
-            p.seq.busy = False
-        plan = e._plan()
+        plan = _plan(e)
         # the one-row round goes first and whole; the prefill takes at most prefill_chunk rows
         assert plan[0].seq is short and plan[0].final and len(plan[0].pre) == 1
         assert plan[1].seq is long and not plan[1].final and len(plan[1].pre) == 32
@@ -55,7 +59,7 @@ def test_a_tree_round_is_never_split() -> None:
         tree = TokenTree.chain(list(range(100, 120)), base=1)
         e.start(s, Prompt(toks, Mode.GREEDY, max_new_tokens=8, tree=tree), toks)
         _start(e, 100, 4)
-        plan = e._plan()
+        plan = _plan(e)
         mine = next(p for p in plan if p.seq is s)
         # row 0 and all 20 nodes in one step, though that is more rows than prefill_chunk
         assert mine.final and len(mine.pre) == 1 and plan[0] is mine
@@ -117,21 +121,19 @@ def test_step_planning_packs_one_row_rounds_first_within_the_token_budget() -> N
         e = _engine(token_budget=40, prefill_chunk=16)
         prefill = _start(e, 30, 10)
         decodes = [_start(e, 1, 20 + i) for i in range(5)]
-        plan = e._plan()
+        plan = _plan(e)
         # the five one-row rounds first, then the prefill gets what is left of the budget (35 rows,
         # capped at prefill_chunk) and keeps its row 0 for a later step
         assert [p.seq for p in plan[:5]] == sorted(decodes, key=lambda s: s.sid)
         assert all(p.final and len(p.pre) == 1 for p in plan[:5])
         assert plan[5].seq is prefill and not plan[5].final and len(plan[5].pre) == 16
         assert sum(len(p.pre) for p in plan) <= 40
-        for p in plan:
-            p.seq.busy = False
         # a budget smaller than the one-row rounds: the step stops when it is spent
         e.config = EngineConfig(token_budget=3, prefill_chunk=16)
-        assert [len(p.pre) for p in e._plan()] == [1, 1, 1]
+        assert [len(p.pre) for p in _plan(e)] == [1, 1, 1]
         # without batching: one session per step
         e.config = EngineConfig(token_budget=512, prefill_chunk=16, batching=False)
-        assert len(e._plan()) == 1
+        assert len(_plan(e)) == 1
 
     asyncio.run(main())
 

@@ -151,12 +151,12 @@ def test_a_loop_that_plans_nothing_while_work_waits_is_still_a_stall(monkeypatch
         engine: Engine = srv.engine
         _stall_after(engine, 0.3)
         stuck = {"on": True}
-        real = engine._plan
+        real = engine.runner.plan
 
         def plan() -> Any:
             return [] if stuck["on"] else real()
 
-        monkeypatch.setattr(engine, "_plan", plan)
+        monkeypatch.setattr(engine.runner, "plan", plan)
 
         async def main() -> tuple[int, int, int]:
             async with httpx.AsyncClient(timeout=60) as h:

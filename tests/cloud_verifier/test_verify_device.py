@@ -257,18 +257,21 @@ def _engine_step_outcomes(sync_free: bool, counter: SyncCounter | None = None) -
             prompt = Prompt(toks, mode, max_new_tokens=8, temperature=0.9, seed=7 + i, tree=tree)
             e.start(s, prompt, toks)
             sessions.append(s)
-        plan = e._plan()
+        plan = e.runner.plan()
         gen = torch.Generator().manual_seed(0)
         fixed = [torch.randn(len(p.pre) + _n(p), t.config.vocab_size, generator=gen) * 3 for p in plan]
         cast(Any, e.target.model).forward_packed = lambda inputs, kv: [x.clone() for x in fixed]
         e.kv.reserve([(p.seq.sid, len(p.pre) + _n(p)) for p in plan])
         if counter is None:
-            out = e._step(plan)
+            out = e.runner.execute(plan).outcomes
         else:
             with counter:
-                out = e._step(plan)
+                out = e.runner.execute(plan).outcomes
         del e.target.model.forward_packed
-        return [(p.seq.sid, r and r.tokens, r and r.accepted_nodes, err) for p, r, err in out]
+        return [
+            (o.planned.seq.sid, o.result and o.result.tokens, o.result and o.result.accepted_nodes, o.error)
+            for o in out
+        ]
 
     return asyncio.run(main())
 

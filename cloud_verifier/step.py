@@ -1,0 +1,410 @@
+"""One engine step, synchronously: plan -> packed forward -> verify -> commit -> results.
+
+`StepRunner.step` is the diagram of docs/architecture.md §2 in code, and how tests drive the engine
+without an event loop. The asyncio `Engine` (engine.py) only schedules the same three phases and
+reports health: `plan` and `finish` on the event loop's thread, `execute` on its worker thread.
+
+Which thread touches what (docs/architecture.md §5):
+
+- The event loop's thread owns every `SeqState`: its status, job, committed sequence and
+  generation settings change only there (`open`, `start`, `submit`, `end`, `close`, `plan`,
+  `finish`). It adds and frees KV sequences of sessions that are not in the running step.
+- The worker thread runs `execute`: the target's forward, and the KV rows of the planned sessions
+  (reserve, write, commit, discard). It reads the planned sessions' committed tokens, job and
+  sampling settings, which nothing changes while a session is RUNNING, and writes only their
+  sampling generator (verification draws from it) and the pool. The pool's bookkeeping is under
+  its own lock, so the loop's add/free of other sessions never races the step's reserve.
+
+A round's rows (docs/architecture.md §3.1): the committed tokens not yet in the KV cache (normally
+just row 0, the previous bonus; the whole prompt at prefill) and then the tree nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cloud_verifier.engine_state import EngineConfig, Job, Planned, RoundResult, SeqState, SeqStatus
+from cloud_verifier.planning import plan_step
+from cloud_verifier.sampling import sample_next_async
+from cloud_verifier.verify import (
+    Algorithm,
+    SamplingParams,
+    read_verdicts,
+    sample_next,
+    unpack_verdict,
+    verify_tree,
+    verify_tree_async,
+)
+from shared.errors import ErrorCode, ProtocolError
+from shared.messages import Mode, Prompt
+from shared.model import SeqInput, Target, prefill_chunk, round_keep, tree_round
+from shared.model.kv_cache import KVCacheFull, PagedKVCache
+from shared.tree import TokenTree
+
+log = logging.getLogger("cloud_verifier.engine")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """How one planned round ended in a step: a result, an error, or neither (a prefill chunk:
+    its round stays queued for a later step)."""
+
+    planned: Planned
+    result: RoundResult | None = None
+    error: ProtocolError | None = None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """The packed forward: the rounds it ran with their logits ([rows wanted, vocab] each), the
+    rounds left for the next step (the KV pool could not hold them all), and a round refused alone."""
+
+    rounds: list[Planned]
+    logits: list[torch.Tensor]
+    deferred: list[Planned] = field(default_factory=list)
+    refused: list[StepOutcome] = field(default_factory=list)
+
+
+@dataclass
+class Verdict:
+    """One round's verdict: the sampled tokens and accepted nodes on the host, or (`sync_free`) still
+    packed on the device until the step's one copy; `error` when verifying it failed. A prefill
+    chunk has no verdict (`planned.final` is False)."""
+
+    planned: Planned
+    tokens: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    device: torch.Tensor | None = None
+    error: ProtocolError | None = None
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """What `execute` hands back to the loop thread: every planned round's outcome, in plan order,
+    and the rounds deferred to a later step."""
+
+    outcomes: list[StepOutcome]
+    deferred: list[Planned]
+
+
+class StepRunner:
+    """The sessions' state and one step over it; no asyncio, no threads of its own."""
+
+    def __init__(self, target: Target, kv: PagedKVCache, config: EngineConfig) -> None:
+        self.target = target
+        self.kv = kv
+        self.config = config
+        self.eos_ids = frozenset(target.eos_ids)
+        self.seqs: dict[int, SeqState] = {}
+        self.forwards = 0  # packed forwards run (a KV-full retry with fewer sessions counts once)
+        # off the CPU, verdicts stay on the device until one copy per step (verify.read_verdicts)
+        self.sync_free = target.device.type != "cpu"
+        self._next_sid = 1
+        self._rr = 0  # round-robin start among ready sessions
+
+    # ------------------------------------------------------------------ the step, top to bottom
+    def step(self) -> list[RoundResult]:
+        """Plan, run and finish one step on this thread; the results handed to the sessions."""
+        plan = self.plan()
+        if not plan:
+            return []
+        t0 = time.perf_counter()
+        done = self.execute(plan)
+        return self.finish(done, time.perf_counter() - t0)
+
+    def plan(self) -> list[Planned]:
+        """Loop thread: the step's rounds (planning.plan_step); their sessions become RUNNING."""
+        plan = plan_step(self.seqs.values(), self.kv, self.config, self._rr)
+        self._rr += 1 if plan else 0
+        for p in plan:
+            p.seq.move(SeqStatus.RUNNING)
+        return plan
+
+    def execute(self, plan: list[Planned]) -> StepDone:
+        """Worker thread: packed forward -> verify -> one device read -> commit.
+
+        A failing packed forward commits nothing; each session then runs alone, so only the one
+        whose input breaks it fails (a step is never shared fate)."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            try:
+                packed = self.forward(plan)
+            except Exception:
+                log.exception("engine step of %d sessions failed; retrying each alone", len(plan))
+                return self._isolate(plan)
+            verdicts = self.read(self.verify(packed))
+            outcomes = self.commit(verdicts, t0)
+        return StepDone([*outcomes, *packed.refused], packed.deferred)
+
+    def finish(self, done: StepDone, seconds: float) -> list[RoundResult]:
+        """Loop thread: deferred rounds wait again; each result goes to its session."""
+        for p in done.deferred:
+            self._unrun(p.seq)
+        results = [self._deliver(o, seconds) for o in done.outcomes]
+        return [r for r in results if r is not None]
+
+    # ------------------------------------------------------------------ stages (worker thread)
+    def forward(self, plan: list[Planned]) -> Packed:
+        """One packed forward of every planned round's rows. When the KV pool cannot hold them,
+        half the rounds wait for the next step; a single round it cannot hold is refused (BUSY)."""
+        deferred: list[Planned] = []
+        while True:
+            try:
+                logits = self.target.model.forward_packed([self.inputs(p) for p in plan], self.kv)
+            except KVCacheFull:
+                if len(plan) > 1:
+                    half = len(plan) // 2
+                    deferred, plan = plan[half:] + deferred, plan[:half]
+                    continue
+                busy = ProtocolError(
+                    ErrorCode.BUSY,
+                    "the verifier's KV cache is full; retry later or shorten the context",
+                    None,
+                    round=plan[0].job.round,
+                )
+                return Packed([], [], deferred, [StepOutcome(plan[0], error=busy)])
+            self.forwards += 1
+            return Packed(plan, logits, deferred)
+
+    def inputs(self, p: Planned) -> SeqInput:
+        """A planned round as the forward's input: a prefill chunk, or row 0 and the tree."""
+        s = p.seq
+        tree = p.job.tree if p.final else None
+        if tree is None or tree.num_nodes == 0:
+            inp = prefill_chunk(s.sid, p.pre, self.kv.cached_len(s.sid), logits_last=p.final)
+        else:
+            inp = tree_round(s.sid, tree, p.pre, all_logits=False)
+        dev = self.target.device
+        if dev.type == "cpu":
+            return inp
+        mask = inp.tree_mask.to(dev) if inp.tree_mask is not None else None
+        return SeqInput(inp.seq_id, inp.tokens.to(dev), inp.positions.to(dev), mask, inp.logit_rows.to(dev))
+
+    def verify(self, packed: Packed) -> list[Verdict]:
+        """Each final round's verdict from its logits ([1 + N, V]: row 0, then the nodes); a
+        session whose verification fails gets an error, alone."""
+        verdicts = []
+        for p, logits in zip(packed.rounds, packed.logits, strict=True):
+            v = Verdict(p)
+            if p.final:
+                try:
+                    self._verdict(v, logits)
+                except Exception as exc:
+                    log.exception("verification failed for session %d", p.seq.sid)
+                    v.error = _internal(exc, p)
+            verdicts.append(v)
+        return verdicts
+
+    def _verdict(self, v: Verdict, logits: torch.Tensor) -> None:
+        s, tree = v.planned.seq, v.planned.job.tree
+        at = len(s.committed)
+        if tree is None or tree.num_nodes == 0:  # an `ar` step or a prompt's first token
+            if self.sync_free:
+                v.device = sample_next_async(logits[0], s.params, s.seed, at)
+            else:
+                v.tokens = [sample_next(logits[0], s.params, s.seed, at)]
+        elif self.sync_free:
+            algorithm = Algorithm.of(s.mode, s.params)
+            v.device = verify_tree_async(
+                algorithm, tree, logits, s.params, seed=s.seed, generator=s.generator
+            )
+        else:
+            algorithm = Algorithm.of(s.mode, s.params)
+            res = verify_tree(algorithm, tree, logits, s.params, seed=s.seed, generator=s.generator)
+            v.tokens, v.accepted = list(res.tokens), list(res.accepted_nodes)
+
+    def read(self, verdicts: list[Verdict]) -> list[Verdict]:
+        """The step's one device -> host copy of every verdict still on the device."""
+        on_device = [(v, v.device) for v in verdicts if v.device is not None and v.error is None]
+        read = read_verdicts([packed for _, packed in on_device])
+        for (v, _), values in zip(on_device, read, strict=True):
+            try:
+                v.tokens, v.accepted = _unpack(v.planned, values)
+            except Exception as exc:
+                log.exception("verification failed for session %d", v.planned.seq.sid)
+                v.error = _internal(exc, v.planned)
+        return verdicts
+
+    def commit(self, verdicts: list[Verdict], t0: float) -> list[StepOutcome]:
+        """Commit each round's kept KV rows: a prefill chunk's rows, or the verdict cut at the stop
+        conditions."""
+        outcomes = []
+        for v in verdicts:
+            p = v.planned
+            if v.error is not None:
+                outcomes.append(StepOutcome(p, error=v.error))
+            elif not p.final:
+                self.kv.commit_rows(p.seq.sid, list(range(len(p.pre))))
+                outcomes.append(StepOutcome(p))
+            else:
+                try:
+                    outcomes.append(StepOutcome(p, self._cut_and_commit(v, t0)))
+                except Exception as exc:
+                    log.exception("verification failed for session %d", p.seq.sid)
+                    outcomes.append(StepOutcome(p, error=_internal(exc, p)))
+        return outcomes
+
+    def _cut_and_commit(self, v: Verdict, t0: float) -> RoundResult:
+        """Cut the verdict at the stop conditions and commit the kept rows' KV."""
+        p = v.planned
+        s, tree = p.seq, p.job.tree
+        length = len(s.committed)
+        room_len = s.max_new_tokens - (length - s.prompt_len)
+        room_ctx = self.config.max_context - length
+        room = max(1, min(room_len, room_ctx))
+        out: list[int] = []
+        reason = None
+        for t in v.tokens:
+            out.append(t)
+            if t in s.stop_ids:
+                reason = "stop"
+                break
+            if len(out) >= room:
+                reason = "length" if room_len <= room_ctx else "context"
+                break
+        has_bonus = len(out) == len(v.accepted) + 1
+        acc = v.accepted[: len(out)]
+        # the last committed token is never cached: keep the nodes before it
+        keep_nodes = v.accepted if has_bonus else acc[:-1]
+        self.kv.commit_rows(s.sid, round_keep(len(p.pre), keep_nodes))
+        return RoundResult(
+            round=p.job.round,
+            tokens=out,
+            accepted_nodes=acc,
+            has_bonus=has_bonus,
+            committed_len=length + len(out),
+            verify_ms=(time.perf_counter() - t0) * 1e3,
+            done=reason is not None,
+            reason=reason,
+            tree_nodes=tree.num_nodes if tree is not None else 0,
+            accepted_depths=[int(tree.depth[i]) for i in acc] if tree is not None else [],
+        )
+
+    def _isolate(self, plan: list[Planned]) -> StepDone:
+        """Each round of a failed packed forward alone (the first attempt committed nothing)."""
+        for p in plan:
+            self.kv.discard(p.seq.sid)
+        outcomes: list[StepOutcome] = []
+        for p in plan:
+            t0 = time.perf_counter()
+            try:
+                packed = self.forward([p])
+                outcomes += [*self.commit(self.read(self.verify(packed)), t0), *packed.refused]
+            except Exception as exc:
+                log.exception("engine step failed for session %d", p.seq.sid)
+                self.kv.discard(p.seq.sid)
+                outcomes.append(StepOutcome(p, error=_internal(exc, p)))
+        return StepDone(outcomes, [])
+
+    # ------------------------------------------------------------------ back on the loop thread
+    def _deliver(self, o: StepOutcome, seconds: float) -> RoundResult | None:
+        """One outcome to its session: the committed sequence grows, then `on_result` runs."""
+        p, s = o.planned, o.planned.seq
+        if s.status is SeqStatus.CLOSING:
+            self._release(s)
+            return None
+        if o.result is None and o.error is None:
+            s.move(SeqStatus.READY)  # a prefill chunk: the round waits for the next step
+            return None
+        s.job = None
+        result = o.result
+        if o.error is not None:
+            self.kv.discard(s.sid)
+            result = RoundResult(
+                p.job.round, [], [], False, len(s.committed), seconds * 1e3, True, "error", error=o.error
+            )
+        assert result is not None
+        result.round_s = time.perf_counter() - p.job.ready_at
+        s.committed.extend(result.tokens)
+        s.move(SeqStatus.IDLE if result.done or s.cancelled else SeqStatus.WAITING)
+        s.on_result(result)
+        return result
+
+    def _unrun(self, s: SeqState) -> None:
+        if s.status is SeqStatus.CLOSING:
+            self._release(s)
+        else:
+            s.move(SeqStatus.READY)
+
+    # ------------------------------------------------------------------ sessions (loop thread)
+    def open(self, on_result: Callable[[RoundResult], None]) -> SeqState:
+        sid = self._next_sid
+        self._next_sid += 1
+        self.kv.add(sid)
+        s = SeqState(sid=sid, on_result=on_result)
+        self.seqs[sid] = s
+        return s
+
+    def close(self, s: SeqState) -> None:
+        """Forget a session; its KV blocks are freed now, or right after the step it is part of."""
+        s.job = None
+        if s.status is SeqStatus.RUNNING:
+            s.move(SeqStatus.CLOSING)
+        elif s.status is not SeqStatus.CLOSING:
+            self._release(s)
+
+    def _release(self, s: SeqState) -> None:
+        if s.status is not SeqStatus.CLOSED:
+            s.move(SeqStatus.CLOSED)
+        if self.seqs.pop(s.sid, None) is not None:
+            self.kv.free(s.sid)
+
+    def start(self, s: SeqState, prompt: Prompt, committed: np.ndarray) -> None:
+        """Begin a generation: committed = cached context (if continuing) + the new prompt tokens."""
+        mode = prompt.mode
+        temp = 0.0 if mode is Mode.GREEDY else prompt.temperature
+        s.params = SamplingParams(temperature=temp, top_k=prompt.top_k, top_p=prompt.top_p)
+        s.mode = mode
+        s.seed = prompt.seed
+        s.generator = torch.Generator(device=self.target.device).manual_seed(prompt.seed)
+        new = [int(t) for t in committed]
+        cached = self.kv.cached_len(s.sid)
+        if cached and (len(new) <= cached or new[:cached] != s.committed[:cached]):
+            # a new conversation: the cached context is not a prefix of it
+            self.kv.free(s.sid)
+            self.kv.add(s.sid)
+        s.committed = new
+        s.prompt_len = len(new)
+        s.max_new_tokens = prompt.max_new_tokens
+        s.stop_ids = self.eos_ids | frozenset(prompt.stop_ids)
+        s.cancelled = False
+        self.submit(s, 0, prompt.tree)
+
+    def end(self, s: SeqState) -> None:
+        """The session's generation ended outside the engine (a cancel with no round in flight)."""
+        if s.status is SeqStatus.WAITING:
+            s.move(SeqStatus.IDLE)
+        elif s.status in (SeqStatus.READY, SeqStatus.RUNNING):
+            s.cancelled = True  # the queued round still runs; the session is IDLE after it
+
+    def submit(self, s: SeqState, round_id: int, tree: TokenTree | None) -> bool:
+        """Queue a round; False when the session is closed (the round is dropped)."""
+        if s.status in (SeqStatus.CLOSING, SeqStatus.CLOSED):
+            return False
+        s.move(SeqStatus.READY)
+        s.job = Job(round_id, tree)
+        return True
+
+    @property
+    def ready(self) -> int:
+        """Rounds queued and not in the step now running."""
+        return sum(1 for s in self.seqs.values() if s.status is SeqStatus.READY)
+
+
+def _internal(exc: Exception, p: Planned) -> ProtocolError:
+    return ProtocolError(ErrorCode.INTERNAL, f"verifier error: {exc}", None, fatal=True, round=p.job.round)
+
+
+def _unpack(p: Planned, values: list[int]) -> tuple[list[int], list[int]]:
+    """A verdict read back from the device: an `ar` step's [token], or a tree's packed verdict."""
+    tree = p.job.tree if p.final else None
+    if tree is None or tree.num_nodes == 0:
+        return [int(values[0])], []
+    res = unpack_verdict(values, tree)
+    return list(res.tokens), list(res.accepted_nodes)
