@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from edge_client.drafters.registry import backend_choices
+from shared.message_types import Mode
 from shared.model_store.catalog import DEFAULT_DRAFT
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument(
         "--mode",
         default="greedy",
-        choices=["greedy", "match", "mss", "rrs", "ar"],
+        choices=[m.value for m in Mode],
         help="verification: greedy, match (sample-and-match), mss (multi-step speculative "
         "sampling), rrs (without-replacement recursive rejection), ar (target-only)",
     )
@@ -229,7 +230,7 @@ def _export_onnx_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def _export_onnx(args: argparse.Namespace) -> int:
     try:
-        from edge_client.onnx_export import ExportError, describe, export
+        from edge_client.onnx.export import ExportError, describe, export
     except ImportError as exc:
         print(
             f"edge-client: export-onnx needs onnx and torch ({exc}): pip install 'treespec[onnx,cloud]'",
