@@ -23,14 +23,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 from tqdm import tqdm
 
-from bench.harness import Verifier, table
+from bench.harness import Verifier, add_common_args, figure_rows, table, write_result
 
 EDGE_VALUES: list[Any] = [
     None, True, False, 0, -1, 1, 2**31, -(2**31) - 1, 2**63, -(2**63), 2**64 - 1, 0.0, -0.0, 1e308,
@@ -274,8 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--connections", type=int, default=8, help="concurrent fuzzing connections")
     ap.add_argument("--check-every", type=int, default=200, help="send one over-limit frame every N frames")
     ap.add_argument("--url", default=None, help="fuzz a running verifier (ws://...) instead of starting one")
-    ap.add_argument("--seed", type=int, default=0, help="randomness of the frames")
-    ap.add_argument("--json", default=None, help="write the figures to this JSON file")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="the figures (rows: one {figure, value} each)",
+        seed=0,
+        seed_help="randomness of the frames",
+        no_progress=True,
+    )
     a = ap.parse_args(argv)
     if a.frames < 1 or a.seconds <= 0 or a.connections < 1 or a.check_every < 1:
         ap.error("--frames, --seconds, --connections and --check-every must be positive")
@@ -317,7 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 await ws.send(hello)
                 limits = (await _recv(ws, 30))["limits"]
             stop = lambda: tally.frames >= a.frames or time.monotonic() - t0 > a.seconds  # noqa: E731
-            with tqdm(total=a.frames, desc="fuzz frames", file=sys.stderr, mininterval=2) as bar:
+            with tqdm(
+                total=a.frames, desc="fuzz frames", file=sys.stderr, mininterval=2, disable=a.no_progress
+            ) as bar:
                 await asyncio.gather(
                     *(
                         _connection(
@@ -364,9 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ["figure", "value"],
         )
     )
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2))
+    write_result(a.json, a, figure_rows(result), True, **result)
     ok = crashes == 0 and tally.over_limit_accepted == 0 and honest == ar
     verdict = "ok" if ok else "FAILED"
     print(f"fuzz: {verdict}: {crashes} crashes, {tally.over_limit_accepted} over-limit frames accepted")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -27,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness import positive_ints
+from bench.harness import add_common_args, positive_ints, write_result
 from bench.load_clients import (
     PROMPTS,
     BenchError,
@@ -97,8 +96,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--api-key", default=None, help="API key sent in hello (for --url servers with a key file)"
     )
-    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
-    p.add_argument("--tokens", type=int, default=64, help="max_new_tokens of each generation")
+    add_common_args(
+        p,
+        json=True,
+        json_help="rows: one per run (also as runs)",
+        seed=0,
+        seed_help="the prompt order",
+        tokens=64,
+        tokens_help="max_new_tokens of each generation",
+        no_progress=True,
+    )
     p.add_argument("--nodes", type=int, default=12, help="tree nodes per round (chain + second branch)")
     p.add_argument("--depth", type=int, default=8, help="longest branch of a tree")
     p.add_argument("--ngram", type=int, default=3, help="longest context suffix the proposer looks up")
@@ -109,7 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=1024,
         help="skip prompts longer than this many tokens (chat template included)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt order")
     p.add_argument(
         "--warmup",
         type=float,
@@ -199,13 +205,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     longest = max(len(p) for p in prompts)
     spec = LoadSpec(fingerprint=fingerprint, lookup=lookup, tokens=args.tokens, api_key=args.api_key)
     plan = [(n, b) for n in args.clients for b in ([True] if args.no_unbatched else [True, False])]
+    progress = not args.no_progress
 
     def one_run(clients: int, batching: bool | None, seconds: float, label: str) -> tuple[Tally, int | None]:
         if target is None:
-            return asyncio.run(drive(args.url, spec, prompts, clients, seconds, label))
+            return asyncio.run(drive(args.url, spec, prompts, clients, seconds, label, progress=progress))
         assert batching is not None
         with InProcessServer(server_config(args, clients, longest, batching), target) as srv:
-            return asyncio.run(drive(srv.url, spec, prompts, clients, seconds, label, srv.forwards))
+            return asyncio.run(drive(srv.url, spec, prompts, clients, seconds, label, srv.forwards, progress))
 
     print(f"{len(prompts)} prompts (longest {longest} tokens); cpu: {cpu_note(target)}", flush=True)
     if args.warmup > 0:
@@ -231,9 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "round_ms": "client-side, from sending a prompt or tree to its verdict; every round counts",
     }
     print_table(result)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if write_result(args.json, args, runs, True, **result) is not None:
         print(f"\nwrote {args.json}")
     return 0
 

@@ -214,9 +214,11 @@ async def drive(
     seconds: float,
     label: str,
     forwards: Callable[[], int] | None = None,
+    progress: bool = True,
 ) -> tuple[Tally, int | None]:
-    """Run `clients` concurrent clients for `seconds`; returns the tally and the engine forwards
-    in that time (when the bench owns the server)."""
+    """Run `clients` concurrent clients for `seconds` (a progress bar on stderr unless not
+    `progress`); returns the tally and the engine forwards in that time (when the bench owns the
+    server)."""
     loop = asyncio.get_running_loop()
     conns = await asyncio.gather(*(_connect(url, spec) for _ in range(clients)), return_exceptions=True)
     for c in conns:
@@ -228,10 +230,14 @@ async def drive(
     start = loop.time()
     deadline = start + seconds
     with tqdm(
-        total=seconds, desc=label, unit="s", bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s{postfix}"
+        total=seconds,
+        desc=label,
+        unit="s",
+        bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s{postfix}",
+        disable=not progress,
     ) as bar:
 
-        async def progress() -> None:
+        async def tick() -> None:
             while True:
                 bar.n = min(loop.time() - start, seconds)
                 bar.set_postfix_str(
@@ -240,7 +246,7 @@ async def drive(
                 )
                 await asyncio.sleep(0.5)
 
-        ticker = asyncio.create_task(progress())
+        ticker = asyncio.create_task(tick())
         try:
             await asyncio.gather(*(_client(url, spec, cycle, tally, c, deadline) for c in conns))
         finally:

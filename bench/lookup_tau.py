@@ -17,12 +17,11 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from bench.harness import REPO, Verifier, load_suite, table
+from bench.harness import REPO, Verifier, add_common_args, suite_from_args, table, write_result
 
 TS = REPO / "clients" / "typescript"
 
@@ -32,11 +31,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m", help="target model of the verifier")
     ap.add_argument("--humaneval", type=int, default=10, help="HumanEval dev prompts (raw)")
     ap.add_argument("--prompts", type=int, default=10, help="Spec-Bench dev prompts (chat template)")
-    ap.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     ap.add_argument("--depth", type=int, default=8, help="prompt lookup: tokens per guess")
     ap.add_argument("--width", type=int, default=3, help="prompt lookup: guesses merged into the tree")
-    ap.add_argument("--json", default=None, help="write the figures to this JSON file")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rows: one per prompt; the summary's figures beside them",
+        tokens=128,
+        prompt_file=True,
+        no_progress=True,
+    )
     a = ap.parse_args(argv)
+    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
     if shutil.which("node") is None or shutil.which("npm") is None:
         ap.error("needs Node.js 20 and npm (the TypeScript client)")
     if not (TS / "node_modules").exists():
@@ -46,10 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     target = load_target(a.model, progress=False)
     tok = target.tokenizer
-    prompts = load_suite(a.humaneval, a.prompts)
     rows: list[dict[str, Any]] = []
     with Verifier(a.model, threads=2, args=["--max-context", "4096"]) as v:
-        for p in tqdm(prompts, desc="prompts", file=sys.stderr):
+        for p in tqdm(prompts, desc="prompts", file=sys.stderr, disable=a.no_progress):
             text = p.text if p.raw else tok.apply_chat_template([{"role": "user", "content": p.text}])
             ids = tok.encode(text, add_special=p.raw)
             out = {}
@@ -94,9 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table([[c, len(v), f"{statistics.mean(v):.2f}"] for c, v in sorted(by_cat.items())],
                 ["category", "prompts", "tau"]))  # fmt: skip
     print(json.dumps({k: v for k, v in summary.items() if k != "tau_by_category"}))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({**summary, "rows": rows}, indent=2))
+    write_result(a.json, a, rows, True, **summary)
     return 0 if summary["identical_to_ar"] else 1
 
 

@@ -32,7 +32,6 @@ and by the draft's most likely tokens (the order before it), teacher-forced on t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import add_prompt_file_arg, suite_from_args, table
+from bench.harness import add_common_args, save_figure, suite_from_args, table, write_result
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import backend_choices
 from edge_client.speculation.config import PrespecConfig
@@ -286,6 +285,15 @@ def report(summary: dict[str, Any], max_n: int) -> str:
     return "\n".join(lines)
 
 
+def result_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON's rows: per temperature and policy, the hit rate against N = 1..max-n."""
+    return [
+        {"temperature": temp, "policy": pol, "positions": s["positions"], "hit_rate": v["hit_rate"]}
+        for temp, s in summary.items()
+        for pol, v in s["policies"].items()
+    ]
+
+
 def plot(summary: dict[str, Any], max_n: int, path: Path) -> None:
     import matplotlib
 
@@ -317,10 +325,7 @@ def plot(summary: dict[str, Any], max_n: int, path: Path) -> None:
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 # --------------------------------------------------------------------------- the bench
@@ -344,8 +349,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--prompts", type=int, default=4, help="Spec-Bench dev prompts (round-robin over categories)"
     )
     ap.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (the code prompt, raw)")
-    add_prompt_file_arg(ap)
-    ap.add_argument("--tokens", type=int, default=64, help="positions per prompt (target tokens walked)")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rows: hit rate against N per temperature and policy; summary; positions",
+        tokens=64,
+        tokens_help="positions per prompt (target tokens walked)",
+        prompt_file=True,
+        no_progress=True,
+    )
     ap.add_argument(
         "--temperatures",
         default="0,0.7",
@@ -367,9 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads for the target (0: torch's default)"
     )
-    ap.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the summary and positions")
     ap.add_argument("--plot", type=Path, default=None, metavar="PATH", help="draw hit rate vs N to this PNG")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = ap.parse_args(argv)
     if a.max_n < 1 or a.tokens < 1:
         ap.error("--max-n and --tokens must be at least 1")
@@ -450,13 +460,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = [[order, *(f"{x:.3f}" for x in am[order])] for order in ("landing", "draft")]
             print(table(rows, ["order", *(f"F={f}" for f in range(1, MISMATCH_F + 1))]))
     if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "prompt_file"}
+        cfg = {k: v for k, v in vars(a).items() if k != "prompt_file"}
         cfg["prompt_files"] = [str(f) for f in a.prompt_file or []]
         cfg["tree"] = tree_text
         cfg["drafter_backend"] = drafter.name  # what auto chose
-        doc = {"config": cfg, "summary": summary, "positions": [p.as_dict() for p in positions]}
-        a.json.write_text(json.dumps(doc, indent=1))
+        write_result(
+            a.json,
+            cfg,
+            result_rows(summary),
+            True,
+            summary=summary,
+            positions=[p.as_dict() for p in positions],
+        )
     if a.plot:
         plot(summary, a.max_n, a.plot)
     return 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import subprocess
@@ -30,7 +29,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness import BenchPrompt, CoreSplit, Verifier, load_suite, table
+from bench.harness import (
+    BenchPrompt,
+    CoreSplit,
+    Verifier,
+    add_common_args,
+    suite_from_args,
+    table,
+    write_result,
+)
 from bench.peers_report import PLAIN, Runs, rows_of
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET, resolve
 
@@ -244,7 +251,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=4,
         help="prompts: the first half HumanEval dev, the rest Spec-Bench dev",
     )
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens per prompt at most")
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target alias or GGUF path")
     ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path")
     ap.add_argument(
@@ -252,7 +258,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="which to run, from ours,hf,llama.cpp")
     ap.add_argument("--threads", type=int, default=2, help="threads of HF transformers and llama.cpp")
-    ap.add_argument("--json", default=None, help="write {'rows': [...], 'config': ...} to this file")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rows: one per system and mode",
+        tokens=64,
+        tokens_help="new tokens per prompt at most",
+        prompt_file=True,
+    )
     a = ap.parse_args(argv)
     systems = [s for s in a.systems.split(",") if s]
     if not systems or any(s not in SYSTEMS for s in systems):
@@ -260,7 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from edge_client.defaults import recommended_tree
 
     tree = a.tree or recommended_tree(a.draft)
-    prompts = load_suite(a.prompts // 2, a.prompts - a.prompts // 2)
+    prompts = suite_from_args(ap, a.prompts // 2, a.prompts - a.prompts // 2, a.prompt_file)
     print(
         f"{len(prompts)} prompts x {a.tokens} tokens, greedy; target {a.model}, draft {a.draft}", flush=True
     )
@@ -299,21 +312,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _goal(rows)
     print(f"wall time {time.perf_counter() - t0:.0f} s")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        doc = {
-            "rows": rows,
-            "config": {
-                "prompts": a.prompts,
-                "tokens": a.tokens,
-                "model": a.model,
-                "draft": a.draft,
-                "tree": tree,
-                "threads": a.threads,
-                "systems": systems,
-            },
-        }
-        Path(a.json).write_text(json.dumps(doc, indent=2))
+    config = {
+        "prompts": a.prompts,
+        "prompt_files": [str(f) for f in a.prompt_file or []],
+        "tokens": a.tokens,
+        "model": a.model,
+        "draft": a.draft,
+        "tree": tree,
+        "threads": a.threads,
+        "systems": systems,
+    }
+    write_result(a.json, config, rows, True)
     return 0
 
 

@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 from tqdm import tqdm
 
-from bench.harness import Verifier, table
+from bench.harness import Verifier, add_common_args, table, write_result
 
 
 def _i32(xs: Sequence[int]) -> bytes:
@@ -122,15 +120,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.prefill_share", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m", help="target model of the verifier")
     ap.add_argument("--prefill", type=int, default=4095, help="tokens of the long prompt")
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens of the honest generation")
     ap.add_argument(
         "--chunks", default="64,512", help="comma-separated --prefill-chunk values of the verifier to compare"
     )
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats per chunk value (median)")
     ap.add_argument("--core", type=int, default=1, help="CPU core of the verifier (-1: not pinned)")
-    ap.add_argument("--seed", type=int, default=0, help="randomness of the prompts")
-    ap.add_argument("--json", default=None, help="write {'rows': [...]} to this file")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rows: one per chunk value",
+        seed=0,
+        seed_help="randomness of the prompts",
+        tokens=64,
+        tokens_help="new tokens of the honest generation",
+        no_progress=True,
+    )
     a = ap.parse_args(argv)
     try:
         chunks = [int(c) for c in a.chunks.split(",") if c]
@@ -151,9 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     keys = ["prefill_chunk", "alone_s", "beside_prefill_s", "slowdown", "long_prompt_s", "identical"]
     print(table([[r[k] for k in keys] for r in rows], keys))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"config": vars(a), "rows": rows}, indent=2))
+    write_result(a.json, a, rows, True)
     return 0 if all(r["identical"] for r in rows) else 1
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -28,7 +27,7 @@ import msgpack
 from tqdm import tqdm
 
 from bench.fuzz import _honest, _i32, _recv
-from bench.harness import Verifier, table
+from bench.harness import Verifier, add_common_args, figure_rows, table, write_result
 
 
 def rss_mb(pid: int) -> float:
@@ -149,14 +148,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rss-tolerance", type=float, default=0.10, help="allowed RSS growth after warm-up")
     ap.add_argument("--url", default=None, help="soak a running verifier instead of starting one")
     ap.add_argument("--pid", type=int, default=None, help="with --url: the verifier's process id (memory)")
-    ap.add_argument("--seed", type=int, default=0, help="randomness of the clients")
     ap.add_argument(
         "--sample-every",
         type=float,
         default=10.0,
         help="seconds between samples of the verifier's resident memory (the JSON's rss_series)",
     )
-    ap.add_argument("--json", default=None, help="write the figures to this JSON file")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="the figures (rows: one {figure, value} each), rss_series and ok",
+        seed=0,
+        seed_help="randomness of the clients",
+        no_progress=True,
+    )
     a = ap.parse_args(argv)
     if a.clients < 1 or a.minutes <= 0 or not 0 <= a.drop <= 1 or a.sample_every <= 0:
         ap.error("--clients >= 1, --minutes > 0, 0 <= --drop <= 1 and --sample-every > 0")
@@ -193,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
             warm: float | None = None
             next_sample = t0
-            with tqdm(total=int(seconds), desc="soak seconds", file=sys.stderr, mininterval=5) as bar:
+            with tqdm(
+                total=int(seconds), desc="soak seconds", file=sys.stderr, mininterval=5, disable=a.no_progress
+            ) as bar:
                 while any(not t.done() for t in tasks):
                     await asyncio.sleep(1)
                     bar.n = min(int(time.monotonic() - t0), int(seconds))
@@ -232,12 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         **plateau(series, seconds),
     }
     print(table([[k, v] for k, v in result.items()], ["figure", "value"]))
+    rows = figure_rows(result)  # the table as printed (rss_series and ok join the file below)
     result["rss_series"] = series
     ok = kv_end <= kv_idle and (growth is None or growth <= a.rss_tolerance) and honest == ar
     result["ok"] = ok
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=2))
+    write_result(a.json, a, rows, True, **result)
     print(f"soak: {'ok' if ok else 'FAILED'}")
     return 0 if ok else 1
 
