@@ -19,18 +19,17 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the other benches, before torch loads
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from bench.harness import add_common_args, write_result
 from bench.target_step import bench_tree
 from shared.model import (
     LlamaModel,
@@ -176,8 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", type=int, default=1024, help="committed tokens before each forward")
     p.add_argument("--repeats", type=int, default=10, help="timed forwards per N (median)")
     p.add_argument("--decode-tokens", type=int, default=64, help="one-token steps for decode tokens/s")
-    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the trees")
-    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    add_common_args(
+        p,
+        json=True,
+        json_help="rows: one per attention mode (also as by_attention); model_config: the shape",
+        seed=0,
+        seed_help="the weights and the trees",
+    )
     return p
 
 
@@ -216,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = random_model(config, dtype, device, args.seed)
     result: dict[str, Any] = {
         "shape": args.shape,
-        "config": {k: v for k, v in asdict(config).items() if k != "rope_scaling"},
+        "model_config": {k: v for k, v in asdict(config).items() if k != "rope_scaling"},
         "weights": WEIGHTS_NOTE,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -237,9 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{mode} ({kernel}): forward ms {fwd}, decode {dec} tok/s")
         if "ratio_16_over_1" in r:
             print(f"  N=16 / N=1: {r['ratio_16_over_1']} (goal <= {GOAL_16_OVER_1})")
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    rows = [{"attention": mode, **r} for mode, r in result["by_attention"].items()]
+    if write_result(args.json, args, rows, True, **result) is not None:
         print(f"wrote {args.json}")
     return 0
 

@@ -26,13 +26,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from bench.harness import add_common_args, write_result
 from bench.target_step import measure_forward
 from cloud_verifier import parallel
 from shared.model import Target, load_target
 
 
-def _measure(target: Target, prefix: int, rows: list[int], repeats: int, label: str) -> dict[str, float]:
-    with tqdm(total=repeats * len(rows), desc=label, unit="run") as bar:
+def _measure(
+    target: Target, prefix: int, rows: list[int], repeats: int, label: str, progress: bool
+) -> dict[str, float]:
+    with tqdm(total=repeats * len(rows), desc=label, unit="run", disable=not progress) as bar:
         forward, _ = measure_forward(target, [prefix], rows, repeats, bar)
     return forward[str(prefix)]
 
@@ -51,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="timed forwards per N (after one warm-up)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16")
-    p.add_argument("--json", help="also write the result to this file")
+    add_common_args(p, json=True, json_help="rows: one per N (without --json: printed)", no_progress=True)
     args = p.parse_args(argv)
     rows = [int(x) for x in args.rows.split(",") if x]
     if args.tensor_parallel < 2:
@@ -63,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     single = load_target(args.model, args.dtype, args.device, progress=False)
-    tp1 = _measure(single, args.prefix, rows, args.repeats, "TP=1")
+    tp1 = _measure(single, args.prefix, rows, args.repeats, "TP=1", not args.no_progress)
     del single
     gc.collect()
 
@@ -72,7 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     group = parallel.start(args.tensor_parallel, args.model, args.dtype, args.device, threads=args.threads)
     try:
         sharded = parallel.load_sharded_target(group, args.model, args.dtype, args.device, progress=False)
-        tpn = _measure(sharded, args.prefix, rows, args.repeats, f"TP={args.tensor_parallel}")
+        tpn = _measure(
+            sharded, args.prefix, rows, args.repeats, f"TP={args.tensor_parallel}", not args.no_progress
+        )
     finally:
         group.close()
 
@@ -96,12 +101,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'N':>4} {'TP=1 ms':>10} {f'TP={args.tensor_parallel} ms':>10} {'TP=1/TP=N':>10}")
     for n in tp1:
         print(f"{n:>4} {tp1[n]:>10.2f} {tpn[n]:>10.2f} {result['speedup'][n]:>10.3f}")
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    per_n = [
+        {
+            "n": int(n),
+            "tp1_ms": tp1[n],
+            f"tp{args.tensor_parallel}_ms": tpn[n],
+            "speedup": result["speedup"][n],
+        }
+        for n in tp1
+    ]
+    if write_result(args.json, args, per_n, True, **result) is None:
+        print(json.dumps(result, indent=2))
     return 0
 
 

@@ -34,6 +34,7 @@ import torch
 from tqdm import tqdm
 
 from bench.harness import PROMPTS as HARNESS_PROMPTS
+from bench.harness import add_common_args, write_result
 from shared.model import Target, greedy_generate, load_target, prefill, tree_round
 from shared.model.llama import ATTENTION_MODES
 from shared.model_store import DEFAULT_TARGET
@@ -193,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
         "machine OMP_WAIT_POLICY=ACTIVE is ~20% faster at 2 threads.",
     )
     p.add_argument("--model", default=DEFAULT_TARGET, help="target alias or path (.gguf / safetensors dir)")
-    p.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    add_common_args(
+        p, json=True, json_help="rows: one per prefix and N (the forward ms), decode_tok_s", no_progress=True
+    )
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per figure (medians are reported)")
     p.add_argument("--prefixes", default="128,1024", help="committed prefix lengths, comma-separated")
     p.add_argument("--rows", default="1,4,8,16,32,64", help="N: rows per forward (row 0 + N-1 nodes)")
@@ -228,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     reference = None if args.no_transformers else load_reference(args.model)
     prompt = first_prompt(target)
     total = args.repeats * (len(prefixes) * len(rows) + (2 if reference is not None else 1))
-    with tqdm(total=total, desc="measuring", unit="run") as bar:
+    with tqdm(total=total, desc="measuring", unit="run", disable=args.no_progress) as bar:
         forward, paired = measure_forward(target, prefixes, rows, args.repeats, bar)
         decode = measure_decode(target, reference, prompt, args.decode_tokens, args.repeats, bar)
     from shared.model.gemm import choose
@@ -255,8 +258,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     print_table(result)
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    points = [
+        {"prefix": int(p), "rows": int(n), "ms": ms} for p, by_n in forward.items() for n, ms in by_n.items()
+    ]
+    if write_result(args.json, args, points, True, **result) is not None:
         print(f"\nwrote {args.json}")
     return 0
 
