@@ -243,9 +243,6 @@ class Error:
     def from_exception(cls, exc: ProtocolError) -> Error:
         return cls(exc.code, exc.message[:1000], exc.field, exc.fatal, exc.round)
 
-    def to_exception(self) -> ProtocolError:
-        return ProtocolError(self.code, self.message, self.field, fatal=self.fatal, round=self.round)
-
     def to_wire(self) -> dict[str, Any]:
         d: dict[str, Any] = {"code": self.code.value, "message": self.message, "fatal": self.fatal}
         if self.field is not None:

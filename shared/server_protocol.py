@@ -50,12 +50,14 @@ class Generation:
     """What the server protocol tracks of the generation in progress."""
 
     prompt: Prompt
-    committed: list[int]  # S: this protocol's own, or the verifier's list (`share_committed`)
+    # S, read-only here: the verifier's sequence once it shares one (`share_committed`; its owner
+    # extends it before each verdict), else `owned`
+    committed: Sequence[int]
     in_flight: int | None = 0  # round being verified (0: the prompt's answer)
     pending: dict[int, TokenTree] = field(default_factory=dict)
     pending_bytes: dict[int, int] = field(default_factory=dict)  # each pending tree's frame bytes
     cancelled: bool = False
-    shared: bool = False  # `committed` is the verifier's: it extends it, verdict() only checks it
+    owned: list[int] | None = None  # the protocol's own sequence while no verifier shares one
 
     def unpend(self, r: int) -> TokenTree:
         """Take pending tree `r` out (verified next, or gone stale)."""
@@ -126,7 +128,7 @@ class ServerProtocol:
         gen = self.gen
         if gen is not None and not exc.fatal:
             self._stale_all(gen, "aborted")
-            self.context = gen.committed
+            self.context = list(gen.committed)
             self.gen = None
             self.state = ServerState.IDLE
         return self.fail(exc)
@@ -136,16 +138,17 @@ class ServerProtocol:
             self._send(Close(reason))
             self.state = ServerState.CLOSED
 
-    def share_committed(self, committed: list[int]) -> None:
-        """Read the generation's committed sequence from the verifier's list from now on (one source
-        of truth in the server: the engine extends it before each verdict, `verdict` checks it).
-        The list must hold the sequence the prompt started (PromptReceived.committed)."""
+    def share_committed(self, committed: Sequence[int]) -> None:
+        """Read the generation's committed sequence from the verifier's from now on: one owner in
+        the server (the engine's SeqState extends it before each verdict), which this protocol only
+        reads (`verdict` checks each verdict's committed_len against it). It must hold the sequence
+        the prompt started (PromptReceived.committed)."""
         gen = self.gen
         if gen is None:
             raise RuntimeError("share_committed with no generation")
-        if committed != gen.committed:
+        if list(committed) != list(gen.committed):
             raise RuntimeError(f"the shared sequence ({len(committed)} tokens) is not the generation's")
-        gen.committed, gen.shared = committed, True
+        gen.committed, gen.owned = committed, None
 
     def verdict(self, v: Verdict) -> VerifyTree | None:
         """Send the verdict of the round in flight; returns the pending tree to verify next, if any.
@@ -158,8 +161,8 @@ class ServerProtocol:
             raise RuntimeError("verdict with no round in flight")
         if v.round != gen.in_flight:
             raise RuntimeError(f"verdict for round {v.round} but round {gen.in_flight} is in flight")
-        if not gen.shared:
-            gen.committed.extend(int(t) for t in v.tokens)
+        if gen.owned is not None:
+            gen.owned.extend(int(t) for t in v.tokens)
         if v.committed_len != len(gen.committed):
             raise RuntimeError(f"verdict committed_len {v.committed_len} != {len(gen.committed)}")
         done, reason = v.done, v.reason
@@ -198,7 +201,7 @@ class ServerProtocol:
             )
         )
         if done:
-            self.context = gen.committed
+            self.context = list(gen.committed)
             self.gen = None
             self.state = ServerState.IDLE
         return nxt
@@ -294,7 +297,7 @@ class ServerProtocol:
                     "tree.base",
                     round=0,
                 )
-        self.gen = Generation(p, committed)
+        self.gen = Generation(p, committed, owned=committed)
         self.state = ServerState.GENERATING
         return PromptReceived(p, np.asarray(committed, dtype=np.int32))
 
