@@ -24,7 +24,7 @@ from shared.model import (
     prefill_chunk,
     tree_round,
 )
-from shared.model import triton_attention as ta
+from shared.model import triton_launch as ta
 from shared.model.kv_cache import PagedKVCache
 from shared.tree import TokenTree
 
