@@ -36,7 +36,7 @@ def _serve(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=100, help="verifier kills (at most one per generation)")
     add_common_args(
@@ -49,6 +49,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens_help="new tokens per generation",
         no_progress=True,
     )
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.kills < 1 or a.tokens < 8:
         ap.error("--kills >= 1 and --tokens >= 8")

@@ -182,7 +182,7 @@ async def run_modes(
     return runs, by_cat
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.e2e",
         description="Target-only AR vs sequence vs tree speculation end to end on HumanEval and Spec-Bench "
@@ -237,6 +237,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="run nothing: put together earlier --json files of the same settings (e.g. ar in one run, "
         "the speculative modes in another), print the table and write --json",
     )
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.merge:
         try:

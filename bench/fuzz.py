@@ -266,7 +266,7 @@ async def _honest(url: str, hello: bytes, prompt: list[int], n: int) -> tuple[li
     return out[0], out[1]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
     ap.add_argument("--frames", type=int, default=100_000, help="stop after this many frames")
     ap.add_argument("--seconds", type=float, default=120.0, help="stop after this long, whichever first")
@@ -281,6 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed_help="randomness of the frames",
         no_progress=True,
     )
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.frames < 1 or a.seconds <= 0 or a.connections < 1 or a.check_every < 1:
         ap.error("--frames, --seconds, --connections and --check-every must be positive")

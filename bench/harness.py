@@ -163,16 +163,13 @@ def add_common_args(
       tree_attention    --json --seed
       verify_exactness  --json --seed --no-progress
 
-    Left out where it would mean nothing: --prompt-file in the benches with no prompt suite (the
-    kernel and forward micro-benchmarks, the fuzzer, the soak and chaos runs on random tokens,
-    prefill_share's synthetic prompts, load's tokenized prompt folder (--prompt-dir), the drafter
-    timings on one fixed prompt, simulate's traces); --seed where the bench draws nothing at random
-    or seeds by prompt index as bench.network does (agreement, network, outcomes, load_cost); --tokens
-    where the bench counts positions, frames or rows instead; --no-progress where nothing draws a
-    bar (demo, merged, onnx_drafter, peers, gpu_forward, tree_attention). Not benches, so none of these:
-    gpu_check (writes its report into OUTDIR with write_result), netproxy (a proxy process), and
-    the libraries harness, e2e_results, network_report, peers_report, load_clients, load_figures,
-    llama_tools, proposer."""
+    Left out where it would mean nothing: --prompt-file where no prompt suite runs (kernel and
+    forward micro-benchmarks, fuzz, soak, chaos and prefill_share on made-up tokens, load's own
+    --prompt-dir, drafter_cost's one prompt, simulate's traces); --seed where nothing is drawn at
+    random or seeds follow the prompt index (agreement, network, outcomes, load_cost); --no-progress
+    where no bar is drawn. Not benches: gpu_check (its report goes through write_result), netproxy
+    and the libraries (e2e_results, network_report, peers_report, load_clients, load_figures,
+    llama_tools, proposer)."""
     if json:
         what = "write the result to this JSON file ({config, rows, complete} and the bench's own keys)"
         ap.add_argument(

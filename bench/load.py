@@ -122,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=3.0,
         help="seconds of unrecorded single-client load first (weight packing, allocator); 0: none",
     )
+    _server_args(p, d)
+    p.add_argument("--prompt-dir", type=Path, default=PROMPTS, help="folder holding spec_bench_dev.jsonl")
+    p.add_argument(
+        "--cloud-cost",
+        action="store_true",
+        help="instead: the cloud's cost per token, M real-pair edge clients (recorded, replayed as "
+        "separate devices) against M cloud-only ar clients (bench.load_cost; its own flags: "
+        "python -m bench.load --cloud-cost --help)",
+    )
+    return p
+
+
+def _server_args(p: argparse.ArgumentParser, d: ServerConfig) -> None:
+    """The in-process server's flags (defaults: ServerConfig's)."""
     p.add_argument(
         "--token-budget",
         type=int,
@@ -143,15 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="in-process server: skip the unbatched comparison runs (halves the time)",
     )
-    p.add_argument("--prompt-dir", type=Path, default=PROMPTS, help="folder holding spec_bench_dev.jsonl")
-    p.add_argument(
-        "--cloud-cost",
-        action="store_true",
-        help="instead: the cloud's cost per token, M real-pair edge clients (recorded, replayed as "
-        "separate devices) against M cloud-only ar clients (bench.load_cost; its own flags: "
-        "python -m bench.load --cloud-cost --help)",
-    )
-    return p
 
 
 def server_config(

@@ -76,7 +76,7 @@ async def run(
     return runs, nodes
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.merged", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
     ap.add_argument(
@@ -111,6 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens=64,
         prompt_file=True,
     )
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     drafts = a.draft
     backends = a.drafter or ["llama_cpp"]

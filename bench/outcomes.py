@@ -329,7 +329,7 @@ def plot(summary: dict[str, Any], max_n: int, path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- the bench
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.outcomes",
         description="The prediction ceiling without timing: the share of positions whose verdict (accepted "
@@ -380,6 +380,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--threads", type=int, default=0, help="torch threads for the target (0: torch's default)"
     )
     ap.add_argument("--plot", type=Path, default=None, metavar="PATH", help="draw hit rate vs N to this PNG")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.max_n < 1 or a.tokens < 1:
         ap.error("--max-n and --tokens must be at least 1")

@@ -239,7 +239,7 @@ def _spec_text(stdout: str, prompt: str) -> str:
 SYSTEMS = ("ours", "hf", "llama.cpp")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.peers",
         description="HF transformers (generate, assisted generation), llama.cpp (plain, speculative) and "
@@ -266,6 +266,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens_help="new tokens per prompt at most",
         prompt_file=True,
     )
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     systems = [s for s in a.systems.split(",") if s]
     if not systems or any(s not in SYSTEMS for s in systems):

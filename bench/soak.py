@@ -140,7 +140,7 @@ async def client(
                 await ws.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients")
     ap.add_argument("--minutes", type=float, default=10.0, help="how long the clients run")
@@ -162,6 +162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed_help="randomness of the clients",
         no_progress=True,
     )
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     if a.clients < 1 or a.minutes <= 0 or not 0 <= a.drop <= 1 or a.sample_every <= 0:
         ap.error("--clients >= 1, --minutes > 0, 0 <= --drop <= 1 and --sample-every > 0")
