@@ -20,6 +20,7 @@ from cloud_verifier.parallel.group import TPGroup
 from cloud_verifier.parallel.kv_cache import ShardedKVCache
 from cloud_verifier.parallel.protocol import Op, TensorParallelError, encode_inputs
 from shared.model import gemm
+from shared.model.archs import by_name
 from shared.model.config import ModelConfig, make_tiny_config
 from shared.model.kv_cache import PagedKVCache
 from shared.model.llama import ATTENTION_MODES, DecoderLayer, LlamaModel, SeqInput, check_input
@@ -147,39 +148,18 @@ def shard_model(full: LlamaModel, group: TPGroup, name: str) -> ShardedLlamaMode
         tie_embeddings=False,
     )
     model = ShardedLlamaModel(local_cfg, c, group, full.dtype, full.device, full.gemm_kind)
-    hd, q, kvs, inter = c.head_dim, local_cfg.q_size, local_cfg.kv_size, local_cfg.intermediate_size
-    rows = [
-        slice(r * q, (r + 1) * q),
-        slice(c.q_size + r * kvs, c.q_size + (r + 1) * kvs),
-        slice(c.q_size + c.kv_size + r * kvs, c.q_size + c.kv_size + (r + 1) * kvs),
-    ]
-    del hd
-    ffn = [
-        slice(r * inter, (r + 1) * inter),
-        slice(c.intermediate_size + r * inter, c.intermediate_size + (r + 1) * inter),
-    ]
-
-    def param(t: torch.Tensor) -> nn.Parameter:
-        return nn.Parameter(t, requires_grad=False)
-
+    shard_layer = by_name(c.architecture).shard_layer  # the architecture's rule (shared/model/archs)
     for src, dst in zip(full.layers, model.layers, strict=True):
         assert isinstance(src, DecoderLayer) and isinstance(dst, DecoderLayer)
-        dst.attn_norm = src.attn_norm
-        dst.mlp_norm = src.mlp_norm
-        dst.qkv = param(torch.cat([src.qkv[s] for s in rows]))
-        if src.qkv_bias is not None:
-            dst.qkv_bias = param(torch.cat([src.qkv_bias[s] for s in rows]))
-        dst.o = param(src.o[:, r * q : (r + 1) * q].contiguous())
-        dst.gate_up = param(torch.cat([src.gate_up[s] for s in ffn]))
-        dst.down = param(src.down[:, r * inter : (r + 1) * inter].contiguous())
-        for p in (src.qkv, src.o, src.gate_up, src.down):
-            p.data = p.data.new_empty(0)
+        shard_layer(src, dst, r, n, c)
     model.embed = full.embed
     model.norm = full.norm
     shard = -(-c.vocab_size // n)
     head = full.lm_head[r * shard : min(c.vocab_size, (r + 1) * shard)]
     # tied: a view of the shared embedding table (packing copies it anyway); untied: its own copy
-    model.lm_head = param(head if full.lm_head is full.embed else head.contiguous())
+    model.lm_head = nn.Parameter(
+        head if full.lm_head is full.embed else head.contiguous(), requires_grad=False
+    )
     if full.lm_head is not full.embed:
         full.lm_head.data = full.lm_head.data.new_empty(0)
     LlamaModel.set_attention(model, full.attention_mode)  # (every rank does it: nothing to send)

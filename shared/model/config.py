@@ -122,14 +122,12 @@ def rope_scaling_from_hf(raw: Mapping[str, Any] | None) -> RopeScaling | None:
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
 
 
-SUPPORTED_HF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-
-
 def config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     """A ModelConfig from a Hugging Face config.json dictionary."""
+    from shared.model.archs import by_hf_model_type
+
     model_type = str(cfg.get("model_type", "llama"))
-    if model_type not in SUPPORTED_HF:
-        raise ValueError(f"config.json model_type {model_type!r} is not supported ({sorted(SUPPORTED_HF)})")
+    arch = by_hf_model_type(model_type)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act {cfg.get('hidden_act')!r} is not supported (silu)")
     heads = int(cfg["num_attention_heads"])
@@ -138,7 +136,7 @@ def config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
     theta = cfg.get("rope_theta")
     if theta is None and isinstance(cfg.get("rope_parameters"), Mapping):
         theta = cfg["rope_parameters"].get("rope_theta")
-    qkv_bias = model_type == "qwen2" or bool(cfg.get("attention_bias", False))
+    qkv_bias = arch.qkv_bias or bool(cfg.get("attention_bias", False))
     return ModelConfig(
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
@@ -153,5 +151,5 @@ def config_from_hf(cfg: Mapping[str, Any]) -> ModelConfig:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         max_position=int(cfg.get("max_position_embeddings", 8192)),
-        architecture=SUPPORTED_HF[model_type],
+        architecture=arch.name,
     )

@@ -15,32 +15,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from shared.model.archs import Architecture, by_name
 from shared.model.config import ModelConfig, RopeScaling
 from shared.model.llama import LlamaModel
 from shared.model.tokenizer import CONTROL, TargetTokenizer, bpe_from_gguf
 from shared.model.weights import WeightAssigner
 from shared.vocab import end_of_generation_ids
-
-SUPPORTED_ARCHS = ("llama", "qwen2")
-_PERMUTED_ARCHS = ("llama",)
-
-# llama.cpp tensor names -> Hugging Face names (blk.N.* handled by _BLOCK)
-_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
-_TOP["output.weight"] = "lm_head.weight"
-_BLOCK = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 
 
 def open_gguf(path: str | Path) -> Any:
@@ -54,21 +34,19 @@ def field(reader: Any, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
-def hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _TOP:
-        return _TOP[gguf_name]
+def hf_name(gguf_name: str, arch: Architecture | None = None) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor (the architecture's table; default llama's)."""
+    arch = arch or by_name("llama")
+    if gguf_name in arch.gguf_top:
+        return arch.gguf_top[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK:
-        return f"model.layers.{parts[1]}.{_BLOCK[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in arch.gguf_block:
+        return f"model.layers.{parts[1]}.{arch.gguf_block[parts[2]]}"
     return None
 
 
 def config_from_gguf(reader: Any) -> ModelConfig:
-    arch = str(field(reader, "general.architecture"))
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(
-            f"GGUF general.architecture {arch!r} is not supported ({', '.join(SUPPORTED_ARCHS)})"
-        )
+    arch = by_name(str(field(reader, "general.architecture")), "GGUF general.architecture").name
 
     def key(name: str, default: Any = None) -> Any:
         return field(reader, f"{arch}.{name}", default)
@@ -143,9 +121,10 @@ def load_gguf_weights(reader: Any, model: LlamaModel, progress: bool = True) -> 
 
     c = model.config
     assigner = WeightAssigner(model)
-    permute = c.architecture in _PERMUTED_ARCHS
+    arch = by_name(c.architecture)
+    permute = arch.gguf_qk_permuted
     for t in tqdm(reader.tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress):
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
         arr = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape.tolist())])
