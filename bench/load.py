@@ -37,8 +37,8 @@ from bench.load_clients import (
 )
 from bench.load_figures import OtherCpu, Tally, print_table, speedups, summarize
 from bench.proposer import LookupConfig
-from cloud_verifier.config import ServerConfig
 from cloud_verifier.server import ThreadedServer
+from cloud_verifier.server_config import ServerConfig
 from shared.model import Target, load_target
 from shared.vocab import vocab_fingerprint
 

@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=None,
         help="the verifier's max_pending (conditional trees a session may queue; default: the "
-        "verifier's own, cloud_verifier.config)",
+        "verifier's own, cloud_verifier.server_config)",
     )
     ap.add_argument(
         "--trace",

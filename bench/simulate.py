@@ -157,7 +157,7 @@ class Curve:
 
 # --------------------------------------------------------------------------- input
 @dataclass(frozen=True)
-class Generation:
+class TracedGeneration:
     """One traced generation: its trace, and what was measured of it."""
 
     trace: RoundTrace
@@ -187,11 +187,11 @@ def trace_from_dict(d: dict[str, Any]) -> RoundTrace:
     )
 
 
-def load_generations(paths: Sequence[Path]) -> tuple[list[Generation], list[Generation]]:
+def load_generations(paths: Sequence[Path]) -> tuple[list[TracedGeneration], list[TracedGeneration]]:
     """The traced generations of `bench.network --trace` files: (speculative ones with a trace
     of at least one verdict, mode-ar ones (no trees: their measured ms/token is the reference))."""
-    spec: list[Generation] = []
-    ar: list[Generation] = []
+    spec: list[TracedGeneration] = []
+    ar: list[TracedGeneration] = []
     for path in paths:
         try:
             doc = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -202,7 +202,7 @@ def load_generations(paths: Sequence[Path]) -> tuple[list[Generation], list[Gene
             raise ValueError(f"{path}: no 'generations' list; is it a bench.network --trace file?")
         for g in gens:
             st = g.get("stats") or {}
-            gen = Generation(
+            gen = TracedGeneration(
                 trace=trace_from_dict(g.get("trace") or {}),
                 tokens=int(st.get("tokens", 0)),
                 ms_per_token=float(st.get("ms_per_token", 0.0)),
@@ -234,7 +234,7 @@ class Overheads:
     server: float = 0.0
 
     @classmethod
-    def measure(cls, gens: Sequence[Generation]) -> Overheads:
+    def measure(cls, gens: Sequence[TracedGeneration]) -> Overheads:
         link: list[float] = []
         server: list[float] = []
         for g in gens:
@@ -381,7 +381,9 @@ def logged_outcomes(trace: RoundTrace) -> int:
     return max(per.values(), default=0)
 
 
-def replay(gen: Generation, costs: Costs, policy: Policy = Policy(), over: Overheads = Overheads()) -> Replay:
+def replay(
+    gen: TracedGeneration, costs: Costs, policy: Policy = Policy(), over: Overheads = Overheads()
+) -> Replay:
     """Replay one generation's rounds (module docstring) under `costs` and `policy`."""
     tr = gen.trace
     vs = tr.verdicts
@@ -539,12 +541,12 @@ def replay(gen: Generation, costs: Costs, policy: Policy = Policy(), over: Overh
 
 
 # --------------------------------------------------------------------------- scenarios
-def fit_drafter(gens: Sequence[Generation]) -> Curve:
+def fit_drafter(gens: Sequence[TracedGeneration]) -> Curve:
     """The drafter's ms per evaluation of n rows, from the traces' own evaluations."""
     return Curve.fit((r, ms) for g in gens for d in g.trace.drafts for _, r, ms in d.evaluations)
 
 
-def fit_verifier(gens: Sequence[Generation]) -> Curve:
+def fit_verifier(gens: Sequence[TracedGeneration]) -> Curve:
     """The verifier's ms per forward of a tree of N nodes, from the traces' verdicts
     (round 0 left out: its time holds the prompt's prefill)."""
     samples: list[tuple[float, float]] = []
@@ -612,7 +614,7 @@ class Row:
 
 
 def simulate(
-    gens: Sequence[Generation],
+    gens: Sequence[TracedGeneration],
     scenarios: dict[str, Costs],
     policies: Sequence[Policy],
     ar_ms_per_token: Mapping[str, float | None] | None = None,
@@ -775,7 +777,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         gens = [g for g in gens if g.mode in keep]
     if not gens:
         ap.error("no traced speculative generation in the trace files (run bench.network with --trace PATH)")
-    groups: dict[tuple[str, float, float], list[Generation]] = {}
+    groups: dict[tuple[str, float, float], list[TracedGeneration]] = {}
     for g in gens:
         groups.setdefault((g.mode, g.temperature, g.rtt_ms), []).append(g)
     policies = policies_of(rtts, ns, backups)

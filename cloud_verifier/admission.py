@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from cloud_verifier.auth import Principal
 
 
-class Refused(Exception):
+class AdmissionRefused(Exception):
     """No room now: `reason` says why, `retry_after_s` when to try again."""
 
     def __init__(self, reason: str, retry_after_s: float) -> None:
@@ -73,20 +73,22 @@ class Admission:
 
     def _check(self, who: Principal, tokens: int = 0) -> None:
         if self.closed:
-            raise Refused("the server is draining: use another replica", 5)
+            raise AdmissionRefused("the server is draining: use another replica", 5)
         if who.max_sessions is not None and self._per_key[who.name] >= who.max_sessions:
-            raise Refused(f"this key's limit of {who.max_sessions} concurrent sessions is reached", 1)
+            raise AdmissionRefused(
+                f"this key's limit of {who.max_sessions} concurrent sessions is reached", 1
+            )
         self.check_tokens(who, tokens)
 
     def check_tokens(self, who: Principal, tokens: int = 0) -> None:
-        """Refused unless the key's tokens-per-minute bucket holds `tokens` (0: is not empty); a
+        """AdmissionRefused unless the key's tokens-per-minute bucket holds `tokens` (0: is not empty); a
         cost over the whole bucket is never admitted (the caller refuses it first, as too large)."""
         if who.tokens_per_min is not None:
             b = self._bucket(who)
             need = max(tokens, 1)
             if b.refill() < need:
                 what = f"{tokens} tokens" if tokens else "it"
-                raise Refused(
+                raise AdmissionRefused(
                     f"this key's limit of {who.tokens_per_min} tokens per minute is reached "
                     f"(it has {max(0, int(b.level))} left now, this request needs {what})",
                     (need - b.level) / b.rate,
@@ -110,17 +112,17 @@ class Admission:
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
-                fut.set_exception(Refused("the server is draining: use another replica", 5))
+                fut.set_exception(AdmissionRefused("the server is draining: use another replica", 5))
 
     def try_acquire(self, who: Principal) -> Ticket:
-        """A slot now, or Refused."""
+        """A slot now, or AdmissionRefused."""
         self._check(who)
         if self.in_use >= self.capacity or self._waiters:
-            raise Refused(f"the server is at its limit of {self.capacity} sessions", 1)
+            raise AdmissionRefused(f"the server is at its limit of {self.capacity} sessions", 1)
         return self._take(who)
 
     async def acquire(self, who: Principal, tokens: int = 0) -> Ticket:
-        """A slot, waiting in the queue for up to wait_s if there is room in it; else Refused.
+        """A slot, waiting in the queue for up to wait_s if there is room in it; else AdmissionRefused.
         `tokens` (an HTTP generation's prompt + max_tokens) are taken from the key's bucket with
         the slot: give back what was not used with `refund`. Cancelled while it waits (its client
         went away), it leaves the queue and holds nothing, even if a slot was just handed to it."""
@@ -128,7 +130,9 @@ class Admission:
         if self.in_use < self.capacity and not self._waiters:
             return self._take(who, tokens)
         if len(self._waiters) >= self.max_waiting:
-            raise Refused(f"the server is at capacity and {self.max_waiting} requests already wait", 1)
+            raise AdmissionRefused(
+                f"the server is at capacity and {self.max_waiting} requests already wait", 1
+            )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
@@ -136,7 +140,7 @@ class Admission:
                 await asyncio.shield(fut)
         except TimeoutError:
             self._give_back(fut)
-            raise Refused(f"no slot within {self.wait_s:g} s", 1) from None
+            raise AdmissionRefused(f"no slot within {self.wait_s:g} s", 1) from None
         except asyncio.CancelledError:
             self._give_back(fut)
             raise
@@ -145,7 +149,7 @@ class Admission:
                 self._waiters.remove(fut)
         try:
             self._check(who, tokens)  # the key's own limits, again after the wait
-        except Refused:
+        except AdmissionRefused:
             self._grant_next_or_free()
             raise
         self._per_key[who.name] += 1

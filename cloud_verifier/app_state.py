@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 from cloud_verifier.admission import Admission
 from cloud_verifier.auth import KeyStore
-from cloud_verifier.config import ServerConfig
 from cloud_verifier.engine import Engine
 from cloud_verifier.metrics import Metrics
-from cloud_verifier.session import ModelInfo, Session
+from cloud_verifier.server_config import ServerConfig
+from cloud_verifier.session import ModelInfo, ServerSession
 from shared.messages import SessionLimits
 from shared.model import Target
 
@@ -28,7 +28,7 @@ class AppState:
     info: ModelInfo | None = None
     limits: SessionLimits | None = None
     load_error: str | None = None
-    sessions: set[Session] = field(default_factory=set)
+    sessions: set[ServerSession] = field(default_factory=set)
     draining: bool = False
     http_running: int = 0  # HTTP requests past the gate (http_gate.py) and not yet answered
     http_cut: asyncio.Event = field(default_factory=asyncio.Event)  # the drain's deadline: end them

@@ -8,7 +8,7 @@ import ssl
 import sys
 from collections.abc import Sequence
 
-from cloud_verifier.config import ServerConfig
+from cloud_verifier.server_config import ServerConfig
 
 
 def _port(text: str) -> int:

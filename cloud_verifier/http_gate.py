@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cloud_verifier.app_state import AppState
 from cloud_verifier.auth import AuthError
-from cloud_verifier.config import ServerConfig
+from cloud_verifier.server_config import ServerConfig
 from shared.openai_compat import SSE_DONE, ApiError
 
 # answered without a key and during a drain: health probes and metrics scrapes

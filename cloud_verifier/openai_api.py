@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from cloud_verifier.admission import Admission, Refused, Ticket
+from cloud_verifier.admission import Admission, AdmissionRefused, Ticket
 from cloud_verifier.auth import AuthError, KeyStore, Principal
 from cloud_verifier.engine import Engine
 from cloud_verifier.engine_state import RoundResult
@@ -211,7 +211,7 @@ class TextStream:
 
 
 @dataclass
-class Generation:
+class CompletionRun:
     """One request's target-only generation in the engine. Its key was charged the prompt and
     max_tokens at admission; `close` frees the engine sequence and the slot and refunds the tokens
     not generated (whether it finished, failed, or its client went away)."""
@@ -386,7 +386,7 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
             req = charge(who, parse_common(body, ids, ctx.max_context, chat), body, chat)
             try:
                 ticket = await ctx.admission.acquire(who, len(req.prompt_ids) + req.max_tokens)
-            except Refused as exc:
+            except AdmissionRefused as exc:
                 raise ApiError(429, exc.reason, None, "rate_limit_exceeded", "rate_limit_error",
                                {"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
         except ApiError as exc:
@@ -395,7 +395,7 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
         def closed() -> None:
             ctx.running -= 1
 
-        gen = Generation(engine, req, ctx.admission, who, ticket, on_close=closed)
+        gen = CompletionRun(engine, req, ctx.admission, who, ticket, on_close=closed)
         gen.start()
         ctx.running += 1
         rid = new_id(chat)
@@ -484,7 +484,7 @@ class GenerationStream(StreamingResponse):
     stream finished, the client went away, or the response never began (the generator's own
     `finally` does not run for a generator that was never started)."""
 
-    def __init__(self, gen: Generation, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, gen: CompletionRun, events: AsyncIterator[bytes]) -> None:
         super().__init__(events, media_type="text/event-stream")
         self.gen = gen
 
@@ -504,7 +504,7 @@ def _respond(exc: ApiError) -> JSONResponse:
 
 
 async def _tokens(
-    gen: Generation, text: TextStream, ctx: ApiContext
+    gen: CompletionRun, text: TextStream, ctx: ApiContext
 ) -> AsyncIterator[tuple[str, list[int], str | None, str | None]]:
     """(new text, new token ids, finish reason or None, error or None) per engine result."""
     t0 = time.perf_counter()
@@ -530,7 +530,7 @@ async def _tokens(
 
 
 async def _collect(
-    gen: Generation, target: Target, ctx: ApiContext
+    gen: CompletionRun, target: Target, ctx: ApiContext
 ) -> tuple[str, list[int], str, str | None]:
     text = TextStream(target, gen.req.stop)
     parts: list[str] = []
@@ -547,7 +547,7 @@ async def _collect(
 
 
 async def _sse(
-    gen: Generation, target: Target, model: str, rid: str, created: int, chat: bool, ctx: ApiContext
+    gen: CompletionRun, target: Target, model: str, rid: str, created: int, chat: bool, ctx: ApiContext
 ) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk format, ending in `data: [DONE]`."""
 

@@ -29,12 +29,12 @@ from cloud_verifier import logs, openai_api
 from cloud_verifier.admission import Admission
 from cloud_verifier.app_state import AppState
 from cloud_verifier.auth import KeyStore
-from cloud_verifier.config import ServerConfig
 from cloud_verifier.cost import cached_verify_cost
 from cloud_verifier.engine import Engine
 from cloud_verifier.engine_state import EngineConfig
 from cloud_verifier.http_gate import HttpGate
 from cloud_verifier.http_protocol import with_header_timeout
+from cloud_verifier.server_config import ServerConfig
 from cloud_verifier.session import ModelInfo
 from cloud_verifier.session_socket import serve_session
 from shared.errors import CloseCode

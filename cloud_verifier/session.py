@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cloud_verifier.admission import Admission, Refused, Ticket
+from cloud_verifier.admission import Admission, AdmissionRefused, Ticket
 from cloud_verifier.auth import AuthError, KeyStore, Principal
 from cloud_verifier.engine import Engine
 from cloud_verifier.engine_state import RoundResult, SeqState
@@ -70,7 +70,7 @@ def _ignore(result: RoundResult) -> None:
     return None
 
 
-class Session:
+class ServerSession:
     """Glue between one WebSocket, the protocol state machine and the engine."""
 
     def __init__(
@@ -163,7 +163,7 @@ class Session:
         else:
             try:
                 self.admission.check_tokens(who, cost)
-            except Refused as exc:
+            except AdmissionRefused as exc:
                 msg = f"{exc.reason}; retry in {exc.retry_after_s} s"
                 err = ProtocolError(ErrorCode.RATE_LIMITED, msg, round=0)
         if err is not None:
@@ -239,7 +239,7 @@ class Session:
         if self.admission is not None:
             try:
                 self.ticket = self.admission.try_acquire(self.principal)
-            except Refused as exc:
+            except AdmissionRefused as exc:
                 self.metrics.rejected_sessions.inc()
                 self.close(
                     CloseCode.TRY_AGAIN_LATER, f"try again later ({exc.retry_after_s} s): {exc.reason}"

@@ -1,7 +1,7 @@
 """WS /v1/session: one WebSocket's handler. Checks the origin, readiness and the handshake limit,
-then runs a reader (frames into the `Session`, at most `frames_per_s`, not while the client leaves
+then runs a reader (frames into the `ServerSession`, at most `frames_per_s`, not while the client leaves
 its replies unread) and a writer (the session's outbox onto the socket). Every protocol decision
-lives in `shared.protocol` (through `Session`)."""
+lives in `shared.protocol` (through `ServerSession`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from fastapi import WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from cloud_verifier.app_state import AppState
-from cloud_verifier.config import ServerConfig
-from cloud_verifier.session import CloseRequest, Session
+from cloud_verifier.server_config import ServerConfig
+from cloud_verifier.session import CloseRequest, ServerSession
 from shared.errors import CloseCode
 
 
@@ -38,7 +38,7 @@ async def serve_session(ws: WebSocket, state: AppState, origins: Collection[str]
         return
     auth = ws.headers.get("authorization", "")
     bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-    session = Session(
+    session = ServerSession(
         state.engine, state.info, state.limits, state.keys, state.metrics, bearer, state.admission
     )
     state.sessions.add(session)
@@ -75,7 +75,7 @@ class FrameBudget:
         return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
 
 
-async def _reader(ws: WebSocket, session: Session, config: ServerConfig) -> None:
+async def _reader(ws: WebSocket, session: ServerSession, config: ServerConfig) -> None:
     opened = time.monotonic()
     budget = FrameBudget(config.frames_per_s)
     while not session.closed:
@@ -115,7 +115,7 @@ async def _reader(ws: WebSocket, session: Session, config: ServerConfig) -> None
         session.receive(data)
 
 
-async def _writer(ws: WebSocket, session: Session) -> None:
+async def _writer(ws: WebSocket, session: ServerSession) -> None:
     try:
         while True:
             item = await session.outbox.get()

@@ -72,7 +72,7 @@ class Packed:
 
 
 @dataclass
-class Verdict:
+class StepVerdict:
     """One round's verdict: the sampled tokens and accepted nodes on the host, or (`sync_free`) still
     packed on the device until the step's one copy; `error` when verifying it failed. A prefill
     chunk has no verdict (`planned.final` is False)."""
@@ -186,12 +186,12 @@ class StepRunner:
         mask = inp.tree_mask.to(dev) if inp.tree_mask is not None else None
         return SeqInput(inp.seq_id, inp.tokens.to(dev), inp.positions.to(dev), mask, inp.logit_rows.to(dev))
 
-    def verify(self, packed: Packed) -> list[Verdict]:
+    def verify(self, packed: Packed) -> list[StepVerdict]:
         """Each final round's verdict from its logits ([1 + N, V]: row 0, then the nodes); a
         session whose verification fails gets an error, alone."""
         verdicts = []
         for p, logits in zip(packed.rounds, packed.logits, strict=True):
-            v = Verdict(p)
+            v = StepVerdict(p)
             if p.final:
                 try:
                     self._verdict(v, logits)
@@ -201,7 +201,7 @@ class StepRunner:
             verdicts.append(v)
         return verdicts
 
-    def _verdict(self, v: Verdict, logits: torch.Tensor) -> None:
+    def _verdict(self, v: StepVerdict, logits: torch.Tensor) -> None:
         s, tree = v.planned.seq, v.planned.job.tree
         at = len(s.committed)
         if tree is None or tree.num_nodes == 0:  # an `ar` step or a prompt's first token
@@ -219,7 +219,7 @@ class StepRunner:
             res = verify_tree(algorithm, tree, logits, s.params, seed=s.seed, generator=s.generator)
             v.tokens, v.accepted = list(res.tokens), list(res.accepted_nodes)
 
-    def read(self, verdicts: list[Verdict]) -> list[Verdict]:
+    def read(self, verdicts: list[StepVerdict]) -> list[StepVerdict]:
         """The step's one device -> host copy of every verdict still on the device."""
         on_device = [(v, v.device) for v in verdicts if v.device is not None and v.error is None]
         read = read_verdicts([packed for _, packed in on_device])
@@ -231,7 +231,7 @@ class StepRunner:
                 v.error = _internal(exc, v.planned)
         return verdicts
 
-    def commit(self, verdicts: list[Verdict], t0: float) -> list[StepOutcome]:
+    def commit(self, verdicts: list[StepVerdict], t0: float) -> list[StepOutcome]:
         """Commit each round's kept KV rows: a prefill chunk's rows, or the verdict cut at the stop
         conditions."""
         outcomes = []
@@ -250,7 +250,7 @@ class StepRunner:
                     outcomes.append(StepOutcome(p, error=_internal(exc, p)))
         return outcomes
 
-    def _cut_and_commit(self, v: Verdict, t0: float) -> RoundResult:
+    def _cut_and_commit(self, v: StepVerdict, t0: float) -> RoundResult:
         """Cut the verdict at the stop conditions and commit the kept rows' KV."""
         p = v.planned
         s, tree = p.seq, p.job.tree

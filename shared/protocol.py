@@ -26,7 +26,7 @@ from shared.server_events import (
     ServerState,
     VerifyTree,
 )
-from shared.server_protocol import Generation, ServerProtocol
+from shared.server_protocol import ServerGeneration, ServerProtocol
 
 __all__ = [
     "CancelReceived",
@@ -34,10 +34,10 @@ __all__ = [
     "ClientState",
     "ClosedByPeer",
     "ErrorSent",
-    "Generation",
     "HelloReceived",
     "PromptReceived",
     "ServerEvent",
+    "ServerGeneration",
     "ServerProtocol",
     "ServerState",
     "VerifyTree",

@@ -46,7 +46,7 @@ from shared.tree import TokenTree
 
 
 @dataclass
-class Generation:
+class ServerGeneration:
     """What the server protocol tracks of the generation in progress."""
 
     prompt: Prompt
@@ -86,7 +86,7 @@ class ServerProtocol:
         self.versions = tuple(versions)
         self.allowed_modes: frozenset[Mode] = frozenset({Mode.GREEDY, Mode.MATCH, Mode.AR})
         self.state = ServerState.AWAIT_HELLO
-        self.gen: Generation | None = None
+        self.gen: ServerGeneration | None = None
         self.context: list[int] = []  # committed sequence of the last generation (for `continue`)
         self.last_round = 0
         self.stats = FrameStats()
@@ -206,7 +206,7 @@ class ServerProtocol:
             self.state = ServerState.IDLE
         return nxt
 
-    def _stale_all(self, gen: Generation, reason: str) -> None:
+    def _stale_all(self, gen: ServerGeneration, reason: str) -> None:
         for r in sorted(gen.pending):
             self._send(Stale(r, reason))
         gen.pending.clear()
@@ -297,7 +297,7 @@ class ServerProtocol:
                     "tree.base",
                     round=0,
                 )
-        self.gen = Generation(p, committed, owned=committed)
+        self.gen = ServerGeneration(p, committed, owned=committed)
         self.state = ServerState.GENERATING
         return PromptReceived(p, np.asarray(committed, dtype=np.int32))
 

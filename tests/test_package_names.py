@@ -10,6 +10,7 @@ import name from the installed distributions' metadata.
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import re
 from collections.abc import Mapping
@@ -51,3 +52,32 @@ def test_no_installed_distribution_ships_a_project_package_name() -> None:
     assert "treespec_kernels" in packages and "edge_client" in packages
     found = clashes(importlib.metadata.packages_distributions(), packages)
     assert not found, f"top-level names also installed by other distributions (rename ours): {found}"
+
+
+PRODUCT = ("edge_client", "cloud_verifier", "shared", "treespec_kernels")
+
+
+def class_homes(root: Path, packages: tuple[str, ...] = PRODUCT) -> dict[str, list[str]]:
+    """Top-level class name -> the product modules that define one of that name."""
+    homes: dict[str, list[str]] = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.parse(path.read_text(encoding="utf-8")).body:
+                if isinstance(node, ast.ClassDef):
+                    homes.setdefault(node.name, []).append(str(path.relative_to(root)))
+    return homes
+
+
+def test_no_two_product_classes_share_a_name() -> None:
+    """Two meanings under one name (two Session, two Refused, three Outcome, two Generation) make a
+    reader guess which is meant; the verifier's were renamed (ServerSession, AdmissionRefused,
+    CaseOutcome, ServerGeneration, CompletionRun), the SDK's public names stayed."""
+    twice = {name: where for name, where in class_homes(ROOT).items() if len(where) > 1}
+    assert not twice, f"class names defined in more than one product module: {twice}"
+
+
+def test_the_class_scan_sees_a_clash(tmp_path: Path) -> None:
+    for pkg in ("a", "b"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "m.py").write_text("class Session:\n    pass\n", encoding="utf-8")
+    assert class_homes(tmp_path, ("a", "b")) == {"Session": ["a/m.py", "b/m.py"]}

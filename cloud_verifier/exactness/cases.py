@@ -35,7 +35,7 @@ from shared.sparse import truncate
 
 # --------------------------------------------------------------------------- simulation
 @dataclass
-class Outcome:
+class CaseOutcome:
     counts: np.ndarray  # [V ** measure] joint counts of the next `measure` output tokens
     rounds: int = 0
     first_round_tokens: float = 0.0  # total tokens emitted by every trial's first round
@@ -50,13 +50,13 @@ def simulate(
     seed: int,
     rules: Rules = EXACT,
     device: str = "cpu",
-) -> Outcome:
+) -> CaseOutcome:
     """Run `trials` independent generations from START_TOKEN until each emitted `shape.measure`
     tokens; count their joint values. Batched: every round verifies all unfinished trials at once.
     device: where verification runs (its logits, trees and generator; sync-free off the CPU);
     drafting stays on the host."""
     v, m = pair.vocab, shape.measure
-    out = Outcome(np.zeros(v**m, dtype=np.int64))
+    out = CaseOutcome(np.zeros(v**m, dtype=np.int64))
     for c0 in range(0, trials, CHUNK):
         t = min(CHUNK, trials - c0)
         gen = torch.Generator().manual_seed(seed * 7919 + c0)

@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import torch
 
-from cloud_verifier.config import ServerConfig
 from cloud_verifier.parallel.group import current
 from cloud_verifier.parallel.launch import join, start, threads_per_rank, under_torchrun
 from cloud_verifier.parallel.sharding import load_sharded_target
 from cloud_verifier.parallel.worker import serve_commands
+from cloud_verifier.server_config import ServerConfig
 from shared.model.target import Target
 
 

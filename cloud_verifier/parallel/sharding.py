@@ -21,9 +21,9 @@ from cloud_verifier.parallel.kv_cache import ShardedKVCache
 from cloud_verifier.parallel.protocol import Op, TensorParallelError, encode_inputs
 from shared.model import gemm
 from shared.model.archs import by_name
-from shared.model.config import ModelConfig, make_tiny_config
 from shared.model.kv_cache import PagedKVCache
 from shared.model.llama import ATTENTION_MODES, DecoderLayer, LlamaModel, SeqInput, check_input
+from shared.model.model_config import ModelConfig, make_tiny_config
 from shared.model.target import Target, load_target
 from shared.model.weights import build_model, resolve_device, resolve_dtype
 

@@ -1,7 +1,6 @@
 """The cloud target: a Llama-family decoder with a packed tree-attention forward, its loaders
 (GGUF, safetensors) and tokenizer. See docs/architecture.md §3.1, §5 and §6."""
 
-from shared.model.config import ModelConfig, RopeScaling, make_tiny_config
 from shared.model.generate import greedy_generate, prefill
 from shared.model.inputs import (
     SeqInput,
@@ -13,6 +12,7 @@ from shared.model.inputs import (
 )
 from shared.model.kv_cache import KVCacheFull, PagedKVCache
 from shared.model.llama import LlamaModel
+from shared.model.model_config import ModelConfig, RopeScaling, make_tiny_config
 from shared.model.target import ALIASES, Target, load_target, smollm2_gguf_path
 from shared.model.tokenizer import TargetTokenizer
 from shared.model.weights import build_model

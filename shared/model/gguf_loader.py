@@ -16,8 +16,8 @@ import torch
 from tqdm import tqdm
 
 from shared.model.archs import Architecture, by_name
-from shared.model.config import ModelConfig, RopeScaling
 from shared.model.llama import LlamaModel
+from shared.model.model_config import ModelConfig, RopeScaling
 from shared.model.tokenizer import CONTROL, TargetTokenizer, bpe_from_gguf
 from shared.model.weights import WeightAssigner
 from shared.vocab import end_of_generation_ids

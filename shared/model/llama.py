@@ -20,9 +20,9 @@ from torch import nn
 
 from shared.model import attention, gemm
 from shared.model.attention import ATTENTION_MODES
-from shared.model.config import ModelConfig
 from shared.model.inputs import SeqInput, check_input, row_bounds
 from shared.model.kv_cache import TILE, PagedKVCache
+from shared.model.model_config import ModelConfig
 from shared.model.rope import Rotary
 from treespec_kernels import cpu_attention
 

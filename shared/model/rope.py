@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from shared.model.config import ModelConfig, RopeScaling
+from shared.model.model_config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -17,9 +17,9 @@ import torch
 
 from shared import model_store
 from shared.model import gguf_loader, safetensors_loader, weight_cache
-from shared.model.config import ModelConfig, make_tiny_config
 from shared.model.kv_cache import PagedKVCache
 from shared.model.llama import LlamaModel
+from shared.model.model_config import ModelConfig, make_tiny_config
 from shared.model.tokenizer import TargetTokenizer
 from shared.model.weights import build_model, resolve_device, resolve_dtype
 from shared.vocab import vocab_fingerprint

@@ -29,8 +29,8 @@ import torch
 from tqdm import tqdm
 
 from shared import model_store
-from shared.model.config import ModelConfig, RopeScaling
 from shared.model.llama import LlamaModel
+from shared.model.model_config import ModelConfig, RopeScaling
 from shared.model.tokenizer import TargetTokenizer
 
 log = logging.getLogger("shared.model.weights")

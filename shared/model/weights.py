@@ -12,8 +12,8 @@ import re
 
 import torch
 
-from shared.model.config import ModelConfig
 from shared.model.llama import DecoderLayer, LlamaModel
+from shared.model.model_config import ModelConfig
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

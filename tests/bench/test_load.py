@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from bench import load, load_figures
-from cloud_verifier.config import ServerConfig
+from cloud_verifier.server_config import ServerConfig
 from tests.cloud_verifier.service import tiny
 
 RUN_KEYS = {

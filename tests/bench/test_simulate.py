@@ -14,9 +14,9 @@ import pytest
 from bench.simulate import (
     Costs,
     Curve,
-    Generation,
     Overheads,
     Policy,
+    TracedGeneration,
     fit_drafter,
     fit_verifier,
     load_generations,
@@ -47,12 +47,12 @@ def verdict(t: float, rid: int, nxt: int | None, done: bool = False, tokens: int
     return VerdictEvent(t, rid, tokens - 1, tokens, V, nxt is not None and not done, nxt, done)
 
 
-def gen(tr: RoundTrace, wall_ms: float | None = None, rtt: float = RTT) -> Generation:
+def gen(tr: RoundTrace, wall_ms: float | None = None, rtt: float = RTT) -> TracedGeneration:
     """A generation whose measured wall time is the logged span (nothing outside the rounds)."""
     tokens = sum(v.tokens for v in tr.verdicts)
     span = (tr.verdicts[-1].t - min(d.t0 for d in tr.drafts)) * 1e3
     wall = span if wall_ms is None else wall_ms
-    return Generation(tr, tokens, wall / tokens, "tree_prespec", rtt)
+    return TracedGeneration(tr, tokens, wall / tokens, "tree_prespec", rtt)
 
 
 FLAT = Costs("flat-test", Curve.flat(D), Curve.flat(V), prefill="curve")
@@ -279,7 +279,7 @@ def test_curves_fit_from_the_trace() -> None:
     assert fit_verifier([g]).points == ((3.0, V),)  # by tree nodes; round 0 (its prefill) left out
 
 
-def trace_file(path: Path, gens: list[Generation], ar_ms_per_token: float = 80.0) -> Path:
+def trace_file(path: Path, gens: list[TracedGeneration], ar_ms_per_token: float = 80.0) -> Path:
     """The generations as a bench.network --trace file (and one mode-ar generation)."""
     doc = {
         "config": {"note": "hand-built"},
@@ -374,7 +374,7 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
 # ----------------------------------------------------------------------------- the validation
 def record_small_pair(
     prompts: int = 3, tokens: int = 48, rtt_ms: float = 50.0, temperature: float = 0.0
-) -> list[Generation]:
+) -> list[TracedGeneration]:
     """Traced generations of the small pair (smollm2-135m verifying in this process, its Q4
     llama.cpp export drafting), tree + pre-speculation over an emulated RTT; greedy, or seeded
     match at `temperature`."""
@@ -387,7 +387,7 @@ def record_small_pair(
 
     target = load_target("smollm2-135m", progress=False)
     drafter = create_drafter("llama_cpp", "smollm2-135m-q4", n_threads=1)
-    out: list[Generation] = []
+    out: list[TracedGeneration] = []
 
     async def run(url: str) -> None:
         link = LinkShape.rtt(rtt_ms)
@@ -403,7 +403,9 @@ def record_small_pair(
                 st = c.last.stats
                 assert st.trace is not None
                 out.append(
-                    Generation(st.trace, st.tokens, st.ms_per_token, "tree_prespec", rtt_ms, temperature, i)
+                    TracedGeneration(
+                        st.trace, st.tokens, st.ms_per_token, "tree_prespec", rtt_ms, temperature, i
+                    )
                 )
 
     try:

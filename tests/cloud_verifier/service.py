@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 from fastapi.testclient import TestClient
 
-from cloud_verifier.config import ServerConfig
 from cloud_verifier.server import ThreadedServer, create_app
+from cloud_verifier.server_config import ServerConfig
 from shared.messages import Error, Hello, Message, Mode, Prompt, Stale, Tree, Verdict, Welcome
 from shared.model import Target, greedy_generate, load_target
 from shared.protocol import ClientProtocol

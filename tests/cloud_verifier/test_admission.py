@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from websockets.frames import Close
 
-from cloud_verifier.admission import Admission, Refused
+from cloud_verifier.admission import Admission, AdmissionRefused
 from cloud_verifier.auth import KeyStore, Principal
 from shared.errors import ErrorCode
 from shared.messages import Error, Message, Mode, Prompt, Verdict, Welcome
@@ -24,24 +24,24 @@ def test_slots_and_the_bounded_queue() -> None:
     async def main() -> None:
         adm = Admission(capacity=2, max_waiting=1, wait_s=0.3)
         a, b = adm.try_acquire(ANY), await adm.acquire(ANY)
-        with pytest.raises(Refused):
+        with pytest.raises(AdmissionRefused):
             adm.try_acquire(ANY)  # full, and a WebSocket does not wait
         waiter = asyncio.create_task(adm.acquire(ANY))
         await asyncio.sleep(0.01)
         assert adm.waiting == 1
-        with pytest.raises(Refused, match="already wait"):
+        with pytest.raises(AdmissionRefused, match="already wait"):
             await adm.acquire(ANY)  # the queue is full: refused at once
         adm.release(a)  # the slot passes to the waiter
         c = await waiter
         assert adm.in_use == 2 and adm.waiting == 0
-        with pytest.raises(Refused, match="within") as exc:
+        with pytest.raises(AdmissionRefused, match="within") as exc:
             await adm.acquire(ANY)  # waits 0.3 s, no slot frees
         assert exc.value.retry_after_s >= 1
         adm.release(b)
         adm.release(c)
         assert adm.in_use == 0
         adm.closed = True
-        with pytest.raises(Refused, match="draining"):
+        with pytest.raises(AdmissionRefused, match="draining"):
             adm.try_acquire(ANY)
 
     asyncio.run(main())
@@ -56,12 +56,12 @@ def test_per_key_sessions_and_tokens_per_minute(tmp_path: Path) -> None:
     assert (b.trusted, b.max_sessions, b.tokens_per_min) == (False, None, None)
     adm = Admission(capacity=10, max_waiting=0, wait_s=0)
     t = adm.try_acquire(a)
-    with pytest.raises(Refused, match="1 concurrent"):
+    with pytest.raises(AdmissionRefused, match="1 concurrent"):
         adm.try_acquire(a)
     adm.try_acquire(b)  # another key is not limited by it
     adm.release(t)
     adm.spend(a, 150)  # 30 over the bucket: two tokens a second refill it
-    with pytest.raises(Refused, match="tokens per minute") as exc:
+    with pytest.raises(AdmissionRefused, match="tokens per minute") as exc:
         adm.check_tokens(a)
     assert 15 <= exc.value.retry_after_s <= 17
     for bad in ("k x", "k sessions=0", "k tokens_per_min=abc", "k trusted extra=1"):
@@ -122,11 +122,11 @@ def test_the_drain_refuses_the_waiters_at_once() -> None:
         start = asyncio.get_running_loop().time()
         adm.close()
         for w in waiters:
-            with pytest.raises(Refused, match="draining"):
+            with pytest.raises(AdmissionRefused, match="draining"):
                 await w
         assert asyncio.get_running_loop().time() - start < 1
         assert adm.waiting == 0 and adm.in_use == 1  # the running one keeps its slot
-        with pytest.raises(Refused, match="draining"):
+        with pytest.raises(AdmissionRefused, match="draining"):
             await adm.acquire(ANY)
         adm.release(t)
         assert adm.in_use == 0
@@ -142,10 +142,10 @@ def test_a_reloaded_key_file_changes_a_keys_rate() -> None:
     adm.check_tokens(Principal("k", False, None, 6000), 90)
     slower = Principal("k", False, None, 60)  # reloaded: 60 a minute
     adm.check_tokens(slower, 60)  # the level is capped at the new minute's worth
-    with pytest.raises(Refused, match="60 tokens per minute"):
+    with pytest.raises(AdmissionRefused, match="60 tokens per minute"):
         adm.check_tokens(slower, 61)
     adm.spend(slower, 60)
-    with pytest.raises(Refused) as exc:
+    with pytest.raises(AdmissionRefused) as exc:
         adm.check_tokens(slower, 30)
     assert 29 <= exc.value.retry_after_s <= 31  # refilled at 1 token a second, not 100
 

@@ -8,7 +8,7 @@ import pytest
 from shared.model import archs
 from shared.model.archs import ARCHITECTURES, Architecture, by_hf_model_type, by_name, register
 from shared.model.archs.llama import shard_llama_block
-from shared.model.config import config_from_hf
+from shared.model.model_config import config_from_hf
 
 HF = {
     "vocab_size": 64,
@@ -33,9 +33,7 @@ def test_llama_and_qwen2_are_registered_with_their_differences() -> None:
 def test_refusals_name_what_is_supported() -> None:
     with pytest.raises(ValueError, match=r"model_type 'gpt2' is not supported \(\[.*'qwen2'"):
         config_from_hf({**HF, "model_type": "gpt2"})
-    with pytest.raises(
-        ValueError, match=r"architecture 'phi3' is not supported \(.*llama, qwen2"
-    ):
+    with pytest.raises(ValueError, match=r"architecture 'phi3' is not supported \(.*llama, qwen2"):
         by_name("phi3", "GGUF general.architecture")
     with pytest.raises(ValueError, match="already registered"):
         register(Architecture("llama", ("other",), shard_llama_block))

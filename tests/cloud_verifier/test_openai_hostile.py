@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from cloud_verifier.admission import Admission, Refused
+from cloud_verifier.admission import Admission, AdmissionRefused
 from cloud_verifier.auth import Principal
 from cloud_verifier.openai_api import PromptBound, TextStream
 from shared.errors import ErrorCode
@@ -75,7 +75,7 @@ def test_a_generation_reserves_its_cost_and_gets_back_what_it_did_not_use() -> N
     async def main() -> None:
         adm = Admission(capacity=8, max_waiting=0, wait_s=0)
         first = await adm.acquire(who, 95)  # prompt + max_tokens
-        with pytest.raises(Refused, match="tokens per minute") as exc:
+        with pytest.raises(AdmissionRefused, match="tokens per minute") as exc:
             await adm.acquire(who, 10)  # 5 left: wait until 5 more have refilled (~3 s)
         assert 3 <= exc.value.retry_after_s <= 4
         adm.refund(who, 90)  # it stopped after 5 tokens
@@ -84,7 +84,7 @@ def test_a_generation_reserves_its_cost_and_gets_back_what_it_did_not_use() -> N
         adm.release(second)
         adm.refund(who, 1000)  # a refund never fills the bucket past one minute's worth
         await adm.acquire(who, 100)
-        with pytest.raises(Refused):
+        with pytest.raises(AdmissionRefused):
             await adm.acquire(who, 1)
 
     asyncio.run(main())

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from cloud_verifier import parallel
-from cloud_verifier.config import ServerConfig
 from cloud_verifier.server import ThreadedServer
+from cloud_verifier.server_config import ServerConfig
 from shared.model import (
     Target,
     decode_step,
@@ -39,8 +39,8 @@ from shared.model import (
     round_keep,
     tree_round,
 )
-from shared.model.config import make_tiny_config
 from shared.model.gemm import onednn_available
+from shared.model.model_config import make_tiny_config
 from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree
 
 TOL = 1e-4  # |logit(TP=2) - logit(TP=1)| in float32, tiny (measured 1.1e-5)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from cloud_verifier import parallel
-from cloud_verifier.config import ServerConfig
 from cloud_verifier.server import ThreadedServer
+from cloud_verifier.server_config import ServerConfig
 from shared.model import (
     Target,
     decode_step,

@@ -11,7 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from cloud_verifier.config import ServerConfig
+from cloud_verifier.server_config import ServerConfig
 from shared.errors import ErrorCode
 from shared.handshake import FEATURES
 from shared.messages import Error, Hello, Mode, Prompt, Stale, Verdict, Welcome

@@ -11,8 +11,8 @@ from torch import nn
 from shared.model.archs.registry import Architecture, register
 
 if TYPE_CHECKING:
-    from shared.model.config import ModelConfig
     from shared.model.llama import DecoderLayer
+    from shared.model.model_config import ModelConfig
 
 
 def shard_llama_block(src: DecoderLayer, dst: DecoderLayer, rank: int, world: int, c: ModelConfig) -> None:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from shared.model.config import ModelConfig
     from shared.model.llama import DecoderLayer
+    from shared.model.model_config import ModelConfig
 
 # (source block, its shard on rank r, r, ranks, the full model's config): fill the shard's parameters
 ShardLayer = Callable[["DecoderLayer", "DecoderLayer", int, int, "ModelConfig"], None]
