@@ -23,11 +23,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from bench.harness import add_common_args, figure_rows, free_port, table, write_result
+
+if TYPE_CHECKING:
+    from edge_client.drafters.base import Drafter
 
 
 def _serve(port: int) -> subprocess.Popen[bytes]:
@@ -52,12 +55,59 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def wait_ready(url: str, drafter: Drafter) -> None:
+    """Wait (at most 180 s) until the first verifier process takes a session."""
+    from edge_client.client import EdgeClient, GenerationError
+
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            asyncio.run(EdgeClient(url, drafter, resume=False).connect())
+            break
+        except GenerationError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def record(mode: str, want: list[int], got: list[int], resumes: list[float]) -> dict[str, Any]:
+    """One interrupted generation against its uninterrupted run: identical, tokens lost and
+    repeated past the first difference, and the resumes' times (ms)."""
+    n = min(len(got), len(want))
+    same = next((j for j in range(n) if got[j] != want[j]), n)
+    return {
+        "mode": mode,
+        "identical": got == want,
+        "tokens_lost": max(0, len(want) - same) if got != want else 0,
+        "tokens_repeated": max(0, len(got) - same) if got != want else 0,
+        "resumes": len(resumes),
+        "resume_ms": [round(r * 1e3, 1) for r in resumes],
+    }
+
+
+def summary(records: Sequence[dict[str, Any]], kills: int) -> dict[str, Any]:
+    """The figures of the run (the printed table) from every generation's record."""
+    resume_ms = sorted(x for r in records for x in r["resume_ms"])
+    return {
+        "kills": kills,
+        "generations": 2 * len(records),
+        "identical": all(r["identical"] for r in records),
+        "tokens_lost": sum(r["tokens_lost"] for r in records),
+        "tokens_repeated": sum(r["tokens_repeated"] for r in records),
+        "resume_ms_median": round(statistics.median(resume_ms), 1) if resume_ms else None,
+        "resume_ms_p95": round(resume_ms[min(len(resume_ms) - 1, int(0.95 * len(resume_ms)))], 1)
+        if resume_ms
+        else None,
+        "resumed_generations": sum(1 for r in records if r["resumes"]),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     if a.kills < 1 or a.tokens < 8:
         ap.error("--kills >= 1 and --tokens >= 8")
-    from edge_client.client import EdgeClient, GenerationError, ResumeConfig
+    from edge_client.client import EdgeClient, ResumeConfig
     from edge_client.drafters.registry import create_drafter
 
     rng = random.Random(a.seed)
@@ -85,15 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return out, c.resumes
 
     try:
-        deadline = time.monotonic() + 180
-        while True:  # the first process is ready
-            try:
-                asyncio.run(EdgeClient(url, drafter, resume=False).connect())
-                break
-            except GenerationError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        wait_ready(url, drafter)
         bar = tqdm(total=a.kills, desc="chaos kills", file=sys.stderr, disable=a.no_progress)
         while len(procs) - 1 < a.kills:
             prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(4, 24))]
@@ -103,36 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             before = len(procs)
             got, resumes = asyncio.run(generate(prompt, kw, rng.randint(1, 3)))
             bar.update(len(procs) - before)
-            n = min(len(got), len(want))
-            same = next((j for j in range(n) if got[j] != want[j]), n)
-            records.append(
-                {
-                    "mode": mode,
-                    "identical": got == want,
-                    "tokens_lost": max(0, len(want) - same) if got != want else 0,
-                    "tokens_repeated": max(0, len(got) - same) if got != want else 0,
-                    "resumes": len(resumes),
-                    "resume_ms": [round(r * 1e3, 1) for r in resumes],
-                }
-            )
+            records.append(record(mode, want, got, resumes))
     finally:
         for p in procs:
             p.kill()
             p.wait()
         drafter.close()
-    resume_ms = sorted(x for r in records for x in r["resume_ms"])
-    result = {
-        "kills": len(procs) - 1,
-        "generations": 2 * len(records),
-        "identical": all(r["identical"] for r in records),
-        "tokens_lost": sum(r["tokens_lost"] for r in records),
-        "tokens_repeated": sum(r["tokens_repeated"] for r in records),
-        "resume_ms_median": round(statistics.median(resume_ms), 1) if resume_ms else None,
-        "resume_ms_p95": round(resume_ms[min(len(resume_ms) - 1, int(0.95 * len(resume_ms)))], 1)
-        if resume_ms
-        else None,
-        "resumed_generations": sum(1 for r in records if r["resumes"]),
-    }
+    result = summary(records, len(procs) - 1)
     print(table([[k, v] for k, v in result.items()], ["figure", "value"]))
     write_result(a.json, a, figure_rows(result), True, **result, records=records)
     return 0 if result["identical"] else 1

@@ -165,6 +165,104 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def tiny_hello() -> bytes:
+    """The hello frame of a client of the tiny model (its vocabulary's fingerprint)."""
+    from shared.model import load_target
+
+    hello: bytes = msgpack.packb(
+        {
+            "type": "hello",
+            "version": 1,
+            "vocab_fingerprint": load_target("tiny", progress=False).vocab_fingerprint,
+        }
+    )
+    return hello
+
+
+async def run(
+    url: str,
+    hello: bytes,
+    pid: int | None,
+    seconds: float,
+    tally: Counter[str],
+    series: list[tuple[float, float]],
+    *,
+    clients: int,
+    seed: int,
+    drop: float,
+    sample_every: float,
+    progress: bool,
+) -> tuple[float | None, list[int], list[int]]:
+    """`clients` clients for `seconds` (the verifier's RSS, with a `pid`, sampled into `series`
+    every `sample_every` seconds and noted once after the warm-up), then an honest session and its
+    `ar` run: (the warm-up RSS, the honest tokens, ar's tokens)."""
+    t0 = time.monotonic()
+    stop = t0 + seconds
+    tasks = [
+        asyncio.create_task(client(url, hello, random.Random(seed * 1000 + i), drop, stop, tally))
+        for i in range(clients)
+    ]
+    warm: float | None = None
+    next_sample = t0
+    with tqdm(
+        total=int(seconds), desc="soak seconds", file=sys.stderr, mininterval=5, disable=not progress
+    ) as bar:
+        while any(not t.done() for t in tasks):
+            await asyncio.sleep(1)
+            bar.n = min(int(time.monotonic() - t0), int(seconds))
+            bar.refresh()
+            now = time.monotonic()
+            if pid and now >= next_sample:
+                series.append((round(now - t0, 1), round(rss_mb(pid), 1)))
+                next_sample += sample_every
+            if warm is None and pid and now - t0 >= seconds / 5:
+                warm = rss_mb(pid)
+    await asyncio.gather(*tasks)
+    honest, ar = await _honest(url, hello, [5, 6, 7, 8, 9], 24)
+    return warm, honest, ar
+
+
+def kv_settled(http: str, kv_idle: float) -> float:
+    """The KV blocks in use once they are back to `kv_idle`, or after 10 s (dropped sockets are
+    noticed within a round)."""
+    deadline = time.monotonic() + 10
+    while kv_blocks(http) > kv_idle and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return kv_blocks(http)
+
+
+def figures(
+    *,
+    clients: int,
+    seconds: float,
+    drop: float,
+    tally: Counter[str],
+    kv_idle: float,
+    kv_end: float,
+    warm: float | None,
+    end: float | None,
+    growth: float | None,
+    honest_identical: bool,
+    series: Sequence[tuple[float, float]],
+) -> dict[str, Any]:
+    """The printed table's figures: the run, the clients' tally, the KV blocks in use (idle
+    before, after), the RSS (after the warm-up, at the end, its growth), whether the honest session
+    equals `ar`, and where the memory levels off."""
+    return {
+        "clients": clients,
+        "seconds": seconds,
+        "drop": drop,
+        **{k: tally[k] for k in sorted(tally)},
+        "kv_blocks_idle_before": kv_idle,
+        "kv_blocks_idle_after": kv_end,
+        "rss_warm_mb": None if warm is None else round(warm, 1),
+        "rss_end_mb": None if end is None else round(end, 1),
+        "rss_growth": None if growth is None else round(growth, 4),
+        "honest_identical_to_ar": honest_identical,
+        **plateau(series, seconds),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
@@ -179,70 +277,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         url, pid = a.url, a.pid
     http = url.replace("ws://", "http://").split("/v1/")[0]
-    from shared.model import load_target
-
-    hello = msgpack.packb(
-        {
-            "type": "hello",
-            "version": 1,
-            "vocab_fingerprint": load_target("tiny", progress=False).vocab_fingerprint,
-        }
-    )
+    hello = tiny_hello()
     tally: Counter[str] = Counter()
     series: list[tuple[float, float]] = []  # (seconds since start, RSS MB) while the clients run
     kv_idle = kv_blocks(http)
     seconds = a.minutes * 60
     try:
-
-        async def run() -> tuple[float | None, list[int], list[int]]:
-            t0 = time.monotonic()
-            stop = t0 + seconds
-            tasks = [
-                asyncio.create_task(client(url, hello, random.Random(a.seed * 1000 + i), a.drop, stop, tally))
-                for i in range(a.clients)
-            ]
-            warm: float | None = None
-            next_sample = t0
-            with tqdm(
-                total=int(seconds), desc="soak seconds", file=sys.stderr, mininterval=5, disable=a.no_progress
-            ) as bar:
-                while any(not t.done() for t in tasks):
-                    await asyncio.sleep(1)
-                    bar.n = min(int(time.monotonic() - t0), int(seconds))
-                    bar.refresh()
-                    now = time.monotonic()
-                    if pid and now >= next_sample:
-                        series.append((round(now - t0, 1), round(rss_mb(pid), 1)))
-                        next_sample += a.sample_every
-                    if warm is None and pid and now - t0 >= seconds / 5:
-                        warm = rss_mb(pid)
-            await asyncio.gather(*tasks)
-            honest, ar = await _honest(url, hello, [5, 6, 7, 8, 9], 24)
-            return warm, honest, ar
-
-        warm, honest, ar = asyncio.run(run())
-        deadline = time.monotonic() + 10  # dropped sockets are noticed within a round
-        while kv_blocks(http) > kv_idle and time.monotonic() < deadline:
-            time.sleep(0.2)
-        kv_end = kv_blocks(http)
+        warm, honest, ar = asyncio.run(
+            run(
+                url,
+                hello,
+                pid,
+                seconds,
+                tally,
+                series,
+                clients=a.clients,
+                seed=a.seed,
+                drop=a.drop,
+                sample_every=a.sample_every,
+                progress=not a.no_progress,
+            )
+        )
+        kv_end = kv_settled(http, kv_idle)
         end = rss_mb(pid) if pid else None
     finally:
         if verifier is not None:
             verifier.stop()
     growth = (end - warm) / warm if warm and end else None
-    result: dict[str, Any] = {
-        "clients": a.clients,
-        "seconds": seconds,
-        "drop": a.drop,
-        **{k: tally[k] for k in sorted(tally)},
-        "kv_blocks_idle_before": kv_idle,
-        "kv_blocks_idle_after": kv_end,
-        "rss_warm_mb": None if warm is None else round(warm, 1),
-        "rss_end_mb": None if end is None else round(end, 1),
-        "rss_growth": None if growth is None else round(growth, 4),
-        "honest_identical_to_ar": honest == ar,
-        **plateau(series, seconds),
-    }
+    result = figures(
+        clients=a.clients,
+        seconds=seconds,
+        drop=a.drop,
+        tally=tally,
+        kv_idle=kv_idle,
+        kv_end=kv_end,
+        warm=warm,
+        end=end,
+        growth=growth,
+        honest_identical=honest == ar,
+        series=series,
+    )
     print(table([[k, v] for k, v in result.items()], ["figure", "value"]))
     rows = figure_rows(result)  # the table as printed (rss_series and ok join the file below)
     result["rss_series"] = series
