@@ -35,7 +35,7 @@ and `read_verdicts` brings every session's verdict of an engine step to the host
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,6 +138,124 @@ class _Walk:
     host_nodes: list[int] | None  # T = 1: the accepted path, read at the per-depth syncs
 
 
+@dataclass(frozen=True)
+class _Draws:
+    """What mss / rrs test the draws with, besides the row's table entries."""
+
+    q_table: torch.Tensor  # [T * (N + 1), K] float32: q_k(x_k) of each draw (`draw_proposals`)
+    q_ids: torch.Tensor  # [T, R, Kq] int64
+    q_probs: torch.Tensor  # [T, R, Kq] float32
+    u_accept: tuple[torch.Tensor, ...]  # per depth: [T, K] float32, one uniform per draw
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """One walk's fixed inputs: the per-row tables, flattened to [T * (N + 1), ...] so that a step
+    fetches its row with one slice (T = 1) or one index_select, and the walk's randomness."""
+
+    mode: Algorithm
+    params: SamplingParams
+    rules: Rules
+    probs: Callable[[torch.Tensor, SamplingParams], torch.Tensor]  # rules.probs, or its sync-free twin
+    sync_free: bool
+    k: int  # K: draws (or children) per row
+    table: torch.Tensor  # [T * (N + 1), parts * K] int64: slots, their tokens (and their q rows)
+    logits: torch.Tensor  # [T * (N + 1), V]
+    u_sample: tuple[torch.Tensor, ...]  # per depth: [T] float64 (empty for greedy)
+    draws: _Draws | None  # mss / rrs only
+
+    def step(self, d: int, row: int | torch.Tensor, active: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        """The mode's rule at depth d on each trial's row (an int: T = 1, the row fetched as a view;
+        else [T] flat row indices). active: [T] trials still walking (None: T = 1, always).
+        Returns (next [T] accepted node or -1, x [T] the bonus where next < 0)."""
+        if isinstance(row, int):
+            row_logits, at = self.logits[row : row + 1], self.table[row : row + 1]  # [1, V], [1, parts * K]
+        else:
+            row_logits, at = self.logits.index_select(0, row), self.table.index_select(0, row)
+        k = self.k
+        slots, slot_tokens = at[:, :k], at[:, k : 2 * k]
+        if active is not None:  # finished trials have nothing left to test
+            slots = torch.where(active.unsqueeze(-1), slots, -1)
+            slot_tokens = torch.where(active.unsqueeze(-1), slot_tokens, -1)
+        q = self.draws
+        if self.mode is Algorithm.GREEDY or (self.params.greedy and q is None):
+            return verify_greedy(row_logits, slots, slot_tokens)
+        if q is None:
+            return verify_match(self.probs(row_logits, self.params), slots, slot_tokens, self.u_sample[d])
+        slot_q = q.q_table[row : row + 1] if isinstance(row, int) else q.q_table.index_select(0, row)
+        return verify_rejection(
+            self.probs(row_logits, self.params),
+            slots,
+            slot_tokens,
+            slot_q,
+            at[:, 2 * k :],
+            q.q_ids,
+            q.q_probs,
+            q.u_accept[d],
+            self.u_sample[d],
+            self.mode is Algorithm.RRS,
+            self.rules,
+            self.sync_free,
+        )
+
+
+def _check_walk(mode: Algorithm, batch: TreeBatch, logits: torch.Tensor) -> None:
+    """The walk's arguments: an Algorithm, [T, N + 1, V] logits, and draws for mss / rrs."""
+    if not isinstance(mode, Algorithm):
+        raise TypeError(f"the verification mode must be an Algorithm (Algorithm.of(mode)), got {mode!r}")
+    t, n = batch.tokens.shape
+    if logits.dim() != 3 or logits.shape[0] != t or logits.shape[1] != n + 1:
+        raise ValueError(f"logits must be [{t}, {n + 1}, V], got {tuple(logits.shape)}")
+    if mode.stochastic and not batch.is_stochastic:
+        raise ValueError(f"mode {mode.value} needs a stochastic tree (draws with q rows)")
+
+
+def _sample_uniforms(
+    mode: Algorithm,
+    batch: TreeBatch,
+    seeds: np.ndarray | int,
+    generator: torch.Generator | None,
+    uniforms: Uniforms | None,
+    dev: torch.device,
+) -> tuple[torch.Tensor, ...]:
+    """Per depth, [T] float64: the inverse-CDF uniforms (match: keyed by seed and absolute position;
+    else `uniforms.sample` or the generator's first draw). Empty for greedy with no `uniforms`."""
+    steps = batch.depth + 1
+    if mode is Algorithm.MATCH:
+        pos = batch.committed_len.reshape(-1, 1) + np.arange(steps)
+        return to_device(keyed_uniforms(np.reshape(seeds, (-1, 1)), pos), dev).unbind(1)
+    if uniforms is not None:
+        return uniforms.sample.unbind(1)
+    if mode is not Algorithm.GREEDY:
+        t = batch.num_trials
+        return torch.rand((t, steps), generator=generator, device=dev, dtype=torch.float64).unbind(1)
+    return ()
+
+
+def _draws(
+    mode: Algorithm,
+    batch: TreeBatch,
+    slot_tokens: torch.Tensor,
+    vocab: int,
+    generator: torch.Generator | None,
+    uniforms: Uniforms | None,
+    dev: torch.device,
+) -> _Draws:
+    """mss / rrs: each draw's proposal probability (flattened per row) and the acceptance uniforms
+    (`uniforms.accept`, or the generator's draw after `_sample_uniforms`'). slot_tokens [T, N + 1, K]."""
+    assert batch.qrow is not None and batch.q_ids is not None and batch.q_probs is not None
+    t, n = batch.tokens.shape
+    steps, k = batch.depth + 1, batch.slots.shape[2]
+    q_all = draw_proposals(
+        slot_tokens, batch.slots, batch.qrow, batch.q_ids, batch.q_probs, mode is Algorithm.RRS, vocab
+    )
+    if uniforms is not None and uniforms.accept is not None:
+        u_accept = uniforms.accept.unbind(1)
+    else:
+        u_accept = torch.rand((t, steps, k), generator=generator, device=dev).unbind(1)
+    return _Draws(q_all.reshape(t * (n + 1), k), batch.q_ids, batch.q_probs, u_accept)
+
+
 def _walk(
     mode: Algorithm,
     batch: TreeBatch,
@@ -152,100 +270,71 @@ def _walk(
     """Walk every tree from row 0, one depth per step, applying the mode's rule at each row.
 
     sync_free: all depth + 1 steps, nothing read back (see the module doc)."""
-    if not isinstance(mode, Algorithm):
-        raise TypeError(f"the verification mode must be an Algorithm (Algorithm.of(mode)), got {mode!r}")
+    _check_walk(mode, batch, logits)
     t, n = batch.tokens.shape
-    if logits.dim() != 3 or logits.shape[0] != t or logits.shape[1] != n + 1:
-        raise ValueError(f"logits must be [{t}, {n + 1}, V], got {tuple(logits.shape)}")
-    stochastic = mode.stochastic
-    if stochastic and not batch.is_stochastic:
-        raise ValueError(f"mode {mode.value} needs a stochastic tree (draws with q rows)")
     dev = logits.device
-    steps, k = batch.depth + 1, batch.slots.shape[2]
+    k = batch.slots.shape[2]
     slots_all = batch.slots
     tokens_all = batch.tokens.gather(1, slots_all.clamp(min=0).reshape(t, -1)) if n else slots_all
     tokens_all = torch.where(slots_all >= 0, tokens_all.reshape(slots_all.shape), -1)
-    if mode is Algorithm.MATCH:
-        pos = batch.committed_len.reshape(-1, 1) + np.arange(steps)
-        u_sample = to_device(keyed_uniforms(np.reshape(seeds, (-1, 1)), pos), dev).unbind(1)
-    elif uniforms is not None:
-        u_sample = uniforms.sample.unbind(1)
-    elif mode is not Algorithm.GREEDY:
-        u_sample = torch.rand((t, steps), generator=generator, device=dev, dtype=torch.float64).unbind(1)
+    u_sample = _sample_uniforms(mode, batch, seeds, generator, uniforms, dev)
     # per-row tables, flattened to [T * (N + 1), ...]: one row fetch per step
     parts = [slots_all, tokens_all]
-    if stochastic:
-        assert batch.qrow is not None and batch.q_ids is not None and batch.q_probs is not None
-        q_ids, q_probs = batch.q_ids, batch.q_probs
+    draws = None
+    if mode.stochastic:
+        assert batch.qrow is not None
         parts.append(batch.qrow)
-        q_all = draw_proposals(
-            tokens_all, slots_all, batch.qrow, q_ids, q_probs, mode is Algorithm.RRS, logits.shape[-1]
-        )
-        q_table = q_all.reshape(t * (n + 1), k)
-        if uniforms is not None and uniforms.accept is not None:
-            u_accept = uniforms.accept.unbind(1)
-        else:
-            u_accept = torch.rand((t, steps, k), generator=generator, device=dev).unbind(1)
+        draws = _draws(mode, batch, tokens_all, logits.shape[-1], generator, uniforms, dev)
     table = torch.cat(parts, -1).reshape(t * (n + 1), len(parts) * k)
-    flat_logits = logits.reshape(t * (n + 1), -1)
-    # T = 1 (production): the row index comes to the host at the per-depth sync anyway, so rows are
-    # fetched as views; T > 1: one index_select per table
-    host_nodes: list[int] | None = [] if t == 1 and not sync_free else None
     probs = rules.probs
     if sync_free and probs is target_probs:
         probs = _sync_free_probs
+    flat_logits = logits.reshape(t * (n + 1), -1)
+    rows = _Rows(mode, params, rules, probs, sync_free, k, table, flat_logits, u_sample, draws)
+    # T = 1 (production): the row index comes to the host at the per-depth sync anyway, so rows are
+    # fetched as views; T > 1: one index_select per table
+    if t == 1 and not sync_free:
+        return _walk_host(rows, batch.depth + 1)
+    return _walk_batched(rows, t, n, batch.depth + 1)
+
+
+def _walk_host(rows: _Rows, steps: int) -> _Walk:
+    """T = 1 with a sync per depth: the accepted node is read back and the walk stops at the bonus."""
+    host_nodes: list[int] = []
+    walked: list[torch.Tensor] = []
+    row = 0  # 0 = row 0, 1 + i = node i
+    for d in range(steps):
+        nxt, x = rows.step(d, row, None)
+        walked.append(nxt)
+        node = int(nxt)  # the step's one sync
+        if node < 0:
+            return _Walk(walked[:-1], x, host_nodes)
+        host_nodes.append(node)
+        row = node + 1
+    # not reached: the row at the last depth is a leaf, which has nothing to accept
+    return _Walk(walked[: steps - 1], torch.zeros(1, dtype=torch.long, device=rows.logits.device), host_nodes)
+
+
+def _walk_batched(rows: _Rows, t: int, n: int, steps: int) -> _Walk:
+    """T trials at once: each step fetches every trial's row; finished trials never move and keep
+    their bonus. Unless sync_free, a sync per depth stops at the end of the longest walked path."""
+    dev = rows.logits.device
     base = torch.arange(t, device=dev) * (n + 1)
     cur = torch.zeros(t, dtype=torch.long, device=dev)  # row: 0 = row 0, 1 + i = node i
-    row = 0
     active = torch.ones(t, dtype=torch.bool, device=dev)
     bonus = torch.zeros(t, dtype=torch.long, device=dev)
     walked: list[torch.Tensor] = []
     for d in range(steps):
-        if host_nodes is not None:
-            row_logits, at = flat_logits[row : row + 1], table[row : row + 1]  # [1, V], [1, parts * K]
-        else:
-            flat = base + cur
-            row_logits, at = flat_logits.index_select(0, flat), table.index_select(0, flat)
-        slots, slot_tokens = at[:, :k], at[:, k : 2 * k]
-        if host_nodes is None:  # finished trials have nothing left to test
-            slots = torch.where(active.unsqueeze(-1), slots, -1)
-            slot_tokens = torch.where(active.unsqueeze(-1), slot_tokens, -1)
-        if mode is Algorithm.GREEDY or (params.greedy and not stochastic):
-            nxt, x = verify_greedy(row_logits, slots, slot_tokens)
-        elif not stochastic:
-            nxt, x = verify_match(probs(row_logits, params), slots, slot_tokens, u_sample[d])
-        else:
-            slot_q = q_table[row : row + 1] if host_nodes is not None else q_table.index_select(0, flat)
-            nxt, x = verify_rejection(
-                probs(row_logits, params),
-                slots,
-                slot_tokens,
-                slot_q,
-                at[:, 2 * k :],
-                q_ids,
-                q_probs,
-                u_accept[d],
-                u_sample[d],
-                mode is Algorithm.RRS,
-                rules,
-                sync_free,
-            )
+        nxt, x = rows.step(d, base + cur, active)
         walked.append(nxt)
-        if host_nodes is not None:
-            node = int(nxt)  # the step's one sync
-            if node < 0:
-                return _Walk(walked[:-1], x, host_nodes)
-            host_nodes.append(node)
-            row = node + 1
-            continue
         moved = nxt >= 0  # finished trials never move
         bonus = torch.where(active & ~moved, x, bonus)
         active = moved
         cur = nxt + 1
         # a sync per depth: stop at the end of the longest walked path
-        if not sync_free and not bool(moved.any()):
+        if not rows.sync_free and not bool(moved.any()):
             break
-    return _Walk(walked[: steps - 1], bonus, host_nodes)
+    return _Walk(walked[: steps - 1], bonus, None)
 
 
 def _sync_free_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
