@@ -86,6 +86,75 @@ class _Running:
     abandoned: bool = False
 
 
+@dataclass
+class _Output:
+    """One generation as its verdicts come: its record (`gen`), the detokenized text cut at the first
+    stop string (`cut`, once found), how many characters of it were yielded (`emitted`), the round
+    the server took up with no round trip (`next_round`), and the start of its clock and traffic."""
+
+    gen: GenerationResult
+    detok: IncrementalDetokenizer
+    stop: Sequence[str]
+    on_verdict: Callable[[Verdict, bool], None] | None
+    bytes_up0: int
+    bytes_down0: int
+    t_start: float
+    emitted: int = 0
+    cut: int | None = None
+    next_round: int | None = None
+
+    def push(self, v: Verdict) -> str:
+        """Take a verdict (the first token's time, `on_verdict`, its tokens); the text so far, cut
+        at a stop string."""
+        st = self.gen.stats
+        if not st.first_token_s:
+            st.first_token_s = time.perf_counter() - self.t_start
+        if self.on_verdict is not None:
+            self.on_verdict(v, v.round != 0 and v.round == self.next_round)
+        self.next_round = v.next_round
+        new = v.tokens.tolist()
+        self.gen.tokens.extend(new)
+        self.detok.push(new)
+        if v.done:
+            self.detok.flush()
+        text = self.detok.text
+        if self.cut is None and self.stop:
+            self.cut = find_stop(text, self.stop, self.emitted)
+        if self.cut is not None:
+            text = text[: self.cut]
+        return text
+
+    def finish(self, bytes_out: int, bytes_in: int) -> None:
+        """The generation ended: its wall time and the bytes it sent and received."""
+        st = self.gen.stats
+        st.wall_s = time.perf_counter() - self.t_start
+        st.bytes_up = bytes_out - self.bytes_up0
+        st.bytes_down = bytes_in - self.bytes_down0
+
+
+@dataclass
+class _Drops:
+    """The connection drops of one generation: tokens committed at the last drop (`progress`) and
+    drops in a row with no new token since (`stalls`)."""
+
+    progress: int = 0
+    stalls: int = 0
+
+    def dropped(self, committed: int) -> int:
+        """A drop with `committed` tokens generated; the drops in a row with no new token."""
+        self.stalls = 1 if committed > self.progress else self.stalls + 1
+        self.progress = committed
+        return self.stalls
+
+
+def _check_not_abandoned(running: _Running) -> None:
+    """Back from a yield: refuse to go on if a later generate() took the session over meanwhile."""
+    if running.abandoned:
+        raise GenerationError(
+            "this generation was abandoned: another generate() started on this client before it ended"
+        )
+
+
 class EdgeClient(Session):
     """An async session with the verifier (see the module docstring).
 
@@ -234,114 +303,41 @@ class EdgeClient(Session):
         session, or on a new one if the connection was unusable.
         """
         await self._settle()
-        assert self.welcome is not None
         mode = Mode(mode)
         req = self._request(mode, temperature, top_k, top_p, seed, tree or self.tree)
-        if mode is Mode.GREEDY:
-            temperature = 0.0
         prompt_tokens = self._encode(prompt, raw)
-        gen = GenerationResult(prompt_tokens=list(prompt_tokens))
-        self.last = gen
-        st = gen.stats
-        if self.trace:
-            st.trace = RoundTrace()
-        detok = IncrementalDetokenizer(lambda t: self.tokenizer.token_bytes(t))
-        up0, down0 = self.proto.stats.bytes_out, self.proto.stats.bytes_in
-        t_start = time.perf_counter()
-        tokens = prompt_tokens
-        if continue_ and not self.proto.context and self._lost_context:
-            # the session that held the context was dropped: send the context again
-            tokens, continue_ = self._lost_context + prompt_tokens, False
-        msg = Prompt(
-            tokens=np.asarray(tokens, dtype=np.int32),
-            mode=mode,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            max_new_tokens=max_new_tokens,
-            stop_ids=tuple(int(t) for t in stop_ids),
-            continue_=continue_,
-        )
-        emitted = 0  # characters of gen.text already yielded
-        cut: int | None = None
-        next_round: int | None = None  # the round the server took up with no round trip
-        progress, stalls = 0, 0  # tokens at the last drop; drops in a row with no new token
-        running = _Running()
-        self._running = running
+        out = self._begin(prompt_tokens, stop, on_verdict)
+        msg = self._prompt(prompt_tokens, mode, temperature, top_k, top_p, seed, max_new_tokens, stop_ids,
+                           continue_)  # fmt: skip
+        drops = _Drops()
+        running = self._running = _Running()
         failure: BaseException | None = None
         try:
             while True:
-                driver = self._rounds(req, msg, st)
-                running.driver = driver
+                driver = running.driver = self._rounds(req, msg, out.gen.stats)
                 verdicts = running.verdicts = driver.run(msg)
                 try:
                     async with contextlib.aclosing(verdicts):
                         async for v in verdicts:
-                            if not st.first_token_s:
-                                st.first_token_s = time.perf_counter() - t_start
-                            if on_verdict is not None:
-                                on_verdict(v, v.round != 0 and v.round == next_round)
-                            next_round = v.next_round
-                            new = v.tokens.tolist()
-                            gen.tokens.extend(new)
-                            detok.push(new)
-                            if v.done:
-                                detok.flush()
-                            text = detok.text
-                            if cut is None and stop:
-                                cut = find_stop(text, stop, emitted)
-                            if cut is not None:
-                                text = text[:cut]
-                            if len(text) > emitted:
+                            text = out.push(v)
+                            if len(text) > out.emitted:
                                 running.at_yield = True
-                                yield text[emitted:]
+                                yield text[out.emitted :]
                                 running.at_yield = False
-                                if running.abandoned:
-                                    raise GenerationError(
-                                        "this generation was abandoned: another generate() started on "
-                                        "this client before it ended"
-                                    )
-                                emitted = len(text)
-                            gen.text = text
-                            if v.done:
-                                gen.reason = "stop_string" if cut is not None else v.reason
-                            elif cut is not None and not driver.cancelled:
-                                driver.cancel()
-                                if self.proto.state is ClientState.GENERATING:  # else its end is decoded
-                                    await self.send(self.proto.cancel())
+                                _check_not_abandoned(running)
+                                out.emitted = len(text)
+                            out.gen.text = text
+                            await self._after_text(v, out, driver)
                     break
                 except Refused as exc:
                     raise self.refused(exc.error) from None
                 except ConnectionLost as exc:
-                    if self.resume is None or cut is not None:
+                    if self.resume is None or out.cut is not None:
                         raise
-                    # resume: a new session, the whole committed sequence as its prompt (the keyed
-                    # sampler depends only on seed and position, so match goes on exactly too);
-                    # conditional trees in flight are gone and get drafted again
-                    committed = list(self.proto.committed)
-                    if len(gen.tokens) >= max_new_tokens:
-                        gen.reason = "length"
+                    resumed = await self._resume(msg, out.gen, drops, max_new_tokens, exc)
+                    if resumed is None:  # max_new_tokens already committed
                         break
-                    # a verifier that drops every session before a new token: give up, with backoff
-                    stalls = 1 if len(gen.tokens) > progress else stalls + 1
-                    progress = len(gen.tokens)
-                    if stalls > self.resume.attempts:
-                        raise ConnectionLost(
-                            f"the verifier dropped the connection {stalls} times in a row with no new "
-                            f"token ({len(gen.tokens)} committed): giving up; last: {exc}"
-                        ) from exc
-                    if stalls > 1:
-                        await asyncio.sleep(self.resume.delay(stalls - 1))
-                    await self._reconnect()
-                    st.resumes += 1
-                    msg = dataclasses.replace(
-                        msg,
-                        tokens=np.asarray(committed, dtype=np.int32),
-                        max_new_tokens=max_new_tokens - len(gen.tokens),
-                        continue_=False,
-                        tree=None,
-                    )
+                    msg = resumed
         except ProtocolError as exc:  # a frame of this client's broke the protocol (e.g. over max_bytes)
             failure = exc
             raise GenerationError(f"the client could not go on: {exc}", exc.code, exc.field) from exc
@@ -353,9 +349,98 @@ class EdgeClient(Session):
                 self._running = None
                 await self._end(running, failure)
         self._lost_context = []
-        st.wall_s = time.perf_counter() - t_start
-        st.bytes_up = self.proto.stats.bytes_out - up0
-        st.bytes_down = self.proto.stats.bytes_in - down0
+        out.finish(self.proto.stats.bytes_out, self.proto.stats.bytes_in)
+
+    def _begin(
+        self,
+        prompt_tokens: list[int],
+        stop: Sequence[str],
+        on_verdict: Callable[[Verdict, bool], None] | None,
+    ) -> _Output:
+        """A new generation's record (`self.last`, traced if `trace`), its text and its clock."""
+        gen = GenerationResult(prompt_tokens=list(prompt_tokens))
+        self.last = gen
+        if self.trace:
+            gen.stats.trace = RoundTrace()
+        detok = IncrementalDetokenizer(lambda t: self.tokenizer.token_bytes(t))
+        up0, down0 = self.proto.stats.bytes_out, self.proto.stats.bytes_in
+        return _Output(gen, detok, stop, on_verdict, up0, down0, time.perf_counter())
+
+    def _prompt(
+        self,
+        prompt_tokens: list[int],
+        mode: Mode,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int,
+        max_new_tokens: int,
+        stop_ids: Sequence[int],
+        continue_: bool,
+    ) -> Prompt:
+        """The generation's Prompt message (greedy: at temperature 0); a continuation whose context
+        was lost with a dropped session sends that context again, as a new prompt."""
+        if mode is Mode.GREEDY:
+            temperature = 0.0
+        tokens = prompt_tokens
+        if continue_ and not self.proto.context and self._lost_context:
+            # the session that held the context was dropped: send the context again
+            tokens, continue_ = self._lost_context + prompt_tokens, False
+        return Prompt(
+            tokens=np.asarray(tokens, dtype=np.int32),
+            mode=mode,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            max_new_tokens=max_new_tokens,
+            stop_ids=tuple(int(t) for t in stop_ids),
+            continue_=continue_,
+        )
+
+    async def _after_text(self, v: Verdict, out: _Output, driver: RoundExecutor) -> None:
+        """After a verdict's text: on the last verdict record why the generation ended; once a stop
+        string cut the text, stop the rounds and cancel the generation at the verifier."""
+        if v.done:
+            out.gen.reason = "stop_string" if out.cut is not None else v.reason
+        elif out.cut is not None and not driver.cancelled:
+            driver.cancel()
+            if self.proto.state is ClientState.GENERATING:  # else its end is decoded
+                await self.send(self.proto.cancel())
+
+    async def _resume(
+        self, msg: Prompt, gen: GenerationResult, drops: _Drops, max_new_tokens: int, exc: ConnectionLost
+    ) -> Prompt | None:
+        """The connection dropped: reconnect (with backoff after drops with no new token) and return
+        the prompt that goes on from the committed tokens; None (the generation ends, reason
+        "length") when max_new_tokens were already committed. ConnectionLost when the verifier keeps
+        dropping with no new token."""
+        assert self.resume is not None
+        # resume: a new session, the whole committed sequence as its prompt (the keyed
+        # sampler depends only on seed and position, so match goes on exactly too);
+        # conditional trees in flight are gone and get drafted again
+        committed = list(self.proto.committed)
+        if len(gen.tokens) >= max_new_tokens:
+            gen.reason = "length"
+            return None
+        # a verifier that drops every session before a new token: give up, with backoff
+        stalls = drops.dropped(len(gen.tokens))
+        if stalls > self.resume.attempts:
+            raise ConnectionLost(
+                f"the verifier dropped the connection {stalls} times in a row with no new "
+                f"token ({len(gen.tokens)} committed): giving up; last: {exc}"
+            ) from exc
+        if stalls > 1:
+            await asyncio.sleep(self.resume.delay(stalls - 1))
+        await self._reconnect()
+        gen.stats.resumes += 1
+        return dataclasses.replace(
+            msg,
+            tokens=np.asarray(committed, dtype=np.int32),
+            max_new_tokens=max_new_tokens - len(gen.tokens),
+            continue_=False,
+            tree=None,
+        )
 
     async def _end(self, running: _Running, failure: BaseException | None) -> None:
         """A generation is over: if the verifier still generates (the consumer stopped early, the
