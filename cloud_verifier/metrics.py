@@ -13,6 +13,17 @@ _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self._declare_rounds(r)
+        self._declare_engine(r)
+        self._declare_sessions(r)
+        self._declare_vllm(r)
+        self.admission_waiting = Gauge(
+            "specdec_admission_waiting", "HTTP requests waiting for a generation slot", registry=r
+        )
+        self.model_name = ""
+
+    def _declare_rounds(self, r: CollectorRegistry) -> None:
+        """What the verified trees were and how much of them was accepted."""
         self.num_drafts = Counter("specdec_num_drafts", "Tree rounds verified", registry=r)
         self.num_draft_tokens = Counter("specdec_num_draft_tokens", "Tree nodes verified", registry=r)
         self.num_accepted_tokens = Counter("specdec_num_accepted_tokens", "Tree nodes accepted", registry=r)
@@ -26,6 +37,9 @@ class Metrics:
         self.accepted_len = Histogram(
             "specdec_accepted_length", "Accepted nodes per round", buckets=_LEN_BUCKETS, registry=r
         )
+
+    def _declare_engine(self, r: CollectorRegistry) -> None:
+        """The engine's forwards and the rounds' latencies."""
         self.forward_seconds = Histogram(
             "specdec_verify_forward_seconds",
             "Seconds per engine forward (all sessions)",
@@ -51,6 +65,9 @@ class Metrics:
         self.step_sessions = Histogram(
             "specdec_engine_step_sessions", "Sessions per engine forward", buckets=_LEN_BUCKETS, registry=r
         )
+
+    def _declare_sessions(self, r: CollectorRegistry) -> None:
+        """Sessions, the KV pool, conditional trees and errors."""
         self.sessions = Gauge("specdec_sessions", "Open sessions", registry=r)
         self.kv_blocks_used = Gauge("specdec_kv_blocks_in_use", "KV blocks in use", registry=r)
         self.kv_blocks_total = Gauge("specdec_kv_blocks_total", "KV blocks in the pool", registry=r)
@@ -62,11 +79,12 @@ class Metrics:
         self.rejected_sessions = Counter(
             "specdec_rejected_sessions", "Connections refused (max sessions)", registry=r
         )
-
         self.cond_pending = Gauge(
             "specdec_conditional_trees_pending", "Conditional trees waiting for their outcome", registry=r
         )
-        # the same concepts under vLLM's names, so its dashboards and alerts work unchanged
+
+    def _declare_vllm(self, r: CollectorRegistry) -> None:
+        """The same concepts under vLLM's names, so its dashboards and alerts work unchanged."""
         m = ["model_name"]
         self.vllm_drafts = Counter("vllm:spec_decode_num_drafts", "Tree rounds verified", m, registry=r)
         self.vllm_draft_tokens = Counter(
@@ -93,10 +111,6 @@ class Metrics:
             buckets=_SECONDS, registry=r,
         )  # fmt: skip
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1", m, registry=r)
-        self.admission_waiting = Gauge(
-            "specdec_admission_waiting", "HTTP requests waiting for a generation slot", registry=r
-        )
-        self.model_name = ""
 
     def record_round(self, nodes: int, accepted_depths: list[int]) -> None:
         self.num_drafts.inc()
