@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from shared.errors import ErrorCode, ProtocolError
-from shared.matching import tree_matches
 from shared.messages import (
     DEFAULT_WIRE_LIMITS,
     Cancel,
@@ -29,7 +28,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.tree import TokenTree
+from shared.tree import TokenTree, tree_matches
 
 # ---------------------------------------------------------------------------------------------------
 # Client side
@@ -201,7 +200,7 @@ class ClientProtocol:
                 self.in_flight = None
 
     def matching_outstanding(self) -> int | None:
-        """The latest outstanding tree that matches `committed` (shared.matching.tree_matches)."""
+        """The latest outstanding tree that matches `committed` (shared.tree.tree_matches)."""
         found = [
             r for r in self.outstanding if r in self._trees and tree_matches(self._trees[r], self.committed)
         ]

@@ -15,7 +15,6 @@ after each verdict it starts the matching pending tree with the highest round id
 """
 
 from shared.client_protocol import ClientProtocol, ClientState
-from shared.matching import can_still_match, tree_matches
 from shared.server_events import (
     CancelReceived,
     ClosedByPeer,
@@ -27,6 +26,7 @@ from shared.server_events import (
     VerifyTree,
 )
 from shared.server_protocol import ServerGeneration, ServerProtocol
+from shared.tree import can_still_match, tree_matches
 
 __all__ = [
     "CancelReceived",

@@ -12,7 +12,6 @@ import numpy as np
 
 from shared.errors import ErrorCode, ProtocolError
 from shared.handshake import FEATURE_GAP_MS, FEATURE_PENDING_BYTES
-from shared.matching import can_still_match, tree_matches
 from shared.messages import (
     PROTOCOL_VERSION,
     Cancel,
@@ -42,7 +41,7 @@ from shared.server_events import (
     ServerState,
     VerifyTree,
 )
-from shared.tree import TokenTree
+from shared.tree import TokenTree, can_still_match, tree_matches
 
 
 @dataclass
