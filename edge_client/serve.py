@@ -230,16 +230,31 @@ def create_app(make_client: Callable[[], EdgeClient], config: ServeConfig | None
     app.add_middleware(Guard, config=cfg)
     edge = EdgeSession(make_client, cfg)
     app.state.edge = edge
+    app.add_exception_handler(Exception, _unexpected)
+    routes = _Routes(edge, cfg)
+    app.get("/v1/models")(routes.models)
+    app.post("/v1/chat/completions")(routes.chat_completions)
+    app.post("/v1/completions")(routes.completions)
+    app.get("/healthz")(routes.healthz)
+    app.get("/")(routes.page)
+    app.post("/live")(routes.live)
+    return app
 
-    async def unexpected(request: Request, exc: Exception) -> Response:
-        return _respond(_internal("the request"))
 
-    app.add_exception_handler(Exception, unexpected)
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    return _respond(_internal("the request"))
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+
+class _Routes:
+    """The endpoint's route handlers, over the one EdgeSession of an app (create_app wires them)."""
+
+    def __init__(self, edge: EdgeSession, cfg: ServeConfig) -> None:
+        self.edge = edge
+        self.cfg = cfg
+
+    async def models(self) -> Response:
         try:
-            model = await edge.model()
+            model = await self.edge.model()
         except ApiError as exc:
             return _respond(exc)
         return JSONResponse(
@@ -256,18 +271,33 @@ def create_app(make_client: Callable[[], EdgeClient], config: ServeConfig | None
             }
         )
 
-    async def handle(request: Request, chat: bool) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.handle(request, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        return await self.handle(request, chat=False)
+
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "alive"}
+
+    async def page(self) -> Response:
+        return HTMLResponse(LIVE_PAGE.read_text(encoding="utf-8"))
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        """A completion request: its body read and checked, then answered while the client stays."""
         try:
-            body = await read_json(request, cfg)
+            body = await read_json(request, self.cfg)
         except ApiError as exc:
             return _respond(exc)
         gone = watch_disconnect(request)
         try:
-            return await complete(body, chat, gone)
+            return await self.complete(body, chat, gone)
         finally:
             gone.cancel()
 
-    async def complete(body: dict[str, Any], chat: bool, gone: asyncio.Task[None]) -> Response:
+    async def complete(self, body: dict[str, Any], chat: bool, gone: asyncio.Task[None]) -> Response:
+        """Wait for the draft model, then stream the completion (SSE) or answer it whole."""
+        edge = self.edge
         try:
             await edge.acquire(gone)
         except ApiError as exc:
@@ -309,51 +339,16 @@ def create_app(make_client: Callable[[], EdgeClient], config: ServeConfig | None
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(edge.release(c, failed))
         text, finish = run.result()
-        gen = c.last
-        assert gen is not None
-        obj = "chat.completion" if chat else "text_completion"
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice(chat, text, finish)],
-                "usage": usage(len(req.prompt_ids), len(gen.tokens)),
-                "treespec": speculation_stats(c),
-            }
-        )
+        return _completion(c, req, model, rid, created, chat, text, finish)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handle(request, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle(request, chat=False)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "alive"}
-
-    @app.get("/")
-    async def page() -> Response:
-        return HTMLResponse(LIVE_PAGE.read_text(encoding="utf-8"))
-
-    @app.post("/live")
-    async def live(request: Request) -> Response:
+    async def live(self, request: Request) -> Response:
         """The page's stream: per verdict, its tokens with how each came, and the running figures."""
         try:
-            body = await read_json(request, cfg)
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str) or not prompt.strip():
-                raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
-            valid_text(prompt, "prompt")
-            n = body.get("max_tokens", 96)
-            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
-                raise ApiError(400, "'max_tokens' must be an integer in [1, 4096]", "max_tokens")
+            body = await read_json(request, self.cfg)
+            prompt, n = _live_request(body)
         except ApiError as exc:
             return _respond(exc)
+        edge = self.edge
         gone = watch_disconnect(request)
         try:
             await edge.acquire(gone)
@@ -373,7 +368,44 @@ def create_app(make_client: Callable[[], EdgeClient], config: ServeConfig | None
         mode = Mode.AR if body.get("cloud_only") else Mode.GREEDY
         return _Stream(_live(c, prompt, n, mode, edge))
 
-    return app
+
+def _completion(
+    c: EdgeClient,
+    req: CompletionRequest,
+    model: str,
+    rid: str,
+    created: int,
+    chat: bool,
+    text: str,
+    finish: str,
+) -> JSONResponse:
+    """The whole answer of a completion that was not streamed."""
+    gen = c.last
+    assert gen is not None
+    obj = "chat.completion" if chat else "text_completion"
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice(chat, text, finish)],
+            "usage": usage(len(req.prompt_ids), len(gen.tokens)),
+            "treespec": speculation_stats(c),
+        }
+    )
+
+
+def _live_request(body: dict[str, Any]) -> tuple[str, int]:
+    """The live page's prompt and max_tokens (default 96), checked (ApiError)."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ApiError(400, "'prompt' must be a non-empty string", "prompt")
+    valid_text(prompt, "prompt")
+    n = body.get("max_tokens", 96)
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 4096:
+        raise ApiError(400, "'max_tokens' must be an integer in [1, 4096]", "max_tokens")
+    return prompt, n
 
 
 LIVE_PAGE = Path(__file__).resolve().parent / "static" / "live.html"
