@@ -44,6 +44,7 @@ from bench.harness import (
     write_json,
     write_result,
 )
+from edge_client.drafters.base import Drafter
 from shared.message_types import Mode
 from shared.messages import Error, Hello, Prompt, Verdict, decode, encode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -177,6 +178,82 @@ def plot(path: Path, rows: Sequence[dict[str, Any]], backends: Sequence[str]) ->
     save_figure(fig, path, dpi=110)
 
 
+def busy_curves(
+    drafters: dict[str, Drafter],
+    prompt: list[int],
+    counts: Sequence[int],
+    repeats: int,
+    progress: bool,
+    model: str,
+    split: CoreSplit,
+    fingerprint: str,
+) -> tuple[dict[str, list[float]], float]:
+    """Each backend's curve with the verifier busy (`model` served on `split.verifier`, kept busy
+    by a back-to-back ar load), and the verifier's forwards a second while the drafters were
+    timed."""
+    busy: dict[str, list[float]] = {}
+    with Verifier(model, cores=split.verifier, threads=len(split.verifier), echo=True) as v:
+        with BusyVerifier(v.url, fingerprint, prompt[:64], 1024) as load:
+            time.sleep(5.0)  # the load's prefill, then steady one-row forwards
+            f0, t0 = (
+                read_metrics(v.http).get("specdec_verify_forward_seconds_count", 0.0),
+                time.monotonic(),
+            )
+            for b, d in drafters.items():
+                busy[b] = curve(d, prompt, counts, repeats, f"{b} busy", progress)
+            f1, t1 = (
+                read_metrics(v.http).get("specdec_verify_forward_seconds_count", 0.0),
+                time.monotonic(),
+            )
+            if load.error is not None:
+                raise RuntimeError(f"the busy verifier's load failed: {load.error}")
+            busy_rate = (f1 - f0) / (t1 - t0)
+    return busy, busy_rate
+
+
+def result_rows(
+    backends: Sequence[str], counts: Sequence[int], idle: dict[str, list[float]], busy: dict[str, list[float]]
+) -> list[dict[str, Any]]:
+    """The JSON rows: per backend and row count, the idle and busy ms, their ratio, idle ms a row."""
+    rows: list[dict[str, Any]] = []
+    for b in backends:
+        for i, n in enumerate(counts):
+            bm = busy[b][i] if b in busy else None
+            rows.append(
+                {
+                    "backend": b,
+                    "rows": n,
+                    "idle_ms": idle[b][i],
+                    "busy_ms": bm,
+                    "busy_over_idle": round(bm / idle[b][i], 3)
+                    if bm is not None and idle[b][i] > 0
+                    else None,
+                    "idle_ms_per_row": round(idle[b][i] / n, 2),
+                }
+            )
+    return rows
+
+
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
+    """The rows as the printed table (a missing busy figure: "-")."""
+    print(
+        table(
+            [
+                [
+                    r["backend"],
+                    r["rows"],
+                    r["idle_ms"],
+                    r["busy_ms"] or "-",
+                    r["busy_over_idle"] or "-",
+                    r["idle_ms_per_row"],
+                ]
+                for r in rows
+            ],
+            ["backend", "rows", "idle ms", "busy ms", "busy/idle", "idle ms/row"],
+        )
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from edge_client.drafters.registry import create_drafter
 
@@ -197,7 +274,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for b in backends
     }
-    rows: list[dict[str, Any]] = []
     try:
         first = next(iter(drafters.values()))
         text = load_prompts(1)[0].text
@@ -209,60 +285,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             for b, d in drafters.items()
         }
         busy: dict[str, list[float]] = {}
-        busy_rate = None
+        busy_rate: float | None = None
         if not a.no_busy:
             fingerprint = vocab_fingerprint(first.tokenizer.token_texts())
-            with Verifier(a.model, cores=split.verifier, threads=len(split.verifier), echo=True) as v:
-                with BusyVerifier(v.url, fingerprint, prompt[:64], 1024) as load:
-                    time.sleep(5.0)  # the load's prefill, then steady one-row forwards
-                    f0, t0 = (
-                        read_metrics(v.http).get("specdec_verify_forward_seconds_count", 0.0),
-                        time.monotonic(),
-                    )
-                    for b, d in drafters.items():
-                        busy[b] = curve(d, prompt, a.rows, a.repeats, f"{b} busy", not a.no_progress)
-                    f1, t1 = (
-                        read_metrics(v.http).get("specdec_verify_forward_seconds_count", 0.0),
-                        time.monotonic(),
-                    )
-                    if load.error is not None:
-                        raise RuntimeError(f"the busy verifier's load failed: {load.error}")
-                    busy_rate = (f1 - f0) / (t1 - t0)
+            busy, busy_rate = busy_curves(
+                drafters, prompt, a.rows, a.repeats, not a.no_progress, a.model, split, fingerprint
+            )
             print(f"verifier busy: {busy_rate:.2f} forwards/s while the drafters were timed", flush=True)
     finally:
         for d in drafters.values():
             d.close()
-    for b in backends:
-        for i, n in enumerate(a.rows):
-            bm = busy[b][i] if b in busy else None
-            rows.append(
-                {
-                    "backend": b,
-                    "rows": n,
-                    "idle_ms": idle[b][i],
-                    "busy_ms": bm,
-                    "busy_over_idle": round(bm / idle[b][i], 3)
-                    if bm is not None and idle[b][i] > 0
-                    else None,
-                    "idle_ms_per_row": round(idle[b][i] / n, 2),
-                }
-            )
-    print(
-        table(
-            [
-                [
-                    r["backend"],
-                    r["rows"],
-                    r["idle_ms"],
-                    r["busy_ms"] or "-",
-                    r["busy_over_idle"] or "-",
-                    r["idle_ms_per_row"],
-                ]
-                for r in rows
-            ],
-            ["backend", "rows", "idle ms", "busy ms", "busy/idle", "idle ms/row"],
-        )
-    )
+    rows = result_rows(backends, a.rows, idle, busy)
+    print_table(rows)
     if a.json is not None:
         write_result(a.json, a, rows, True, verifier_forwards_per_s=busy_rate)
         for b in backends:

@@ -36,11 +36,11 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.harness import add_common_args, save_figure, suite_from_args, table, write_result
+from bench.harness import BenchPrompt, add_common_args, save_figure, suite_from_args, table, write_result
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import backend_choices
 from edge_client.speculation.config import PrespecConfig
@@ -51,6 +51,10 @@ from edge_client.trees.sampling import Landing, LandingRow, top_logp
 from shared.messages import Mode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.tree import ExpansionConfig, TokenTree
+
+if TYPE_CHECKING:  # torch loads in main, after the arguments are checked
+    from shared.model import Target
+    from shared.model.tokenizer import TargetTokenizer
 
 POLICIES = ("probability", "geometric", "uniform")
 MISMATCH_F = 8  # after_mismatch: candidates after the coupled token checked
@@ -383,23 +387,90 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_temperatures(ap: argparse.ArgumentParser, text: str) -> list[float]:
+    """--temperatures: comma-separated numbers, at least one, none below 0 (else a usage error)."""
+    try:
+        temps = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        ap.error(f"--temperatures takes comma-separated numbers, got {text!r}")
+    if not temps or any(t < 0 for t in temps):
+        ap.error("--temperatures: give 0 or more values of 0 or more")
+    return temps
+
+
+def encode_prompts(tok: TargetTokenizer, prompts: Sequence[BenchPrompt]) -> list[list[int]]:
+    """Each prompt's token ids: a raw prompt as it is, else as one user turn of the chat template."""
+    encoded = []
+    for p in prompts:
+        if p.raw:
+            encoded.append(tok.encode(p.text, add_special=True))
+        else:
+            encoded.append(
+                tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]), add_special=False)
+            )
+    return encoded
+
+
+def walk_prompts(
+    target: Target,
+    drafter: Drafter,
+    encoded: Sequence[list[int]],
+    temps: Sequence[float],
+    tree: ExpansionConfig,
+    tokens: int,
+    max_n: int,
+    couple: bool,
+    on_position: Callable[[int], object],
+) -> tuple[list[Position], dict[str, list[tuple[int, int]]]]:
+    """Every prompt at every temperature: the target's continuation, its first `tokens` positions
+    walked (walk_positions, one outcome model per temperature across prompts) and, coupled at
+    T > 0, the ranks after a mismatch (per temperature, "{T:g}"). `on_position(n)`: n more
+    positions done (a prompt whose continuation ends early counts its rest at once)."""
+    from bench.agreement import target_output
+
+    positions: list[Position] = []
+    after_mismatch: dict[str, list[tuple[int, int]]] = {}
+    for temp in temps:
+        learned = Learned()  # one edge client's outcome model per temperature, across prompts
+        model = learned.choice_model(temp, coupled=temp > 0 and couple)
+        landing = Landing()  # the ranks' own learner (the outcome model's learns from the trees)
+        for i, ids in enumerate(encoded):
+            seq = target_output(target, ids, tokens + tree.depth + 1, temp, seed=i)
+            if temp > 0 and couple:
+                coupling = Coupling(i, temp, landing=landing)
+                ranks = mismatch_ranks(drafter, ids, seq[:tokens], coupling, MISMATCH_F)
+                after_mismatch.setdefault(f"{temp:g}", []).extend(ranks)
+            got = walk_positions(
+                drafter, ids, seq, tokens, tree, model, max_n, temp, seed=i, prompt_index=i, couple=couple,
+                on_position=lambda: on_position(1),
+            )  # fmt: skip
+            positions.extend(got)
+            on_position(tokens - len(got))
+    return positions, after_mismatch
+
+
+def print_after_mismatch(summary: dict[str, Any]) -> None:
+    """Per coupled temperature, the share of mismatches whose target token is among the first F."""
+    for key, at_t in summary.items():
+        am = at_t.get("after_mismatch")
+        if am:
+            n = am["mismatches"]
+            print(f"\nmatch, T {key}: after a mismatch ({n}), the target's token among the first F")
+            rows = [[order, *(f"{x:.3f}" for x in am[order])] for order in ("landing", "draft")]
+            print(table(rows, ["order", *(f"F={f}" for f in range(1, MISMATCH_F + 1))]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
     if a.max_n < 1 or a.tokens < 1:
         ap.error("--max-n and --tokens must be at least 1")
-    try:
-        temps = [float(t) for t in a.temperatures.split(",") if t.strip()]
-    except ValueError:
-        ap.error(f"--temperatures takes comma-separated numbers, got {a.temperatures!r}")
-    if not temps or any(t < 0 for t in temps):
-        ap.error("--temperatures: give 0 or more values of 0 or more")
+    temps = parse_temperatures(ap, a.temperatures)
     prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
 
     import torch
     from tqdm import tqdm
 
-    from bench.agreement import target_output
     from edge_client.defaults import recommended_tree
     from edge_client.drafters.registry import create_drafter
     from shared.model import load_target
@@ -410,41 +481,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     tree = ExpansionConfig.parse(tree_text)
     target = load_target(a.model, progress=not a.no_progress)
     target.model.prepare(release=True)
-    tok = target.tokenizer
-    encoded = []
-    for p in prompts:
-        if p.raw:
-            encoded.append(tok.encode(p.text, add_special=True))
-        else:
-            encoded.append(
-                tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]), add_special=False)
-            )
+    encoded = encode_prompts(target.tokenizer, prompts)
     longest = max(len(e) for e in encoded) + a.tokens + tree.depth + 2
     drafter = create_drafter(a.drafter, a.draft, n_threads=1, max_nodes=max(256, 4 * tree.num_nodes))
     if longest > drafter.max_context:
         ap.error(f"a prompt of {longest} tokens with its positions does not fit the draft's context")
-    positions: list[Position] = []
-    after_mismatch: dict[str, list[tuple[int, int]]] = {}
     bar = tqdm(
         total=len(prompts) * len(temps) * a.tokens, desc="positions", disable=a.no_progress, file=sys.stderr
     )
     try:
-        for temp in temps:
-            learned = Learned()  # one edge client's outcome model per temperature, across prompts
-            model = learned.choice_model(temp, coupled=temp > 0 and not a.no_couple)
-            landing = Landing()  # the ranks' own learner (the outcome model's learns from the trees)
-            for i, ids in enumerate(encoded):
-                seq = target_output(target, ids, a.tokens + tree.depth + 1, temp, seed=i)
-                if temp > 0 and not a.no_couple:
-                    coupling = Coupling(i, temp, landing=landing)
-                    ranks = mismatch_ranks(drafter, ids, seq[: a.tokens], coupling, MISMATCH_F)
-                    after_mismatch.setdefault(f"{temp:g}", []).extend(ranks)
-                got = walk_positions(
-                    drafter, ids, seq, a.tokens, tree, model, a.max_n, temp, seed=i, prompt_index=i,
-                    couple=not a.no_couple, on_position=lambda: bar.update(),
-                )  # fmt: skip
-                positions.extend(got)
-                bar.update(a.tokens - len(got))
+        positions, after_mismatch = walk_prompts(
+            target, drafter, encoded, temps, tree, a.tokens, a.max_n, not a.no_couple, bar.update
+        )
     finally:
         bar.close()
         drafter.close()
@@ -457,13 +505,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(prompts)} prompts x {a.tokens} positions"
     )
     print(report(summary, a.max_n))
-    for key, at_t in summary.items():
-        am = at_t.get("after_mismatch")
-        if am:
-            n = am["mismatches"]
-            print(f"\nmatch, T {key}: after a mismatch ({n}), the target's token among the first F")
-            rows = [[order, *(f"{x:.3f}" for x in am[order])] for order in ("landing", "draft")]
-            print(table(rows, ["order", *(f"F={f}" for f in range(1, MISMATCH_F + 1))]))
+    print_after_mismatch(summary)
     if a.json:
         cfg = {k: v for k, v in vars(a).items() if k != "prompt_file"}
         cfg["prompt_files"] = [str(f) for f in a.prompt_file or []]
