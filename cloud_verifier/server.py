@@ -147,6 +147,35 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
             state.on_load_error(state.load_error)
 
 
+def _not_ready_detail(state: AppState) -> str:
+    """Why /readyz answers 503."""
+    if state.draining:
+        return "draining: shutting down"
+    if state.load_error:
+        return f"load failed: {state.load_error}"
+    if state.engine is None:
+        return "loading the target model"
+    group = getattr(state.target.model, "group", None) if state.target else None
+    detail: str = getattr(group, "error", None) or "engine loop stopped or stalled"
+    return detail
+
+
+def _refresh_gauges(state: AppState, http_running: int) -> None:
+    """The gauges /metrics reads at scrape time: sessions, pending trees, running generations
+    (sessions generating + `http_running` OpenAI requests), waiting requests and the KV pool."""
+    m = state.metrics
+    m.sessions.set(len(state.sessions))
+    m.cond_pending.set(sum(s.pending_trees for s in state.sessions))
+    name = m.model_name
+    m.vllm_running.labels(name).set(sum(1 for s in state.sessions if s.generating) + http_running)
+    m.admission_waiting.set(state.admission.waiting)
+    if state.engine is not None:
+        kv = state.engine.kv
+        m.kv_blocks_used.set(kv.blocks_in_use)
+        m.vllm_kv_usage.labels(name).set(kv.blocks_in_use / max(kv.num_blocks, 1))
+        m.vllm_waiting.labels(name).set(state.engine.waiting)
+
+
 def create_app(
     config: ServerConfig, target: Target | None = None, loader: TargetLoader | None = None
 ) -> FastAPI:
@@ -186,30 +215,11 @@ def create_app(
     async def readyz() -> Response:
         if state.ready:
             return JSONResponse({"status": "ready", "model": state.info.model_id if state.info else None})
-        if state.draining:
-            detail = "draining: shutting down"
-        elif state.load_error:
-            detail = f"load failed: {state.load_error}"
-        elif state.engine is None:
-            detail = "loading the target model"
-        else:
-            group = getattr(state.target.model, "group", None) if state.target else None
-            detail = getattr(group, "error", None) or "engine loop stopped or stalled"
-        return JSONResponse({"status": "not ready", "detail": detail}, status_code=503)
+        return JSONResponse({"status": "not ready", "detail": _not_ready_detail(state)}, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        m = state.metrics
-        m.sessions.set(len(state.sessions))
-        m.cond_pending.set(sum(s.pending_trees for s in state.sessions))
-        name = m.model_name
-        m.vllm_running.labels(name).set(sum(1 for s in state.sessions if s.generating) + api.running)
-        m.admission_waiting.set(state.admission.waiting)
-        if state.engine is not None:
-            kv = state.engine.kv
-            m.kv_blocks_used.set(kv.blocks_in_use)
-            m.vllm_kv_usage.labels(name).set(kv.blocks_in_use / max(kv.num_blocks, 1))
-            m.vllm_waiting.labels(name).set(state.engine.waiting)
+        _refresh_gauges(state, api.running)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     origins = {o.strip() for o in config.allowed_origins.split(",") if o.strip()}
