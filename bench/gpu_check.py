@@ -98,122 +98,153 @@ class Stage:
         }
 
 
+def wheels_stage(python: str, wheels: Sequence[Path]) -> Stage:
+    """pip install --no-index every wheel of the repository's `.whl/` folder (plan skips the stage
+    when there is none)."""
+    return Stage(
+        "wheels",
+        [python, "-m", "pip", "install", "--no-index", "--no-deps", *map(str, wheels)],
+        LIMITS_S["wheels"],
+        note="" if wheels else "no .whl/ folder with wheels in the repository",
+    )
+
+
+def tests_stage(out: Path, python: str) -> Stage:
+    """pytest -m "cuda or gpu" on TEST_PATHS, junit XML into OUTDIR/pytest.xml."""
+    return Stage(
+        "tests",
+        [
+            python,
+            "-m",
+            "pytest",
+            "-m",
+            "cuda or gpu",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--continue-on-collection-errors",
+            f"--junitxml={out / 'pytest.xml'}",
+            *TEST_PATHS,
+        ],
+        LIMITS_S["tests"],
+    )
+
+
+def kernel_bench_stage(out: Path, python: str, quick: bool) -> Stage:
+    """bench.tree_attention on CUDA in bf16: Triton vs SDPA vs the torch reference."""
+    return Stage(
+        "kernel_bench",
+        [
+            python,
+            "-m",
+            "bench.tree_attention",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--sessions",
+            "1,4,16",
+            "--nodes",
+            "16,64",
+            "--prefix",
+            "1024,8192",
+            "--repeats",
+            "5" if quick else "20",
+            "--json",
+            str(out / "tree_attention.json"),
+        ],
+        LIMITS_S["kernel_bench"],
+        out / "tree_attention.json",
+    )
+
+
+def forward_bench_stage(out: Path, python: str, quick: bool) -> Stage:
+    """bench.gpu_forward on CUDA in bf16: ms per verify forward by rows, model kernel and SDPA."""
+    return Stage(
+        "forward_bench",
+        [
+            python,
+            "-m",
+            "bench.gpu_forward",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--attention",
+            "model,sdpa",
+            "--rows",
+            "1,2,4,8,16,32,64",
+            "--prefix",
+            "1024",
+            "--repeats",
+            "3" if quick else "10",
+            "--json",
+            str(out / "gpu_forward.json"),
+        ],
+        LIMITS_S["forward_bench"],
+        out / "gpu_forward.json",
+    )
+
+
+def tensor_parallel_stage(out: Path, python: str) -> Stage:
+    """pytest -m cuda on TP_TESTS (TP=2 over NCCL against TP=1), junit XML into OUTDIR/pytest_tp.xml."""
+    return Stage(
+        "tensor_parallel",
+        [
+            python,
+            "-m",
+            "pytest",
+            "-m",
+            "cuda",
+            "-q",
+            "-rA",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={out / 'pytest_tp.xml'}",
+            TP_TESTS,
+        ],
+        LIMITS_S["tensor_parallel"],
+    )
+
+
+def tensor_parallel_bench_stage(out: Path, python: str, quick: bool) -> Stage:
+    """bench.parallel on CUDA in bf16 at TP=TP_GPUS against TP=1."""
+    return Stage(
+        "tensor_parallel_bench",
+        [
+            python,
+            "-m",
+            "bench.parallel",
+            "--device",
+            "cuda",
+            "--dtype",
+            "bf16",
+            "--tensor-parallel",
+            str(TP_GPUS),
+            "--rows",
+            "1,4,16,64",
+            "--prefix",
+            "1024",
+            "--repeats",
+            "3" if quick else "10",
+            "--json",
+            str(out / "tensor_parallel.json"),
+        ],
+        LIMITS_S["tensor_parallel_bench"],
+        out / "tensor_parallel.json",
+    )
+
+
 def plan(out: Path, python: str, stages: Sequence[str], quick: bool) -> list[Stage]:
     """The stages to run, in order."""
     wheels = sorted((ROOT / ".whl").glob("*.whl"))
     all_stages = {
-        "wheels": Stage(
-            "wheels",
-            [python, "-m", "pip", "install", "--no-index", "--no-deps", *map(str, wheels)],
-            LIMITS_S["wheels"],
-            note="" if wheels else "no .whl/ folder with wheels in the repository",
-        ),
-        "tests": Stage(
-            "tests",
-            [
-                python,
-                "-m",
-                "pytest",
-                "-m",
-                "cuda or gpu",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                "--continue-on-collection-errors",
-                f"--junitxml={out / 'pytest.xml'}",
-                *TEST_PATHS,
-            ],
-            LIMITS_S["tests"],
-        ),
-        "kernel_bench": Stage(
-            "kernel_bench",
-            [
-                python,
-                "-m",
-                "bench.tree_attention",
-                "--device",
-                "cuda",
-                "--dtype",
-                "bf16",
-                "--sessions",
-                "1,4,16",
-                "--nodes",
-                "16,64",
-                "--prefix",
-                "1024,8192",
-                "--repeats",
-                "5" if quick else "20",
-                "--json",
-                str(out / "tree_attention.json"),
-            ],
-            LIMITS_S["kernel_bench"],
-            out / "tree_attention.json",
-        ),
-        "forward_bench": Stage(
-            "forward_bench",
-            [
-                python,
-                "-m",
-                "bench.gpu_forward",
-                "--device",
-                "cuda",
-                "--dtype",
-                "bf16",
-                "--attention",
-                "model,sdpa",
-                "--rows",
-                "1,2,4,8,16,32,64",
-                "--prefix",
-                "1024",
-                "--repeats",
-                "3" if quick else "10",
-                "--json",
-                str(out / "gpu_forward.json"),
-            ],
-            LIMITS_S["forward_bench"],
-            out / "gpu_forward.json",
-        ),
-        "tensor_parallel": Stage(
-            "tensor_parallel",
-            [
-                python,
-                "-m",
-                "pytest",
-                "-m",
-                "cuda",
-                "-q",
-                "-rA",
-                "-p",
-                "no:cacheprovider",
-                f"--junitxml={out / 'pytest_tp.xml'}",
-                TP_TESTS,
-            ],
-            LIMITS_S["tensor_parallel"],
-        ),
-        "tensor_parallel_bench": Stage(
-            "tensor_parallel_bench",
-            [
-                python,
-                "-m",
-                "bench.parallel",
-                "--device",
-                "cuda",
-                "--dtype",
-                "bf16",
-                "--tensor-parallel",
-                str(TP_GPUS),
-                "--rows",
-                "1,4,16,64",
-                "--prefix",
-                "1024",
-                "--repeats",
-                "3" if quick else "10",
-                "--json",
-                str(out / "tensor_parallel.json"),
-            ],
-            LIMITS_S["tensor_parallel_bench"],
-            out / "tensor_parallel.json",
-        ),
+        "wheels": wheels_stage(python, wheels),
+        "tests": tests_stage(out, python),
+        "kernel_bench": kernel_bench_stage(out, python, quick),
+        "forward_bench": forward_bench_stage(out, python, quick),
+        "tensor_parallel": tensor_parallel_stage(out, python),
+        "tensor_parallel_bench": tensor_parallel_bench_stage(out, python, quick),
     }
     chosen = [all_stages[s] for s in stages]
     for st in chosen:
