@@ -9,14 +9,16 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, TextIO
 
 from edge_client.drafters.registry import backend_choices
 from shared.message_types import Mode
 from shared.model_store.catalog import DEFAULT_DRAFT
 
 if TYPE_CHECKING:
-    from edge_client.client import TreeSpec
+    from edge_client.client import GenerationResult, TreeSpec
+    from edge_client.drafters.base import Drafter
+    from edge_client.speculation import PrespecConfig
 
 
 SAGUARO_HELP = (
@@ -361,10 +363,8 @@ def _tree_spec(args: argparse.Namespace, draft: str) -> TreeSpec:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from edge_client.client import EdgeClient, GenerationError, ResumeConfig
+    from edge_client.client import GenerationError
     from edge_client.defaults import draft_specs
-    from edge_client.drafters.registry import create_drafter
-    from edge_client.speculation import PrespecConfig
 
     args.draft = args.draft or [DEFAULT_DRAFT]
     try:
@@ -373,46 +373,76 @@ async def _generate(args: argparse.Namespace) -> int:
         print(f"edge-client: {exc}", file=sys.stderr)
         return 2
     try:
+        prespec = _prespec_config(args)
+        if args.parallel_drafters and len(models) < 2:
+            raise _UsageError("--parallel-drafters needs two or more --draft")
+    except _UsageError as exc:
+        print(f"edge-client: {exc}", file=sys.stderr)
+        return 2
+    drafters = _load_drafters(args, models)
+    if drafters is None:
+        return 2
+    echo = _Echo(sys.stdout, quiet=args.json)
+    try:
+        gen = await _stream(args, drafters, specs, prespec, echo)
+    except GenerationError as exc:
+        _error(str(exc), echo.streamed)
+        return 1
+    except OSError as exc:
+        _error(f"cannot reach the verifier at {args.server}: {exc}", echo.streamed)
+        return 1
+    except ValueError as exc:  # drafters of different vocabularies
+        _error(str(exc), echo.streamed)
+        return 2
+    finally:
+        for drafter in drafters:
+            drafter.close()
+    _report(args, gen, echo.out)
+    return 0
+
+
+class _UsageError(Exception):
+    """Flags `generate` refuses (exit status 2); the message follows "edge-client: "."""
+
+
+def _prespec_config(args: argparse.Namespace) -> PrespecConfig | Literal[False]:
+    """The pre-speculation settings of generate's flags (False without --prespec); _UsageError for a
+    value out of range or a pre-speculation flag without --prespec (or --saguaro-c outside mss/rrs)."""
+    from edge_client.speculation import PrespecConfig
+
+    try:
         prespec_cfg = PrespecConfig(min_gain=args.prespec_min_gain)  # refuses < 0 and nan
     except ValueError as exc:
-        print(f"edge-client: --prespec-min-gain: {exc}", file=sys.stderr)
-        return 2
+        raise _UsageError(f"--prespec-min-gain: {exc}") from None
     if args.prespec_min_gain and not args.prespec:
-        print("edge-client: --prespec-min-gain applies to pre-speculation: add --prespec", file=sys.stderr)
-        return 2
+        raise _UsageError("--prespec-min-gain applies to pre-speculation: add --prespec")
     try:
         prespec_cfg = dataclasses.replace(prespec_cfg, saguaro_c=args.saguaro_c)  # refuses <= 0, > 1, nan
     except ValueError as exc:
-        print(f"edge-client: --saguaro-c: {exc}", file=sys.stderr)
-        return 2
+        raise _UsageError(f"--saguaro-c: {exc}") from None
     if args.saguaro_c != 1 and not args.prespec:
-        print("edge-client: --saguaro-c applies to pre-speculation: add --prespec", file=sys.stderr)
-        return 2
+        raise _UsageError("--saguaro-c applies to pre-speculation: add --prespec")
     if args.saguaro_c != 1 and args.mode not in ("mss", "rrs"):
-        print(
-            "edge-client: --saguaro-c applies to the sampled modes: add --mode mss or --mode rrs",
-            file=sys.stderr,
-        )
-        return 2
+        raise _UsageError("--saguaro-c applies to the sampled modes: add --mode mss or --mode rrs")
     try:
         prespec_cfg = dataclasses.replace(
             prespec_cfg, backup=args.prespec_backup, cache=args.prespec_cache, outcomes=args.prespec_outcomes
         )
     except ValueError as exc:
-        print(f"edge-client: --prespec-outcomes: {exc}", file=sys.stderr)
-        return 2
+        raise _UsageError(f"--prespec-outcomes: {exc}") from None
     tuned = args.prespec_backup != "auto" or args.prespec_cache or args.prespec_outcomes != 24
     if tuned and not args.prespec:
-        print(
-            "edge-client: --prespec-backup, --prespec-cache and --prespec-outcomes apply to "
-            "pre-speculation: add --prespec",
-            file=sys.stderr,
+        raise _UsageError(
+            "--prespec-backup, --prespec-cache and --prespec-outcomes apply to pre-speculation: add --prespec"
         )
-        return 2
-    prespec = prespec_cfg if args.prespec else False
-    if args.parallel_drafters and len(models) < 2:
-        print("edge-client: --parallel-drafters needs two or more --draft", file=sys.stderr)
-        return 2
+    return prespec_cfg if args.prespec else False
+
+
+def _load_drafters(args: argparse.Namespace, models: Sequence[str]) -> list[Drafter] | None:
+    """A drafter per draft model (--drafter, --threads); None when one cannot be loaded (the error
+    reported, the ones already loaded closed)."""
+    from edge_client.drafters.registry import create_drafter
+
     opts = {"n_threads": args.threads} if args.threads else {}
     drafters = []
     try:
@@ -422,48 +452,64 @@ async def _generate(args: argparse.Namespace) -> int:
         for drafter in drafters:
             drafter.close()
         _error(f"cannot load the draft model {m!r}: {exc}")
-        return 2
-    out = sys.stdout
-    streamed = False  # text written without its final newline
-    try:
-        async with EdgeClient(
-            [args.server, *args.fallback],
-            drafters,
-            api_key=args.api_key,
-            tree=specs,
-            prespec=prespec,
-            ca_file=args.ca_file,
-            resume=ResumeConfig(attempts=args.resume_attempts) if args.resume_attempts > 0 else False,
-            parallel_drafters=args.parallel_drafters,
-        ) as client:
-            async for chunk in client.generate(
-                args.prompt,
-                max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                seed=args.seed,
-                mode=args.mode,
-                raw=args.raw,
-            ):
-                if not args.json and chunk:
-                    out.write(chunk)
-                    out.flush()
-                    streamed = True
-            gen = client.last
-            assert gen is not None
-    except GenerationError as exc:
-        _error(str(exc), streamed)
-        return 1
-    except OSError as exc:
-        _error(f"cannot reach the verifier at {args.server}: {exc}", streamed)
-        return 1
-    except ValueError as exc:  # drafters of different vocabularies
-        _error(str(exc), streamed)
-        return 2
-    finally:
-        for drafter in drafters:
-            drafter.close()
+        return None
+    return drafters
+
+
+class _Echo:
+    """The generated text as it comes, on `out` (none when `quiet`: --json); `streamed`: text was
+    written without its final newline."""
+
+    def __init__(self, out: TextIO, *, quiet: bool) -> None:
+        self.out = out
+        self.quiet = quiet
+        self.streamed = False
+
+    def write(self, chunk: str) -> None:
+        if not self.quiet and chunk:
+            self.out.write(chunk)
+            self.out.flush()
+            self.streamed = True
+
+
+async def _stream(
+    args: argparse.Namespace,
+    drafters: list[Drafter],
+    specs: list[TreeSpec],
+    prespec: PrespecConfig | Literal[False],
+    echo: _Echo,
+) -> GenerationResult:
+    """Generate args.prompt on a session with the verifier, echoing the text; the generation's record."""
+    from edge_client.client import EdgeClient, ResumeConfig
+
+    async with EdgeClient(
+        [args.server, *args.fallback],
+        drafters,
+        api_key=args.api_key,
+        tree=specs,
+        prespec=prespec,
+        ca_file=args.ca_file,
+        resume=ResumeConfig(attempts=args.resume_attempts) if args.resume_attempts > 0 else False,
+        parallel_drafters=args.parallel_drafters,
+    ) as client:
+        async for chunk in client.generate(
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            mode=args.mode,
+            raw=args.raw,
+        ):
+            echo.write(chunk)
+        gen = client.last
+        assert gen is not None
+    return gen
+
+
+def _report(args: argparse.Namespace, gen: GenerationResult, out: TextIO) -> None:
+    """After the text: its JSON line (--json), or a line of the generation's figures."""
     st = gen.stats
     if args.json:
         stats = {
@@ -485,7 +531,6 @@ async def _generate(args: argparse.Namespace) -> int:
             f"verify {d['verify_ms']:.1f} ms, rtt {d['rtt_ms']:.1f} ms, draft {d['draft_ms']:.1f} ms, "
             f"{st.bytes_up} B up / {st.bytes_down} B down, end: {gen.reason}]\n"
         )
-    return 0
 
 
 def _error(message: str, streamed: bool = False) -> None:
