@@ -81,6 +81,20 @@ def _check(
 ) -> None:
     """Shapes, dtypes, layout and devices always; with check_values also the index values (a device
     sync on a GPU)."""
+    _check_qkv(q, k_cache, v_cache, scale, block_size)
+    _check_indexes(q, block_tables, row_starts, cached_lens, tree_masks, causal)
+    if check_values:
+        t, num_slots = q.shape[0], k_cache.shape[1]
+        _check_index_values(
+            t, num_slots, block_tables, row_starts, cached_lens, tree_masks, causal, block_size
+        )
+
+
+def _check_qkv(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, block_size: int
+) -> None:
+    """q and the KV cache: tensors of a supported dtype and head_dim, contiguous in head_dim, on one
+    device, with whole groups of query heads per KV head; block_size and scale."""
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(x, torch.Tensor):
             _fail(name, f"must be a tensor, got {type(x).__name__}")
@@ -90,7 +104,7 @@ def _check(
             _fail(name, f"must be float16, bfloat16 or float32, got {x.dtype}")
         if x.stride(2) != 1:
             _fail(name, "must be contiguous in head_dim (stride 1 in the last dimension)")
-    t, heads, head_dim = q.shape
+    _, heads, head_dim = q.shape
     device = q.device
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         _fail(
@@ -114,6 +128,18 @@ def _check(
         _fail("k_cache", f"num_slots {num_slots} is not a multiple of block_size {block_size}")
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         _fail("scale", f"must be a finite positive number, got {scale!r}")
+
+
+def _check_indexes(
+    q: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_starts: torch.Tensor,
+    cached_lens: torch.Tensor,
+    tree_masks: torch.Tensor | None,
+    causal: torch.Tensor | None,
+) -> None:
+    """The index tensors' dtypes, shapes (S from row_starts, T from q), devices and layout."""
+    t, device = q.shape[0], q.device
     if not isinstance(row_starts, torch.Tensor) or row_starts.dim() != 1 or row_starts.numel() < 1:
         _fail("row_starts", "must be a 1-D tensor of S + 1 int32 row offsets")
     s = row_starts.numel() - 1
@@ -137,8 +163,22 @@ def _check(
             _fail(name, "must be contiguous")
     if block_tables.stride(1) != 1:
         _fail("block_tables", "must be contiguous along max_blocks")
-    if not check_values:
-        return
+
+
+def _check_index_values(
+    t: int,
+    num_slots: int,
+    block_tables: torch.Tensor,
+    row_starts: torch.Tensor,
+    cached_lens: torch.Tensor,
+    tree_masks: torch.Tensor | None,
+    causal: torch.Tensor | None,
+    block_size: int,
+) -> None:
+    """The index values (read back to the host): row_starts from 0 to T, never decreasing; cached
+    lengths >= 0; tree sessions with masks and at most MAX_TREE_ROWS rows; each session's block
+    table long enough for its positions, with ids inside the pool of num_slots // block_size."""
+    s = row_starts.numel() - 1
     rs = row_starts.tolist()
     cached = cached_lens.tolist()
     kinds = [True] * s if causal is None else causal.tolist()
