@@ -594,97 +594,93 @@ def plot(path: Path, rows: Sequence[dict[str, Any]]) -> None:
     save_figure(fig, path, dpi=110)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from edge_client.defaults import recommended_tree
+def recorded_scripts(
+    ap: argparse.ArgumentParser,
+    a: argparse.Namespace,
+    url: str,
+    prompts: Sequence[BenchPrompt],
+    config: dict[str, Any],
+) -> tuple[bytes, list[Script]]:
+    """The hello frame and the scripts: read from --scripts when that file exists, else recorded
+    against the verifier at `url` by a real edge client (config["drafter"]: the backend that
+    drafted) and, with --scripts, written there."""
+    if a.scripts is not None and a.scripts.exists():
+        try:
+            hello, scripts, recorded = load_scripts(a.scripts)
+        except ValueError as exc:
+            ap.error(str(exc))
+        print(f"scripts: {len(scripts)} generations from {a.scripts} (recorded with {recorded.get('mode')})")
+        return hello, scripts
+    from edge_client.drafters.registry import create_drafter
 
-    ap = build_parser()
-    a = ap.parse_args(argv)
-    from bench.e2e import ALL_MODES
-
-    if a.mode not in ALL_MODES or a.mode == "ar":
-        edge_modes = ", ".join(m for m in ALL_MODES if m != "ar")
-        ap.error(f"--mode: {a.mode!r} is not an edge mode; choose from {edge_modes}")
-    a.tree = a.tree or recommended_tree(a.draft)
-    split = CoreSplit.auto()
-    print(
-        split.describe() + "; in the replay the clients (frame players) stay on the edge's cores", flush=True
-    )
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "prompt_file"}
-    config["prompt_files"] = [str(f) for f in a.prompt_file or []]
-    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
-    sessions = 2 * max(a.clients) + 4
-    verifier = Verifier(
-        a.model, cores=split.verifier, threads=len(split.verifier), args=["--max-sessions", str(sessions)]
-    )
-    rows: list[dict[str, Any]] = []
-    with verifier:
-        split.pin_edge()
-        if a.scripts is not None and a.scripts.exists():
-            try:
-                hello, scripts, recorded = load_scripts(a.scripts)
-            except ValueError as exc:
-                ap.error(str(exc))
-            print(
-                f"scripts: {len(scripts)} generations from {a.scripts} (recorded with {recorded.get('mode')})"
+    drafter = create_drafter(a.drafter, a.draft, n_threads=1)
+    config["drafter"] = drafter.name
+    try:
+        hello, scripts = asyncio.run(
+            record(
+                url,
+                drafter,
+                prompts,
+                a.tokens,
+                a.mode,
+                a.tree,
+                a.rtt_ms,
+                a.temperature,
+                not a.no_progress,
             )
-        else:
-            from edge_client.drafters.registry import create_drafter
-
-            drafter = create_drafter(a.drafter, a.draft, n_threads=1)
-            config["drafter"] = drafter.name
-            try:
-                hello, scripts = asyncio.run(
-                    record(
-                        verifier.url,
-                        drafter,
-                        prompts,
-                        a.tokens,
-                        a.mode,
-                        a.tree,
-                        a.rtt_ms,
-                        a.temperature,
-                        not a.no_progress,
-                    )
-                )
-            finally:
-                drafter.close()
-            if a.scripts is not None:
-                save_scripts(a.scripts, hello, scripts, config)
-        ar_scripts = [s.as_ar() for s in scripts]
-        recorded_ms = statistics.median(s.ms_per_token for s in scripts)
-        tau = sum(len(s.tokens) for s in scripts) / max(1, sum(len(s.verdicts) - 1 for s in scripts))
-        print(
-            f"recorded: {len(scripts)} generations, median {recorded_ms:.0f} ms/token with one client, "
-            f"{tau:.2f} tokens a tree round",
-            flush=True,
         )
-        runs = [(m, k) for m in a.clients for k in KINDS]
-        bar = tqdm(total=len(runs), desc="replay", disable=a.no_progress, file=sys.stderr)
-        for m, kind in runs:
-            row = asyncio.run(
-                measure(
-                    verifier.url,
-                    verifier.http,
-                    hello,
-                    ar_scripts if kind == "ar" else scripts,
-                    m,
-                    a.warmup,
-                    a.seconds,
-                )
+    finally:
+        drafter.close()
+    if a.scripts is not None:
+        save_scripts(a.scripts, hello, scripts, config)
+    return hello, scripts
+
+
+def replay_rows(
+    verifier: Verifier,
+    hello: bytes,
+    scripts: Sequence[Script],
+    clients: Sequence[int],
+    warmup: float,
+    seconds: float,
+    flat_ms: float,
+    progress: bool,
+) -> list[dict[str, Any]]:
+    """One row per (clients, kind): the scripts replayed against the verifier (`measure`; ar
+    clients replay them as mode ar) and the flat verifier's prediction for the same clients."""
+    ar_scripts = [s.as_ar() for s in scripts]
+    rows: list[dict[str, Any]] = []
+    runs = [(m, k) for m in clients for k in KINDS]
+    bar = tqdm(total=len(runs), desc="replay", disable=not progress, file=sys.stderr)
+    for m, kind in runs:
+        row = asyncio.run(
+            measure(
+                verifier.url,
+                verifier.http,
+                hello,
+                ar_scripts if kind == "ar" else scripts,
+                m,
+                warmup,
+                seconds,
             )
-            games = [flat_rounds(s, kind == "ar") for s in (ar_scripts if kind == "ar" else scripts)]
-            flat = predict_flat(games, m, a.flat_ms / 1e3, max(600.0, 50 * a.seconds))
-            rows.append(
-                {
-                    "kind": kind,
-                    **row,
-                    "flat_verifier_s_per_token": round(flat["verifier_s_per_token"], 5),
-                    "flat_tokens_per_forward": round(flat["tokens_per_forward"], 3),
-                }
-            )
-            bar.update(1)
-        bar.close()
-    measured, flat_ratio = ratios(rows, "verifier_s_per_token"), ratios(rows, "flat_verifier_s_per_token")
+        )
+        games = [flat_rounds(s, kind == "ar") for s in (ar_scripts if kind == "ar" else scripts)]
+        flat = predict_flat(games, m, flat_ms / 1e3, max(600.0, 50 * seconds))
+        rows.append(
+            {
+                "kind": kind,
+                **row,
+                "flat_verifier_s_per_token": round(flat["verifier_s_per_token"], 5),
+                "flat_tokens_per_forward": round(flat["tokens_per_forward"], 3),
+            }
+        )
+        bar.update(1)
+    bar.close()
+    return rows
+
+
+def print_table(rows: Sequence[dict[str, Any]], flat_ms: float) -> None:
+    """The rows as the printed table (measured, then the flat verifier's prediction)."""
     print(
         table(
             [
@@ -711,13 +707,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "busy",
                 "client ms/token",
                 "V ms/round",
-                f"flat {a.flat_ms:g} ms: verifier ms/token",
+                f"flat {flat_ms:g} ms: verifier ms/token",
                 "flat tokens/forward",
                 "diverged",
                 "errors",
             ],
         )
     )
+
+
+def print_goals(measured: dict[int, float | None], flat_ratio: dict[int, float | None]) -> None:
+    """edge / ar of verifier-seconds a token at each client count, and the goals at 16 clients."""
     for m in sorted(measured):
         print(f"{m} clients: edge / ar verifier-s a token {measured[m]} here, {flat_ratio[m]} flat")
     goal16 = measured.get(16)
@@ -728,6 +728,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     if flat16 is not None:
         verdict = "met" if flat16 <= 0.2 else "not met"
         print(f"goal: <= 0.2 predicted flat with 16 clients: {verdict} ({flat16})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from edge_client.defaults import recommended_tree
+
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    from bench.e2e import ALL_MODES
+
+    if a.mode not in ALL_MODES or a.mode == "ar":
+        edge_modes = ", ".join(m for m in ALL_MODES if m != "ar")
+        ap.error(f"--mode: {a.mode!r} is not an edge mode; choose from {edge_modes}")
+    a.tree = a.tree or recommended_tree(a.draft)
+    split = CoreSplit.auto()
+    print(
+        split.describe() + "; in the replay the clients (frame players) stay on the edge's cores", flush=True
+    )
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "prompt_file"}
+    config["prompt_files"] = [str(f) for f in a.prompt_file or []]
+    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+    sessions = 2 * max(a.clients) + 4
+    verifier = Verifier(
+        a.model, cores=split.verifier, threads=len(split.verifier), args=["--max-sessions", str(sessions)]
+    )
+    with verifier:
+        split.pin_edge()
+        hello, scripts = recorded_scripts(ap, a, verifier.url, prompts, config)
+        recorded_ms = statistics.median(s.ms_per_token for s in scripts)
+        tau = sum(len(s.tokens) for s in scripts) / max(1, sum(len(s.verdicts) - 1 for s in scripts))
+        print(
+            f"recorded: {len(scripts)} generations, median {recorded_ms:.0f} ms/token with one client, "
+            f"{tau:.2f} tokens a tree round",
+            flush=True,
+        )
+        rows = replay_rows(
+            verifier, hello, scripts, a.clients, a.warmup, a.seconds, a.flat_ms, not a.no_progress
+        )
+    measured, flat_ratio = ratios(rows, "verifier_s_per_token"), ratios(rows, "flat_verifier_s_per_token")
+    print_table(rows, a.flat_ms)
+    print_goals(measured, flat_ratio)
     recording = {"generations": len(scripts), "ms_per_token": recorded_ms, "tau": tau}
     edge_over_ar = {"measured": measured, "flat": flat_ratio}
     write_result(a.json, config, rows, True, recorded=recording, edge_over_ar=edge_over_ar)
