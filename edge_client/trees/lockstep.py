@@ -23,7 +23,7 @@ import numpy as np
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
 from edge_client.trees.builder import DraftCancelled, DraftOptions, DraftResult, TreeBuilder
-from edge_client.trees.sampling import coupling_for, draft_mode, ranked_alts, top_alternatives
+from edge_client.trees.sampling import Coupling, coupling_for, draft_mode, ranked_alts, top_alternatives
 from shared.tree import ExpansionConfig
 
 _DEFAULT = DraftOptions()
@@ -50,21 +50,54 @@ def draft_static_many(
     WorkspaceFullError (nothing added) when the trees do not fit the workspace.
     """
     t0 = time.perf_counter()
-    alternatives = opts.alternatives
     m = draft_mode(opts.mode)
     if m.stochastic:
         raise ValueError(f"lockstep drafting is for greedy/match; mode {m.value} drafts its trees one by one")
     coupling = coupling_for(m, opts.coupling)
+    configs, stop_of = _check_batch(drafter, committed, config, conds, stops)
+    walks = _walk(drafter, conds)
+    _check_room(drafter, walks, configs)
+    evals0 = drafter.stats.extend_calls
+    roots = _extend_conds(drafter, walks)
+    at = [len(committed) + len(c) for c in conds]  # absolute position of the token after row 0
+    batch = _Lockstep(configs, stop_of, roots, opts.alternatives, coupling, at)
+    for level in range(max(c.depth for c in configs)):
+        new = batch.expand(level)
+        growing = batch.growing(level)  # to evaluate
+        if not any(growing):
+            break
+        batch.drop_unwanted(growing)
+        if not any(growing):
+            break
+        batch.evaluate(drafter, new, growing)
+    evals = drafter.stats.extend_calls - evals0
+    return batch.results(committed, conds, t0, evals)
+
+
+def _check_batch(
+    drafter: Drafter,
+    committed: Sequence[int],
+    config: ExpansionConfig | Sequence[ExpansionConfig],
+    conds: Sequence[Sequence[int]],
+    stops: Sequence[Callable[[], bool] | None] | None,
+) -> tuple[list[ExpansionConfig], list[Callable[[], bool] | None]]:
+    """The shape and the stop of every cond (ValueError: the drafter is not synced to exactly
+    `committed`, or not one shape / stop per cond)."""
     if drafter.committed_len != len(committed) or drafter.committed_tokens() != [int(t) for t in committed]:
         raise ValueError("draft_static_many needs the drafter synced to exactly `committed`")
     n = len(conds)
     configs = [config] * n if isinstance(config, ExpansionConfig) else list(config)
     if len(configs) != n:
         raise ValueError(f"{len(configs)} shapes for {n} conds: give one, or one per cond")
-    stops = list(stops) if stops is not None else [None] * n
-    if len(stops) != n:
+    stop_of: list[Callable[[], bool] | None] = list(stops) if stops is not None else [None] * n
+    if len(stop_of) != n:
         raise ValueError("stops must have one entry per cond")
-    # where each cond leaves the workspace, and what of it is still to be evaluated
+    return configs, stop_of
+
+
+def _walk(drafter: Drafter, conds: Sequence[Sequence[int]]) -> list[tuple[int, list[int]]]:
+    """Where each cond leaves the workspace (its deepest node there), and what of it is still to be
+    evaluated."""
     walks: list[tuple[int, list[int]]] = []
     for cond in conds:
         node, i = -1, 0
@@ -74,6 +107,11 @@ def draft_static_many(
                 break
             node, i = child, i + 1
         walks.append((node, [int(t) for t in cond[i:]]))
+    return walks
+
+
+def _check_room(drafter: Drafter, walks: list[tuple[int, list[int]]], configs: list[ExpansionConfig]) -> None:
+    """Refuse trees the workspace cannot hold, the conds' rest included (WorkspaceFullError)."""
     nodes_needed = sum(len(rest) for _, rest in walks)
     leaves_needed = 0
     for cfg in configs:
@@ -86,13 +124,15 @@ def draft_static_many(
     ):
         shapes = str(configs[0]) if len(set(configs)) == 1 else "of several shapes"
         raise WorkspaceFullError(
-            f"{n} trees {shapes} need {nodes_needed} nodes on {leaves_needed} new branches; the drafter "
-            f"holds {drafter.max_nodes} / {drafter.max_leaves} "
+            f"{len(configs)} trees {shapes} need {nodes_needed} nodes on {leaves_needed} new branches; the "
+            f"drafter holds {drafter.max_nodes} / {drafter.max_leaves} "
             f"({drafter.num_nodes} / {drafter.num_leaves} in use)"
         )
-    evals0 = drafter.stats.extend_calls
-    # the rest of every cond, as chains, in one evaluation
-    roots: list[tuple[int, np.ndarray]] = []
+
+
+def _extend_conds(drafter: Drafter, walks: list[tuple[int, list[int]]]) -> list[tuple[int, np.ndarray]]:
+    """The rest of every cond added as a chain, all in one evaluation; per cond, the workspace node
+    its tree hangs below and the logits after it."""
     parents: list[int] = []
     tokens: list[int] = []
     ends: list[int] = []  # index in the batch of each chain's last token (-1: nothing to add)
@@ -106,48 +146,84 @@ def draft_static_many(
             tokens.append(tok)
         ends.append(len(tokens) - 1)
     out = drafter.extend(parents, tokens) if tokens else None
+    roots: list[tuple[int, np.ndarray]] = []
     for (node, _), end in zip(walks, ends, strict=True):
         if end < 0:
             roots.append((node, drafter.logits_at(node)))
         else:
             assert out is not None
             roots.append((first + end, out[end]))
+    return roots
 
-    accs = [TreeBuilder(alternatives) for _ in conds]
-    for acc in accs:
-        acc.landing = None if coupling is None else coupling.landing
-    alive = [True] * n
-    frontiers: list[list[tuple[int, np.ndarray]]] = [[(-1, logits)] for _, logits in roots]
-    at = [len(committed) + len(c) for c in conds]  # absolute position of the token after row 0
-    depth = max(c.depth for c in configs)
-    for level in range(depth):
-        new: list[list[int]] = [[] for _ in conds]
-        for t in range(n):
-            if not alive[t] or level >= configs[t].depth:
+
+class _Lockstep:
+    """The trees of one `draft_static_many` call, grown a level at a time: each tree's builder, the
+    nodes of its last evaluated level with their logits (its frontier), and whether it is still
+    wanted (alive)."""
+
+    def __init__(
+        self,
+        configs: list[ExpansionConfig],
+        stops: list[Callable[[], bool] | None],
+        roots: list[tuple[int, np.ndarray]],
+        alternatives: int,
+        coupling: Coupling | None,
+        at: list[int],
+    ) -> None:
+        self.configs = configs
+        self.stops = stops
+        self.roots = roots
+        self.alternatives = alternatives
+        self.coupling = coupling
+        self.at = at
+        self.n = len(configs)
+        self.accs = [TreeBuilder(alternatives) for _ in configs]
+        for acc in self.accs:
+            acc.landing = None if coupling is None else coupling.landing
+        self.alive = [True] * self.n
+        self.frontiers: list[list[tuple[int, np.ndarray]]] = [[(-1, logits)] for _, logits in roots]
+
+    def expand(self, level: int) -> list[list[int]]:
+        """Every live tree's top-k_level children of its frontier (alternatives recorded); the new
+        nodes, per tree."""
+        new: list[list[int]] = [[] for _ in range(self.n)]
+        for t in range(self.n):
+            if not self.alive[t] or level >= self.configs[t].depth:
                 continue
-            k = configs[t].ks[level]
-            acc = accs[t]
-            for node, logits in frontiers[t]:
-                ids, vals, probs, row = ranked_alts(logits, max(k, alternatives), coupling, at[t] + level)
+            k = self.configs[t].ks[level]
+            acc = self.accs[t]
+            for node, logits in self.frontiers[t]:
+                ids, vals, probs, row = ranked_alts(
+                    logits, max(k, self.alternatives), self.coupling, self.at[t] + level
+                )
                 acc.set_alt(node + 1, ids, probs, row)
                 for tok, lp in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
                     new[t].append(acc.add(node, tok, lp))
-        growing = [alive[t] and level < configs[t].depth - 1 for t in range(n)]  # to evaluate
-        if not any(growing):
-            break
-        for t in range(n):
-            stop = stops[t]
-            if alive[t] and stop is not None and stop():
-                alive[t] = growing[t] = False
-        if not any(alive):
+        return new
+
+    def growing(self, level: int) -> list[bool]:
+        """Per tree: whether the level just expanded is to be evaluated (alive, not its last)."""
+        return [self.alive[t] and level < self.configs[t].depth - 1 for t in range(self.n)]
+
+    def drop_unwanted(self, growing: list[bool]) -> None:
+        """Ask the stops of the live trees (in order): a tree whose stop says True is dropped, and
+        stops growing; DraftCancelled when no tree is left."""
+        for t in range(self.n):
+            stop = self.stops[t]
+            if self.alive[t] and stop is not None and stop():
+                self.alive[t] = growing[t] = False
+        if not any(self.alive):
             raise DraftCancelled("drafting stopped: no tree of the batch is wanted any more")
-        if not any(growing):
-            break
-        parents, tokens, owner = [], [], []
-        for t in range(n):
+
+    def evaluate(self, drafter: Drafter, new: list[list[int]], growing: list[bool]) -> None:
+        """The new nodes of the growing trees in one drafter evaluation; they become the frontiers."""
+        parents: list[int] = []
+        tokens: list[int] = []
+        owner: list[tuple[int, int]] = []
+        for t in range(self.n):
             if not growing[t]:
                 continue
-            acc, root_id = accs[t], roots[t][0]
+            acc, root_id = self.accs[t], self.roots[t][0]
             for nd in new[t]:
                 p = acc.parents[nd]
                 parents.append(root_id if p < 0 else acc.ws[p])
@@ -155,18 +231,23 @@ def draft_static_many(
                 owner.append((t, nd))
         first = drafter.num_nodes
         out = drafter.extend(parents, tokens)  # [len(tokens), V]
-        frontiers = [[] for _ in conds]
+        self.frontiers = [[] for _ in range(self.n)]
         for j, (t, nd) in enumerate(owner):
-            accs[t].ws[nd] = first + j
-            frontiers[t].append((nd, out[j]))
-    evals = drafter.stats.extend_calls - evals0
-    results: list[DraftResult | None] = []
-    for t in range(n):
-        if not alive[t]:
-            results.append(None)
-            continue
-        results.append(accs[t].result(committed, conds[t], roots[t][0], False, np.zeros(0), t0, evals))
-    return results
+            self.accs[t].ws[nd] = first + j
+            self.frontiers[t].append((nd, out[j]))
+
+    def results(
+        self, committed: Sequence[int], conds: Sequence[Sequence[int]], t0: float, evals: int
+    ) -> list[DraftResult | None]:
+        """Every tree's DraftResult (None for a dropped tree)."""
+        results: list[DraftResult | None] = []
+        for t in range(self.n):
+            if not self.alive[t]:
+                results.append(None)
+                continue
+            acc = self.accs[t]
+            results.append(acc.result(committed, conds[t], self.roots[t][0], False, np.zeros(0), t0, evals))
+        return results
 
 
 # ---------------------------------------------------------------------------------------------------
