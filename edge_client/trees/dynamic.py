@@ -19,7 +19,7 @@ from edge_client.trees.builder import (
     check_stop,
     evaluate_level,
 )
-from edge_client.trees.sampling import coupling_for, draft_mode, ranked_alts
+from edge_client.trees.sampling import Coupling, coupling_for, draft_mode, ranked_alts
 
 _DEFAULT = DraftOptions()
 
@@ -52,18 +52,13 @@ def draft_dynamic(
     and MSS/RRS need draw counts fixed independently of drawing; use a static shape for them.
     """
     t0 = time.perf_counter()
-    cond, reuse_workspace, eval_leaves, alternatives = (
-        opts.cond,
-        opts.reuse_workspace,
-        opts.eval_leaves,
-        opts.alternatives,
-    )
+    cond, eval_leaves = opts.cond, opts.eval_leaves
     m = draft_mode(opts.mode)
     if m.stochastic:
         raise ValueError(f"dynamic trees are for greedy/match; mode {m.value} needs a static shape")
     if budget < 1 or width < 1 or branch < 1 or max_depth < 1:
         raise ValueError("budget, width, branch and max_depth must be positive")
-    if (drafter.num_nodes if reuse_workspace else 0) + budget > drafter.max_nodes:
+    if (drafter.num_nodes if opts.reuse_workspace else 0) + budget > drafter.max_nodes:
         raise WorkspaceFullError(
             f"a budget of {budget} nodes does not fit the drafter's workspace ({drafter.max_nodes} nodes, "
             f"{drafter.num_nodes} in use); lower the budget or raise max_nodes"
@@ -71,52 +66,82 @@ def draft_dynamic(
     coupling = coupling_for(m, opts.coupling)
     at = len(committed) + len(cond)  # absolute position of the token after row 0
     evals = drafter.stats.extend_calls
-    root_id, root_logits = anchor_node(drafter, committed, cond, reuse_workspace)
-    acc = TreeBuilder(alternatives)
-    acc.landing = coupling.landing if coupling is not None else None
-    heap: list[tuple[float, int, int, int, float]] = []  # (-path logp, order, parent, token, logp)
-    top1: list[float] = []
-    depth: list[int] = []
-    rank: list[float] = []  # per node: the path log-probability it was ranked by
-    order = itertools.count()  # FIFO among equal path probabilities
-
-    def push_children(node: int, logits: np.ndarray) -> None:
-        d = 0 if node < 0 else depth[node]
-        ids, vals, probs, row = ranked_alts(logits, max(branch, alternatives), coupling, at + d)
-        acc.set_alt(node + 1, ids, probs, row)
-        best = float(vals.max())
-        top1.append(math.exp(best))
-        base = rank[node] if node >= 0 else 0.0
-        for i, (tok, lp) in enumerate(zip(ids[:branch].tolist(), vals[:branch].tolist(), strict=True)):
-            rank_lp = best if coupling is not None and i == 0 else lp
-            heapq.heappush(heap, (-(base + rank_lp), next(order), node, tok, lp))
-
-    push_children(-1, root_logits)
-    while heap and len(acc.tokens) < budget:
-        log_m = math.log(max(sum(top1) / len(top1), 1e-9))
-        room = budget - len(acc.tokens)
+    root_id, root_logits = anchor_node(drafter, committed, cond, opts.reuse_workspace)
+    grow = _BestFirst(opts.alternatives, branch, coupling, at)
+    acc = grow.acc
+    grow.push_children(-1, root_logits)
+    while grow.heap and len(acc.tokens) < budget:
         leaves_room = drafter.max_leaves - drafter.num_leaves
-        batch: list[int] = []
-        bar = -math.inf
-        while heap and len(batch) < min(width, room) and -heap[0][0] >= bar:
-            neg, _, parent, tok, lp = heapq.heappop(heap)
-            node = acc.add(parent, tok, lp)
-            depth.append(1 if parent < 0 else depth[parent] + 1)
-            rank.append(-neg)
-            batch.append(node)
-            if len(batch) == 1:
-                bar = -neg + log_m  # a child of the best batch node would reach about this
+        batch = grow.pop_batch(min(width, budget - len(acc.tokens)))
         full = len(acc.tokens) >= budget
-        expand = [n for n in batch if eval_leaves or (not full and depth[n] < max_depth)]
+        expand = [n for n in batch if eval_leaves or (not full and grow.depth[n] < max_depth)]
         if len(expand) > leaves_room:  # cannot branch further: stop growing, keep the tree as is
             break
         check_stop(opts.stop)
         for node, logits in evaluate_level(drafter, acc, expand, root_id):
-            if depth[node] < max_depth:
-                push_children(node, logits)
+            if grow.depth[node] < max_depth:
+                grow.push_children(node, logits)
             else:
-                ids, _, probs, row = ranked_alts(logits, alternatives, coupling, at + depth[node])
-                acc.set_alt(node + 1, ids, probs, row)
-    frontier = np.sort(np.exp(np.asarray([-h[0] for h in heap], dtype=np.float64)))[::-1][:64]
+                grow.set_alternatives(node, logits)
     evals = drafter.stats.extend_calls - evals
-    return acc.result(committed, cond, root_id, False, frontier, t0, evals)
+    return acc.result(committed, cond, root_id, False, grow.frontier(), t0, evals)
+
+
+class _BestFirst:
+    """A dynamic tree as it grows: its builder, the heap of candidate children keyed by path
+    log-probability, and per node its depth and the path log-probability it was ranked by."""
+
+    def __init__(self, alternatives: int, branch: int, coupling: Coupling | None, at: int) -> None:
+        self.alternatives = alternatives
+        self.branch = branch
+        self.coupling = coupling
+        self.at = at  # absolute position of the token after row 0
+        self.acc = TreeBuilder(alternatives)
+        self.acc.landing = coupling.landing if coupling is not None else None
+        self.heap: list[tuple[float, int, int, int, float]] = []  # (-path logp, order, parent, token, logp)
+        self.top1: list[float] = []  # the draft's top-1 probability after every evaluated node
+        self.depth: list[int] = []
+        self.rank: list[float] = []  # per node: the path log-probability it was ranked by
+        self.order = itertools.count()  # FIFO among equal path probabilities
+
+    def push_children(self, node: int, logits: np.ndarray) -> None:
+        """Record the alternatives after `node` and push its `branch` likeliest children (a coupled
+        token ranked as the most likely one)."""
+        d = 0 if node < 0 else self.depth[node]
+        ids, vals, probs, row = ranked_alts(
+            logits, max(self.branch, self.alternatives), self.coupling, self.at + d
+        )
+        self.acc.set_alt(node + 1, ids, probs, row)
+        best = float(vals.max())
+        self.top1.append(math.exp(best))
+        base = self.rank[node] if node >= 0 else 0.0
+        top = zip(ids[: self.branch].tolist(), vals[: self.branch].tolist(), strict=True)
+        for i, (tok, lp) in enumerate(top):
+            rank_lp = best if self.coupling is not None and i == 0 else lp
+            heapq.heappush(self.heap, (-(base + rank_lp), next(self.order), node, tok, lp))
+
+    def set_alternatives(self, node: int, logits: np.ndarray) -> None:
+        """Record the alternatives after a node that is not expanded (at max_depth)."""
+        ids, _, probs, row = ranked_alts(logits, self.alternatives, self.coupling, self.at + self.depth[node])
+        self.acc.set_alt(node + 1, ids, probs, row)
+
+    def pop_batch(self, most: int) -> list[int]:
+        """Add the next batch of at most `most` nodes to the tree: the best candidate, then each next
+        one while it would still beat a child of the best one (its path probability times the mean
+        top-1 probability so far); the new nodes."""
+        log_m = math.log(max(sum(self.top1) / len(self.top1), 1e-9))
+        batch: list[int] = []
+        bar = -math.inf
+        while self.heap and len(batch) < most and -self.heap[0][0] >= bar:
+            neg, _, parent, tok, lp = heapq.heappop(self.heap)
+            node = self.acc.add(parent, tok, lp)
+            self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+            self.rank.append(-neg)
+            batch.append(node)
+            if len(batch) == 1:
+                bar = -neg + log_m  # a child of the best batch node would reach about this
+        return batch
+
+    def frontier(self) -> np.ndarray:
+        """Descending path probabilities of the best 64 candidates left out."""
+        return np.sort(np.exp(np.asarray([-h[0] for h in self.heap], dtype=np.float64)))[::-1][:64]
