@@ -381,54 +381,86 @@ def logged_outcomes(trace: RoundTrace) -> int:
     return max(per.values(), default=0)
 
 
-def replay(
-    gen: TracedGeneration, costs: Costs, policy: Policy = Policy(), over: Overheads = Overheads()
-) -> Replay:
-    """Replay one generation's rounds (module docstring) under `costs` and `policy`."""
-    tr = gen.trace
-    vs = tr.verdicts
-    rtt = gen.rtt_ms if policy.rtt_ms is None else policy.rtt_ms
-    up = down = (rtt + over.link) / 2
-    drafts = _drafts(tr)
-    nodes = {s.round: s.nodes for s in tr.sends}
-    samples = [(r, ms) for d in drafts for r, ms in d.evals]
-    own = Curve.fit(samples) if samples else Curve.flat(0.0)
-    dropped = _dropped_rounds(tr.sends, policy.n)
+def _eval_ms(costs: Costs, rows: int, logged: float) -> float:
+    """One drafter evaluation of `rows` rows: at the drafter curve, else its logged ms."""
+    return logged if costs.drafter is None else costs.drafter(rows)
 
-    def eval_ms(rows: int, logged: float) -> float:
-        return logged if costs.drafter is None else costs.drafter(rows)
 
-    def draft_ms(d: _Draft) -> float:
-        return sum(eval_ms(r, ms) for r, ms in d.evals) + d.other_ms
+def _draft_ms(costs: Costs, d: _Draft) -> float:
+    """A draft action's time: its evaluations (_eval_ms) and its logged time outside them."""
+    return sum(_eval_ms(costs, r, ms) for r, ms in d.evals) + d.other_ms
 
-    def verify_ms(j: int) -> float:
-        v = vs[j]
-        if costs.verifier is None or (j == 0 and costs.prefill == "logged"):
-            return v.verify_ms
-        return costs.verifier(nodes.get(v.round, 0))
 
-    # the log's own miss paths (plain drafts after a verdict); --backup-ms fixes their time
+def _verify_ms(costs: Costs, vs: Sequence[VerdictEvent], nodes: Mapping[int, int], j: int) -> float:
+    """Verdict j's verification: at the verifier curve for its tree's nodes, else (and for the
+    prompt's round 0 with a logged prefill) its logged ms."""
+    v = vs[j]
+    if costs.verifier is None or (j == 0 and costs.prefill == "logged"):
+        return v.verify_ms
+    return costs.verifier(nodes.get(v.round, 0))
+
+
+def _miss_path(drafts: Sequence[_Draft], costs: Costs, backup_ms: float | None) -> tuple[float, float, float]:
+    """The log's own miss paths (plain drafts after a verdict) take `backup_ms` when given (their
+    fixed_ms is set); a miss path the policy makes: (its drafting time: `backup_ms`, else as long as
+    the log's (median), else the first tree's drafting without its prompt sync; its slack; its gap
+    to the send), the last two the log's miss paths' medians (0 without any)."""
     miss_drafts = [d for d in drafts if d.kind == "plain" and d.epoch > 0]
-    if policy.backup_ms is not None:
+    if backup_ms is not None:
         for d in miss_drafts:
-            d.fixed_ms = policy.backup_ms
-    # a miss path the policy makes: as long as the log's (median), else the first tree's drafting
-    # without its prompt sync
-    if policy.backup_ms is not None:
-        template = policy.backup_ms
+            d.fixed_ms = backup_ms
+    if backup_ms is not None:
+        template = backup_ms
     elif miss_drafts:
-        template = statistics.median(draft_ms(d) for d in miss_drafts)
+        template = statistics.median(_draft_ms(costs, d) for d in miss_drafts)
     else:
         first = next((d for d in drafts if d.kind == "plain"), None)
         ext = first.evals[1:] if first is not None else []
-        template = sum(eval_ms(r, ms) for r, ms in ext) + (eval_ms(1, ext[0][1]) if ext else 0.0)
+        template = sum(_eval_ms(costs, r, ms) for r, ms in ext) + (
+            _eval_ms(costs, 1, ext[0][1]) if ext else 0.0
+        )
     slack_plain = statistics.median(d.slack_ms for d in miss_drafts) if miss_drafts else 0.0
     gaps = [g for d in miss_drafts for g in d.send_gap_ms.values()]
     gap_plain = statistics.median(gaps) if gaps else 0.0
+    return template, slack_plain, gap_plain
 
-    # the policy: the conditional trees it does not draft; a hit on one of them becomes a miss
-    hit = [v.hit and not (v.next is not None and v.next in dropped) for v in vs]
-    plan: list[tuple[int, int, int, _Draft]] = []  # (epoch, miss path first, log order, draft)
+
+def _thinned(d: _Draft, dropped: set[int], own: Curve) -> _Draft | None:
+    """A draft action of the log under the policy: None when every tree it drafted is one the
+    policy does not draft (`dropped`), else without those trees' sends and with fewer rows in each
+    evaluation (their logged ms scaled along the generation's own drafter curve `own`)."""
+    kept = [s for s in d.sends if s.round not in dropped]
+    if d.kind in CUT_KINDS and d.sends and not kept and len(d.sends) >= d.trees:
+        return None  # every tree it drafted is one the policy does not draft
+    if len(kept) < len(d.sends) and d.trees:
+        left = d.trees - (len(d.sends) - len(kept))
+        if all(s.nodes == s.depth for s in d.sends):
+            # chains drafted together (the outcome cache's schedule): an evaluation holds a row
+            # per chain still growing and the likeliest chains are the deepest, so keeping the
+            # `left` likeliest caps every evaluation's rows at `left`
+            fewer = [min(r, left) for r, _ in d.evals]
+        else:  # trees of one shape in lockstep: each evaluation holds every tree's rows
+            fewer = [max(1, round(r * left / d.trees)) for r, _ in d.evals]
+        # the logged ms of fewer rows: scaled along this generation's own drafter curve
+        evals = [(n, ms * own(n) / max(own(r), 1e-9)) for n, (r, ms) in zip(fewer, d.evals, strict=True)]
+        d = replace(d, evals=evals, sends=kept)
+    return d
+
+
+def _plan(
+    vs: Sequence[VerdictEvent],
+    hit: Sequence[bool],
+    drafts: Sequence[_Draft],
+    dropped: set[int],
+    nodes: Mapping[int, int],
+    own: Curve,
+    miss: tuple[float, float, float],
+) -> list[tuple[int, int, int, _Draft]]:
+    """The draft actions of the replayed thread as (epoch, miss path first, log order, draft),
+    sorted: a miss path of the policy's (`miss`: _miss_path's time, slack and gap) after each
+    logged hit it turns into a miss, and the log's drafts under the policy (_thinned)."""
+    template, slack_plain, gap_plain = miss
+    plan: list[tuple[int, int, int, _Draft]] = []
     for j, v in enumerate(vs):
         if v.hit and not hit[j]:
             nxt = v.next
@@ -436,66 +468,74 @@ def replay(
             s = SendEvent(v.t, nxt, None, nodes.get(nxt, 0), 0, 0, 1.0, 0)
             syn = _Draft(j + 1, "plain", [], 0.0, slack_plain, 1, [s], {nxt: gap_plain}, template, True)
             plan.append((j + 1, 0, -1, syn))
-    for i, d in enumerate(drafts):
-        kept = [s for s in d.sends if s.round not in dropped]
-        if d.kind in CUT_KINDS and d.sends and not kept and len(d.sends) >= d.trees:
-            continue  # every tree it drafted is one the policy does not draft
-        if len(kept) < len(d.sends) and d.trees:
-            left = d.trees - (len(d.sends) - len(kept))
-            if all(s.nodes == s.depth for s in d.sends):
-                # chains drafted together (the outcome cache's schedule): an evaluation holds a row
-                # per chain still growing and the likeliest chains are the deepest, so keeping the
-                # `left` likeliest caps every evaluation's rows at `left`
-                fewer = [min(r, left) for r, _ in d.evals]
-            else:  # trees of one shape in lockstep: each evaluation holds every tree's rows
-                fewer = [max(1, round(r * left / d.trees)) for r, _ in d.evals]
-            # the logged ms of fewer rows: scaled along this generation's own drafter curve
-            evals = [(n, ms * own(n) / max(own(r), 1e-9)) for n, (r, ms) in zip(fewer, d.evals, strict=True)]
-            d = replace(d, evals=evals, sends=kept)
-        plan.append((d.epoch, 1, i, d))
+    for i, logged in enumerate(drafts):
+        d = _thinned(logged, dropped, own)
+        if d is not None:
+            plan.append((d.epoch, 1, i, d))
     plan.sort(key=lambda x: x[:3])
+    return plan
 
-    # the event loop: drafts in order, each verdict as soon as its tree's send time is known
-    t_origin = min(e.t0 for e in tr.drafts) if tr.drafts else vs[0].t
-    arrive: dict[int, float] = {}  # round -> ms it reaches the verifier (0 = the first draft began)
-    verdict_at: list[float] = []
-    verify_end = 0.0
-    thread_free = 0.0
-    stall = miss_draft = busy = prespec = 0.0
 
-    def settle_verdicts() -> None:
-        nonlocal verify_end, stall, busy
-        while len(verdict_at) < len(vs):
-            j = len(verdict_at)
-            a = arrive.get(vs[j].round)
+@dataclass
+class _Clock:
+    """The replay's event loop (module docstring), in ms from when the first draft began: when
+    each tree reaches the verifier (`arrive`, by round) and each verdict the edge (`verdict_at`),
+    when the verifier and the drafting thread are next free, and the time spent stalling (the
+    verifier waiting for a late hit's tree), drafting after misses, verifying and pre-speculating."""
+
+    vs: Sequence[VerdictEvent]
+    hit: Sequence[bool]
+    costs: Costs
+    nodes: Mapping[int, int]
+    up: float  # a tree's way to the verifier
+    down: float  # a verdict's way to the edge
+    server_ms: float  # the server's per-round overhead between verifications back to back
+    arrive: dict[int, float] = field(default_factory=dict)
+    verdict_at: list[float] = field(default_factory=list)
+    verify_end: float = 0.0
+    thread_free: float = 0.0
+    stall: float = 0.0
+    miss_draft: float = 0.0
+    busy: float = 0.0
+    prespec: float = 0.0
+
+    def settle_verdicts(self) -> None:
+        """Verify the rounds in the logged order while their trees' arrival is known."""
+        while len(self.verdict_at) < len(self.vs):
+            j = len(self.verdict_at)
+            a = self.arrive.get(self.vs[j].round)
             if a is None:
                 return
             start = a
-            if j and hit[j - 1]:  # verified after the previous one, if its tree is there in time
-                free = verify_end + over.server
-                stall += max(0.0, a - free)
+            if j and self.hit[j - 1]:  # verified after the previous one, if its tree is there in time
+                free = self.verify_end + self.server_ms
+                self.stall += max(0.0, a - free)
                 start = max(a, free)
-            start = max(start, verify_end)
-            v = verify_ms(j)
-            busy += v
-            verify_end = start + v
-            verdict_at.append(verify_end + down)
+            start = max(start, self.verify_end)
+            v = _verify_ms(self.costs, self.vs, self.nodes, j)
+            self.busy += v
+            self.verify_end = start + v
+            self.verdict_at.append(self.verify_end + self.down)
 
-    def first_miss_from(epoch: int) -> float | None:
-        for j in range(epoch, len(verdict_at)):
-            if not hit[j] and not vs[j].done:
-                return verdict_at[j]
+    def first_miss_from(self, epoch: int) -> float | None:
+        """When the first miss at or after verdict `epoch` reaches the edge (None: not known yet)."""
+        for j in range(epoch, len(self.verdict_at)):
+            if not self.hit[j] and not self.vs[j].done:
+                return self.verdict_at[j]
         return None
 
-    for _, _, _, d in plan:
-        settle_verdicts()
-        if d.epoch > len(verdict_at):
+    def run(self, d: _Draft) -> None:
+        """Run draft action `d` on the drafting thread once the verdict it follows has arrived
+        (and its slack): skipped when a verdict ruled it out before it began, a conditional draft
+        abandoned after the evaluation under way when a miss arrives; its trees leave when it ends."""
+        self.settle_verdicts()
+        if d.epoch > len(self.verdict_at):
             raise ValueError("trace inconsistent: a draft follows a verdict whose tree was never sent")
-        opened = verdict_at[d.epoch - 1] if d.epoch else 0.0
-        start = max(thread_free, opened) + d.slack_ms
-        cut = first_miss_from(d.epoch) if d.kind in CUT_KINDS else None
+        opened = self.verdict_at[d.epoch - 1] if d.epoch else 0.0
+        start = max(self.thread_free, opened) + d.slack_ms
+        cut = self.first_miss_from(d.epoch) if d.kind in CUT_KINDS else None
         if cut is not None and cut <= start:
-            continue  # a verdict ruled it out before it began
+            return  # a verdict ruled it out before it began
         if d.kind == "leaves":
             cut = None  # evaluating leaves is not abandoned once begun
         t = start
@@ -505,26 +545,52 @@ def replay(
         else:
             n_eval = max(1, len(d.evals))
             for rows, ms in d.evals:
-                t += eval_ms(rows, ms) + d.other_ms / n_eval
+                t += _eval_ms(self.costs, rows, ms) + d.other_ms / n_eval
                 if cut is not None and t >= cut:
                     stopped = True  # abandoned after the evaluation under way
                     break
             if not d.evals:
                 t += d.other_ms
-        thread_free = t
+        self.thread_free = t
         if d.kind == "plain" and d.epoch > 0:
-            miss_draft += t - start
+            self.miss_draft += t - start
         elif d.kind in CUT_KINDS:
-            prespec += t - start
+            self.prespec += t - start
         if not stopped:
             for s in d.sends:
-                arrive[s.round] = t + d.send_gap_ms.get(s.round, 0.0) + up
-    settle_verdicts()
-    if len(verdict_at) < len(vs):
+                self.arrive[s.round] = t + d.send_gap_ms.get(s.round, 0.0) + self.up
+
+
+def replay(
+    gen: TracedGeneration, costs: Costs, policy: Policy = Policy(), over: Overheads = Overheads()
+) -> Replay:
+    """Replay one generation's rounds (module docstring) under `costs` and `policy`: the log's
+    draft actions planned under the policy (_plan), then run in order on the replayed clock
+    (_Clock), each verdict as soon as its tree's send time is known."""
+    tr = gen.trace
+    vs = tr.verdicts
+    rtt = gen.rtt_ms if policy.rtt_ms is None else policy.rtt_ms
+    up = down = (rtt + over.link) / 2
+    drafts = _drafts(tr)
+    nodes = {s.round: s.nodes for s in tr.sends}
+    samples = [(r, ms) for d in drafts for r, ms in d.evals]
+    own = Curve.fit(samples) if samples else Curve.flat(0.0)
+    dropped = _dropped_rounds(tr.sends, policy.n)
+    miss = _miss_path(drafts, costs, policy.backup_ms)
+    # the policy: the conditional trees it does not draft; a hit on one of them becomes a miss
+    hit = [v.hit and not (v.next is not None and v.next in dropped) for v in vs]
+    plan = _plan(vs, hit, drafts, dropped, nodes, own, miss)
+
+    t_origin = min(e.t0 for e in tr.drafts) if tr.drafts else vs[0].t
+    clock = _Clock(vs, hit, costs, nodes, up, down, over.server)
+    for _, _, _, d in plan:
+        clock.run(d)
+    clock.settle_verdicts()
+    if len(clock.verdict_at) < len(vs):
         raise ValueError("trace inconsistent: a verified round's tree was never sent")
 
     outside = max(0.0, gen.wall_ms - (vs[-1].t - t_origin) * 1e3)
-    span = verdict_at[-1]
+    span = clock.verdict_at[-1]
     return Replay(
         tokens=gen.tokens,
         ms=span + outside,
@@ -533,10 +599,10 @@ def replay(
         rounds=len(vs),
         decided=sum(1 for v in vs if not v.done),
         hits=sum(1 for j, v in enumerate(vs) if hit[j] and not v.done),
-        stall_ms=stall,
-        miss_draft_ms=miss_draft,
-        verify_ms=busy,
-        prespec_ms=prespec,
+        stall_ms=clock.stall,
+        miss_draft_ms=clock.miss_draft,
+        verify_ms=clock.busy,
+        prespec_ms=clock.prespec,
     )
 
 
@@ -689,7 +755,7 @@ stall/round (the verifier waiting for a late hit's tree), T_b/miss (synchronous 
 a miss), verifier ms/tok (the verifier's busy time per token: the cloud's cost)."""
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.simulate",
         description="Replay logged rounds (bench.network --trace) under other costs and policies:\n"
@@ -754,7 +820,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "of the logged ones (the round's tokens stay as logged)",
     )
     add_common_args(ap, json=True, json_help="groups: each group's curves and overheads", no_progress=True)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def parse_knobs(ap: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[list[str], list[Policy]]:
+    """The scenarios to run and the policies to replay (policies_of the --rtt-ms, --n and
+    --backup-ms values), each checked (else a usage error)."""
     scen_names = [x for x in a.scenarios.split(",") if x]
     bad = [x for x in scen_names if x not in SCENARIOS]
     if bad or not scen_names:
@@ -766,6 +837,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     backups = _floats(ap, "--backup-ms", a.backup_ms)
     if any(x < 0 for x in (*rtts, *backups)):
         ap.error("--rtt-ms and --backup-ms take values of 0 or more")
+    return scen_names, policies_of(rtts, ns, backups)
+
+
+def load_inputs(
+    ap: argparse.ArgumentParser, a: argparse.Namespace
+) -> tuple[list[TracedGeneration], list[TracedGeneration], Curve | None, Curve | None]:
+    """The traced speculative generations (of --modes, when given) and the ar ones, and the
+    drafter and verifier curves given (None: fit from the traces); a usage error when there is
+    no speculative generation or a file cannot be read."""
     try:
         gens, ar = load_generations(a.traces)
         drafter = Curve.load(a.drafter_curve) if a.drafter_curve else None
@@ -777,46 +857,82 @@ def main(argv: Sequence[str] | None = None) -> int:
         gens = [g for g in gens if g.mode in keep]
     if not gens:
         ap.error("no traced speculative generation in the trace files (run bench.network with --trace PATH)")
+    return gens, ar, drafter, verifier
+
+
+@dataclass(frozen=True)
+class GroupCosts:
+    """One group's (mode, temperature, logged RTT) curves, every scenario of SCENARIOS and mode
+    ar's ms/token in each (simulate's `ar_ms_per_token`)."""
+
+    drafter: Curve
+    verifier: Curve
+    flat: Curve
+    scenarios: dict[str, Costs]
+    ar_ms_per_token: dict[str, float | None]
+
+
+def group_costs(
+    gs: Sequence[TracedGeneration],
+    temp: float,
+    rtt: float,
+    ar: Sequence[TracedGeneration],
+    drafter: Curve | None,
+    verifier: Curve | None,
+    flat_verifier: float | None,
+) -> GroupCosts:
+    """The costs of a group of generations at temperature `temp` and logged RTT `rtt`: the
+    drafter and verifier curves given, else fit from the group's traces; the flat verifier's ms:
+    `flat_verifier`, else mode ar's measured ms/token at the same temperature and RTT less the
+    server's overhead, else the verifier curve's cheapest point."""
+    d_curve = drafter or fit_drafter(gs)
+    v_curve = verifier or fit_verifier(gs)
+    ar_same = [g for g in ar if g.temperature == temp and g.rtt_ms == rtt]
+    ar_ms = sum(g.wall_ms for g in ar_same) / max(1, sum(g.tokens for g in ar_same)) if ar_same else None
+    over = Overheads.measure(gs)
+    one_row = min(ms for _, ms in v_curve.points)  # the fit's cheapest forward (few rows)
+    if flat_verifier is not None:
+        flat_ms = flat_verifier
+    elif ar_ms is not None:
+        flat_ms = max(0.0, ar_ms - over.server)  # ar's one-row step, the edge idle
+    else:
+        flat_ms = one_row
+    flat = Curve.flat(flat_ms)
+    ar_by = {
+        "colocated": ar_ms,
+        # ar runs with the edge idle: its measured step is already the verifier's own
+        "separate": verifier(1) + over.server if verifier else (ar_ms or one_row + over.server),
+        "flat": flat_ms + over.server,
+    }
+    all_scen = {
+        "colocated": Costs("colocated"),
+        "separate": Costs("separate", d_curve, v_curve),
+        "flat": Costs("flat", d_curve, flat, prefill="curve"),
+    }
+    return GroupCosts(d_curve, v_curve, flat, all_scen, ar_by)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    scen_names, policies = parse_knobs(ap, a)
+    gens, ar, drafter, verifier = load_inputs(ap, a)
     groups: dict[tuple[str, float, float], list[TracedGeneration]] = {}
     for g in gens:
         groups.setdefault((g.mode, g.temperature, g.rtt_ms), []).append(g)
-    policies = policies_of(rtts, ns, backups)
     out_rows: list[dict[str, Any]] = []
     curves: dict[str, Any] = {}
     for (mode, temp, rtt), gs in groups.items():
-        d_curve = drafter or fit_drafter(gs)
-        v_curve = verifier or fit_verifier(gs)
-        ar_same = [g for g in ar if g.temperature == temp and g.rtt_ms == rtt]
-        ar_ms = sum(g.wall_ms for g in ar_same) / max(1, sum(g.tokens for g in ar_same)) if ar_same else None
-        over = Overheads.measure(gs)
-        one_row = min(ms for _, ms in v_curve.points)  # the fit's cheapest forward (few rows)
-        if a.flat_verifier is not None:
-            flat_ms = a.flat_verifier
-        elif ar_ms is not None:
-            flat_ms = max(0.0, ar_ms - over.server)  # ar's one-row step, the edge idle
-        else:
-            flat_ms = one_row
-        flat = Curve.flat(flat_ms)
-        ar_by = {
-            "colocated": ar_ms,
-            # ar runs with the edge idle: its measured step is already the verifier's own
-            "separate": verifier(1) + over.server if verifier else (ar_ms or one_row + over.server),
-            "flat": flat_ms + over.server,
-        }
-        all_scen = {
-            "colocated": Costs("colocated"),
-            "separate": Costs("separate", d_curve, v_curve),
-            "flat": Costs("flat", d_curve, flat, prefill="curve"),
-        }
-        scen = {k: all_scen[k] for k in scen_names}
-        rows, over = simulate(gs, scen, policies, ar_by, progress=not a.no_progress)
+        gc = group_costs(gs, temp, rtt, ar, drafter, verifier, a.flat_verifier)
+        scen = {k: gc.scenarios[k] for k in scen_names}
+        rows, over = simulate(gs, scen, policies, gc.ar_ms_per_token, progress=not a.no_progress)
         key = f"{mode} T={temp:g} rtt={rtt:g}"
         curves[key] = {
-            "drafter": d_curve.as_dict(),
+            "drafter": gc.drafter.as_dict(),
             "drafter_source": str(a.drafter_curve or "fit from the traces"),
-            "verifier": v_curve.as_dict(),
+            "verifier": gc.verifier.as_dict(),
             "verifier_source": str(a.verifier_curve or "fit from the traces"),
-            "flat_verifier_ms": flat(1),
+            "flat_verifier_ms": gc.flat(1),
             "overheads_ms": {"link": round(over.link, 3), "server": round(over.server, 3)},
             "generations": len(gs),
         }
