@@ -297,180 +297,203 @@ class ApiContext:
 def install(app: FastAPI, ctx: ApiContext) -> None:
     """Add the OpenAI-compatible routes to `app`."""
 
-    def authorize(request: Request) -> Principal:
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        try:
-            return ctx.keys.authenticate(key)
-        except AuthError as exc:
-            raise ApiError(401, str(exc), None, "invalid_api_key") from None
-
-    def ready() -> tuple[Engine, Target, str]:
-        engine, target, model = ctx.engine(), ctx.target(), ctx.model_id()
-        if engine is None or target is None or model is None:
-            raise ApiError(
-                503, "the verifier is not ready", None, "not_ready", "server_error", {"Retry-After": "5"}
-            )
-        return engine, target, model
-
-    async def read_body(request: Request) -> dict[str, Any]:
-        raw = bytearray()  # appended in place: many small chunks cost no more than one big one
-        try:
-            async with asyncio.timeout(BODY_TIMEOUT_S):
-                async for chunk in request.stream():
-                    raw += chunk
-                    if len(raw) > MAX_BODY_BYTES:
-                        raise ApiError(
-                            413, f"the request body is over {MAX_BODY_BYTES} bytes", None, "too_large"
-                        )
-        except TimeoutError:
-            raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", None,
-                           "timeout") from None  # fmt: skip
-        except ClientDisconnect:  # gone before its body ended: no answer is read (it was a 500)
-            raise ApiError(499, "the client closed the connection before the body ended", None,
-                           "client_closed") from None  # fmt: skip
-        body = bytes(raw)
-        if len(body) <= INLINE_JSON_BYTES:
-            return parse_json_body(body)
-        # a large body is parsed on a worker: the event loop (every session) keeps its turn
-        return await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, parse_json_body, body)
-
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        try:
-            authorize(request)
-            _, _, model = ready()
-        except ApiError as exc:
-            return _respond(exc)
-        data = [{"id": model, "object": "model", "created": 0, "owned_by": "treespec"}]
-        return JSONResponse({"object": "list", "data": data})
-
-    async def prompt_ids(body: dict[str, Any], target: Target, chat: bool) -> list[int]:
-        """Render and tokenize on a tokenize worker: the event loop, and every other request and
-        session, keep running while a 4 MiB prompt is worked through."""
-
-        def work() -> list[int]:
-            bound = ctx.bound(target)
-            if chat:
-                return chat_prompt(body, target, ctx.max_context, bound)
-            return completion_prompt(body, target, ctx.max_context, bound)
-
-        return await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, work)
-
-    def charge(who: Principal, req: CompletionRequest, body: dict[str, Any], chat: bool) -> CompletionRequest:
-        """The request as its key's tokens_per_min can pay for it: a default max_tokens is cut to
-        what the key may spend in a minute; a request that could never be paid is a 400."""
-        limit = who.tokens_per_min
-        if limit is None:
-            return req
-        n = len(req.prompt_ids)
-        if n >= limit:
-            raise ApiError(400, f"the prompt is {n} tokens; this key may use at most {limit} tokens per "
-                           "minute (prompt and output)", "messages" if chat else "prompt",
-                           "request_too_large")  # fmt: skip
-        key = "max_tokens"
-        if chat and body.get("max_completion_tokens") is not None:
-            key = "max_completion_tokens"
-        if body.get(key) is None:
-            return dataclasses.replace(req, max_tokens=min(req.max_tokens, limit - n))
-        if n + req.max_tokens > limit:
-            raise ApiError(400, f"the prompt's {n} tokens + {key} {req.max_tokens} exceed this key's limit "
-                           f"of {limit} tokens per minute", key, "request_too_large")  # fmt: skip
-        return req
-
-    async def answer(
-        body: dict[str, Any], who: Principal, engine: Engine, target: Target, model: str, chat: bool
-    ) -> Response:
-        try:
-            ids = await prompt_ids(body, target, chat)
-            req = charge(who, parse_common(body, ids, ctx.max_context, chat), body, chat)
-            try:
-                ticket = await ctx.admission.acquire(who, len(req.prompt_ids) + req.max_tokens)
-            except AdmissionRefused as exc:
-                raise ApiError(429, exc.reason, None, "rate_limit_exceeded", "rate_limit_error",
-                               {"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
-        except ApiError as exc:
-            return _respond(exc)
-
-        def closed() -> None:
-            ctx.running -= 1
-
-        gen = CompletionRun(engine, req, ctx.admission, who, ticket, on_close=closed)
-        gen.start()
-        ctx.running += 1
-        rid = new_id(chat)
-        created = int(time.time())
-        if req.stream:
-            return GenerationStream(gen, _sse(gen, target, model, rid, created, chat, ctx))
-        try:
-            text, ids_out, finish, err = await _collect(gen, target, ctx)
-        finally:
-            gen.close()
-        if err is not None:
-            return _respond(ApiError(500, err, None, "internal_error", "server_error"))
-        counts = _usage(req, ids_out)
-        choice = whole_choice(chat, text, finish)
-        if req.return_token_ids:
-            choice["token_ids"] = ids_out
-        obj = "chat.completion" if chat else "text_completion"
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": model,
-                "choices": [choice],
-                "usage": counts,
-            }
-        )
-
-    async def handle(request: Request, chat: bool) -> Response:
-        try:
-            who = authorize(request)
-            engine, target, model = ready()
-            body = await read_body(request)
-            asked = body.get("model")
-            if asked is not None and not isinstance(asked, str):
-                raise ApiError(400, "'model' must be a string", "model")
-            if asked is not None and asked != model:
-                raise ApiError(404, f"the model {asked[:100]!r} is not served here (this is {model!r})",
-                               "model", "model_not_found")  # fmt: skip
-        except ApiError as exc:
-            return _respond(exc)
-        # from here the client may go away at any moment (while its prompt is tokenized, while it
-        # waits for a slot, while its whole answer is generated): then the work stops, and the
-        # generation's slot and KV cache are freed at once. A stream's response watches for the
-        # disconnect itself once it has begun (Starlette's StreamingResponse).
-        gone = asyncio.ensure_future(_disconnected(request))
-        work = asyncio.ensure_future(answer(body, who, engine, target, model, chat))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # this request is cancelled (the drain's deadline): so is its work
-            work.cancel()
-            raise
-        finally:
-            gone.cancel()
-        if work.done():
-            return work.result()
-        work.cancel()
-        await asyncio.wait({work})
-        if not work.cancelled() and work.exception() is None:
-            late = work.result()
-            if isinstance(late, GenerationStream):  # it had begun just as the client left
-                late.gen.close()
-        return Response(status_code=499)  # nobody reads it: the client has gone
+        return _models(ctx, request)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await handle(request, chat=False)
+        return await _handle(ctx, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await handle(request, chat=True)
+        return await _handle(ctx, request, chat=True)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         return _respond(exc)
+
+
+def _authorize(ctx: ApiContext, request: Request) -> Principal:
+    """The key of the request's `Authorization: Bearer` header (401 when it is refused)."""
+    auth = request.headers.get("authorization", "")
+    key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+    try:
+        return ctx.keys.authenticate(key)
+    except AuthError as exc:
+        raise ApiError(401, str(exc), None, "invalid_api_key") from None
+
+
+def _ready(ctx: ApiContext) -> tuple[Engine, Target, str]:
+    """The engine, target and model id once the target is loaded (503 until then)."""
+    engine, target, model = ctx.engine(), ctx.target(), ctx.model_id()
+    if engine is None or target is None or model is None:
+        raise ApiError(
+            503, "the verifier is not ready", None, "not_ready", "server_error", {"Retry-After": "5"}
+        )
+    return engine, target, model
+
+
+async def _read_body(ctx: ApiContext, request: Request) -> dict[str, Any]:
+    """The request's JSON body, read within BODY_TIMEOUT_S and at most MAX_BODY_BYTES (408, 413, 499
+    for a client gone before it ended); a large body is parsed on a tokenize worker."""
+    raw = bytearray()  # appended in place: many small chunks cost no more than one big one
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY_BYTES:
+                    raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", None, "too_large")
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", None,
+                       "timeout") from None  # fmt: skip
+    except ClientDisconnect:  # gone before its body ended: no answer is read (it was a 500)
+        raise ApiError(499, "the client closed the connection before the body ended", None,
+                       "client_closed") from None  # fmt: skip
+    body = bytes(raw)
+    if len(body) <= INLINE_JSON_BYTES:
+        return parse_json_body(body)
+    # a large body is parsed on a worker: the event loop (every session) keeps its turn
+    return await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, parse_json_body, body)
+
+
+def _models(ctx: ApiContext, request: Request) -> Response:
+    """GET /v1/models: the one model served."""
+    try:
+        _authorize(ctx, request)
+        _, _, model = _ready(ctx)
+    except ApiError as exc:
+        return _respond(exc)
+    data = [{"id": model, "object": "model", "created": 0, "owned_by": "treespec"}]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def _prompt_ids(ctx: ApiContext, body: dict[str, Any], target: Target, chat: bool) -> list[int]:
+    """Render and tokenize on a tokenize worker: the event loop, and every other request and
+    session, keep running while a 4 MiB prompt is worked through."""
+
+    def work() -> list[int]:
+        bound = ctx.bound(target)
+        if chat:
+            return chat_prompt(body, target, ctx.max_context, bound)
+        return completion_prompt(body, target, ctx.max_context, bound)
+
+    return await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, work)
+
+
+def _charge(who: Principal, req: CompletionRequest, body: dict[str, Any], chat: bool) -> CompletionRequest:
+    """The request as its key's tokens_per_min can pay for it: a default max_tokens is cut to
+    what the key may spend in a minute; a request that could never be paid is a 400."""
+    limit = who.tokens_per_min
+    if limit is None:
+        return req
+    n = len(req.prompt_ids)
+    if n >= limit:
+        raise ApiError(400, f"the prompt is {n} tokens; this key may use at most {limit} tokens per "
+                       "minute (prompt and output)", "messages" if chat else "prompt",
+                       "request_too_large")  # fmt: skip
+    key = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        key = "max_completion_tokens"
+    if body.get(key) is None:
+        return dataclasses.replace(req, max_tokens=min(req.max_tokens, limit - n))
+    if n + req.max_tokens > limit:
+        raise ApiError(400, f"the prompt's {n} tokens + {key} {req.max_tokens} exceed this key's limit "
+                       f"of {limit} tokens per minute", key, "request_too_large")  # fmt: skip
+    return req
+
+
+async def _answer(
+    ctx: ApiContext,
+    body: dict[str, Any],
+    who: Principal,
+    engine: Engine,
+    target: Target,
+    model: str,
+    chat: bool,
+) -> Response:
+    """Tokenize, charge and admit the request, then generate: a stream (`GenerationStream`) or the
+    whole answer, collected here."""
+    try:
+        ids = await _prompt_ids(ctx, body, target, chat)
+        req = _charge(who, parse_common(body, ids, ctx.max_context, chat), body, chat)
+        try:
+            ticket = await ctx.admission.acquire(who, len(req.prompt_ids) + req.max_tokens)
+        except AdmissionRefused as exc:
+            raise ApiError(429, exc.reason, None, "rate_limit_exceeded", "rate_limit_error",
+                           {"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
+    except ApiError as exc:
+        return _respond(exc)
+
+    def closed() -> None:
+        ctx.running -= 1
+
+    gen = CompletionRun(engine, req, ctx.admission, who, ticket, on_close=closed)
+    gen.start()
+    ctx.running += 1
+    rid = new_id(chat)
+    created = int(time.time())
+    if req.stream:
+        return GenerationStream(gen, _sse(gen, target, model, rid, created, chat, ctx))
+    try:
+        text, ids_out, finish, err = await _collect(gen, target, ctx)
+    finally:
+        gen.close()
+    if err is not None:
+        return _respond(ApiError(500, err, None, "internal_error", "server_error"))
+    counts = _usage(req, ids_out)
+    choice = whole_choice(chat, text, finish)
+    if req.return_token_ids:
+        choice["token_ids"] = ids_out
+    obj = "chat.completion" if chat else "text_completion"
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": counts,
+        }
+    )
+
+
+async def _handle(ctx: ApiContext, request: Request, chat: bool) -> Response:
+    """POST /v1/completions (chat False) and /v1/chat/completions (chat True)."""
+    try:
+        who = _authorize(ctx, request)
+        engine, target, model = _ready(ctx)
+        body = await _read_body(ctx, request)
+        asked = body.get("model")
+        if asked is not None and not isinstance(asked, str):
+            raise ApiError(400, "'model' must be a string", "model")
+        if asked is not None and asked != model:
+            raise ApiError(404, f"the model {asked[:100]!r} is not served here (this is {model!r})",
+                           "model", "model_not_found")  # fmt: skip
+    except ApiError as exc:
+        return _respond(exc)
+    # from here the client may go away at any moment (while its prompt is tokenized, while it
+    # waits for a slot, while its whole answer is generated): then the work stops, and the
+    # generation's slot and KV cache are freed at once. A stream's response watches for the
+    # disconnect itself once it has begun (Starlette's StreamingResponse).
+    gone = asyncio.ensure_future(_disconnected(request))
+    work = asyncio.ensure_future(_answer(ctx, body, who, engine, target, model, chat))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request is cancelled (the drain's deadline): so is its work
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.wait({work})
+    if not work.cancelled() and work.exception() is None:
+        late = work.result()
+        if isinstance(late, GenerationStream):  # it had begun just as the client left
+            late.gen.close()
+    return Response(status_code=499)  # nobody reads it: the client has gone
 
 
 async def _disconnected(request: Request) -> None:
