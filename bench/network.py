@@ -213,7 +213,7 @@ async def run_block(
     return rows, entries
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.network",
         description="ms/token against round-trip time for ar, sequence, tree and tree + pre-speculation.",
@@ -306,13 +306,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "earlier one for the same RTT, mode and temperature), then print the table and goals and "
         "write --json / --plot; the files must share draft, model, prompts, tokens and tree",
     )
-    a = ap.parse_args(argv)
-    if a.merge:
-        try:
-            merged, config = merge([p for p in a.merge.split(",") if p])
-        except ValueError as exc:
-            ap.error(f"--merge: {exc}")
-        return report(a, merged, config)
+    return ap
+
+
+def parse_lists(
+    ap: argparse.ArgumentParser, a: argparse.Namespace
+) -> tuple[list[float], list[float], list[str]]:
+    """--rtt-ms, --temperatures and --modes as lists, checked with --saguaro-c (else a usage error)."""
     try:
         rtts = [float(x) for x in a.rtt_ms.split(",") if x]
         temps = [float(x) for x in a.temperatures.split(",") if x]
@@ -324,6 +324,77 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--modes: unknown {unknown or 'none given'}; choose from {','.join(MODES + OPTIONAL)}")
     if not 0 < a.saguaro_c <= 1:
         ap.error(f"--saguaro-c must be in (0, 1], got {a.saguaro_c}")
+    return rtts, temps, modes
+
+
+def verifier_args(max_pending: int | None, modes: Sequence[str]) -> tuple[list[str], str | None]:
+    """The verifier's extra flags and the API key its clients send: --max-pending when given, and
+    a key file with one trusted key when an rrs mode runs (the stochastic modes need one)."""
+    args = [] if max_pending is None else ["--max-pending", str(max_pending)]
+    api_key = None
+    if any(m.endswith("_rrs") for m in modes):
+        key_file, api_key = trusted_key_file()
+        args += ["--api-key-file", str(key_file)]
+    return args, api_key
+
+
+def run_link(
+    verifier: Verifier,
+    split: CoreSplit,
+    drafter: Drafter,
+    prompts: Sequence[BenchPrompt],
+    tree: ExpansionConfig,
+    rtt: float,
+    temp: float,
+    modes: Sequence[str],
+    api_key: str | None,
+    *,
+    tokens: int,
+    proxy: bool,
+    jitter_ms: float,
+    mbps: float,
+    couple: bool,
+    progress: bool,
+    saguaro_c: float,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One block (run_block) over a link emulated at `rtt` (with `jitter_ms` and a cap of `mbps`):
+    through a delay proxy process on the edge's cores with `proxy`, else the in-process shaper."""
+    with contextlib.ExitStack() as stack:
+        url, link = verifier.url, None
+        if proxy:
+            url = stack.enter_context(Proxy(verifier.port, rtt, jitter_ms, mbps, split.edge)).url
+        else:
+            link = LinkShape.rtt(rtt, jitter_ms, mbps)
+        return asyncio.run(
+            run_block(
+                url,
+                drafter,
+                prompts,
+                tokens,
+                rtt,
+                temp,
+                tree,
+                verifier.forwards,
+                modes,
+                link=link,
+                api_key=api_key,
+                couple=couple,
+                progress=progress,
+                saguaro_c=saguaro_c,
+            )
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.merge:
+        try:
+            merged, config = merge([p for p in a.merge.split(",") if p])
+        except ValueError as exc:
+            ap.error(f"--merge: {exc}")
+        return report(a, merged, config)
+    rtts, temps, modes = parse_lists(ap, a)
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
     print(f"link: {'TCP delay proxy process' if a.proxy else 'in-process shaper'}", flush=True)
@@ -332,11 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tree = ExpansionConfig.parse(a.tree)
     rows: list[dict[str, Any]] = []
     generations: list[dict[str, Any]] = []
-    args = [] if a.max_pending is None else ["--max-pending", str(a.max_pending)]
-    api_key = None
-    if any(m.endswith("_rrs") for m in modes):
-        key_file, api_key = trusted_key_file()
-        args += ["--api-key-file", str(key_file)]
+    args, api_key = verifier_args(a.max_pending, modes)
     verifier = Verifier(a.model, cores=split.verifier, threads=len(split.verifier), args=args)
     with verifier:
         split.pin_edge()
@@ -348,31 +415,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                     run = [m for m in modes if temp > 0 or not m.endswith("_rrs")]  # rrs samples
                     if not run:
                         continue
-                    with contextlib.ExitStack() as stack:
-                        url, link = verifier.url, None
-                        if a.proxy:
-                            proxy = Proxy(verifier.port, rtt, a.jitter_ms, a.bandwidth_mbps, split.edge)
-                            url = stack.enter_context(proxy).url
-                        else:
-                            link = LinkShape.rtt(rtt, a.jitter_ms, a.bandwidth_mbps)
-                        block, entries = asyncio.run(
-                            run_block(
-                                url,
-                                drafter,
-                                prompts,
-                                a.tokens,
-                                rtt,
-                                temp,
-                                tree,
-                                verifier.forwards,
-                                run,
-                                link=link,
-                                api_key=api_key,
-                                couple=not a.no_couple,
-                                progress=not a.no_progress,
-                                saguaro_c=a.saguaro_c,
-                            )
-                        )
+                    block, entries = run_link(
+                        verifier,
+                        split,
+                        drafter,
+                        prompts,
+                        tree,
+                        rtt,
+                        temp,
+                        run,
+                        api_key,
+                        tokens=a.tokens,
+                        proxy=a.proxy,
+                        jitter_ms=a.jitter_ms,
+                        mbps=a.bandwidth_mbps,
+                        couple=not a.no_couple,
+                        progress=not a.no_progress,
+                        saguaro_c=a.saguaro_c,
+                    )
                     rows += block
                     generations += entries
                     print(f"rtt {rtt:g} ms, T={temp:g}: done", flush=True)
