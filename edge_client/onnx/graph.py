@@ -34,9 +34,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, overload
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, overload
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
+    from torch import Tensor
+
+    from shared.model.llama import DecoderLayer, LlamaModel
+    from shared.model.model_config import ModelConfig
 
 OPSET = 18
 INPUTS = ("input_ids", "position_ids", "attention_mask", "logit_rows", "past_key", "past_value")
@@ -162,108 +169,153 @@ def write_model(model: Any, out: Path, data_name: str = "model.onnx.data", *, in
     int8: every projection, the LM head and the embedding as 8-bit blocks (edge_client.onnx.quant)
     run by MatMulNBits; norms, biases and rotary tables stay float32."""
     import onnx
-    from onnx import TensorProto
-    from onnx import helper as h
-
-    from shared.model.rope import inverse_frequencies
 
     if getattr(model, "released", False):
         raise ValueError("the model's projection weights were released after packing; load it again")
-    c = model.config
-    hd, heads, kvh, g = c.head_dim, c.num_heads, c.num_kv_heads, c.group_size
-    q_size, kv_size, inter, layers = c.q_size, c.kv_size, c.intermediate_size, c.num_layers
-    sc = c.rope_scaling
-    pos_scale = 1.0 / sc.factor if sc is not None and sc.kind == "linear" else 1.0
     with open(out.parent / data_name, "wb") as data:
         w = _Writer(data, data_name)
-        i64 = np.int64
-        eps = w.const(np.float32(c.rms_norm_eps), "eps")
-        axis_last = w.const(np.array([-1], i64), "axes")
+        g = _DraftGraph(w, model.config, int8)  # the constants every layer shares
+        x = g.embed(model)  # [n, hidden]
+        for li, layer in enumerate(model.layers):
+            x = g.layer(li, layer, x)
+        g.head(model, x)
+    onnx.save_model(_model_proto(w, model.config, int8), os.fspath(out))
 
-        def rms_norm(x: str, weight: str) -> str:
-            # the pattern onnxruntime fuses into SimplifiedLayerNormalization
-            sq = w.op("Pow", [x, w.const(np.float32(2.0), "two")])
-            mean = w.op("ReduceMean", [sq, axis_last], keepdims=1)
-            root = w.op("Sqrt", [w.op("Add", [mean, eps])])
-            return w.op("Mul", [w.op("Div", [x, root]), weight])
 
-        # rotary tables, once per run: cos and sign-folded sin, [n, 1, head_dim]
+class _DraftGraph:
+    """The draft model's nodes, written on a _Writer in the order of a forward pass: the constants
+    every layer shares (rotary tables included) when made, then `embed`, each `layer` and `head`.
+    Each layer's keys and values (the present outputs) are collected in `keys` and `values`."""
+
+    def __init__(self, w: _Writer, c: ModelConfig, int8: bool) -> None:
+        self.w = w
+        self.int8 = int8
+        self.hd, self.heads = c.head_dim, c.num_heads
+        self.keys: list[str] = []
+        self.values: list[str] = []
+        self.embed_q: Int8Weight | None = None  # int8: the embedding's blocks (a tied head shares them)
+        hd, kvh, q_size, inter, i64 = c.head_dim, c.num_kv_heads, c.q_size, c.intermediate_size, np.int64
+        self.eps = w.const(np.float32(c.rms_norm_eps), "eps")
+        self.axis_last = w.const(np.array([-1], i64), "axes")
+        self.cos, self.sin, self.axis1 = self._rotary_tables(c)
+        self.halves = w.const(np.array([hd // 2, hd // 2], i64))
+        self.q_shape = w.const(np.array([-1, kvh, c.group_size, hd], i64))  # [n, kv_heads, group, hd]
+        self.kv_shape = w.const(np.array([-1, kvh, hd], i64))
+        self.o_shape = w.const(np.array([-1, q_size], i64))
+        self.qkv_split = w.const(np.array([q_size, c.kv_size, c.kv_size], i64))
+        self.gu_split = w.const(np.array([inter, inter], i64))
+        self.scale = w.const(np.float32(hd**-0.5), "scale")
+
+    def _rotary_tables(self, c: ModelConfig) -> tuple[str, str, str]:
+        """cos and sign-folded sin, [n, 1, head_dim], once per run; and the axis-1 constant."""
+        from onnx import TensorProto
+
+        from shared.model.rope import inverse_frequencies
+
+        w = self.w
+        sc = c.rope_scaling
+        pos_scale = 1.0 / sc.factor if sc is not None and sc.kind == "linear" else 1.0
         pos = w.op("Cast", ["position_ids"], to=TensorProto.FLOAT)
         if pos_scale != 1.0:
             pos = w.op("Mul", [pos, w.const(np.float32(pos_scale))])
         inv = w.const(inverse_frequencies(c).numpy().astype(np.float32), "inv_freq")
-        freqs = w.op("Mul", [w.op("Unsqueeze", [pos, w.const(np.array([1], i64))]), inv])  # [n, hd/2]
+        freqs = w.op("Mul", [w.op("Unsqueeze", [pos, w.const(np.array([1], np.int64))]), inv])  # [n, hd/2]
         cos, sin = w.op("Cos", [freqs]), w.op("Sin", [freqs])
-        axis1 = w.const(np.array([1], i64))
+        axis1 = w.const(np.array([1], np.int64))
         cos = w.op("Unsqueeze", [w.op("Concat", [cos, cos], axis=-1), axis1], "cos")
         sin = w.op("Unsqueeze", [w.op("Concat", [w.op("Neg", [sin]), sin], axis=-1), axis1], "sin")
-        halves = w.const(np.array([hd // 2, hd // 2], i64))
+        return cos, sin, axis1
 
-        def rope(x: str) -> str:  # x: [n, heads, hd]
-            lo, hi = w.op("Split", [x, halves], n_out=2, axis=-1)
-            swapped = w.op("Concat", [hi, lo], axis=-1)
-            return w.op("Add", [w.op("Mul", [x, cos]), w.op("Mul", [swapped, sin])])
+    def rms_norm(self, x: str, weight: str) -> str:
+        # the pattern onnxruntime fuses into SimplifiedLayerNormalization
+        w = self.w
+        sq = w.op("Pow", [x, w.const(np.float32(2.0), "two")])
+        mean = w.op("ReduceMean", [sq, self.axis_last], keepdims=1)
+        root = w.op("Sqrt", [w.op("Add", [mean, self.eps])])
+        return w.op("Mul", [w.op("Div", [x, root]), weight])
 
-        q_shape = w.const(np.array([-1, kvh, g, hd], i64))  # [n, kv_heads, group, hd]
-        kv_shape = w.const(np.array([-1, kvh, hd], i64))
-        o_shape = w.const(np.array([-1, q_size], i64))
-        qkv_split = w.const(np.array([q_size, kv_size, kv_size], i64))
-        gu_split = w.const(np.array([inter, inter], i64))
-        scale = w.const(np.float32(hd**-0.5), "scale")
+    def rope(self, x: str) -> str:  # x: [n, heads, hd]
+        w = self.w
+        lo, hi = w.op("Split", [x, self.halves], n_out=2, axis=-1)
+        swapped = w.op("Concat", [hi, lo], axis=-1)
+        return w.op("Add", [w.op("Mul", [x, self.cos]), w.op("Mul", [swapped, self.sin])])
 
-        def linear(x: str, weight: Any, hint: str, out: str | None = None) -> str:
-            """x [n, k] @ W.T for a torch-layout weight W [n_out, k]."""
-            if int8:
-                q = w.int8_weight(_np(weight), hint)
-                return _matmul_nbits(w, x, q, out)
-            y = out or w.name("matmul")
-            w.nodes.append(h.make_node("MatMul", [x, w.weight(_np(weight).T, hint)], [y]))
-            return y
+    def linear(self, x: str, weight: Tensor, hint: str, out: str | None = None) -> str:
+        """x [n, k] @ W.T for a torch-layout weight W [n_out, k]."""
+        w = self.w
+        if self.int8:
+            q = w.int8_weight(_np(weight), hint)
+            return _matmul_nbits(w, x, q, out)
+        y = out or w.name("matmul")
+        w.nodes.append(w.h.make_node("MatMul", [x, w.weight(_np(weight).T, hint)], [y]))
+        return y
 
-        if int8:
-            embed = w.int8_weight(_np(model.embed), "embed")
-            x = _gather_int8(w, embed, "input_ids")  # [n, hidden]
-        else:
-            x = w.op("Gather", [w.weight(_np(model.embed), "embed"), "input_ids"], axis=0)  # [n, hidden]
-        keys, values = [], []
-        for li, layer in enumerate(model.layers):
-            xn = rms_norm(x, w.weight(_np(layer.attn_norm), "attn_norm"))
-            qkv = linear(xn, layer.qkv, f"l{li}_qkv")  # [n, q + 2 kv]
-            if layer.qkv_bias is not None:
-                qkv = w.op("Add", [qkv, w.weight(_np(layer.qkv_bias), f"l{li}_qkv_bias")])
-            q, k, v = w.op("Split", [qkv, qkv_split], n_out=3, axis=1)
-            q = rope(w.op("Reshape", [q, w.const(np.array([-1, heads, hd], i64))]))
-            k = rope(w.op("Reshape", [k, kv_shape]))  # [n, kvh, hd]
-            v = w.op("Reshape", [v, kv_shape])
-            keys.append(w.op("Unsqueeze", [k, axis1]))  # [n, 1, kvh, hd]
-            values.append(w.op("Unsqueeze", [v, axis1]))
-            li_c = w.const(np.array(li, i64))
-            k_all = w.op("Concat", [w.op("Gather", ["past_key", li_c], axis=1), k], axis=0)  # [P+n, kvh, hd]
-            v_all = w.op("Concat", [w.op("Gather", ["past_value", li_c], axis=1), v], axis=0)
-            k_t = w.op("Unsqueeze", [w.op("Transpose", [k_all], perm=[1, 2, 0]), axis1])  # [kvh, 1, hd, P+n]
-            v_t = w.op("Unsqueeze", [w.op("Transpose", [v_all], perm=[1, 0, 2]), axis1])  # [kvh, 1, P+n, hd]
-            qg = w.op("Transpose", [w.op("Reshape", [q, q_shape])], perm=[1, 2, 0, 3])  # [kvh, g, n, hd]
-            scores = w.op("MatMul", [w.op("Mul", [qg, scale]), k_t])  # [kvh, g, n, P+n]
-            probs = w.op("Softmax", [w.op("Add", [scores, "attention_mask"])], axis=-1)
-            attn = w.op("Transpose", [w.op("MatMul", [probs, v_t])], perm=[2, 0, 1, 3])  # [n, kvh, g, hd]
-            attn = w.op("Reshape", [attn, o_shape])
-            x = w.op("Add", [x, linear(attn, layer.o, f"l{li}_o")])
-            xn = rms_norm(x, w.weight(_np(layer.mlp_norm), "mlp_norm"))
-            gu = linear(xn, layer.gate_up, f"l{li}_gate_up")  # [n, 2 inter]
-            gate, up = w.op("Split", [gu, gu_split], n_out=2, axis=1)
-            act = w.op("Mul", [w.op("Mul", [gate, w.op("Sigmoid", [gate])]), up])
-            x = w.op("Add", [x, linear(act, layer.down, f"l{li}_down")])
+    def embed(self, model: LlamaModel) -> str:
+        """The rows of input_ids in the embedding: [n, hidden]."""
+        w = self.w
+        if self.int8:
+            self.embed_q = w.int8_weight(_np(model.embed), "embed")
+            return _gather_int8(w, self.embed_q, "input_ids")
+        return w.op("Gather", [w.weight(_np(model.embed), "embed"), "input_ids"], axis=0)
+
+    def layer(self, li: int, layer: DecoderLayer, x: str) -> str:
+        """Decoder layer `li` on the residual stream x: attention, then the MLP; the new stream."""
+        w = self.w
+        xn = self.rms_norm(x, w.weight(_np(layer.attn_norm), "attn_norm"))
+        attn = self.attention(li, layer, xn)
+        x = w.op("Add", [x, self.linear(attn, layer.o, f"l{li}_o")])
+        xn = self.rms_norm(x, w.weight(_np(layer.mlp_norm), "mlp_norm"))
+        gu = self.linear(xn, layer.gate_up, f"l{li}_gate_up")  # [n, 2 inter]
+        gate, up = w.op("Split", [gu, self.gu_split], n_out=2, axis=1)
+        act = w.op("Mul", [w.op("Mul", [gate, w.op("Sigmoid", [gate])]), up])
+        return w.op("Add", [x, self.linear(act, layer.down, f"l{li}_down")])
+
+    def attention(self, li: int, layer: DecoderLayer, xn: str) -> str:
+        """Grouped-query attention of the normed rows xn over the past and new rows, [n, q_size]
+        (before the o projection); the new rows' keys and values join `keys` and `values`."""
+        w, hd, i64 = self.w, self.hd, np.int64
+        axis1 = self.axis1
+        qkv = self.linear(xn, layer.qkv, f"l{li}_qkv")  # [n, q + 2 kv]
+        if layer.qkv_bias is not None:
+            qkv = w.op("Add", [qkv, w.weight(_np(layer.qkv_bias), f"l{li}_qkv_bias")])
+        q, k, v = w.op("Split", [qkv, self.qkv_split], n_out=3, axis=1)
+        q = self.rope(w.op("Reshape", [q, w.const(np.array([-1, self.heads, hd], i64))]))
+        k = self.rope(w.op("Reshape", [k, self.kv_shape]))  # [n, kvh, hd]
+        v = w.op("Reshape", [v, self.kv_shape])
+        self.keys.append(w.op("Unsqueeze", [k, axis1]))  # [n, 1, kvh, hd]
+        self.values.append(w.op("Unsqueeze", [v, axis1]))
+        li_c = w.const(np.array(li, i64))
+        k_all = w.op("Concat", [w.op("Gather", ["past_key", li_c], axis=1), k], axis=0)  # [P+n, kvh, hd]
+        v_all = w.op("Concat", [w.op("Gather", ["past_value", li_c], axis=1), v], axis=0)
+        k_t = w.op("Unsqueeze", [w.op("Transpose", [k_all], perm=[1, 2, 0]), axis1])  # [kvh, 1, hd, P+n]
+        v_t = w.op("Unsqueeze", [w.op("Transpose", [v_all], perm=[1, 0, 2]), axis1])  # [kvh, 1, P+n, hd]
+        qg = w.op("Transpose", [w.op("Reshape", [q, self.q_shape])], perm=[1, 2, 0, 3])  # [kvh, g, n, hd]
+        scores = w.op("MatMul", [w.op("Mul", [qg, self.scale]), k_t])  # [kvh, g, n, P+n]
+        probs = w.op("Softmax", [w.op("Add", [scores, "attention_mask"])], axis=-1)
+        attn = w.op("Transpose", [w.op("MatMul", [probs, v_t])], perm=[2, 0, 1, 3])  # [n, kvh, g, hd]
+        return w.op("Reshape", [attn, self.o_shape])
+
+    def head(self, model: LlamaModel, x: str) -> None:
+        """The logit rows' final norm and LM head (`logits`), and the present keys and values."""
+        w = self.w
         rows = w.op("Gather", [x, "logit_rows"], axis=0)
-        hidden = rms_norm(rows, w.weight(_np(model.norm), "norm"))
-        if int8 and model.lm_head is model.embed:
-            _matmul_nbits(w, hidden, embed, "logits")  # a tied head: the embedding's int8 blocks
+        hidden = self.rms_norm(rows, w.weight(_np(model.norm), "norm"))
+        if self.embed_q is not None and model.lm_head is model.embed:
+            _matmul_nbits(w, hidden, self.embed_q, "logits")  # a tied head: the embedding's int8 blocks
         else:
-            linear(hidden, model.lm_head, "lm_head", "logits")
-        w.nodes.append(h.make_node("Concat", keys, ["present_key"], axis=1))
-        w.nodes.append(h.make_node("Concat", values, ["present_value"], axis=1))
+            self.linear(hidden, model.lm_head, "lm_head", "logits")
+        w.nodes.append(w.h.make_node("Concat", self.keys, ["present_key"], axis=1))
+        w.nodes.append(w.h.make_node("Concat", self.values, ["present_value"], axis=1))
+
+
+def _model_proto(w: _Writer, c: ModelConfig, int8: bool) -> ModelProto:
+    """The model of the written nodes and initializers, with its inputs and outputs (INPUTS, OUTPUTS)."""
+    from onnx import TensorProto
+    from onnx import helper as h
 
     f32, i64t = TensorProto.FLOAT, TensorProto.INT64
-    kv_dims = ["past", layers, kvh, hd]
+    layers, kvh, hd = c.num_layers, c.num_kv_heads, c.head_dim
+    kv_dims: list[str | int] = ["past", layers, kvh, hd]
     graph = h.make_graph(
         w.nodes,
         "treespec_draft",
@@ -285,7 +337,7 @@ def write_model(model: Any, out: Path, data_name: str = "model.onnx.data", *, in
     opsets = [h.make_opsetid("", OPSET)] + ([h.make_opsetid(MS_DOMAIN, 1)] if int8 else [])
     proto = h.make_model(graph, opset_imports=opsets, producer_name="treespec")
     proto.ir_version = 8  # readable by onnxruntime releases from 1.14 on
-    onnx.save_model(proto, os.fspath(out))
+    return proto
 
 
 def _matmul_nbits(w: _Writer, x: str, q: Int8Weight, out: str | None) -> str:
