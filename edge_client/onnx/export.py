@@ -37,7 +37,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared.model.model_config import ModelConfig
+    from shared.model.tokenizer import TargetTokenizer
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -195,7 +199,6 @@ def export(
     import onnxruntime
     import torch
 
-    from shared import model_store
     from shared.model import load_target
 
     gguf = source_path(source)
@@ -213,7 +216,7 @@ def export(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        from edge_client.onnx.graph import OPSET, write_model
+        from edge_client.onnx.graph import write_model
 
         kind = "fp32" if not int8 or dynamic else "int8 (8-bit blocks, quantized as written)"
         stage(f"writing the {'int8' if int8 else 'fp32'} graph")
@@ -233,30 +236,9 @@ def export(
         stage("writing the tokenizer, hashing the source")
         (tmp / "tokenizer.json").write_text(tok.tokenizer.to_str(), encoding="utf-8")
         (tmp / "tokens.json").write_text(json.dumps(tok.token_texts(), ensure_ascii=False), encoding="utf-8")
-        sha = None if gguf is None else model_store.file_sha256(gguf, progress=progress, desc="hashing")
-        manifest = Manifest(
-            source=source,
-            source_id=TINY if gguf is None else model_store.content_id(gguf),
-            source_sha256=sha,
-            vocab_size=config.vocab_size,
-            fingerprint=fingerprint,
-            int8=int8,
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            hidden_size=config.hidden_size,
-            architecture=config.architecture,
-            bos_id=tok.bos_id,
-            eos_ids=[int(i) for i in tok.eos_ids],
-            chat_template=tok.chat_template,
-            files={p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
-            opset=OPSET,
-            int8_layout=INT8_METHODS[int8_method] if int8 else None,
-            exported_with={
-                "torch": torch.__version__,
-                "onnx": onnx.__version__,
-                "onnxruntime": onnxruntime.__version__,
-            },
+        versions = {m.__name__: str(m.__version__) for m in (torch, onnx, onnxruntime)}
+        manifest = _manifest(
+            source, gguf, config, tok, fingerprint, int8, int8_method, tmp, versions, progress
         )
         (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=1), encoding="utf-8")
         if out.exists():
@@ -266,6 +248,46 @@ def export(
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"export-onnx: wrote {out} ({sum(manifest.files.values()) / 1e6:.0f} MB)")
     return manifest
+
+
+def _manifest(
+    source: str,
+    gguf: Path | None,
+    config: ModelConfig,
+    tok: TargetTokenizer,
+    fingerprint: str,
+    int8: bool,
+    int8_method: str,
+    folder: Path,
+    exported_with: dict[str, str],
+    progress: bool,
+) -> Manifest:
+    """The manifest of the export written into `folder` (its files as they are now); hashes the
+    source GGUF."""
+    from edge_client.onnx.graph import OPSET
+    from shared import model_store
+
+    sha = None if gguf is None else model_store.file_sha256(gguf, progress=progress, desc="hashing")
+    return Manifest(
+        source=source,
+        source_id=TINY if gguf is None else model_store.content_id(gguf),
+        source_sha256=sha,
+        vocab_size=config.vocab_size,
+        fingerprint=fingerprint,
+        int8=int8,
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        hidden_size=config.hidden_size,
+        architecture=config.architecture,
+        bos_id=tok.bos_id,
+        eos_ids=[int(i) for i in tok.eos_ids],
+        chat_template=tok.chat_template,
+        files={p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()},
+        opset=OPSET,
+        int8_layout=INT8_METHODS[int8_method] if int8 else None,
+        exported_with=exported_with,
+    )
 
 
 def _quantize_dynamic(src: Path, dst: Path) -> None:
