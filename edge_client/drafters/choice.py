@@ -260,24 +260,9 @@ def choose_backend(
     n_threads: the drafter's threads, measured with (default: llama.cpp's default for this CPU).
     The other parameters replace the steps (for tests): importing a package, making the export,
     where the export lives, the micro-benchmark, the device key, and where the one line goes."""
-    from edge_client.models import DRAFT_ALIASES
-
-    if Path(model).is_dir():
-        return Choice(ONNX, f"{model} is an ONNX export folder", n_threads or 1)
-    if model not in DRAFT_ALIASES:
-        return Choice(LLAMA_CPP, f"{model} is not a draft alias (auto exports only aliases)", 0)
-    try:
-        import_module("onnxruntime")
-    except ImportError as exc:
-        reason = f"onnxruntime is not installed ({exc}); pip install 'treespec[onnx]' to let auto try it"
-        say(f"drafting with llama.cpp: {reason}")
-        return Choice(LLAMA_CPP, reason, 0)
-    try:
-        import_module("llama_cpp")
-    except ImportError as exc:
-        reason = f"llama-cpp-python is not installed ({exc}): nothing to compare ONNX Runtime with"
-        say(f"drafting with ONNX Runtime: {reason}")
-        return Choice(ONNX, reason, n_threads or 1, options={"int8": True})
+    unmeasured = _unmeasured_choice(model, n_threads, import_module, say)
+    if unmeasured is not None:
+        return unmeasured
     threads = n_threads or _default_threads()
     k = key(threads)
     path = decision_path(folder_of(model), k)
@@ -296,9 +281,58 @@ def choose_backend(
         return Choice(LLAMA_CPP, reason, threads)
     except Exception as exc:  # any failure: an unsupported model, no memory, no disk space
         reason = f"the ONNX export of {model} failed ({type(exc).__name__}: {exc})"
-        say(f"drafting with llama.cpp: {reason}; remembered in {path} (delete it to try again)")
-        write_decision(path, {"key": k, "backend": LLAMA_CPP, "reason": reason, "figures": None})
-        return Choice(LLAMA_CPP, reason, threads)
+        return _remember_llama_cpp(path, k, reason, threads, say)
+    return _measure_and_decide(model, folder, threads, k, measure, say)
+
+
+def _unmeasured_choice(
+    model: str, n_threads: int | None, import_module: Callable[[str], ModuleType], say: Callable[[str], None]
+) -> Choice | None:
+    """The choice when there is nothing to measure: an export folder (ONNX), not a draft alias
+    (llama.cpp), onnxruntime or llama-cpp-python missing (the other); None: measure (or read the
+    decision measured before)."""
+    from edge_client.models import DRAFT_ALIASES
+
+    if Path(model).is_dir():
+        return Choice(ONNX, f"{model} is an ONNX export folder", n_threads or 1)
+    if model not in DRAFT_ALIASES:
+        return Choice(LLAMA_CPP, f"{model} is not a draft alias (auto exports only aliases)", 0)
+    try:
+        import_module("onnxruntime")
+    except ImportError as exc:
+        reason = f"onnxruntime is not installed ({exc}); pip install 'treespec[onnx]' to let auto try it"
+        say(f"drafting with llama.cpp: {reason}")
+        return Choice(LLAMA_CPP, reason, 0)
+    try:
+        import_module("llama_cpp")
+    except ImportError as exc:
+        reason = f"llama-cpp-python is not installed ({exc}): nothing to compare ONNX Runtime with"
+        say(f"drafting with ONNX Runtime: {reason}")
+        return Choice(ONNX, reason, n_threads or 1, options={"int8": True})
+    return None
+
+
+def _remember_llama_cpp(
+    path: Path, k: dict[str, str], reason: str, threads: int, say: Callable[[str], None]
+) -> Choice:
+    """Draft with llama.cpp because the export failed or could not be run, and remember it in the
+    decision file `path` (so it is not tried at every start)."""
+    say(f"drafting with llama.cpp: {reason}; remembered in {path} (delete it to try again)")
+    write_decision(path, {"key": k, "backend": LLAMA_CPP, "reason": reason, "figures": None})
+    return Choice(LLAMA_CPP, reason, threads)
+
+
+def _measure_and_decide(
+    model: str,
+    folder: Path,
+    threads: int,
+    k: dict[str, str],
+    measure: Callable[[str, Path, int], Figures],
+    say: Callable[[str], None],
+) -> Choice:
+    """Time both backends on the export in `folder` and decide (`pick_backend`), once for every
+    process starting at once (a lock on the decision file); the decision written beside the export
+    and said in one line."""
     path = decision_path(folder, k)
     with locked(path):  # two processes starting at once: one measures, the other reads its result
         cached = read_decision(path, k)
@@ -312,9 +346,7 @@ def choose_backend(
             figures = measure(model, folder, threads)
         except Exception as exc:  # e.g. an onnxruntime too old for the export's 8-bit MatMulNBits
             reason = f"the ONNX export of {model} could not be run ({type(exc).__name__}: {exc})"
-            say(f"drafting with llama.cpp: {reason}; remembered in {path} (delete it to try again)")
-            write_decision(path, {"key": k, "backend": LLAMA_CPP, "reason": reason, "figures": None})
-            return Choice(LLAMA_CPP, reason, threads)
+            return _remember_llama_cpp(path, k, reason, threads, say)
         backend = pick_backend(figures)
         reason = f"median ms of a 1-row + an 8-row evaluation: {_summary(figures)}"
         busy = load > (os.cpu_count() or 1) - 0.5
