@@ -361,7 +361,6 @@ def _measure_and_decide(
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         write_decision(path, record)
-    write_decision(path, record)
     say(
         f"{model}: drafting with {'ONNX Runtime (int8)' if backend == ONNX else 'llama.cpp'} ({reason})"
         + (f"; the machine was busy (load {load:.1f}): delete the file to measure again" if busy else "")
