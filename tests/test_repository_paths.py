@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_SUFFIXES = {".py", ".sh", ".ts", ".js", ".mjs", ".toml", ".yaml", ".yml", ".cfg", ".ini", ".html"}
 TEXT_NAMES = {"Makefile", "run"}
-# a quoted or bare path made of ../ steps: '../x', "../../y/z", ../shared
+# a quoted or bare path made of ../ steps: '../x', "../../y/z", ../kit
 DOTDOT = re.compile(r"""(?:(?<=["'\s=(:])|^)((?:\.\./)+[\w.\-/]*)""", re.M)
 
 
@@ -220,7 +220,7 @@ def test_the_check_passes_paths_inside(rel: str, source: str) -> None:
 
 
 def test_the_check_finds_dotdot_strings_that_leave() -> None:
-    assert dotdot_escapes("bench/x.py", 'p = "../shared/data/prompts"\n')  # leaves from the root
+    assert dotdot_escapes("bench/x.py", 'p = "../kit/data/prompts"\n')  # leaves from the root
     assert dotdot_escapes(".ci/run", "cat ../../kit/x\n")
     assert not dotdot_escapes("clients/typescript/test/a.ts", 'import { x } from "../src/a";\n')
     # compiled to clients/typescript/dist/test: four steps up is the root, five leave it

@@ -1,5 +1,5 @@
 """A user's clone has nothing beside it: `python -m bench.network --prompts 2 --tokens 16` runs from a
-copy of the repository's tracked files in an empty folder (no ../shared, no results, no caches but
+copy of the repository's tracked files in an empty folder (nothing beside it, no results, no caches but
 the model store's), on the SmolLM2 pair with two modes so it stays short."""
 
 from __future__ import annotations
