@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from cloud_verifier import engine as engine_module
+from cloud_verifier import step as step_module
 from cloud_verifier import verify as verify_module
 from cloud_verifier.verify import Algorithm
 from shared.errors import ErrorCode
@@ -134,7 +134,7 @@ def poisoned(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
             raise RuntimeError("injected forward failure")
         return real_forward(inputs, kv)
 
-    monkeypatch.setattr(engine_module, "verify_tree", verify_tree)
+    monkeypatch.setattr(step_module, "verify_tree", verify_tree)
     monkeypatch.setattr(model, "forward_packed", forward_packed)
     yield poison
 
