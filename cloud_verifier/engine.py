@@ -105,7 +105,7 @@ class Engine:
 
     @property
     def pending_work(self) -> bool:
-        return self.runner.has_ready
+        return self.runner.ready > 0
 
     @property
     def waiting(self) -> int:

@@ -208,13 +208,13 @@ class StepRunner:
                 v.device = sample_next_async(logits[0], s.params, s.seed, at)
             else:
                 v.tokens = [sample_next(logits[0], s.params, s.seed, at)]
-            return
-        algorithm = Algorithm.of(s.mode, s.params)
-        if self.sync_free:
+        elif self.sync_free:
+            algorithm = Algorithm.of(s.mode, s.params)
             v.device = verify_tree_async(
                 algorithm, tree, logits, s.params, seed=s.seed, generator=s.generator
             )
         else:
+            algorithm = Algorithm.of(s.mode, s.params)
             res = verify_tree(algorithm, tree, logits, s.params, seed=s.seed, generator=s.generator)
             v.tokens, v.accepted = list(res.tokens), list(res.accepted_nodes)
 
@@ -394,11 +394,6 @@ class StepRunner:
     def ready(self) -> int:
         """Rounds queued and not in the step now running."""
         return sum(1 for s in self.seqs.values() if s.status is SeqStatus.READY)
-
-    @property
-    def has_ready(self) -> bool:
-        """Whether any round is queued (the loop asks this every turn: stops at the first)."""
-        return any(s.status is SeqStatus.READY for s in self.seqs.values())
 
 
 # ---------------------------------------------------------------------------- what a step packs
