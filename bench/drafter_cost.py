@@ -45,8 +45,7 @@ from bench.harness import (
     write_result,
 )
 from edge_client.drafters.base import Drafter
-from shared.message_types import Mode
-from shared.messages import Error, Hello, Prompt, Verdict, decode, encode
+from shared.messages import Error, Hello, Mode, Prompt, Verdict, decode, encode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.vocab import vocab_fingerprint
 

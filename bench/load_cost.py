@@ -64,8 +64,7 @@ from bench.harness import (
     write_result,
 )
 from edge_client.drafters.registry import backend_choices
-from shared.message_types import Mode
-from shared.messages import Cancel, Error, Prompt, Tree, Verdict, decode, encode
+from shared.messages import Cancel, Error, Mode, Prompt, Tree, Verdict, decode, encode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.wire import DEFAULT_WIRE_LIMITS
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, TextIO
 
 from edge_client.drafters.registry import backend_choices
-from shared.message_types import Mode
+from shared.messages import Mode
 from shared.model_store.catalog import DEFAULT_DRAFT
 
 if TYPE_CHECKING:

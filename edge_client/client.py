@@ -50,8 +50,7 @@ from edge_client.speculation import (
     TreeSpec,
 )
 from edge_client.stats import GenerationResult, GenerationStats, RoundTrace
-from edge_client.text import ChatMessage, IncrementalDetokenizer, as_messages, find_stop
-from edge_client.tokenizer import EdgeTokenizer
+from edge_client.tokenizer import ChatMessage, EdgeTokenizer, IncrementalDetokenizer, as_messages, find_stop
 from edge_client.transport import LinkShape, Transport
 from edge_client.trees import Coupling, Sampling
 from shared.errors import ErrorCode, ProtocolError

@@ -19,9 +19,7 @@ from typing import Any, Self
 
 from edge_client.transport import LinkShape, ShapedTransport, Transport, TransportClosed, WebSocketTransport
 from shared.errors import ErrorCode, ProtocolError
-from shared.handshake import FEATURES
-from shared.message_types import PROTOCOL_VERSION
-from shared.messages import Close, Error, Hello, Welcome
+from shared.messages import FEATURES, PROTOCOL_VERSION, Close, Error, Hello, Welcome
 from shared.protocol import ClientProtocol, ClientState
 
 

@@ -1,18 +1,22 @@
-"""The edge-side tokenizer: text <-> token ids for the draft model, from the draft's own GGUF.
+"""Text on the edge: the tokenizer (text <-> token ids for the draft model, from the draft's own
+GGUF), chat messages, incremental detokenization and stop strings.
 
 The edge and the cloud must agree on what every id means; that is checked once per session with
 the vocabulary fingerprint (PROTOCOL.md section 8), computed here from the token texts exactly as the
 GGUF stores them (`tokenizer.ggml.tokens`, which llama.cpp returns from `llama_vocab_get_text`).
 
-Decoding returns BYTES, not str: a byte-level BPE token may hold part of a UTF-8 character, and the
-streaming client must join bytes across tokens before it decodes text.
+Decoding returns BYTES, not str: a byte-level BPE token may hold part of a UTF-8 character, so the
+streaming client feeds pieces to an incremental decoder (`IncrementalDetokenizer`) that holds an
+incomplete character back until the next token completes it. Stop strings are matched on the
+decoded text.
 """
 
 from __future__ import annotations
 
 import abc
+import codecs
 import ctypes
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -137,3 +141,54 @@ class LlamaCppTokenizer(EdgeTokenizer):
 
     def close(self) -> None:
         self._model.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Text: chat messages, incremental detokenization, stop strings
+
+ChatMessage = dict[str, str]  # {"role": ..., "content": ...}; not shared.messages.Message (a wire frame)
+
+
+def as_messages(prompt: str | Sequence[ChatMessage]) -> list[ChatMessage]:
+    """A plain prompt becomes one user turn."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
+class IncrementalDetokenizer:
+    """Turns token ids into text chunks that never split a UTF-8 character.
+
+    `piece(id) -> bytes` is the token's byte string (llama.cpp `token_to_piece`).
+    """
+
+    def __init__(self, piece: Callable[[int], bytes]) -> None:
+        self._piece = piece
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+
+    def push(self, tokens: Sequence[int]) -> str:
+        data = b"".join(self._piece(int(t)) for t in tokens)
+        chunk = self._decoder.decode(data, final=False)
+        self.text += chunk
+        return chunk
+
+    def flush(self) -> str:
+        chunk = self._decoder.decode(b"", final=True)
+        self.text += chunk
+        return chunk
+
+
+def find_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Index where the earliest stop string begins in text[start':] (searching a little before
+    `start` so a stop string split across chunks is found), or None."""
+    best: int | None = None
+    longest = max((len(s) for s in stops), default=0)
+    lo = max(0, start - longest + 1)
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s, lo)
+        if i >= 0 and (best is None or i < best):
+            best = i
+    return best

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shared.errors import ErrorCode, ProtocolError
-from shared.handshake import FEATURE_GAP_MS, FEATURE_PENDING_BYTES
 from shared.messages import (
+    FEATURE_GAP_MS,
+    FEATURE_PENDING_BYTES,
     PROTOCOL_VERSION,
     Cancel,
     Close,

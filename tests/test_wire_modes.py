@@ -1,5 +1,5 @@
 """A wire mode touches many places; this is their checklist (docs/architecture.md §10), and it fails
-when a mode of `shared.message_types.Mode` is missing from one of them:
+when a mode of `shared.messages.Mode` is missing from one of them:
 
 1. PROTOCOL.md names it;
 2. the TypeScript client's `MODES` lists it (clients/typescript/src/protocol.ts);
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.message_types import Mode
+from shared.messages import Mode
 
 ROOT = Path(__file__).resolve().parents[1]
 TREE_MODES = [m for m in Mode if m is not Mode.AR]

@@ -22,7 +22,7 @@ Follow one round (default: greedy, a static tree, no pre-speculation), file by f
 5. shared/tree.py: `TokenTree`, the arrays both sides share (tokens, parents, depth, base, cond).
 6. shared/client_protocol.py: `ClientProtocol.prompt` / `tree` / `receive` / `acknowledge`: the
    committed sequence and the round in flight, checked against what was sent.
-7. shared/round_messages.py: the Prompt, Tree and Verdict messages and a tree's wire form.
+7. shared/messages.py: the Prompt, Tree and Verdict messages and a tree's wire form.
 8. cloud_verifier/session.py: `ServerSession.receive` turns frames into protocol events and hands the tree
    to the engine; `_on_result` sends the verdict (shared/server_protocol.py keeps the pending trees).
 9. cloud_verifier/step.py: `StepRunner.execute` packs every session's ready rows into one

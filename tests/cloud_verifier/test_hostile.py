@@ -317,7 +317,7 @@ def test_the_work_of_a_stochastic_tree_is_bounded(mode: Mode) -> None:
     the probe's 50,000-draw tree (which made the verifier try to allocate ~162 GB) is one of them.
     The limits are advertised in welcome.limits."""
     from shared.messages import Tree, encode
-    from shared.tree_validation import DrawLimits
+    from shared.tree import DrawLimits
     from tests.cloud_verifier.service import WsSession, service
 
     lim = DrawLimits()

@@ -13,8 +13,7 @@ import pytest
 
 from cloud_verifier.server_config import ServerConfig
 from shared.errors import ErrorCode
-from shared.handshake import FEATURES
-from shared.messages import Error, Hello, Mode, Prompt, Stale, Verdict, Welcome
+from shared.messages import FEATURES, Error, Hello, Mode, Prompt, Stale, Verdict, Welcome
 from shared.tree import TokenTree
 from tests.cloud_verifier.service import WsSession, prompt_tokens, reference, service, tiny
 

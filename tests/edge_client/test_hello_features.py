@@ -9,8 +9,7 @@ from collections import deque
 from edge_client.client import EdgeClient
 from edge_client.transport import TransportClosed
 from shared.errors import ErrorCode
-from shared.handshake import FEATURES
-from shared.messages import Error, Hello, Mode, SessionLimits, Welcome, decode, encode
+from shared.messages import FEATURES, Error, Hello, Mode, SessionLimits, Welcome, decode, encode
 from tests.edge_client.fake_drafter import FakeDrafter
 
 

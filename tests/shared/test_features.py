@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 from shared.errors import ErrorCode, ProtocolError
-from shared.handshake import FEATURE_GAP_MS, FEATURE_PENDING_BYTES, FEATURES
 from shared.messages import (
+    FEATURE_GAP_MS,
+    FEATURE_PENDING_BYTES,
+    FEATURES,
     Cancel,
     Error,
     Hello,

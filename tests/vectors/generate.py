@@ -22,8 +22,8 @@ import msgpack
 import numpy as np
 
 from shared.errors import ErrorCode, ProtocolError
-from shared.handshake import FEATURES
 from shared.messages import (
+    FEATURES,
     Cancel,
     Close,
     Error,

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from edge_client.text import IncrementalDetokenizer, as_messages, find_stop
+from edge_client.tokenizer import IncrementalDetokenizer, as_messages, find_stop
 
 
 def test_detokenizer_never_splits_a_utf8_character() -> None:
