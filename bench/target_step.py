@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tqdm(total=total, desc="measuring", unit="run", disable=args.no_progress) as bar:
         forward, paired = measure_forward(target, prefixes, rows, args.repeats, bar)
         decode = measure_decode(target, reference, prompt, args.decode_tokens, args.repeats, bar)
-    from shared.model.gemm import choose
+    from shared.model.llama import choose_gemm
 
     result: dict[str, Any] = {
         "forward_ms": forward,
@@ -253,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "attention": target.model.attention_mode,
         "attention_kernel": target.model.attention_kernel,
-        "gemm": choose(args.gemm, target.device, target.dtype),
+        "gemm": choose_gemm(args.gemm, target.device, target.dtype),
         "device": str(target.device),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }

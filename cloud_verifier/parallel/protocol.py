@@ -34,7 +34,7 @@ class Op(enum.IntEnum):
     COMMIT_ROWS = 7  # a0 seq; ints: keep
     FORWARD = 8  # ints, bytes: encode_inputs
     SET_ATTENTION = 9  # a0 index in ATTENTION_MODES
-    SET_GEMM = 10  # a0 index in gemm.KINDS
+    SET_GEMM = 10  # a0 index in GEMM_KINDS
     CHECK_CACHE = 11  # ints: rank 0's `cache_digest`; every rank answers whether its own equals it
 
 

@@ -19,10 +19,9 @@ from torch import nn
 from cloud_verifier.parallel.group import TPGroup
 from cloud_verifier.parallel.kv_cache import ShardedKVCache
 from cloud_verifier.parallel.protocol import Op, TensorParallelError, encode_inputs
-from shared.model import gemm
 from shared.model.archs import by_name
 from shared.model.kv_cache import PagedKVCache
-from shared.model.llama import ATTENTION_MODES, DecoderLayer, LlamaModel, SeqInput, check_input
+from shared.model.llama import ATTENTION_MODES, GEMM_KINDS, DecoderLayer, LlamaModel, SeqInput, check_input
 from shared.model.model_config import ModelConfig, make_tiny_config
 from shared.model.target import Target, load_target
 from shared.model.weights import build_model, resolve_device, resolve_dtype
@@ -75,13 +74,13 @@ class ShardedLlamaModel(LlamaModel):
             super().set_attention(mode)
 
     def set_gemm(self, kind: str) -> None:
-        if kind not in gemm.KINDS:
-            raise ValueError(f"gemm must be one of {gemm.KINDS}, got {kind!r}")
+        if kind not in GEMM_KINDS:
+            raise ValueError(f"gemm must be one of {GEMM_KINDS}, got {kind!r}")
         self._check_weights("set_gemm")
         g = self.group
         if g.rank == 0:
             with g.lock:
-                g.send(Op.SET_GEMM, args=(gemm.KINDS.index(kind),))
+                g.send(Op.SET_GEMM, args=(GEMM_KINDS.index(kind),))
                 super().set_gemm(kind)
         else:
             super().set_gemm(kind)

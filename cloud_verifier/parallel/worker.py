@@ -18,9 +18,8 @@ from cloud_verifier.parallel.kv_cache import cache_digest, ranks_agree
 from cloud_verifier.parallel.launch import join, under_torchrun
 from cloud_verifier.parallel.protocol import Op, TensorParallelError, decode_inputs
 from cloud_verifier.parallel.sharding import ShardedLlamaModel, load_worker_model, shard_model
-from shared.model import gemm
 from shared.model.kv_cache import PagedKVCache
-from shared.model.llama import ATTENTION_MODES
+from shared.model.llama import ATTENTION_MODES, GEMM_KINDS
 
 log = logging.getLogger("cloud_verifier.parallel")
 
@@ -40,7 +39,7 @@ def worker_loop(group: TPGroup, model: ShardedLlamaModel) -> None:
             elif op is Op.SET_ATTENTION:
                 model.set_attention(ATTENTION_MODES[a[0]])
             elif op is Op.SET_GEMM:
-                model.set_gemm(gemm.KINDS[a[0]])
+                model.set_gemm(GEMM_KINDS[a[0]])
             elif op is Op.CHECK_CACHE:
                 kv = caches.get(cid)
                 mine = cache_digest(kv) if kv is not None else None

@@ -210,7 +210,7 @@ class _DraftGraph:
         """cos and sign-folded sin, [n, 1, head_dim], once per run; and the axis-1 constant."""
         from onnx import TensorProto
 
-        from shared.model.rope import inverse_frequencies
+        from shared.model.llama import inverse_frequencies
 
         w = self.w
         sc = c.rope_scaling

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 SMOLLM2_VOCAB = 49152
@@ -56,15 +57,15 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
 
-    @property
+    @cached_property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
-    @property
+    @cached_property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
+    @cached_property
     def group_size(self) -> int:
         """Query heads per KV head (grouped-query attention)."""
         return self.num_heads // self.num_kv_heads

@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared.model.llama import LlamaModel
+from shared.model.llama import LlamaModel, inverse_frequencies
 from shared.model.model_config import ModelConfig
-from shared.model.rope import inverse_frequencies
 from shared.model.tokenizer import CONTROL, bpe_from_gguf
 from shared.model.weights import hf_state_dict
 

@@ -39,7 +39,7 @@ from shared.model import (
     round_keep,
     tree_round,
 )
-from shared.model.gemm import onednn_available
+from shared.model.llama import onednn_available
 from shared.model.model_config import make_tiny_config
 from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree
 

@@ -24,9 +24,9 @@ from shared.model import (
     round_keep,
     tree_round,
 )
-from shared.model.gemm import onednn_available
 from shared.model.inputs import SeqInput
 from shared.model.kv_cache import KVCacheFull
+from shared.model.llama import onednn_available
 from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree, straight_cache
 
 TOL = 1e-4
