@@ -30,7 +30,7 @@ class AppState:
     load_error: str | None = None
     sessions: set[ServerSession] = field(default_factory=set)
     draining: bool = False
-    http_running: int = 0  # HTTP requests past the gate (http_gate.py) and not yet answered
+    http_running: int = 0  # HTTP requests past the gate (server.py's HttpGate) and not yet answered
     http_cut: asyncio.Event = field(default_factory=asyncio.Event)  # the drain's deadline: end them
     on_load_error: Callable[[str], None] | None = None  # serve(): stop the process
 

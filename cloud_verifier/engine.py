@@ -7,7 +7,7 @@ and leave between steps; a round-robin start point keeps any session from starvi
 
 The step itself is step.py's `StepRunner` (plan -> packed forward -> verify -> commit -> results),
 synchronous and testable without asyncio; what a step packs is its `plan_step`; the state
-it works on is engine_state.py's. This module only schedules steps and reports health: it plans and
+it works on (`SeqState`, `Job`, `EngineConfig`) is step.py's too. This module only schedules steps and reports health: it plans and
 finishes each step on the event loop's thread and runs the forward on one worker thread, so pings,
 /readyz and other sessions' I/O keep flowing during a long prefill.
 """
@@ -21,8 +21,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from cloud_verifier.engine_state import EngineConfig, RoundResult, SeqState, SeqStatus
-from cloud_verifier.step import StepRunner
+from cloud_verifier.step import EngineConfig, RoundResult, SeqState, SeqStatus, StepRunner
 from shared.messages import Prompt
 from shared.model import Target
 from shared.model.kv_cache import PagedKVCache

@@ -33,7 +33,7 @@ from starlette.types import Receive, Scope, Send
 from cloud_verifier.admission import Admission, AdmissionRefused, Ticket
 from cloud_verifier.auth import AuthError, KeyStore, Principal
 from cloud_verifier.engine import Engine
-from cloud_verifier.engine_state import RoundResult
+from cloud_verifier.step import RoundResult
 from shared.messages import Mode, Prompt
 from shared.model import Target
 from shared.openai_compat import (

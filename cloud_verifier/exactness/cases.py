@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cloud_verifier.acceptance import EXACT, Rules
 from cloud_verifier.exactness.rounds import (
     ALPHA,
     CHUNK,
@@ -27,9 +26,8 @@ from cloud_verifier.exactness.rounds import (
     make_pair,
 )
 from cloud_verifier.exactness.stats import chi2_pvalue
-from cloud_verifier.sampling import SamplingParams, target_probs
-from cloud_verifier.tree_batch import TreeBatch
-from cloud_verifier.verify import Algorithm, BatchResult, verify_batch
+from cloud_verifier.sampling import EXACT, Rules, SamplingParams, target_probs
+from cloud_verifier.verify import Algorithm, BatchResult, TreeBatch, verify_batch
 from shared.sparse import truncate
 
 

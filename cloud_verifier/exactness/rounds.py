@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cloud_verifier.tree_batch import TreeBatch, draw_slots
+from cloud_verifier.verify import TreeBatch, draw_slots
 from shared.sparse import Q_TOTAL, SparseDist, SparseRows
 from shared.tree import Draws, ExpansionConfig, TokenTree, merge
 

@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 
 from cloud_verifier.engine import Engine
-from cloud_verifier.engine_state import EngineConfig, Planned, RoundResult, SeqState
-from cloud_verifier.step import plan_step
+from cloud_verifier.step import EngineConfig, Planned, RoundResult, SeqState, plan_step
 from shared.errors import ErrorCode
 from shared.messages import Mode, Prompt
 from shared.tree import TokenTree

@@ -22,7 +22,7 @@ import pytest
 
 from cloud_verifier.auth import AuthError, KeyStore
 from cloud_verifier.engine import Engine
-from cloud_verifier.engine_state import RoundResult
+from cloud_verifier.step import RoundResult
 from shared.messages import Error, Mode, Prompt, Welcome
 from tests.cloud_verifier.service import (
     AsyncSession,

@@ -490,7 +490,7 @@ def test_http_requests_in_flight_are_bounded_before_their_bodies_are_read() -> N
     """Each request may hold a body of up to 4 MiB while it waits for admission: past the slots, the
     queue and a little slack, one more is refused at once (503 with Retry-After), not read; the
     server serves again as soon as they leave."""
-    from cloud_verifier.http_gate import max_http_requests
+    from cloud_verifier.server import max_http_requests
 
     with LiveServer(max_sessions=1, max_waiting=1) as srv:
         limit = max_http_requests(srv.state.config)

@@ -10,15 +10,15 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from cloud_verifier.engine_state import (
+from cloud_verifier.step import (
     TRANSITIONS,
     EngineConfig,
     IllegalTransition,
     RoundResult,
     SeqState,
     SeqStatus,
+    StepRunner,
 )
-from cloud_verifier.step import StepRunner
 from shared.messages import Mode, Prompt
 from shared.tree import TokenTree
 from tests.cloud_verifier.service import prompt_tokens, reference, tiny

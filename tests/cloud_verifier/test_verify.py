@@ -10,16 +10,24 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cloud_verifier.acceptance import draw_proposals
 from cloud_verifier.sampling import (
     SamplingParams,
+    draw_proposals,
     inverse_cdf,
     sample_next,
     target_probs,
     top_p_threshold,
 )
-from cloud_verifier.tree_batch import TreeBatch, draw_slots, padded_rows
-from cloud_verifier.verify import MODES, Algorithm, Uniforms, verify_batch, verify_tree
+from cloud_verifier.verify import (
+    MODES,
+    Algorithm,
+    TreeBatch,
+    Uniforms,
+    draw_slots,
+    padded_rows,
+    verify_batch,
+    verify_tree,
+)
 from shared import Q_TOTAL, SparseDist, SparseRows, TokenTree, merge
 from shared.keyed import keyed_uniform, keyed_uniforms
 from shared.sparse import truncate

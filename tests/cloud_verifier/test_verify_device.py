@@ -22,10 +22,10 @@ from cloud_verifier.sampling import (
     sample_next_async,
     top_p_threshold,
 )
-from cloud_verifier.tree_batch import TreeBatch
 from cloud_verifier.verify import (
     MODES,
     Algorithm,
+    TreeBatch,
     read_verdicts,
     unpack_verdict,
     verify_batch,

@@ -24,7 +24,7 @@ from cloud_verifier.exactness import (
     tokens_per_round,
 )
 from cloud_verifier.sampling import SamplingParams
-from cloud_verifier.tree_batch import TreeBatch
+from cloud_verifier.verify import TreeBatch
 from shared import Q_TOTAL, SparseDist, SparseRows, TokenTree, merge
 from shared.tree import Draws, ExpansionConfig
 
