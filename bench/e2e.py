@@ -26,7 +26,7 @@ from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, sui
 from edge_client.client import EdgeClient, GenerationResult, PrespecConfig, TreeSpec
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import backend_choices, create_drafter
-from edge_client.transport import LinkShape
+from edge_client.session import LinkShape
 from shared.messages import Mode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.tree import ExpansionConfig

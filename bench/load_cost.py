@@ -169,7 +169,7 @@ async def record(
     generations' scripts."""
     from bench.e2e import variants
     from edge_client.client import EdgeClient
-    from edge_client.transport import LinkShape, WebSocketTransport
+    from edge_client.session import LinkShape, WebSocketTransport
     from shared.tree import ExpansionConfig
 
     v = variants([mode_name], ExpansionConfig.parse(tree_text))[mode_name]
@@ -301,7 +301,7 @@ async def play(
 async def client_loop(
     url: str, hello: bytes, scripts: Sequence[Script], client: int, offset: int, tally: Tally
 ) -> None:
-    from edge_client.transport import WebSocketTransport
+    from edge_client.session import WebSocketTransport
 
     ws = await WebSocketTransport.connect(url)
     try:

@@ -43,8 +43,8 @@ from edge_client.client import GenerationResult
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import backend_choices, create_drafter
+from edge_client.session import LinkShape
 from edge_client.stats import GenerationStats
-from edge_client.transport import LinkShape
 from shared.messages import Mode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.tree import ExpansionConfig

@@ -44,8 +44,8 @@ from bench.harness import BenchPrompt, add_common_args, save_figure, suite_from_
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import backend_choices
 from edge_client.speculation.config import PrespecConfig
-from edge_client.speculation.estimates import Learned
-from edge_client.speculation.outcomes import ChoiceModel, Outcome, outcome_probabilities, predict_outcomes
+from edge_client.speculation.estimates import ChoiceModel, Learned
+from edge_client.speculation.outcomes import Outcome, outcome_probabilities, predict_outcomes
 from edge_client.trees import Coupling, DraftOptions, DraftResult, draft_static
 from edge_client.trees.sampling import Landing, LandingRow, top_logp
 from shared.messages import Mode

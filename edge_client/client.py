@@ -32,10 +32,12 @@ from edge_client.session import (
     RESUMABLE_CLOSES,
     ConnectionLost,
     GenerationError,
+    LinkShape,
     ProtocolViolation,
     ResumeConfig,
     Session,
     Timeouts,
+    Transport,
     VerifierTimeout,
 )
 from edge_client.speculation import (
@@ -51,7 +53,6 @@ from edge_client.speculation import (
 )
 from edge_client.stats import GenerationResult, GenerationStats, RoundTrace
 from edge_client.tokenizer import ChatMessage, EdgeTokenizer, IncrementalDetokenizer, as_messages, find_stop
-from edge_client.transport import LinkShape, Transport
 from edge_client.trees import Coupling, Sampling
 from shared.errors import ErrorCode, ProtocolError
 from shared.messages import Mode, Prompt, Verdict

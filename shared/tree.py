@@ -388,6 +388,19 @@ def can_still_match(tree: TokenTree, committed: Sequence[int] | np.ndarray, grow
     return True
 
 
+def rebase(tree: TokenTree, known: int) -> TokenTree:
+    """The same tree with `base` moved forward to `known` committed tokens (cond shortened).
+
+    Valid when the first known - base tokens of cond are committed; positions do not change.
+    """
+    shift = known - tree.base
+    if shift <= 0:
+        return tree
+    if shift > tree.cond.size:
+        raise ValueError(f"cannot rebase: {shift} tokens past base but cond holds {tree.cond.size}")
+    return TokenTree(tree.tokens, tree.parents, known, tree.cond[shift:], tree.draws)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Validation: the checks every tree from the wire passes
 

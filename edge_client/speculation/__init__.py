@@ -1,8 +1,9 @@
 """Speculation on the edge: one generation's rounds as a core without I/O, and its asyncio shell.
 
 - `config`: TreeSpec, PrespecConfig, Request (what a generation asks for);
-- `outcomes`: the outcome model, Saguaro's fan-out and the cost gate (pure functions);
-- `estimates`: what is learned across generations (Learned) and within one (RoundEstimates);
+- `outcomes`: Saguaro's fan-out over the likely outcomes and the cost gate (pure functions);
+- `estimates`: what is learned across generations (Learned, with the outcome model ChoiceModel) and
+  within one (RoundEstimates), and the budget of a dynamic tree;
 - `ledger`: the sent trees (a method per transition); `planner`: the candidate outcomes, most likely
   first; `schedule`: the outcome cache's chains, planned to the verdict; `backup`: the miss path's
   tree, priced with measured costs;

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_client.speculation.budget import verify_ms
 from edge_client.speculation.config import TreeSpec
+from edge_client.speculation.estimates import verify_ms
 from shared.tree import ExpansionConfig
 
 
@@ -87,7 +87,7 @@ def choose_backup(
     full:          the configured shape (static or budget), with `full_tokens` expected tokens,
                    `full_nodes` nodes and, for a shape not drafted level by level (budget), its
                    measured drafting time `full_draft_ms`
-    alpha:         the odds the target takes the draft's top token (outcomes.ChoiceModel.alpha)
+    alpha:         the odds the target takes the draft's top token (estimates.ChoiceModel.alpha)
     eval_ms:       the drafter's ms for one evaluation of n rows
     verify_cost_ms: the server's forward ms by tree nodes
     max_depth:     the deepest chain considered (the server's max_depth)

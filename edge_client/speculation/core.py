@@ -52,12 +52,18 @@ from edge_client.speculation.actions import (
     ask,
 )
 from edge_client.speculation.backup import Backup, choose_backup
-from edge_client.speculation.budget import choose_budget, next_gains
-from edge_client.speculation.budget import verify_ms as advertised_ms
 from edge_client.speculation.config import DrafterProfile, PrespecConfig, Refused, Request, TreeSpec
-from edge_client.speculation.estimates import Learned, RoundEstimates, ema
+from edge_client.speculation.estimates import (
+    ChoiceModel,
+    Learned,
+    RoundEstimates,
+    choose_budget,
+    ema,
+    next_gains,
+)
+from edge_client.speculation.estimates import verify_ms as advertised_ms
 from edge_client.speculation.ledger import Ledger, Speculation, extends
-from edge_client.speculation.outcomes import ChoiceModel, reach_probabilities, rebase
+from edge_client.speculation.outcomes import reach_probabilities
 from edge_client.speculation.planner import Candidate, Planner
 from edge_client.speculation.schedule import chain_gains, plan_chains
 from edge_client.stats import GenerationStats, SendEvent, VerdictEvent
@@ -65,7 +71,7 @@ from edge_client.trees import DraftResult
 from shared.errors import ErrorCode
 from shared.messages import Error, Message, Mode, Prompt, Stale, Tree, Verdict, Welcome
 from shared.protocol import ClientProtocol, ClientState
-from shared.tree import ExpansionConfig
+from shared.tree import ExpansionConfig, rebase
 
 Clock = Callable[[], float]
 
@@ -187,7 +193,8 @@ class SpeculationCore:
         if self.proto.state is not ClientState.GENERATING:
             return
         committed = tuple(self.proto.committed)
-        self.planner.clear()
+        if self.prespec is not None:  # (without pre-speculation the planner never queues anything)
+            self.planner.clear()
         dr = yield from self._draft_plain(committed, self._backup())
         now = self.proto
         if now.state is not ClientState.GENERATING or tuple(now.committed) != committed:
@@ -198,7 +205,8 @@ class SpeculationCore:
 
     def cancel(self) -> None:
         self.cancelled = True
-        self.planner.clear()
+        if self.prespec is not None:
+            self.planner.clear()
 
     # ------------------------------------------------------------------ drafting
     def _draft_plain(
@@ -213,7 +221,7 @@ class SpeculationCore:
         dr = yield from ask(DraftPlain(committed, budget, shape))
         self.stats.draft_ms.append(dr.draft_ms)
         self.est.note_draft(dr)
-        if shape is None:
+        if shape is None and self.prespec is not None:  # the miss path's prices (pre-speculation's)
             self._note_full(dr)
         return dr
 
@@ -450,7 +458,8 @@ class SpeculationCore:
                 reach = spec.prob * reach_probabilities(spec.draft, self.choice)
                 leaves = tuple(np.flatnonzero(missing & (reach >= cfg.leaf_min_reach)).tolist())
         self.ledger.sent(spec, leaves)
-        self.planner.expand_all()
+        if cfg is not None:
+            self.planner.expand_all()
 
     def _room(self) -> int:
         """Conditional trees the server can still take: max_pending besides the one in flight,
@@ -537,8 +546,9 @@ class SpeculationCore:
             hit = nxt is not None and not v.done
             acc_n, n_tok = len(v.accepted_nodes), len(v.tokens)
             st.trace.verdicts.append(VerdictEvent(now, v.round, acc_n, n_tok, v.verify_ms, hit, nxt, v.done))
-        self.planner.keep_known()
-        self.planner.expand_all()
+        if self.prespec is not None:
+            self.planner.keep_known()
+            self.planner.expand_all()
         live = None if nxt is None else ledger.get(nxt)
         if live is not None and self.workspace_full:
             self.planner.clear()

@@ -137,7 +137,8 @@ class DraftStep:
     ) -> DraftResult:
         """Every drafter's tree below `committed` (+ opts.cond), merged; `shape` instead of each
         drafter's own."""
-        return merge_drafts(self._all(lambda i, o: self._shape(i, committed, o, budget, shape), opts))
+        drafts = self._all(lambda i, o: self._shape(i, committed, o, budget, shape), opts)
+        return drafts[0] if len(drafts) == 1 else merge_drafts(drafts)  # one drafter: nothing to merge
 
     def _all(self, work: Callable[[int, DraftOptions], T], opts: DraftOptions) -> list[T]:
         """work(i, options) for every drafter i: in turn, or on the `parallel` pool (drafter 0 on

@@ -35,13 +35,13 @@ energy matters more than the last few ms.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from edge_client.drafters.base import Drafter
+from edge_client.speculation.estimates import ChoiceModel
 from edge_client.trees import DraftResult
-from edge_client.trees.sampling import Landing
 from shared.tree import TokenTree
 
 
@@ -57,110 +57,6 @@ class Outcome:
     prob: float
     depth: int
     cond: tuple[int, ...]
-
-
-@dataclass
-class ChoiceModel:
-    """How the target's next token relates to the draft's, for predicting outcomes.
-
-    temperature 0 (greedy verification): the target takes the draft's top token with probability
-    `alpha`, measured online as the fraction of verified positions where the target's token was the
-    draft's top token (a Beta(8, 2) prior, decaying so it follows the text), and otherwise a token in
-    proportion to the draft's other probabilities, scaled by a learned calibration `beta`. The
-    draft's own softmax says little here: a draft can be right 95% of the time with a top
-    probability of 0.4, and a weak draft's runners-up can carry half its mass yet hold the target's
-    token one time in ten. beta = (times the target's token was one of the recorded alternatives
-    after a miss of the top token) / (the probability the proportional rule gave them), decayed
-    like alpha from a prior of 1 (two pseudo-observations), so a draft whose runners-up are
-    rarely right stops being trusted to predict bonus tokens (and the cost gate stops drafting
-    for them).
-
-    temperature T > 0 (the target samples): the draft's distribution at temperature T stands in
-    for the target's (deterministic trees rank on the draft at temperature 1, so it is sharpened;
-    stochastic trees already carry q at T).
-
-    Coupled drafting (mode match at T > 0, trees.Coupling) is modelled like greedy, with
-    temperature 0: the coupled token is the "top" one, taken with probability alpha, and the
-    runners-up are the landing model's candidates (trees.sampling.Landing): their recorded
-    probabilities are the draft's mass outside the coupled token spread by where the target's
-    token lands in the CDF when it misses (Ranking.probs), so the proportional rule gives the
-    landing model's P(x | miss), calibrated by beta as above. `landing` learns the landing
-    model's scale from the verdicts' mismatches at coupled rows, and every tree observed hands
-    its drafting side (DraftResult.landing, the Coupling's) the learned state, so the next trees
-    are ranked with it.
-    """
-
-    temperature: float = 0.0
-    agree: float = 8.0
-    tested: float = 10.0
-    decay: float = 0.98
-    alt_hits: float = 2.0
-    alt_predicted: float = 2.0
-    landing: Landing = field(default_factory=Landing)
-
-    @property
-    def alpha(self) -> float:
-        return self.agree / self.tested
-
-    @property
-    def beta(self) -> float:
-        """Calibration of the runners-up: observed / predicted share of misses they explain."""
-        return self.alt_hits / self.alt_predicted
-
-    def choice(self, tokens: np.ndarray, probs: np.ndarray, at_temperature: bool) -> dict[int, float]:
-        """P(target's next token = x) for the draft's alternatives x at one row (rank order)."""
-        ok = tokens >= 0
-        toks, q = tokens[ok], probs[ok].astype(np.float64)
-        if toks.size == 0:
-            return {}
-        if self.temperature == 0:
-            share = _runner_up_share(q)
-            share *= min(self.beta, 1.0 / max(float(share.sum()), 1e-12)) * (1.0 - self.alpha)
-            return {
-                int(toks[0]): self.alpha,
-                **{int(t): float(p) for t, p in zip(toks[1:], share, strict=True)},
-            }
-        if not at_temperature:
-            tail = max(1.0 - float(q.sum()), 0.0)
-            w = np.power(np.maximum(q, 1e-30), 1.0 / self.temperature)
-            z = float(w.sum()) + tail ** (1.0 / self.temperature)
-            q = w / max(z, 1e-30)
-        return {int(t): float(p) for t, p in zip(toks, q, strict=True)}
-
-    def observe(self, dr: DraftResult, accepted_nodes: Sequence[int], tokens: Sequence[int]) -> None:
-        """Learn alpha from a verdict: at each row of the walked path (row 0, then the accepted
-        nodes), did the target's token (the next accepted node's, or the bonus) equal the draft's
-        top token there? Where it did not at a coupled row, the landing model learns where it
-        landed instead."""
-        rows = [-1, *accepted_nodes]
-        for i, r in enumerate(rows):
-            if i >= len(tokens):
-                break
-            alts, q = dr.alt_tokens[r + 1], dr.alt_probs[r + 1]
-            top, target = int(alts[0]), int(tokens[i])
-            if top < 0:
-                continue
-            self.agree = self.decay * self.agree + float(target == top)
-            self.tested = self.decay * self.tested + 1.0
-            if target != top:
-                landing_row = dr.landing_rows.get(r + 1)
-                if landing_row is not None:
-                    self.landing.observe(landing_row, target)
-                ok = alts >= 0
-                predicted = float(_runner_up_share(q[ok].astype(np.float64)).sum())
-                hit = float(bool((alts[ok][1:] == target).any()))
-                self.alt_hits = self.decay * self.alt_hits + hit
-                self.alt_predicted = self.decay * self.alt_predicted + predicted
-        if dr.landing is not None and dr.landing is not self.landing:
-            dr.landing.adopt(self.landing)
-
-
-def _runner_up_share(q: np.ndarray) -> np.ndarray:
-    """P(target = alternative r | target != the top token) for r = 1.. by the proportional rule:
-    the draft's probabilities of its runners-up over its mass outside the top token."""
-    rest = q[1:]
-    tail = max(1.0 - float(q.sum()), 0.0)  # the draft's mass outside the alternatives
-    return rest / max(float(rest.sum()) + tail, 1e-12)
 
 
 def reach_probabilities(dr: DraftResult, model: ChoiceModel | None = None) -> np.ndarray:
@@ -340,19 +236,6 @@ def worth_drafting(
     if step_ms is not None:
         wait = min(wait, max(step_ms, 0.0))
     return gain >= p_fallback * wait + max(min_gain, 0.0) * max(draft_ms, 0.0)
-
-
-def rebase(tree: TokenTree, known: int) -> TokenTree:
-    """The same tree with `base` moved forward to `known` committed tokens (cond shortened).
-
-    Valid when the first known - base tokens of cond are committed; positions do not change.
-    """
-    shift = known - tree.base
-    if shift <= 0:
-        return tree
-    if shift > tree.cond.size:
-        raise ValueError(f"cannot rebase: {shift} tokens past base but cond holds {tree.cond.size}")
-    return TokenTree(tree.tokens, tree.parents, known, tree.cond[shift:], tree.draws)
 
 
 def replay(drafter: Drafter, tree: TokenTree, root: int = -1) -> list[int]:

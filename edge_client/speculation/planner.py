@@ -13,9 +13,9 @@ import itertools
 from dataclasses import dataclass
 
 from edge_client.speculation.config import PrespecConfig
-from edge_client.speculation.estimates import RoundEstimates
+from edge_client.speculation.estimates import ChoiceModel, RoundEstimates
 from edge_client.speculation.ledger import Ledger, extends
-from edge_client.speculation.outcomes import ChoiceModel, Outcome, predict_outcomes, worth_drafting
+from edge_client.speculation.outcomes import Outcome, predict_outcomes, worth_drafting
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edge_client.speculation.budget import verify_ms
+from edge_client.speculation.estimates import verify_ms
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ class DraftResult:
                     coupled: q_T of the coupled token, then the draft's mass outside it times
                     the landing model's P(target = x | not the coupled token) (`Ranking.probs`)
     frontier_probs: [F] float32, descending path probabilities of the best candidates left out
-                    (dynamic trees; sizes the next budget, see edge_client.speculation.budget)
+                    (dynamic trees; sizes the next budget, see edge_client.speculation.estimates)
     draft_ms:       wall time of drafting, sync included
     evaluations:    batched drafter evaluations made (extend calls)
     landing_rows:   coupled rows (index as alt_tokens) whose candidates' CDF intervals were

@@ -261,7 +261,7 @@ class Coupling:
     After the coupled token, candidates are ranked by where the target's token lands when it is
     not the coupled one (`Landing`, `landing_shares`): near u in the CDF's token-id order, not
     simply among the draft's most probable tokens. `landing` holds the learned scale; the edge's
-    outcome model (edge_client.speculation.outcomes.ChoiceModel) treats the coupled token as
+    outcome model (edge_client.speculation.estimates.ChoiceModel) treats the coupled token as
     greedy verification does the argmax and the others by the landing probabilities.
     """
 

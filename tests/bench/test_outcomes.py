@@ -22,7 +22,8 @@ from bench.outcomes import (
     uniform_outcomes,
     walk_positions,
 )
-from edge_client.speculation.outcomes import ChoiceModel, outcome_probabilities, predict_outcomes
+from edge_client.speculation.estimates import ChoiceModel
+from edge_client.speculation.outcomes import outcome_probabilities, predict_outcomes
 from edge_client.trees import DraftOptions, draft_static
 from shared.tree import ExpansionConfig, TokenTree
 from tests.edge_client.fake_drafter import FakeDrafter, fake_logits

@@ -381,7 +381,7 @@ def record_small_pair(
     from bench.harness import load_prompts
     from edge_client.client import EdgeClient, TreeSpec
     from edge_client.drafters.registry import create_drafter
-    from edge_client.transport import LinkShape
+    from edge_client.session import LinkShape
     from shared.model import load_target
     from tests.cloud_verifier.service import LiveServer
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_client.speculation.budget import (
+from edge_client.speculation.estimates import (
     AcceptanceCalibration,
     choose_budget,
     expected_tokens,

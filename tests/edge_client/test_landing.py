@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_client.speculation.outcomes import ChoiceModel
+from edge_client.speculation.estimates import ChoiceModel
 from edge_client.trees import Coupling, DraftOptions, draft_static, finish_leaves
 from edge_client.trees.sampling import (
     Landing,

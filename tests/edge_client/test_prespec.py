@@ -15,18 +15,17 @@ from bench.harness import load_prompts
 from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
+from edge_client.session import LinkShape
+from edge_client.speculation.estimates import ChoiceModel
 from edge_client.speculation.outcomes import (
-    ChoiceModel,
     geometric_fanout,
     predict_outcomes,
-    rebase,
     replay,
     worth_drafting,
 )
 from edge_client.stats import GenerationStats
-from edge_client.transport import LinkShape
 from edge_client.trees import DraftOptions, draft_static
-from shared.tree import ExpansionConfig, TokenTree
+from shared.tree import ExpansionConfig, TokenTree, rebase
 from tests.cloud_verifier.service import LiveServer
 from tests.edge_client.fake_drafter import FakeDrafter
 

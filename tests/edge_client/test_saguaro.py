@@ -187,8 +187,8 @@ def test_a_prespeculating_client_drafts_with_saguaro_and_the_verifier_takes_its_
 
     from edge_client.client import EdgeClient
     from edge_client.drafters.registry import create_drafter
+    from edge_client.session import LinkShape
     from edge_client.speculation import TreeSpec
-    from edge_client.transport import LinkShape
     from shared.messages import Mode
     from tests.cloud_verifier.service import LiveServer
 

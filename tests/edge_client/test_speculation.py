@@ -22,8 +22,9 @@ from edge_client.speculation import (
     Send,
     TreeSpec,
 )
+from edge_client.speculation.estimates import ChoiceModel
 from edge_client.speculation.ledger import Answered, Ledger
-from edge_client.speculation.outcomes import ChoiceModel, reach_probabilities
+from edge_client.speculation.outcomes import reach_probabilities
 from edge_client.stats import RoundTrace
 from shared.messages import Mode, Prompt, SessionLimits, Verdict
 from shared.tree import ExpansionConfig
