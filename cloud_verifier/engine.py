@@ -6,10 +6,11 @@ accepted rows' KV and hands the outcome back to the session on the event-loop th
 and leave between steps; a round-robin start point keeps any session from starving.
 
 The step itself is step.py's `StepRunner` (plan -> packed forward -> verify -> commit -> results),
-synchronous and testable without asyncio; what a step packs is its `plan_step`; the state
-it works on (`SeqState`, `Job`, `EngineConfig`) is step.py's too. This module only schedules steps and reports health: it plans and
-finishes each step on the event loop's thread and runs the forward on one worker thread, so pings,
-/readyz and other sessions' I/O keep flowing during a long prefill.
+synchronous and testable without asyncio; what a step packs is its `plan_step`; the state it
+works on (`SeqState`, `Job`, `EngineConfig`) is step.py's too. This module only schedules steps
+and reports health: it plans and finishes each step on the event loop's thread and runs the
+forward on one worker thread, so pings, /readyz and other sessions' I/O keep flowing during a
+long prefill.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 `ServerProtocol` (server_protocol.py, its events in server_events.py) and `ClientProtocol`
 (client_protocol.py) accept only legal message orders; anything else becomes a `ProtocolError`
 naming the field. Neither touches a socket: the FastAPI handler and the asyncio client are thin
-shells that move bytes. The matching of conditional trees is shared/tree.py's (`tree_matches`, `can_still_match`);
-this module gathers the public names.
+shells that move bytes. The matching of conditional trees is shared/tree.py's (`tree_matches`,
+`can_still_match`); this module gathers the public names.
 
 Rounds. The server answers every prompt with a verdict of round 0 (it verifies the tree attached to
 the prompt, or sends the first token). Tree rounds are >= 1 and strictly increase within a session.
