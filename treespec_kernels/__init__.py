@@ -4,6 +4,9 @@
 RMSNorm, the pool's tiled-key writer; C++ in `csrc/`, built with torch's cpp_extension on first
 use) and the torch reference of the attention.
 
+`treespec_kernels.quant_matmul`: projections straight from a GGUF's quantized blocks (Q8_0, Q5_0,
+Q4_K, Q6_K), batch-invariant by construction, with a torch reference equal bit for bit.
+
 `treespec_kernels.tree_attention`: one fused launch of tree attention over the paged KV cache for every
 session's packed rows (prefill chunks, tree rounds, single steps), its checking launcher and its
 torch reference; `bench.tree_attention` times it against the model's per-session SDPA path.

@@ -9,97 +9,45 @@ kernel fixes every reduction's order by key position, and oneDNN's projections a
 row-invariant, so a node's logits are bit-identical to incremental decoding, in float32 and at
 SDPA's speed. See the .cpp file for the scheme.
 
-The extension is compiled with the system C++ compiler through torch.utils.cpp_extension (about a
-minute, once per machine; cached under torch's extensions directory, keyed by this CPU's
-instruction set so a cache copied to another machine is not reused). When it cannot be built the
+The extension is built on first use (treespec_kernels/cpp_build.py). When it cannot be built the
 model falls back to SDPA and torch's RMSNorm and says so once; `TREESPEC_CPU_KERNELS=off` skips
 them outright.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger(__name__)
+from treespec_kernels.cpp_build import CppExtension
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
-ENV = "TREESPEC_CPU_KERNELS"  # "off" (or "0") disables the kernels
 HEAD_DIMS = tuple(range(16, 129, 16))
 
-_lock = threading.Lock()
-_module: Any = None
-_error: str | None = None
-
-
-def _cpu_tag() -> str:
-    """A short hash of this CPU's model and instruction set (the build uses -march=native)."""
-    text = platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    text += line
-                if line.startswith("flags"):
-                    break
-    except OSError:
-        pass
-    return hashlib.sha256(text.encode()).hexdigest()[:10]
-
-
-def disabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() in ("off", "0")
+# -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it; the library it links,
+# libgomp.so.1, resolves to the one torch has loaded already
+_EXT = CppExtension(
+    "treespec_cpu_attention",
+    SOURCE.name,
+    ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp"],
+    "batch-invariant CPU attention falls back to SDPA",
+)
 
 
 def load() -> Any:
     """The compiled module, or None when it is disabled or cannot be built (reason: `error()`)."""
-    global _module, _error
-    if _module is not None or _error is not None or disabled():
-        return _module
-    with _lock:
-        if _module is None and _error is None:
-            try:
-                from torch.utils import cpp_extension
-
-                if shutil.which("ninja") is None:  # the venv's ninja when the venv is not activated
-                    bindir = os.path.dirname(sys.executable)
-                    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-
-                # -fopenmp: at::parallel_for is an inline OpenMP loop, serial without it; the
-                # library it links, libgomp.so.1, resolves to the one torch has loaded already
-                flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-math-errno", "-fopenmp"]
-                _module = cpp_extension.load(
-                    name=f"treespec_cpu_attention_{_cpu_tag()}",
-                    sources=[str(SOURCE)],
-                    extra_cflags=flags,
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
-            except Exception as exc:  # no compiler, no headers, a failed build
-                _error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-                log.warning("batch-invariant CPU attention unavailable (%s); using SDPA", _error)
-    return _module
+    return _EXT.load()
 
 
 def error() -> str | None:
-    return _error
+    return _EXT.error()
 
 
 def _require() -> Any:
-    mod = load()
-    if mod is None:
-        raise RuntimeError(f"the CPU kernels are not available: {_error or 'disabled'}")
-    return mod
+    return _EXT.require()
 
 
 def supports(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from shared.model import build_model, decode_step, kv_cache, make_tiny_config, prefill
 from shared.model.kv_cache import TILE, PagedKVCache
 from treespec_kernels import cpu_attention as ck
+from treespec_kernels.cpp_build import ENV, disabled
 
-if ck.disabled():
-    pytest.skip(f"{ck.ENV}=off", allow_module_level=True)
+if disabled():
+    pytest.skip(f"{ENV}=off", allow_module_level=True)
 
 
 def test_the_kernel_builds_where_there_is_a_compiler() -> None:

@@ -1,0 +1,121 @@
+"""The quantized-block projections (treespec_kernels/quant_matmul.py): every block type decodes as
+gguf-py does, the kernel equals its torch reference bit for bit over many shapes, a row's result
+does not depend on the rows beside it or the thread count, and the result is close to the float32
+product of the dequantized matrix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from treespec_kernels import quant_matmul as qm
+
+pytestmark = pytest.mark.skipif(qm.load() is None, reason=f"quant_matmul kernel not built: {qm.error()}")
+
+TYPES = sorted(qm.QTYPES)
+
+
+def random_blocks(q: qm.QuantType, out: int, in_features: int, seed: int) -> torch.Tensor:
+    """[out, bytes per row] uint8 of random blocks whose half-float scales are finite and small."""
+    rng = np.random.default_rng(seed)
+    nblk = in_features // q.values
+    raw = rng.integers(0, 256, size=(out, nblk, q.bytes), dtype=np.uint8)
+    halves = {"Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[q.name]
+    for at in halves:
+        scale = rng.uniform(1e-4, 2e-2, size=(out, nblk)).astype(np.float16)
+        raw[..., at : at + 2] = scale.view(np.uint8).reshape(out, nblk, 2)
+    return torch.from_numpy(raw.reshape(out, nblk * q.bytes))
+
+
+def gguf_dequantize(w: torch.Tensor, q: qm.QuantType, in_features: int) -> torch.Tensor:
+    arr = dequantize(w.numpy(), GGMLQuantizationType[q.name])
+    return torch.from_numpy(np.ascontiguousarray(arr)).reshape(w.shape[0], in_features).float()
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_decoding_equals_gguf_py_dequantize(name: str) -> None:
+    q = qm.qtype(name)
+    n = 2 * q.values if q.values == 256 else 96
+    w = random_blocks(q, 7, n, seed=1)
+    want = gguf_dequantize(w, q, n)
+    got = qm.dequantize_rows(w, q, n, torch.arange(7))
+    assert torch.equal(got, want)
+    picked = qm.dequantize_rows(w, q, n, torch.tensor([5, 0, 5]))
+    assert torch.equal(picked, want[[5, 0, 5]])
+    # the reference's integers times the block scales give the same matrix (to rounding)
+    assert qm.reference_decode(w, q, n).shape == (7, n)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize(("rows", "out", "blocks"), [(1, 1, 1), (3, 5, 2), (16, 33, 3), (2, 64, 6)])
+def test_the_kernel_equals_its_torch_reference_bit_for_bit(
+    name: str, rows: int, out: int, blocks: int
+) -> None:
+    q = qm.qtype(name)
+    n = blocks * q.values
+    w = random_blocks(q, out, n, seed=rows * 100 + out)
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(out)) * 3
+    x[0, : qm.QB] = 0  # an all-zero activation block (scale 0)
+    got = qm.quant_matmul(x, w, q)
+    want = qm.reference_quant_matmul(x, w, q)
+    assert got.shape == (rows, out)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_a_row_is_the_same_alone_among_many_and_on_any_thread_count(name: str) -> None:
+    q = qm.qtype(name)
+    n = 2 * 256
+    w = random_blocks(q, 97, n, seed=7)
+    x = torch.randn(24, n, generator=torch.Generator().manual_seed(3))
+    many = qm.quant_matmul(x, w, q)
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            for r in (0, 5, 23):
+                assert torch.equal(qm.quant_matmul(x[r : r + 1], w, q), many[r : r + 1])
+            assert torch.equal(qm.quant_matmul(x[3:11], w, q), many[3:11])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_the_result_is_close_to_the_float32_product_of_the_dequantized_matrix(name: str) -> None:
+    q = qm.qtype(name)
+    n = 4 * 256
+    w = random_blocks(q, 40, n, seed=11)
+    x = torch.randn(6, n, generator=torch.Generator().manual_seed(5))
+    exact = x.double() @ gguf_dequantize(w, q, n).double().T
+    got = qm.quant_matmul(x, w, q).double()
+    rel = (got - exact).norm() / exact.norm()
+    assert rel < 0.02, f"{name}: relative error {rel:.4f} of the int8 activations is too large"
+
+
+def test_activation_rule_matches_the_reference_and_is_per_row() -> None:
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0)) * 10
+    x[2] = 0
+    xq, dx, sx = qm.quantize_rows(x)
+    rq, rd, rs = qm.reference_quantize_rows(x)
+    assert torch.equal(xq, rq) and torch.equal(dx, rd) and torch.equal(sx, rs)
+    assert int(xq.abs().max()) <= 127 and bool((dx[2] == 0).all()) and bool((xq[2] == 0).all())
+    alone = qm.quantize_rows(x[3:4])
+    assert torch.equal(alone[0], xq[3:4]) and torch.equal(alone[1], dx[3:4])
+
+
+def test_bad_input_is_refused_with_the_reason() -> None:
+    q = qm.qtype("Q4_K")
+    w = random_blocks(q, 4, 256, seed=0)
+    with pytest.raises(RuntimeError, match="multiple of 256"):
+        qm.quant_matmul(torch.zeros(1, 128), w[:, :72].contiguous(), q)
+    with pytest.raises(RuntimeError, match="holds 144 bytes"):
+        qm.quant_matmul(torch.zeros(1, 256), w[:, :100].contiguous(), q)
+    with pytest.raises(RuntimeError, match="out of range"):
+        qm.dequantize_rows(w, q, 256, torch.tensor([4]))
+    with pytest.raises(ValueError, match="one of"):
+        qm.qtype("Q3_K")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qm.row_bytes(qm.qtype("Q8_0"), 48)

@@ -1,0 +1,191 @@
+"""Projections straight from a GGUF's quantized blocks on CPUs (csrc/quant_matmul.cpp), built on
+first use, and the plain-torch reference that reproduces them bit for bit.
+
+`quant_matmul(x, w, qtype)` is x @ W.T where W stays in the GGUF's bytes ([out, bytes per row],
+uint8; Q8_0, Q5_0, Q4_K or Q6_K): each activation row is quantized on its own to int8 per
+32-value block, every block's dot product is an exact integer sum, and the float part is one fixed
+chain of multiplies and adds per output, so a row's result does not depend on how many rows are
+computed with it, on the thread count or on the SIMD width (the .cpp file has the rule).
+`reference_quant_matmul` is the same computation in torch, equal bit for bit; `dequantize_rows`
+gives rows back as float32 exactly as gguf-py's `dequantize` does (the lookup of a quantized
+embedding table).
+
+The activations' int8 rounding makes this a numerically different target from the float32 one
+(the GGUF dequantized to float32 and multiplied in float32): close, not equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from treespec_kernels.cpp_build import CppExtension
+
+QB = 32  # values per activation block
+
+
+@dataclass(frozen=True)
+class QuantType:
+    """A GGUF block type: its ggml id, values and bytes per block."""
+
+    name: str
+    ggml_id: int
+    values: int
+    bytes: int
+
+
+QTYPES: dict[str, QuantType] = {
+    q.name: q
+    for q in (
+        QuantType("Q8_0", 8, 32, 34),
+        QuantType("Q5_0", 6, 32, 22),
+        QuantType("Q4_K", 12, 256, 144),
+        QuantType("Q6_K", 14, 256, 210),
+    )
+}
+
+_EXT = CppExtension(
+    "treespec_quant_matmul",
+    "quant_matmul.cpp",
+    # -ffp-contract=off: the float chain is separate multiplies and adds on every machine, as in
+    # the torch reference (an FMA would round once where the reference rounds twice)
+    ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
+    "quantized projections are unavailable",
+)
+
+
+def load() -> Any:
+    """The compiled module, or None when it is disabled or cannot be built (reason: `error()`)."""
+    return _EXT.load()
+
+
+def error() -> str | None:
+    return _EXT.error()
+
+
+def qtype(name: str) -> QuantType:
+    """The block type called `name` (a ValueError naming the supported ones otherwise)."""
+    try:
+        return QTYPES[name]
+    except KeyError:
+        raise ValueError(f"quantization type {name!r} is not supported; one of {sorted(QTYPES)}") from None
+
+
+def row_bytes(q: QuantType, in_features: int) -> int:
+    if in_features <= 0 or in_features % q.values:
+        raise ValueError(
+            f"in_features ({in_features}) must be a positive multiple of {q.values} for {q.name}"
+        )
+    return in_features // q.values * q.bytes
+
+
+def quant_matmul(x: torch.Tensor, w: torch.Tensor, q: QuantType) -> torch.Tensor:
+    """x: [rows, in] float32; w: [out, bytes per row] uint8 blocks of type q -> [rows, out] float32."""
+    out: torch.Tensor = _EXT.require().quant_matmul(x, w, q.ggml_id)
+    return out
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation rule: x [rows, in] float32 -> (int8 values, per-block scale
+    [rows, in / 32] float32, per-block sum of the int8 values [rows, in / 32] int32)."""
+    xq, dx, sx = _EXT.require().quantize_rows(x)
+    return xq, dx, sx
+
+
+def dequantize_rows(w: torch.Tensor, q: QuantType, in_features: int, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` [n] of the block matrix w as float32 [n, in_features], as gguf-py computes them."""
+    out: torch.Tensor = _EXT.require().dequantize_rows(w, q.ggml_id, in_features, rows)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plain-torch reference (bit-identical to the kernel)
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 little-endian half floats -> [...] float32."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def reference_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_rows` in torch."""
+    rows, n = x.shape
+    blocks = x.float().reshape(rows, n // QB, QB)
+    d = blocks.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    xq = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return xq.reshape(rows, n), d, xq.to(torch.int32).sum(dim=-1)
+
+
+def _q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., 12] uint8 -> eight 6-bit scales and mins [..., 8] int32."""
+    s = s.to(torch.int32)
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def reference_decode(w: torch.Tensor, q: QuantType, in_features: int) -> torch.Tensor:
+    """The weight integers the kernel multiplies: [out, in] int32 (Q5_0: q - 16; Q4_K: 0..15;
+    Q6_K: q - 32)."""
+    out = w.shape[0]
+    blk = w.reshape(out, in_features // q.values, q.bytes).to(torch.int32)
+    if q.name == "Q8_0":
+        vals = blk[..., 2:].to(torch.uint8).view(torch.int8).to(torch.int32)
+    elif q.name == "Q5_0":
+        qh = blk[..., 2] | (blk[..., 3] << 8) | (blk[..., 4] << 16) | (blk[..., 5] << 24)
+        qs = blk[..., 6:]
+        lo = torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+        hi = (qh[..., None] >> torch.arange(32)) & 1
+        vals = (lo | (hi << 4)) - 16
+    elif q.name == "Q4_K":
+        qs = blk[..., 16:].reshape(out, -1, 4, 32)
+        vals = torch.stack((qs & 0x0F, qs >> 4), dim=3)  # [out, blocks, 4, 2, 32]
+    else:  # Q6_K
+        ql = blk[..., :128].reshape(out, -1, 2, 2, 32)  # [.., half, which 32, i]
+        qh = blk[..., 128:192].reshape(out, -1, 2, 32)
+        low = torch.cat((ql & 0x0F, ql >> 4), dim=3)  # [.., half, 4 chunks, 32]
+        high = (qh[:, :, :, None, :] >> torch.tensor([0, 2, 4, 6])[:, None]) & 3
+        vals = (low | (high << 4)) - 32
+    return vals.reshape(out, in_features)
+
+
+def reference_quant_matmul(x: torch.Tensor, w: torch.Tensor, q: QuantType) -> torch.Tensor:
+    """`quant_matmul` in torch, bit for bit: the same integer sums and the same float chain."""
+    rows, n = x.shape
+    out = w.shape[0]
+    xq, dx, sx = reference_quantize_rows(x)
+    wq = reference_decode(w, q, n).reshape(out, n // QB, QB).to(torch.int64)
+    xb = xq.reshape(rows, n // QB, QB).to(torch.int64)
+    blk = w.reshape(out, n // q.values, q.bytes)
+    acc = torch.zeros(rows, out, dtype=torch.float32)
+    if q.name in ("Q8_0", "Q5_0"):
+        dw = _half(blk[..., 0:2])  # [out, blocks]
+        for b in range(n // QB):
+            isum = (xb[:, None, b, :] * wq[None, :, b, :]).sum(-1).to(torch.float32)
+            acc = acc + (dw[None, :, b] * dx[:, b, None]) * isum
+        return acc
+    per = 8  # activation blocks per 256-value super-block
+    if q.name == "Q4_K":
+        d, dmin = _half(blk[..., 0:2]), _half(blk[..., 2:4])
+        sc, mn = _q4k_scales(blk[..., 4:16])
+        for b in range(n // QB):
+            sb, s = divmod(b, per)
+            isum = (xb[:, None, b, :] * wq[None, :, b, :]).sum(-1)
+            a = (sc[None, :, sb, s] * isum).to(torch.float32)
+            c = (mn[None, :, sb, s] * sx[:, b, None]).to(torch.float32)
+            inner = d[None, :, sb] * a - dmin[None, :, sb] * c
+            acc = acc + dx[:, b, None] * inner
+        return acc
+    d = _half(blk[..., 208:210])
+    scales = blk[..., 192:208].view(torch.int8).to(torch.int64)
+    for b in range(n // QB):
+        sb, s = divmod(b, per)
+        prod = xb[:, None, b, :] * wq[None, :, b, :]
+        i0, i1 = prod[..., :16].sum(-1), prod[..., 16:].sum(-1)
+        ii = (scales[None, :, sb, 2 * s] * i0 + scales[None, :, sb, 2 * s + 1] * i1).to(torch.float32)
+        acc = acc + (d[None, :, sb] * dx[:, b, None]) * ii
+    return acc
