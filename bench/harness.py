@@ -157,6 +157,7 @@ def add_common_args(
       parallel          --json --no-progress
       peers             --json --tokens --prompt-file
       prefill_share     --json --seed --tokens --no-progress
+      quant_matmul      --json --no-progress
       round_files       --json
       simulate          --json --no-progress
       soak              --json --seed --no-progress
