@@ -163,7 +163,8 @@ def print_table(result: dict[str, Any]) -> None:
     rows = list(fwd[prefixes[0]])
     print(f"\nverify forward, median ms ({result['model']}, {result['threads']} threads, "
           f"attention {result['attention']} ({result.get('attention_kernel', '?')}), "
-          f"gemm {result['gemm']})")  # fmt: skip
+          f"gemm {result['gemm']}, weights {result.get('weights', 'fp32')}, "
+          f"peak RSS {result.get('max_rss_mb', '?')} MB)")  # fmt: skip
     print("  N rows " + "".join(f"{'prefix ' + p:>14}" for p in prefixes))
     for n in rows:
         print(f"  {n:>6} " + "".join(f"{fwd[p][n]:>14.2f}" for p in prefixes))
@@ -181,6 +182,13 @@ def print_table(result: dict[str, Any]) -> None:
     if dec["transformers"] is not None:
         print(f"  transformers  {dec['transformers']:>8.2f}")
         print(f"  ratio         {result['ratio_vs_transformers']:>8.3f}")
+
+
+def _max_rss_mb() -> float:
+    """This process's peak resident memory so far (MB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,6 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
         "'sdpa': the weights' dtype through scaled_dot_product_attention; 'float64': SDPA in float64",
     )
     p.add_argument("--gemm", default="auto", choices=["auto", "onednn", "torch"], help="projection kernels")
+    p.add_argument(
+        "--weights",
+        default="fp32",
+        choices=["fp32", "quantized"],
+        help="'fp32': the GGUF dequantized (the --gemm kernels); 'quantized': its blocks multiplied by "
+        "treespec_kernels.quant_matmul (--gemm does not apply)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument(
         "--quick", action="store_true", help="smoke test: 2 repeats, prefix 128, N in 1,16, 8 decode tokens"
@@ -225,8 +240,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     prefixes = [int(x) for x in args.prefixes.split(",") if x]
     rows = [int(x) for x in args.rows.split(",") if x]
-    target = load_target(args.model)
-    target.model.set_gemm(args.gemm)
+    target = load_target(args.model, weights=args.weights)
+    if args.weights == "fp32":
+        target.model.set_gemm(args.gemm)
     target.model.set_attention(args.attention)
     reference = None if args.no_transformers else load_reference(args.model)
     prompt = first_prompt(target)
@@ -253,7 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "threads": torch.get_num_threads(),
         "attention": target.model.attention_mode,
         "attention_kernel": target.model.attention_kernel,
-        "gemm": choose_gemm(args.gemm, target.device, target.dtype),
+        "gemm": choose_gemm(args.gemm, target.device, target.dtype)
+        if args.weights == "fp32"
+        else "quant_matmul",
+        "weights": target.model.weights,
+        "max_rss_mb": round(_max_rss_mb(), 1),
         "device": str(target.device),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }

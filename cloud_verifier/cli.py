@@ -147,6 +147,16 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "(the Triton kernel over the paged KV pool, one launch per layer for all sessions; on a CPU "
         "only under TRITON_INTERPRET=1, for tests)",
     )
+    p.add_argument(
+        "--weights",
+        default=d.weights,
+        choices=["fp32", "quantized"],
+        help="the projections of a GGUF target: 'fp32' (dequantized to the dtype once, 4 bytes a weight, "
+        "the oneDNN path on a CPU) or 'quantized' (kept as the file's Q8_0/Q5_0/Q4_K/Q6_K blocks and "
+        "multiplied from them with int8 activations: about the file's size in memory, tree rows still "
+        "bit-identical to one-token decoding, but numerically a different target from fp32's; CPU and "
+        "float32 only, not with --tensor-parallel)",
+    )
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     p.add_argument(
         "--idle-timeout",
@@ -315,6 +325,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cloud_verifier.server import serve
 
         if config.tensor_parallel > 1 or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+            if config.weights == "quantized":
+                print(
+                    "cloud-verifier: --weights quantized does not shard yet (tensor parallelism splits "
+                    "float weights); use --weights fp32 with --tensor-parallel",
+                    file=sys.stderr,
+                )
+                return 2
             from cloud_verifier.parallel import serve_parallel
 
             return serve_parallel(config)

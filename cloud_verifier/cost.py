@@ -100,7 +100,8 @@ def monotone(curve: dict[int, float]) -> dict[int, float]:
 
 
 def cost_cache_key(target: Target, threads: int, nodes: Sequence[int], prefix: int) -> str:
-    """What a measured curve depends on: the model's weights, dtype, device and attention, the
+    """What a measured curve depends on: the model's weights (and whether its projections are
+    quantized), dtype, device and attention, the
     thread count, the CPU (or GPU) model, the probe sizes, and the torch version."""
     dev = target.device
     if dev.type == "cuda":
@@ -120,6 +121,7 @@ def cost_cache_key(target: Target, threads: int, nodes: Sequence[int], prefix: i
         dev.type,
         target.model.attention_mode,
         target.model.attention_kernel,
+        target.model.weights,  # fp32 or quantized projections
         str(threads or torch.get_num_threads()),
         hw,
         ",".join(map(str, nodes)),

@@ -99,7 +99,7 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
             )
         elif target is None:
             target = await asyncio.to_thread(
-                load_target, cfg.model, cfg.dtype, cfg.device, True, cfg.attention
+                load_target, cfg.model, cfg.dtype, cfg.device, True, cfg.attention, cfg.weights
             )
         elif target.model.attention_mode != cfg.attention:
             target.model.set_attention(cfg.attention)

@@ -16,6 +16,7 @@ class ServerConfig:
     port: int = 8000
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU; or float32 / bfloat16 / float16
     attention: str = "model"  # "model" / "sdpa" / "float64", see LlamaModel and `serve --help`
+    weights: str = "fp32"  # "fp32" (a GGUF dequantized) or "quantized" (its blocks; CPU float32 only)
     device: str = "auto"  # auto: cuda if available, else cpu
     api_key_file: str | None = None  # one key per line: "KEY [trusted]"
     trust_anonymous: bool = False  # development: treat key-less clients as trusted (mss/rrs allowed)

@@ -1,4 +1,5 @@
-"""Loading a GGUF file: config from metadata, weights dequantized to float, tokenizer and template.
+"""Loading a GGUF file: config from metadata, weights dequantized to float (or, with quantized
+weights, the projections kept as blocks: `load_gguf_quantized`), tokenizer and template.
 
 llama.cpp's converter stores the q and k projections of `llama` models with their rows permuted
 per head (it evaluates RoPE on adjacent pairs, Hugging Face on the two halves of a head); the rows
@@ -8,6 +9,7 @@ permuted (llama.cpp runs those with the half-split RoPE).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +20,11 @@ from tqdm import tqdm
 from shared.model.archs import Architecture, by_name
 from shared.model.llama import LlamaModel
 from shared.model.model_config import ModelConfig, RopeScaling
+from shared.model.quantized import QuantMatrix, QuantPart, gguf_part
 from shared.model.tokenizer import CONTROL, TargetTokenizer, bpe_from_gguf
 from shared.model.weights import WeightAssigner
 from shared.vocab import end_of_generation_ids
+from treespec_kernels.quant_matmul import QTYPES
 
 
 def open_gguf(path: str | Path) -> Any:
@@ -132,3 +136,71 @@ def load_gguf_weights(reader: Any, model: LlamaModel, progress: bool = True) -> 
             arr = unpermute_rows(arr, c.num_heads if ".q_proj." in name else c.num_kv_heads)
         assigner.assign(name, torch.from_numpy(np.array(arr, dtype=np.float32)))
     assigner.finish()
+
+
+# Where each projection goes in a layer's (q|k|v, o, gate|up, down) and its place in the fused part
+_PROJECTIONS = {
+    "self_attn.q_proj.weight": (0, 0),
+    "self_attn.k_proj.weight": (0, 1),
+    "self_attn.v_proj.weight": (0, 2),
+    "self_attn.o_proj.weight": (1, 0),
+    "mlp.gate_proj.weight": (2, 0),
+    "mlp.up_proj.weight": (2, 1),
+    "mlp.down_proj.weight": (3, 0),
+}
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def load_gguf_quantized(reader: Any, model: LlamaModel, progress: bool = True) -> None:
+    """`--weights quantized`: the projections, the head and a quantized token table stay GGUF
+    blocks (shared/model/quantized.py; no float copy is made), the rest (norms, biases, a float
+    table) is read as floats. Every projection must be of a type the kernels read (Q8_0, Q5_0,
+    Q4_K, Q6_K); otherwise a ValueError says to use --weights fp32."""
+    from gguf.quants import dequantize
+
+    c = model.config
+    arch = by_name(c.architecture)
+    assigner = WeightAssigner(model)
+    parts: dict[tuple[int, int], dict[int, QuantPart]] = {}
+    tables: dict[str, QuantPart] = {}
+    for t in tqdm(reader.tensors, desc="reading GGUF blocks", unit="tensor", disable=not progress):
+        name = hf_name(t.name, arch)
+        if name is None:
+            continue
+        shape = [int(n) for n in reversed(t.shape.tolist())]
+        quantized = t.tensor_type.name in QTYPES
+        hit = _LAYER_NAME.fullmatch(name)
+        if hit is not None and hit.group(2) in _PROJECTIONS:
+            if not quantized:
+                raise ValueError(
+                    f"{t.name} is {t.tensor_type.name}: quantized weights need every projection in one "
+                    f"of {sorted(QTYPES)}; load this model with --weights fp32"
+                )
+            data = np.asarray(t.data).reshape(shape[0], -1)
+            if arch.gguf_qk_permuted and hit.group(2).split(".")[1] in ("q_proj", "k_proj"):
+                heads = c.num_heads if "q_proj" in name else c.num_kv_heads
+                data = unpermute_rows(data, heads)  # whole rows of blocks: the same permutation
+            slot, order = _PROJECTIONS[hit.group(2)]
+            parts.setdefault((int(hit.group(1)), slot), {})[order] = gguf_part(
+                data, t.tensor_type.name, shape
+            )
+            assigner.missing.discard(name)
+        elif name in ("model.embed_tokens.weight", "lm_head.weight") and quantized:
+            tables[name] = gguf_part(t.data, t.tensor_type.name, shape)
+            assigner.missing.discard(name)
+        else:
+            arr = dequantize(t.data, t.tensor_type).reshape(shape)
+            assigner.assign(name, torch.from_numpy(np.array(arr, dtype=np.float32)))
+    assigner.finish()
+    ins = (c.hidden_size, c.q_size, c.hidden_size, c.intermediate_size)
+    layers = []
+    for i in range(c.num_layers):
+        mats = [QuantMatrix([p for _, p in sorted(parts[(i, s)].items())], ins[s]) for s in range(4)]
+        layers.append((mats[0], mats[1], mats[2], mats[3]))
+    embed = tables.get("model.embed_tokens.weight")
+    table = embed if embed is None else QuantMatrix([embed], c.hidden_size)
+    head_part = tables.get("lm_head.weight", embed if c.tie_embeddings else None)
+    head: QuantMatrix | torch.Tensor = model.lm_head
+    if head_part is not None:
+        head = QuantMatrix([head_part], c.hidden_size)
+    model.use_quantized(layers, head, table)

@@ -32,7 +32,7 @@ checkpoints keep using), so memory for the projections doubles on CPU.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,7 @@ from shared.model.attention import ATTENTION_MODES
 from shared.model.inputs import SeqInput, check_input, row_bounds
 from shared.model.kv_cache import TILE, PagedKVCache
 from shared.model.model_config import ModelConfig, RopeScaling
+from shared.model.quantized import QuantMatrix
 from treespec_kernels import cpu_attention
 
 # SeqInput and check_input are part of this module's interface (the sharded model imports them here)
@@ -70,13 +71,18 @@ class DecoderLayer(nn.Module):
         )  # [hidden, inter]
 
 
+# a projection as the forward uses it: the Gemm's prepared float weight, or GGUF blocks
+Weight = torch.Tensor | QuantMatrix
+
+
 @dataclass(frozen=True)
 class _Prepared:
-    """Per-layer projection weights in the Gemm's prepared form (see `Gemm`)."""
+    """Per-layer projection weights in the Gemm's prepared form (see `Gemm`), or as GGUF blocks
+    (`LlamaModel.use_quantized`)."""
 
     gemm: Gemm
-    layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # qkv, o, gate_up, down
-    lm_head: torch.Tensor
+    layers: Sequence[tuple[Weight, Weight, Weight, Weight]]  # qkv, o, gate_up, down
+    lm_head: Weight
 
 
 class LlamaModel(nn.Module):
@@ -113,6 +119,8 @@ class LlamaModel(nn.Module):
         self.gemm_kind = gemm_kind
         self._prepared: _Prepared | None = None
         self.released = False  # projections freed after packing (see prepare)
+        self.weights = "fp32"  # or "quantized": the projections are GGUF blocks (use_quantized)
+        self._quant_embed: QuantMatrix | None = None  # the token table as blocks (quantized weights)
         self.attn_dtype = dtype
         self._mode = "model"  # one of ATTENTION_MODES
         self._backend: attention.AttentionBackend | None = None  # chosen from the mode on first use
@@ -191,6 +199,55 @@ class LlamaModel(nn.Module):
             self.released = self.released or release
         return self._prepared
 
+    def use_quantized(
+        self,
+        layers: list[tuple[QuantMatrix, QuantMatrix, QuantMatrix, QuantMatrix]],
+        lm_head: Weight,
+        embed: QuantMatrix | None = None,
+    ) -> None:
+        """Run the projections (per layer q|k|v, o, gate|up, down) and the head from GGUF blocks
+        (shared/model/quantized.py), and the token lookup too when `embed` is given. The float
+        projections (and the float token table, with `embed`) are freed: like
+        `prepare(release=True)`, the weights can no longer be read or re-packed."""
+        c = self.config
+        want = (
+            (c.q_size + 2 * c.kv_size, c.hidden_size),
+            (c.hidden_size, c.q_size),
+            (2 * c.intermediate_size, c.hidden_size),
+            (c.hidden_size, c.intermediate_size),
+        )
+        if len(layers) != c.num_layers:
+            raise ValueError(f"{len(layers)} layers of quantized weights for a model of {c.num_layers}")
+        shapes = [(m.out_features, m.in_features) for ws in layers for m in ws]
+        for i, shape in enumerate(shapes):
+            if shape != want[i % 4]:
+                raise ValueError(f"layer {i // 4}, projection {i % 4}: shape {shape}, expected {want[i % 4]}")
+        tables = [m for m in (lm_head, embed) if isinstance(m, QuantMatrix)]
+        for m in tables:
+            if (m.out_features, m.in_features) != (c.vocab_size, c.hidden_size):
+                raise ValueError(
+                    f"a token table of shape {(m.out_features, m.in_features)}, expected "
+                    f"{(c.vocab_size, c.hidden_size)}"
+                )
+        self._prepared = _Prepared(Gemm("torch"), layers, lm_head)
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                p.data = p.data.new_empty(0)
+        if self.lm_head is not self.embed and isinstance(lm_head, QuantMatrix):
+            self.lm_head.data = self.lm_head.data.new_empty(0)
+        if embed is not None:
+            self._quant_embed = embed
+            self.embed.data = self.embed.data.new_empty(0)
+        self.released = True
+        self.weights = "quantized"
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [T] -> [T, hidden]: the table's rows (dequantized exactly when it is blocks)."""
+        if self._quant_embed is not None:
+            return self._quant_embed.rows(tokens)
+        return F.embedding(tokens, self.embed)
+
     def _check_weights(self, what: str) -> None:
         if self.released:
             raise RuntimeError(
@@ -246,7 +303,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary.tables(positions, self.dtype)  # [T, 1, head_dim] each
         prep = self.prepare()
         lin = prep.gemm.linear
-        h = F.embedding(tokens, self.embed)  # [T, hidden]
+        h = self.embed_tokens(tokens)  # [T, hidden]
         t, hd, inter = h.shape[0], c.head_dim, c.intermediate_size
         qk_heads = c.num_heads + c.num_kv_heads
         norm = self._norm()
@@ -406,8 +463,10 @@ class Gemm:
             return prepared
         return weight
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, packed: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [rows, in] -> [rows, out]."""
+        if isinstance(packed, QuantMatrix):
+            return packed.linear(x, bias)
         if self.kind == "onednn":
             rows = x.shape[0]
             if rows < GEMM_MIN_ROWS:

@@ -25,6 +25,7 @@ from shared.model.weights import build_model, resolve_device, resolve_dtype
 from shared.vocab import vocab_fingerprint
 
 ALIASES = (*model_store.aliases("target"), "tiny")
+WEIGHTS = ("fp32", "quantized")
 # smaller models dequantize in a few seconds: not worth their disk space in the weight cache
 CACHE_MIN_PARAMETERS = 300_000_000
 
@@ -78,13 +79,23 @@ def load_target(
     device: str = "auto",
     progress: bool = True,
     attention: str = "model",
+    weights: str = "fp32",
 ) -> Target:
     """Load a target by alias (smollm2-135m, tiny) or path (.gguf file, safetensors directory).
 
     dtype auto: float32 on CPU, bfloat16 on GPU; device auto: CUDA when available.
     attention: "model" (attention in the weights' dtype) or "float64" (exact mode: tree rows
     bit-identical to incremental decoding; see LlamaModel).
+    weights: "fp32" (a GGUF dequantized to the dtype) or "quantized" (a GGUF's projections, head
+    and token table kept as its blocks and multiplied by treespec_kernels.quant_matmul: float32 on
+    a CPU only; shared/model/quantized.py).
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "quantized":
+        target = _load_quantized(name_or_path, dtype, device, progress)
+        target.model.set_attention(attention)
+        return target
     target = _load(name_or_path, dtype, device, progress)
     target.model.set_attention(attention)
     return target
@@ -131,3 +142,31 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, progress: b
     if entry is not None and config.num_parameters() >= CACHE_MIN_PARAMETERS:
         weight_cache.save(entry, model, tokenizer, progress)
     return _finish(model, tokenizer, model_id, device)
+
+
+def _load_quantized(name_or_path: str, dtype: str, device: str, progress: bool) -> Target:
+    """A GGUF with its projections kept as blocks (`weights="quantized"`; no weight cache: there is
+    nothing to dequantize)."""
+    from treespec_kernels import quant_matmul
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if dev.type != "cpu" or dt != torch.float32:
+        raise ValueError(f"quantized weights run on a CPU in float32, not {dev.type} {dt}; use weights fp32")
+    if quant_matmul.load() is None:
+        raise RuntimeError(f"quantized weights need the quant_matmul kernel: {quant_matmul.error()}")
+    if name_or_path in model_store.ALIASES:
+        path = model_store.resolve(name_or_path, "target", progress=progress)
+        model_id = name_or_path
+    else:
+        path = Path(name_or_path)
+        if not (path.is_file() and path.suffix == ".gguf"):
+            raise ValueError(f"quantized weights come from a GGUF file; {name_or_path!r} is not one")
+        model_id = path.stem
+    reader = gguf_loader.open_gguf(path)
+    config = gguf_loader.config_from_gguf(reader)
+    tokenizer = _gguf_tokenizer(str(path), reader)
+    model = build_model(config, None, dt, dev)
+    gguf_loader.load_gguf_quantized(reader, model, progress)
+    del reader
+    return _finish(model, tokenizer, model_id, dev)

@@ -18,14 +18,17 @@ pytestmark = pytest.mark.skipif(qm.load() is None, reason=f"quant_matmul kernel 
 TYPES = sorted(qm.QTYPES)
 
 
-def random_blocks(q: qm.QuantType, out: int, in_features: int, seed: int) -> torch.Tensor:
-    """[out, bytes per row] uint8 of random blocks whose half-float scales are finite and small."""
+def random_blocks(
+    q: qm.QuantType, out: int, in_features: int, seed: int, scales: tuple[float, float] = (1e-4, 2e-2)
+) -> torch.Tensor:
+    """[out, bytes per row] uint8 of random blocks whose half-float scales are finite, drawn
+    uniformly from `scales`."""
     rng = np.random.default_rng(seed)
     nblk = in_features // q.values
     raw = rng.integers(0, 256, size=(out, nblk, q.bytes), dtype=np.uint8)
     halves = {"Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[q.name]
     for at in halves:
-        scale = rng.uniform(1e-4, 2e-2, size=(out, nblk)).astype(np.float16)
+        scale = rng.uniform(*scales, size=(out, nblk)).astype(np.float16)
         raw[..., at : at + 2] = scale.view(np.uint8).reshape(out, nblk, 2)
     return torch.from_numpy(raw.reshape(out, nblk * q.bytes))
 

@@ -1,0 +1,99 @@
+"""Projections kept as a GGUF's quantized blocks (`--weights quantized`): `QuantMatrix`, what
+`LlamaModel.use_quantized` takes in place of its float projections, and how a model gets them.
+
+A `QuantMatrix` is one or more parts stacked along the output rows (a fused q|k|v or gate|up whose
+parts may be of different types: the 1.5B's v projection is Q6_K in half its layers, q and k
+Q4_K), each a [rows, bytes] uint8 tensor of GGUF blocks. `linear` runs
+`treespec_kernels.quant_matmul` per part (int8 activations, exact integer block sums, a fixed float
+chain: a row's result never depends on the rows beside it) and concatenates; `rows` dequantizes
+table rows exactly (the embedding lookup). Nothing is expanded to float32: the 1.5B's projections
+and head take 1.1 GB as blocks instead of 7.1 GB as floats.
+
+The activations' int8 rounding makes this a numerically different target from the float32 one
+(docs/architecture.md §4, "Quantized weights").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from treespec_kernels import quant_matmul as qm
+
+
+@dataclass(frozen=True)
+class QuantPart:
+    """Rows of a block matrix: `blocks` [rows, bytes per row] uint8 of type `qtype`."""
+
+    qtype: qm.QuantType
+    blocks: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.blocks.shape[0])
+
+
+class QuantMatrix:
+    """A [out, in] projection as GGUF blocks (parts stacked along the output rows)."""
+
+    def __init__(self, parts: Sequence[QuantPart], in_features: int) -> None:
+        if not parts:
+            raise ValueError("a QuantMatrix needs at least one part")
+        merged: list[QuantPart] = []
+        for p in parts:
+            want = qm.row_bytes(p.qtype, in_features)
+            if p.blocks.dtype != torch.uint8 or p.blocks.dim() != 2 or p.blocks.shape[1] != want:
+                raise ValueError(
+                    f"a {p.qtype.name} part of {in_features} columns must be [rows, {want}] uint8, "
+                    f"got {tuple(p.blocks.shape)} {p.blocks.dtype}"
+                )
+            if merged and merged[-1].qtype == p.qtype:  # one kernel call for neighbours of one type
+                merged[-1] = QuantPart(p.qtype, torch.cat((merged[-1].blocks, p.blocks)))
+            else:
+                merged.append(QuantPart(p.qtype, p.blocks.contiguous()))
+        self.parts = tuple(merged)
+        self.in_features = in_features
+        self.out_features = sum(p.rows for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.blocks.numel()) for p in self.parts)
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return tuple(p.qtype.name for p in self.parts)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] float32 -> [rows, out] float32 (+ bias, added after the product)."""
+        ys = [qm.quant_matmul(x, p.blocks, p.qtype) for p in self.parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        return y if bias is None else y + bias
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` [n] as float32 [n, in], exactly as gguf-py dequantizes them."""
+        if len(self.parts) != 1:
+            raise ValueError("row lookup needs a single-part matrix (an embedding table)")
+        p = self.parts[0]
+        return qm.dequantize_rows(p.blocks, p.qtype, self.in_features, index)
+
+
+def gguf_part(data: np.ndarray, type_name: str, shape: Sequence[int]) -> QuantPart:
+    """A GGUF tensor's raw data (`ReaderTensor.data`, [out, bytes]) as a part; `shape` [out, in]."""
+    q = qm.qtype(type_name)
+    blocks = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).reshape(int(shape[0]), -1)
+    if blocks.shape[1] != qm.row_bytes(q, int(shape[1])):
+        raise ValueError(f"a {type_name} tensor of shape {tuple(shape)} has {blocks.shape[1]} bytes per row")
+    return QuantPart(q, blocks)
+
+
+def quantize_part(weight: torch.Tensor, type_name: str) -> QuantPart:
+    """A float [out, in] weight quantized with gguf-py (the types it can quantize: Q8_0, Q5_0)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    q = qm.qtype(type_name)
+    data = quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType[type_name])
+    return QuantPart(q, torch.from_numpy(np.ascontiguousarray(data)).reshape(weight.shape[0], -1))
