@@ -49,7 +49,8 @@ class CppExtension:
 
     name: the module name (the CPU tag is appended); source: the file in csrc/; flags: the
     compiler's (the linker gets -fopenmp when they have it); fallback: what the caller does
-    without it, for the one warning."""
+    without it, for the one warning. `module` is the built module once `load` has built it (the
+    kernels' per-call paths read it without a call)."""
 
     def __init__(self, name: str, source: str, flags: Sequence[str], fallback: str) -> None:
         self.name = name
@@ -57,21 +58,21 @@ class CppExtension:
         self.flags = list(flags)
         self.fallback = fallback
         self._lock = threading.Lock()
-        self._module: Any = None
+        self.module: Any = None
         self._error: str | None = None
 
     def load(self) -> Any:
         """The compiled module, or None when it is disabled or cannot be built (reason: `error`)."""
-        if self._module is not None or self._error is not None or disabled():
-            return self._module
+        if self.module is not None or self._error is not None or disabled():
+            return self.module
         with self._lock:
-            if self._module is None and self._error is None:
+            if self.module is None and self._error is None:
                 try:
-                    self._module = self._build()
+                    self.module = self._build()
                 except Exception as exc:  # no compiler, no headers, a failed build
                     self._error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                     log.warning("%s unavailable (%s); %s", self.name, self._error, self.fallback)
-        return self._module
+        return self.module
 
     def _build(self) -> Any:
         from torch.utils import cpp_extension

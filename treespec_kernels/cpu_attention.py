@@ -39,7 +39,8 @@ _EXT = CppExtension(
 
 def load() -> Any:
     """The compiled module, or None when it is disabled or cannot be built (reason: `error()`)."""
-    return _EXT.load()
+    mod = _EXT.module  # built already: no call (this runs for every layer of every forward)
+    return mod if mod is not None else _EXT.load()
 
 
 def error() -> str | None:
@@ -47,7 +48,8 @@ def error() -> str | None:
 
 
 def _require() -> Any:
-    return _EXT.require()
+    mod = _EXT.module
+    return mod if mod is not None else _EXT.require()
 
 
 def supports(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

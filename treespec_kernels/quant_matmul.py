@@ -58,7 +58,13 @@ _EXT = CppExtension(
 
 def load() -> Any:
     """The compiled module, or None when it is disabled or cannot be built (reason: `error()`)."""
-    return _EXT.load()
+    mod = _EXT.module
+    return mod if mod is not None else _EXT.load()
+
+
+def _require() -> Any:
+    mod = _EXT.module  # built already: no call (this runs for every projection of every forward)
+    return mod if mod is not None else _EXT.require()
 
 
 def error() -> str | None:
@@ -83,20 +89,20 @@ def row_bytes(q: QuantType, in_features: int) -> int:
 
 def quant_matmul(x: torch.Tensor, w: torch.Tensor, q: QuantType) -> torch.Tensor:
     """x: [rows, in] float32; w: [out, bytes per row] uint8 blocks of type q -> [rows, out] float32."""
-    out: torch.Tensor = _EXT.require().quant_matmul(x, w, q.ggml_id)
+    out: torch.Tensor = _require().quant_matmul(x, w, q.ggml_id)
     return out
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's activation rule: x [rows, in] float32 -> (int8 values, per-block scale
     [rows, in / 32] float32, per-block sum of the int8 values [rows, in / 32] int32)."""
-    xq, dx, sx = _EXT.require().quantize_rows(x)
+    xq, dx, sx = _require().quantize_rows(x)
     return xq, dx, sx
 
 
 def dequantize_rows(w: torch.Tensor, q: QuantType, in_features: int, rows: torch.Tensor) -> torch.Tensor:
     """Rows `rows` [n] of the block matrix w as float32 [n, in_features], as gguf-py computes them."""
-    out: torch.Tensor = _EXT.require().dequantize_rows(w, q.ggml_id, in_features, rows)
+    out: torch.Tensor = _require().dequantize_rows(w, q.ggml_id, in_features, rows)
     return out
 
 

@@ -263,6 +263,108 @@ void row_dot4(int64_t t, int64_t nb, const int8_t* wq, const RowScales& w, const
 }
 #endif
 
+#if defined(__AVX2__)
+// Sum of the eight int32 lanes in each 128-bit half: (values 0..15, values 16..31) of a block.
+inline void hsum_halves(__m256i p32, int32_t* lo, int32_t* hi) {
+  __m128i l = _mm256_castsi256_si128(p32), h = _mm256_extracti128_si256(p32, 1);
+  l = _mm_add_epi32(l, _mm_shuffle_epi32(l, 0x4E));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+  l = _mm_add_epi32(l, _mm_shuffle_epi32(l, 0xB1));
+  h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+  *lo = _mm_cvtsi128_si32(l);
+  *hi = _mm_cvtsi128_si32(h);
+}
+
+// Signed weights w (in a register) against 32 activations: the two half sums (exact).
+inline void dot_signed(__m256i w, const int8_t* x, int32_t* lo, int32_t* hi) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
+  hsum_halves(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)), lo, hi);
+}
+
+// Unsigned weights u (0..15, in a register) against 32 activations (exact; pairs at most 2 * 15 * 127).
+inline int32_t dot_unsigned(__m256i u, const int8_t* x) {
+  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
+  int32_t lo, hi;
+  hsum_halves(p32, &lo, &hi);
+  return lo + hi;
+}
+
+// One activation row straight from the blocks (AVX2), for the rows outside the four-row groups
+// (a decode step's one row): the same integers and the same float chain as decode_row + row_dot,
+// without decoding the weight row first.
+float row_dot_blocks(int64_t t, const uint8_t* row, int64_t in, const int8_t* xq, const float* dx,
+                     const int32_t* sx) {
+  const int64_t bb = block_bytes(t), nb = in / QB;
+  float acc = 0.0f;
+  if (t == Q8_0 || t == Q5_0) {
+    alignas(32) int8_t buf[32];
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + b * bb;
+      const int8_t* w = reinterpret_cast<const int8_t*>(blk + 2);
+      if (t == Q5_0) {
+        decode_row(t, blk, QB, buf);
+        w = buf;
+      }
+      int32_t lo, hi;
+      dot_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), xq + b * QB, &lo, &hi);
+      const int32_t isum = lo + hi;
+      const float scale = half_to_float(blk) * dx[b];
+      acc = acc + scale * float(isum);
+    }
+    return acc;
+  }
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+  for (int64_t sb = 0; sb < in / 256; ++sb) {
+    const uint8_t* blk = row + sb * bb;
+    if (t == Q4_K) {
+      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+      int32_t sc[8], mn[8];
+      q4k_scales(blk + 4, sc, mn);
+      for (int g = 0; g < 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * g));
+        const __m256i nib[2] = {_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)};
+        for (int k = 0; k < 2; ++k) {
+          const int s = 2 * g + k;
+          const int64_t b = sb * 8 + s;
+          const int32_t isum = dot_unsigned(nib[k], xq + b * QB);
+          const float a = float(sc[s] * isum), c = float(mn[s] * sx[b]);
+          const float da = d * a, mc = dmin * c;
+          const float inner = da - mc;
+          acc = acc + dx[b] * inner;
+        }
+      }
+    } else {  // Q6_K
+      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = half_to_float(blk + 208);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        const __m256i high[4] = {
+            _mm256_and_si256(hb, m2), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2),
+            _mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), _mm256_and_si256(_mm256_srli_epi16(hb, 6), m2)};
+        const __m256i low[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                                _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+        for (int c = 0; c < 4; ++c) {
+          const __m256i q = _mm256_or_si256(low[c], _mm256_slli_epi16(high[c], 4));
+          const int s = 4 * h + c;
+          const int64_t b = sb * 8 + s;
+          int32_t i0, i1;
+          dot_signed(_mm256_sub_epi8(q, k32), xq + b * QB, &i0, &i1);
+          const int32_t ii = int32_t(scales[2 * s]) * i0 + int32_t(scales[2 * s + 1]) * i1;
+          const float scale = d * dx[b];
+          acc = acc + scale * float(ii);
+        }
+      }
+    }
+  }
+  return acc;
+}
+#endif
+
 void check_weight(const torch::Tensor& w, int64_t t, int64_t in) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
               "the weight must be a contiguous [out, bytes per row] uint8 CPU tensor");
@@ -335,19 +437,26 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
     RowScales scales(nb);
     for (int64_t j = lo; j < hi; ++j) {
       const uint8_t* row = wp + j * row_bytes;
-      decode_row(t, row, in, wq.data());
-      scales.read(t, row, in);
       int64_t r = 0;
 #if defined(__AVX2__)
-      for (; r + 4 <= rows; r += 4) {
-        const int8_t* xq4[4] = {xq + r * in, xq + (r + 1) * in, xq + (r + 2) * in, xq + (r + 3) * in};
-        float o[4];
-        row_dot4(t, nb, wq.data(), scales, xq4, dxT, sxT, rows, r, o);
-        for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
+      if (rows >= 4) {
+        decode_row(t, row, in, wq.data());
+        scales.read(t, row, in);
+        for (; r + 4 <= rows; r += 4) {
+          const int8_t* xq4[4] = {xq + r * in, xq + (r + 1) * in, xq + (r + 2) * in, xq + (r + 3) * in};
+          float o[4];
+          row_dot4(t, nb, wq.data(), scales, xq4, dxT, sxT, rows, r, o);
+          for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
+        }
       }
-#endif
+      for (; r < rows; ++r)
+        yp[r * out + j] = row_dot_blocks(t, row, in, xq + r * in, dx + r * nb, sx + r * nb);
+#else
+      decode_row(t, row, in, wq.data());
+      scales.read(t, row, in);
       for (; r < rows; ++r)
         yp[r * out + j] = row_dot(t, nb, wq.data(), scales, xq + r * in, dx + r * nb, sx + r * nb);
+#endif
     }
   });
   return y;
