@@ -2,10 +2,11 @@
 first use, and the plain-torch reference that reproduces them bit for bit.
 
 `quant_matmul(x, w, qtype)` is x @ W.T where W stays in the GGUF's bytes ([out, bytes per row],
-uint8; Q8_0, Q5_0, Q4_K or Q6_K): each activation row is quantized on its own to int8 per
-32-value block, every block's dot product is an exact integer sum, and the float part is one fixed
-chain of multiplies and adds per output, so a row's result does not depend on how many rows are
-computed with it, on the thread count or on the SIMD width (the .cpp file has the rule).
+uint8; Q8_0, Q5_0, Q4_K or Q6_K): each activation row is quantized on its own to int8 (one scale
+per 32 values for Q8_0 and Q5_0, per 256 for the K types), everything inside an activation block
+is an exact integer sum, and the float part is one fixed chain of multiplies and adds per output,
+so a row's result does not depend on how many rows are computed with it, on the thread count or
+on the SIMD width (the .cpp file has the rule).
 `reference_quant_matmul` is the same computation in torch, equal bit for bit; `dequantize_rows`
 gives rows back as float32 exactly as gguf-py's `dequantize` does (the lookup of a quantized
 embedding table).
@@ -93,10 +94,15 @@ def quant_matmul(x: torch.Tensor, w: torch.Tensor, q: QuantType) -> torch.Tensor
     return out
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel's activation rule: x [rows, in] float32 -> (int8 values, per-block scale
-    [rows, in / 32] float32, per-block sum of the int8 values [rows, in / 32] int32)."""
-    xq, dx, sx = _require().quantize_rows(x)
+def activation_block(q: QuantType) -> int:
+    """Values per activation scale for weights of type q: 256 for the K types, else 32."""
+    return 256 if q.values == 256 else QB
+
+
+def quantize_rows(x: torch.Tensor, block: int = QB) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's activation rule: x [rows, in] float32 -> (int8 values, one scale per `block`
+    values [rows, in / block] float32, the sum of every 32 int8 values [rows, in / 32] int32)."""
+    xq, dx, sx = _require().quantize_rows(x, block)
     return xq, dx, sx
 
 
@@ -115,14 +121,16 @@ def _half(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
-def reference_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reference_quantize_rows(
+    x: torch.Tensor, block: int = QB
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`quantize_rows` in torch."""
     rows, n = x.shape
-    blocks = x.float().reshape(rows, n // QB, QB)
+    blocks = x.float().reshape(rows, n // block, block)
     d = blocks.abs().amax(dim=-1) / 127.0
     inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
-    xq = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8)
-    return xq.reshape(rows, n), d, xq.to(torch.int32).sum(dim=-1)
+    xq = torch.round(blocks * inv[..., None]).clamp(-127, 127).to(torch.int8).reshape(rows, n)
+    return xq, d, xq.reshape(rows, n // QB, QB).to(torch.int32).sum(dim=-1)
 
 
 def _q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,38 +168,36 @@ def reference_decode(w: torch.Tensor, q: QuantType, in_features: int) -> torch.T
 
 
 def reference_quant_matmul(x: torch.Tensor, w: torch.Tensor, q: QuantType) -> torch.Tensor:
-    """`quant_matmul` in torch, bit for bit: the same integer sums and the same float chain."""
+    """`quant_matmul` in torch, bit for bit: the same integer totals and the same float chain."""
     rows, n = x.shape
     out = w.shape[0]
-    xq, dx, sx = reference_quantize_rows(x)
-    wq = reference_decode(w, q, n).reshape(out, n // QB, QB).to(torch.int64)
-    xb = xq.reshape(rows, n // QB, QB).to(torch.int64)
+    xq, dx, sx = reference_quantize_rows(x, activation_block(q))
+    wq = reference_decode(w, q, n).to(torch.int64)
+    xl = xq.to(torch.int64)
     blk = w.reshape(out, n // q.values, q.bytes)
     acc = torch.zeros(rows, out, dtype=torch.float32)
     if q.name in ("Q8_0", "Q5_0"):
         dw = _half(blk[..., 0:2])  # [out, blocks]
         for b in range(n // QB):
-            isum = (xb[:, None, b, :] * wq[None, :, b, :]).sum(-1).to(torch.float32)
+            cols = slice(QB * b, QB * (b + 1))
+            isum = (xl[:, None, cols] * wq[None, :, cols]).sum(-1).to(torch.float32)
             acc = acc + (dw[None, :, b] * dx[:, b, None]) * isum
         return acc
-    per = 8  # activation blocks per 256-value super-block
-    if q.name == "Q4_K":
-        d, dmin = _half(blk[..., 0:2]), _half(blk[..., 2:4])
-        sc, mn = _q4k_scales(blk[..., 4:16])
-        for b in range(n // QB):
-            sb, s = divmod(b, per)
-            isum = (xb[:, None, b, :] * wq[None, :, b, :]).sum(-1)
-            a = (sc[None, :, sb, s] * isum).to(torch.float32)
-            c = (mn[None, :, sb, s] * sx[:, b, None]).to(torch.float32)
-            inner = d[None, :, sb] * a - dmin[None, :, sb] * c
-            acc = acc + dx[:, b, None] * inner
-        return acc
-    d = _half(blk[..., 208:210])
-    scales = blk[..., 192:208].view(torch.int8).to(torch.int64)
-    for b in range(n // QB):
-        sb, s = divmod(b, per)
-        prod = xb[:, None, b, :] * wq[None, :, b, :]
-        i0, i1 = prod[..., :16].sum(-1), prod[..., 16:].sum(-1)
-        ii = (scales[None, :, sb, 2 * s] * i0 + scales[None, :, sb, 2 * s + 1] * i1).to(torch.float32)
-        acc = acc + (d[None, :, sb] * dx[:, b, None]) * ii
+    for sb in range(n // 256):
+        cols = slice(256 * sb, 256 * (sb + 1))
+        prod = xl[:, None, cols] * wq[None, :, cols]  # [rows, out, 256]
+        if q.name == "Q4_K":
+            sc, mn = _q4k_scales(blk[:, sb, 4:16])  # [out, 8]
+            isum = prod.reshape(rows, out, 8, 32).sum(-1)
+            total = (isum * sc[None].to(torch.int64)).sum(-1)
+            mins = (mn[None].to(torch.int64) * sx[:, None, 8 * sb : 8 * (sb + 1)].to(torch.int64)).sum(-1)
+            d, dmin = _half(blk[:, sb, 0:2]), _half(blk[:, sb, 2:4])
+            inner = d[None] * total.to(torch.float32) - dmin[None] * mins.to(torch.float32)
+            acc = acc + dx[:, sb, None] * inner
+        else:
+            scales = blk[:, sb, 192:208].view(torch.int8).to(torch.int64)  # [out, 16]
+            isum = prod.reshape(rows, out, 16, 16).sum(-1)
+            total = (isum * scales[None]).sum(-1)
+            d = _half(blk[:, sb, 208:210])
+            acc = acc + (d[None] * dx[:, sb, None]) * total.to(torch.float32)
     return acc

@@ -107,6 +107,10 @@ def test_activation_rule_matches_the_reference_and_is_per_row() -> None:
     assert int(xq.abs().max()) <= 127 and bool((dx[2] == 0).all()) and bool((xq[2] == 0).all())
     alone = qm.quantize_rows(x[3:4])
     assert torch.equal(alone[0], xq[3:4]) and torch.equal(alone[1], dx[3:4])
+    wide = torch.randn(3, 512, generator=torch.Generator().manual_seed(1)) * 5
+    got, want = qm.quantize_rows(wide, 256), qm.reference_quantize_rows(wide, 256)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert got[1].shape == (3, 2) and got[2].shape == (3, 16)  # a scale per 256, a sum per 32
 
 
 def test_bad_input_is_refused_with_the_reason() -> None:

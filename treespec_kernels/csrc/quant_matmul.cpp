@@ -6,24 +6,29 @@
 //
 // The rule (docs/architecture.md §4, "Quantized weights"), the same for one row and for many:
 //
-// 1. Each activation row is quantized on its own, per 32-value block: d = max|x| / 127,
-//    q = round-half-even(x * (1 / d)) (0 when the block is all zero), the block's sum of q kept.
-//    A row's int8 values never depend on the other rows.
-// 2. Per weight block, the integer dot product of the weight's integers and the row's int8 values
-//    is exact (int32), so no order of summation inside a block can change it: the compiler may
-//    vectorize it any way it likes, for any instruction set.
-// 3. The float part is a fixed chain per (row, output): for each block in order, one product of
-//    the scales and one add to the accumulator (separate multiply and add: this file is compiled
-//    with -ffp-contract=off, so the chain is the same IEEE operations on every machine and the
-//    plain-torch reference in quant_matmul.py reproduces it bit for bit).
+// 1. Each activation row is quantized on its own to int8, per block of QX values: d = max|x| / 127,
+//    q = round-half-even(x * (1 / d)) (0 when the block is all zero), with the sum of q of every 32
+//    values kept. QX is the weight type's: 32 for Q8_0 and Q5_0 (their blocks carry a scale per
+//    32), 256 for the K types (one scale per super-block, as llama.cpp's Q8_K). A row's int8 values
+//    never depend on the other rows.
+// 2. Everything inside an activation block is integer arithmetic, exact in int32: the dot products
+//    of the weight's integers and the row's, weighted by the K types' integer sub-block scales. No
+//    order of summation can change it, so the compiler or the intrinsics may vectorize it any way
+//    they like, on any instruction set.
+// 3. The float part is a fixed chain per (row, output): for each activation block in order, a few
+//    products of the scales and one add to the accumulator (separate multiplies and adds: this
+//    file is compiled with -ffp-contract=off, so the chain is the same IEEE operations on every
+//    machine and the plain-torch reference in quant_matmul.py reproduces it bit for bit).
 //
 // So a tree row's projection equals the same row computed alone, whatever the number of rows,
-// the thread count or the SIMD width. Per block type (j's block b, row r's block b with scale dx
-// and sum sx; w's integers as stored):
+// the thread count or the SIMD width. Per activation block (dx its scale; w's integers as stored):
 //
-//   Q8_0, Q5_0   acc += (dw * dx) * float(isum)                      (Q5_0's integers are q - 16)
-//   Q4_K         acc += dx * (d * float(sc * isum) - dmin * float(m * sx))  per 32-value sub-block
-//   Q6_K         acc += (d * dx) * float(sc0 * isum0 + sc1 * isum1)   two 16-value scales per block
+//   Q8_0, Q5_0 (32)  isum = sum q_w q_x                      acc += (dw * dx) * float(isum)
+//                    (Q5_0's integers are q - 16)
+//   Q4_K (256)       A = sum_s sc_s * isum_s, M = sum_s m_s * xsum_s over the 8 sub-blocks of 32
+//                    acc += dx * (d * float(A) - dmin * float(M))
+//   Q6_K (256)       T = sum_i sc_i * isum_i over the 16 sub-blocks of 16 (integers q - 32)
+//                    acc += (d * dx) * float(T)
 //
 // `dequantize_rows` turns whole rows back into floats exactly as gguf-py's `dequantize` does (the
 // embedding lookup of a quantized token table).
@@ -148,121 +153,6 @@ void decode_row(int64_t t, const uint8_t* row, int64_t in, int8_t* q) {
   }
 }
 
-// One weight row's per-block numbers, read once per row and used for every activation row: per
-// 32-value block b, the float scale d (Q8_0, Q5_0: the block's; K types: the super-block's),
-// dmin (Q4_K) and two integers (Q4_K: the sub-block's scale and min; Q6_K: its two 16-value scales).
-struct RowScales {
-  std::vector<float> d, dmin;
-  std::vector<int32_t> s0, s1;
-  explicit RowScales(int64_t nb) : d(nb), dmin(nb), s0(nb), s1(nb) {}
-
-  void read(int64_t t, const uint8_t* row, int64_t in) {
-    const int64_t bb = block_bytes(t);
-    if (t == Q8_0 || t == Q5_0) {
-      for (int64_t b = 0; b < in / QB; ++b) d[b] = half_to_float(row + b * bb);
-      return;
-    }
-    for (int64_t sb = 0; sb < in / 256; ++sb) {
-      const uint8_t* blk = row + sb * bb;
-      if (t == Q4_K) {
-        int32_t sc[8], mn[8];
-        q4k_scales(blk + 4, sc, mn);
-        const float dd = half_to_float(blk), dm = half_to_float(blk + 2);
-        for (int s = 0; s < 8; ++s) {
-          d[sb * 8 + s] = dd;
-          dmin[sb * 8 + s] = dm;
-          s0[sb * 8 + s] = sc[s];
-          s1[sb * 8 + s] = mn[s];
-        }
-      } else {
-        const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-        const float dd = half_to_float(blk + 208);
-        for (int s = 0; s < 8; ++s) {
-          d[sb * 8 + s] = dd;
-          s0[sb * 8 + s] = scales[2 * s];
-          s1[sb * 8 + s] = scales[2 * s + 1];
-        }
-      }
-    }
-  }
-};
-
-// The dot product of one weight row (decoded integers `wq`, scales `w`) with activation row r:
-// the chain of the file's header, block by block in order.
-float row_dot(int64_t t, int64_t nb, const int8_t* wq, const RowScales& w, const int8_t* xq,
-              const float* dx, const int32_t* sx) {
-  float acc = 0.0f;
-  if (t == Q8_0 || t == Q5_0) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const int32_t isum = dot32(wq + b * QB, xq + b * QB);
-      const float scale = w.d[b] * dx[b];
-      acc = acc + scale * float(isum);
-    }
-  } else if (t == Q4_K) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const int32_t isum = dot32(wq + b * QB, xq + b * QB);
-      const float a = float(w.s0[b] * isum), c = float(w.s1[b] * sx[b]);
-      const float da = w.d[b] * a, mc = w.dmin[b] * c;
-      const float inner = da - mc;
-      acc = acc + dx[b] * inner;
-    }
-  } else {  // Q6_K
-    for (int64_t b = 0; b < nb; ++b) {
-      int32_t i0, i1;
-      dot32_halves(wq + b * QB, xq + b * QB, &i0, &i1);
-      const int32_t ii = w.s0[b] * i0 + w.s1[b] * i1;
-      const float scale = w.d[b] * dx[b];
-      acc = acc + scale * float(ii);
-    }
-  }
-  return acc;
-}
-
-#if defined(__AVX2__)
-// Four activation rows at once (AVX2): the weight block is loaded once, the four rows' integer
-// dots are reduced together, and the four float chains run side by side in the lanes of one
-// vector. Each lane does exactly the scalar chain of `row_dot` (the same IEEE multiplies and adds,
-// separate, in the same order), so a row's result is the same in this path and in the scalar
-// one: which rows share a group never changes a value. xq4: the four rows; dxT, sxT: [nb, rows]
-// (block-major), `r` the first row's index.
-void row_dot4(int64_t t, int64_t nb, const int8_t* wq, const RowScales& w, const int8_t* const* xq4,
-              const float* dxT, const int32_t* sxT, int64_t rows, int64_t r, float* out4) {
-  __m128 acc = _mm_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * QB));
-    const __m256i wa = _mm256_abs_epi8(wv);
-    __m256i p[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq4[k] + b * QB));
-      p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv)), ones);
-    }
-    // low 128 bits: each row's sum over values 0..15; high: over 16..31
-    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-    const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
-    const __m128 dx = _mm_loadu_ps(dxT + b * rows + r);
-    if (t == Q8_0 || t == Q5_0) {
-      const __m128 isum = _mm_cvtepi32_ps(_mm_add_epi32(lo, hi));
-      const __m128 scale = _mm_mul_ps(_mm_set1_ps(w.d[b]), dx);
-      acc = _mm_add_ps(acc, _mm_mul_ps(scale, isum));
-    } else if (t == Q4_K) {
-      const __m128i isum = _mm_add_epi32(lo, hi);
-      const __m128i sx = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sxT + b * rows + r));
-      const __m128 a = _mm_cvtepi32_ps(_mm_mullo_epi32(_mm_set1_epi32(w.s0[b]), isum));
-      const __m128 c = _mm_cvtepi32_ps(_mm_mullo_epi32(_mm_set1_epi32(w.s1[b]), sx));
-      const __m128 inner = _mm_sub_ps(_mm_mul_ps(_mm_set1_ps(w.d[b]), a), _mm_mul_ps(_mm_set1_ps(w.dmin[b]), c));
-      acc = _mm_add_ps(acc, _mm_mul_ps(dx, inner));
-    } else {  // Q6_K
-      const __m128i ii = _mm_add_epi32(_mm_mullo_epi32(_mm_set1_epi32(w.s0[b]), lo),
-                                       _mm_mullo_epi32(_mm_set1_epi32(w.s1[b]), hi));
-      const __m128 scale = _mm_mul_ps(_mm_set1_ps(w.d[b]), dx);
-      acc = _mm_add_ps(acc, _mm_mul_ps(scale, _mm_cvtepi32_ps(ii)));
-    }
-  }
-  _mm_storeu_ps(out4, acc);
-}
-#endif
-
 #if defined(__AVX2__)
 // Sum of the eight int32 lanes in each 128-bit half: (values 0..15, values 16..31) of a block.
 inline void hsum_halves(__m256i p32, int32_t* lo, int32_t* hi) {
@@ -275,95 +165,175 @@ inline void hsum_halves(__m256i p32, int32_t* lo, int32_t* hi) {
   *hi = _mm_cvtsi128_si32(h);
 }
 
-// Signed weights w (in a register) against 32 activations: the two half sums (exact).
-inline void dot_signed(__m256i w, const int8_t* x, int32_t* lo, int32_t* hi) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));
-  hsum_halves(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)), lo, hi);
-}
+#endif
 
-// Unsigned weights u (0..15, in a register) against 32 activations (exact; pairs at most 2 * 15 * 127).
-inline int32_t dot_unsigned(__m256i u, const int8_t* x) {
-  const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(u, xv), _mm256_set1_epi16(1));
-  int32_t lo, hi;
-  hsum_halves(p32, &lo, &hi);
-  return lo + hi;
-}
+inline bool k_type(int64_t t) { return t == Q4_K || t == Q6_K; }
 
-// One activation row straight from the blocks (AVX2), for the rows outside the four-row groups
-// (a decode step's one row): the same integers and the same float chain as decode_row + row_dot,
-// without decoding the weight row first.
-float row_dot_blocks(int64_t t, const uint8_t* row, int64_t in, const int8_t* xq, const float* dx,
-                     const int32_t* sx) {
-  const int64_t bb = block_bytes(t), nb = in / QB;
+// ---------------------------------------------------------------------------------------------------
+// Q8_0 and Q5_0: 32-value blocks
+
+// One activation row against one weight row of 32-value blocks (w: decoded integers or null: read
+// Q8_0's straight from the blocks).
+float dot32_row(int64_t t, const uint8_t* row, int64_t in, const int8_t* wq, const int8_t* xq, const float* dx) {
+  const int64_t bb = block_bytes(t);
   float acc = 0.0f;
-  if (t == Q8_0 || t == Q5_0) {
-    alignas(32) int8_t buf[32];
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + b * bb;
-      const int8_t* w = reinterpret_cast<const int8_t*>(blk + 2);
-      if (t == Q5_0) {
-        decode_row(t, blk, QB, buf);
-        w = buf;
-      }
-      int32_t lo, hi;
-      dot_signed(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), xq + b * QB, &lo, &hi);
-      const int32_t isum = lo + hi;
-      const float scale = half_to_float(blk) * dx[b];
-      acc = acc + scale * float(isum);
-    }
-    return acc;
-  }
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
-  for (int64_t sb = 0; sb < in / 256; ++sb) {
-    const uint8_t* blk = row + sb * bb;
-    if (t == Q4_K) {
-      const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
-      int32_t sc[8], mn[8];
-      q4k_scales(blk + 4, sc, mn);
-      for (int g = 0; g < 4; ++g) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * g));
-        const __m256i nib[2] = {_mm256_and_si256(v, m4), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4)};
-        for (int k = 0; k < 2; ++k) {
-          const int s = 2 * g + k;
-          const int64_t b = sb * 8 + s;
-          const int32_t isum = dot_unsigned(nib[k], xq + b * QB);
-          const float a = float(sc[s] * isum), c = float(mn[s] * sx[b]);
-          const float da = d * a, mc = dmin * c;
-          const float inner = da - mc;
-          acc = acc + dx[b] * inner;
-        }
-      }
-    } else {  // Q6_K
-      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
-      const float d = half_to_float(blk + 208);
-      for (int h = 0; h < 2; ++h) {
-        const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
-        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
-        const __m256i high[4] = {
-            _mm256_and_si256(hb, m2), _mm256_and_si256(_mm256_srli_epi16(hb, 2), m2),
-            _mm256_and_si256(_mm256_srli_epi16(hb, 4), m2), _mm256_and_si256(_mm256_srli_epi16(hb, 6), m2)};
-        const __m256i low[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                                _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-        for (int c = 0; c < 4; ++c) {
-          const __m256i q = _mm256_or_si256(low[c], _mm256_slli_epi16(high[c], 4));
-          const int s = 4 * h + c;
-          const int64_t b = sb * 8 + s;
-          int32_t i0, i1;
-          dot_signed(_mm256_sub_epi8(q, k32), xq + b * QB, &i0, &i1);
-          const int32_t ii = int32_t(scales[2 * s]) * i0 + int32_t(scales[2 * s + 1]) * i1;
-          const float scale = d * dx[b];
-          acc = acc + scale * float(ii);
-        }
-      }
-    }
+  for (int64_t b = 0; b < in / QB; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const int8_t* w = wq != nullptr ? wq + b * QB : reinterpret_cast<const int8_t*>(blk + 2);
+    const int32_t isum = dot32(w, xq + b * QB);
+    const float scale = half_to_float(blk) * dx[b];
+    acc = acc + scale * float(isum);
   }
   return acc;
 }
+
+#if defined(__AVX2__)
+// Four activation rows at once: the weight block loaded once, the four rows' integer dots reduced
+// together, and the four float chains side by side in the lanes of one vector (each lane the
+// scalar chain of dot32_row). dxT: [blocks, rows] (block-major), `r` the first row.
+void dot32_rows4(int64_t t, const uint8_t* row, int64_t in, const int8_t* wq, const int8_t* const* xq4,
+                 const float* dxT, int64_t rows, int64_t r, float* out4) {
+  const int64_t bb = block_bytes(t);
+  __m128 acc = _mm_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < in / QB; ++b) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + b * QB));
+    const __m256i wa = _mm256_abs_epi8(wv);
+    __m256i p[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq4[k] + b * QB));
+      p[k] = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, wv)), ones);
+    }
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m128i isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    const __m128 scale = _mm_mul_ps(_mm_set1_ps(half_to_float(row + b * bb)), _mm_loadu_ps(dxT + b * rows + r));
+    acc = _mm_add_ps(acc, _mm_mul_ps(scale, _mm_cvtepi32_ps(isum)));
+  }
+  _mm_storeu_ps(out4, acc);
+}
 #endif
+
+// ---------------------------------------------------------------------------------------------------
+// Q4_K and Q6_K: 256-value super-blocks
+
+// The float step of one super-block (the chain of the header), given its integer totals.
+inline float k_step(int64_t t, const uint8_t* blk, int32_t A, int32_t M, float dx, float acc) {
+  if (t == Q4_K) {
+    const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
+    const float da = d * float(A), mc = dmin * float(M);
+    const float inner = da - mc;
+    return acc + dx * inner;
+  }
+  const float scale = half_to_float(blk + 208) * dx;
+  return acc + scale * float(A);
+}
+
+// M of a Q4_K super-block: its mins times the row's sums of 32 (sx32: this super-block's 8).
+inline int32_t q4k_mins(const uint8_t* blk, const int32_t* sx32) {
+  int32_t sc[8], mn[8], m = 0;
+  q4k_scales(blk + 4, sc, mn);
+  for (int s = 0; s < 8; ++s) m += mn[s] * sx32[s];
+  return m;
+}
+
+// The integer total A (Q4_K: sum sc * isum; Q6_K: T) of one super-block, plainly.
+int32_t k_total_plain(int64_t t, const uint8_t* blk, const int8_t* x) {
+  int8_t q[256];
+  decode_row(t, blk, 256, q);
+  int32_t total = 0;
+  if (t == Q4_K) {
+    int32_t sc[8], mn[8];
+    q4k_scales(blk + 4, sc, mn);
+    for (int s = 0; s < 8; ++s) total += sc[s] * dot(q + 32 * s, x + 32 * s, 32);
+  } else {
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    for (int i = 0; i < 16; ++i) total += int32_t(scales[i]) * dot(q + 16 * i, x + 16 * i, 16);
+  }
+  return total;
+}
+
+#if defined(__AVX2__)
+inline int32_t hsum8(__m256i v) {
+  int32_t lo, hi;
+  hsum_halves(v, &lo, &hi);
+  return lo + hi;
+}
+
+// The integer totals A of one super-block for N activation rows (x[k]: row k's 256 values), the
+// weights unpacked in registers once: maddubs of the weights with the rows' int8 values, then
+// madd with the sub-block scales as int16, summed in int32 lanes (exact: see the bounds below).
+template <int N>
+void k_totals(int64_t t, const uint8_t* blk, const int8_t* const* x, int32_t* A) {
+  __m256i acc[N];
+  for (int k = 0; k < N; ++k) acc[k] = _mm256_setzero_si256();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  if (t == Q4_K) {  // pairs of 15 * 127 and scales <= 63: lanes far below 2^31
+    int32_t sc[8], mn[8];
+    q4k_scales(blk + 4, sc, mn);
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * g));
+      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      const __m256i s0 = _mm256_set1_epi16(int16_t(sc[2 * g])), s1 = _mm256_set1_epi16(int16_t(sc[2 * g + 1]));
+      for (int k = 0; k < N; ++k) {
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[k] + 64 * g));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[k] + 64 * g + 32));
+        acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s0));
+        acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s1));
+      }
+    }
+  } else {  // Q6_K: |q - 32| <= 32, pairs of 32 * 127, |scales| <= 128
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const __m256i m2 = _mm256_set1_epi8(3), k32 = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+      const __m256i low[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
+                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
+      for (int c = 0; c < 4; ++c) {
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), m2);
+        const __m256i w = _mm256_sub_epi8(_mm256_or_si256(low[c], _mm256_slli_epi16(high, 4)), k32);
+        const __m256i wa = _mm256_abs_epi8(w);
+        const int s = 4 * h + c;  // values 32 s .. 32 s + 31: scales 2 s (first 16) and 2 s + 1
+        const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(int16_t(scales[2 * s + 1])),
+                                            _mm_set1_epi16(int16_t(scales[2 * s])));
+        for (int k = 0; k < N; ++k) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[k] + 32 * s));
+          const __m256i p16 = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv, w));
+          acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(p16, sc));
+        }
+      }
+    }
+  }
+  for (int k = 0; k < N; ++k) A[k] = hsum8(acc[k]);
+}
+#endif
+
+// N activation rows (xq[k], dx[k] per 256, sx[k] per 32) against one K-type weight row.
+template <int N>
+void k_rows(int64_t t, const uint8_t* row, int64_t in, const int8_t* const* xq, const float* const* dx,
+            const int32_t* const* sx, float* out) {
+  const int64_t bb = block_bytes(t);
+  float acc[N];
+  for (int k = 0; k < N; ++k) acc[k] = 0.0f;
+  for (int64_t sb = 0; sb < in / 256; ++sb) {
+    const uint8_t* blk = row + sb * bb;
+    const int8_t* x[N];
+    for (int k = 0; k < N; ++k) x[k] = xq[k] + 256 * sb;
+    int32_t A[N];
+#if defined(__AVX2__)
+    k_totals<N>(t, blk, x, A);
+#else
+    for (int k = 0; k < N; ++k) A[k] = k_total_plain(t, blk, x[k]);
+#endif
+    for (int k = 0; k < N; ++k) {
+      const int32_t M = t == Q4_K ? q4k_mins(blk, sx[k] + 8 * sb) : 0;
+      acc[k] = k_step(t, blk, A[k], M, dx[k][sb], acc[k]);
+    }
+  }
+  for (int k = 0; k < N; ++k) out[k] = acc[k];
+}
 
 void check_weight(const torch::Tensor& w, int64_t t, int64_t in) {
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous(),
@@ -377,37 +347,41 @@ void check_weight(const torch::Tensor& w, int64_t t, int64_t in) {
 
 }  // namespace
 
-// x: [rows, in] float32 -> (xq [rows, in] int8, dx [rows, in / 32] float32, sx [rows, in / 32] int32)
-std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x_) {
+// x: [rows, in] float32, qx: the activation block (32 or 256) -> (xq [rows, in] int8, dx
+// [rows, in / qx] float32, sx [rows, in / 32] int32: the sums of every 32 int8 values)
+std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x_, int64_t qx) {
   TORCH_CHECK(x_.device().is_cpu() && x_.scalar_type() == torch::kFloat32 && x_.dim() == 2,
               "x must be a [rows, in] float32 CPU tensor");
+  TORCH_CHECK(qx == 32 || qx == 256, "the activation block must be 32 or 256, got ", qx);
   const torch::Tensor x = x_.contiguous();
   const int64_t rows = x.size(0), in = x.size(1);
-  TORCH_CHECK(in % QB == 0, "in_features (", in, ") must be a multiple of ", QB);
-  const int64_t nb = in / QB;
+  TORCH_CHECK(in % qx == 0, "in_features (", in, ") must be a multiple of ", qx);
+  const int64_t nb = in / qx;
   auto xq = torch::empty({rows, in}, torch::kInt8);
   auto dx = torch::empty({rows, nb}, torch::kFloat32);
-  auto sx = torch::empty({rows, nb}, torch::kInt32);
+  auto sx = torch::empty({rows, in / QB}, torch::kInt32);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = xq.data_ptr<int8_t>();
   float* dp = dx.data_ptr<float>();
   int32_t* sp = sx.data_ptr<int32_t>();
-  at::parallel_for(0, rows * nb, 64, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, rows * nb, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
-      const float* v = xp + i * QB;
+      const float* v = xp + i * qx;
       float amax = 0.0f;
-      for (int k = 0; k < QB; ++k) amax = std::fmax(amax, std::fabs(v[k]));
+      for (int64_t k = 0; k < qx; ++k) amax = std::fmax(amax, std::fabs(v[k]));
       const float d = amax / 127.0f;
       const float id = d != 0.0f ? 1.0f / d : 0.0f;
-      int32_t s = 0;
-      for (int k = 0; k < QB; ++k) {
-        const float q = std::nearbyint(v[k] * id);  // round half to even, as torch.round
-        const int8_t qi = int8_t(std::fmax(-127.0f, std::fmin(127.0f, q)));
-        qp[i * QB + k] = qi;
-        s += qi;
+      for (int64_t s = 0; s < qx / QB; ++s) {
+        int32_t sum = 0;
+        for (int k = 0; k < QB; ++k) {
+          const float q = std::nearbyint(v[s * QB + k] * id);  // round half to even, as torch.round
+          const int8_t qi = int8_t(std::fmax(-127.0f, std::fmin(127.0f, q)));
+          qp[i * qx + s * QB + k] = qi;
+          sum += qi;
+        }
+        sp[i * (qx / QB) + s] = sum;
       }
       dp[i] = d;
-      sp[i] = s;
     }
   });
   return {xq, dx, sx};
@@ -418,45 +392,63 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
   const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
   check_weight(w, t, in);
-  auto q = quantize_rows(x);
+  const int64_t qx = k_type(t) ? 256 : QB, nx = in / qx;
+  auto q = quantize_rows(x, qx);
   const int8_t* xq = q[0].data_ptr<int8_t>();
   const float* dx = q[1].data_ptr<float>();
   const int32_t* sx = q[2].data_ptr<int32_t>();
   auto y = torch::empty({rows, out}, torch::kFloat32);
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t row_bytes = w.size(1), nb = in / QB;
-  // the scales and sums block-major, for the four-row path's vector loads
-  const torch::Tensor dxt = q[1].t().contiguous(), sxt = q[2].t().contiguous();
+  const int64_t row_bytes = w.size(1);
+  const torch::Tensor dxt = q[1].t().contiguous();  // block-major, for the four-row path
   const float* dxT = dxt.data_ptr<float>();
-  const int32_t* sxT = sxt.data_ptr<int32_t>();
   (void)dxT;
-  (void)sxT;
   at::parallel_for(0, out, 16, [&](int64_t lo, int64_t hi) {
     std::vector<int8_t> wq(in);
-    RowScales scales(nb);
     for (int64_t j = lo; j < hi; ++j) {
       const uint8_t* row = wp + j * row_bytes;
       int64_t r = 0;
-#if defined(__AVX2__)
-      if (rows >= 4) {
-        decode_row(t, row, in, wq.data());
-        scales.read(t, row, in);
+      if (k_type(t)) {
         for (; r + 4 <= rows; r += 4) {
-          const int8_t* xq4[4] = {xq + r * in, xq + (r + 1) * in, xq + (r + 2) * in, xq + (r + 3) * in};
+          const int8_t* x4[4];
+          const float* d4[4];
+          const int32_t* s4[4];
+          for (int k = 0; k < 4; ++k) {
+            x4[k] = xq + (r + k) * in;
+            d4[k] = dx + (r + k) * nx;
+            s4[k] = sx + (r + k) * (in / QB);
+          }
           float o[4];
-          row_dot4(t, nb, wq.data(), scales, xq4, dxT, sxT, rows, r, o);
+          k_rows<4>(t, row, in, x4, d4, s4, o);
           for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
         }
+        for (; r < rows; ++r) {
+          const int8_t* x1[1] = {xq + r * in};
+          const float* d1[1] = {dx + r * nx};
+          const int32_t* s1[1] = {sx + r * (in / QB)};
+          k_rows<1>(t, row, in, x1, d1, s1, yp + r * out + j);
+        }
+        continue;
       }
-      for (; r < rows; ++r)
-        yp[r * out + j] = row_dot_blocks(t, row, in, xq + r * in, dx + r * nb, sx + r * nb);
-#else
-      decode_row(t, row, in, wq.data());
-      scales.read(t, row, in);
-      for (; r < rows; ++r)
-        yp[r * out + j] = row_dot(t, nb, wq.data(), scales, xq + r * in, dx + r * nb, sx + r * nb);
+      const int8_t* wdec = nullptr;  // Q8_0 is read straight from its blocks
+      if (t == Q5_0) {
+        decode_row(t, row, in, wq.data());
+        wdec = wq.data();
+      }
+#if defined(__AVX2__)
+      if (rows >= 4 && wdec == nullptr) {
+        decode_row(t, row, in, wq.data());
+        wdec = wq.data();
+      }
+      for (; r + 4 <= rows; r += 4) {
+        const int8_t* xq4[4] = {xq + r * in, xq + (r + 1) * in, xq + (r + 2) * in, xq + (r + 3) * in};
+        float o[4];
+        dot32_rows4(t, row, in, wdec, xq4, dxT, rows, r, o);
+        for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
+      }
 #endif
+      for (; r < rows; ++r) yp[r * out + j] = dot32_row(t, row, in, wdec, xq + r * in, dx + r * nx);
     }
   });
   return y;
@@ -513,7 +505,7 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t t, int64_t in, con
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("quantize_rows", &quantize_rows, "per-row, per-32-value int8 activations (xq, dx, sx)");
+  m.def("quantize_rows", &quantize_rows, "per-row int8 activations per 32 or 256 values (xq, dx, sx)");
   m.def("quant_matmul", &quant_matmul, "x @ W.T with W in GGUF blocks, batch-invariant");
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGUF-block matrix as float32");
 }
