@@ -263,8 +263,7 @@ inline int32_t hsum8(__m256i v) {
 // weights unpacked in registers once: maddubs of the weights with the rows' int8 values, then
 // madd with the sub-block scales as int16, summed in int32 lanes (exact: see the bounds below).
 template <int N>
-void k_totals(int64_t t, const uint8_t* blk, const int8_t* const* x, int32_t* A) {
-  __m256i acc[N];
+void k_sums(int64_t t, const uint8_t* blk, const int8_t* const* x, __m256i* acc) {
   for (int k = 0; k < N; ++k) acc[k] = _mm256_setzero_si256();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   if (t == Q4_K) {  // pairs of 15 * 127 and scales <= 63: lanes far below 2^31
@@ -306,7 +305,48 @@ void k_totals(int64_t t, const uint8_t* blk, const int8_t* const* x, int32_t* A)
       }
     }
   }
+}
+
+// The totals A of one super-block for N rows (each row's lanes summed).
+template <int N>
+void k_totals(int64_t t, const uint8_t* blk, const int8_t* const* x, int32_t* A) {
+  __m256i acc[N];
+  k_sums<N>(t, blk, x, acc);
   for (int k = 0; k < N; ++k) A[k] = hsum8(acc[k]);
+}
+
+// Four activation rows against one K-type weight row, the four float chains side by side in the
+// lanes of one vector: each lane does exactly k_step's operations. dxT: [super-blocks, rows],
+// sxT: [blocks of 32, rows] (block-major), `r` the first row.
+void k_rows4(int64_t t, const uint8_t* row, int64_t in, const int8_t* const* xq4, const float* dxT,
+             const int32_t* sxT, int64_t rows, int64_t r, float* out4) {
+  const int64_t bb = block_bytes(t);
+  __m128 acc = _mm_setzero_ps();
+  for (int64_t sb = 0; sb < in / 256; ++sb) {
+    const uint8_t* blk = row + sb * bb;
+    const int8_t* x[4] = {xq4[0] + 256 * sb, xq4[1] + 256 * sb, xq4[2] + 256 * sb, xq4[3] + 256 * sb};
+    __m256i s[4];
+    k_sums<4>(t, blk, x, s);
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+    const __m128i A = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    const __m128 dx = _mm_loadu_ps(dxT + sb * rows + r);
+    if (t == Q4_K) {
+      int32_t sc[8], mn[8];
+      q4k_scales(blk + 4, sc, mn);
+      __m128i M = _mm_setzero_si128();
+      for (int k = 0; k < 8; ++k) {
+        const __m128i sx = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sxT + (8 * sb + k) * rows + r));
+        M = _mm_add_epi32(M, _mm_mullo_epi32(_mm_set1_epi32(mn[k]), sx));
+      }
+      const __m128 da = _mm_mul_ps(_mm_set1_ps(half_to_float(blk)), _mm_cvtepi32_ps(A));
+      const __m128 mc = _mm_mul_ps(_mm_set1_ps(half_to_float(blk + 2)), _mm_cvtepi32_ps(M));
+      acc = _mm_add_ps(acc, _mm_mul_ps(dx, _mm_sub_ps(da, mc)));
+    } else {
+      const __m128 scale = _mm_mul_ps(_mm_set1_ps(half_to_float(blk + 208)), dx);
+      acc = _mm_add_ps(acc, _mm_mul_ps(scale, _mm_cvtepi32_ps(A)));
+    }
+  }
+  _mm_storeu_ps(out4, acc);
 }
 #endif
 
@@ -401,15 +441,26 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
-  const torch::Tensor dxt = q[1].t().contiguous();  // block-major, for the four-row path
+  // block-major scales and sums, for the four-row paths' vector loads
+  const torch::Tensor dxt = q[1].t().contiguous(), sxt = q[2].t().contiguous();
   const float* dxT = dxt.data_ptr<float>();
+  const int32_t* sxT = sxt.data_ptr<int32_t>();
   (void)dxT;
+  (void)sxT;
   at::parallel_for(0, out, 16, [&](int64_t lo, int64_t hi) {
     std::vector<int8_t> wq(in);
     for (int64_t j = lo; j < hi; ++j) {
       const uint8_t* row = wp + j * row_bytes;
       int64_t r = 0;
       if (k_type(t)) {
+#if defined(__AVX2__)
+        for (; r + 4 <= rows; r += 4) {
+          const int8_t* x4[4] = {xq + r * in, xq + (r + 1) * in, xq + (r + 2) * in, xq + (r + 3) * in};
+          float o[4];
+          k_rows4(t, row, in, x4, dxT, sxT, rows, r, o);
+          for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
+        }
+#endif
         for (; r + 4 <= rows; r += 4) {
           const int8_t* x4[4];
           const float* d4[4];
