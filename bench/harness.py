@@ -163,6 +163,7 @@ def add_common_args(
       soak              --json --seed --no-progress
       target_step       --json --no-progress
       tree_attention    --json --seed
+      verifier_memory   --json
       verify_exactness  --json --seed --no-progress
 
     Left out where it would mean nothing: --prompt-file where no prompt suite runs (kernel and

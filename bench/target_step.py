@@ -243,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = load_target(args.model, weights=args.weights)
     if args.weights == "fp32":
         target.model.set_gemm(args.gemm)
+        target.model.prepare(release=True)  # one copy of the weights, as the service holds them
     target.model.set_attention(args.attention)
     reference = None if args.no_transformers else load_reference(args.model)
     prompt = first_prompt(target)

@@ -80,7 +80,7 @@ def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = 2 << 3
     per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(target.dtype).bits // 8
     if target.model.attention_kernel == "cpu-invariant" and config.block_size % 16 == 0:
         per_token = per_token * 3 // 2  # the CPU kernel's transposed copy of K
-    weight_bytes = c.num_parameters() * torch.finfo(target.dtype).bits // 8
+    weight_bytes = target.model.weight_bytes()  # (quantized: the blocks' bytes)
     cap = min(memory_cap, max(256 << 20, int(KV_WEIGHT_SHARE * weight_bytes)))
     tokens = min(config.max_sessions * (config.max_context + config.max_nodes + 1), cap // per_token)
     return max(tokens // config.block_size, 8)

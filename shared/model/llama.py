@@ -242,6 +242,20 @@ class LlamaModel(nn.Module):
         self.released = True
         self.weights = "quantized"
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as this model runs them: the float parameters it holds (none of the
+        released projections) plus, with quantized weights, the blocks; with float weights the
+        configuration's parameter count in the dtype (the packed copies are not parameters)."""
+        if self.weights != "quantized":
+            return self.config.num_parameters() * torch.finfo(self.dtype).bits // 8
+        own = sum(p.numel() * p.element_size() for p in self.parameters())
+        prep = self.prepare()
+        mats = {id(m): m for ws in prep.layers for m in ws if isinstance(m, QuantMatrix)}
+        for m in (prep.lm_head, self._quant_embed):
+            if isinstance(m, QuantMatrix):
+                mats[id(m)] = m
+        return own + sum(m.nbytes for m in mats.values())
+
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [T] -> [T, hidden]: the table's rows (dequantized exactly when it is blocks)."""
         if self._quant_embed is not None:

@@ -6,8 +6,9 @@ parts may be of different types: the 1.5B's v projection is Q6_K in half its lay
 Q4_K), each a [rows, bytes] uint8 tensor of GGUF blocks. `linear` runs
 `treespec_kernels.quant_matmul` per part (int8 activations, exact integer block sums, a fixed float
 chain: a row's result never depends on the rows beside it) and concatenates; `rows` dequantizes
-table rows exactly (the embedding lookup). Nothing is expanded to float32: the 1.5B's projections
-and head take 1.1 GB as blocks instead of 7.1 GB as floats.
+table rows exactly (the embedding lookup). Nothing is expanded to float32 and nothing is copied:
+the blocks are views of the GGUF's memory map, so the 1.5B's projections, head and token table
+are the file's 1.1 GB instead of 7.1 GB of floats.
 
 The activations' int8 rounding makes this a numerically different target from the float32 one
 (docs/architecture.md §4, "Quantized weights").
@@ -15,6 +16,7 @@ The activations' int8 rounding makes this a numerically different target from th
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,7 +44,6 @@ class QuantMatrix:
     def __init__(self, parts: Sequence[QuantPart], in_features: int) -> None:
         if not parts:
             raise ValueError("a QuantMatrix needs at least one part")
-        merged: list[QuantPart] = []
         for p in parts:
             want = qm.row_bytes(p.qtype, in_features)
             if p.blocks.dtype != torch.uint8 or p.blocks.dim() != 2 or p.blocks.shape[1] != want:
@@ -50,11 +51,11 @@ class QuantMatrix:
                     f"a {p.qtype.name} part of {in_features} columns must be [rows, {want}] uint8, "
                     f"got {tuple(p.blocks.shape)} {p.blocks.dtype}"
                 )
-            if merged and merged[-1].qtype == p.qtype:  # one kernel call for neighbours of one type
-                merged[-1] = QuantPart(p.qtype, torch.cat((merged[-1].blocks, p.blocks)))
-            else:
-                merged.append(QuantPart(p.qtype, p.blocks.contiguous()))
-        self.parts = tuple(merged)
+            if not p.blocks.is_contiguous():
+                raise ValueError(f"a {p.qtype.name} part must be contiguous")
+        # parts are kept as given, never concatenated: a part may be a view of the file's memory
+        # map (gguf_part), and a copy would hold the bytes twice
+        self.parts = tuple(parts)
         self.in_features = in_features
         self.out_features = sum(p.rows for p in self.parts)
 
@@ -81,9 +82,16 @@ class QuantMatrix:
 
 
 def gguf_part(data: np.ndarray, type_name: str, shape: Sequence[int]) -> QuantPart:
-    """A GGUF tensor's raw data (`ReaderTensor.data`, [out, bytes]) as a part; `shape` [out, in]."""
+    """A GGUF tensor's raw data (`ReaderTensor.data`, [out, bytes]) as a part; `shape` [out, in].
+
+    No copy: the part is a view of `data` (the reader's read-only memory map of the file, which it
+    keeps alive), so the weights are the file's pages, shared with the page cache as llama.cpp's
+    are. The kernels only read them."""
     q = qm.qtype(type_name)
-    blocks = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).reshape(int(shape[0]), -1)
+    arr = np.ascontiguousarray(np.asarray(data, dtype=np.uint8)).reshape(int(shape[0]), -1)
+    with warnings.catch_warnings():  # torch warns that a read-only array could be written through
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(arr)
     if blocks.shape[1] != qm.row_bytes(q, int(shape[1])):
         raise ValueError(f"a {type_name} tensor of shape {tuple(shape)} has {blocks.shape[1]} bytes per row")
     return QuantPart(q, blocks)

@@ -63,3 +63,14 @@ def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         bench.main(["--rows", "0"])
     assert "positive integers" in capsys.readouterr().err
+
+
+def test_the_memory_bench_reports_the_process_and_the_pool(tmp_path: Path) -> None:
+    from bench import verifier_memory
+
+    out = tmp_path / "m.json"
+    argv = ["--model", "tiny", "--weights", "fp32", "--prefill", "8", "--steps", "1", "--threads", "1"]
+    assert verifier_memory.main([*argv, "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["weights"] == "fp32" and row["kv_blocks"] >= 8 and row["kv_pool_mib"] > 0
+    assert 0 < row["rss_mib"] <= row["peak_rss_mib"] + 1  # (two clocks: pages counted a moment apart)

@@ -94,6 +94,12 @@ def test_the_float_projections_are_gone_and_the_weights_cannot_be_repacked(qtiny
         assert isinstance(layer, DecoderLayer)
         assert all(p.numel() == 0 for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert qtiny.embed.numel() == 0 and qtiny.released
+    # what the KV pool's share is sized from: the blocks and the float norms, not 4 bytes a weight
+    prep = qtiny.prepare()
+    blocks = sum(m.nbytes for ws in prep.layers for m in ws if isinstance(m, QuantMatrix))
+    table = prep.lm_head.nbytes if isinstance(prep.lm_head, QuantMatrix) else 0
+    floats = sum(p.numel() * 4 for p in qtiny.parameters())
+    assert qtiny.weight_bytes() == blocks + table + floats < qtiny.config.num_parameters() * 4 // 3
     with pytest.raises(RuntimeError, match="released"):
         qtiny.set_gemm("torch")
 
