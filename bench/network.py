@@ -249,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
     ap.add_argument(
+        "--weights",
+        default="fp32",
+        choices=["fp32", "quantized"],
+        help="the verifier's --weights: a GGUF target dequantized to fp32, or run from its quantized "
+        "blocks (a faster target on CPUs, numerically a different one)",
+    )
+    ap.add_argument(
         "--tree",
         default=None,
         help="expansion config of the tree modes (the sequence draft is as deep); default: the draft's "
@@ -327,10 +334,15 @@ def parse_lists(
     return rtts, temps, modes
 
 
-def verifier_args(max_pending: int | None, modes: Sequence[str]) -> tuple[list[str], str | None]:
-    """The verifier's extra flags and the API key its clients send: --max-pending when given, and
-    a key file with one trusted key when an rrs mode runs (the stochastic modes need one)."""
+def verifier_args(
+    max_pending: int | None, modes: Sequence[str], weights: str = "fp32"
+) -> tuple[list[str], str | None]:
+    """The verifier's extra flags and the API key its clients send: --max-pending when given,
+    --weights when not fp32, and a key file with one trusted key when an rrs mode runs (the
+    stochastic modes need one)."""
     args = [] if max_pending is None else ["--max-pending", str(max_pending)]
+    if weights != "fp32":
+        args += ["--weights", weights]
     api_key = None
     if any(m.endswith("_rrs") for m in modes):
         key_file, api_key = trusted_key_file()
@@ -403,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tree = ExpansionConfig.parse(a.tree)
     rows: list[dict[str, Any]] = []
     generations: list[dict[str, Any]] = []
-    args, api_key = verifier_args(a.max_pending, modes)
+    args, api_key = verifier_args(a.max_pending, modes, a.weights)
     verifier = Verifier(a.model, cores=split.verifier, threads=len(split.verifier), args=args)
     with verifier:
         split.pin_edge()
