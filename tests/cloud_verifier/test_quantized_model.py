@@ -273,3 +273,25 @@ def test_qwen05_quantized_tree_rows_equal_one_token_decoding(qwen05q: LlamaModel
         cond=rng.randint(0, 2),
         exact=True,
     )
+
+
+@pytest.fixture(scope="module")
+def qwen15q() -> LlamaModel:
+    return load_target("qwen2.5-coder-1.5b", progress=False, weights="quantized").model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3))
+def test_qwen15_quantized_tree_rows_equal_one_token_decoding(qwen15q: LlamaModel, seed: int) -> None:
+    """The 1.5B target as it runs with --weights quantized (Q4_K and Q6_K, a Q4_K token table and
+    a Q6_K head): every tree row bit-identical to its path decoded one token at a time."""
+    rng = random.Random(950 + seed)
+    check_round(
+        qwen15q,
+        rng,
+        prompt_len=rng.randint(6, 24),
+        nodes=rng.randint(6, 16),
+        tail=rng.randint(1, 3),
+        cond=rng.randint(0, 2),
+        exact=True,
+    )
