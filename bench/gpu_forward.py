@@ -118,24 +118,43 @@ def measure(
         forward = {str(n): round(statistics.median(times[n]), 3) for n in rows}
         tok = int(rng.integers(3, vocab))
         steps: list[float] = []
+        lengths: list[int] = []
         for i in range(decode_tokens + 1):
             _sync(dev)
             t0 = time.perf_counter()
-            (logits,) = model.forward_packed([_to(decode_step(0, tok, kv.cached_len(0)), dev)], kv)
+            cached = kv.cached_len(0)
+            (logits,) = model.forward_packed([_to(decode_step(0, tok, cached), dev)], kv)
             kv.commit_rows(0, (0,))
             tok = int(logits[0].argmax())  # the read-back target-only decoding makes every token
             if i:  # the first step warms up
                 steps.append(time.perf_counter() - t0)
+                lengths.append(cached)
     out: dict[str, Any] = {
         "forward_ms": forward,
         "decode_tok_s": round(len(steps) / sum(steps), 2) if steps else None,
         "decode_step_ms_median": round(statistics.median(steps) * 1e3, 3) if steps else None,
+        **decode_spread(steps, lengths),
     }
     if 1 in rows and 16 in rows:
         ratio = statistics.median(a / b for a, b in zip(times[16], times[1], strict=True))
         out["ratio_16_over_1"] = round(ratio, 3)
         out["goal_16_over_1"] = {"at_most": GOAL_16_OVER_1, "met": ratio <= GOAL_16_OVER_1}
     return out
+
+
+def decode_spread(steps: Sequence[float], lengths: Sequence[int]) -> dict[str, Any]:
+    """p90 and max of the decode steps (ms) and the steps over 3x the median as (cached length, ms):
+    the mean (decode_tok_s) can sit far above the median when some steps stall (a kernel compiled
+    for a new length, an allocation), and these say which."""
+    if not steps:
+        return {}
+    med = statistics.median(steps)
+    slow = [(n, round(t * 1e3, 2)) for t, n in zip(steps, lengths, strict=True) if t > 3 * med]
+    return {
+        "decode_step_ms_p90": round(float(np.percentile(steps, 90)) * 1e3, 3),
+        "decode_step_ms_max": round(max(steps) * 1e3, 3),
+        "decode_slow_steps": {"count": len(slow), "first": [list(x) for x in slow[:20]]},
+    }
 
 
 def _to(x: Any, dev: torch.device) -> Any:
@@ -239,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["by_attention"][mode] = r
         kernel, fwd, dec = r["attention_kernel"], r["forward_ms"], r["decode_tok_s"]
         print(f"{mode} ({kernel}): forward ms {fwd}, decode {dec} tok/s")
+        if r.get("decode_slow_steps", {}).get("count"):
+            print(f"  decode steps over 3x the median (cached length, ms): {r['decode_slow_steps']}")
         if "ratio_16_over_1" in r:
             print(f"  N=16 / N=1: {r['ratio_16_over_1']} (goal <= {GOAL_16_OVER_1})")
     rows = [{"attention": mode, **r} for mode, r in result["by_attention"].items()]

@@ -166,7 +166,7 @@ def shifted_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """WRONG (c): p with 1% of the probability mass moved from the most to the second most likely token."""
     p = target_probs(logits, params)
     top = torch.topk(p, 2, dim=-1).indices
-    shift = torch.tensor([-0.01, 0.01], dtype=p.dtype).expand(top.shape)
+    shift = torch.tensor([-0.01, 0.01], dtype=p.dtype, device=p.device).expand(top.shape)
     return p.scatter_add(-1, top, shift).clamp_min(0.0)
 
 

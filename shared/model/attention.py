@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared.model import triton_launch
 from shared.model.inputs import SeqInput, allowed_rows, attention_mask
@@ -146,6 +147,13 @@ def unfold(model: LlamaModel, out: torch.Tensor, n: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- the backends
+# On CUDA, SDPA without cuDNN: cuDNN's attention builds a plan for every new key length, ~1 ms of
+# host time per call, and a decode step's key length is new every step (on an H200, the 1.5B's
+# decode step through SDPA was 34 ms with it and the forward 7 ms at a fixed length). The flash and
+# memory-efficient kernels take any length without a plan; math is the last resort.
+CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
 def sdpa_rows(
     model: LlamaModel,
     q: torch.Tensor,
@@ -162,9 +170,12 @@ def sdpa_rows(
     k, v = kv.layer_kv(layer, plan.read)  # [kv_heads, L, head_dim] each
     dt = model.attn_dtype
     q, k, v = q.to(dt), k.to(dt), v.to(dt)  # no-ops unless the precisions differ
-    out = F.scaled_dot_product_attention(
-        fold(model, q).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask
-    )
+    args = (fold(model, q).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    if q.is_cuda:
+        with sdpa_kernel(list(CUDA_SDPA_BACKENDS)):
+            out = F.scaled_dot_product_attention(*args, attn_mask=mask)
+    else:
+        out = F.scaled_dot_product_attention(*args, attn_mask=mask)
     return unfold(model, out.to(model.dtype), q.shape[0])
 
 

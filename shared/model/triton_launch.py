@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 MAX_TREE_ROWS = 65  # row 0 + 64 nodes: one int64 mask bit per node (treespec_kernels.tree_attention)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ALIGN = 16  # int32 elements: a multiple of Triton's integer divisibility (16) and 16-byte alignment
 
 
 def installed() -> bool:
@@ -89,16 +90,24 @@ def prepare(
     fallback = tuple(i for i, x in enumerate(inputs) if x.tree_mask is not None and rows[i] > MAX_TREE_ROWS)
     is_causal = [x.tree_mask is None or i in fallback for i, x in enumerate(inputs)]
     tables = kv.block_tables_array([x.seq_id for x in inputs])  # [S, max_blocks]
-    width = tables.shape[1]
-    host = np.zeros(s * width + (s + 1) + s + s, dtype=np.int32)
-    host[: s * width] = tables.reshape(-1)
-    a = s * width
-    host[a : a + s + 1] = np.concatenate(([0], np.cumsum(rows)))
-    host[a + s + 1 : a + 2 * s + 1] = cached
-    host[a + 2 * s + 1 :] = is_causal
+    # Triton compiles a kernel per specialisation of its arguments: integers by divisibility by 16,
+    # pointers by 16-byte alignment. A decode step's table grows a block every block_size tokens, so
+    # an unpadded width and sections packed end to end would change the table's stride and the
+    # sections' alignment as the sequence grows: a new compile (~1.4 s on an H200, seen at three
+    # lengths between 1024 and 1072) in the middle of a session. Width and section starts are
+    # rounded up to ALIGN elements, so the key does not depend on the lengths.
+    width = _round_up(tables.shape[1], ALIGN)
+    sizes = (s * width, s + 1, s, s)
+    starts = np.concatenate(([0], np.cumsum([_round_up(n, ALIGN) for n in sizes])))
+    host = np.zeros(int(starts[-1]), dtype=np.int32)
+    host[: s * width].reshape(s, width)[:, : tables.shape[1]] = tables
+    at_rows, at_cached, at_causal = int(starts[1]), int(starts[2]), int(starts[3])
+    host[at_rows : at_rows + s + 1] = np.concatenate(([0], np.cumsum(rows)))
+    host[at_cached : at_cached + s] = cached
+    host[at_causal : at_causal + s] = is_causal
     dev = _to_device(host, device)  # the forward's one host -> device copy of indices
     block_tables = dev[: s * width].view(s, width)
-    row_starts, cached_lens = dev[a : a + s + 1], dev[a + s + 1 : a + 2 * s + 1]
+    row_starts, cached_lens = dev[at_rows : at_rows + s + 1], dev[at_cached : at_cached + s]
     if all(is_causal):
         return LaunchArgs(block_tables, row_starts, cached_lens, None, None, fallback)
     parts = []
@@ -107,7 +116,7 @@ def prepare(
             parts.append(torch.zeros(x.num_rows, dtype=torch.int64, device=device))
         else:
             parts.append(tree_bitmasks(x.tree_mask.to(device)))
-    causal = dev[a + 2 * s + 1 :].bool()
+    causal = dev[at_causal : at_causal + s].bool()
     return LaunchArgs(block_tables, row_starts, cached_lens, torch.cat(parts), causal, fallback)
 
 
@@ -131,6 +140,10 @@ def attend(
         kv.block_size,
         check_values=check,
     )
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
 
 
 def _to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:

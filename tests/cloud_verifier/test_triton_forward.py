@@ -156,7 +156,39 @@ def test_launch_args_and_block_tables() -> None:
     assert args.row_starts.tolist() == [0, 6, 7] and args.cached_lens.tolist() == [40, 3]
     assert args.causal is not None and args.causal.tolist() == [False, True]
     assert args.tree_masks is not None and args.tree_masks.shape == (7,) and int(args.tree_masks[6]) == 0
-    assert torch.equal(args.block_tables, kv.block_tables([0, 1])) and args.fallback == ()
+    want = kv.block_tables([0, 1])
+    assert args.block_tables.shape == (2, ta.ALIGN) and args.fallback == ()
+    assert torch.equal(args.block_tables[:, : want.shape[1]], want)
+    assert not args.block_tables[:, want.shape[1] :].any()
+
+
+def test_launch_args_keep_one_specialisation_as_a_sequence_grows() -> None:
+    """Triton compiles a kernel per specialisation of its integer arguments (divisible by 16 or
+    not) and pointers (16-byte aligned or not): the table's row stride and every index tensor's
+    address must keep the same answers at every length, or a decode step recompiles mid-session
+    (on an H200, ~1.4 s at three lengths between 1024 and 1072 before the tables were padded)."""
+    kv = PagedKVCache(1, 2, 16, 200, 16)
+    kv.add(0)
+    kv.add(1)
+    kv.reserve([(1, 5)])
+    kv.commit_rows(1, range(5))
+    keys = set()
+    for length in range(0, 1100, 7):
+        kv.reserve([(0, max(0, length - kv.cached_len(0)))])
+        kv.commit_rows(0, range(length - kv.cached_len(0)))
+        for inputs, cached in (
+            ([decode_step(0, 1, length)], [length]),
+            ([decode_step(0, 1, length), decode_step(1, 2, 5)], [length, 5]),
+        ):
+            kv.reserve([(x.seq_id, x.num_rows) for x in inputs])
+            args = ta.prepare(inputs, cached, kv, torch.device("cpu"))
+            assert args.cached_lens.tolist() == cached
+            tensors = (args.block_tables, args.row_starts, args.cached_lens)
+            aligned = tuple(t.data_ptr() % 16 == 0 for t in tensors)
+            keys.add((len(inputs), args.block_tables.stride(0) % 16 == 0, *aligned))
+            for x in inputs:
+                kv.discard(x.seq_id)
+    assert keys == {(1, True, True, True, True), (2, True, True, True, True)}
 
 
 def test_triton_mode_refuses_what_the_kernel_cannot_serve() -> None:
