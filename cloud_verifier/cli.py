@@ -152,7 +152,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=d.weights,
         choices=["fp32", "quantized"],
         help="the projections of a GGUF target: 'fp32' (dequantized to the dtype once, 4 bytes a weight, "
-        "the oneDNN path on a CPU) or 'quantized' (kept as the file's Q8_0/Q5_0/Q4_K/Q6_K blocks and "
+        "the oneDNN path on a CPU) or 'quantized' (kept as the file's Q8_0/Q5_0/Q4_1/Q4_K/Q6_K blocks and "
         "multiplied from them with int8 activations: about the file's size in memory, tree rows still "
         "bit-identical to one-token decoding, but numerically a different target from fp32's; CPU and "
         "float32 only, not with --tensor-parallel)",

@@ -2,8 +2,8 @@
 first use, and the plain-torch reference that reproduces them bit for bit.
 
 `quant_matmul(x, w, qtype)` is x @ W.T where W stays in the GGUF's bytes ([out, bytes per row],
-uint8; Q8_0, Q5_0, Q4_K or Q6_K): each activation row is quantized on its own to int8 (one scale
-per 32 values for Q8_0 and Q5_0, per 256 for the K types), everything inside an activation block
+uint8; Q8_0, Q5_0, Q4_1, Q4_K or Q6_K): each activation row is quantized on its own to int8 (one
+scale per 32 values for Q8_0, Q5_0 and Q4_1, per 256 for the K types), everything inside an activation block
 is an exact integer sum, and the float part is one fixed chain of multiplies and adds per output,
 so a row's result does not depend on how many rows are computed with it, on the thread count or
 on the SIMD width (the .cpp file has the rule).
@@ -42,6 +42,7 @@ QTYPES: dict[str, QuantType] = {
     for q in (
         QuantType("Q8_0", 8, 32, 34),
         QuantType("Q5_0", 6, 32, 22),
+        QuantType("Q4_1", 3, 32, 20),
         QuantType("Q4_K", 12, 256, 144),
         QuantType("Q6_K", 14, 256, 210),
     )
@@ -143,7 +144,7 @@ def _q4k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference_decode(w: torch.Tensor, q: QuantType, in_features: int) -> torch.Tensor:
-    """The weight integers the kernel multiplies: [out, in] int32 (Q5_0: q - 16; Q4_K: 0..15;
+    """The weight integers the kernel multiplies: [out, in] int32 (Q5_0: q - 16; Q4_1, Q4_K: 0..15;
     Q6_K: q - 32)."""
     out = w.shape[0]
     blk = w.reshape(out, in_features // q.values, q.bytes).to(torch.int32)
@@ -155,6 +156,9 @@ def reference_decode(w: torch.Tensor, q: QuantType, in_features: int) -> torch.T
         lo = torch.cat((qs & 0x0F, qs >> 4), dim=-1)
         hi = (qh[..., None] >> torch.arange(32)) & 1
         vals = (lo | (hi << 4)) - 16
+    elif q.name == "Q4_1":
+        qs = blk[..., 4:]
+        vals = torch.cat((qs & 0x0F, qs >> 4), dim=-1)
     elif q.name == "Q4_K":
         qs = blk[..., 16:].reshape(out, -1, 4, 32)
         vals = torch.stack((qs & 0x0F, qs >> 4), dim=3)  # [out, blocks, 4, 2, 32]
@@ -176,12 +180,17 @@ def reference_quant_matmul(x: torch.Tensor, w: torch.Tensor, q: QuantType) -> to
     xl = xq.to(torch.int64)
     blk = w.reshape(out, n // q.values, q.bytes)
     acc = torch.zeros(rows, out, dtype=torch.float32)
-    if q.name in ("Q8_0", "Q5_0"):
+    if q.values == QB:
         dw = _half(blk[..., 0:2])  # [out, blocks]
+        mw = _half(blk[..., 2:4]) if q.name == "Q4_1" else None
         for b in range(n // QB):
             cols = slice(QB * b, QB * (b + 1))
             isum = (xl[:, None, cols] * wq[None, :, cols]).sum(-1).to(torch.float32)
-            acc = acc + (dw[None, :, b] * dx[:, b, None]) * isum
+            a = (dw[None, :, b] * dx[:, b, None]) * isum
+            if mw is None:
+                acc = acc + a
+            else:  # Q4_1: the block's minimum times the row's sum
+                acc = acc + (a + (mw[None, :, b] * dx[:, b, None]) * sx[:, b, None].to(torch.float32))
         return acc
     for sb in range(n // 256):
         cols = slice(256 * sb, 256 * (sb + 1))

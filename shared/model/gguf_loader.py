@@ -155,7 +155,7 @@ def load_gguf_quantized(reader: Any, model: LlamaModel, progress: bool = True) -
     """`--weights quantized`: the projections, the head and a quantized token table stay GGUF
     blocks (shared/model/quantized.py; no float copy is made), the rest (norms, biases, a float
     table) is read as floats. Every projection must be of a type the kernels read (Q8_0, Q5_0,
-    Q4_K, Q6_K); otherwise a ValueError says to use --weights fp32."""
+    Q4_1, Q4_K, Q6_K); otherwise a ValueError says to use --weights fp32."""
     from gguf.quants import dequantize
 
     c = model.config

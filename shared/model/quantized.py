@@ -98,7 +98,7 @@ def gguf_part(data: np.ndarray, type_name: str, shape: Sequence[int]) -> QuantPa
 
 
 def quantize_part(weight: torch.Tensor, type_name: str) -> QuantPart:
-    """A float [out, in] weight quantized with gguf-py (the types it can quantize: Q8_0, Q5_0)."""
+    """A float [out, in] weight quantized with gguf-py (the types it can quantize: Q8_0, Q5_0, Q4_1)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
 

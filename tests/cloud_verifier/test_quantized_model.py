@@ -39,8 +39,8 @@ def _random(name: str, out: int, in_features: int, seed: int) -> QuantPart:
 
 def quantized_tiny(seed: int = 0) -> LlamaModel:
     """A small model whose projections mix every block type as the 1.5B does (q, k Q4_K with v
-    Q6_K in one fused q|k|v), some quantized from its float weights (Q8_0, Q5_0), the K types
-    random; a Q8_0 token table, tied to the head."""
+    Q6_K in one fused q|k|v), some quantized from its float weights (Q8_0, Q5_0, Q4_1: SmolLM2's
+    type), the K types random; a Q8_0 token table, tied to the head."""
     config = make_tiny_config(hidden_size=256, intermediate_size=512, head_dim=32)
     model = build_model(config, seed, "float32", "cpu")
     c = model.config
@@ -56,7 +56,9 @@ def quantized_tiny(seed: int = 0) -> LlamaModel:
             ],
             c.hidden_size,
         )
-        o = QuantMatrix([quantize_part(layer.o, "Q5_0")], c.q_size)
+        half = c.hidden_size // 2
+        o_parts = [quantize_part(layer.o[:half], "Q5_0"), quantize_part(layer.o[half:], "Q4_1")]
+        o = QuantMatrix(o_parts, c.q_size)
         inter = c.intermediate_size
         gate_up = QuantMatrix(
             [_random("Q4_K", inter, c.hidden_size, s + 2), quantize_part(layer.gate_up[inter:], "Q8_0")],
@@ -250,6 +252,30 @@ def test_the_service_refuses_quantized_weights_with_tensor_parallelism(
 
     assert main(["serve", "--model", "tiny", "--weights", "quantized", "--tensor-parallel", "2"]) == 2
     assert "does not shard yet" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def smollm2q() -> LlamaModel:
+    return load_target("smollm2-135m", progress=False, weights="quantized").model
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_smollm2_quantized_tree_rows_equal_one_token_decoding(smollm2q: LlamaModel, seed: int) -> None:
+    """SmolLM2's GGUF: Q4_1 projections and a Q8_0 token table tied to the head."""
+    mats = [m for ws in smollm2q.prepare().layers for m in ws if isinstance(m, QuantMatrix)]
+    assert {t for m in mats for t in m.types} == {"Q4_1"}
+    head = smollm2q.prepare().lm_head
+    assert isinstance(head, QuantMatrix) and head.types == ("Q8_0",)
+    rng = random.Random(800 + seed)
+    check_round(
+        smollm2q,
+        rng,
+        prompt_len=rng.randint(6, 40),
+        nodes=rng.randint(6, 24),
+        tail=rng.randint(1, 3),
+        cond=rng.randint(0, 2),
+        exact=True,
+    )
 
 
 @pytest.fixture(scope="module")

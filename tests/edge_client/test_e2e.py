@@ -122,6 +122,23 @@ def test_greedy_smollm2_llama_cpp_is_exact() -> None:
     drafter.close()
 
 
+def test_greedy_smollm2_quantized_target_is_exactly_its_own_decoding() -> None:
+    """The verifier running SmolLM2's own Q4_1 blocks (--weights quantized), llama.cpp drafting:
+    the edge's output is token for token this target's one-token greedy decoding (its tree rows are
+    bit-identical to decoding, so not even a near-tie may differ), in the static and budgeted trees."""
+    prompts = [p.text for p in load_prompts(2)]
+    target = load_target("smollm2-135m", progress=False, weights="quantized")
+    drafter = create_drafter("llama_cpp", "smollm2-135m-q4", n_threads=1)
+    with LiveServer(target=target, max_context=4096, weights="quantized") as srv:
+        for tree in (TreeSpec(), TreeSpec("budget", budget=12)):
+            for p in prompts:
+                ptoks, toks, st = asyncio.run(_generate(srv.ws, drafter, p, max_new_tokens=32, tree=tree))
+                ref, _ = greedy_with_gaps(target, ptoks, 32)
+                assert toks == ref, (p[:30], tree.kind)
+                assert st.rounds < len(toks)  # the drafts were accepted: it speculated
+    drafter.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["llama_cpp", "torch"])
 def test_greedy_10_prompts_64_tokens(backend: str) -> None:

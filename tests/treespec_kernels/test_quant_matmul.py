@@ -26,9 +26,11 @@ def random_blocks(
     rng = np.random.default_rng(seed)
     nblk = in_features // q.values
     raw = rng.integers(0, 256, size=(out, nblk, q.bytes), dtype=np.uint8)
-    halves = {"Q8_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}[q.name]
+    halves = {"Q8_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}[q.name]
     for at in halves:
         scale = rng.uniform(*scales, size=(out, nblk)).astype(np.float16)
+        if q.name == "Q4_1" and at == 2:  # the block's minimum: either sign
+            scale = np.where(rng.random((out, nblk)) < 0.5, -scale, scale).astype(np.float16)
         raw[..., at : at + 2] = scale.view(np.uint8).reshape(out, nblk, 2)
     return torch.from_numpy(raw.reshape(out, nblk * q.bytes))
 

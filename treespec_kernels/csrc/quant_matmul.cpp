@@ -1,4 +1,4 @@
-// Projections straight from a GGUF's quantized blocks (Q8_0, Q5_0, Q4_K, Q6_K), batch-invariant
+// Projections straight from a GGUF's quantized blocks (Q8_0, Q5_0, Q4_1, Q4_K, Q6_K), batch-invariant
 // by construction.
 //
 // y[r, j] = sum_k x[r, k] * W[j, k], with W kept as the GGUF stores it: row j of the [out, in]
@@ -8,7 +8,7 @@
 //
 // 1. Each activation row is quantized on its own to int8, per block of QX values: d = max|x| / 127,
 //    q = round-half-even(x * (1 / d)) (0 when the block is all zero), with the sum of q of every 32
-//    values kept. QX is the weight type's: 32 for Q8_0 and Q5_0 (their blocks carry a scale per
+//    values kept. QX is the weight type's: 32 for Q8_0, Q5_0, Q4_1 (their blocks carry a scale per
 //    32), 256 for the K types (one scale per super-block, as llama.cpp's Q8_K). A row's int8 values
 //    never depend on the other rows.
 // 2. Everything inside an activation block is integer arithmetic, exact in int32: the dot products
@@ -25,6 +25,8 @@
 //
 //   Q8_0, Q5_0 (32)  isum = sum q_w q_x                      acc += (dw * dx) * float(isum)
 //                    (Q5_0's integers are q - 16)
+//   Q4_1 (32)        isum as above (integers 0..15), xs = sum q_x
+//                    acc += ((dw * dx) * float(isum) + (mw * dx) * float(xs))
 //   Q4_K (256)       A = sum_s sc_s * isum_s, M = sum_s m_s * xsum_s over the 8 sub-blocks of 32
 //                    acc += dx * (d * float(A) - dmin * float(M))
 //   Q6_K (256)       T = sum_i sc_i * isum_i over the 16 sub-blocks of 16 (integers q - 32)
@@ -48,7 +50,7 @@
 
 namespace {
 
-enum QType : int64_t { Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14 };
+enum QType : int64_t { Q4_1 = 3, Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14 };
 
 constexpr int QB = 32;  // activation block (and the inner integer dot's length)
 
@@ -64,10 +66,11 @@ int64_t block_bytes(int64_t t) {
   switch (t) {
     case Q8_0: return 34;
     case Q5_0: return 22;
+    case Q4_1: return 20;
     case Q4_K: return 144;
     case Q6_K: return 210;
   }
-  TORCH_CHECK(false, "unsupported quantization type ", t, " (one of Q8_0=8, Q5_0=6, Q4_K=12, Q6_K=14)");
+  TORCH_CHECK(false, "unsupported quantization type ", t, " (one of Q4_1=3, Q8_0=8, Q5_0=6, Q4_K=12, Q6_K=14)");
   return 0;
 }
 
@@ -131,6 +134,12 @@ void decode_row(int64_t t, const uint8_t* row, int64_t in, int8_t* q) {
         out[i] = int8_t(((qs[i] & 0x0F) | (((qh >> i) & 1) << 4)) - 16);
         out[i + 16] = int8_t(((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
       }
+    } else if (t == Q4_1) {
+      const uint8_t* qs = blk + 4;
+      for (int i = 0; i < 16; ++i) {
+        out[i] = int8_t(qs[i] & 0x0F);
+        out[i + 16] = int8_t(qs[i] >> 4);
+      }
     } else if (t == Q4_K) {
       const uint8_t* qs = blk + 16;
       for (int g = 0; g < 4; ++g)
@@ -170,11 +179,12 @@ inline void hsum_halves(__m256i p32, int32_t* lo, int32_t* hi) {
 inline bool k_type(int64_t t) { return t == Q4_K || t == Q6_K; }
 
 // ---------------------------------------------------------------------------------------------------
-// Q8_0 and Q5_0: 32-value blocks
+// Q8_0, Q5_0 and Q4_1: 32-value blocks
 
 // One activation row against one weight row of 32-value blocks (w: decoded integers or null: read
-// Q8_0's straight from the blocks).
-float dot32_row(int64_t t, const uint8_t* row, int64_t in, const int8_t* wq, const int8_t* xq, const float* dx) {
+// Q8_0's straight from the blocks; sx: the row's sums of 32, read for Q4_1's minimum).
+float dot32_row(int64_t t, const uint8_t* row, int64_t in, const int8_t* wq, const int8_t* xq, const float* dx,
+                const int32_t* sx) {
   const int64_t bb = block_bytes(t);
   float acc = 0.0f;
   for (int64_t b = 0; b < in / QB; ++b) {
@@ -182,7 +192,13 @@ float dot32_row(int64_t t, const uint8_t* row, int64_t in, const int8_t* wq, con
     const int8_t* w = wq != nullptr ? wq + b * QB : reinterpret_cast<const int8_t*>(blk + 2);
     const int32_t isum = dot32(w, xq + b * QB);
     const float scale = half_to_float(blk) * dx[b];
-    acc = acc + scale * float(isum);
+    if (t == Q4_1) {
+      const float mscale = half_to_float(blk + 2) * dx[b];
+      const float a = scale * float(isum), m = mscale * float(sx[b]);
+      acc = acc + (a + m);
+    } else {
+      acc = acc + scale * float(isum);
+    }
   }
   return acc;
 }
@@ -192,7 +208,7 @@ float dot32_row(int64_t t, const uint8_t* row, int64_t in, const int8_t* wq, con
 // together, and the four float chains side by side in the lanes of one vector (each lane the
 // scalar chain of dot32_row). dxT: [blocks, rows] (block-major), `r` the first row.
 void dot32_rows4(int64_t t, const uint8_t* row, int64_t in, const int8_t* wq, const int8_t* const* xq4,
-                 const float* dxT, int64_t rows, int64_t r, float* out4) {
+                 const float* dxT, const int32_t* sxT, int64_t rows, int64_t r, float* out4) {
   const int64_t bb = block_bytes(t);
   __m128 acc = _mm_setzero_ps();
   const __m256i ones = _mm256_set1_epi16(1);
@@ -206,8 +222,16 @@ void dot32_rows4(int64_t t, const uint8_t* row, int64_t in, const int8_t* wq, co
     }
     const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
     const __m128i isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-    const __m128 scale = _mm_mul_ps(_mm_set1_ps(half_to_float(row + b * bb)), _mm_loadu_ps(dxT + b * rows + r));
-    acc = _mm_add_ps(acc, _mm_mul_ps(scale, _mm_cvtepi32_ps(isum)));
+    const __m128 dxv = _mm_loadu_ps(dxT + b * rows + r);
+    const __m128 scale = _mm_mul_ps(_mm_set1_ps(half_to_float(row + b * bb)), dxv);
+    if (t == Q4_1) {
+      const __m128 mscale = _mm_mul_ps(_mm_set1_ps(half_to_float(row + b * bb + 2)), dxv);
+      const __m128i xs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sxT + b * rows + r));
+      const __m128 a = _mm_mul_ps(scale, _mm_cvtepi32_ps(isum)), m = _mm_mul_ps(mscale, _mm_cvtepi32_ps(xs));
+      acc = _mm_add_ps(acc, _mm_add_ps(a, m));
+    } else {
+      acc = _mm_add_ps(acc, _mm_mul_ps(scale, _mm_cvtepi32_ps(isum)));
+    }
   }
   _mm_storeu_ps(out4, acc);
 }
@@ -483,7 +507,7 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
         continue;
       }
       const int8_t* wdec = nullptr;  // Q8_0 is read straight from its blocks
-      if (t == Q5_0) {
+      if (t == Q5_0 || t == Q4_1) {
         decode_row(t, row, in, wq.data());
         wdec = wq.data();
       }
@@ -495,11 +519,12 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
       for (; r + 4 <= rows; r += 4) {
         const int8_t* xq4[4] = {xq + r * in, xq + (r + 1) * in, xq + (r + 2) * in, xq + (r + 3) * in};
         float o[4];
-        dot32_rows4(t, row, in, wdec, xq4, dxT, rows, r, o);
+        dot32_rows4(t, row, in, wdec, xq4, dxT, sxT, rows, r, o);
         for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
       }
 #endif
-      for (; r < rows; ++r) yp[r * out + j] = dot32_row(t, row, in, wdec, xq + r * in, dx + r * nx);
+      for (; r < rows; ++r)
+        yp[r * out + j] = dot32_row(t, row, in, wdec, xq + r * in, dx + r * nx, sx + r * (in / QB));
     }
   });
   return y;
@@ -530,6 +555,12 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t t, int64_t in, con
         if (t == Q8_0 || t == Q5_0) {
           const float d = half_to_float(blk);
           for (int k = 0; k < 32; ++k) ob[k] = d * float(qb[k]);
+        } else if (t == Q4_1) {
+          const float d = half_to_float(blk), m = half_to_float(blk + 2);
+          for (int k = 0; k < 32; ++k) {
+            const float p = d * float(qb[k]);
+            ob[k] = p + m;
+          }
         } else if (t == Q4_K) {
           const float d = half_to_float(blk), dmin = half_to_float(blk + 2);
           int32_t sc[8], mn[8];
