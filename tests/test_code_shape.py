@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("edge_client", "cloud_verifier", "shared", "treespec_kernels", "bench")
+PACKAGES = ("edge_client", "cloud_verifier", "shared", "treespec_kernels", "bench", "draft_training")
 # a Triton JIT kernel is one function by construction: it cannot call Python helpers
 LONG_ALLOWED = {("treespec_kernels/_triton_tree_attention.py", "_tree_attention_fwd")}
 

@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("edge_client", "cloud_verifier", "shared", "treespec_kernels", "bench")
+PACKAGES = ("edge_client", "cloud_verifier", "shared", "treespec_kernels", "bench", "draft_training")
 
 
 def module_name(path: Path) -> str:

@@ -1,0 +1,5 @@
+import sys
+
+from draft_training.cli import main
+
+sys.exit(main())

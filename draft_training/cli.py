@@ -1,0 +1,158 @@
+"""`python -m draft_training` (`draft-training`): the steps of training a draft for a target.
+
+draft-training split [--check]
+draft-training collect --out DIR [--model M] [--tokens N] [--temperatures 0,1] [--batch B]
+                       [--top-k K] [--seed S] [--limit N] [--side train|heldout] [--no-progress]
+draft-training distill --records DIR --out DIR [--heldout DIR] [--draft D] [--steps N] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from shared.model_store import DEFAULT_TARGET
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="draft-training",
+        description="Train a draft for a target from the target's own outputs (distillation).",
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    sp = sub.add_parser(
+        "split",
+        help="write the fixed train / held-out split of the benchmark prompts",
+        description="Write draft_training/data/split.json: per category, prompts ordered by "
+        "sha256('category/id'), the first third held out. --check compares the committed file instead.",
+    )
+    sp.add_argument("--check", action="store_true", help="exit 1 if the committed split is not the rule's")
+    cp = sub.add_parser(
+        "collect",
+        help="the teacher's continuations of the train prompts with its top-k probabilities",
+        description="Continue every train prompt with the fp32 target (greedy and sampled), storing each "
+        "position's token, the teacher's top-k probabilities and the remaining mass; resumable.",
+    )
+    cp.add_argument("--out", type=Path, required=True, help="output folder (created; resumed if it exists)")
+    cp.add_argument("--model", default=DEFAULT_TARGET, help="the target (teacher): alias or GGUF path")
+    cp.add_argument("--tokens", type=int, default=128, help="new tokens per record at most")
+    cp.add_argument(
+        "--temperatures",
+        type=_floats,
+        default=(0.0, 1.0),
+        help="decoding temperatures, one record per prompt each (0: greedy)",
+    )
+    cp.add_argument("--batch", type=int, default=4, help="sequences per forward")
+    cp.add_argument("--top-k", type=int, default=32, help="teacher probabilities kept per position")
+    cp.add_argument("--seed", type=int, default=0, help="seeds the sampled records (each from its name)")
+    cp.add_argument("--limit", type=int, default=0, help="only the first N train prompts (0: all)")
+    cp.add_argument("--split", type=Path, default=None, help="split file (default: the committed one)")
+    cp.add_argument(
+        "--side",
+        choices=("train", "heldout"),
+        default="train",
+        help="which prompts: train (to distill on) or heldout (to evaluate on, never trained on)",
+    )
+    cp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    dp = sub.add_parser(
+        "distill",
+        help="train the draft towards the teacher's records (KL + 0.1 CE), full blocks or LoRA",
+        description="Distill the draft from collect's records: forward KL on the teacher's stored top-k + "
+        "rest (or TVD) plus 0.1 x cross-entropy on its token; deterministic with --seed; checkpoints and "
+        "resumes in --out; evaluates held-out top-1 and simulated tau on --heldout records.",
+    )
+    dp.add_argument("--records", type=Path, required=True, help="a collect folder of train records")
+    dp.add_argument("--heldout", type=Path, default=None, help="a collect folder of held-out records")
+    dp.add_argument("--out", type=Path, required=True, help="run folder (checkpoints; resumed if it exists)")
+    dp.add_argument("--draft", default="smollm2-135m-q4-l8", help="the draft to train: alias or GGUF path")
+    dp.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    dp.add_argument("--batch", type=int, default=4, help="records per step")
+    dp.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    dp.add_argument("--loss", choices=("kl", "tvd"), default="kl", help="divergence from the teacher")
+    dp.add_argument("--ce-weight", type=float, default=0.1, help="weight of the cross-entropy term")
+    dp.add_argument("--blocks", default="", help="blocks to train, e.g. 4,5,6,7 (default: all)")
+    dp.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning of --blocks)")
+    dp.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (alpha / rank)")
+    dp.add_argument("--lora-targets", default="qkv,o,gate_up,down", help="projections LoRA adapts")
+    dp.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    dp.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    dp.add_argument("--max-positions", type=int, default=0, help="teacher positions per record (0: all)")
+    dp.add_argument("--seed", type=int, default=0, help="seeds the record order and the LoRA init")
+    dp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return ap
+
+
+def _distill(a: argparse.Namespace) -> int:
+    from draft_training.distill import DistillConfig, distill, save_draft
+    from draft_training.student import Student, TrainSpec
+    from edge_client.models import resolve_draft
+    from shared.model import load_target
+
+    blocks = tuple(int(b) for b in a.blocks.split(",") if b.strip()) if a.blocks else None
+    spec = TrainSpec(blocks, a.lora_rank, a.lora_alpha, tuple(t for t in a.lora_targets.split(",") if t))
+    config = DistillConfig(
+        str(a.draft), a.steps, a.batch, a.lr, 0.0, a.loss, a.ce_weight, a.seed, a.eval_every,
+        a.checkpoint_every, a.max_positions,
+    )  # fmt: skip
+    config.check()
+    path = a.draft if a.draft == "tiny" else str(resolve_draft(a.draft, progress=not a.no_progress))
+    draft = load_target(path, progress=not a.no_progress)
+    student = Student(draft.model, spec, seed=a.seed)
+    summary = distill(a.out, a.records, student, config, a.heldout, progress=not a.no_progress)
+    save_draft(student, a.out / "draft.safetensors")
+    last = summary["evals"][-1] if summary["evals"] else None
+    print(json.dumps({"steps": summary["steps"], "loss": summary["loss"], "last_eval": last}))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    from draft_training import split as splits
+
+    if a.command == "split":
+        if a.check:
+            problem = splits.check_split()
+            print(problem or f"{splits.SPLIT_FILE}: the committed split is the rule's")
+            return 1 if problem else 0
+        doc = splits.write_split()
+        n = {s: sum(len(v) for v in doc[s].values()) for s in ("train", "heldout")}
+        print(f"wrote {splits.SPLIT_FILE}: {n['train']} train, {n['heldout']} held-out prompts")
+        return 0
+    if a.command == "distill":
+        try:
+            return _distill(a)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"draft-training distill: {exc}", file=sys.stderr)
+            return 2
+    from draft_training.collect import CollectConfig, collect
+
+    config = CollectConfig(a.model, a.tokens, a.temperatures, a.top_k, a.seed)
+    try:
+        config.check()
+        if a.batch < 1 or a.limit < 0:
+            raise ValueError("--batch must be >= 1 and --limit >= 0")
+        split = splits.load_split(a.split) if a.split else splits.load_split()
+        prompts = split.prompts(a.side)
+        if a.limit:
+            prompts = prompts[: a.limit]
+        summary = collect(a.out, prompts, config, batch=a.batch, progress=not a.no_progress)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"draft-training collect: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

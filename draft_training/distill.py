@@ -1,0 +1,271 @@
+"""`distill`: train the draft towards the teacher's stored distributions (`collect`'s records).
+
+Each step reads `batch` records (prompt + teacher tokens), runs the student over the whole sequence
+once and takes the loss at the positions that predict the teacher's tokens: forward KL on the stored
+top-k + rest (or total variation) plus 0.1 x cross-entropy on the token (`student.distill_loss`),
+AdamW with gradient clipping. The record order of every epoch is drawn from the seed, so a run is
+deterministic, and one resumed from a checkpoint continues exactly as if it had not stopped.
+
+Evaluation (every `eval_every` steps and at the end) on the held-out records: top-1 agreement (the
+student's argmax is the teacher's greedy token, teacher-forced) and the simulated tau of a chain of
+8 (`student.simulated_tau`), shown on the progress bar beside the loss.
+
+Output folder:
+
+    train.json                 the settings (a resumed run must match them) and the evaluations
+    checkpoint/                the latest state: trainable.safetensors, optimizer.safetensors, state.json
+    draft.safetensors          the trained draft's weights (every parameter, LoRA merged)
+
+Checkpoints are safetensors and JSON only (nothing is unpickled).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from draft_training.collect import MANIFEST, RECORDS, read_record
+from draft_training.student import Student, TrainSpec, distill_loss, simulated_tau
+
+CHECKPOINT = "checkpoint"
+SETTINGS = "train.json"
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    draft: str
+    steps: int = 200
+    batch: int = 4
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    loss: str = "kl"
+    ce_weight: float = 0.1
+    seed: int = 0
+    eval_every: int = 50
+    checkpoint_every: int = 50
+    max_positions: int = 0  # 0: every stored position of a record
+
+    def check(self) -> None:
+        if self.steps < 1 or self.batch < 1:
+            raise ValueError(f"--steps and --batch must be >= 1, got {self.steps} and {self.batch}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.loss not in ("kl", "tvd"):
+            raise ValueError(f"--loss must be kl or tvd, got {self.loss!r}")
+        if self.eval_every < 0 or self.checkpoint_every < 0 or self.max_positions < 0:
+            raise ValueError("--eval-every, --checkpoint-every and --max-positions must be >= 0")
+
+
+@dataclass
+class Example:
+    tokens: torch.Tensor  # prompt + teacher tokens[:-1], int64
+    start: int  # the position whose logits predict the first teacher token
+    target: torch.Tensor  # [n] int64
+    top_ids: torch.Tensor  # [n, k] int64
+    top_probs: torch.Tensor  # [n, k] float32
+    rest: torch.Tensor  # [n] float32
+
+
+def load_examples(folder: Path, max_positions: int = 0, vocab: int | None = None) -> list[Example]:
+    """Every record of a `collect` folder, in name order."""
+    recs = sorted(p for p in (folder / RECORDS).glob("*.npz") if not p.name.startswith("."))
+    if not recs:
+        raise FileNotFoundError(f"no records in {folder / RECORDS}: run `draft-training collect` first")
+    out = []
+    for path in recs:
+        r = read_record(path)
+        n = len(r["tokens"]) if not max_positions else min(max_positions, len(r["tokens"]))
+        if n == 0:
+            continue
+        seq = np.concatenate([r["prompt"], r["tokens"][: n - 1]]).astype(np.int64)
+        if vocab is not None and (seq.max() >= vocab or r["top_ids"][:n].max() >= vocab):
+            raise ValueError(f"{path}: token ids beyond the draft's vocabulary ({vocab}): another tokenizer?")
+        out.append(
+            Example(
+                torch.from_numpy(seq),
+                len(r["prompt"]) - 1,
+                torch.from_numpy(r["tokens"][:n].astype(np.int64)),
+                torch.from_numpy(r["top_ids"][:n].astype(np.int64)),
+                torch.from_numpy(r["top_probs"][:n].astype(np.float32)),
+                torch.from_numpy(r["rest"][:n].astype(np.float32)),
+            )
+        )
+    return out
+
+
+def example_loss(student: Student, ex: Example, config: DistillConfig) -> torch.Tensor:
+    logits = student(ex.tokens)[ex.start : ex.start + len(ex.target)]
+    return distill_loss(logits, ex.top_ids, ex.top_probs, ex.rest, ex.target, config.loss, config.ce_weight)
+
+
+@torch.no_grad()
+def evaluate(student: Student, examples: Sequence[Example], depth: int = 8) -> dict[str, float]:
+    """Held-out top-1 agreement with the teacher's token and the simulated tau of a chain of `depth`."""
+    agree: list[list[bool]] = []
+    for ex in examples:
+        logits = student(ex.tokens)[ex.start : ex.start + len(ex.target)]
+        agree.append((logits.argmax(-1) == ex.target).tolist())
+    flat = [a for s in agree for a in s]
+    return {
+        "top1": round(sum(flat) / max(1, len(flat)), 4),
+        "tau": round(simulated_tau(agree, depth), 4),
+        "positions": len(flat),
+    }
+
+
+def _order(n: int, seed: int, epoch: int) -> list[int]:
+    return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(n)]
+
+
+def _settings(config: DistillConfig, spec: TrainSpec, records: Path, heldout: Path | None) -> dict[str, Any]:
+    manifest = json.loads((records / MANIFEST).read_text(encoding="utf-8"))
+    doc = {
+        "distill": asdict(config),
+        "train_spec": {**asdict(spec), "blocks": list(spec.blocks) if spec.blocks is not None else None},
+        "records": str(records),
+        "records_manifest": manifest,
+        "heldout": str(heldout) if heldout else None,
+    }
+    return dict(json.loads(json.dumps(doc)))  # as it reads back from train.json (tuples as lists)
+
+
+def _save(out: Path, student: Student, opt: torch.optim.Optimizer, step: int, evals: list[Any]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = out / f".{CHECKPOINT}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    params = dict(student.trainable())
+    save_file({n: p.detach().contiguous() for n, p in params.items()}, tmp / "trainable.safetensors")
+    state: dict[str, torch.Tensor] = {}
+    steps: dict[str, int] = {}
+    by_id = {id(p): n for n, p in params.items()}
+    for p, s in opt.state.items():
+        name = by_id[id(p)]
+        state[f"{name}::exp_avg"] = s["exp_avg"].contiguous()
+        state[f"{name}::exp_avg_sq"] = s["exp_avg_sq"].contiguous()
+        steps[name] = int(s["step"])
+    save_file(state, tmp / "optimizer.safetensors")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "adam_steps": steps, "evals": evals}) + "\n")
+    final = out / CHECKPOINT
+    old = out / f".{CHECKPOINT}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _restore(out: Path, student: Student, opt: torch.optim.Optimizer) -> tuple[int, list[Any]]:
+    from safetensors.torch import load_file
+
+    ck = out / CHECKPOINT
+    if not (ck / "state.json").exists():
+        return 0, []
+    state = json.loads((ck / "state.json").read_text())
+    params = dict(student.trainable())
+    saved = load_file(str(ck / "trainable.safetensors"))
+    if set(saved) != set(params):
+        raise ValueError(f"{ck} holds other parameters than this run trains: use another --out folder")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])
+    moments = load_file(str(ck / "optimizer.safetensors"))
+    for n, p in params.items():
+        if n in state["adam_steps"]:
+            opt.state[p] = {
+                "step": torch.tensor(float(state["adam_steps"][n])),
+                "exp_avg": moments[f"{n}::exp_avg"].clone(),
+                "exp_avg_sq": moments[f"{n}::exp_avg_sq"].clone(),
+            }
+    return int(state["step"]), list(state["evals"])
+
+
+def distill(
+    out: Path,
+    records: Path,
+    student: Student,
+    config: DistillConfig,
+    heldout: Path | None = None,
+    progress: bool = True,
+    stop_after: int | None = None,
+) -> dict[str, Any]:
+    """Train `student` in place; `stop_after` ends the run early (a checkpoint is written), as an
+    interruption would. The summary: steps done, the evaluations, the final loss."""
+    config.check()
+    torch.manual_seed(config.seed)
+    vocab = student.model.config.vocab_size
+    train = load_examples(records, config.max_positions, vocab)
+    held = load_examples(heldout, config.max_positions, vocab) if heldout else []
+    out.mkdir(parents=True, exist_ok=True)
+    want = _settings(config, student.spec, records, heldout)
+    path = out / SETTINGS
+    if path.exists():
+        have = json.loads(path.read_text(encoding="utf-8"))
+        have.pop("evals", None)
+        diff = sorted(k for k in want if have.get(k) != want[k])
+        if diff:
+            raise ValueError(
+                f"{out} holds a run with other settings ({', '.join(diff)} differ): use another --out"
+            )
+    params = [p for _, p in student.trainable()]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    step, evals = _restore(out, student, opt)
+    bar = tqdm(total=config.steps, initial=step, desc="distill", file=sys.stderr, disable=not progress)
+    last_eval = evals[-1] if evals else None
+    if held and step == 0:
+        last_eval = {"step": 0, **evaluate(student, held)}
+        evals.append(last_eval)
+    loss_avg: float | None = None
+    t0 = time.perf_counter()
+    end = config.steps if stop_after is None else min(config.steps, stop_after)
+    while step < end:
+        epoch, at = divmod(step * config.batch, len(train))
+        order = _order(len(train), config.seed, epoch)
+        batch = [train[order[(at + i) % len(train)]] for i in range(config.batch)]
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for ex in batch:
+            loss = example_loss(student, ex, config) / len(batch)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        loss_avg = total if loss_avg is None else 0.9 * loss_avg + 0.1 * total
+        if held and config.eval_every and (step % config.eval_every == 0 or step == config.steps):
+            last_eval = {"step": step, **evaluate(student, held)}
+            evals.append(last_eval)
+        if step == end or (config.checkpoint_every and step % config.checkpoint_every == 0):
+            _save(out, student, opt, step, evals)
+        bar.update(1)
+        post = f"loss {loss_avg:.3f}"
+        if last_eval:
+            post += f" | held-out top-1 {last_eval['top1']:.3f} tau {last_eval['tau']:.2f}"
+        bar.set_postfix_str(post)
+    bar.close()
+    doc = {**want, "evals": evals}
+    path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    return {"steps": step, "evals": evals, "loss": loss_avg, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def save_draft(student: Student, path: Path) -> None:
+    """Every parameter of the trained draft (adapters merged) as safetensors."""
+    from safetensors.torch import save_file
+
+    student.merge_lora()
+    m = student.model
+    tensors = {n: p.detach().contiguous() for n, p in m.named_parameters()}
+    save_file(tensors, str(path), metadata={"config": json.dumps(asdict(m.config), default=str)})

@@ -1,0 +1,168 @@
+"""draft_training.distill on `tiny`: the student's training forward is the serving forward, the
+losses are what they say, distillation lowers the loss and raises held-out agreement with the
+teacher, LoRA starts at the base model and trains only its adapters, and a run stopped at a
+checkpoint and resumed ends bit for bit where an uninterrupted one does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.harness import BenchPrompt
+from draft_training.cli import main
+from draft_training.collect import CollectConfig, collect
+from draft_training.distill import DistillConfig, distill, evaluate, load_examples, save_draft
+from draft_training.student import Student, TrainSpec, distill_loss, simulated_tau
+from shared.model import LlamaModel, Target, build_model, load_target, make_tiny_config
+from shared.model.inputs import SeqInput
+from shared.model.llama import DecoderLayer
+
+
+def _student_model(seed: int = 1) -> LlamaModel:
+    return build_model(make_tiny_config(), seed, "float32", "cpu")
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Teacher records of `tiny` (seed 0) on a few train and held-out prompts."""
+    teacher: Target = load_target("tiny", progress=False)
+    root = tmp_path_factory.mktemp("records")
+    train = [BenchPrompt(i, "qa", f"question {i}: what is {i} plus {i + 1}?") for i in range(6)]
+    held = [BenchPrompt(100 + i, "qa", f"question {100 + i}: name a colour") for i in range(3)]
+    config = CollectConfig("tiny", tokens=12, temperatures=(0.0, 1.0), top_k=16, seed=0)
+    collect(root / "train", train, config, batch=4, target=teacher, progress=False)
+    collect(root / "held", held, config, batch=4, target=teacher, progress=False)
+    return root / "train", root / "held"
+
+
+def test_the_training_forward_is_the_serving_forward() -> None:
+    model = _student_model()
+    student = Student(model, TrainSpec())
+    tokens = torch.tensor([5, 17, 300, 42, 7, 7, 1000, 3], dtype=torch.int64)
+    kv = model.new_kv_cache(8, 16)
+    kv.add(0)
+    with torch.inference_mode():
+        rows = SeqInput(0, tokens, torch.arange(len(tokens)), None, torch.arange(len(tokens)))
+        (serving,) = model.forward_packed([rows], kv)
+    training = student(tokens)
+    assert training.shape == serving.shape
+    assert torch.allclose(training.detach(), serving, atol=2e-4, rtol=0)
+
+
+def test_the_losses() -> None:
+    logits = torch.tensor([[2.0, 0.0, -1.0, 0.5]])
+    q = torch.softmax(logits, -1)
+    ids = torch.tensor([[0, 3]])
+    p = torch.tensor([[0.6, 0.3]])
+    rest = torch.tensor([0.1])
+    target = torch.tensor([0])
+    q_rest = 1 - q[0, 0] - q[0, 3]
+    kl = 0.6 * (0.6 / q[0, 0]).log() + 0.3 * (0.3 / q[0, 3]).log() + 0.1 * (0.1 / q_rest).log()
+    ce = -q[0, 0].log()
+    assert float(distill_loss(logits, ids, p, rest, target, "kl", 0.1)) == pytest.approx(
+        float(kl + 0.1 * ce), abs=1e-6
+    )
+    tvd = 0.5 * ((0.6 - q[0, 0]).abs() + (0.3 - q[0, 3]).abs() + (0.1 - q_rest).abs())
+    assert float(distill_loss(logits, ids, p, rest, target, "tvd", 0.0)) == pytest.approx(
+        float(tvd), abs=1e-6
+    )
+    # the student equal to the teacher's distribution: KL 0
+    same = torch.log(torch.tensor([[0.6, 0.05, 0.05, 0.3]]))
+    assert float(distill_loss(same, ids, p, rest, target, "kl", 0.0)) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="kl"):
+        distill_loss(logits, ids, p, rest, target, "js")
+
+
+def test_simulated_tau_counts_runs_of_matches() -> None:
+    # 20 matches: the runs from each position are 20, 19, ..., 1 (cut by the record's end)
+    assert simulated_tau([[True] * 20], depth=8) == pytest.approx(1 + sum(range(13, 21)) / 20)
+    assert simulated_tau([[False] * 10]) == 1.0
+    # runs starting at each position of T T F T: 2, 1, 0, 1 -> P(>=1) = 3/4, P(>=2) = 1/4
+    assert simulated_tau([[True, True, False, True]], depth=2) == pytest.approx(2.0)
+
+
+def test_distillation_lowers_the_loss_and_raises_heldout_agreement(
+    records: tuple[Path, Path], tmp_path: Path
+) -> None:
+    train, held = records
+    student = Student(_student_model(), TrainSpec())
+    before = evaluate(student, load_examples(held))
+    config = DistillConfig("tiny", steps=30, batch=4, lr=3e-3, eval_every=30, checkpoint_every=0)
+    summary = distill(tmp_path, train, student, config, held, progress=False)
+    after = summary["evals"][-1]
+    assert summary["evals"][0]["top1"] == before["top1"] and after["step"] == 30
+    assert after["top1"] > before["top1"] + 0.2 and after["tau"] > before["tau"]
+    assert summary["loss"] is not None
+    doc = json.loads((tmp_path / "train.json").read_text())
+    assert doc["distill"]["steps"] == 30 and len(doc["evals"]) == 2
+    save_draft(student, tmp_path / "draft.safetensors")
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "draft.safetensors"))
+    layer = student.model.layers[0]
+    assert isinstance(layer, DecoderLayer) and torch.equal(saved["layers.0.qkv"], layer.qkv)
+
+
+def test_lora_starts_at_the_base_and_trains_only_its_adapters(
+    records: tuple[Path, Path], tmp_path: Path
+) -> None:
+    train, _ = records
+    model = _student_model()
+    base = {n: p.clone() for n, p in model.named_parameters()}
+    student = Student(model, TrainSpec(blocks=(1,), lora_rank=4, lora_targets=("qkv", "down")))
+    names = [n for n, _ in student.trainable()]
+    assert names == ["lora.1_qkv_a", "lora.1_qkv_b", "lora.1_down_a", "lora.1_down_b"]
+    tokens = torch.tensor([5, 6, 7, 8])
+    with torch.no_grad():
+        assert torch.equal(student(tokens), Student(_student_model(), TrainSpec(blocks=()))(tokens))
+    distill(tmp_path, train, student, DistillConfig("tiny", steps=3, lr=1e-2, eval_every=0), progress=False)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())  # the base is untouched
+    with torch.no_grad():
+        adapted = student(tokens)
+        student.merge_lora()
+        assert torch.allclose(student(tokens), adapted, atol=1e-4)
+    layer = model.layers[1]
+    assert isinstance(layer, DecoderLayer) and not torch.equal(layer.qkv, base["layers.1.qkv"])
+    with pytest.raises(ValueError, match="lora-targets"):
+        TrainSpec(lora_rank=2, lora_targets=("mlp",)).check(2)
+    with pytest.raises(ValueError, match="--blocks"):
+        Student(_student_model(), TrainSpec(blocks=(9,)))
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(
+    records: tuple[Path, Path], tmp_path: Path
+) -> None:
+    train, held = records
+    config = DistillConfig("tiny", steps=8, batch=3, lr=2e-3, eval_every=4, checkpoint_every=2, seed=5)
+    whole = Student(_student_model(), TrainSpec(blocks=(0, 1)))
+    distill(tmp_path / "whole", train, whole, config, held, progress=False)
+    cut = Student(_student_model(), TrainSpec(blocks=(0, 1)))
+    part = distill(tmp_path / "cut", train, cut, config, held, progress=False, stop_after=3)
+    assert part["steps"] == 3
+    resumed = Student(_student_model(), TrainSpec(blocks=(0, 1)))  # a new process: fresh weights
+    done = distill(tmp_path / "cut", train, resumed, config, held, progress=False)
+    assert done["steps"] == 8
+    for (n, a), (_, b) in zip(whole.model.named_parameters(), resumed.model.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    other = DistillConfig("tiny", steps=8, batch=3, lr=1e-3, eval_every=4, checkpoint_every=2, seed=5)
+    with pytest.raises(ValueError, match="other settings"):
+        distill(
+            tmp_path / "cut",
+            train,
+            Student(_student_model(), TrainSpec(blocks=(0, 1))),
+            other,
+            progress=False,
+        )
+
+
+def test_the_cli_distills_and_refuses_bad_values(records: tuple[Path, Path], tmp_path: Path) -> None:
+    train, held = records
+    out = tmp_path / "run"
+    args = ["--records", str(train), "--heldout", str(held), "--out", str(out), "--draft", "tiny"]
+    assert main(["distill", *args, "--steps", "2", "--batch", "2", "--eval-every", "1", "--no-progress"]) == 0
+    assert (out / "draft.safetensors").exists() and (out / "checkpoint" / "state.json").exists()
+    assert main(["distill", "--records", str(tmp_path / "none"), "--out", str(out), "--draft", "tiny"]) == 2
+    assert main(["distill", "--records", str(train), "--out", str(out), "--draft", "tiny", "--lr", "0"]) == 2
