@@ -165,6 +165,7 @@ def add_common_args(
       tree_attention    --json --seed
       verifier_memory   --json
       verify_exactness  --json --seed --no-progress
+      weights_agreement --json --tokens --prompt-file --no-progress
 
     Left out where it would mean nothing: --prompt-file where no prompt suite runs (kernel and
     forward micro-benchmarks, fuzz, soak, chaos and prefill_share on made-up tokens, load's own

@@ -6,7 +6,8 @@ against ours, on the same prompts, token count, machine and model pair (greedy).
 - llama.cpp: `llama-completion` (plain decoding) and `llama-speculative-simple` (its draft-model
   speculative decoding) with the same two GGUFs, built from the llama.cpp source vendored by the
   installed llama-cpp-python (bench.llama_tools, cached outside the repository), 2 threads;
-- ours: `ar`, `tree` and `tree_prespec` at RTT 0, the edge on one core and the verifier on the other.
+- ours: `ar`, `tree` and `tree_prespec` at RTT 0, the edge on one core and the verifier on the other
+  (`--weights quantized`: the verifier runs the target GGUF's own blocks, as llama.cpp does).
 
 Per system and mode: ms/token (median over prompts of wall time / new tokens, prompt prefill
 included), the speed-up over that system's own plain decoding, new tokens per target forward, and
@@ -52,7 +53,9 @@ def chat_text(prompt: BenchPrompt, template_tokenizer: Any) -> str:
 # ---------------------------------------------------------------------------- ours
 
 
-def run_ours(prompts: Sequence[BenchPrompt], tokens: int, model: str, draft: str, tree: str) -> list[Runs]:
+def run_ours(
+    prompts: Sequence[BenchPrompt], tokens: int, model: str, draft: str, tree: str, weights: str = "fp32"
+) -> list[Runs]:
     from bench.e2e import run_modes
     from edge_client.drafters.registry import create_drafter
     from shared.messages import Mode
@@ -61,7 +64,8 @@ def run_ours(prompts: Sequence[BenchPrompt], tokens: int, model: str, draft: str
     split = CoreSplit.auto()
     print(f"[ours] {split.describe()}", flush=True)
     out: list[Runs] = []
-    with Verifier(model, cores=split.verifier, threads=len(split.verifier)) as verifier:
+    args = ("--weights", weights)
+    with Verifier(model, cores=split.verifier, threads=len(split.verifier), args=args) as verifier:
         mask = os.sched_getaffinity(0)
         split.pin_edge()
         drafter = create_drafter("llama_cpp", draft, n_threads=1)
@@ -258,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="which to run, from ours,hf,llama.cpp")
     ap.add_argument("--threads", type=int, default=2, help="threads of HF transformers and llama.cpp")
+    ap.add_argument(
+        "--weights",
+        choices=("fp32", "quantized"),
+        default="fp32",
+        help="how our verifier runs the target GGUF (cloud-verifier serve --weights): dequantized to fp32 "
+        "or from its own quantized blocks, the weights llama.cpp runs",
+    )
     add_common_args(
         ap,
         json=True,
@@ -285,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: list[Runs] = []
     t0 = time.perf_counter()
     if "ours" in systems:
-        runs += run_ours(prompts, a.tokens, a.model, a.draft, tree)
+        runs += run_ours(prompts, a.tokens, a.model, a.draft, tree, a.weights)
     if "llama.cpp" in systems:
         runs += run_llama_cpp(prompts, a.tokens, a.model, a.draft, a.threads)
     if "hf" in systems:
@@ -325,6 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "draft": a.draft,
         "tree": tree,
         "threads": a.threads,
+        "weights": a.weights,
         "systems": systems,
     }
     write_result(a.json, config, rows, True)

@@ -198,6 +198,7 @@ DEFAULTS = {
     "soak": {"seed": 0},
     "tree_attention": {"seed": 0},
     "verify_exactness": {"seed": 0},
+    "weights_agreement": {"tokens": 64},
 }
 
 
