@@ -4,6 +4,7 @@ draft-training split [--check]
 draft-training collect --out DIR [--model M] [--tokens N] [--temperatures 0,1] [--batch B]
                        [--top-k K] [--seed S] [--limit N] [--side train|heldout] [--no-progress]
 draft-training distill --records DIR --out DIR [--heldout DIR] [--draft D] [--steps N] ...
+draft-training export --run DIR [--draft D] [--gguf-type f32|q8_0] [--out FILE]
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from shared.model_store import DEFAULT_TARGET
 
@@ -89,7 +92,42 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--max-positions", type=int, default=0, help="teacher positions per record (0: all)")
     dp.add_argument("--seed", type=int, default=0, help="seeds the record order and the LoRA init")
     dp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ep = sub.add_parser(
+        "export",
+        help="write a distill run's draft as a GGUF llama.cpp runs (tensors training left alone copied)",
+        description="Write the trained draft (RUN/draft.safetensors) as a GGUF: the draft's own GGUF with "
+        "every tensor training changed rewritten (F32, or Q8_0) and the rest copied byte for byte.",
+    )
+    ep.add_argument("--run", type=Path, required=True, help="a distill run folder (holds draft.safetensors)")
+    ep.add_argument("--draft", default="smollm2-135m-q4-l8", help="the draft the run trained: alias or GGUF")
+    ep.add_argument("--gguf-type", choices=("f32", "q8_0"), default="f32", help="type of rewritten tensors")
+    ep.add_argument("--out", type=Path, default=None, help="output GGUF (default: RUN/draft.gguf)")
     return ap
+
+
+def _export(a: argparse.Namespace) -> int:
+    from safetensors.torch import load_file
+
+    from draft_training.export import export_gguf
+    from edge_client.models import resolve_draft
+    from shared.model import load_target
+
+    base = Path(resolve_draft(a.draft, progress=False))
+    weights = a.run / "draft.safetensors"
+    if not weights.exists():
+        raise FileNotFoundError(f"{weights} does not exist: run `draft-training distill --out {a.run}` first")
+    draft = load_target(str(base), progress=False)
+    saved = load_file(str(weights))
+    params = dict(draft.model.named_parameters())
+    if set(saved) != set(params):
+        raise ValueError(f"{weights} does not hold the parameters of {a.draft}: trained from another draft?")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])
+    out = a.out or a.run / "draft.gguf"
+    info = export_gguf(draft.model, base, out, a.gguf_type)
+    print(json.dumps({"path": info["path"], "rewritten": len(info["rewritten"]), "copied": info["copied"]}))
+    return 0
 
 
 def _distill(a: argparse.Namespace) -> int:
@@ -129,11 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         n = {s: sum(len(v) for v in doc[s].values()) for s in ("train", "heldout")}
         print(f"wrote {splits.SPLIT_FILE}: {n['train']} train, {n['heldout']} held-out prompts")
         return 0
-    if a.command == "distill":
+    if a.command in ("distill", "export"):
         try:
-            return _distill(a)
+            return _distill(a) if a.command == "distill" else _export(a)
         except (ValueError, FileNotFoundError) as exc:
-            print(f"draft-training distill: {exc}", file=sys.stderr)
+            print(f"draft-training {a.command}: {exc}", file=sys.stderr)
             return 2
     from draft_training.collect import CollectConfig, collect
 

@@ -1,0 +1,103 @@
+"""`export`: a trained draft as a GGUF that llama.cpp (and the project's own loader) runs.
+
+The draft's own GGUF is the base: every tensor whose weights training did not change (the token
+table and head, frozen blocks) is copied byte for byte, still quantized as it was; a changed
+tensor is written from the trained float weights, as F32 or re-quantized to Q8_0 (`--gguf-type`;
+re-quantizing to the base's 4-bit type could erase a small update). The fused q|k|v and gate|up
+are split back into llama.cpp's tensors, and the q and k rows of `llama`-architecture files are
+permuted back into llama.cpp's interleaved order (the loader undoes it; a round-trip test holds
+the two together).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.model.archs import by_name
+from shared.model.gguf_loader import hf_name, unpermute_rows
+from shared.model.llama import LlamaModel
+from shared.model.weights import WeightAssigner
+
+GGUF_TYPES = ("f32", "q8_0")
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's per-head row interleave of q/k (the inverse of `unpermute_rows`)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def export_gguf(model: LlamaModel, base: Path, dst: Path, gguf_type: str = "f32") -> dict[str, Any]:
+    """Write `dst` from `base` with `model`'s weights; returns which tensors were rewritten."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    if gguf_type not in GGUF_TYPES:
+        raise ValueError(f"--gguf-type must be one of {GGUF_TYPES}, got {gguf_type!r}")
+    reader = gguf.GGUFReader(base)
+    arch_name = str(reader.get_field(gguf.Keys.General.ARCHITECTURE).contents())  # type: ignore[union-attr]
+    arch = by_name(model.config.architecture)
+    if arch_name != arch.name:
+        raise ValueError(f"{base} is a {arch_name!r} GGUF but the draft is {arch.name!r}")
+    c = model.config
+    slots = WeightAssigner(model)
+    out_tensors: list[tuple[str, np.ndarray, Any]] = []
+    rewritten: list[str] = []
+    for t in reader.tensors:
+        name = hf_name(t.name, arch)
+        target = slots.target(name) if name is not None else None
+        shape = [int(n) for n in reversed(t.shape.tolist())]
+        if target is None:
+            out_tensors.append((t.name, t.data, t.tensor_type))
+            continue
+        new = target.detach().to(torch.float32).cpu().numpy().reshape(shape)
+        heads = c.num_heads if ".q_proj." in str(name) else c.num_kv_heads
+        qk = arch.gguf_qk_permuted and (".q_proj." in str(name) or ".k_proj." in str(name))
+        old = dequantize(t.data, t.tensor_type).reshape(shape)
+        if qk:
+            old = unpermute_rows(old, heads)
+        if np.array_equal(old.astype(np.float32), new):
+            out_tensors.append((t.name, t.data, t.tensor_type))  # unchanged: the base's bytes
+            continue
+        if qk:
+            new = permute_rows(new, heads)
+        rewritten.append(t.name)
+        if gguf_type == "q8_0" and new.ndim == 2 and new.shape[1] % 32 == 0:
+            kind = gguf.GGMLQuantizationType.Q8_0
+            out_tensors.append((t.name, quantize(np.ascontiguousarray(new), kind), kind))
+        else:
+            out_tensors.append((t.name, np.ascontiguousarray(new), gguf.GGMLQuantizationType.F32))
+    fd, tmp_name = tempfile.mkstemp(prefix=dst.name + ".", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch_name)
+        for fld in reader.fields.values():
+            if fld.name.startswith("GGUF.") or fld.name == gguf.Keys.General.ARCHITECTURE:
+                continue
+            vtype = fld.types[0]
+            sub_type = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+            value = fld.contents()
+            if fld.name == gguf.Keys.General.NAME:
+                value = f"{value} (distilled)"
+            writer.add_key_value(fld.name, value, vtype, sub_type=sub_type)
+        for name, data, kind in out_tensors:
+            if kind == gguf.GGMLQuantizationType.F32:
+                writer.add_tensor(name, data)
+            else:
+                writer.add_tensor(name, data, raw_dtype=kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"path": str(dst), "rewritten": rewritten, "copied": len(out_tensors) - len(rewritten)}
