@@ -106,7 +106,7 @@ def load_examples(folder: Path, max_positions: int = 0, vocab: int | None = None
 
 
 def example_loss(student: Student, ex: Example, config: DistillConfig) -> torch.Tensor:
-    logits = student(ex.tokens)[ex.start : ex.start + len(ex.target)]
+    logits = student(ex.tokens, ex.start)[: len(ex.target)]
     return distill_loss(logits, ex.top_ids, ex.top_probs, ex.rest, ex.target, config.loss, config.ce_weight)
 
 
@@ -115,7 +115,7 @@ def evaluate(student: Student, examples: Sequence[Example], depth: int = 8) -> d
     """Held-out top-1 agreement with the teacher's token and the simulated tau of a chain of `depth`."""
     agree: list[list[bool]] = []
     for ex in examples:
-        logits = student(ex.tokens)[ex.start : ex.start + len(ex.target)]
+        logits = student(ex.tokens, ex.start)[: len(ex.target)]
         agree.append((logits.argmax(-1) == ex.target).tolist())
     flat = [a for s in agree for a in s]
     return {
@@ -220,6 +220,8 @@ def distill(
             raise ValueError(
                 f"{out} holds a run with other settings ({', '.join(diff)} differ): use another --out"
             )
+    else:  # the settings first, so an interrupted run is resumed only with the same ones
+        path.write_text(json.dumps({**want, "evals": []}, indent=1) + "\n", encoding="utf-8")
     params = [p for _, p in student.trainable()]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     step, evals = _restore(out, student, opt)
@@ -250,6 +252,7 @@ def distill(
             evals.append(last_eval)
         if step == end or (config.checkpoint_every and step % config.checkpoint_every == 0):
             _save(out, student, opt, step, evals)
+            path.write_text(json.dumps({**want, "evals": evals}, indent=1) + "\n", encoding="utf-8")
         bar.update(1)
         post = f"loss {loss_avg:.3f}"
         if last_eval:

@@ -95,8 +95,9 @@ class Student(nn.Module):
             y = y + self._scale * F.linear(F.linear(x, self.lora[key]), self.lora[f"{b}_{name}_b"])
         return y
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [T] int64 (one sequence from position 0) -> logits [T, vocab] float32."""
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """tokens [T] int64 (one sequence from position 0) -> logits [T - start, vocab] float32 of
+        positions start.. (the head, the largest product, only where a loss reads it)."""
         m, c = self.model, self.model.config
         t, hd = tokens.shape[0], c.head_dim
         eps, shape = c.rms_norm_eps, (c.hidden_size,)
@@ -117,7 +118,7 @@ class Student(nn.Module):
             gu = self._proj(x, b, "gate_up", layer.gate_up, None)
             inter = c.intermediate_size
             h = h + self._proj(F.silu(gu[:, :inter]) * gu[:, inter:], b, "down", layer.down, None)
-        return F.linear(F.rms_norm(h, shape, m.norm, eps), m.lm_head).float()
+        return F.linear(F.rms_norm(h[start:], shape, m.norm, eps), m.lm_head).float()
 
     @torch.no_grad()
     def merge_lora(self) -> None:

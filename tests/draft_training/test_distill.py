@@ -50,6 +50,7 @@ def test_the_training_forward_is_the_serving_forward() -> None:
     training = student(tokens)
     assert training.shape == serving.shape
     assert torch.allclose(training.detach(), serving, atol=2e-4, rtol=0)
+    assert torch.allclose(student(tokens, 5).detach(), training[5:].detach(), atol=1e-5)  # head rows only
 
 
 def test_the_losses() -> None:
@@ -142,6 +143,8 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(
     cut = Student(_student_model(), TrainSpec(blocks=(0, 1)))
     part = distill(tmp_path / "cut", train, cut, config, held, progress=False, stop_after=3)
     assert part["steps"] == 3
+    # what an interrupted run leaves: its settings and the evaluations up to its last checkpoint
+    assert [e["step"] for e in json.loads((tmp_path / "cut" / "train.json").read_text())["evals"]] == [0]
     resumed = Student(_student_model(), TrainSpec(blocks=(0, 1)))  # a new process: fresh weights
     done = distill(tmp_path / "cut", train, resumed, config, held, progress=False)
     assert done["steps"] == 8
