@@ -176,13 +176,8 @@ def add_common_args(
     llama_tools, proposer)."""
     if json:
         what = "write the result to this JSON file ({config, rows, complete} and the bench's own keys)"
-        ap.add_argument(
-            "--json",
-            type=Path,
-            default=None,
-            metavar="PATH",
-            help=f"{what}: {json_help}" if json_help else what,
-        )
+        help_ = f"{what}: {json_help}" if json_help else what
+        ap.add_argument("--json", type=Path, default=None, metavar="PATH", help=help_)
     if seed is not None:
         ap.add_argument(
             "--seed", type=int, default=seed, metavar="N", help=f"seed: {seed_help}" if seed_help else "seed"
