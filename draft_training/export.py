@@ -23,6 +23,7 @@ from shared.model.archs import by_name
 from shared.model.gguf_loader import hf_name, unpermute_rows
 from shared.model.llama import LlamaModel
 from shared.model.weights import WeightAssigner
+from shared.model_store.derive import copy_fields
 
 GGUF_TYPES = ("f32", "q8_0")
 
@@ -78,15 +79,8 @@ def export_gguf(model: LlamaModel, base: Path, dst: Path, gguf_type: str = "f32"
     tmp = Path(tmp_name)
     try:
         writer = gguf.GGUFWriter(tmp, arch_name)
-        for fld in reader.fields.values():
-            if fld.name.startswith("GGUF.") or fld.name == gguf.Keys.General.ARCHITECTURE:
-                continue
-            vtype = fld.types[0]
-            sub_type = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            value = fld.contents()
-            if fld.name == gguf.Keys.General.NAME:
-                value = f"{value} (distilled)"
-            writer.add_key_value(fld.name, value, vtype, sub_type=sub_type)
+        name_key = gguf.Keys.General.NAME
+        copy_fields(reader, writer, lambda key, value: f"{value} (distilled)" if key == name_key else value)
         for name, data, kind in out_tensors:
             if kind == gguf.GGMLQuantizationType.F32:
                 writer.add_tensor(name, data)

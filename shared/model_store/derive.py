@@ -4,9 +4,26 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from shared.model_store.catalog import ModelStoreError
+
+
+def copy_fields(
+    reader: Any, writer: Any, edit: Callable[[str, Any], Any] = lambda name, value: value
+) -> None:
+    """Every key-value field of a GGUFReader into a GGUFWriter, each value through `edit(name,
+    value)`: not the reader's virtual GGUF.* fields, nor general.architecture (the writer adds it)."""
+    import gguf
+
+    for fld in reader.fields.values():
+        if fld.name.startswith("GGUF.") or fld.name == gguf.Keys.General.ARCHITECTURE:
+            continue
+        vtype = fld.types[0]
+        sub_type = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(fld.name, edit(fld.name, fld.contents()), vtype, sub_type=sub_type)
 
 
 def truncated_gguf(src: Path, dst: Path, blocks: int) -> Path:
@@ -44,18 +61,13 @@ def truncated_gguf(src: Path, dst: Path, blocks: int) -> Path:
     tmp = Path(tmp_name)
     try:
         writer = gguf.GGUFWriter(tmp, arch)
-        for fld in reader.fields.values():
-            # GGUF.* are virtual fields of the reader; the writer adds general.architecture itself
-            if fld.name.startswith("GGUF.") or fld.name == gguf.Keys.General.ARCHITECTURE:
-                continue
-            vtype = fld.types[0]
-            sub_type = fld.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-            value = fld.contents()
-            if fld.name == count_key:
-                value = blocks
-            elif fld.name == gguf.Keys.General.NAME:
-                value = f"{value} (first {blocks} blocks)"
-            writer.add_key_value(fld.name, value, vtype, sub_type=sub_type)
+
+        def edit(name: str, value: Any) -> Any:
+            if name == count_key:
+                return blocks
+            return f"{value} (first {blocks} blocks)" if name == gguf.Keys.General.NAME else value
+
+        copy_fields(reader, writer, edit)
         for t in tensors:
             writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
         writer.write_header_to_file()
