@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from bench.harness import load_prompts
+from bench.weights_agreement import greedy
 from edge_client.client import EdgeClient, GenerationError, TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from edge_client.stats import GenerationResult, GenerationStats
 from shared.errors import ErrorCode
-from shared.model import Target, decode_step, load_target, prefill
+from shared.model import Target, load_target, prefill
 from tests.cloud_verifier.service import LiveServer, tiny
 from tests.edge_client.fake_drafter import FakeDrafter
 
@@ -35,24 +36,7 @@ def smollm2() -> Target:
 
 def greedy_with_gaps(target: Target, prompt: Sequence[int], n: int) -> tuple[list[int], list[float]]:
     """Target-only greedy decoding (one forward per token) and the top-2 logit gap at each step."""
-    kv = target.new_kv_cache(max(64, (len(prompt) + n) // 16 + 8), 16)
-    kv.add(0)
-    out: list[int] = []
-    gaps: list[float] = []
-    with torch.inference_mode():
-        logits = prefill(target.model, kv, 0, list(prompt))
-        eos = set(target.eos_ids)
-        while len(out) < n:
-            top = torch.topk(logits.float(), 2).values
-            gaps.append(float(top[0] - top[1]))
-            tok = int(torch.argmax(logits))
-            out.append(tok)
-            if tok in eos:
-                break
-            (row,) = target.model.forward_packed([decode_step(0, tok, kv.cached_len(0))], kv)
-            kv.commit_rows(0, [0])
-            logits = row[0]
-    return out, gaps
+    return greedy(target, list(prompt), n)
 
 
 def compare(got: list[int], ref: list[int], gaps: list[float]) -> str | None:
