@@ -55,8 +55,8 @@ class PrespecConfig:
     min_gain:    with the gate, expected critical-path ms a conditional tree must save per ms spent
                  drafting it. 0 (latency first): draft whatever costs no expected latency; raise it
                  where edge energy matters, to hold back trees that would rarely be used
-    batch:       conditional trees drafted together in lockstep (static and sequence shapes in
-                 greedy / match: one drafter evaluation per level for all of them)
+    batch:       conditional trees drafted together in lockstep (one drafter evaluation per level
+                 for all of them; budget shapes: per best-first round), trees.lockstep
     batch_min_prob: a candidate joins the batch of a more likely one only when at least this likely
     leaf_min_reach: a sent tree's leaves (drafted but not evaluated) are evaluated after sending, to
                  predict the bonus token of the outcomes that accept them; only the leaves accepted

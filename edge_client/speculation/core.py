@@ -297,11 +297,12 @@ class SpeculationCore:
         self.planner.expand_all()
 
     def _prespeculate_one(self) -> Steps:
-        """Draft the most likely candidate outcome's conditional tree and send it; with a static or
-        sequence shape in a deterministic mode, also the next likely ones, in lockstep."""
+        """Draft the most likely candidate outcome's conditional tree and send it, and the next
+        likely ones with it, in lockstep (trees.lockstep: static, sequence and sampled shapes a
+        level at a time, budget shapes a best-first round at a time)."""
         cfg = self.prespec
         assert cfg is not None
-        lockstep = self.req.tree.kind in ("static", "sequence") and not self.req.mode.stochastic
+        lockstep = self.req.tree.kind != "budget" or not self.req.mode.stochastic
         committed = tuple(self.proto.committed)
         max_depth = self.welcome.limits.max_depth
         shapes: tuple[TreeSpec, ...] | None = None

@@ -47,6 +47,7 @@ from edge_client.trees import (
     DraftOptions,
     DraftResult,
     draft_dynamic,
+    draft_dynamic_many,
     draft_sequence,
     draft_static,
     draft_static_many,
@@ -163,10 +164,15 @@ class DraftStep:
         if spec.kind == "sequence":
             return draft_sequence(drafter, committed, min(spec.chain_depth, lim.max_depth), opts)
         if spec.kind == "budget":
-            if i:  # the core sizes the first drafter's budget; the others' are fixed
-                budget = min(spec.budget, lim.max_nodes, drafter.max_nodes // 2)
+            budget = self._budget_of(i, budget)
             return draft_dynamic(drafter, committed, budget, opts, max_depth=lim.max_depth)
         return draft_static(drafter, committed, spec.expansion, opts)
+
+    def _budget_of(self, i: int, budget: int) -> int:
+        """Drafter i's node budget: the core sizes the first drafter's; the others' are fixed."""
+        if not i:
+            return budget
+        return min(self.shapes[i].budget, self.limits.max_nodes, self.drafters[i].max_nodes // 2)
 
     def _conditional(self, a: DraftConditional) -> Drafted:
         n = len(a.fulls)
@@ -187,8 +193,8 @@ class DraftStep:
         return Drafted(tuple(out), cancelled=sum(d is None for d in out))
 
     def _lockstep(self, i: int, a: DraftConditional, options: DraftOptions) -> list[DraftResult | None]:
-        """Drafter i's trees below each of a.fulls: together, one evaluation per level, for a static
-        or sequence shape; one after the other for a dynamic one."""
+        """Drafter i's trees below each of a.fulls, together: one evaluation per level (static,
+        sequence and sampled shapes), or per round of best-first batches (a budget shape)."""
         spec = self.shapes[i]
         conds = [f[len(a.anchor) :] for f in a.fulls]
         if a.shapes is not None:
@@ -200,14 +206,10 @@ class DraftStep:
             ]
             return draft_static_many(self.drafters[i], a.anchor, configs, conds, options, stops=list(a.stops))
         if spec.kind == "budget":
-            out: list[DraftResult | None] = []
-            for cond, stop in zip(conds, a.stops, strict=True):
-                opts = options.replace(cond=cond, reuse_workspace=True, stop=stop)
-                try:
-                    out.append(self._shape(i, a.anchor, opts, a.budget))
-                except DraftCancelled:
-                    out.append(None)
-            return out
+            budget, drafter = self._budget_of(i, a.budget), self.drafters[i]
+            return draft_dynamic_many(
+                drafter, a.anchor, budget, conds, options, list(a.stops), max_depth=self.limits.max_depth
+            )
         config = spec.expansion
         if spec.kind == "sequence":
             config = ExpansionConfig((1,) * min(spec.chain_depth, self.limits.max_depth))

@@ -308,7 +308,7 @@ def draft_static(
         for node, logits in frontier:
             if stochastic:
                 assert sampling is not None and rng is not None
-                new.extend(_sample_children(acc, node, logits, k, m, sampling, rng))
+                new.extend(sample_children(acc, node, logits, k, m, sampling, rng))
             else:
                 ids, vals, probs, row = ranked_alts(logits, max(k, alternatives), coupling, at + level)
                 acc.set_alt(node + 1, ids, probs, row)
@@ -337,7 +337,7 @@ def draft_sequence(
     return draft_static(drafter, committed, ExpansionConfig((1,) * depth), opts)
 
 
-def _sample_children(
+def sample_children(
     acc: TreeBuilder,
     node: int,
     logits: np.ndarray,

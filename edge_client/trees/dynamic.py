@@ -7,6 +7,7 @@ import itertools
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from edge_client.trees.builder import (
     evaluate_level,
 )
 from edge_client.trees.sampling import Coupling, coupling_for, draft_mode, ranked_alts
+from shared.messages import Mode
 
 _DEFAULT = DraftOptions()
 
@@ -53,11 +55,8 @@ def draft_dynamic(
     """
     t0 = time.perf_counter()
     cond, eval_leaves = opts.cond, opts.eval_leaves
+    check_growth(opts.mode, budget, width, branch, max_depth)
     m = draft_mode(opts.mode)
-    if m.stochastic:
-        raise ValueError(f"dynamic trees are for greedy/match; mode {m.value} needs a static shape")
-    if budget < 1 or width < 1 or branch < 1 or max_depth < 1:
-        raise ValueError("budget, width, branch and max_depth must be positive")
     if (drafter.num_nodes if opts.reuse_workspace else 0) + budget > drafter.max_nodes:
         raise WorkspaceFullError(
             f"a budget of {budget} nodes does not fit the drafter's workspace ({drafter.max_nodes} nodes, "
@@ -67,31 +66,49 @@ def draft_dynamic(
     at = len(committed) + len(cond)  # absolute position of the token after row 0
     evals = drafter.stats.extend_calls
     root_id, root_logits = anchor_node(drafter, committed, cond, opts.reuse_workspace)
-    grow = _BestFirst(opts.alternatives, branch, coupling, at)
+    grow = BestFirst(opts.alternatives, branch, coupling, at, Growth(budget, width, max_depth, eval_leaves))
     acc = grow.acc
     grow.push_children(-1, root_logits)
-    while grow.heap and len(acc.tokens) < budget:
+    while grow.growing():
         leaves_room = drafter.max_leaves - drafter.num_leaves
-        batch = grow.pop_batch(min(width, budget - len(acc.tokens)))
-        full = len(acc.tokens) >= budget
-        expand = [n for n in batch if eval_leaves or (not full and grow.depth[n] < max_depth)]
+        expand = grow.next_level()
         if len(expand) > leaves_room:  # cannot branch further: stop growing, keep the tree as is
             break
         check_stop(opts.stop)
         for node, logits in evaluate_level(drafter, acc, expand, root_id):
-            if grow.depth[node] < max_depth:
-                grow.push_children(node, logits)
-            else:
-                grow.set_alternatives(node, logits)
+            grow.take(node, logits)
     evals = drafter.stats.extend_calls - evals
     return acc.result(committed, cond, root_id, False, grow.frontier(), t0, evals)
 
 
-class _BestFirst:
+def check_growth(mode: Mode | str, budget: int, width: int, branch: int, max_depth: int) -> None:
+    """ValueError for a stochastic mode or a size that is not positive."""
+    m = draft_mode(mode)
+    if m.stochastic:
+        raise ValueError(f"dynamic trees are for greedy/match; mode {m.value} needs a static shape")
+    if budget < 1 or width < 1 or branch < 1 or max_depth < 1:
+        raise ValueError("budget, width, branch and max_depth must be positive")
+
+
+@dataclass(frozen=True)
+class Growth:
+    """How far a dynamic tree grows: `budget` nodes, at most `width` a drafter call, nodes at
+    `max_depth` not expanded, the last batch evaluated only with `eval_leaves`."""
+
+    budget: int
+    width: int
+    max_depth: int
+    eval_leaves: bool = False
+
+
+class BestFirst:
     """A dynamic tree as it grows: its builder, the heap of candidate children keyed by path
     log-probability, and per node its depth and the path log-probability it was ranked by."""
 
-    def __init__(self, alternatives: int, branch: int, coupling: Coupling | None, at: int) -> None:
+    def __init__(
+        self, alternatives: int, branch: int, coupling: Coupling | None, at: int, growth: Growth
+    ) -> None:
+        self.growth = growth
         self.alternatives = alternatives
         self.branch = branch
         self.coupling = coupling
@@ -103,6 +120,26 @@ class _BestFirst:
         self.depth: list[int] = []
         self.rank: list[float] = []  # per node: the path log-probability it was ranked by
         self.order = itertools.count()  # FIFO among equal path probabilities
+
+    def growing(self) -> bool:
+        """Candidates left and room in the budget."""
+        return bool(self.heap) and len(self.acc.tokens) < self.growth.budget
+
+    def next_level(self) -> list[int]:
+        """Add the next batch (`pop_batch`) to the tree; those of its nodes to evaluate (none
+        when the batch filled the budget, unless eval_leaves; never those at max_depth)."""
+        g = self.growth
+        batch = self.pop_batch(min(g.width, g.budget - len(self.acc.tokens)))
+        full = len(self.acc.tokens) >= g.budget
+        return [n for n in batch if g.eval_leaves or (not full and self.depth[n] < g.max_depth)]
+
+    def take(self, node: int, logits: np.ndarray) -> None:
+        """The logits after an evaluated node: its children become candidates (its alternatives
+        only, at max_depth)."""
+        if self.depth[node] < self.growth.max_depth:
+            self.push_children(node, logits)
+        else:
+            self.set_alternatives(node, logits)
 
     def push_children(self, node: int, logits: np.ndarray) -> None:
         """Record the alternatives after `node` and push its `branch` likeliest children (a coupled

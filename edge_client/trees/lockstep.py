@@ -8,9 +8,13 @@ lockstep, level i of every tree goes into one `Drafter.extend`, so M trees cost 
 M tokens each: the edge covers several outcomes in the time one used to take, and the verifier's
 core shares the memory bus with fewer weight reads.
 
-Deterministic modes only (greedy, match): every tree takes the draft's top-k_i tokens at each node
-(with coupling, the coupled token first), exactly as `trees.draft_static` does, so a tree drafted
-here equals the one drafted alone below the same workspace node.
+Deterministic modes (greedy, match): every tree takes the draft's top-k_i tokens at each node (with
+coupling, the coupled token first), exactly as `trees.draft_static` does, so a tree drafted here
+equals the one drafted alone below the same workspace node. Stochastic modes (mss, rrs): tree i
+makes its draws with its own generator (`opts.rng.spawn(n)[i]`), node by node in the order
+`draft_static` would, so it equals the tree drafted alone with that generator. Dynamic trees
+(`draft_dynamic_many`): each tree grows best-first as `trees.draft_dynamic` grows it, and every
+round's batches of all the trees go into one evaluation.
 """
 
 from __future__ import annotations
@@ -22,8 +26,17 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
-from edge_client.trees.builder import DraftCancelled, DraftOptions, DraftResult, TreeBuilder
-from edge_client.trees.sampling import Coupling, coupling_for, draft_mode, ranked_alts, top_alternatives
+from edge_client.trees.builder import DraftCancelled, DraftOptions, DraftResult, TreeBuilder, sample_children
+from edge_client.trees.dynamic import BestFirst, Growth, check_growth
+from edge_client.trees.sampling import (
+    Coupling,
+    Sampling,
+    coupling_for,
+    draft_mode,
+    ranked_alts,
+    top_alternatives,
+)
+from shared.messages import Mode
 from shared.tree import ExpansionConfig
 
 _DEFAULT = DraftOptions()
@@ -44,15 +57,19 @@ def draft_static_many(
     The drafter must be synced to exactly `committed` (as for reuse_workspace=True); each cond is
     followed down the workspace as far as it exists there and the rest is added as a chain (all
     those chains in one evaluation). Leaves are not evaluated (`trees.finish_leaves_many`). Of
-    `opts` only mode, coupling and alternatives apply (cond, stop: one per tree, here).
+    `opts` only mode, sampling, rng, coupling and alternatives apply (cond, stop: one per tree,
+    here); stochastic modes draw tree i with `opts.rng.spawn(len(conds))[i]`.
     stops[i]: asked before every evaluation; when it says True, tree i is dropped (its entry is
     None) and the others go on; DraftCancelled when every tree is dropped. Raises
     WorkspaceFullError (nothing added) when the trees do not fit the workspace.
     """
     t0 = time.perf_counter()
     m = draft_mode(opts.mode)
+    draws: _Draws | None = None
     if m.stochastic:
-        raise ValueError(f"lockstep drafting is for greedy/match; mode {m.value} drafts its trees one by one")
+        if opts.sampling is None or opts.rng is None:
+            raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...) and rng")
+        draws = _Draws(m, opts.sampling, opts.rng.spawn(len(conds)))
     coupling = coupling_for(m, opts.coupling)
     configs, stop_of = _check_batch(drafter, committed, config, conds, stops)
     walks = _walk(drafter, conds)
@@ -60,7 +77,7 @@ def draft_static_many(
     evals0 = drafter.stats.extend_calls
     roots = _extend_conds(drafter, walks)
     at = [len(committed) + len(c) for c in conds]  # absolute position of the token after row 0
-    batch = _Lockstep(configs, stop_of, roots, opts.alternatives, coupling, at)
+    batch = _Lockstep(configs, stop_of, roots, opts.alternatives, coupling, at, draws)
     for level in range(max(c.depth for c in configs)):
         new = batch.expand(level)
         growing = batch.growing(level)  # to evaluate
@@ -74,6 +91,106 @@ def draft_static_many(
     return batch.results(committed, conds, t0, evals)
 
 
+def draft_dynamic_many(
+    drafter: Drafter,
+    committed: Sequence[int],
+    budget: int,
+    conds: Sequence[Sequence[int]],
+    opts: DraftOptions = _DEFAULT,
+    stops: Sequence[Callable[[], bool] | None] | None = None,
+    *,
+    max_depth: int = 16,
+    width: int = 16,
+    branch: int = 4,
+) -> list[DraftResult | None]:
+    """A best-first tree of `budget` nodes (`trees.draft_dynamic`, same sizes) below `committed +
+    cond` for every cond, in the current workspace: each tree pops its batches as it would alone,
+    and the batches of all the trees in a round go into one drafter evaluation. Deterministic
+    modes only. Workspace, conds, `opts` and `stops` as in `draft_static_many` (the trees share
+    the workspace's free branches in order; a tree that finds none left stops growing there).
+    """
+    t0 = time.perf_counter()
+    check_growth(opts.mode, budget, width, branch, max_depth)
+    _check_synced(drafter, committed)
+    stop_of = _stops_of(stops, len(conds))
+    walks = _walk(drafter, conds)
+    needed = sum(len(rest) for _, rest in walks) + budget * len(conds)
+    if drafter.num_nodes + needed > drafter.max_nodes:
+        raise WorkspaceFullError(
+            f"{len(conds)} trees of {budget} nodes need {needed} nodes; the drafter holds "
+            f"{drafter.max_nodes} ({drafter.num_nodes} in use): lower the budget or raise max_nodes"
+        )
+    coupling = coupling_for(draft_mode(opts.mode), opts.coupling)
+    evals0 = drafter.stats.extend_calls
+    roots = _extend_conds(drafter, walks)
+    growth = Growth(budget, width, max_depth)
+    grows = [BestFirst(opts.alternatives, branch, coupling, len(committed) + len(c), growth) for c in conds]
+    for g, (_, logits) in zip(grows, roots, strict=True):
+        g.push_children(-1, logits)
+    alive, done = [True] * len(conds), [False] * len(conds)
+    while True:
+        levels = _next_levels(drafter, grows, alive, done)
+        for t, stop in enumerate(stop_of):
+            if levels[t] and stop is not None and stop():
+                alive[t], levels[t] = False, []
+        if not any(alive):
+            raise DraftCancelled("drafting stopped: no tree of the batch is wanted any more")
+        if not any(levels):
+            break
+        parents, tokens = [], []
+        for t, nodes in enumerate(levels):
+            acc = grows[t].acc
+            parents += [roots[t][0] if acc.parents[n] < 0 else acc.ws[acc.parents[n]] for n in nodes]
+            tokens += [acc.tokens[n] for n in nodes]
+        first = drafter.num_nodes
+        out = drafter.extend(parents, tokens)
+        row = 0
+        for t, nodes in enumerate(levels):
+            for n in nodes:
+                grows[t].acc.ws[n] = first + row
+                grows[t].take(n, out[row])
+                row += 1
+    evals = drafter.stats.extend_calls - evals0
+    return [
+        g.acc.result(committed, c, root, False, g.frontier(), t0, evals) if alive[t] else None
+        for t, (g, c, (root, _)) in enumerate(zip(grows, conds, roots, strict=True))
+    ]
+
+
+def _next_levels(
+    drafter: Drafter, grows: list[BestFirst], alive: list[bool], done: list[bool]
+) -> list[list[int]]:
+    """The nodes each live tree evaluates next, as `draft_dynamic`'s loop pops them (a batch with
+    none to evaluate is followed by the next); a tree out of candidates, budget or free branches
+    is done."""
+    room = drafter.max_leaves - drafter.num_leaves
+    levels: list[list[int]] = [[] for _ in grows]
+    for t, g in enumerate(grows):
+        while alive[t] and not done[t] and not levels[t]:
+            if not g.growing():
+                done[t] = True
+                break
+            expand = g.next_level()
+            if len(expand) > room:
+                done[t] = True
+                break
+            levels[t] = expand
+        room -= len(levels[t])
+    return levels
+
+
+def _check_synced(drafter: Drafter, committed: Sequence[int]) -> None:
+    if drafter.committed_len != len(committed) or drafter.committed_tokens() != [int(t) for t in committed]:
+        raise ValueError("lockstep drafting needs the drafter synced to exactly `committed`")
+
+
+def _stops_of(stops: Sequence[Callable[[], bool] | None] | None, n: int) -> list[Callable[[], bool] | None]:
+    stop_of: list[Callable[[], bool] | None] = list(stops) if stops is not None else [None] * n
+    if len(stop_of) != n:
+        raise ValueError("stops must have one entry per cond")
+    return stop_of
+
+
 def _check_batch(
     drafter: Drafter,
     committed: Sequence[int],
@@ -83,16 +200,12 @@ def _check_batch(
 ) -> tuple[list[ExpansionConfig], list[Callable[[], bool] | None]]:
     """The shape and the stop of every cond (ValueError: the drafter is not synced to exactly
     `committed`, or not one shape / stop per cond)."""
-    if drafter.committed_len != len(committed) or drafter.committed_tokens() != [int(t) for t in committed]:
-        raise ValueError("draft_static_many needs the drafter synced to exactly `committed`")
+    _check_synced(drafter, committed)
     n = len(conds)
     configs = [config] * n if isinstance(config, ExpansionConfig) else list(config)
     if len(configs) != n:
         raise ValueError(f"{len(configs)} shapes for {n} conds: give one, or one per cond")
-    stop_of: list[Callable[[], bool] | None] = list(stops) if stops is not None else [None] * n
-    if len(stop_of) != n:
-        raise ValueError("stops must have one entry per cond")
-    return configs, stop_of
+    return configs, _stops_of(stops, n)
 
 
 def _walk(drafter: Drafter, conds: Sequence[Sequence[int]]) -> list[tuple[int, list[int]]]:
@@ -156,6 +269,15 @@ def _extend_conds(drafter: Drafter, walks: list[tuple[int, list[int]]]) -> list[
     return roots
 
 
+@dataclasses.dataclass(frozen=True)
+class _Draws:
+    """How the trees of a stochastic batch draw: the mode, the q-row transform, a generator per tree."""
+
+    mode: Mode
+    sampling: Sampling
+    rngs: list[np.random.Generator]
+
+
 class _Lockstep:
     """The trees of one `draft_static_many` call, grown a level at a time: each tree's builder, the
     nodes of its last evaluated level with their logits (its frontier), and whether it is still
@@ -169,8 +291,10 @@ class _Lockstep:
         alternatives: int,
         coupling: Coupling | None,
         at: list[int],
+        draws: _Draws | None = None,
     ) -> None:
         self.configs = configs
+        self.draws = draws
         self.stops = stops
         self.roots = roots
         self.alternatives = alternatives
@@ -193,6 +317,10 @@ class _Lockstep:
             k = self.configs[t].ks[level]
             acc = self.accs[t]
             for node, logits in self.frontiers[t]:
+                if self.draws is not None:
+                    d = self.draws
+                    new[t].extend(sample_children(acc, node, logits, k, d.mode, d.sampling, d.rngs[t]))
+                    continue
                 ids, vals, probs, row = ranked_alts(
                     logits, max(k, self.alternatives), self.coupling, self.at[t] + level
                 )
@@ -245,8 +373,9 @@ class _Lockstep:
             if not self.alive[t]:
                 results.append(None)
                 continue
-            acc = self.accs[t]
-            results.append(acc.result(committed, conds[t], self.roots[t][0], False, np.zeros(0), t0, evals))
+            acc, stochastic = self.accs[t], self.draws is not None
+            root = self.roots[t][0]
+            results.append(acc.result(committed, conds[t], root, stochastic, np.zeros(0), t0, evals))
         return results
 
 
