@@ -96,9 +96,16 @@ def _variants(tree: ExpansionConfig) -> dict[str, Variant]:
         ),
         "budget": Variant(tree=TreeSpec("budget")),
         "budget_prespec": Variant(tree=TreeSpec("budget"), prespec=True),
+        # budget trees pre-speculated one at a time (as before they joined the lockstep), or with
+        # the outcome cache (the likeliest outcome's budget tree, then chains planned to the verdict)
+        "budget_prespec_single": Variant(tree=TreeSpec("budget"), prespec=PrespecConfig(batch=1)),
+        "budget_prespec_cache": Variant(tree=TreeSpec("budget"), prespec=PrespecConfig(cache=True)),
         # recursive rejection sampling (a trusted key; sampled rows only)
         "tree_rrs": Variant(tree=TreeSpec("static", tree), mode=Mode.RRS),
         "tree_prespec_rrs": Variant(tree=TreeSpec("static", tree), prespec=True, mode=Mode.RRS),
+        "tree_prespec_rrs_single": Variant(
+            tree=TreeSpec("static", tree), prespec=PrespecConfig(batch=1), mode=Mode.RRS
+        ),
     }
 
 

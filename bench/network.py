@@ -344,7 +344,7 @@ def verifier_args(
     if weights != "fp32":
         args += ["--weights", weights]
     api_key = None
-    if any(m.endswith("_rrs") for m in modes):
+    if any("_rrs" in m for m in modes):
         key_file, api_key = trusted_key_file()
         args += ["--api-key-file", str(key_file)]
     return args, api_key
@@ -424,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for rtt in rtts:
                 for temp in temps:
-                    run = [m for m in modes if temp > 0 or not m.endswith("_rrs")]  # rrs samples
+                    run = [m for m in modes if temp > 0 or "_rrs" not in m]  # rrs samples
                     if not run:
                         continue
                     block, entries = run_link(

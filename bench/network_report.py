@@ -29,8 +29,11 @@ OPTIONAL = (
     "sequence_prespec_single",
     "budget",
     "budget_prespec",
+    "budget_prespec_single",
+    "budget_prespec_cache",
     "tree_rrs",
     "tree_prespec_rrs",
+    "tree_prespec_rrs_single",
 )
 # run settings that must agree for rows of several files to form one table (--merge)
 SAME_RUN = (
