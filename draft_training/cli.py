@@ -5,6 +5,7 @@ draft-training collect --out DIR [--model M] [--tokens N] [--temperatures 0,1] [
                        [--top-k K] [--seed S] [--limit N] [--side train|heldout] [--no-progress]
 draft-training distill --records DIR --out DIR [--heldout DIR] [--draft D] [--steps N] ...
 draft-training export --run DIR [--draft D] [--gguf-type f32|q8_0] [--out FILE]
+draft-training drafts [ALIAS ...] [--rebuild] [--no-progress]      (what `make drafts` runs)
 """
 
 from __future__ import annotations
@@ -102,7 +103,27 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--draft", default="smollm2-135m-q4-l8", help="the draft the run trained: alias or GGUF")
     ep.add_argument("--gguf-type", choices=("f32", "q8_0"), default="f32", help="type of rewritten tensors")
     ep.add_argument("--out", type=Path, default=None, help="output GGUF (default: RUN/draft.gguf)")
+    bp = sub.add_parser(
+        "drafts",
+        help="build the default trained drafts into the model cache (what `make drafts` runs)",
+        description="Collect, distill and export each recipe's draft (draft_training.drafts) into the "
+        "model cache under its alias (e.g. smollm2-135m-l8-kd, about an hour on 2 cores). Every step "
+        "resumes an interrupted build; a built alias is kept unless --rebuild.",
+    )
+    bp.add_argument("aliases", nargs="*", help="which recipes (default: all of them)")
+    bp.add_argument("--rebuild", action="store_true", help="train again even if the alias is built")
+    bp.add_argument("--no-progress", action="store_true", help="no progress bars")
     return ap
+
+
+def _drafts(a: argparse.Namespace) -> int:
+    from draft_training.drafts import RECIPES, build_all
+
+    infos = build_all(a.aliases or list(RECIPES), rebuild=a.rebuild, progress=not a.no_progress)
+    for info in infos:
+        last = info.get("evals", [])[-1:] or [None]
+        print(json.dumps({"alias": info.get("alias"), "path": info["path"], "last_eval": last[0]}))
+    return 0
 
 
 def _export(a: argparse.Namespace) -> int:
@@ -167,9 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         n = {s: sum(len(v) for v in doc[s].values()) for s in ("train", "heldout")}
         print(f"wrote {splits.SPLIT_FILE}: {n['train']} train, {n['heldout']} held-out prompts")
         return 0
-    if a.command in ("distill", "export"):
+    if a.command in ("distill", "export", "drafts"):
+        run = {"distill": _distill, "export": _export, "drafts": _drafts}[a.command]
         try:
-            return _distill(a) if a.command == "distill" else _export(a)
+            return run(a)
         except (ValueError, FileNotFoundError) as exc:
             print(f"draft-training {a.command}: {exc}", file=sys.stderr)
             return 2

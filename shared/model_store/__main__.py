@@ -46,12 +46,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for al in _ALIASES:
                 mf = FILES[al.file]
                 where = local_path(al.name)
-                size = _human(mf.size) if mf.size else "derived"
-                state = str(where) if where else "not fetched"
+                size = _human(mf.size) if mf.size else mf.kind
+                state = (
+                    str(where)
+                    if where
+                    else ("not built (make drafts)" if mf.kind == "trained" else "not fetched")
+                )
                 print(f"{al.name:24} {'/'.join(al.roles):7} {size:>9}  {state}\n{'':34}{al.description}")
             return 0
         if a.command == "fetch":
-            names = list(ALIASES) if a.all else a.aliases
+            # --all: what can be fetched or derived (trained drafts come from `make drafts`)
+            names = [n for n in ALIASES if FILES[ALIASES[n].file].kind != "trained"] if a.all else a.aliases
             if not names:
                 ap.error("fetch: name aliases or pass --all")
             done: set[str] = set()
@@ -74,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise ModelNotFoundError(f"{name}: not on this machine (fetch it first)")
                 if mf.verifiable:
                     check_file(mf, found)
-                print(f"{name}: {found} ok" if mf.verifiable else f"{name}: {found} (derived, no hash)")
+                print(f"{name}: {found} ok" if mf.verifiable else f"{name}: {found} ({mf.kind}, no hash)")
             return 0
     except ModelStoreError as exc:
         print(f"error: {exc}", file=sys.stderr)

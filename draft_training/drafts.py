@@ -1,0 +1,151 @@
+"""`make drafts` (`draft-training drafts`): build the default trained drafts into the model cache.
+
+A recipe is the whole pipeline for one model-store alias of kind "trained":
+
+1. `collect` the teacher's continuations of the train prompts (greedy and T 1) and of the held-out
+   prompts (greedy, for evaluation only);
+2. `distill` the draft towards them (held-out top-1 and simulated tau on the progress bar);
+3. `export` the trained draft as a GGUF (tensors training left alone copied byte for byte), written
+   under a temporary name and renamed to the alias's file in the model cache, with
+   `<file>.json` beside it: the recipe, the evaluations and the wall time of every step.
+
+Every step works in `<cache>/draft_training/<alias>/` and resumes: an interrupted build continues
+where it stopped (collect keeps its records, distill its last checkpoint). A built alias is left as
+it is unless `--rebuild`. Nothing trained is committed or published: a fresh machine builds its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from draft_training.collect import CollectConfig, collect
+from draft_training.distill import DistillConfig, distill, save_draft
+from draft_training.split import Split, load_split
+from draft_training.student import Student, TrainSpec
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one trained draft is made: teacher, draft, data and training sizes."""
+
+    alias: str  # the model store's alias of kind "trained" it builds
+    teacher: str  # the target, exactly as the verifier runs it (fp32)
+    draft: str  # the draft trained (alias or GGUF path); its GGUF is the export's base
+    tokens: int = 64  # teacher tokens per record
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    train_prompts: int = 0  # the first N train prompts (0: all of them)
+    heldout_prompts: int = 0  # the first N held-out prompts (0: all of them)
+    collect_batch: int = 8
+    steps: int = 500
+    batch: int = 4
+    lr: float = 3e-4
+    eval_every: int = 100
+    gguf_type: str = "f32"
+
+
+# the SmolLM2 showcase: the untrained 8-block draft (tau 1.04) distilled from the full 30-block model;
+# about an hour on 2 cores (collect ~17 + 3 min, distill ~35 min: the pilot's rates)
+RECIPES: dict[str, Recipe] = {
+    "smollm2-135m-l8-kd": Recipe("smollm2-135m-l8-kd", "smollm2-135m", "smollm2-135m-q4-l8"),
+}
+
+
+def work_dir(alias: str) -> Path:
+    from shared.model_store.paths import cache_dir
+
+    return cache_dir() / "draft_training" / alias
+
+
+def _prompts(split: Split, side: str, limit: int) -> list[Any]:
+    prompts = split.prompts(side)
+    return prompts[:limit] if limit else prompts
+
+
+def build(
+    recipe: Recipe,
+    *,
+    out: Path | None = None,
+    work: Path | None = None,
+    split: Split | None = None,
+    rebuild: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the recipe (resuming what an earlier run left) and write its GGUF to `out` (default:
+    the alias's file in the model cache); the summary, also written to `<out>.json`."""
+    from draft_training.export import export_gguf
+    from edge_client.models import resolve_draft
+    from shared.model import load_target
+    from shared.model_store import cached_path, model_file
+
+    dst = out or cached_path(model_file(recipe.alias))
+    info_path = dst.with_name(dst.name + ".json")
+    if dst.exists() and not rebuild:
+        _say(f"{recipe.alias}: already built ({dst}); --rebuild to train it again", progress)
+        known = json.loads(info_path.read_text(encoding="utf-8")) if info_path.exists() else {}
+        return {"path": str(dst), **known}
+    work = work or work_dir(recipe.alias)
+    split = split or load_split()
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    _say(f"{recipe.alias}: 1/3 the teacher's records ({recipe.teacher}) in {work}", progress)
+    teacher = load_target(recipe.teacher, progress=progress)
+    train = CollectConfig(recipe.teacher, recipe.tokens, recipe.temperatures, 32, 0)
+    held = replace(train, temperatures=(0.0,))
+    sides = (("train", train, recipe.train_prompts), ("heldout", held, recipe.heldout_prompts))
+    for name, want, limit in sides:
+        collect(work / name, _prompts(split, name, limit), want, recipe.collect_batch, teacher, progress)
+    del teacher
+    times["collect_s"] = round(time.perf_counter() - t0, 1)
+    t1 = time.perf_counter()
+    _say(f"{recipe.alias}: 2/3 distilling {recipe.draft} ({recipe.steps} steps)", progress)
+    base = resolve_draft(recipe.draft, progress=progress)
+    draft = load_target(str(base), progress=progress)
+    student = Student(draft.model, TrainSpec(), seed=0)
+    config = DistillConfig(
+        recipe.draft, recipe.steps, recipe.batch, recipe.lr, eval_every=recipe.eval_every,
+        checkpoint_every=recipe.eval_every,
+    )  # fmt: skip
+    run = distill(work / "run", work / "train", student, config, work / "heldout", progress=progress)
+    save_draft(student, work / "run" / "draft.safetensors")
+    times["distill_s"] = round(time.perf_counter() - t1, 1)
+    t2 = time.perf_counter()
+    _say(f"{recipe.alias}: 3/3 writing {dst}", progress)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+    try:
+        exported = export_gguf(student.model, base, tmp, recipe.gguf_type)
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    times["export_s"] = round(time.perf_counter() - t2, 1)
+    times["total_s"] = round(time.perf_counter() - t0, 1)
+    info = {
+        "alias": recipe.alias,
+        "path": str(dst),
+        "recipe": asdict(recipe),
+        "evals": run["evals"],
+        "loss": run["loss"],
+        "rewritten_tensors": len(exported["rewritten"]),
+        **times,
+    }
+    info_path.write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
+    return info
+
+
+def _say(text: str, progress: bool) -> None:
+    if progress:
+        print(text, file=sys.stderr, flush=True)
+
+
+def build_all(aliases: Sequence[str], **kw: Any) -> list[dict[str, Any]]:
+    unknown = [a for a in aliases if a not in RECIPES]
+    if unknown:
+        raise ValueError(f"no recipe for {', '.join(unknown)}; recipes: {', '.join(RECIPES)}")
+    return [build(RECIPES[a], **kw) for a in aliases]
