@@ -3,6 +3,7 @@
 draft-training split [--check]
 draft-training collect --out DIR [--model M] [--tokens N] [--temperatures 0,1] [--batch B]
                        [--top-k K] [--seed S] [--limit N] [--side train|heldout] [--no-progress]
+                       [--from-traces DIR]
 draft-training distill --records DIR --out DIR [--heldout DIR] [--draft D] [--steps N] ...
 draft-training export --run DIR [--draft D] [--gguf-type f32|q8_0] [--out FILE]
 draft-training drafts [ALIAS ...] [--rebuild] [--no-progress]      (what `make drafts` runs)
@@ -66,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("train", "heldout"),
         default="train",
         help="which prompts: train (to distill on) or heldout (to evaluate on, never trained on)",
+    )
+    cp.add_argument(
+        "--from-traces",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="instead of generating: the sessions `edge-client generate --record DIR` logged (the target's "
+        "own tokens), with the teacher's distribution at every position (one forward per session)",
     )
     cp.add_argument("--no-progress", action="store_true", help="no progress bar")
     dp = sub.add_parser(
@@ -195,11 +204,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (ValueError, FileNotFoundError) as exc:
             print(f"draft-training {a.command}: {exc}", file=sys.stderr)
             return 2
-    from draft_training.collect import CollectConfig, collect
+    from draft_training.collect import CollectConfig, collect, collect_traces
 
     config = CollectConfig(a.model, a.tokens, a.temperatures, a.top_k, a.seed)
     try:
         config.check()
+        if a.from_traces is not None:
+            print(json.dumps(collect_traces(a.out, a.from_traces, config, progress=not a.no_progress)))
+            return 0
         if a.batch < 1 or a.limit < 0:
             raise ValueError("--batch must be >= 1 and --limit >= 0")
         split = splits.load_split(a.split) if a.split else splits.load_split()

@@ -21,6 +21,11 @@ Layout of the output folder:
 Each record is written to a temporary file and renamed, so an interrupted run leaves whole records
 only, and running the same command again continues with the missing ones. Records are read with
 numpy's `allow_pickle=False`.
+
+From traces (`collect --from-traces DIR`, `collect_traces`): the sessions `edge-client generate
+--record DIR` logged already hold the target's tokens, so the teacher only reads them (one
+teacher-forced forward per session, no generation) and keeps its distribution at every recorded
+position; the records are `records/trace__<session file>.npz`, in the same layout.
 """
 
 from __future__ import annotations
@@ -230,5 +235,77 @@ def collect(
         "collected_now": len(todo),
         "skipped_existing": len(jobs) - len(todo),
         "tokens_now": generated,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+
+
+@torch.inference_mode()
+def teacher_forced(
+    target: Any, prompt: Sequence[int], tokens: Sequence[int], top_k: int
+) -> dict[str, np.ndarray]:
+    """The teacher's top-k at every position of `tokens` after `prompt` (one forward, the prompt's
+    head prefilled first): a record's arrays."""
+    from shared.model import prefill
+    from shared.model.inputs import SeqInput
+
+    kv = target.new_kv_cache(_blocks(len(prompt) + len(tokens)) + 1, 16)
+    kv.add(0)
+    if len(prompt) > 1:
+        prefill(target.model, kv, 0, list(prompt[:-1]))
+    rows = [int(prompt[-1]), *map(int, tokens[:-1])]
+    start = len(prompt) - 1
+    x = SeqInput(
+        0,
+        torch.tensor(rows, dtype=torch.int64),
+        torch.arange(start, start + len(rows), dtype=torch.int64),
+        None,
+        torch.arange(len(rows), dtype=torch.int64),
+    )
+    (logits,) = target.model.forward_packed([x], kv)
+    p = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(p, top_k, dim=-1)
+    rest = (1.0 - top.values.double().sum(dim=-1)).clamp(min=0.0)
+    return {
+        "prompt": np.asarray(prompt, dtype=np.int32),
+        "tokens": np.asarray(tokens, dtype=np.int32),
+        "top_ids": top.indices.to(torch.int32).numpy(),
+        "top_probs": top.values.numpy().astype(np.float32),
+        "rest": rest.numpy().astype(np.float32),
+    }
+
+
+def collect_traces(
+    out: Path, folder: Path, config: CollectConfig, target: Any = None, progress: bool = True
+) -> dict[str, Any]:
+    """Records from the session records in `folder` (edge_client.record) that `out` lacks: each
+    session's tokens (at most config.tokens) with the teacher's distribution; a summary. A session
+    recorded against another vocabulary is refused by name."""
+    from edge_client.record import read_records
+
+    config.check()
+    if target is None:
+        from shared.model import load_target
+
+        target = load_target(config.model, progress=progress)
+    records = open_output(out, {**manifest(config, target), "source": "traces"})
+    sessions = list(read_records(folder, int(target.config.vocab_size)))
+    for r in sessions:
+        if r.vocab_fingerprint and r.vocab_fingerprint != target.vocab_fingerprint:
+            raise ValueError(
+                f"{r.path} was recorded against another vocabulary (fingerprint {r.vocab_fingerprint[:12]}, "
+                f"the teacher's {target.vocab_fingerprint[:12]}): record with this target's verifier"
+            )
+    todo = [r for r in sessions if r.tokens and not (records / f"trace__{r.path.stem}.npz").exists()]
+    t0 = time.perf_counter()
+    done = 0
+    for r in tqdm(todo, desc="collect (traces)", unit="session", file=sys.stderr, disable=not progress):
+        tokens = r.tokens[: config.tokens]
+        _write(records, f"trace__{r.path.stem}", teacher_forced(target, r.prompt_ids, tokens, config.top_k))
+        done += len(tokens)
+    return {
+        "sessions": len(sessions),
+        "collected_now": len(todo),
+        "skipped": len(sessions) - len(todo),
+        "tokens_now": done,
         "seconds": round(time.perf_counter() - t0, 1),
     }

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TextIO
 
 from edge_client.drafters.registry import backend_choices
@@ -179,6 +180,15 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--json",
         action="store_true",
         help="print exactly one JSON object (text, prompt_tokens, tokens, stats) instead of streaming",
+    )
+    p.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write the generation's prompt ids and the tokens the target committed to a JSON file in "
+        "DIR (edge_client.record): training data for `draft-training collect --from-traces DIR`, at "
+        "no cost to the verifier",
     )
 
 
@@ -505,6 +515,11 @@ async def _stream(
             echo.write(chunk)
         gen = client.last
         assert gen is not None
+        if args.record is not None and client.welcome is not None:
+            from edge_client.record import write_record
+
+            w = client.welcome
+            write_record(args.record, gen, w.model_id, w.vocab_fingerprint, args.mode, args.temperature)
     return gen
 
 
