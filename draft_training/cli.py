@@ -6,6 +6,8 @@ draft-training collect --out DIR [--model M] [--tokens N] [--temperatures 0,1] [
                        [--from-traces DIR]
 draft-training distill --records DIR --out DIR [--heldout DIR] [--draft D] [--steps N] ...
 draft-training export --run DIR [--draft D] [--gguf-type f32|q8_0] [--out FILE]
+draft-training boost --records DIR --heldout DIR --ssm1 RUN --out DIR [--m M]
+                     [--criterion token|window:N|sequence] [--no-control]
 draft-training drafts [ALIAS ...] [--rebuild] [--no-progress]      (what `make drafts` runs)
 """
 
@@ -16,8 +18,6 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-
-import torch
 
 from shared.model_store import DEFAULT_TARGET
 
@@ -112,6 +112,34 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--draft", default="smollm2-135m-q4-l8", help="the draft the run trained: alias or GGUF")
     ep.add_argument("--gguf-type", choices=("f32", "q8_0"), default="f32", help="type of rewritten tensors")
     ep.add_argument("--out", type=Path, default=None, help="output GGUF (default: RUN/draft.gguf)")
+    op = sub.add_parser(
+        "boost",
+        help="SSM_2..m trained on what the SSMs before them miss (SpecInfer's boost-tuning, adapted)",
+        description="Train SSM_2..m from the base draft, each on the train records weighted by what SSM_1.."
+        "SSM_j-1 already cover (draft_training.boost), and, as the control, as many SSMs trained "
+        "independently; writes OUT/boost.json with single and union held-out top-1.",
+    )
+    op.add_argument("--records", type=Path, required=True, help="a collect folder of train records")
+    op.add_argument("--heldout", type=Path, required=True, help="a collect folder of held-out records")
+    op.add_argument(
+        "--ssm1", type=Path, required=True, help="SSM_1: a distill run folder (its draft.safetensors)"
+    )
+    op.add_argument(
+        "--out", type=Path, required=True, help="output folder (each SSM's run; resumed if it exists)"
+    )
+    op.add_argument("--draft", default="smollm2-135m-q4-l8", help="the base draft every SSM starts from")
+    op.add_argument("--m", type=int, default=3, help="SSMs at most, SSM_1 included")
+    op.add_argument(
+        "--criterion", default="token", help="token (default), window:N, or sequence (the paper's rule)"
+    )
+    op.add_argument("--no-control", action="store_true", help="skip the independently trained SSMs")
+    op.add_argument("--min-gain", type=float, default=0.01, help="stop when union top-1 grows less than this")
+    op.add_argument("--steps", type=int, default=200, help="optimizer steps per SSM")
+    op.add_argument("--batch", type=int, default=4, help="records per step")
+    op.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
+    op.add_argument("--max-positions", type=int, default=0, help="teacher positions per record (0: all)")
+    op.add_argument("--seed", type=int, default=0, help="SSM_j trains with seed + j - 1 (control: + 100 + j)")
+    op.add_argument("--no-progress", action="store_true", help="no progress bar")
     bp = sub.add_parser(
         "drafts",
         help="build the default trained drafts into the model cache (what `make drafts` runs)",
@@ -136,27 +164,45 @@ def _drafts(a: argparse.Namespace) -> int:
 
 
 def _export(a: argparse.Namespace) -> int:
-    from safetensors.torch import load_file
-
+    from draft_training.distill import load_draft_weights
     from draft_training.export import export_gguf
     from edge_client.models import resolve_draft
     from shared.model import load_target
 
     base = Path(resolve_draft(a.draft, progress=False))
-    weights = a.run / "draft.safetensors"
-    if not weights.exists():
-        raise FileNotFoundError(f"{weights} does not exist: run `draft-training distill --out {a.run}` first")
     draft = load_target(str(base), progress=False)
-    saved = load_file(str(weights))
-    params = dict(draft.model.named_parameters())
-    if set(saved) != set(params):
-        raise ValueError(f"{weights} does not hold the parameters of {a.draft}: trained from another draft?")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(saved[n])
+    load_draft_weights(draft.model, a.run / "draft.safetensors")
     out = a.out or a.run / "draft.gguf"
     info = export_gguf(draft.model, base, out, a.gguf_type)
     print(json.dumps({"path": info["path"], "rewritten": len(info["rewritten"]), "copied": info["copied"]}))
+    return 0
+
+
+def _boost(a: argparse.Namespace) -> int:
+    from draft_training.boost import boost, parse_criterion
+    from draft_training.distill import DistillConfig, load_draft_weights
+    from draft_training.student import Student, TrainSpec
+    from edge_client.models import resolve_draft
+    from shared.model import load_target
+
+    parse_criterion(a.criterion)
+    config = DistillConfig(
+        a.draft, a.steps, a.batch, a.lr, seed=a.seed, eval_every=0, max_positions=a.max_positions
+    )
+    config.check()
+    base = str(resolve_draft(a.draft, progress=not a.no_progress))
+
+    def make_student(weights: Path | None) -> Student:
+        model = load_target(base, progress=False).model
+        if weights is not None:
+            load_draft_weights(model, weights)
+        return Student(model, TrainSpec(), seed=a.seed)
+
+    summary = boost(
+        a.out, a.records, a.heldout, a.ssm1 / "draft.safetensors", make_student, config, m=a.m,
+        criterion=a.criterion, control=not a.no_control, min_gain=a.min_gain, progress=not a.no_progress,
+    )  # fmt: skip
+    print(json.dumps(summary))
     return 0
 
 
@@ -197,8 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         n = {s: sum(len(v) for v in doc[s].values()) for s in ("train", "heldout")}
         print(f"wrote {splits.SPLIT_FILE}: {n['train']} train, {n['heldout']} held-out prompts")
         return 0
-    if a.command in ("distill", "export", "drafts"):
-        run = {"distill": _distill, "export": _export, "drafts": _drafts}[a.command]
+    if a.command in ("distill", "export", "drafts", "boost"):
+        run = {"distill": _distill, "export": _export, "drafts": _drafts, "boost": _boost}[a.command]
         try:
             return run(a)
         except (ValueError, FileNotFoundError) as exc:

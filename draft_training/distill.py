@@ -21,6 +21,8 @@ Checkpoints are safetensors and JSON only (nothing is unpickled).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -76,6 +78,7 @@ class Example:
     top_ids: torch.Tensor  # [n, k] int64
     top_probs: torch.Tensor  # [n, k] float32
     rest: torch.Tensor  # [n] float32
+    weight: torch.Tensor | None = None  # [n] float32 per-position weights (boosting); None: all 1
 
 
 def load_examples(folder: Path, max_positions: int = 0, vocab: int | None = None) -> list[Example]:
@@ -107,7 +110,9 @@ def load_examples(folder: Path, max_positions: int = 0, vocab: int | None = None
 
 def example_loss(student: Student, ex: Example, config: DistillConfig) -> torch.Tensor:
     logits = student(ex.tokens, ex.start)[: len(ex.target)]
-    return distill_loss(logits, ex.top_ids, ex.top_probs, ex.rest, ex.target, config.loss, config.ce_weight)
+    return distill_loss(
+        logits, ex.top_ids, ex.top_probs, ex.rest, ex.target, config.loss, config.ce_weight, ex.weight
+    )
 
 
 @torch.no_grad()
@@ -201,9 +206,12 @@ def distill(
     heldout: Path | None = None,
     progress: bool = True,
     stop_after: int | None = None,
+    weights: Sequence[np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """Train `student` in place; `stop_after` ends the run early (a checkpoint is written), as an
-    interruption would. The summary: steps done, the evaluations, the final loss."""
+    interruption would; `weights`: per-position loss weights of every train record, in
+    `load_examples` order (boosting; a record whose weights are all 0 is left out). The summary:
+    steps done, the evaluations, the final loss."""
     config.check()
     torch.manual_seed(config.seed)
     vocab = student.model.config.vocab_size
@@ -211,6 +219,10 @@ def distill(
     held = load_examples(heldout, config.max_positions, vocab) if heldout else []
     out.mkdir(parents=True, exist_ok=True)
     want = _settings(config, student.spec, records, heldout)
+    if weights is not None:
+        train = _weighted(train, weights)
+        digest = hashlib.sha256(b"".join(np.asarray(w, np.float32).tobytes() for w in weights))
+        want["weights_sha256"] = digest.hexdigest()
     path = out / SETTINGS
     if path.exists():
         have = json.loads(path.read_text(encoding="utf-8"))
@@ -264,6 +276,22 @@ def distill(
     return {"steps": step, "evals": evals, "loss": loss_avg, "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def _weighted(train: list[Example], weights: Sequence[np.ndarray]) -> list[Example]:
+    """The train examples with their weights; those weighted 0 everywhere left out."""
+    if len(weights) != len(train):
+        raise ValueError(f"{len(weights)} weight arrays for {len(train)} train records")
+    out = []
+    for ex, w in zip(train, weights, strict=True):
+        w = np.asarray(w, dtype=np.float32)[: len(ex.target)]
+        if w.shape != (len(ex.target),) or not np.all(np.isfinite(w)) or np.any(w < 0):
+            raise ValueError("weights must be finite, >= 0 and one per stored position of each record")
+        if w.any():
+            out.append(dataclasses.replace(ex, weight=torch.from_numpy(w.copy())))
+    if not out:
+        raise ValueError("every train position has weight 0: nothing left to train on")
+    return out
+
+
 def save_draft(student: Student, path: Path) -> None:
     """Every parameter of the trained draft (adapters merged) as safetensors."""
     from safetensors.torch import save_file
@@ -272,3 +300,18 @@ def save_draft(student: Student, path: Path) -> None:
     m = student.model
     tensors = {n: p.detach().contiguous() for n, p in m.named_parameters()}
     save_file(tensors, str(path), metadata={"config": json.dumps(asdict(m.config), default=str)})
+
+
+def load_draft_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load `save_draft`'s file into `model` (the same draft); ValueError when it holds another's."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: run `draft-training distill` first")
+    saved = load_file(str(path))
+    params = dict(model.named_parameters())
+    if set(saved) != set(params) or any(saved[n].shape != p.shape for n, p in params.items()):
+        raise ValueError(f"{path} does not hold the parameters of this draft: trained from another draft?")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])

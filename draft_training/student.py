@@ -141,10 +141,12 @@ def distill_loss(
     target: torch.Tensor,
     kind: str = "kl",
     ce_weight: float = 0.1,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean over positions of the divergence from the teacher's stored distribution (its top-k
     probabilities plus the rest of the mass as one outcome) and `ce_weight` x cross-entropy on
-    the teacher's token.
+    the teacher's token; with `weights` [n] (boosting), their weighted sum over the positions
+    divided by n, so that a position of weight 0 teaches nothing and a batch's scale is kept.
 
     logits [n, V] (the student's, at the positions that predict each stored token); top_ids
     [n, k] int64; top_probs [n, k]; rest [n]; target [n] int64.
@@ -165,7 +167,8 @@ def distill_loss(
     else:
         raise ValueError(f"loss must be 'kl' or 'tvd', got {kind!r}")
     ce = -logq.gather(1, target[:, None])[:, 0]
-    return (div + ce_weight * ce).mean()
+    per = div + ce_weight * ce
+    return per.mean() if weights is None else (weights * per).sum() / per.numel()
 
 
 def simulated_tau(agree: Sequence[Sequence[bool]], depth: int = 8) -> float:
