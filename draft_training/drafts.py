@@ -3,7 +3,7 @@
 A recipe is the whole pipeline for one model-store alias of kind "trained":
 
 1. `collect` the teacher's continuations of the train prompts (greedy and T 1) and of the held-out
-   prompts (greedy, for evaluation only);
+   prompts (greedy and T 1 in two folders, for evaluation only: `heldout`, `heldout_t1`);
 2. `distill` the draft towards them (held-out top-1 and simulated tau on the progress bar);
 3. `export` the trained draft as a GGUF (tensors training left alone copied byte for byte), written
    under a temporary name and renamed to the alias's file in the model cache, with
@@ -51,7 +51,7 @@ class Recipe:
 
 
 # the SmolLM2 showcase: the untrained 8-block draft (tau 1.04) distilled from the full 30-block model;
-# about an hour on 2 cores (collect ~17 + 3 min, distill ~35 min: the pilot's rates)
+# about an hour on 2 cores (collect ~17 + 6 min, distill ~35 min: the pilot's rates)
 RECIPES: dict[str, Recipe] = {
     "smollm2-135m-l8-kd": Recipe("smollm2-135m-l8-kd", "smollm2-135m", "smollm2-135m-q4-l8"),
 }
@@ -98,9 +98,15 @@ def build(
     teacher = load_target(recipe.teacher, progress=progress)
     train = CollectConfig(recipe.teacher, recipe.tokens, recipe.temperatures, 32, 0)
     held = replace(train, temperatures=(0.0,))
-    sides = (("train", train, recipe.train_prompts), ("heldout", held, recipe.heldout_prompts))
-    for name, want, limit in sides:
-        collect(work / name, _prompts(split, name, limit), want, recipe.collect_batch, teacher, progress)
+    # held-out greedy (distill's evaluation) and at T 1 (bench.speculators' second table); never trained on
+    held_t1 = replace(train, temperatures=(1.0,))
+    sides = (
+        ("train", "train", train, recipe.train_prompts),
+        ("heldout", "heldout", held, recipe.heldout_prompts),
+        ("heldout_t1", "heldout", held_t1, recipe.heldout_prompts),
+    )
+    for name, side, want, limit in sides:
+        collect(work / name, _prompts(split, side, limit), want, recipe.collect_batch, teacher, progress)
     del teacher
     times["collect_s"] = round(time.perf_counter() - t0, 1)
     t1 = time.perf_counter()
