@@ -30,7 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.agreement import TOP_K, draft_ranks
-from bench.harness import table, write_result
+from bench.harness import add_common_args, table, write_result
 
 DEFAULT_DRAFTS = "smollm2-135m-q4-l8,smollm2-135m-l8-kd"
 _NAME = re.compile(r"^(?P<category>.+?)__(?P<id>.+)__t(?P<t>[0-9.]+)$")
@@ -183,10 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--curve", type=Path, default=None, help="a distill run folder or a trained draft's .json"
     )
-    ap.add_argument(
-        "--json", default=None, help="write the rows, comparisons and learning curve to this file"
-    )
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common_args(
+        ap, json=True, json_help="rows: coverage per draft, backend, T and category; comparisons; "
+        "learning_curve", no_progress=True,
+    )  # fmt: skip
     a = ap.parse_args(argv)
     folders = a.records or default_records()
     if not folders:
