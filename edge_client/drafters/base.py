@@ -69,6 +69,9 @@ class DrafterStats:
     log: list[tuple[str, int, float]] | None = None
     # the running cost of one evaluation by its rows (an exponential average per row count)
     by_rows: dict[int, float] = field(default_factory=dict)
+    # the tree builders' own ms per row evaluated, outside the forward (ranking the row's logits,
+    # coupling, bookkeeping; an exponential average, trees.builder.HostClock); None: not measured
+    host_ms_per_row: float | None = None
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
@@ -78,23 +81,32 @@ class DrafterStats:
         old = self.by_rows.get(rows)
         self.by_rows[rows] = ms if old is None else 0.8 * old + 0.2 * ms
 
+    def observe_host(self, rows: int, ms: float) -> None:
+        """A tree level's own work outside the forward took `ms` for `rows` rows."""
+        if rows > 0:
+            per = max(0.0, ms) / rows
+            old = self.host_ms_per_row
+            self.host_ms_per_row = per if old is None else 0.8 * old + 0.2 * per
+
     def eval_ms(self, rows: int) -> float | None:
-        """The expected ms of one evaluation of `rows` rows: the running average at that size,
-        else linear between the nearest sizes measured (flat below the smallest); beyond the
-        largest size measured, in proportion to the rows (pessimistic: a batch larger than any
-        seen is priced as if every row cost what the largest one's rows did, so a plan grows its
-        batches step by step as they are measured); None before any evaluation."""
+        """The expected ms of one evaluation of `rows` rows, the builders' own work on those rows
+        included (host_ms_per_row): the forward's running average at that size, else linear
+        between the nearest sizes measured (flat below the smallest); beyond the largest size
+        measured, in proportion to the rows (pessimistic: a batch larger than any seen is priced
+        as if every row cost what the largest one's rows did, so a plan grows its batches step by
+        step as they are measured); None before any evaluation."""
         if not self.by_rows:
             return None
+        host = (self.host_ms_per_row or 0.0) * rows
         if rows in self.by_rows:
-            return self.by_rows[rows]
+            return self.by_rows[rows] + host
         xs = sorted(self.by_rows)
         ys = [self.by_rows[x] for x in xs]
         if rows < xs[0]:
-            return ys[0]
+            return ys[0] + host
         if rows > xs[-1]:
-            return ys[-1] * rows / xs[-1]
-        return float(np.interp(rows, xs, ys))
+            return ys[-1] * rows / xs[-1] + host
+        return float(np.interp(rows, xs, ys)) + host
 
     def take_log(self) -> tuple[tuple[str, int, float], ...]:
         """The evaluations logged since the last call (logging stays on)."""

@@ -26,7 +26,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edge_client.drafters.base import Drafter, WorkspaceFullError
-from edge_client.trees.builder import DraftCancelled, DraftOptions, DraftResult, TreeBuilder, sample_children
+from edge_client.trees.builder import (
+    DraftCancelled,
+    DraftOptions,
+    DraftResult,
+    HostClock,
+    TreeBuilder,
+    sample_children,
+)
 from edge_client.trees.dynamic import BestFirst, Growth, check_growth
 from edge_client.trees.sampling import (
     Coupling,
@@ -78,7 +85,12 @@ def draft_static_many(
     roots = _extend_conds(drafter, walks)
     at = [len(committed) + len(c) for c in conds]  # absolute position of the token after row 0
     batch = _Lockstep(configs, stop_of, roots, opts.alternatives, coupling, at, draws)
+    clock = HostClock(drafter)
     for level in range(max(c.depth for c in configs)):
+        clock.start()
+        ranked = sum(
+            len(f) for t, f in enumerate(batch.frontiers) if batch.alive[t] and level < configs[t].depth
+        )
         new = batch.expand(level)
         growing = batch.growing(level)  # to evaluate
         if not any(growing):
@@ -87,6 +99,7 @@ def draft_static_many(
         if not any(growing):
             break
         batch.evaluate(drafter, new, growing)
+        clock.stop(ranked)
     evals = drafter.stats.extend_calls - evals0
     return batch.results(committed, conds, t0, evals)
 
@@ -328,6 +341,12 @@ class _Lockstep:
                 for tok, lp in zip(ids[:k].tolist(), vals[:k].tolist(), strict=True):
                     new[t].append(acc.add(node, tok, lp))
         return new
+
+    def ranking(self, level: int) -> int:
+        """The rows `expand(level)` ranks: the frontiers of the live trees that reach that level."""
+        return sum(
+            len(f) for t, f in enumerate(self.frontiers) if self.alive[t] and level < self.configs[t].depth
+        )
 
     def growing(self, level: int) -> list[bool]:
         """Per tree: whether the level just expanded is to be evaluated (alive, not its last)."""

@@ -251,3 +251,18 @@ def test_sampled_trees_pre_speculate_in_lockstep(mode: str) -> None:
         toks, st = _generate(srv.ws, TreeSpec(), cfg, max_new_tokens=32, mode=mode, temperature=1.0, seed=3)
     assert len(toks) == 32 or toks[-1] == 2
     assert st.prespec_sent > 0 and _batched(st) > 0
+
+
+def test_the_builders_own_work_is_priced_into_an_evaluation() -> None:
+    """A tree level's ranking and bookkeeping, outside the forward, is measured per row and added to
+    the drafter's price of an evaluation (so planned chains end when they were planned to)."""
+    d = FakeDrafter(V)
+    assert d.stats.host_ms_per_row is None
+    draft_static(d, S, ExpansionConfig((2, 2, 1)))
+    host = d.stats.host_ms_per_row
+    assert host is not None and host >= 0.0
+    forward = d.stats.by_rows[2]
+    assert d.stats.eval_ms(2) == pytest.approx(forward + 2 * host)
+    conds = _outcome_conds(d)
+    draft_static_many(d, S, ExpansionConfig((1, 1, 1)), conds)
+    assert d.stats.host_ms_per_row is not None
