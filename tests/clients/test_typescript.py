@@ -70,24 +70,113 @@ def test_greedy_through_the_typescript_client_equals_target_only(built: None) ->
     assert isinstance(stats, dict) and stats["tokens"] == len(out["tokens"])
 
 
+def _seeded_ar(url: str) -> list[int]:
+    """Target-only decoding of PROMPT in mode ar at T 0.9, seed 77, 30 tokens."""
+
+    async def ar() -> list[int]:
+        s = await AsyncSession.open(url)
+        assert isinstance(await s.recv(), Welcome)
+        await s.ws.send(s.proto.prompt(Prompt(np.array(PROMPT), Mode.AR, 0.9, 0, 1.0, 77, 30)))
+        toks: list[int] = []
+        while True:
+            v = await s.recv()
+            assert isinstance(v, Verdict)
+            toks += v.tokens.tolist()
+            if v.done:
+                await s.close()
+                return toks
+
+    return asyncio.run(ar())
+
+
 def test_seeded_match_through_the_typescript_client_equals_seeded_ar(built: None) -> None:
     with LiveServer() as srv:
-
-        async def ar() -> list[int]:
-            s = await AsyncSession.open(srv.ws)
-            assert isinstance(await s.recv(), Welcome)
-            await s.ws.send(s.proto.prompt(Prompt(np.array(PROMPT), Mode.AR, 0.9, 0, 1.0, 77, 30)))
-            toks: list[int] = []
-            while True:
-                v = await s.recv()
-                assert isinstance(v, Verdict)
-                toks += v.tokens.tolist()
-                if v.done:
-                    await s.close()
-                    return toks
-
-        want = asyncio.run(ar())
+        want = _seeded_ar(srv.ws)
         out = _cli("--server", srv.ws, "--fingerprint", tiny().vocab_fingerprint, "--prompt-ids",
                    ",".join(map(str, PROMPT)), "--mode", "match", "--temperature", "0.9", "--seed", "77",
                    "--max-new-tokens", "30")  # fmt: skip
-    assert out["tokens"] == want
+        assert out["tokens"] == want
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny test model exported to ONNX (fp32), as `edge-client export-onnx tiny` writes it."""
+    from edge_client.onnx.export import export
+
+    out = tmp_path_factory.mktemp("onnx") / "tiny"
+    export("tiny", out, progress=False)
+    return out
+
+
+def test_the_typescript_edge_drafts_with_an_onnx_model_and_keeps_the_output(
+    built: None, tiny_export: Path
+) -> None:
+    """`treespec-ts generate --draft EXPORT_DIR`: the export drafted by onnxruntime-node (the tiny
+    model drafting for itself, so nearly every tree is accepted whole), greedy output exactly the
+    target's own, seeded match exactly seeded ar's."""
+    prompt = ",".join(map(str, PROMPT))
+    with LiveServer() as srv:
+        out = _cli("generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids", prompt,
+                   "--max-new-tokens", "40", "--tree", "1,2,1,1")  # fmt: skip
+        assert out["tokens"] == reference(tuple(PROMPT), 40)
+        stats = out["stats"]
+        assert isinstance(stats, dict) and stats["tau"] > 3.0  # the model's own trees, not lookup's
+        lookup = _cli("--server", srv.ws, "--fingerprint", tiny().vocab_fingerprint, "--prompt-ids", prompt,
+                      "--max-new-tokens", "40")  # fmt: skip
+        assert isinstance(lookup["stats"], dict) and stats["tau"] > lookup["stats"]["tau"]
+        seeded = ["--mode", "match", "--temperature", "0.9", "--seed", "77", "--max-new-tokens", "30"]
+        match = _cli("generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids", prompt,
+                     *seeded)  # fmt: skip
+        assert match["tokens"] == _seeded_ar(srv.ws)
+
+
+def test_a_damaged_export_is_named(built: None, tiny_export: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_export, bad)
+    (bad / "model.onnx.data").write_bytes(b"cut")
+
+    def run(folder: Path) -> subprocess.CompletedProcess[str]:
+        cmd = ["node", "dist/src/cli.js", "generate", "--server", "ws://127.0.0.1:9/", "--draft", str(folder)]
+        cmd += ["--prompt-ids", "1,2"]
+        return subprocess.run(cmd, cwd=TS, capture_output=True, text=True, timeout=120)
+
+    r = run(bad)
+    assert r.returncode == 1 and "model.onnx.data" in r.stderr and "re-export" in r.stderr
+    r = run(tmp_path / "nothing")
+    assert r.returncode == 1 and "not an ONNX export" in r.stderr
+
+
+def test_the_typescript_tokenizer_gives_the_python_edges_ids(built: None, tiny_export: Path) -> None:
+    """Every prompt of the project's sets (chat prompts under the template, HumanEval raw), and
+    prompts with special tokens, unicode and odd whitespace: the TypeScript tokenizer
+    (@huggingface/tokenizers over the export's tokenizer.json) gives the Python edge's ids."""
+    from bench.harness import load_suite
+    from edge_client.onnx.export import read_manifest
+    from edge_client.stored_tokenizer import StoredTokenizer
+
+    m = read_manifest(tiny_export)
+    tok = StoredTokenizer(tiny_export, bos_id=m.bos_id, eos_ids=m.eos_ids, chat_template=m.chat_template)
+    items = [{"text": p.text, "raw": p.raw} for p in load_suite(40, 80)]
+    items += [
+        {"text": t, "raw": raw}
+        for t in (
+            "<|im_start|>user<|im_end|> hi",
+            "naïve café — 東京 🚀 ∑x²",
+            "  tabs\tand\n\nnewlines  ",
+            "",
+        )
+        for raw in (False, True)
+    ]
+    want = []
+    for it in items:
+        if it["raw"]:
+            want.append(tok.encode(str(it["text"]), add_special=True, parse_special=False))
+        else:
+            text = tok.render_chat([{"role": "user", "content": str(it["text"])}], add_generation_prompt=True)
+            want.append(tok.encode(text, add_special=False, parse_special=True))
+    r = subprocess.run(["node", "dist/src/cli.js", "tokenize", "--draft", str(tiny_export)], cwd=TS,
+                       input=json.dumps(items), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    bad = [(it, w, g) for it, w, g in zip(items, want, got, strict=True) if w != g]
+    assert not bad, f"{len(bad)} of {len(items)} prompts differ, first: {bad[0]}"

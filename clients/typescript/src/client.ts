@@ -3,7 +3,7 @@
 // prompt and decodes the output with the tokenizer of the model the verifier names (welcome.model_id).
 import WebSocket from "ws";
 import { DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
-import { decodeMessage, encodeMessage, type Message, PROTOCOL_VERSION, ProtocolError } from "./protocol.js";
+import { decodeMessage, encodeMessage, type Message, PROTOCOL_VERSION, ProtocolError, type Tree } from "./protocol.js";
 
 type Welcome = Extract<Message, { type: "welcome" }>;
 type Verdict = Extract<Message, { type: "verdict" }>;
@@ -14,8 +14,12 @@ export class GenerationError extends Error {
   }
 }
 
+/** Drafts the next round's tree from the committed tokens (a model drafter, or prompt lookup). */
+export type TreeSource = (committed: readonly number[]) => Tree | Promise<Tree>;
+
 export interface GenerateOptions {
   mode?: "greedy" | "match" | "ar";
+  draft?: TreeSource; // default: prompt lookup (`lookup`)
   maxNewTokens?: number;
   temperature?: number; // match: > 0
   topK?: number;
@@ -111,9 +115,10 @@ export class TreespecClient {
     const lim = this.welcome.limits;
     const look: LookupOptions = { ...DEFAULT_LOOKUP, ...o.lookup };
     look.depth = Math.min(look.depth, lim.max_depth);
-    const draft = (ctx: number[]) => fitTree(lookupTree(ctx, look), lim.max_nodes, lim.max_depth);
+    const source: TreeSource = o.draft ?? ((ctx) => lookupTree(ctx, look));
+    const draft = async (ctx: number[]) => fitTree(await source(ctx), lim.max_nodes, lim.max_depth);
     this.committed = [...prompt];
-    const first = mode === "ar" ? undefined : draft(this.committed);
+    const first = mode === "ar" ? undefined : await draft(this.committed);
     this.send({
       type: "prompt", tokens: prompt, mode, temperature: mode === "greedy" ? 0 : o.temperature ?? 0,
       top_k: o.topK ?? 0, top_p: o.topP ?? 1, seed: o.seed ?? 0, max_new_tokens: o.maxNewTokens ?? 128,
@@ -139,7 +144,7 @@ export class TreespecClient {
       if (v.tokens.length) yield v.tokens;
       if (v.done) return;
       if (mode !== "ar") {
-        const t = draft(this.committed);
+        const t = await draft(this.committed);
         st.draftedNodes += t.tokens.length;
         this.send({ type: "tree", round: ++this.round, ...t });
       }

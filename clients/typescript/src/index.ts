@@ -1,3 +1,14 @@
-export { GenerationError, TreespecClient, type GenerateOptions, type Stats } from "./client.js";
+export { GenerationError, TreespecClient, type GenerateOptions, type Stats, type TreeSource } from "./client.js";
+export {
+  draftStatic,
+  EXPORT_FORMAT,
+  ExportError,
+  folderReader,
+  type Manifest,
+  OnnxDrafter,
+  type OrtLike,
+  readManifest,
+  topK,
+} from "./onnx_drafter.js";
 export { continuations, DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
 export { decodeMessage, encodeMessage, type Message, ProtocolError, PROTOCOL_VERSION } from "./protocol.js";
