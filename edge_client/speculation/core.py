@@ -299,10 +299,13 @@ class SpeculationCore:
     def _prespeculate_one(self) -> Steps:
         """Draft the most likely candidate outcome's conditional tree and send it, and the next
         likely ones with it, in lockstep (trees.lockstep: static, sequence and sampled shapes a
-        level at a time, budget shapes a best-first round at a time)."""
+        level at a time, budget shapes a best-first round at a time). Budget shapes join the
+        lockstep in greedy only: in match the coupled ranking of every node is dear, and on the
+        real pair at T 0.7 the batch cost more drafting than it saved (312.8 against 274.4
+        ms/token one at a time, bench/results/2026-12-04/issue31_lockstep_t07.json)."""
         cfg = self.prespec
         assert cfg is not None
-        lockstep = self.req.tree.kind != "budget" or not self.req.mode.stochastic
+        lockstep = self.req.tree.kind != "budget" or self.req.mode is Mode.GREEDY
         committed = tuple(self.proto.committed)
         max_depth = self.welcome.limits.max_depth
         shapes: tuple[TreeSpec, ...] | None = None

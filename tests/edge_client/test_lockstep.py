@@ -229,9 +229,9 @@ def _batched(st: GenerationStats) -> int:
 
 
 def test_budget_trees_pre_speculate_in_lockstep_and_keep_the_output() -> None:
-    """A budget shape with pre-speculation drafts several conditional trees per action (one
-    evaluation per best-first round for all of them) and gives exactly the output without it,
-    greedy and seeded match."""
+    """A budget shape with pre-speculation drafts several conditional trees per action in greedy
+    (one evaluation per best-first round for all of them), one at a time in match, and gives
+    exactly the output without it, greedy and seeded match."""
     cfg = PrespecConfig(fanout=3, gate=False, batch=4, batch_min_prob=0.0)
     tree = TreeSpec("budget", budget=12)
     with LiveServer(max_pending=16) as srv:
@@ -239,7 +239,9 @@ def test_budget_trees_pre_speculate_in_lockstep_and_keep_the_output() -> None:
             off, _ = _generate(srv.ws, tree, False, max_new_tokens=32, **kw)
             on, st = _generate(srv.ws, tree, cfg, max_new_tokens=32, **kw)
             assert on == off, kw
-            assert st.prespec_sent > 0 and _batched(st) > 0, kw
+            assert st.prespec_sent > 0, kw
+            # budget trees join the lockstep in greedy only (in match the coupled ranking is dear)
+            assert (_batched(st) > 0) if not kw else (_batched(st) == 0), kw
 
 
 @pytest.mark.parametrize("mode", ["mss", "rrs"])
