@@ -535,6 +535,8 @@ def _report(args: argparse.Namespace, gen: GenerationResult, out: TextIO) -> Non
             "verify_ms": st.as_dict()["verify_ms"],
             "bytes_up": st.bytes_up,
             "bytes_down": st.bytes_down,
+            "draft_ms": st.as_dict()["draft_ms"],  # median ms of drafting a round on the critical path
+            "ms_per_token": round(st.ms_per_token, 3),
         }
         line = {"text": gen.text, "prompt_tokens": gen.prompt_tokens, "tokens": gen.tokens, "stats": stats}
         out.write(json.dumps(line, ensure_ascii=False) + "\n")

@@ -34,7 +34,15 @@ export interface Stats {
   tokens: number;
   tau: number; // tokens per verdict, bonus included
   draftedNodes: number;
+  draftMs: number; // median ms of drafting a round's tree (on the critical path)
+  msPerToken: number; // wall ms from the prompt to the last verdict, per generated token
 }
+
+const median = (xs: number[]) => {
+  if (!xs.length) return 0;
+  const s = [...xs].sort((a, b) => a - b);
+  return s.length % 2 ? s[(s.length - 1) / 2] : (s[s.length / 2 - 1] + s[s.length / 2]) / 2;
+};
 
 export class TreespecClient {
   welcome!: Welcome;
@@ -42,7 +50,7 @@ export class TreespecClient {
   private inbox: (Message | Error)[] = [];
   private waiting: ((m: Message | Error) => void) | null = null;
   private round = 0;
-  last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0 };
+  last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0 };
 
   private constructor(private ws: WebSocket) {
     ws.on("message", (data: Buffer, isBinary: boolean) => {
@@ -116,7 +124,14 @@ export class TreespecClient {
     const look: LookupOptions = { ...DEFAULT_LOOKUP, ...o.lookup };
     look.depth = Math.min(look.depth, lim.max_depth);
     const source: TreeSource = o.draft ?? ((ctx) => lookupTree(ctx, look));
-    const draft = async (ctx: number[]) => fitTree(await source(ctx), lim.max_nodes, lim.max_depth);
+    const drafting: number[] = [];
+    const draft = async (ctx: number[]) => {
+      const t = performance.now();
+      const tree = fitTree(await source(ctx), lim.max_nodes, lim.max_depth);
+      drafting.push(performance.now() - t);
+      return tree;
+    };
+    const t0 = performance.now();
     this.committed = [...prompt];
     const first = mode === "ar" ? undefined : await draft(this.committed);
     this.send({
@@ -124,7 +139,7 @@ export class TreespecClient {
       top_k: o.topK ?? 0, top_p: o.topP ?? 1, seed: o.seed ?? 0, max_new_tokens: o.maxNewTokens ?? 128,
       stop_ids: o.stopIds ?? [], continue: false, ...(first ? { tree: first } : {}),
     });  // prettier-ignore
-    const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: first?.tokens.length ?? 0 };
+    const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: first?.tokens.length ?? 0, draftMs: 0, msPerToken: 0 };
     this.last = st;
     let verdicts = 0;
     for (;;) {
@@ -141,6 +156,8 @@ export class TreespecClient {
       if (v.round > 0) st.rounds++;
       st.tokens += v.tokens.length;
       st.tau = st.tokens / verdicts;
+      st.msPerToken = (performance.now() - t0) / Math.max(1, st.tokens);
+      st.draftMs = median(drafting);
       if (v.tokens.length) yield v.tokens;
       if (v.done) return;
       if (mode !== "ar") {
