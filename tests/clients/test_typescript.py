@@ -180,3 +180,14 @@ def test_the_typescript_tokenizer_gives_the_python_edges_ids(built: None, tiny_e
     got = json.loads(r.stdout)
     bad = [(it, w, g) for it, w, g in zip(items, want, got, strict=True) if w != g]
     assert not bad, f"{len(bad)} of {len(items)} prompts differ, first: {bad[0]}"
+
+
+def test_an_aborted_generation_keeps_what_was_committed(built: None, tiny_export: Path) -> None:
+    """generate()'s AbortSignal: the server is told to cancel, the generation ends early, and the
+    tokens committed until then are the target's own."""
+    with LiveServer() as srv:
+        out = _cli("generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids",
+                   ",".join(map(str, PROMPT)), "--max-new-tokens", "60", "--cancel-after", "3")  # fmt: skip
+    tokens = out["tokens"]
+    assert out["cancelled"] is True and isinstance(tokens, list) and 3 <= len(tokens) < 60
+    assert tokens == reference(tuple(PROMPT), 60)[: len(tokens)]

@@ -29,6 +29,8 @@ const HELP = `treespec-ts: a TypeScript client of the treespec verifier (PROTOCO
   --depth D --width W   prompt lookup: tokens per guess, guesses merged into the tree
   --api-key KEY         if the verifier needs one
   --json                print one JSON object (text, prompt_tokens, tokens, stats with tau) at the end
+  --cancel-after N      abort the generation (AbortSignal) once N tokens have arrived; the tokens
+                        committed until the server's cancelled verdict are kept ("cancelled": true)
 `;
 
 function ints(text: string, what: string): number[] | string {
@@ -62,7 +64,7 @@ async function main(): Promise<number> {
     args: generate ? argv.slice(1) : argv,
     allowPositionals: generate,
     options: {
-      raw: { type: "boolean", default: false },
+      raw: { type: "boolean", default: false }, "cancel-after": { type: "string", default: "0" },
       server: { type: "string", default: "ws://127.0.0.1:8000/v1/session" }, draft: { type: "string" },
       tree: { type: "string", default: "1,1,3,1,1,1,1,1" }, threads: { type: "string", default: "1" },
       fingerprint: { type: "string" }, "prompt-ids": { type: "string" }, mode: { type: "string", default: "greedy" },
@@ -110,16 +112,26 @@ async function main(): Promise<number> {
     const c = await TreespecClient.connect(a.server!, fingerprint, a["api-key"]);
     const out: number[] = [];
     const shown = codec?.stream();
+    const abort = new AbortController();
+    const cancelAfter = Number(a["cancel-after"]);
+    let cancelled = false;
+    try {
     for await (const chunk of c.generate(ids as number[], {
       mode, maxNewTokens: Number(a["max-new-tokens"]), temperature: Number(a.temperature), seed: BigInt(a.seed!),
-      lookup: { depth: Number(a.depth), width: Number(a.width) }, draft,
+      lookup: { depth: Number(a.depth), width: Number(a.width) }, draft, signal: abort.signal,
     })) {  // prettier-ignore
       out.push(...chunk);
       if (!a.json) process.stdout.write(shown ? shown(chunk) : chunk.join(" ") + " ");
+      if (cancelAfter > 0 && out.length >= cancelAfter) abort.abort();
+    }
+    } catch (e) {
+      if (!(e instanceof DOMException && e.name === "AbortError")) throw e;
+      cancelled = true;
     }
     c.close();
     if (a.json) {
-      const doc = { text: codec?.decode(out), prompt_tokens: ids, tokens: out, stats: c.last, model: c.welcome.model_id };
+      const doc = { text: codec?.decode(out), prompt_tokens: ids, tokens: out, stats: c.last, model: c.welcome.model_id,
+                    cancelled };  // prettier-ignore
       process.stdout.write(JSON.stringify(doc) + "\n");
     } else process.stdout.write("\n");
     return 0;

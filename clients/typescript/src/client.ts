@@ -20,6 +20,7 @@ export type TreeSource = (committed: readonly number[]) => Tree | Promise<Tree>;
 export interface GenerateOptions {
   mode?: "greedy" | "match" | "ar";
   draft?: TreeSource; // default: prompt lookup (`lookup`)
+  signal?: AbortSignal; // abort: the server is told to cancel; the generation ends with signal.reason
   maxNewTokens?: number;
   temperature?: number; // match: > 0
   topK?: number;
@@ -131,6 +132,15 @@ export class TreespecClient {
       drafting.push(performance.now() - t);
       return tree;
     };
+    const signal = o.signal;
+    signal?.throwIfAborted();
+    let cancelled = false;
+    const cancel = () => {
+      if (!cancelled) {
+        cancelled = true;
+        this.send({ type: "cancel" }); // the verdict of the round in flight comes back done
+      }
+    };
     const t0 = performance.now();
     this.committed = [...prompt];
     const first = mode === "ar" ? undefined : await draft(this.committed);
@@ -142,29 +152,38 @@ export class TreespecClient {
     const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: first?.tokens.length ?? 0, draftMs: 0, msPerToken: 0 };
     this.last = st;
     let verdicts = 0;
-    for (;;) {
-      const m = await this.next();
-      if (m.type === "stale") continue;
-      if (m.type === "error") throw new GenerationError(`verifier refused: ${m.code} (${m.field}): ${m.message}`, m.code, m.field);
-      if (m.type !== "verdict") throw new ProtocolError("BAD_ORDER", `unexpected ${m.type}`, "type", true);
-      const v = m as Verdict;
-      this.committed.push(...v.tokens);
-      if (v.committed_len !== this.committed.length) {
-        throw new GenerationError(`committed_len ${v.committed_len} but ${this.committed.length} tokens held`);
+    signal?.addEventListener("abort", cancel, { once: true });
+    if (signal?.aborted) cancel(); // aborted while the first tree was drafted
+    try {
+      for (;;) {
+        const m = await this.next();
+        if (m.type === "stale") continue;
+        if (m.type === "error") throw new GenerationError(`verifier refused: ${m.code} (${m.field}): ${m.message}`, m.code, m.field);
+        if (m.type !== "verdict") throw new ProtocolError("BAD_ORDER", `unexpected ${m.type}`, "type", true);
+        const v = m as Verdict;
+        this.committed.push(...v.tokens);
+        if (v.committed_len !== this.committed.length) {
+          throw new GenerationError(`committed_len ${v.committed_len} but ${this.committed.length} tokens held`);
+        }
+        verdicts++;
+        if (v.round > 0) st.rounds++;
+        st.tokens += v.tokens.length;
+        st.tau = st.tokens / verdicts;
+        st.msPerToken = (performance.now() - t0) / Math.max(1, st.tokens);
+        st.draftMs = median(drafting);
+        if (v.tokens.length) yield v.tokens;
+        if (v.done) {
+          if (cancelled && v.reason === "cancelled") throw signal?.reason ?? new DOMException("cancelled", "AbortError");
+          return;
+        }
+        if (mode !== "ar" && !cancelled) {
+          const t = await draft(this.committed);
+          st.draftedNodes += t.tokens.length;
+          this.send({ type: "tree", round: ++this.round, ...t });
+        }
       }
-      verdicts++;
-      if (v.round > 0) st.rounds++;
-      st.tokens += v.tokens.length;
-      st.tau = st.tokens / verdicts;
-      st.msPerToken = (performance.now() - t0) / Math.max(1, st.tokens);
-      st.draftMs = median(drafting);
-      if (v.tokens.length) yield v.tokens;
-      if (v.done) return;
-      if (mode !== "ar") {
-        const t = await draft(this.committed);
-        st.draftedNodes += t.tokens.length;
-        this.send({ type: "tree", round: ++this.round, ...t });
-      }
+    } finally {
+      signal?.removeEventListener("abort", cancel);
     }
   }
 
