@@ -191,3 +191,38 @@ def test_an_aborted_generation_keeps_what_was_committed(built: None, tiny_export
     tokens = out["tokens"]
     assert out["cancelled"] is True and isinstance(tokens, list) and 3 <= len(tokens) < 60
     assert tokens == reference(tuple(PROMPT), 60)[: len(tokens)]
+
+
+EDGE_SCRIPT = """
+import * as ort from "onnxruntime-node";
+import { Edge, folderReader } from "./dist/src/index.js";
+const [url, folder] = process.argv.slice(1);
+const edge = await Edge.open(url, await folderReader(folder), ort, { tree: [1, 2, 1, 1] });
+let text = "";
+for await (const piece of edge.generate("Say hi in three languages", { maxNewTokens: 24 })) text += piece;
+edge.close();
+const doc = { text, ids: edge.encode("Say hi in three languages"), tau: edge.last.tau };
+process.stdout.write(JSON.stringify(doc), () => process.exit(0));
+"""
+
+
+def test_the_edge_sdk_streams_the_targets_text(built: None, tiny_export: Path) -> None:
+    """The SDK object (Edge: session + ONNX drafter + tokenizer): a text prompt in, the target's own
+    greedy answer out as text, streamed in pieces that join to the Python tokenizer's decoding."""
+    from edge_client.onnx.export import read_manifest
+    from edge_client.stored_tokenizer import StoredTokenizer
+
+    with LiveServer() as srv:
+        cmd = ["node", "--input-type=module", "-e", EDGE_SCRIPT, srv.ws, str(tiny_export)]
+        r = subprocess.run(cmd, cwd=TS, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    m = read_manifest(tiny_export)
+    tok = StoredTokenizer(tiny_export, bos_id=m.bos_id, eos_ids=m.eos_ids, chat_template=m.chat_template)
+    chat = tok.render_chat(
+        [{"role": "user", "content": "Say hi in three languages"}], add_generation_prompt=True
+    )
+    ids = tok.encode(chat, add_special=False, parse_special=True)
+    assert doc["ids"] == ids
+    want = tok.decode(reference(tuple(ids), 24)).decode("utf-8", "replace")
+    assert doc["text"] == want and doc["tau"] > 1.0

@@ -12,3 +12,5 @@ export {
 } from "./onnx_drafter.js";
 export { continuations, DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
 export { decodeMessage, encodeMessage, type Message, ProtocolError, PROTOCOL_VERSION } from "./protocol.js";
+export { DEFAULT_TREE, Edge, type EdgeOptions, type TextOptions } from "./edge.js";
+export { type ChatMessage, TextCodec } from "./text.js";

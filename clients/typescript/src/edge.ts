@@ -1,0 +1,63 @@
+// The edge SDK in one object: a session with the verifier, the draft model of an ONNX export and its
+// tokenizer. Text in, text out:
+//
+//   import * as ort from "onnxruntime-node";   // or onnxruntime-web in a browser
+//   const edge = await Edge.open("ws://host:8000/v1/session", await folderReader("smollm2-onnx"), ort);
+//   for await (const text of edge.generate("Write a haiku", { maxNewTokens: 64, signal })) show(text);
+//   console.log(edge.last.tau);
+import { type GenerateOptions, type Stats, TreespecClient } from "./client.js";
+import { draftStatic, type DrafterOptions, type ExportReader, OnnxDrafter, type OrtLike } from "./onnx_drafter.js";
+import { type ChatMessage, TextCodec } from "./text.js";
+
+export const DEFAULT_TREE = [1, 1, 3, 1, 1, 1, 1, 1]; // SpecInfer's default expansion
+
+export interface EdgeOptions extends DrafterOptions {
+  apiKey?: string;
+  tree?: number[]; // the expansion tree drafted each round
+  where?: string; // how errors name the export (default "the export")
+}
+
+export interface TextOptions extends Omit<GenerateOptions, "draft" | "lookup"> {
+  raw?: boolean; // the prompt as is, without the chat template
+}
+
+export class Edge {
+  private constructor(
+    readonly client: TreespecClient,
+    readonly drafter: OnnxDrafter,
+    readonly codec: TextCodec,
+    private readonly tree: number[],
+  ) {}
+
+  /** Load the export (checked), connect, and check that its vocabulary is the verifier's. */
+  static async open(server: string, reader: ExportReader, ort: OrtLike, o: EdgeOptions = {}): Promise<Edge> {
+    const where = o.where ?? "the export";
+    const drafter = await OnnxDrafter.load(reader, where, ort, o);
+    const codec = await TextCodec.load(reader, drafter.manifest, where);
+    const client = await TreespecClient.connect(server, drafter.manifest.fingerprint, o.apiKey);
+    return new Edge(client, drafter, codec, o.tree ?? DEFAULT_TREE);
+  }
+
+  /** The prompt's token ids (chat template unless raw). */
+  encode(prompt: string | ChatMessage[], raw = false): number[] {
+    return this.codec.encodePrompt(prompt, raw);
+  }
+
+  /** Generate from a text prompt; yields the answer's text as it is committed (never half a character). */
+  async *generate(prompt: string | ChatMessage[], o: TextOptions = {}): AsyncGenerator<string> {
+    const show = this.codec.stream();
+    const draft = (ctx: readonly number[]) => draftStatic(this.drafter, ctx, this.tree);
+    for await (const ids of this.client.generate(this.encode(prompt, o.raw), { ...o, draft })) {
+      const text = show(ids);
+      if (text) yield text;
+    }
+  }
+
+  get last(): Stats {
+    return this.client.last;
+  }
+
+  close(): void {
+    this.client.close();
+  }
+}
