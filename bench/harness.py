@@ -146,6 +146,7 @@ def add_common_args(
       drafter_cost      --json --no-progress
       e2e               --json --seed --tokens --prompt-file --no-progress
       fuzz              --json --seed --no-progress
+      js_edge           --json --tokens --prompt-file --no-progress
       gpu_forward       --json --seed
       load              --json --seed --tokens --no-progress
       load_cost         --json --tokens --prompt-file --no-progress

@@ -187,6 +187,7 @@ DEFAULTS = {
     "e2e": {"tokens": 128, "seed": 0},
     "fuzz": {"seed": 0},
     "gpu_forward": {"seed": 0},
+    "js_edge": {"tokens": 64},
     "load": {"tokens": 64, "seed": 0},
     "load_cost": {"tokens": 64},
     "lookup_tau": {"tokens": 128},

@@ -1,0 +1,29 @@
+"""bench.js_edge on the tiny model: the TypeScript and the Python edge, drafting with the same ONNX
+export against one verifier, give the same output and a row each (skipped without Node 20 and npm)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import js_edge
+from tests.clients.test_typescript import _built
+
+
+def test_both_edges_give_the_same_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    why = _built()
+    if why is not None:
+        pytest.skip(why)
+    from edge_client.onnx import export as onnx_export
+
+    folder = tmp_path / "tiny-onnx"
+    onnx_export.export("tiny", folder, progress=False)
+    monkeypatch.setattr(onnx_export, "ensure_export", lambda source, int8=False, progress=True: folder)
+    out = tmp_path / "js_edge.json"
+    args = ["--model", "tiny", "--draft", "tiny", "--humaneval", "1", "--prompts", "1", "--tokens", "12"]
+    assert js_edge.main([*args, "--rtt-ms", "0", "--tree", "1,2,1", "--json", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and len(doc["rows"]) == 2
+    assert all(r["identical_outputs"] == "2/2" and r["tau"] > 1.0 for r in doc["rows"])
