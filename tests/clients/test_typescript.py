@@ -226,3 +226,83 @@ def test_the_edge_sdk_streams_the_targets_text(built: None, tiny_export: Path) -
     assert doc["ids"] == ids
     want = tok.decode(reference(tuple(ids), 24)).decode("utf-8", "replace")
     assert doc["text"] == want and doc["tau"] > 1.0
+
+
+DYNAMIC_SCRIPT = """
+import * as ort from "onnxruntime-node";
+import { draftDynamic, folderReader, OnnxDrafter } from "./dist/src/index.js";
+const [folder, ids, budget] = process.argv.slice(1);
+const drafter = await OnnxDrafter.load(await folderReader(folder), folder, ort);
+const out = await draftDynamic(drafter, ids.split(",").map(Number), Number(budget), { maxDepth: 6 });
+process.stdout.write(JSON.stringify(out.tree), () => process.exit(0));
+"""
+
+
+def test_budget_trees_in_typescript_are_the_python_edges_and_keep_the_output(
+    built: None, tiny_export: Path
+) -> None:
+    """The best-first budget tree drafted in TypeScript is the one the Python edge drafts with the
+    same export (trees.draft_dynamic on its ONNX drafter); through the verifier, a fixed budget and
+    one sized each round from the cost curve both give exactly the target's greedy output."""
+    from edge_client.drafters.onnx_drafter import OnnxDrafter
+    from edge_client.trees import DraftOptions, draft_dynamic
+
+    d = OnnxDrafter(tiny_export, progress=False)
+    for prompt, budget in ((PROMPT, 12), (PROMPT[:5], 20)):
+        want = draft_dynamic(d, prompt, budget, DraftOptions(), max_depth=6).tree
+        cmd = [
+            "node",
+            "--input-type=module",
+            "-e",
+            DYNAMIC_SCRIPT,
+            str(tiny_export),
+            ",".join(map(str, prompt)),
+        ]
+        r = subprocess.run([*cmd, str(budget)], cwd=TS, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert got["tokens"] == want.tokens.tolist() and got["parents"] == want.parents.tolist()
+    d.close()
+    with LiveServer() as srv:
+        # auto: this test server advertises a one-point cost curve ({1: 1 ms}), so auto sizes trees of 1
+        for size, tau in (("12", 2.5), ("auto", 1.0)):
+            out = _cli("generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids",
+                       ",".join(map(str, PROMPT)), "--max-new-tokens", "40", "--budget", size)  # fmt: skip
+            assert out["tokens"] == reference(tuple(PROMPT), 40), size
+            assert isinstance(out["stats"], dict) and out["stats"]["tau"] > tau, size
+
+
+def test_the_typescript_budget_is_the_python_edges(built: None) -> None:
+    """chooseBudget sizes a tree as speculation.estimates.choose_budget does, over cost curves,
+    gains, round trips and drafting speeds."""
+    from edge_client.speculation.estimates import choose_budget
+
+    cases = []
+    rng = np.random.default_rng(3)
+    for _ in range(40):
+        sizes = sorted(rng.choice(np.arange(1, 65), size=int(rng.integers(1, 6)), replace=False).tolist())
+        base = float(rng.uniform(5, 100))
+        cost = {int(n): base + float(rng.uniform(0.1, 3.0)) * n for n in sizes}
+        gains = np.sort(rng.uniform(0, 1, size=int(rng.integers(1, 70))))[::-1].tolist()
+        rtt, per = float(rng.choice([0.0, 25.0, 100.0])), float(rng.uniform(0, 5))
+        want = choose_budget(cost, gains, rtt_ms=rtt, draft_ms_per_node=per, max_nodes=48)
+        cases.append(
+            {
+                "cost": {str(k): v for k, v in cost.items()},
+                "gains": gains,
+                "rtt": rtt,
+                "per": per,
+                "want": want,
+            }
+        )
+    script = """
+    import { chooseBudget } from "./dist/src/index.js";
+    const cases = JSON.parse(process.argv[1]);
+    const size = (c) => chooseBudget(c.cost, c.gains, { rttMs: c.rtt, draftMsPerNode: c.per, maxNodes: 48 });
+    const got = cases.map(size);
+    process.stdout.write(JSON.stringify(got), () => process.exit(0));
+    """
+    r = subprocess.run(["node", "--input-type=module", "-e", script, json.dumps(cases)], cwd=TS,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [c["want"] for c in cases]

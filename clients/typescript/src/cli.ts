@@ -3,7 +3,18 @@
 //   node dist/src/cli.js --server ws://127.0.0.1:8000/v1/session --fingerprint HEX --prompt-ids 1,2,3
 import { parseArgs } from "node:util";
 import { GenerationError, TreespecClient, type TreeSource } from "./client.js";
-import { draftStatic, ExportError, folderReader, OnnxDrafter, type OrtLike, readManifest } from "./onnx_drafter.js";
+import {
+  chooseBudget,
+  draftDynamic,
+  draftStatic,
+  type DynamicTree,
+  ExportError,
+  folderReader,
+  nextGains,
+  OnnxDrafter,
+  type OrtLike,
+  readManifest,
+} from "./onnx_drafter.js";
 import { TextCodec } from "./text.js";
 
 const HELP = `treespec-ts: a TypeScript client of the treespec verifier (PROTOCOL.md)
@@ -18,6 +29,8 @@ const HELP = `treespec-ts: a TypeScript client of the treespec verifier (PROTOCO
   --server URL          ws:// or wss:// URL of the session endpoint (default ws://127.0.0.1:8000/v1/session)
   --draft DIR           generate: the draft model's ONNX export folder (its manifest gives the fingerprint)
   --tree K1,K2,...      generate: SpecInfer's expansion tree, children per level (default 1,1,3,1,1,1,1,1)
+  --budget N|auto       generate: a best-first tree of N nodes instead (auto: sized each round from the
+                        verifier's cost curve, the drafter's measured speed and the round trip)
   --threads N           generate: the draft model's threads (default 1)
   --fingerprint HEX     sha256 fingerprint of the target's vocabulary (PROTOCOL.md section 8)
   --prompt-ids A,B,...  the prompt as token ids (tokenize with the model the verifier names)
@@ -64,7 +77,7 @@ async function main(): Promise<number> {
     args: generate ? argv.slice(1) : argv,
     allowPositionals: generate,
     options: {
-      raw: { type: "boolean", default: false }, "cancel-after": { type: "string", default: "0" },
+      raw: { type: "boolean", default: false }, budget: { type: "string" }, "cancel-after": { type: "string", default: "0" },
       server: { type: "string", default: "ws://127.0.0.1:8000/v1/session" }, draft: { type: "string" },
       tree: { type: "string", default: "1,1,3,1,1,1,1,1" }, threads: { type: "string", default: "1" },
       fingerprint: { type: "string" }, "prompt-ids": { type: "string" }, mode: { type: "string", default: "greedy" },
@@ -97,6 +110,7 @@ async function main(): Promise<number> {
   try {
     let fingerprint = a.fingerprint!;
     let draft: TreeSource | undefined;
+    let client: TreespecClient | undefined;
     let codec: TextCodec | undefined;
     if (generate) {
       const ort = (await import("onnxruntime-node")) as unknown as OrtLike;
@@ -104,12 +118,29 @@ async function main(): Promise<number> {
       const drafter = await OnnxDrafter.load(reader, a.draft!, ort, { threads: Number(a.threads) });
       fingerprint = drafter.manifest.fingerprint;
       draft = (ctx) => draftStatic(drafter, ctx, ks);
+      if (a.budget !== undefined) {
+        const fixed = a.budget === "auto" ? 0 : Number(a.budget);
+        if (!(a.budget === "auto" || (Number.isInteger(fixed) && fixed >= 1))) {
+          return usage(`--budget takes a positive number of nodes or auto, got ${a.budget}`);
+        }
+        let last: DynamicTree | null = null;
+        draft = async (ctx) => {
+          const lim = client!.welcome.limits;
+          const cap = Math.min(lim.max_nodes, drafter.maxNodes);
+          const n = fixed || chooseBudget(client!.welcome.verify_cost_ms, nextGains(last, cap), {
+            rttMs: client!.rttMs, draftMsPerNode: drafter.msPerRow, maxNodes: cap,
+          });  // prettier-ignore
+          last = await draftDynamic(drafter, ctx, Math.min(n, cap), { maxDepth: lim.max_depth });
+          return last.tree;
+        };
+      }
       if (text) {
         codec = await TextCodec.load(reader, drafter.manifest, a.draft!);
         ids = codec.encodePrompt(text, a.raw);
       }
     }
     const c = await TreespecClient.connect(a.server!, fingerprint, a["api-key"]);
+    client = c;
     const out: number[] = [];
     const shown = codec?.stream();
     const abort = new AbortController();

@@ -51,6 +51,9 @@ export class TreespecClient {
   private inbox: (Message | Error)[] = [];
   private waiting: ((m: Message | Error) => void) | null = null;
   private round = 0;
+  private sentAt = 0;
+  /** The network's share of a round, learned from verdicts (wall time - the server's verify_ms). */
+  rttMs = 0;
   last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0 };
 
   private constructor(private ws: WebSocket) {
@@ -166,7 +169,11 @@ export class TreespecClient {
           throw new GenerationError(`committed_len ${v.committed_len} but ${this.committed.length} tokens held`);
         }
         verdicts++;
-        if (v.round > 0) st.rounds++;
+        if (v.round > 0) {
+          st.rounds++;
+          const net = Math.max(0, performance.now() - this.sentAt - v.verify_ms);
+          this.rttMs = st.rounds === 1 ? net : 0.8 * this.rttMs + 0.2 * net;
+        }
         st.tokens += v.tokens.length;
         st.tau = st.tokens / verdicts;
         st.msPerToken = (performance.now() - t0) / Math.max(1, st.tokens);
@@ -180,6 +187,7 @@ export class TreespecClient {
           const t = await draft(this.committed);
           st.draftedNodes += t.tokens.length;
           this.send({ type: "tree", round: ++this.round, ...t });
+          this.sentAt = performance.now();
         }
       }
     } finally {

@@ -1,5 +1,10 @@
 export { GenerationError, TreespecClient, type GenerateOptions, type Stats, type TreeSource } from "./client.js";
 export {
+  chooseBudget,
+  draftDynamic,
+  type DynamicTree,
+  nextGains,
+  verifyMs,
   draftStatic,
   EXPORT_FORMAT,
   ExportError,

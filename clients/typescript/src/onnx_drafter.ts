@@ -137,6 +137,7 @@ export class OnnxDrafter {
   private anc: Uint8Array[] = []; // per node: ancestor-or-self flags over the workspace nodes
   runs = 0;
   runMs = 0;
+  rows = 0; // rows evaluated (committed and workspace)
 
   private constructor(
     readonly manifest: Manifest,
@@ -186,6 +187,11 @@ export class OnnxDrafter {
 
   get committedLength(): number {
     return this.committed.length;
+  }
+
+  /** Measured ms of evaluating one row (0 before any run). */
+  get msPerRow(): number {
+    return this.rows ? this.runMs / this.rows : 0;
   }
 
   get numNodes(): number {
@@ -287,6 +293,7 @@ export class OnnxDrafter {
     });
     this.runMs += performance.now() - t0;
     this.runs++;
+    this.rows += n;
     this.k.set(out.present_key.data as Float32Array, past * rowSize);
     this.v.set(out.present_value.data as Float32Array, past * rowSize);
     const logits = out.logits.data as Float32Array;
@@ -336,4 +343,134 @@ export async function draftStatic(drafter: OnnxDrafter, committed: readonly numb
     frontier = fresh.map((node, j) => ({ node, logits: out[j] }));
   }
   return { base: committed.length, cond: [], tokens, parents };
+}
+
+/** Log-probabilities (temperature 1) of the given ids after a row of logits. */
+export function logProbs(row: Float32Array, ids: readonly number[]): number[] {
+  let m = -Infinity;
+  for (let i = 0; i < row.length; i++) if (row[i] > m) m = row[i];
+  let sum = 0;
+  for (let i = 0; i < row.length; i++) sum += Math.exp(row[i] - m);
+  const lse = m + Math.log(sum);
+  return ids.map((i) => row[i] - lse);
+}
+
+export interface DynamicTree {
+  tree: Tree;
+  pathProbs: number[]; // per node: the draft's probability of the path to it
+  frontierProbs: number[]; // the best candidates left out, descending
+}
+
+/** A best-first tree of `budget` nodes by draft path probability (the Python edge's
+ * trees.draft_dynamic, greedy): candidates are the `branch` likeliest children of every evaluated
+ * node; each run evaluates a batch: the best candidate, then each next while it still beats the
+ * best one's expected child (its path probability x the mean top-1 probability so far), at most
+ * `width`; nodes at `maxDepth` are not expanded; the batch that fills the budget is not evaluated. */
+export async function draftDynamic(
+  drafter: OnnxDrafter,
+  committed: readonly number[],
+  budget: number,
+  o: { width?: number; branch?: number; maxDepth?: number } = {},
+): Promise<DynamicTree> {
+  const width = o.width ?? 16;
+  const branch = o.branch ?? 4;
+  const maxDepth = o.maxDepth ?? 16;
+  const tokens: number[] = [];
+  const parents: number[] = [];
+  const depth: number[] = [];
+  const rank: number[] = []; // path log-probability per node
+  const top1: number[] = [];
+  // candidates: [-path logp, order, parent, token]; a sorted array is plenty for trees of <= 256 nodes
+  const heap: [number, number, number, number][] = [];
+  let order = 0;
+  const push = (node: number, logits: Float32Array) => {
+    const ids = topK(logits, branch);
+    const lps = logProbs(logits, ids);
+    top1.push(Math.exp(lps[0]));
+    const base = node >= 0 ? rank[node] : 0;
+    ids.forEach((tok, i) => heap.push([-(base + lps[i]), order++, node, tok]));
+    heap.sort((a, b) => a[0] - b[0] || a[1] - b[1]);
+  };
+  push(-1, await drafter.sync(committed));
+  const wsOf = new Map<number, number>(); // tree node -> workspace node (evaluated nodes only)
+  let wsNext = 0;
+  while (heap.length && tokens.length < budget) {
+    const logM = Math.log(Math.max(top1.reduce((a, b) => a + b, 0) / top1.length, 1e-9));
+    const most = Math.min(width, budget - tokens.length);
+    const batch: number[] = [];
+    let bar = -Infinity;
+    while (heap.length && batch.length < most && -heap[0][0] >= bar) {
+      const [neg, , parent, tok] = heap.shift()!;
+      batch.push(tokens.length);
+      tokens.push(tok);
+      parents.push(parent);
+      depth.push(parent < 0 ? 1 : depth[parent] + 1);
+      rank.push(-neg);
+      if (batch.length === 1) bar = -neg + logM;
+    }
+    const full = tokens.length >= budget;
+    const expand = batch.filter((n) => !full && depth[n] < maxDepth);
+    if (!expand.length) continue;
+    // the workspace holds exactly the evaluated nodes, in evaluation order: map tree ids to it
+    const out = await drafter.extend(
+      expand.map((n) => (parents[n] < 0 ? -1 : wsOf.get(parents[n])!)),
+      expand.map((n) => tokens[n]),
+    );
+    expand.forEach((n, j) => {
+      wsOf.set(n, wsNext++);
+      if (depth[n] < maxDepth) push(n, out[j]);
+    });
+  }
+  return {
+    tree: { base: committed.length, cond: [], tokens, parents },
+    pathProbs: rank.map(Math.exp),
+    frontierProbs: heap.slice(0, 64).map((h) => Math.exp(-h[0])),
+  };
+}
+
+/** Forward ms for n nodes from the verifier's advertised curve (welcome.verify_cost_ms): linear
+ * between the measured sizes, flat below the smallest, capped at the largest. */
+export function verifyMs(cost: Record<string, number>, n: number): number {
+  const xs = Object.keys(cost).map(Number).sort((a, b) => a - b);
+  if (!xs.length) throw new Error("verify_cost_ms is empty: the server measured no forward sizes");
+  if (n <= xs[0]) return cost[String(xs[0])];
+  for (let i = 1; i < xs.length; i++) {
+    if (n <= xs[i]) {
+      const [x0, x1] = [xs[i - 1], xs[i]];
+      const [y0, y1] = [cost[String(x0)], cost[String(x1)]];
+      return y0 + ((y1 - y0) * (n - x0)) / (x1 - x0);
+    }
+  }
+  return cost[String(xs[xs.length - 1])];
+}
+
+/** The node budget that maximises expected tokens per ms of a round (the Python edge's
+ * speculation.estimates.choose_budget): tokens = 1 + the N largest gains, round = RTT + drafting
+ * (ms a node) + the verifier's forward of N rows. */
+export function chooseBudget(
+  cost: Record<string, number>,
+  gains: readonly number[],
+  o: { rttMs?: number; draftMsPerNode?: number; maxNodes?: number } = {},
+): number {
+  const g = gains.map((x) => Math.min(1, Math.max(0, x))).sort((a, b) => b - a);
+  let limit = Math.min(g.length, Math.max(0, ...Object.keys(cost).map(Number)));
+  if (o.maxNodes !== undefined) limit = Math.min(limit, o.maxNodes);
+  if (limit < 1) return 1;
+  let best = 1;
+  let bestRate = -1;
+  let tokens = 1;
+  for (let n = 1; n <= limit; n++) {
+    tokens += g[n - 1];
+    const round = (o.rttMs ?? 0) + (o.draftMsPerNode ?? 0) * n + verifyMs(cost, n);
+    const rate = tokens / Math.max(round, 1e-9);
+    if (rate > bestRate) [best, bestRate] = [n, rate];
+  }
+  return best;
+}
+
+/** Gains to size the next dynamic tree by: before any tree a geometric prior (alpha^d), then the
+ * last tree's path probabilities and the best candidates it left out. */
+export function nextGains(last: DynamicTree | null, cap: number, alpha = 0.8): number[] {
+  if (last === null) return Array.from({ length: cap }, (_, d) => alpha ** (d + 1));
+  return [...last.pathProbs, ...last.frontierProbs].slice(0, Math.max(cap, 1));
 }
