@@ -72,11 +72,11 @@ def draft_static_many(
     """
     t0 = time.perf_counter()
     m = draft_mode(opts.mode)
-    draws: _Draws | None = None
+    draws: _Sampled | None = None
     if m.stochastic:
         if opts.sampling is None or opts.rng is None:
             raise ValueError(f"mode {m.value} samples: pass sampling=Sampling(...) and rng")
-        draws = _Draws(m, opts.sampling, opts.rng.spawn(len(conds)))
+        draws = _Sampled(m, opts.sampling, opts.rng.spawn(len(conds)))
     coupling = coupling_for(m, opts.coupling)
     configs, stop_of = _check_batch(drafter, committed, config, conds, stops)
     walks = _walk(drafter, conds)
@@ -283,7 +283,7 @@ def _extend_conds(drafter: Drafter, walks: list[tuple[int, list[int]]]) -> list[
 
 
 @dataclasses.dataclass(frozen=True)
-class _Draws:
+class _Sampled:
     """How the trees of a stochastic batch draw: the mode, the q-row transform, a generator per tree."""
 
     mode: Mode
@@ -304,7 +304,7 @@ class _Lockstep:
         alternatives: int,
         coupling: Coupling | None,
         at: list[int],
-        draws: _Draws | None = None,
+        draws: _Sampled | None = None,
     ) -> None:
         self.configs = configs
         self.draws = draws

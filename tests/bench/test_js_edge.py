@@ -12,6 +12,7 @@ from bench import js_edge
 from tests.clients.test_typescript import _built
 
 
+@pytest.mark.slow  # a verifier process and four CLI runs: ~35 s
 def test_both_edges_give_the_same_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     why = _built()
     if why is not None:

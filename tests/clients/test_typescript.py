@@ -182,6 +182,7 @@ def test_the_typescript_tokenizer_gives_the_python_edges_ids(built: None, tiny_e
     assert not bad, f"{len(bad)} of {len(items)} prompts differ, first: {bad[0]}"
 
 
+@pytest.mark.slow  # a live verifier and Node processes: ~20 s
 def test_an_aborted_generation_keeps_what_was_committed(built: None, tiny_export: Path) -> None:
     """generate()'s AbortSignal: the server is told to cancel, the generation ends early, and the
     tokens committed until then are the target's own."""
@@ -206,6 +207,7 @@ process.stdout.write(JSON.stringify(doc), () => process.exit(0));
 """
 
 
+@pytest.mark.slow  # a live verifier and Node processes: ~20 s
 def test_the_edge_sdk_streams_the_targets_text(built: None, tiny_export: Path) -> None:
     """The SDK object (Edge: session + ONNX drafter + tokenizer): a text prompt in, the target's own
     greedy answer out as text, streamed in pieces that join to the Python tokenizer's decoding."""
@@ -238,6 +240,7 @@ process.stdout.write(JSON.stringify(out.tree), () => process.exit(0));
 """
 
 
+@pytest.mark.slow  # a live verifier and Node processes: ~20 s
 def test_budget_trees_in_typescript_are_the_python_edges_and_keep_the_output(
     built: None, tiny_export: Path
 ) -> None:

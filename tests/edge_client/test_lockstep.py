@@ -244,6 +244,7 @@ def test_budget_trees_pre_speculate_in_lockstep_and_keep_the_output() -> None:
             assert (_batched(st) > 0) if not kw else (_batched(st) == 0), kw
 
 
+@pytest.mark.slow  # two live generations: ~30 s (the unit test above checks the sampled trees)
 @pytest.mark.parametrize("mode", ["mss", "rrs"])
 def test_sampled_trees_pre_speculate_in_lockstep(mode: str) -> None:
     """mss / rrs pre-speculation drafts its conditional trees together; the verifier checks every
