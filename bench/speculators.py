@@ -23,6 +23,7 @@ import math
 import re
 import sys
 from collections.abc import Sequence
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def mcnemar(b: int, c: int) -> float:
     if n == 0:
         return 1.0
     tail = sum(math.comb(n, i) for i in range(min(b, c) + 1))
-    return float(min(1.0, 2.0 * tail / 2**n))
+    return min(1.0, float(Fraction(2 * tail, 2**n)))  # exact: 2**n overflows a float past n = 1023
 
 
 def load_positions(folders: Sequence[Path]) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ def test_wilson_and_mcnemar() -> None:
     assert mcnemar(0, 5) == pytest.approx(2 / 32)  # all five discordant pairs one way
     assert mcnemar(3, 3) == 1.0 and mcnemar(0, 0) == 1.0
     assert mcnemar(10, 30) == pytest.approx(0.00222, abs=1e-5)
+    assert mcnemar(700, 900) < 1e-6 and mcnemar(800, 800) == 1.0  # thousands of pairs: no overflow
 
 
 def test_coverage_rows_and_the_paired_comparison() -> None:
