@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +39,6 @@ from bench.network import Proxy
 TS = REPO / "clients" / "typescript"
 
 
-def _pinned(cores: Sequence[int]) -> Any:
-    def pin() -> None:
-        if cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, set(cores))
-
-    return pin
-
-
 def _rtts(text: str) -> list[int]:
     """An argparse type: a comma list of round-trip times in ms, 0 or more."""
     try:
@@ -60,7 +51,7 @@ def _rtts(text: str) -> list[int]:
 
 
 def run_edge(edge: str, url: str, export: Path, prompt: str, raw: bool, tokens: int, tree: str,
-             cores: Sequence[int]) -> dict[str, Any]:  # fmt: skip
+             pin: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
     """One generation by the `ts` or `py` edge's CLI; its tokens and figures."""
     if edge == "ts":
         cmd = ["node", str(TS / "dist" / "src" / "cli.js"), "generate", "--server", url]
@@ -79,7 +70,7 @@ def run_edge(edge: str, url: str, export: Path, prompt: str, raw: bool, tokens: 
             "--json",
         ]
     cmd += ["--raw", prompt] if raw else [prompt]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, preexec_fn=_pinned(cores), cwd=REPO)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, preexec_fn=pin, cwd=REPO)
     if r.returncode != 0:
         raise RuntimeError(f"{edge} edge failed ({r.returncode}): {r.stderr[-2000:]}")
     doc = json.loads(r.stdout.strip().splitlines()[-1])
@@ -142,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for p in prompts:
                     for edge in ("ts", "py"):
                         per[edge].append(
-                            run_edge(edge, url, export, p.text, p.raw, a.tokens, a.tree, split.edge)
+                            run_edge(edge, url, export, p.text, p.raw, a.tokens, a.tree, split.pin_edge)
                         )
                         bar.update()
             same = [t["tokens"] == q["tokens"] for t, q in zip(per["ts"], per["py"], strict=True)]
