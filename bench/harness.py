@@ -276,12 +276,21 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], *, dpi: int) -> Path:
 
 def positive_ints(text: str) -> list[int]:
     """An argparse type: a comma list of positive integers, in the order given."""
+    return _int_list(text, 1, "positive integers")
+
+
+def nonnegative_ints(text: str) -> list[int]:
+    """An argparse type: a comma list of integers >= 0 (e.g. round trips, 0 meaning direct)."""
+    return _int_list(text, 0, "integers of 0 or more")
+
+
+def _int_list(text: str, minimum: int, what: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if not values or min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return values
 
 

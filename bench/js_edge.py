@@ -30,6 +30,7 @@ from bench.harness import (
     CoreSplit,
     Verifier,
     add_common_args,
+    nonnegative_ints,
     suite_from_args,
     table,
     write_result,
@@ -37,17 +38,6 @@ from bench.harness import (
 from bench.network import Proxy
 
 TS = REPO / "clients" / "typescript"
-
-
-def _rtts(text: str) -> list[int]:
-    """An argparse type: a comma list of round-trip times in ms, 0 or more."""
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected round trips of 0 ms or more, got {text!r}")
-    return values
 
 
 def run_edge(edge: str, url: str, export: Path, prompt: str, raw: bool, tokens: int, tree: str,
@@ -102,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (raw)")
     ap.add_argument("--prompts", type=int, default=4, help="Spec-Bench dev prompts (chat)")
     ap.add_argument(
-        "--rtt-ms", type=_rtts, default=[0, 50], help="round trips (0: direct; else via the proxy)"
+        "--rtt-ms", type=nonnegative_ints, default=[0, 50], help="round trips (0: direct; else via the proxy)"
     )
     ap.add_argument("--tree", default="1,1,3,1,1,1,1,1", help="the static expansion tree both edges draft")
     add_common_args(ap, json=True, json_help="rows: one per edge and RTT", tokens=64,
