@@ -55,6 +55,7 @@ LIMITS_S = {
     "tensor_parallel": 120,
     "tensor_parallel_bench": 120,
 }
+SLOW_TESTS_LIMIT_S = 360  # the tests stage with --slow (45 chi-square cases, the 16-case kernel sweep)
 TP_STAGES = ("tensor_parallel", "tensor_parallel_bench")
 TP_TESTS = "tests/cloud_verifier/test_parallel_cuda.py"
 TP_GPUS = 2  # the tensor_parallel stage runs with at least this many visible GPUs
@@ -82,6 +83,7 @@ class Stage:
     note: str = ""
     result: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # set in the stage's environment
 
     def report(self) -> dict[str, Any]:
         return {
@@ -94,6 +96,7 @@ class Stage:
             "note": self.note,
             "json": str(self.json_path) if self.json_path else None,
             "result": self.result,
+            "env": self.env,
             **self.extra,
         }
 
@@ -109,8 +112,10 @@ def wheels_stage(python: str, wheels: Sequence[Path]) -> Stage:
     )
 
 
-def tests_stage(out: Path, python: str) -> Stage:
-    """pytest -m "cuda or gpu" on TEST_PATHS, junit XML into OUTDIR/pytest.xml."""
+def tests_stage(out: Path, python: str, slow: bool = False) -> Stage:
+    """pytest -m "cuda or gpu" on TEST_PATHS, junit XML into OUTDIR/pytest.xml; with `slow`, SLOW=1
+    (the full chi-square matrix on CUDA and the kernel's sweep: a GPU machine is the only place they
+    can run) under the longer SLOW_TESTS_LIMIT_S."""
     return Stage(
         "tests",
         [
@@ -126,7 +131,8 @@ def tests_stage(out: Path, python: str) -> Stage:
             f"--junitxml={out / 'pytest.xml'}",
             *TEST_PATHS,
         ],
-        LIMITS_S["tests"],
+        SLOW_TESTS_LIMIT_S if slow else LIMITS_S["tests"],
+        env={"SLOW": "1"} if slow else {},
     )
 
 
@@ -235,12 +241,12 @@ def tensor_parallel_bench_stage(out: Path, python: str, quick: bool) -> Stage:
     )
 
 
-def plan(out: Path, python: str, stages: Sequence[str], quick: bool) -> list[Stage]:
+def plan(out: Path, python: str, stages: Sequence[str], quick: bool, slow: bool = False) -> list[Stage]:
     """The stages to run, in order."""
     wheels = sorted((ROOT / ".whl").glob("*.whl"))
     all_stages = {
         "wheels": wheels_stage(python, wheels),
-        "tests": tests_stage(out, python),
+        "tests": tests_stage(out, python, slow),
         "kernel_bench": kernel_bench_stage(out, python, quick),
         "forward_bench": forward_bench_stage(out, python, quick),
         "tensor_parallel": tensor_parallel_stage(out, python),
@@ -306,7 +312,13 @@ def run_stage(st: Stage, left_s: float, log: Any) -> None:
     t0 = time.monotonic()
     try:
         proc = subprocess.run(
-            st.command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=limit, check=False
+            st.command,
+            cwd=ROOT,
+            env={**os.environ, **st.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=limit,
+            check=False,
         )
         st.rc = proc.returncode
         st.status = "ok" if proc.returncode == 0 else "failed"
@@ -378,6 +390,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--stages", default=",".join(STAGES), help=f"comma list of stages to run, from {', '.join(STAGES)}"
     )
     p.add_argument("--quick", action="store_true", help="fewer repeats in the benchmarks")
+    p.add_argument(
+        "--slow",
+        action="store_true",
+        help=f"run the tests stage with SLOW=1 (the slow CUDA cases too) under {SLOW_TESTS_LIMIT_S} s",
+    )
     p.add_argument("--dry-run", action="store_true", help="write the plan as JSON; run nothing")
     p.add_argument("--python", default=sys.executable, help="the Python that runs the stages")
     return p
@@ -400,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"bench.gpu_check: cannot create {out}: {exc}", file=sys.stderr)
         return 2
     t0 = time.monotonic()
-    planned = plan(out, args.python, stages, args.quick)
+    planned = plan(out, args.python, stages, args.quick, args.slow)
     report: dict[str, Any] = {"budget_s": args.budget_s, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with open(out / "gpu_check.log", "a", encoding="utf-8") as log:
         log.write(f"gpu_check {report['started']} budget {args.budget_s} s, stages {stages}\n")

@@ -12,7 +12,7 @@
 # PYTHON=... chooses the interpreter (default: the repository's .venv if present, else python3).
 set -u
 if [ $# -lt 1 ] || [ "${1#-}" != "$1" ]; then
-    echo "usage: scripts/gpu_check.sh OUTDIR [--budget-s S] [--stages a,b] [--quick] [--dry-run]" >&2
+    echo "usage: scripts/gpu_check.sh OUTDIR [--budget-s S] [--stages a,b] [--quick] [--slow] [--dry-run]" >&2
     exit 2
 fi
 cd "$(dirname "$0")/.." || exit 2

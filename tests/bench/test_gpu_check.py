@@ -165,3 +165,18 @@ def test_serve_takes_the_cuda_flags() -> None:
     assert resolve_dtype("bf16", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("fp16", torch.device("cpu")) == torch.float16
     assert resolve_dtype("fp32", torch.device("cpu")) == torch.float32
+
+
+def test_slow_runs_the_tests_stage_with_slow_set(tmp_path: Path) -> None:
+    """--slow: the tests stage runs with SLOW=1 in its environment under the longer limit; without
+    it the environment is left alone."""
+    from bench import gpu_check
+
+    for flag, env, limit in (
+        ([], {}, gpu_check.LIMITS_S["tests"]),
+        (["--slow"], {"SLOW": "1"}, gpu_check.SLOW_TESTS_LIMIT_S),
+    ):
+        out = tmp_path / ("slow" if flag else "plain")
+        assert gpu_check.main([str(out), "--dry-run", "--stages", "tests", *flag]) == 0
+        (st,) = json.loads((out / "gpu_check.json").read_text())["stages"]
+        assert st["env"] == env and st["limit_s"] == limit
