@@ -157,6 +157,33 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "bit-identical to one-token decoding, but numerically a different target from fp32's; CPU and "
         "float32 only, not with --tensor-parallel)",
     )
+    p.add_argument(
+        "--offload",
+        default=d.offload,
+        choices=["none", "disk", "host"],
+        help="a target larger than memory: keep --resident-gb GB of its layers in memory and stream the "
+        "others' projections in for every forward, the next layer read ahead while one computes. "
+        "'disk': read with O_DIRECT (bypassing the page cache) from the float-weight cache (fp32; made "
+        "on first start) or the GGUF's blocks (--weights quantized, ~6x fewer bytes); 'host': every "
+        "streamed layer held in host memory (pinned on a GPU) and copied in per forward. A tree of "
+        "many tokens pays one streamed pass; logits are bit-identical to resident weights",
+    )
+    p.add_argument(
+        "--resident-gb",
+        type=float,
+        default=d.resident_gb,
+        dest="resident_gb",
+        help="with --offload: GB kept in memory for layers (from the first one on) and the two stream "
+        "buffers; the token table, head and norms are not counted (0: stream every layer)",
+    )
+    p.add_argument(
+        "--offload-threads",
+        type=int,
+        default=d.offload_threads,
+        dest="offload_threads",
+        help="with --offload disk: threads that split each layer's read (parallel reads can beat one "
+        "stream on SSDs)",
+    )
     p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
     p.add_argument(
         "--idle-timeout",
@@ -274,6 +301,13 @@ def file_error(config: ServerConfig) -> str | None:
     before anything loads, so a missing key file or certificate ends the start in one line."""
     from cloud_verifier.auth import KeyStore
 
+    if config.resident_gb < 0 or config.offload_threads < 1:
+        return (
+            f"--resident-gb must be >= 0 (got {config.resident_gb}) and --offload-threads >= 1 "
+            f"(got {config.offload_threads})"
+        )
+    if config.offload != "none" and config.model in ("tiny",) and config.weights == "quantized":
+        return "--offload with --weights quantized streams a GGUF's blocks; the tiny model has none"
     if config.api_key_file is not None:
         try:
             KeyStore.from_file(config.api_key_file)
@@ -325,6 +359,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from cloud_verifier.server import serve
 
         if config.tensor_parallel > 1 or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+            if config.offload != "none":
+                print(
+                    "cloud-verifier: --offload does not combine with --tensor-parallel yet (each rank "
+                    "holds its shard resident); use one or the other",
+                    file=sys.stderr,
+                )
+                return 2
             if config.weights == "quantized":
                 print(
                     "cloud-verifier: --weights quantized does not shard yet (tensor parallelism splits "

@@ -99,7 +99,16 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
             )
         elif target is None:
             target = await asyncio.to_thread(
-                load_target, cfg.model, cfg.dtype, cfg.device, True, cfg.attention, cfg.weights
+                load_target,
+                cfg.model,
+                cfg.dtype,
+                cfg.device,
+                True,
+                cfg.attention,
+                cfg.weights,
+                None if cfg.offload == "none" else cfg.offload,
+                cfg.resident_gb,
+                cfg.offload_threads,
             )
         elif target.model.attention_mode != cfg.attention:
             target.model.set_attention(cfg.attention)

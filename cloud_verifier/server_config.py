@@ -18,6 +18,9 @@ class ServerConfig:
     attention: str = "model"  # "model" / "sdpa" / "float64", see LlamaModel and `serve --help`
     weights: str = "fp32"  # "fp32" (a GGUF dequantized) or "quantized" (its blocks; CPU float32 only)
     device: str = "auto"  # auto: cuda if available, else cpu
+    offload: str = "none"  # "none", or stream the layers that do not fit: "disk" / "host" (offload.py)
+    resident_gb: float = 0.0  # with offload: GB of layers (and stream buffers) kept in memory
+    offload_threads: int = 2  # with offload disk: threads that split each layer's read
     api_key_file: str | None = None  # one key per line: "KEY [trusted]"
     trust_anonymous: bool = False  # development: treat key-less clients as trusted (mss/rrs allowed)
     max_sessions: int = 64  # concurrent sessions and HTTP generations

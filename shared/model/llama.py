@@ -32,8 +32,9 @@ checkpoints keep using), so memory for the projections doubles on CPU.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +82,8 @@ class _Prepared:
     (`LlamaModel.use_quantized`)."""
 
     gemm: Gemm
-    layers: Sequence[tuple[Weight, Weight, Weight, Weight]]  # qkv, o, gate_up, down
+    # qkv, o, gate_up, down per layer; a StreamedLayers (offload.py) yields them as it reads them
+    layers: Iterable[tuple[Weight, Weight, Weight, Weight]]
     lm_head: Weight
 
 
@@ -128,6 +130,8 @@ class LlamaModel(nn.Module):
         # in place, and gathers the vocab-parallel head's logit shards; None on one process
         self.all_reduce: Callable[[torch.Tensor], None] | None = None
         self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # streamed layers (shared/model/offload.py: offload.attach), or None when all are resident
+        self.offload: Any = None
 
     def set_attention(self, mode: str) -> None:
         """One of ATTENTION_MODES (see the class doc). Caches made before the switch still
@@ -246,6 +250,14 @@ class LlamaModel(nn.Module):
         """Bytes of the weights as this model runs them: the float parameters it holds (none of the
         released projections) plus, with quantized weights, the blocks; with float weights the
         configuration's parameter count in the dtype (the packed copies are not parameters)."""
+        if self.offload is not None:  # the resident layers and the stream buffers, not the file
+            own = sum(p.numel() * p.element_size() for p in self.parameters())
+            tables = [m for m in (self.prepare().lm_head, self._quant_embed) if isinstance(m, QuantMatrix)]
+            # a tied head and token table are two matrices over the same blocks: count them once
+            blocks = {part.blocks.data_ptr(): int(part.blocks.numel()) for m in tables for part in m.parts}
+            own += sum(blocks.values())
+            stream = self.offload
+            return int(own + stream.resident_bytes + sum(int(b.numel()) for b in stream.buffers))
         if self.weights != "quantized":
             return self.config.num_parameters() * torch.finfo(self.dtype).bits // 8
         own = sum(p.numel() * p.element_size() for p in self.parameters())

@@ -80,6 +80,9 @@ def load_target(
     progress: bool = True,
     attention: str = "model",
     weights: str = "fp32",
+    offload: str | None = None,
+    resident_gb: float = 0.0,
+    read_threads: int = 2,
 ) -> Target:
     """Load a target by alias (smollm2-135m, tiny) or path (.gguf file, safetensors directory).
 
@@ -89,9 +92,18 @@ def load_target(
     weights: "fp32" (a GGUF dequantized to the dtype) or "quantized" (a GGUF's projections, head
     and token table kept as its blocks and multiplied by treespec_kernels.quant_matmul: float32 on
     a CPU only; shared/model/quantized.py).
+    offload: None (every weight resident), "disk" or "host": stream the layers' projections that do
+    not fit in `resident_gb` GB (shared/model/offload.py), from the float-weight cache (fp32, made
+    here when missing) or the GGUF's blocks (quantized), `read_threads` threads per read.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if offload is not None:
+        target = _load_streamed(
+            name_or_path, dtype, device, progress, weights, offload, resident_gb, read_threads
+        )
+        target.model.set_attention(attention)
+        return target
     if weights == "quantized":
         target = _load_quantized(name_or_path, dtype, device, progress)
         target.model.set_attention(attention)
@@ -170,3 +182,83 @@ def _load_quantized(name_or_path: str, dtype: str, device: str, progress: bool) 
     gguf_loader.load_gguf_quantized(reader, model, progress)
     del reader
     return _finish(model, tokenizer, model_id, dev)
+
+
+def _gguf_file(name_or_path: str, progress: bool) -> tuple[Path, str]:
+    """A GGUF target's file and model id (an alias of the store, or a path)."""
+    if name_or_path in model_store.ALIASES:
+        return model_store.resolve(name_or_path, "target", progress=progress), name_or_path
+    path = Path(name_or_path)
+    if not (path.is_file() and path.suffix == ".gguf"):
+        raise ValueError(f"streamed weights come from a GGUF file (or tiny); {name_or_path!r} is not one")
+    return path, path.stem
+
+
+def _is_projection(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 3 and parts[0] == "layers" and parts[2] in ("qkv", "o", "gate_up", "down")
+
+
+def _load_streamed(
+    name_or_path: str,
+    dtype: str,
+    device: str,
+    progress: bool,
+    weights: str,
+    mode: str,
+    resident_gb: float,
+    read_threads: int,
+) -> Target:
+    """A target whose layers stream (offload.attach): fp32 from the float-weight cache, made first
+    when missing (that start holds the whole model once); quantized from the GGUF's blocks."""
+    from shared.model import offload
+
+    if mode not in offload.OFFLOAD_MODES:
+        raise ValueError(f"offload must be one of {offload.OFFLOAD_MODES}, got {mode!r}")
+    if weights == "quantized":
+        target = _load_quantized(name_or_path, dtype, device, progress)
+        path, _ = _gguf_file(name_or_path, False) if name_or_path != "tiny" else (None, None)
+        if path is None:
+            raise ValueError("quantized weights come from a GGUF file; tiny has none")
+        reader = gguf_loader.open_gguf(path)
+        c = target.config
+        layout = offload.gguf_layout(path, reader, c.num_layers, c.num_heads, c.num_kv_heads)
+        del reader
+        offload.attach(target.model, layout, resident_gb, mode, read_threads, progress=progress)
+        return target
+    if not weight_cache.enabled():
+        raise ValueError(
+            "streamed float weights are read from the float-weight cache, which TREESPEC_WEIGHT_CACHE "
+            "turns off; turn it on or stream the GGUF's blocks with weights='quantized'"
+        )
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    if name_or_path == "tiny":
+        entry = (
+            model_store.cache_dir()
+            / "weights"
+            / f"tiny-seed0-{str(dt).removeprefix('torch.')}-f{weight_cache.FORMAT}"
+        )
+        tokenizer = _gguf_tokenizer(str(smollm2_gguf_path()))
+        model = build_model(make_tiny_config(), 0, dt, dev)
+        if not (entry / "header.json").is_file() and not weight_cache.save(entry, model, tokenizer, progress):
+            raise RuntimeError(f"could not write the float-weight cache entry {entry} to stream from")
+        target = _finish(model, tokenizer, "tiny", dev)
+    else:
+        path, model_id = _gguf_file(name_or_path, progress)
+        entry = weight_cache.entry_dir(path, dt)
+        hit = weight_cache.load(entry, dt, dev, progress, skip=_is_projection)
+        if hit is None:  # first start: dequantize once (the whole model in memory), cache, read back
+            full = _load_gguf(path, dt, dev, progress, model_id)
+            if not (entry / "header.json").is_file() and not weight_cache.save(
+                entry, full.model, full.tokenizer, progress
+            ):
+                raise RuntimeError(f"could not write the float-weight cache entry {entry} to stream from")
+            del full
+            hit = weight_cache.load(entry, dt, dev, progress, skip=_is_projection)
+            if hit is None:
+                raise RuntimeError(f"the float-weight cache entry {entry} cannot be read back")
+        target = _finish(hit[0], hit[1], model_id, dev)
+    layout = offload.float_layout(entry)
+    offload.attach(target.model, layout, resident_gb, mode, read_threads, progress=progress)
+    return target

@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import asdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,9 +132,14 @@ def save(entry: Path, model: LlamaModel, tokenizer: TargetTokenizer, progress: b
 
 
 def load(
-    entry: Path, dtype: torch.dtype, device: torch.device, progress: bool = True
+    entry: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    progress: bool = True,
+    skip: Callable[[str], bool] | None = None,
 ) -> tuple[LlamaModel, TargetTokenizer] | None:
-    """The model and tokenizer of a cached entry, or None when there is none (or it is damaged)."""
+    """The model and tokenizer of a cached entry, or None when there is none (or it is damaged).
+    `skip(name)`: parameters left unread (and emptied): the layers a streamed model reads itself."""
     if not (entry / "header.json").is_file():
         return None  # not cached yet
     try:
@@ -172,6 +178,9 @@ def load(
             if list(p.shape) != s["shape"] or _DTYPES.get(s["dtype"]) != p.dtype:
                 log.warning("ignoring the weight cache entry %s (%s differs)", entry, s["name"])
                 return None
+            if skip is not None and skip(s["name"]):
+                p.data = p.data.new_empty(0)  # never touched: no memory
+                continue
             host = p if p.device.type == "cpu" else torch.empty_like(p, device="cpu")
             buf = host.detach().view(torch.uint8).numpy().data.cast("B")
             f.seek(s["offset"])

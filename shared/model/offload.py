@@ -1,0 +1,748 @@
+"""Streamed weights: a target larger than memory (SpecInfer §5.4's offloading-based verification).
+
+`cloud-verifier serve --offload disk|host --resident-gb N` keeps up to N GB of decoder layers in
+memory and streams the other layers' projection weights in for every forward, the next layer read
+ahead on a background thread while the current one computes (double buffering). A tree of τ
+tokens verified in one streamed pass pays the transfer once for τ tokens, where one-token decoding
+pays it for every token: that is the speed-up this mode is for.
+
+Sources (a `Layout`: one byte span per layer in a file, and where each projection lies in it):
+
+- `float_layout(entry)`: the float-weight cache (shared/model/weight_cache.py), whose parameters
+  start on page boundaries and follow each other layer by layer. Streamed layers are packed for
+  the CPU's projection kernels on the background thread, exactly as a resident model packs them
+  once, so logits are bit-identical to the resident model's.
+- `gguf_layout(path, reader, config)`: the GGUF's own blocks (`--weights quantized`, about six
+  times fewer bytes): the projections are views of the read buffer, run by the same quantized
+  kernels as resident blocks.
+
+Modes: `disk` reads each streamed span with O_DIRECT (the page cache is bypassed, so the measured
+cost is the storage's, not RAM's; several reader threads split a span when `read_threads` > 1);
+`host` keeps every streamed span in host memory (pinned on a GPU host) and copies it into the
+working buffer (on a GPU, on a side CUDA stream with an event the compute stream waits on; on a
+CPU a memcpy, the same interface).
+
+Integrity: every span's CRC-32 is recorded when the layout is first made (a sidecar file keyed by
+the file's content id) and checked on every read, on the reader thread: a truncated file is
+refused at start, a corrupt span (at start or later) raises `OffloadError` naming the layer,
+never a wrong token. Non-layer state (token table, head, norms, biases) stays resident.
+
+The resident budget covers the resident layers and the two stream buffers (plus, for float
+weights, two packed layers in flight); layers are kept resident from the first one on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import mmap
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.model.quantized import QuantMatrix, QuantPart
+from treespec_kernels import quant_matmul as qm
+
+log = logging.getLogger("shared.model.offload")
+
+OFFLOAD_MODES = ("disk", "host")
+ALIGN = 4096  # O_DIRECT: offsets, lengths and buffers on page boundaries
+CHUNK = 16 << 20  # bytes per read call within a span (split over the reader threads)
+CRC_FORMAT = 1
+
+
+class OffloadError(RuntimeError):
+    """A streamed weight file is missing, truncated or corrupt (the message names which layer)."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor of a layer's span: projection `proj` (0 q|k|v, 1 o, 2 gate|up, 3 down), part
+    `order` within it, at `offset` bytes from the span's start.
+
+    kind: "float" (a float32/bf16/fp16 [rows, cols] array) or a GGUF block type name (rows of
+    blocks); `permute_heads` > 0 undoes llama.cpp's q/k row interleave for that many heads."""
+
+    proj: int
+    order: int
+    kind: str
+    rows: int
+    cols: int
+    offset: int
+    nbytes: int
+    dtype: str = "float32"
+    permute_heads: int = 0
+
+
+@dataclass(frozen=True)
+class LayerSpan:
+    index: int
+    offset: int  # in the file, a multiple of ALIGN
+    nbytes: int  # a multiple of ALIGN (may run past the file's end by less than ALIGN)
+    slots: tuple[Slot, ...]
+    crc32: int = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    path: Path
+    kind: str  # "float" or "gguf"
+    file_bytes: int
+    layers: tuple[LayerSpan, ...]
+
+    @property
+    def max_span(self) -> int:
+        return max(s.nbytes for s in self.layers)
+
+    @property
+    def layer_bytes(self) -> int:
+        return sum(s.nbytes for s in self.layers)
+
+
+def _align_down(n: int) -> int:
+    return n // ALIGN * ALIGN
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _span(index: int, tensors: Sequence[tuple[int, int, Slot]]) -> LayerSpan:
+    """A layer's span from its tensors' (absolute offset, bytes, slot with offset 0)."""
+    start = _align_down(min(o for o, _, _ in tensors))
+    end = _align_up(max(o + n for o, n, _ in tensors))
+    slots = tuple(Slot(**{**s.__dict__, "offset": o - start, "nbytes": n}) for o, n, s in tensors)
+    return LayerSpan(index, start, end - start, slots)
+
+
+_FLOAT_PROJ = {"qkv": 0, "o": 1, "gate_up": 2, "down": 3}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def float_layout(entry: Path) -> Layout:
+    """The layout of a float-weight cache entry (its header.json and weights.bin)."""
+    try:
+        header = json.loads((entry / "header.json").read_text(encoding="utf-8"))
+        data = entry / "weights.bin"
+        size = data.stat().st_size
+    except (OSError, ValueError) as exc:
+        raise OffloadError(f"cannot read the float-weight cache entry {entry}: {exc}") from exc
+    if size != header.get("data_bytes"):
+        raise OffloadError(
+            f"{data} is {size} bytes, its header says {header.get('data_bytes')}: truncated or replaced; "
+            "delete the entry and start again to rebuild it"
+        )
+    per_layer: dict[int, list[tuple[int, int, Slot]]] = {}
+    for p in header["params"]:
+        parts = p["name"].split(".")
+        if len(parts) != 3 or parts[0] != "layers" or parts[2] not in _FLOAT_PROJ:
+            continue
+        rows, cols = (int(n) for n in p["shape"])
+        nbytes = rows * cols * _DTYPE_BYTES[p["dtype"]]
+        slot = Slot(_FLOAT_PROJ[parts[2]], 0, "float", rows, cols, 0, nbytes, p["dtype"])
+        per_layer.setdefault(int(parts[1]), []).append((int(p["offset"]), nbytes, slot))
+    layers = tuple(_span(i, per_layer[i]) for i in sorted(per_layer))
+    _check_layers(layers, data)
+    return Layout(data, "float", size, layers)
+
+
+def gguf_layout(path: Path, reader: Any, num_layers: int, num_heads: int, num_kv_heads: int) -> Layout:
+    """The layout of a GGUF's projection blocks (every projection of a type the kernels read)."""
+    from shared.model.archs import by_name
+    from shared.model.gguf_loader import _LAYER_NAME, _PROJECTIONS, field, hf_name
+
+    arch = by_name(str(field(reader, "general.architecture")))
+    per_layer: dict[int, list[tuple[int, int, Slot]]] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, arch)
+        hit = _LAYER_NAME.fullmatch(name) if name else None
+        if name is None or hit is None or hit.group(2) not in _PROJECTIONS:
+            continue
+        kind = t.tensor_type.name
+        if kind not in qm.QTYPES:
+            raise ValueError(f"{t.name} is {kind}: streamed blocks need one of {sorted(qm.QTYPES)}")
+        rows, cols = (int(n) for n in reversed(t.shape.tolist()))
+        proj, order = _PROJECTIONS[hit.group(2)]
+        heads = 0
+        if arch.gguf_qk_permuted and hit.group(2).split(".")[1] in ("q_proj", "k_proj"):
+            heads = num_heads if "q_proj" in name else num_kv_heads
+        slot = Slot(proj, order, kind, rows, cols, 0, int(t.n_bytes), "uint8", heads)
+        per_layer.setdefault(int(hit.group(1)), []).append((int(t.data_offset), int(t.n_bytes), slot))
+    if sorted(per_layer) != list(range(num_layers)):
+        raise OffloadError(
+            f"{path}: projection tensors for layers {sorted(per_layer)}, expected {num_layers}"
+        )
+    layers = tuple(_span(i, per_layer[i]) for i in range(num_layers))
+    _check_layers(layers, path)
+    return Layout(path, "gguf", path.stat().st_size, layers)
+
+
+def _check_layers(layers: Sequence[LayerSpan], path: Path) -> None:
+    size = path.stat().st_size
+    for s in layers:
+        need = max(sl.offset + sl.nbytes for sl in s.slots)
+        if s.offset + need > size:
+            raise OffloadError(
+                f"{path} ends at byte {size}, but layer {s.index}'s weights run to {s.offset + need}: "
+                "the file is truncated; fetch or rebuild it"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading a span
+
+
+def aligned_buffer(nbytes: int, device: torch.device | None = None, pin: bool = False) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` whose data starts on an ALIGN boundary (O_DIRECT needs it)."""
+    if device is not None and device.type != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = (-raw.data_ptr()) % ALIGN
+    return raw[skip : skip + nbytes]
+
+
+def _view(buf: torch.Tensor) -> memoryview:
+    return buf.numpy().data.cast("B")
+
+
+class DiskReader:
+    """O_DIRECT reads of spans, split into CHUNK pieces over `threads` threads; `delay_s` per span
+    simulates a slower disk (tests)."""
+
+    def __init__(self, path: Path, threads: int = 1, direct: bool = True, delay_s: float = 0.0) -> None:
+        flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+        try:
+            self.fd = os.open(path, flags)
+        except OSError as exc:
+            if direct and exc.errno == 22:  # EINVAL: a file system without O_DIRECT (tmpfs)
+                log.warning("%s: O_DIRECT is not supported here; reading through the page cache", path)
+                self.fd = os.open(path, os.O_RDONLY)
+                direct = False
+            else:
+                raise OffloadError(f"cannot open {path}: {exc}") from exc
+        self.direct = direct
+        self.path = path
+        self.delay_s = delay_s
+        self.pool = ThreadPoolExecutor(max(1, threads) - 1) if threads > 1 else None
+        self.threads = max(1, threads)
+
+    def _pread(self, buf: torch.Tensor, offset: int) -> int:
+        view, done = _view(buf), 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                break
+            done += n
+        return done
+
+    def read(self, buf: torch.Tensor, offset: int, nbytes: int) -> int:
+        """Read [offset, offset + nbytes) into buf[:nbytes]; the bytes read (short at the file's end)."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        pieces = [(a, min(CHUNK, nbytes - a)) for a in range(0, nbytes, CHUNK)]
+        if self.pool is None or len(pieces) == 1:
+            return sum(self._pread(buf[a : a + n], offset + a) for a, n in pieces)
+        # the calling thread reads every `threads`-th piece, the pool the others
+        futs = [
+            self.pool.submit(self._read_pieces, buf, offset, pieces[k :: self.threads])
+            for k in range(1, self.threads)
+        ]
+        got = self._read_pieces(buf, offset, pieces[0 :: self.threads])
+        return got + sum(f.result() for f in futs)
+
+    def _read_pieces(self, buf: torch.Tensor, offset: int, pieces: Sequence[tuple[int, int]]) -> int:
+        return sum(self._pread(buf[a : a + n], offset + a) for a, n in pieces)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        os.close(self.fd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CRC sidecar
+
+
+def _crc_path(layout: Layout) -> Path:
+    from shared import model_store
+
+    return model_store.cache_dir() / "offload" / f"{model_store.content_id(layout.path)}.crc.json"
+
+
+def with_checksums(
+    layout: Layout, reader: DiskReader, progress: bool = False, sidecar: Path | None = None
+) -> Layout:
+    """`layout` with every span's CRC-32: read from the sidecar when one matches, else computed by
+    reading the spans once (and saved). Spans are checked against these on every later read."""
+    path = sidecar or _crc_path(layout)
+    want = {
+        "format": CRC_FORMAT,
+        "file_bytes": layout.file_bytes,
+        "spans": [[s.offset, s.nbytes] for s in layout.layers],
+    }
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if {k: saved.get(k) for k in want} == want and len(saved.get("crc32", [])) == len(layout.layers):
+            checked = _set_crcs(layout, saved["crc32"])
+            verify_all(checked, reader, progress)
+            return checked
+    except (OSError, ValueError):
+        pass
+    from tqdm import tqdm
+
+    buf = aligned_buffer(layout.max_span)
+    crcs = []
+    for s in tqdm(layout.layers, desc="checksumming streamed layers", unit="layer", disable=not progress):
+        got = reader.read(buf, s.offset, s.nbytes)
+        if got < s.nbytes - ALIGN:
+            raise OffloadError(f"{layout.path}: layer {s.index} is truncated ({got} of {s.nbytes} bytes)")
+        crcs.append(zlib.crc32(_view(buf[: s.nbytes])[: min(got, s.nbytes)]))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**want, "crc32": crcs}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("not saving the streamed layers' checksums (%s)", exc)
+    return _set_crcs(layout, crcs)
+
+
+def verify_all(layout: Layout, reader: DiskReader, progress: bool = False) -> None:
+    """Read every span once and check its CRC-32: a corrupt file is refused at start, naming the
+    layer (OffloadError)."""
+    from tqdm import tqdm
+
+    buf = aligned_buffer(layout.max_span)
+    for s in tqdm(layout.layers, desc="checking streamed layers", unit="layer", disable=not progress):
+        got = reader.read(buf, s.offset, s.nbytes)
+        check_span(layout, s, buf, got)
+
+
+def check_span(layout: Layout, span: LayerSpan, buf: torch.Tensor, got: int) -> None:
+    """OffloadError when `got` bytes read into `buf` are short of the span or fail its CRC-32."""
+    if got < span.nbytes - ALIGN:
+        raise OffloadError(
+            f"{layout.path}: layer {span.index} read {got} of {span.nbytes} bytes: the file is truncated; "
+            "fetch or rebuild it"
+        )
+    crc = zlib.crc32(_view(buf[: span.nbytes])[: min(got, span.nbytes)])
+    if crc != span.crc32:
+        raise OffloadError(
+            f"{layout.path}: layer {span.index}'s weights fail their checksum (crc32 {crc:08x}, expected "
+            f"{span.crc32:08x}): the file is corrupt; fetch or rebuild it"
+        )
+
+
+def _set_crcs(layout: Layout, crcs: Sequence[int]) -> Layout:
+    spans = tuple(
+        LayerSpan(s.index, s.offset, s.nbytes, s.slots, int(c))
+        for s, c in zip(layout.layers, crcs, strict=True)
+    )
+    return Layout(layout.path, layout.kind, layout.file_bytes, spans)
+
+
+# ---------------------------------------------------------------------------------------------------
+# From bytes to the forward's weights
+
+
+def _unpermute(blocks: torch.Tensor, heads: int) -> torch.Tensor:
+    rows = blocks.shape[0]
+    return (
+        blocks.reshape(heads, rows // heads // 2, 2, blocks.shape[1]).transpose(1, 2).reshape(blocks.shape)
+    ).contiguous()
+
+
+def materialize(span: LayerSpan, buf: torch.Tensor, pack: Callable[[torch.Tensor], Any]) -> tuple[Any, ...]:
+    """The layer's (qkv, o, gate_up, down) from its bytes `buf` (the span read from offset 0).
+    Float slots are views packed by `pack` (a copy for oneDNN); block slots are QuantMatrix views
+    of `buf`, which must then outlive the weights."""
+    by_proj: dict[int, list[Slot]] = {}
+    for s in span.slots:
+        by_proj.setdefault(s.proj, []).append(s)
+    out: list[Any] = []
+    for proj in range(4):
+        slots = sorted(by_proj[proj], key=lambda s: s.order)
+        if slots[0].kind == "float":
+            (s,) = slots
+            dt = getattr(torch, s.dtype)
+            w = buf[s.offset : s.offset + s.nbytes].view(dt).view(s.rows, s.cols)
+            out.append(pack(w))
+            continue
+        parts = []
+        for s in slots:
+            q = qm.qtype(s.kind)
+            blocks = buf[s.offset : s.offset + s.nbytes].view(s.rows, qm.row_bytes(q, s.cols))
+            if s.permute_heads:
+                blocks = _unpermute(blocks, s.permute_heads)
+            parts.append(QuantPart(q, blocks))
+        out.append(QuantMatrix(parts, slots[0].cols))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The streamed layers
+
+
+@dataclass
+class StreamStats:
+    """Counters since the start (or `reset`): what the forwards read and how long they waited."""
+
+    forwards: int = 0
+    layers_streamed: int = 0
+    bytes_read: int = 0
+    read_s: float = 0.0  # reader-thread time: read + checksum + pack, per streamed layer
+    wait_s: float = 0.0  # time the forward stood waiting for a streamed layer
+    forward_s: float = 0.0  # wall time inside the streamed iteration (start to last layer)
+
+    def overlap(self) -> float | None:
+        """Share of the transfer hidden behind compute: 1 - wait / transfer."""
+        if self.read_s <= 0:
+            return None
+        return max(0.0, 1.0 - self.wait_s / self.read_s)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["overlap"] = self.overlap()
+        return d
+
+
+@dataclass
+class _Job:
+    layer: int
+    buffer: int
+    future: Future[tuple[Any, ...]]
+
+
+@dataclass
+class StreamedLayers:
+    """A sequence of per-layer projection weights for `LlamaModel.forward_packed`, some resident,
+    the others streamed into two buffers with read-ahead. Iterate once per forward."""
+
+    layout: Layout
+    resident: dict[int, tuple[Any, ...]]
+    # read + check + materialize on the reader thread: (span, buffer, event the buffer's last reader
+    # recorded on a GPU's compute stream, or None)
+    load: Callable[[LayerSpan, torch.Tensor, Any], tuple[Any, ...]]
+    buffers: list[torch.Tensor]
+    mode: str
+    resident_bytes: int
+    budget_bytes: int
+    stats: StreamStats = field(default_factory=StreamStats)
+    closer: Callable[[], None] | None = None
+    read_threads: int = 1
+    _pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="offload")
+    )
+    _jobs: list[_Job] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _released: dict[int, Any] = field(default_factory=dict)  # buffer -> CUDA event after its last use
+
+    def __len__(self) -> int:
+        return len(self.layout.layers)
+
+    @property
+    def streamed(self) -> list[int]:
+        return [s.index for s in self.layout.layers if s.index not in self.resident]
+
+    def _timed_load(self, span: LayerSpan, buf: torch.Tensor, after: Any) -> tuple[Any, ...]:
+        t0 = time.perf_counter()
+        out = self.load(span, buf, after)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.stats.read_s += dt
+            self.stats.bytes_read += span.nbytes
+            self.stats.layers_streamed += 1
+        return out
+
+    def _submit(self, layer: int, buffer: int) -> _Job:
+        span = self.layout.layers[layer]
+        after = self._released.pop(buffer, None)
+        job = _Job(layer, buffer, self._pool.submit(self._timed_load, span, self.buffers[buffer], after))
+        self._jobs.append(job)
+        return job
+
+    def _take(self, layer: int) -> _Job:
+        """The job reading `layer`; jobs for other layers (a forward that stopped midway) are drained."""
+        for job in list(self._jobs):
+            self._jobs.remove(job)
+            if job.layer == layer:
+                return job
+            try:
+                job.future.result()
+            except Exception:
+                pass
+        busy = {j.buffer for j in self._jobs}
+        return self._submit(layer, next(b for b in range(len(self.buffers)) if b not in busy))
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        streamed = self.streamed
+        nxt = dict(itertools.pairwise(streamed))
+        t_start = time.perf_counter()
+        self.stats.forwards += 1
+        last = 0
+        gpu = bool(self.buffers) and self.buffers[0].device.type == "cuda"
+        for i in range(len(self)):
+            if i in self.resident:
+                yield self.resident[i]
+                continue
+            job = self._take(i)
+            if i in nxt:  # read the next streamed layer into the other buffer while this one computes
+                self._submit(nxt[i], 1 - job.buffer)
+            t0 = time.perf_counter()
+            try:
+                weights = job.future.result()
+            finally:
+                self.stats.wait_s += time.perf_counter() - t0
+            yield weights
+            last = job.buffer
+            if gpu:  # the buffer may be overwritten once the kernels queued so far have read it
+                self._released[job.buffer] = torch.cuda.current_stream(self.buffers[0].device).record_event()
+        self.stats.forward_s += time.perf_counter() - t_start
+        if streamed:  # the next forward starts with the first streamed layer: read it ahead now
+            self._take_none()
+            self._submit(streamed[0], 1 - last)
+
+    def _take_none(self) -> None:
+        for job in list(self._jobs):
+            self._jobs.remove(job)
+            try:
+                job.future.result()
+            except Exception:
+                pass
+
+    def describe(self) -> str:
+        """What a forward's cost depends on: mode, file, layers resident of all, reader threads."""
+        return (
+            f"offload={self.mode}:{self.layout.kind}:{self.layout.path.name}:"
+            f"{len(self.resident)}/{len(self)}:threads={self.read_threads}"
+        )
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self.stats = StreamStats()
+
+    def close(self) -> None:
+        self._take_none()
+        self._pool.shutdown(wait=True)
+        if self.closer is not None:
+            self.closer()
+
+
+def plan_resident(layout: Layout, budget_bytes: int, extra_per_buffer: int = 0) -> tuple[set[int], int]:
+    """Which layers stay resident within `budget_bytes` (first ones first), and the bytes the two
+    stream buffers take (0 when everything fits). The buffers (each the largest span, plus
+    `extra_per_buffer` for a packed copy in flight) come out of the budget."""
+    total = layout.layer_bytes
+    if budget_bytes >= total:
+        return {s.index for s in layout.layers}, 0
+    buffers = 2 * (layout.max_span + extra_per_buffer)
+    left = budget_bytes - buffers
+    keep: set[int] = set()
+    for s in layout.layers:
+        if s.nbytes > left:
+            break
+        keep.add(s.index)
+        left -= s.nbytes
+    return keep, buffers
+
+
+def stream(
+    layout: Layout,
+    budget_bytes: int,
+    pack: Callable[[torch.Tensor], Any],
+    mode: str = "disk",
+    device: torch.device | None = None,
+    read_threads: int = 2,
+    verify: bool = True,
+    progress: bool = False,
+    delay_s: float = 0.0,
+    direct: bool = True,
+    packed_copy: bool = False,
+    sidecar: Path | None = None,
+) -> StreamedLayers:
+    """StreamedLayers over `layout` within `budget_bytes` of layers (see plan_resident).
+
+    mode "disk": O_DIRECT reads (`direct`); "host": every streamed span read once into host memory
+    (pinned when `device` is a GPU) and copied in per forward. `packed_copy`: `pack` makes a copy
+    the size of the float span (oneDNN), budgeted per buffer. `verify`: CRC-32 on every read."""
+    if mode not in OFFLOAD_MODES:
+        raise ValueError(f"offload mode must be one of {OFFLOAD_MODES}, got {mode!r}")
+    dev = device or torch.device("cpu")
+    reader = DiskReader(layout.path, read_threads, direct=direct, delay_s=delay_s if mode == "disk" else 0.0)
+    if verify:
+        layout = with_checksums(layout, reader, progress, sidecar)
+    keep, _ = plan_resident(layout, budget_bytes, layout.max_span if packed_copy else 0)
+
+    def check(span: LayerSpan, buf: torch.Tensor, got: int) -> None:
+        if verify:
+            check_span(layout, span, buf, got)
+        elif got < span.nbytes - ALIGN:
+            raise OffloadError(
+                f"{layout.path}: layer {span.index} read {got} of {span.nbytes} bytes (truncated)"
+            )
+
+    def read_disk(span: LayerSpan, buf: torch.Tensor, after: Any = None) -> tuple[Any, ...]:
+        host = buf if buf.device.type == "cpu" else staging
+        assert host is not None
+        got = reader.read(host, span.offset, span.nbytes)
+        check(span, host, got)
+        if host is not buf:
+            if after is not None:
+                after.synchronize()
+            buf[: span.nbytes].copy_(host[: span.nbytes])
+        return materialize(span, buf, pack)
+
+    from tqdm import tqdm
+
+    resident: dict[int, tuple[Any, ...]] = {}
+    staging = aligned_buffer(layout.max_span) if dev.type != "cpu" else None
+    streamed = [s for s in layout.layers if s.index not in keep]
+    progress_bar = tqdm(total=len(layout.layers), desc="loading layers", unit="layer", disable=not progress)
+    for s in layout.layers:
+        if s.index in keep:
+            own = aligned_buffer(s.nbytes, dev)
+            resident[s.index] = read_disk(s, own)
+        progress_bar.update(1)
+    host_spans: dict[int, torch.Tensor] = {}
+    if mode == "host":
+        pin = dev.type == "cuda"
+        for s in streamed:
+            h = aligned_buffer(s.nbytes, None, pin=pin)
+            check(s, h, reader.read(h, s.offset, s.nbytes))
+            host_spans[s.index] = h
+    progress_bar.close()
+    copy_stream = torch.cuda.Stream(dev) if mode == "host" and dev.type == "cuda" else None
+
+    def read_host(span: LayerSpan, buf: torch.Tensor, after: Any = None) -> tuple[Any, ...]:
+        src = host_spans[span.index]
+        if copy_stream is not None:
+            with torch.cuda.stream(copy_stream):
+                if after is not None:  # the compute stream's last reader of this buffer first
+                    copy_stream.wait_event(after)
+                buf[: span.nbytes].copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(copy_stream)
+            done.synchronize()  # the reader thread waits; the compute stream never blocks on it
+        else:
+            buf[: span.nbytes].copy_(src)
+        return materialize(span, buf, pack)
+
+    buffers = [aligned_buffer(layout.max_span, dev) for _ in range(2)] if streamed else []
+    return StreamedLayers(
+        layout,
+        resident,
+        read_host if mode == "host" else read_disk,
+        buffers,
+        mode,
+        sum(layout.layers[i].nbytes for i in keep),
+        budget_bytes,
+        closer=reader.close,
+        read_threads=reader.threads,
+    )
+
+
+def _no_float_slots(w: torch.Tensor) -> Any:
+    raise AssertionError("block layouts have no float slots")
+
+
+def attach(
+    model: Any,
+    layout: Layout,
+    resident_gb: float,
+    mode: str = "disk",
+    read_threads: int = 2,
+    verify: bool = True,
+    progress: bool = False,
+    delay_s: float = 0.0,
+    direct: bool = True,
+    sidecar: Path | None = None,
+) -> StreamedLayers:
+    """Make `model` (a LlamaModel) stream its layers' projections from `layout`, keeping up to
+    `resident_gb` GB of them (and the stream buffers) in memory. Float weights are packed for the
+    model's projection kernels as `prepare` would; quantized weights stay blocks. The model's own
+    float projections are freed (they may never have been read: weight_cache.load's `skip`)."""
+    from shared.model.llama import DecoderLayer, Gemm, _Prepared, choose_gemm
+
+    if resident_gb < 0:
+        raise ValueError(f"resident_gb must be >= 0, got {resident_gb}")
+    if model.weights == "quantized":
+        if layout.kind != "gguf":
+            raise ValueError("a model on quantized weights streams a GGUF's blocks (gguf_layout)")
+        prep = model.prepare()
+        gemm, head = prep.gemm, prep.lm_head
+        pack: Callable[[torch.Tensor], Any] = _no_float_slots
+        packed_copy = False
+    else:
+        if layout.kind != "float":
+            raise ValueError("a model on float weights streams the float-weight cache (float_layout)")
+        gemm = Gemm(choose_gemm(model.gemm_kind, model.device, model.dtype))
+        pack, packed_copy = gemm.pack, gemm.kind == "onednn"
+        head = gemm.pack(model.lm_head)
+    streamed = stream(
+        layout,
+        int(resident_gb * 1e9),
+        pack,
+        mode,
+        model.device,
+        read_threads,
+        verify,
+        progress,
+        delay_s,
+        direct,
+        packed_copy,
+        sidecar,
+    )
+    for layer in model.layers:
+        assert isinstance(layer, DecoderLayer)
+        for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            p.data = p.data.new_empty(0)
+    model._prepared = _Prepared(gemm, streamed, head)
+    model.released = True
+    model.offload = streamed
+    return streamed
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * mmap.PAGESIZE
+    except OSError:
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (VmHWM)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+__all__ = [
+    "OFFLOAD_MODES",
+    "Layout",
+    "OffloadError",
+    "StreamStats",
+    "StreamedLayers",
+    "attach",
+    "float_layout",
+    "gguf_layout",
+    "peak_rss_bytes",
+    "plan_resident",
+    "rss_bytes",
+    "stream",
+]

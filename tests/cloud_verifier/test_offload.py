@@ -1,0 +1,265 @@
+"""Streamed weights (shared/model/offload.py, `serve --offload disk|host --resident-gb N`): logits
+bit-identical to resident weights (float32 from the float-weight cache, and the GGUF's blocks),
+tree rows bit-identical to one-token decoding under streaming, the resident budget kept, a
+truncated or corrupt file refused with the layer named (never a wrong token), a slow disk only
+slower."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.model import (
+    LlamaModel,
+    build_model,
+    load_target,
+    make_tiny_config,
+    offload,
+    prefill,
+    weight_cache,
+)
+from shared.model.generate import greedy_generate
+from shared.model.llama import DecoderLayer
+from tests.cloud_verifier.service import prompt_tokens, tiny
+from tests.cloud_verifier.test_quantized_model import _target, tree_generation, write_llama_gguf
+from tests.cloud_verifier.test_tree_forward import check_round
+from treespec_kernels import quant_matmul as qm
+
+LAYERS = 8
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tiny_model(layers: int = LAYERS, seed: int = 3) -> LlamaModel:
+    return build_model(make_tiny_config(num_layers=layers), seed, "float32", "cpu")
+
+
+def _entry(tmp: Path, model: LlamaModel) -> Path:
+    entry = tmp / "entry"
+    assert weight_cache.save(entry, model, tiny().tokenizer, progress=False)
+    return entry
+
+
+def _logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+    kv = model.new_kv_cache(64, 16)
+    kv.add(0)
+    return prefill(model, kv, 0, tokens)
+
+
+def _tokens(n: int = 30, seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(make_tiny_config().vocab_size) for _ in range(n)]
+
+
+def _streamed(
+    entry: Path, tmp: Path, resident_layers: int, **kw: object
+) -> tuple[LlamaModel, offload.StreamedLayers]:
+    """The tiny model (seed 3) streaming from `entry` with `resident_layers` kept."""
+    model = _tiny_model()
+    layout = offload.float_layout(entry)
+    # oneDNN's packed copy of a layer in flight is budgeted beside each buffer
+    budget = (4 * layout.max_span + resident_layers * layout.max_span) / 1e9
+    st = offload.attach(model, layout, budget, sidecar=tmp / "crc.json", **kw)  # type: ignore[arg-type]
+    return model, st
+
+
+def test_streamed_float_layers_give_the_resident_logits_bit_for_bit(tmp_path: Path) -> None:
+    resident = _tiny_model()
+    entry = _entry(tmp_path, resident)
+    want = _logits(resident, _tokens())
+    for mode in offload.OFFLOAD_MODES:
+        model, st = _streamed(entry, tmp_path, 1, mode=mode)
+        assert sorted(st.resident) == [0] and st.streamed == list(range(1, LAYERS))
+        got = _logits(model, _tokens())
+        assert torch.equal(got, want), mode
+        assert st.stats.forwards == 1 and st.stats.layers_streamed >= LAYERS - 1
+        assert st.stats.bytes_read >= (LAYERS - 1) * st.layout.layers[1].nbytes
+        # the model's own float projections are gone: the streamed copies are the only ones
+        for layer in model.layers:
+            assert isinstance(layer, DecoderLayer)
+            assert all(p.numel() == 0 for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        st.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_rows_under_streaming_equal_one_token_decoding(tmp_path: Path, seed: int) -> None:
+    model, st = _streamed(_entry(tmp_path, _tiny_model()), tmp_path, 2)
+    rng = random.Random(900 + seed)
+    check_round(
+        model,
+        rng,
+        prompt_len=rng.randint(2, 40),
+        nodes=rng.randint(1, 24),
+        tail=rng.randint(1, 3),
+        cond=rng.randint(0, 2),
+        exact=True,
+    )
+    assert st.stats.forwards > 3 and st.stats.layers_streamed > 3 * (LAYERS - 2)
+    overlap = st.stats.overlap()
+    assert overlap is not None and 0.0 <= overlap <= 1.0
+
+
+@pytest.mark.skipif(qm.load() is None, reason="quant_matmul kernel not built")
+def test_gguf_blocks_stream_bit_for_bit(tmp_path: Path) -> None:
+    """A `llama` GGUF of Q8_0 blocks (q/k rows permuted as llama.cpp writes them, undone per read)."""
+    source = _tiny_model(layers=4, seed=5)
+    path = tmp_path / "tiny-llama.gguf"
+    write_llama_gguf(path, source)
+    from shared.model.gguf_loader import config_from_gguf, load_gguf_quantized, open_gguf
+
+    def load() -> LlamaModel:
+        reader = open_gguf(path)
+        model = build_model(config_from_gguf(reader), None, "float32", "cpu")
+        load_gguf_quantized(reader, model, progress=False)
+        return model
+
+    want, got = load(), load()
+    c = got.config
+    layout = offload.gguf_layout(path, open_gguf(path), c.num_layers, c.num_heads, c.num_kv_heads)
+    assert layout.kind == "gguf" and all(s.offset % offload.ALIGN == 0 for s in layout.layers)
+    st = offload.attach(got, layout, 0.0, sidecar=tmp_path / "crc.json")
+    assert st.streamed == [0, 1, 2, 3] and not st.resident
+    assert torch.equal(_logits(got, _tokens()), _logits(want, _tokens()))
+    rng = random.Random(77)
+    check_round(got, rng, prompt_len=20, nodes=12, tail=2, cond=1, exact=True)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "quantized"])
+def test_smollm2_streams_bit_for_bit(weights: str) -> None:
+    """The real loader path (`load_target(..., offload="disk")`): the float-weight cache (made on
+    first use) or the GGUF's Q4_1 blocks, every layer streamed, against the resident model."""
+    if weights == "quantized" and qm.load() is None:
+        pytest.skip("quant_matmul kernel not built")
+    resident = load_target("smollm2-135m", progress=False, weights=weights).model
+    target = load_target("smollm2-135m", progress=False, weights=weights, offload="disk", resident_gb=0.0)
+    st = target.model.offload
+    assert st is not None and len(st.streamed) == target.config.num_layers
+    tokens = _tokens(24, seed=4)
+    assert torch.equal(_logits(target.model, tokens), _logits(resident, tokens))
+    rng = random.Random(31)
+    check_round(target.model, rng, prompt_len=16, nodes=10, tail=1, cond=0, exact=True)
+    # what the KV pool is sized from: the buffers and the non-layer state, not the layers
+    assert target.model.weight_bytes() < resident.weight_bytes() // 2
+
+
+def test_the_resident_budget_is_respected(tmp_path: Path) -> None:
+    layout = offload.float_layout(_entry(tmp_path, _tiny_model()))
+    span, total = layout.max_span, layout.layer_bytes
+    for budget in (0, span, 3 * span, 5 * span, total - 1, total, 10 * total):
+        keep, buffers = offload.plan_resident(layout, budget, extra_per_buffer=span)
+        held = sum(layout.layers[i].nbytes for i in keep)
+        if len(keep) == len(layout.layers):
+            assert budget >= total and buffers == 0
+        else:
+            assert buffers == 4 * span
+            assert held + buffers <= max(budget, buffers)  # only the buffers may exceed a tiny budget
+            assert keep == set(range(len(keep)))  # the first layers stay
+    model, st = _streamed(layout.path.parent, tmp_path, 2)
+    held = sum(int(b.numel()) for b in st.buffers) + st.resident_bytes
+    assert held <= st.budget_bytes
+    non_layer = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model.weight_bytes() == non_layer + held
+
+
+def test_a_truncated_file_is_refused_at_start(tmp_path: Path) -> None:
+    entry = _entry(tmp_path, _tiny_model())
+    data = entry / "weights.bin"
+    with data.open("r+b") as f:
+        f.truncate(data.stat().st_size - 3 * offload.ALIGN)
+    with pytest.raises(offload.OffloadError, match="truncated"):
+        offload.float_layout(entry)
+    # a GGUF cut short: the layout names the layer whose blocks run past the end
+    path = tmp_path / "t.gguf"
+    write_llama_gguf(path, _tiny_model(layers=3))
+    from shared.model.gguf_loader import open_gguf
+
+    reader = open_gguf(path)
+    c = make_tiny_config(num_layers=3)
+    layout = offload.gguf_layout(path, reader, 3, c.num_heads, c.num_kv_heads)
+    del reader
+    cut = tmp_path / "cut.gguf"
+    shutil.copy(path, cut)
+    with cut.open("r+b") as f:
+        f.truncate(layout.layers[-1].offset + 100)
+    with pytest.raises(offload.OffloadError, match="truncated"):
+        offload._check_layers(layout.layers, cut)
+
+
+def test_a_corrupt_file_is_refused_and_never_gives_a_wrong_token(tmp_path: Path) -> None:
+    entry = _entry(tmp_path, _tiny_model())
+    model, st = _streamed(entry, tmp_path, 1)  # records the checksums
+    good = _logits(model, _tokens())
+    span = st.layout.layers[3]
+    data = entry / "weights.bin"
+
+    def flip() -> None:
+        with data.open("r+b") as f:
+            f.seek(span.offset + span.slots[0].offset + 1000)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x40]))
+
+    flip()
+    # while serving: the next read of layer 3 fails loudly instead of computing with it
+    with pytest.raises(offload.OffloadError, match="layer 3"):
+        for _ in range(3):
+            _logits(model, _tokens())
+    st.close()
+    # at the next start: refused before any forward
+    with pytest.raises(offload.OffloadError, match=r"layer 3.*corrupt"):
+        _streamed(entry, tmp_path, 1)
+    flip()  # repaired: the same logits again
+    model, st = _streamed(entry, tmp_path, 1)
+    assert torch.equal(_logits(model, _tokens()), good)
+
+
+def test_a_slow_disk_only_slows(tmp_path: Path) -> None:
+    entry = _entry(tmp_path, _tiny_model())
+    model, fast = _streamed(entry, tmp_path, 1)
+    want = _logits(model, _tokens())
+    slow_model, slow = _streamed(entry, tmp_path, 1, delay_s=0.03)
+    assert torch.equal(_logits(slow_model, _tokens()), want)
+    assert slow.stats.wait_s > fast.stats.wait_s and slow.stats.read_s >= 0.03 * (LAYERS - 1)
+
+
+def test_serve_takes_the_offload_flags() -> None:
+    from cloud_verifier.cli import build_parser, file_error
+    from cloud_verifier.server_config import ServerConfig
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cloud_verifier", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=True,
+    ).stdout
+    for flag in ("--offload", "--resident-gb", "--offload-threads"):
+        assert flag in out
+    args = build_parser().parse_args(["serve", "--offload", "disk", "--resident-gb", "1.5"])
+    assert (args.offload, args.resident_gb) == ("disk", 1.5)
+    err = file_error(ServerConfig(offload="disk", resident_gb=-1.0))
+    assert err is not None and "--resident-gb" in err
+
+
+def test_greedy_rounds_through_the_engine_give_the_tokens_of_the_target_alone(tmp_path: Path) -> None:
+    """The step runner batches rounds into one streamed pass: its greedy tokens are the resident
+    target's, and the cost curve's cache key says the layers stream."""
+    from cloud_verifier.cost import cost_cache_key
+
+    resident = _tiny_model()
+    model, st = _streamed(_entry(tmp_path, resident), tmp_path, 1)
+    target = _target(model)
+    rng = random.Random(8)
+    for k in range(3):
+        prompt = prompt_tokens(40 + k, 6 + 2 * k)
+        ref = greedy_generate(resident, resident.new_kv_cache(256, 16), prompt, 12, eos_ids=target.eos_ids)
+        assert tree_generation(target, prompt, ref, rng) == ref
+    assert st.stats.forwards > 3
+    plain = _target(resident)
+    assert cost_cache_key(target, 1, (1, 2), 8) != cost_cache_key(plain, 1, (1, 2), 8)
