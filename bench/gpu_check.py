@@ -46,12 +46,21 @@ from typing import Any
 from bench.harness import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("wheels", "tests", "kernel_bench", "forward_bench", "tensor_parallel", "tensor_parallel_bench")
+STAGES = (
+    "wheels",
+    "tests",
+    "kernel_bench",
+    "forward_bench",
+    "offload_bench",
+    "tensor_parallel",
+    "tensor_parallel_bench",
+)
 LIMITS_S = {
     "wheels": 120,
     "tests": 200,
     "kernel_bench": 150,
     "forward_bench": 150,
+    "offload_bench": 150,
     "tensor_parallel": 120,
     "tensor_parallel_bench": 120,
 }
@@ -65,6 +74,7 @@ TEST_PATHS = (
     "tests/cloud_verifier/test_triton_forward.py",
     "tests/cloud_verifier/test_verify.py",
     "tests/cloud_verifier/test_verify_stats.py",
+    "tests/cloud_verifier/test_offload.py",
 )
 KERNEL_GOAL = 1.5  # Triton >= 1.5x SDPA with a dense mask at 16 sessions x 64 nodes, prefix 8k
 FORWARD_GOAL = 1.2  # a 16-row verify forward <= 1.2x a one-token decode step
@@ -241,6 +251,38 @@ def tensor_parallel_bench_stage(out: Path, python: str, quick: bool) -> Stage:
     )
 
 
+def offload_bench_stage(out: Path, python: str, quick: bool) -> Stage:
+    """bench.offload's forward part on CUDA: the 1.5B's shape (random bf16 weights) with its layers
+    in pinned host memory copied in per forward on a side stream (--offload host), at resident
+    fractions 1, 0.25 and 0: ms per forward vs rows and the copy hidden behind compute."""
+    return Stage(
+        "offload_bench",
+        [
+            python,
+            "-m",
+            "bench.offload",
+            "--shape",
+            "qwen2.5-coder-1.5b",
+            "--device",
+            "cuda",
+            "--offload",
+            "host",
+            "--parts",
+            "forward",
+            "--resident",
+            "1,0.25,0",
+            "--rows",
+            "1,4,16,64",
+            "--repeats",
+            "2" if quick else "5",
+            "--json",
+            str(out / "offload.json"),
+        ],
+        LIMITS_S["offload_bench"],
+        out / "offload.json",
+    )
+
+
 def plan(out: Path, python: str, stages: Sequence[str], quick: bool, slow: bool = False) -> list[Stage]:
     """The stages to run, in order."""
     wheels = sorted((ROOT / ".whl").glob("*.whl"))
@@ -249,6 +291,7 @@ def plan(out: Path, python: str, stages: Sequence[str], quick: bool, slow: bool 
         "tests": tests_stage(out, python, slow),
         "kernel_bench": kernel_bench_stage(out, python, quick),
         "forward_bench": forward_bench_stage(out, python, quick),
+        "offload_bench": offload_bench_stage(out, python, quick),
         "tensor_parallel": tensor_parallel_stage(out, python),
         "tensor_parallel_bench": tensor_parallel_bench_stage(out, python, quick),
     }

@@ -153,6 +153,7 @@ def add_common_args(
       lookup_tau        --json --tokens --prompt-file --no-progress
       merged            --json --seed --tokens --prompt-file
       network           --json --tokens --prompt-file --no-progress
+      offload           --json --tokens --prompt-file --no-progress
       onnx_drafter      --json
       outcomes          --json --tokens --prompt-file --no-progress
       parallel          --json --no-progress

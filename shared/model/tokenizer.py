@@ -159,3 +159,11 @@ def _jinja_env() -> jinja2.Environment:
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def placeholder_tokenizer() -> TargetTokenizer:
+    """A one-word tokenizer for the weight files of models that have none (random weights in
+    benchmarks and tests of the weights alone): it fills a weight-cache entry's tokenizer files."""
+    from tokenizers.models import WordLevel
+
+    return TargetTokenizer(Tokenizer(WordLevel({"<unk>": 0}, unk_token="<unk>")), ["<unk>"], None, None, ())

@@ -37,6 +37,7 @@ def test_dry_run_writes_the_plan(tmp_path: Path) -> None:
         "tests",
         "kernel_bench",
         "forward_bench",
+        "offload_bench",
         "tensor_parallel",
         "tensor_parallel_bench",
     ]

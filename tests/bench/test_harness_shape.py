@@ -193,6 +193,7 @@ DEFAULTS = {
     "lookup_tau": {"tokens": 128},
     "merged": {"tokens": 64, "seed": 0},
     "network": {"tokens": 64},
+    "offload": {"tokens": 32},
     "outcomes": {"tokens": 64},
     "peers": {"tokens": 64},
     "prefill_share": {"tokens": 64, "seed": 0},

@@ -26,7 +26,8 @@ from shared.model import (
 )
 from shared.model.generate import greedy_generate
 from shared.model.llama import DecoderLayer
-from tests.cloud_verifier.service import prompt_tokens, tiny
+from shared.model.tokenizer import placeholder_tokenizer
+from tests.cloud_verifier.service import prompt_tokens
 from tests.cloud_verifier.test_quantized_model import _target, tree_generation, write_llama_gguf
 from tests.cloud_verifier.test_tree_forward import check_round
 from treespec_kernels import quant_matmul as qm
@@ -41,7 +42,7 @@ def _tiny_model(layers: int = LAYERS, seed: int = 3) -> LlamaModel:
 
 def _entry(tmp: Path, model: LlamaModel) -> Path:
     entry = tmp / "entry"
-    assert weight_cache.save(entry, model, tiny().tokenizer, progress=False)
+    assert weight_cache.save(entry, model, placeholder_tokenizer(), progress=False)
     return entry
 
 
@@ -64,7 +65,7 @@ def _streamed(
     layout = offload.float_layout(entry)
     # oneDNN's packed copy of a layer in flight is budgeted beside each buffer
     budget = (4 * layout.max_span + resident_layers * layout.max_span) / 1e9
-    st = offload.attach(model, layout, budget, sidecar=tmp / "crc.json", **kw)  # type: ignore[arg-type]
+    st = offload.attach(model, layout, budget, sidecar=tmp / "checksums.json", **kw)  # type: ignore[arg-type]
     return model, st
 
 
@@ -122,7 +123,7 @@ def test_gguf_blocks_stream_bit_for_bit(tmp_path: Path) -> None:
     c = got.config
     layout = offload.gguf_layout(path, open_gguf(path), c.num_layers, c.num_heads, c.num_kv_heads)
     assert layout.kind == "gguf" and all(s.offset % offload.ALIGN == 0 for s in layout.layers)
-    st = offload.attach(got, layout, 0.0, sidecar=tmp_path / "crc.json")
+    st = offload.attach(got, layout, 0.0, sidecar=tmp_path / "checksums.json")
     assert st.streamed == [0, 1, 2, 3] and not st.resident
     assert torch.equal(_logits(got, _tokens()), _logits(want, _tokens()))
     rng = random.Random(77)
@@ -263,3 +264,27 @@ def test_greedy_rounds_through_the_engine_give_the_tokens_of_the_target_alone(tm
     assert st.stats.forwards > 3
     plain = _target(resident)
     assert cost_cache_key(target, 1, (1, 2), 8) != cost_cache_key(plain, 1, (1, 2), 8)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", offload.OFFLOAD_MODES)
+def test_on_a_gpu_streamed_layers_give_the_resident_logits(tmp_path: Path, mode: str) -> None:
+    """bf16 on CUDA: `host` copies pinned spans on a side stream (the compute stream never waits
+    on the copy, the copy waits for the compute that last read the buffer); `disk` reads into a
+    host staging buffer first. Either way the logits equal the resident model's bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev = torch.device("cuda")
+    resident = build_model(make_tiny_config(num_layers=LAYERS), 3, "bfloat16", dev)
+    entry = _entry(tmp_path, resident)
+    model = build_model(make_tiny_config(num_layers=LAYERS), 3, "bfloat16", dev)
+    layout = offload.float_layout(entry)
+    st = offload.attach(model, layout, 3 * layout.max_span / 1e9, mode, sidecar=tmp_path / "checksums.json")
+    assert st.buffers[0].device.type == "cuda" and len(st.streamed) == LAYERS - 1
+    for n in (30, 5, 61):  # several forwards: buffers reused while earlier kernels may still run
+        tokens = _tokens(n, seed=n)
+        assert torch.equal(_logits(model, tokens), _logits(resident, tokens)), (mode, n)
+    rng = random.Random(5)
+    check_round(model, rng, prompt_len=20, nodes=12, tail=2, cond=1, tol=0.5)
+    assert st.stats.layers_streamed >= 3 * (LAYERS - 1)
+    st.close()

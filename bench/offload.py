@@ -1,0 +1,502 @@
+"""`python -m bench.offload`: a target larger than memory (issue 36), SpecInfer's Figure 8 analog.
+
+For each resident budget (a fraction of the layers' bytes: 1, 0.5, 0.25, 0.1) the verifier keeps
+that much of its layers in memory and streams the rest for every forward (`serve --offload`). Two
+parts, each in its own process so peak RSS is the budget's own:
+
+  forward   ms per verify forward vs rows (1..64) after a 64-token prefix, with the stream's
+            figures: bytes read per forward, the reader's time, the time a forward waited, the
+            overlap (transfer hidden / transfer total) at 1 row, peak RSS
+  modes     the edge against a verifier serving with that budget: ms/token, τ and target forwards
+            per token for each mode (ar, tree, budget, ... as bench.network runs them, at --rtt-ms),
+            bytes read per token (forwards per token x bytes per forward), the speed-up over ar at
+            the same budget, and the verifier's peak RSS
+
+Run alone (it measures a disk). On a GPU machine `--shape qwen2.5-coder-1.5b --device cuda
+--offload host` runs the forward part on random weights of that shape (the GGUF cannot travel):
+pinned host memory copied in on a side stream.
+
+Table, JSON (rows carry part, resident_fraction, mode, ms_per_token, tau, peak_rss_gb, ...) and a
+plot (ms/token by budget and mode; ms per forward vs rows by budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.harness import (
+    CoreSplit,
+    Verifier,
+    add_common_args,
+    positive_ints,
+    save_figure,
+    suite_from_args,
+    table,
+    write_result,
+)
+
+MODES = ("ar", "tree", "budget")
+GB = 1e9
+
+
+def fractions(text: str) -> list[float]:
+    """An argparse type: comma list of resident fractions in [0, 1]."""
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions, got {text!r}") from None
+    if not out or any(not 0 <= f <= 1 for f in out):
+        raise argparse.ArgumentTypeError(f"expected fractions in [0, 1], got {text!r}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.offload",
+        description="Streamed weights: ms per forward vs rows and ms/token per mode at resident budgets "
+        "of the target's layers (serve --offload), against ar on the same streaming path.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="target alias or GGUF path")
+    ap.add_argument(
+        "--weights",
+        default="quantized",
+        choices=["quantized", "fp32"],
+        help="stream the GGUF's blocks (quantized) or the float-weight cache (fp32, ~6x the bytes)",
+    )
+    ap.add_argument("--offload", default="disk", choices=["disk", "host"], help="the verifier's --offload")
+    ap.add_argument(
+        "--resident",
+        type=fractions,
+        default=[1.0, 0.5, 0.25, 0.1],
+        help="resident budgets, as fractions of the layers' bytes (the stream buffers come out of them)",
+    )
+    ap.add_argument("--modes", default=",".join(MODES), help="edge modes, as bench.network names them")
+    ap.add_argument("--parts", default="forward,modes", help="forward, modes, or both")
+    ap.add_argument("--rows", type=positive_ints, default=[1, 2, 4, 8, 16, 32, 64], help="verify rows")
+    ap.add_argument("--repeats", type=int, default=2, help="timed forwards per row count (median)")
+    ap.add_argument("--rtt-ms", type=float, default=0.0, help="round trip of the emulated link (modes)")
+    ap.add_argument("--humaneval", type=int, default=2, help="HumanEval dev prompts (modes)")
+    ap.add_argument("--prompts", type=int, default=0, help="Spec-Bench dev prompts (modes)")
+    ap.add_argument("--offload-threads", type=int, default=2, help="the verifier's --offload-threads")
+    ap.add_argument(
+        "--shape",
+        default=None,
+        help="forward part only: random weights of this shape (bench.gpu_forward's SHAPES), not --model",
+    )
+    ap.add_argument("--device", default="cpu", help="forward part: cpu or cuda")
+    ap.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the plot here")
+    # internal: one budget's forward run in a child process, "FRACTION:LAYER_BYTES:ENTRY"
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rows: part 'forward' (resident_fraction, rows_ms, bytes_per_forward, overlap_1row, "
+        "peak_rss_gb) and part 'modes' (resident_fraction, mode, ms_per_token, tau, "
+        "bytes_read_per_token, speedup_vs_ar, peak_rss_gb)",
+        tokens=32,
+        prompt_file=True,
+        no_progress=True,
+    )
+    return ap
+
+
+# ---------------------------------------------------------------------------------------------------
+# The forward part (one child process per budget)
+
+
+def _layer_bytes(model: str, weights: str, shape: str | None, device: str) -> tuple[int, str | None]:
+    """The streamable layers' bytes of the target (and, for --shape, the weight-cache entry made
+    for its random weights)."""
+    from shared.model import offload
+
+    if shape:
+        entry = _random_entry(shape, device)
+        return offload.float_layout(entry).layer_bytes, str(entry)
+    from shared.model import gguf_loader, weight_cache
+    from shared.model.target import _gguf_file
+    from shared.model.weights import resolve_device, resolve_dtype
+
+    path, _ = _gguf_file(model, True)
+    if weights == "quantized":
+        reader = gguf_loader.open_gguf(path)
+        c = gguf_loader.config_from_gguf(reader)
+        return offload.gguf_layout(path, reader, c.num_layers, c.num_heads, c.num_kv_heads).layer_bytes, None
+    dev = resolve_device(device)
+    entry = weight_cache.entry_dir(path, resolve_dtype("auto", dev))
+    if not (entry / "header.json").is_file():  # made by a first streamed load (below, in a child)
+        from shared.model import load_target
+
+        load_target(model, offload="disk", resident_gb=0.0)
+    return offload.float_layout(entry).layer_bytes, None
+
+
+def _random_entry(shape: str, device: str) -> Path:
+    """A float-weight cache entry of random weights of `shape` (written once per shape and dtype)."""
+    import torch
+
+    from bench.gpu_forward import SHAPES, random_model
+    from shared import model_store
+    from shared.model import weight_cache
+    from shared.model.tokenizer import placeholder_tokenizer
+    from shared.model.weights import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    dtype = resolve_dtype("auto", dev)
+    entry = model_store.cache_dir() / "weights" / f"random-{shape}-{str(dtype).removeprefix('torch.')}"
+    if not (entry / "header.json").is_file():
+        model = random_model(SHAPES[shape], dtype, dev, 0)
+        if not weight_cache.save(entry, model, placeholder_tokenizer(), progress=True):
+            raise RuntimeError(f"could not write {entry}")
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return entry
+
+
+def forward_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One budget's forward part, in this (child) process: prints and returns its row."""
+    import torch
+
+    from bench.gpu_forward import _sync, _to
+    from bench.target_step import bench_tree
+    from shared.model import decode_step, load_target, offload, prefill_chunk, tree_round
+    from shared.model.target import _is_projection
+
+    f_text, bytes_text, entry_text = args.child.split(":", 2)  # fraction:layer bytes:entry (or empty)
+    fraction, layer_bytes = float(f_text), int(bytes_text)
+    t0 = time.perf_counter()
+    if args.shape:
+        from shared.model import weight_cache
+        from shared.model.weights import resolve_device, resolve_dtype
+
+        dev = resolve_device(args.device)
+        entry = Path(entry_text)
+        hit = weight_cache.load(entry, resolve_dtype("auto", dev), dev, False, skip=_is_projection)
+        if hit is None:
+            raise RuntimeError(f"cannot read {entry}")
+        model = hit[0]
+        model.set_attention("model")
+        stream = offload.attach(
+            model,
+            offload.float_layout(entry),
+            fraction * layer_bytes / GB,
+            args.offload,
+            args.offload_threads,
+        )
+    else:
+        target = load_target(
+            args.model,
+            device=args.device,
+            progress=False,
+            weights=args.weights,
+            offload=args.offload,
+            resident_gb=fraction * layer_bytes / GB,
+            read_threads=args.offload_threads,
+        )
+        model, stream = target.model, target.model.offload
+    load_s = time.perf_counter() - t0
+    dev, vocab = model.device, model.config.vocab_size
+    prefix = 64
+    kv = model.new_kv_cache(-(-(prefix + max(args.rows) + 2) // 16) + 2, 16)
+    kv.add(0)
+    with torch.inference_mode():
+        part = [3 + (i * 7919) % (vocab - 3) for i in range(prefix - 1)]
+        model.forward_packed([_to(prefill_chunk(0, part, 0), dev)], kv)
+        kv.commit_rows(0, range(len(part)))
+        rows_ms: dict[str, float] = {}
+        per_row: dict[str, dict[str, float]] = {}
+        for n in args.rows:
+            work = (
+                tree_round(0, bench_tree(n - 1, prefix, vocab, 0), [5])
+                if n > 1
+                else decode_step(0, 5, prefix - 1)
+            )
+            x = _to(work, dev)
+            times = []
+            for rep in range(args.repeats + 1):
+                stream.reset_stats()
+                _sync(dev)
+                t = time.perf_counter()
+                model.forward_packed([x], kv)
+                _sync(dev)
+                if rep:
+                    times.append((time.perf_counter() - t) * 1e3)
+                kv.discard(0)
+            rows_ms[str(n)] = round(statistics.median(times), 2)
+            s = stream.stats
+            per_row[str(n)] = {"read_ms": round(s.read_s * 1e3, 1), "wait_ms": round(s.wait_s * 1e3, 1)}
+    s1 = per_row[str(args.rows[0])]
+    overlap = None if s1["read_ms"] <= 0 else round(max(0.0, 1 - s1["wait_ms"] / s1["read_ms"]), 3)
+    row = {
+        "part": "forward",
+        "resident_fraction": fraction,
+        "resident_gb": round(fraction * layer_bytes / GB, 3),
+        "layers_resident": len(stream.resident),
+        "layers": len(stream),
+        "rows_ms": rows_ms,
+        "stream_ms_by_rows": per_row,
+        "bytes_per_forward": sum(stream.layout.layers[i].nbytes for i in stream.streamed),
+        "overlap_1row": overlap,
+        "read_mb_s": None
+        if s1["read_ms"] <= 0
+        else round(sum(stream.layout.layers[i].nbytes for i in stream.streamed) / s1["read_ms"] / 1e3, 1),
+        "load_s": round(load_s, 1),
+        "peak_rss_gb": round(offload.peak_rss_bytes() / GB, 3),
+    }
+    stream.close()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run_forward_part(args: argparse.Namespace, layer_bytes: int, entry: str | None) -> list[dict[str, Any]]:
+    rows = []
+    for f in args.resident:
+        spec = f"{f!r}:{layer_bytes}:{entry or ''}"
+        cmd = [sys.executable, "-m", "bench.offload", "--child", spec, *_child_flags(args)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if out.returncode != 0:
+            raise RuntimeError(f"the forward run at resident {f} failed:\n{out.stderr[-3000:]}")
+        row = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        print(
+            f"forward, resident {f:g}: {row['layers_resident']}/{row['layers']} layers, ms by rows "
+            f"{row['rows_ms']}, overlap at 1 row {row['overlap_1row']}, peak RSS {row['peak_rss_gb']} GB",
+            flush=True,
+        )
+    return rows
+
+
+def _child_flags(args: argparse.Namespace) -> list[str]:
+    flags = [
+        "--model",
+        args.model,
+        "--weights",
+        args.weights,
+        "--offload",
+        args.offload,
+        "--rows",
+        ",".join(map(str, args.rows)),
+        "--repeats",
+        str(args.repeats),
+        "--offload-threads",
+        str(args.offload_threads),
+        "--device",
+        args.device,
+    ]
+    return flags + (["--shape", args.shape] if args.shape else [])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The modes part (a verifier per budget, the edge as bench.network drives it)
+
+
+def peak_rss_of(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) * 1024 / GB, 3)
+    except OSError:
+        return None
+    return None
+
+
+def run_modes_part(
+    args: argparse.Namespace, layer_bytes: int, bytes_per_forward: dict[float, int]
+) -> list[dict[str, Any]]:
+    from bench.network import run_link
+    from edge_client.defaults import recommended_tree
+    from edge_client.drafters.registry import create_drafter
+    from shared.model_store import DEFAULT_DRAFT
+    from shared.tree import ExpansionConfig
+
+    modes = [m for m in args.modes.split(",") if m]
+    split = CoreSplit.auto()
+    print(split.describe(), flush=True)
+    prompts = suite_from_args(argparse.ArgumentParser(), args.humaneval, args.prompts, args.prompt_file)
+    tree = ExpansionConfig.parse(recommended_tree(DEFAULT_DRAFT))
+    rows: list[dict[str, Any]] = []
+    for f in args.resident:
+        vargs = [
+            "--weights",
+            args.weights,
+            "--offload",
+            args.offload,
+            "--resident-gb",
+            f"{f * layer_bytes / GB:.6f}",
+            "--offload-threads",
+            str(args.offload_threads),
+        ]
+        verifier = Verifier(args.model, cores=split.verifier, threads=len(split.verifier), args=vargs)
+        with verifier:
+            split.pin_edge()
+            drafter = create_drafter("auto", DEFAULT_DRAFT, n_threads=1)
+            try:
+                block, _ = run_link(
+                    verifier,
+                    split,
+                    drafter,
+                    prompts,
+                    tree,
+                    args.rtt_ms,
+                    0.0,
+                    modes,
+                    None,
+                    tokens=args.tokens,
+                    proxy=False,
+                    jitter_ms=0.0,
+                    mbps=0.0,
+                    couple=True,
+                    progress=not args.no_progress,
+                    saguaro_c=1.0,
+                )
+            finally:
+                drafter.close()
+            assert verifier.proc is not None
+            rss = peak_rss_of(verifier.proc.pid)
+        ar = next((r["ms_per_token"] for r in block if r["mode"] == "ar"), None)
+        for r in block:
+            fpt = r.get("target_forwards_per_token")
+            bpf = bytes_per_forward.get(f)
+            rows.append(
+                {
+                    "part": "modes",
+                    "resident_fraction": f,
+                    "mode": r["mode"],
+                    "ms_per_token": r["ms_per_token"],
+                    "tau": r["tau"],
+                    "target_forwards_per_token": fpt,
+                    "bytes_read_per_token": None if fpt is None or bpf is None else round(fpt * bpf),
+                    "speedup_vs_ar": None if not ar else round(ar / r["ms_per_token"], 3),
+                    "ratio_to_ar": None if not ar else round(r["ms_per_token"] / ar, 3),
+                    "peak_rss_gb": rss,
+                    "budget_gb": round(f * layer_bytes / GB, 3),
+                }
+            )
+        print(f"modes, resident {f:g}: done (verifier peak RSS {rss} GB)", flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Report
+
+
+def print_tables(rows: Sequence[dict[str, Any]], row_counts: Sequence[int]) -> None:
+    fwd = [r for r in rows if r["part"] == "forward"]
+    if fwd:
+        head = ["resident", "layers", *[f"N={n} ms" for n in row_counts], "MB/fwd", "overlap@1", "RSS GB"]
+        body = [
+            [
+                f"{r['resident_fraction']:g}",
+                f"{r['layers_resident']}/{r['layers']}",
+                *[r["rows_ms"].get(str(n)) for n in row_counts],
+                round(r["bytes_per_forward"] / 1e6, 1),
+                r["overlap_1row"],
+                r["peak_rss_gb"],
+            ]
+            for r in fwd
+        ]
+        print(table(body, head))
+    md = [r for r in rows if r["part"] == "modes"]
+    if md:
+        head = ["resident", "mode", "ms/token", "x ar", "tau", "fwd/token", "MB read/token", "RSS GB"]
+        body = [
+            [
+                f"{r['resident_fraction']:g}",
+                r["mode"],
+                r["ms_per_token"],
+                r["ratio_to_ar"],
+                r["tau"],
+                r["target_forwards_per_token"],
+                None if r["bytes_read_per_token"] is None else round(r["bytes_read_per_token"] / 1e6, 1),
+                r["peak_rss_gb"],
+            ]
+            for r in md
+        ]
+        print(table(body, head))
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in (r for r in rows if r["part"] == "forward"):
+        ns = sorted(int(n) for n in r["rows_ms"])
+        a.plot(
+            ns, [r["rows_ms"][str(n)] for n in ns], marker="o", label=f"resident {r['resident_fraction']:g}"
+        )
+    a.set_xscale("log", base=2)
+    a.set_xlabel("rows in the verify forward")
+    a.set_ylabel("ms per forward")
+    a.set_title("forward cost vs rows")
+    a.legend(fontsize=8)
+    md = [r for r in rows if r["part"] == "modes"]
+    fr = sorted({r["resident_fraction"] for r in md}, reverse=True)
+    modes = list(dict.fromkeys(r["mode"] for r in md))
+    width = 0.8 / max(1, len(modes))
+    for k, m in enumerate(modes):
+        ys = [
+            next((r["ms_per_token"] for r in md if r["mode"] == m and r["resident_fraction"] == f), 0)
+            for f in fr
+        ]
+        b.bar([i + k * width for i in range(len(fr))], ys, width, label=m)
+    b.set_xticks([i + width * (len(modes) - 1) / 2 for i in range(len(fr))], [f"{f:g}" for f in fr])
+    b.set_xlabel("resident fraction of the layers")
+    b.set_ylabel("ms per token")
+    b.set_title("ms/token by mode (lower is better)")
+    if md:
+        b.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    save_figure(fig, path, dpi=110)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.child:
+        forward_child(args)
+        return 0
+    parts = {p for p in args.parts.split(",") if p}
+    if not parts or parts - {"forward", "modes"}:
+        ap.error(f"--parts: choose from forward, modes; got {args.parts!r}")
+    if args.shape and "modes" in parts:
+        ap.error("--shape (random weights) runs the forward part only: add --parts forward")
+    if args.repeats < 1 or args.offload_threads < 1:
+        ap.error("--repeats and --offload-threads must be >= 1")
+    layer_bytes, entry = _layer_bytes(args.model, args.weights, args.shape, args.device)
+    print(f"layers: {layer_bytes / GB:.3f} GB streamable; budgets {args.resident}", flush=True)
+    rows: list[dict[str, Any]] = []
+    if "forward" in parts:
+        rows += run_forward_part(args, layer_bytes, entry)
+        write_result(args.json, args, rows, False, layer_bytes=layer_bytes)
+    if "modes" in parts:
+        bpf = {r["resident_fraction"]: r["bytes_per_forward"] for r in rows if r["part"] == "forward"}
+        rows += run_modes_part(args, layer_bytes, bpf)
+    print_tables(rows, args.rows)
+    write_result(args.json, args, rows, True, layer_bytes=layer_bytes)
+    if args.plot:
+        what = args.shape or args.model
+        plot(
+            rows,
+            args.plot,
+            f"{what} ({args.weights}), --offload {args.offload}, layers {layer_bytes / GB:.2f} GB",
+        )
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    sys.exit(main())
