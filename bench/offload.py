@@ -247,6 +247,10 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
         "stream_ms_by_rows": per_row,
         "bytes_per_forward": sum(stream.layout.layers[i].nbytes for i in stream.streamed),
         "overlap_1row": overlap,
+        # 1.0: a one-row forward costs only its transfer (the compute entirely hidden behind it)
+        "forward_over_read_1row": None
+        if s1["read_ms"] <= 0
+        else round(rows_ms[str(args.rows[0])] / s1["read_ms"], 3),
         "read_mb_s": None
         if s1["read_ms"] <= 0
         else round(sum(stream.layout.layers[i].nbytes for i in stream.streamed) / s1["read_ms"] / 1e3, 1),
@@ -363,27 +367,41 @@ def run_modes_part(
                 drafter.close()
             assert verifier.proc is not None
             rss = peak_rss_of(verifier.proc.pid)
-        ar = next((r["ms_per_token"] for r in block if r["mode"] == "ar"), None)
-        for r in block:
-            fpt = r.get("target_forwards_per_token")
-            bpf = bytes_per_forward.get(f)
-            rows.append(
-                {
-                    "part": "modes",
-                    "resident_fraction": f,
-                    "mode": r["mode"],
-                    "ms_per_token": r["ms_per_token"],
-                    "tau": r["tau"],
-                    "target_forwards_per_token": fpt,
-                    "bytes_read_per_token": None if fpt is None or bpf is None else round(fpt * bpf),
-                    "speedup_vs_ar": None if not ar else round(ar / r["ms_per_token"], 3),
-                    "ratio_to_ar": None if not ar else round(r["ms_per_token"] / ar, 3),
-                    "peak_rss_gb": rss,
-                    "budget_gb": round(f * layer_bytes / GB, 3),
-                }
-            )
+        rows += mode_rows(block, f, layer_bytes, bytes_per_forward, rss)
         print(f"modes, resident {f:g}: done (verifier peak RSS {rss} GB)", flush=True)
     return rows
+
+
+def mode_rows(
+    block: Sequence[dict[str, Any]],
+    fraction: float,
+    layer_bytes: int,
+    bytes_per_forward: dict[float, int],
+    rss: float | None,
+) -> list[dict[str, Any]]:
+    """The modes part's rows from one budget's bench.network block: each mode's ms/token and τ, the
+    bytes read per token (forwards per token x bytes per forward), the speed-up over ar."""
+    ar = next((r["ms_per_token"] for r in block if r["mode"] == "ar"), None)
+    out = []
+    for r in block:
+        fpt = r.get("target_forwards_per_token")
+        bpf = bytes_per_forward.get(fraction)
+        out.append(
+            {
+                "part": "modes",
+                "resident_fraction": fraction,
+                "mode": r["mode"],
+                "ms_per_token": r["ms_per_token"],
+                "tau": r["tau"],
+                "target_forwards_per_token": fpt,
+                "bytes_read_per_token": None if fpt is None or bpf is None else round(fpt * bpf),
+                "speedup_vs_ar": None if not ar else round(ar / r["ms_per_token"], 3),
+                "ratio_to_ar": None if not ar else round(r["ms_per_token"] / ar, 3),
+                "peak_rss_gb": rss,
+                "budget_gb": round(fraction * layer_bytes / GB, 3),
+            }
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------

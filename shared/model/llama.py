@@ -252,7 +252,10 @@ class LlamaModel(nn.Module):
         configuration's parameter count in the dtype (the packed copies are not parameters)."""
         if self.offload is not None:  # the resident layers and the stream buffers, not the file
             own = sum(p.numel() * p.element_size() for p in self.parameters())
-            tables = [m for m in (self.prepare().lm_head, self._quant_embed) if isinstance(m, QuantMatrix)]
+            head = self.prepare().lm_head
+            if isinstance(head, torch.Tensor) and all(head is not p for p in self.parameters()):
+                own += head.numel() * head.element_size()  # the packed head is a copy
+            tables = [m for m in (head, self._quant_embed) if isinstance(m, QuantMatrix)]
             # a tied head and token table are two matrices over the same blocks: count them once
             blocks = {part.blocks.data_ptr(): int(part.blocks.numel()) for m in tables for part in m.parts}
             own += sum(blocks.values())

@@ -704,6 +704,8 @@ def attach(
         gemm = Gemm(choose_gemm(model.gemm_kind, model.device, model.dtype))
         pack, packed_copy = gemm.pack, gemm.kind == "onednn"
         head = gemm.pack(model.lm_head)
+        if packed_copy and model.lm_head is not model.embed:  # one copy of the head, as prepare(release)
+            model.lm_head.data = model.lm_head.data.new_empty(0)
     streamed = stream(
         layout,
         int(resident_gb * 1e9),

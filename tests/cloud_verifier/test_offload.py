@@ -164,7 +164,9 @@ def test_the_resident_budget_is_respected(tmp_path: Path) -> None:
     held = sum(int(b.numel()) for b in st.buffers) + st.resident_bytes
     assert held <= st.budget_bytes
     non_layer = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert model.weight_bytes() == non_layer + held
+    # the layers held and the non-layer state, plus at most the head's packed copy (oneDNN)
+    head = model.embed.numel() * model.embed.element_size()
+    assert non_layer + held <= model.weight_bytes() <= non_layer + held + head
 
 
 def test_a_truncated_file_is_refused_at_start(tmp_path: Path) -> None:

@@ -1,0 +1,89 @@
+"""bench.offload: the forward part on a tiny random model (each budget in its own process) writes
+the rows the issue names; the modes part's rows and table from a verifier's block; bad arguments
+exit 2 with the reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import offload as bench_offload
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_forward_part_streams_what_the_budget_leaves_out(tmp_path: Path) -> None:
+    out = tmp_path / "off.json"
+    png = tmp_path / "off.png"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.offload",
+            "--shape",
+            "tiny",
+            "--parts",
+            "forward",
+            "--resident",
+            "1,0",
+            "--rows",
+            "1,4",
+            "--repeats",
+            "1",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and doc["layer_bytes"] > 0
+    full, none = doc["rows"]
+    assert full["part"] == none["part"] == "forward"
+    assert (full["resident_fraction"], none["resident_fraction"]) == (1.0, 0.0)
+    # everything resident reads nothing; nothing resident reads every layer each forward
+    assert full["layers_resident"] == full["layers"] and full["bytes_per_forward"] == 0
+    assert none["layers_resident"] == 0 and none["bytes_per_forward"] >= doc["layer_bytes"]
+    assert set(none["rows_ms"]) == {"1", "4"} and all(v > 0 for v in none["rows_ms"].values())
+    assert 0 <= none["overlap_1row"] <= 1 and none["peak_rss_gb"] > 0
+    assert png.is_file() and png.stat().st_size > 1000
+    assert "overlap@1" in r.stdout
+
+
+def test_modes_rows_carry_the_speedup_over_ar_and_bytes_per_token() -> None:
+    block = [
+        {"mode": "ar", "ms_per_token": 900.0, "tau": 1.0, "target_forwards_per_token": 1.0},
+        {"mode": "tree", "ms_per_token": 300.0, "tau": 4.0, "target_forwards_per_token": 0.25},
+    ]
+    rows = bench_offload.mode_rows(block, 0.25, 2_000_000_000, {0.25: 800_000_000}, 1.2)
+    ar, tree = rows
+    assert tree["speedup_vs_ar"] == 3.0 and tree["ratio_to_ar"] == pytest.approx(1 / 3, abs=1e-3)
+    assert tree["bytes_read_per_token"] == 200_000_000 and ar["bytes_read_per_token"] == 800_000_000
+    assert tree["peak_rss_gb"] == 1.2 and tree["budget_gb"] == 0.5
+    assert {"resident_fraction", "mode", "ms_per_token", "tau", "peak_rss_gb"} <= set(tree)
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--resident", "1.5"], "fractions in [0, 1]"),
+        (["--shape", "tiny"], "--parts forward"),
+        (["--parts", "nothing"], "--parts"),
+        (["--repeats", "0", "--parts", "forward"], "--repeats"),
+    ],
+)
+def test_bad_arguments_exit_2(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench_offload.main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
