@@ -290,3 +290,24 @@ def test_on_a_gpu_streamed_layers_give_the_resident_logits(tmp_path: Path, mode:
     check_round(model, rng, prompt_len=20, nodes=12, tail=2, cond=1, tol=0.5)
     assert st.stats.layers_streamed >= 3 * (LAYERS - 1)
     st.close()
+
+
+def test_the_service_refuses_what_it_cannot_stream(capsys: pytest.CaptureFixture[str]) -> None:
+    from cloud_verifier.cli import main
+
+    assert main(["serve", "--model", "tiny", "--offload", "disk", "--tensor-parallel", "2"]) == 2
+    assert "--offload does not combine with --tensor-parallel" in capsys.readouterr().err
+    assert main(["serve", "--model", "tiny", "--offload", "disk", "--resident-gb", "-2"]) == 2
+    assert "--resident-gb must be >= 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="offload must be one of"):
+        load_target("tiny", progress=False, offload="tape")
+
+
+def test_load_target_streams_tiny_from_a_weight_cache_entry_it_writes() -> None:
+    resident = load_target("tiny", progress=False)
+    streamed = load_target("tiny", progress=False, offload="disk", resident_gb=0.0)
+    st = streamed.model.offload
+    assert st is not None and st.streamed == list(range(streamed.config.num_layers))
+    tokens = _tokens(12, seed=9)
+    assert torch.equal(_logits(streamed.model, tokens), _logits(resident.model, tokens))
+    assert streamed.vocab_fingerprint == resident.vocab_fingerprint
