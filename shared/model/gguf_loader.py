@@ -10,6 +10,7 @@ permuted (llama.cpp runs those with the half-split RoPE).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,49 @@ def load_gguf_weights(reader: Any, model: LlamaModel, progress: bool = True) -> 
             arr = unpermute_rows(arr, c.num_heads if ".q_proj." in name else c.num_kv_heads)
         assigner.assign(name, torch.from_numpy(np.array(arr, dtype=np.float32)))
     assigner.finish()
+
+
+def fill_from_gguf(reader: Any, model: LlamaModel, write: Callable[[str, torch.Tensor], None]) -> None:
+    """Dequantize `reader`'s tensors into `model`'s (uninitialised) parameters one at a time, and
+    hand each parameter to `write(name, tensor)` as soon as every tensor that fills it has arrived,
+    then free it: the whole model is never in memory (weight_cache.save's `fill`, the first start
+    of a streamed target larger than memory). Peak: about one layer's fused parameters."""
+    from gguf.quants import dequantize
+
+    c = model.config
+    assigner = WeightAssigner(model)
+    arch = by_name(c.architecture)
+    permute = arch.gguf_qk_permuted
+    params = dict(model.named_parameters(remove_duplicate=True))
+    spans = {n: (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for n, p in params.items()}
+
+    def owner(view: torch.Tensor) -> str:
+        ptr = view.data_ptr()
+        return next(n for n, (a, b) in spans.items() if a <= ptr < b)
+
+    waiting: dict[str, set[str]] = {}
+    for hf in assigner.missing:
+        dst = assigner.target(hf)
+        assert dst is not None
+        waiting.setdefault(owner(dst), set()).add(hf)
+    for t in reader.tensors:
+        name = hf_name(t.name, arch)
+        if name is None or name not in assigner.missing:
+            continue
+        arr = dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape.tolist())])
+        if permute and (".q_proj." in name or ".k_proj." in name):
+            arr = unpermute_rows(arr, c.num_heads if ".q_proj." in name else c.num_kv_heads)
+        dst = assigner.target(name)
+        assert dst is not None
+        param = owner(dst)
+        assigner.assign(name, torch.from_numpy(np.array(arr, dtype=np.float32)))
+        waiting[param].discard(name)
+        if not waiting[param]:
+            write(param, params[param])
+            params[param].data = params[param].data.new_empty(0)  # written: give its memory back
+    assigner.finish()
+    if any(waiting.values()):
+        raise ValueError(f"tensors never read: {sorted(n for w in waiting.values() for n in w)[:5]}")
 
 
 # Where each projection goes in a layer's (q|k|v, o, gate|up, down) and its place in the fused part

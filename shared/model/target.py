@@ -9,6 +9,7 @@ directory. Nothing is fetched from a model hub.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,13 +249,16 @@ def _load_streamed(
         path, model_id = _gguf_file(name_or_path, progress)
         entry = weight_cache.entry_dir(path, dt)
         hit = weight_cache.load(entry, dt, dev, progress, skip=_is_projection)
-        if hit is None:  # first start: dequantize once (the whole model in memory), cache, read back
-            full = _load_gguf(path, dt, dev, progress, model_id)
-            if not (entry / "header.json").is_file() and not weight_cache.save(
-                entry, full.model, full.tokenizer, progress
-            ):
+        if hit is None:  # first start: dequantize into the cache a parameter at a time, read back
+            reader = gguf_loader.open_gguf(path)
+            shell = build_model(gguf_loader.config_from_gguf(reader), None, dt, "cpu")  # untouched
+
+            def fill(write: Callable[[str, torch.Tensor], None]) -> None:
+                gguf_loader.fill_from_gguf(reader, shell, write)
+
+            if not weight_cache.save(entry, shell, _gguf_tokenizer(str(path), reader), progress, fill):
                 raise RuntimeError(f"could not write the float-weight cache entry {entry} to stream from")
-            del full
+            del shell, reader
             hit = weight_cache.load(entry, dt, dev, progress, skip=_is_projection)
             if hit is None:
                 raise RuntimeError(f"the float-weight cache entry {entry} cannot be read back")

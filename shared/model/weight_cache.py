@@ -21,8 +21,8 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import asdict
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -61,10 +61,27 @@ def _config_from_json(raw: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**raw, rope_scaling=scaling)
 
 
-def save(entry: Path, model: LlamaModel, tokenizer: TargetTokenizer, progress: bool = True) -> bool:
+# fill(write): calls write(name, tensor) once for every parameter, in any order (save_from_gguf)
+Filler = Callable[[Callable[[str, torch.Tensor], None]], None]
+
+
+def save(
+    entry: Path,
+    model: LlamaModel,
+    tokenizer: TargetTokenizer,
+    progress: bool = True,
+    fill: Filler | None = None,
+) -> bool:
     """Write `model`'s parameters and `tokenizer` as the entry `entry`; False (logged) on failure,
-    e.g. a full disk: the cache is an optimisation, never a reason to fail a start."""
-    params = [(name, p.detach()) for name, p in model.named_parameters(remove_duplicate=True)]
+    e.g. a full disk: the cache is an optimisation, never a reason to fail a start.
+    `fill`: the parameters' values come from it (each written as it arrives) instead of `model`,
+    whose parameters then only give the names, shapes and dtypes."""
+    # names, shapes and dtypes only: no reference to the tensors is kept here, so a `fill` that
+    # frees each parameter once written really gives its memory back
+    params = [
+        (name, list(p.shape), p.dtype, p.numel() * p.element_size())
+        for name, p in model.named_parameters(remove_duplicate=True)
+    ]
     header: dict[str, Any] = {
         "format": FORMAT,
         "config": asdict(model.config),
@@ -76,13 +93,12 @@ def save(entry: Path, model: LlamaModel, tokenizer: TargetTokenizer, progress: b
         },
     }
     offset = 0
-    for name, p in params:
-        nbytes = p.numel() * p.element_size()
+    for name, shape, dtype, nbytes in params:
         header["params"].append(
             {
                 "name": name,
-                "shape": list(p.shape),
-                "dtype": str(p.dtype).removeprefix("torch."),
+                "shape": shape,
+                "dtype": str(dtype).removeprefix("torch."),
                 "offset": offset,
             }
         )
@@ -110,11 +126,26 @@ def save(entry: Path, model: LlamaModel, tokenizer: TargetTokenizer, progress: b
                 disable=not progress,
             ) as bar,
         ):
-            for spec, (_, p) in zip(header["params"], params, strict=True):
+            specs = {spec["name"]: spec for spec in header["params"]}
+            written: set[str] = set()
+
+            def write(name: str, p: torch.Tensor) -> None:
+                spec = specs[name]
+                if list(p.shape) != spec["shape"]:
+                    raise ValueError(f"{name}: shape {list(p.shape)}, expected {spec['shape']}")
                 f.seek(spec["offset"])
-                data = p.contiguous().cpu().view(torch.uint8).numpy()
+                data = p.detach().contiguous().cpu().view(torch.uint8).numpy()
                 f.write(data.tobytes() if not data.flags.c_contiguous else data.data)
                 bar.update(data.nbytes)
+                written.add(name)
+
+            if fill is None:
+                for name, p in model.named_parameters(remove_duplicate=True):
+                    write(name, p)
+            else:
+                fill(write)
+            if written != set(specs):
+                raise ValueError(f"parameters never written: {sorted(set(specs) - written)[:5]}")
             f.truncate(offset)
         (tmp / "tokenizer.json").write_text(tokenizer.tokenizer.to_str(), encoding="utf-8")
         (tmp / "tokens.json").write_text(

@@ -10,6 +10,7 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -311,3 +312,40 @@ def test_load_target_streams_tiny_from_a_weight_cache_entry_it_writes() -> None:
     tokens = _tokens(12, seed=9)
     assert torch.equal(_logits(streamed.model, tokens), _logits(resident.model, tokens))
     assert streamed.vocab_fingerprint == resident.vocab_fingerprint
+
+
+def test_the_first_streamed_start_writes_the_cache_a_parameter_at_a_time(tmp_path: Path) -> None:
+    """fill_from_gguf: the float-weight cache entry written from the GGUF one parameter at a time
+    (each freed once written, so a target larger than memory can make its entry) holds exactly the
+    bytes of the entry written from the whole loaded model (SmolLM2: a `llama` file with permuted
+    q/k rows and tied embeddings)."""
+    from shared.model import gguf_loader
+    from shared.model.target import _gguf_tokenizer, smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    reader = gguf_loader.open_gguf(path)
+    config = gguf_loader.config_from_gguf(reader)
+    tokenizer = _gguf_tokenizer(str(path), reader)
+    whole = build_model(config, None, "float32", "cpu")
+    gguf_loader.load_gguf_weights(reader, whole, progress=False)
+    assert weight_cache.save(tmp_path / "whole", whole, tokenizer, progress=False)
+    del whole
+    shell = build_model(config, None, "float32", "cpu")
+    written: list[str] = []
+
+    def fill(write: Callable[[str, torch.Tensor], None]) -> None:
+        def spy(name: str, p: torch.Tensor) -> None:
+            written.append(name)
+            write(name, p)
+
+        gguf_loader.fill_from_gguf(reader, shell, spy)
+
+    assert weight_cache.save(tmp_path / "streamed", shell, tokenizer, progress=False, fill=fill)
+    a, b = ((tmp_path / d / "weights.bin").read_bytes() for d in ("whole", "streamed"))
+    assert a == b
+    assert (tmp_path / "whole" / "header.json").read_text() == (
+        tmp_path / "streamed" / "header.json"
+    ).read_text()
+    # every parameter was handed over once, then freed
+    assert sorted(written) == sorted(n for n, _ in shell.named_parameters(remove_duplicate=True))
+    assert all(p.numel() == 0 for p in shell.parameters())
