@@ -163,47 +163,47 @@ def _random_entry(shape: str, device: str) -> Path:
     return entry
 
 
-def forward_child(args: argparse.Namespace) -> dict[str, Any]:
-    """One budget's forward part, in this (child) process: prints and returns its row."""
-    import torch
-
-    from bench.gpu_forward import _sync, _to
-    from bench.target_step import bench_tree
-    from shared.model import decode_step, load_target, offload, prefill_chunk, tree_round
+def _child_model(args: argparse.Namespace, budget_gb: float, entry_text: str) -> tuple[Any, Any]:
+    """The streamed model of one budget (and its StreamedLayers): --model through load_target, or
+    --shape's random weights from their cache entry."""
+    from shared.model import load_target, offload, weight_cache
     from shared.model.target import _is_projection
+    from shared.model.weights import resolve_device, resolve_dtype
 
-    f_text, bytes_text, entry_text = args.child.split(":", 2)  # fraction:layer bytes:entry (or empty)
-    fraction, layer_bytes = float(f_text), int(bytes_text)
-    t0 = time.perf_counter()
-    if args.shape:
-        from shared.model import weight_cache
-        from shared.model.weights import resolve_device, resolve_dtype
-
-        dev = resolve_device(args.device)
-        entry = Path(entry_text)
-        hit = weight_cache.load(entry, resolve_dtype("auto", dev), dev, False, skip=_is_projection)
-        if hit is None:
-            raise RuntimeError(f"cannot read {entry}")
-        model = hit[0]
-        model.set_attention("model")
-        stream = offload.attach(
-            model,
-            offload.float_layout(entry),
-            fraction * layer_bytes / GB,
-            args.offload,
-            args.offload_threads,
-        )
-    else:
+    if not args.shape:
         target = load_target(
             args.model,
             device=args.device,
             progress=False,
             weights=args.weights,
             offload=args.offload,
-            resident_gb=fraction * layer_bytes / GB,
+            resident_gb=budget_gb,
             read_threads=args.offload_threads,
         )
-        model, stream = target.model, target.model.offload
+        return target.model, target.model.offload
+    dev = resolve_device(args.device)
+    entry = Path(entry_text)
+    hit = weight_cache.load(entry, resolve_dtype("auto", dev), dev, False, skip=_is_projection)
+    if hit is None:
+        raise RuntimeError(f"cannot read {entry}")
+    model = hit[0]
+    model.set_attention("model")
+    layout = offload.float_layout(entry)
+    return model, offload.attach(model, layout, budget_gb, args.offload, args.offload_threads)
+
+
+def forward_child(args: argparse.Namespace) -> dict[str, Any]:
+    """One budget's forward part, in this (child) process: prints and returns its row."""
+    import torch
+
+    from bench.gpu_forward import _sync, _to
+    from bench.target_step import bench_tree
+    from shared.model import decode_step, offload, prefill_chunk, tree_round
+
+    f_text, bytes_text, entry_text = args.child.split(":", 2)  # fraction:layer bytes:entry (or empty)
+    fraction, layer_bytes = float(f_text), int(bytes_text)
+    t0 = time.perf_counter()
+    model, stream = _child_model(args, fraction * layer_bytes / GB, entry_text)
     load_s = time.perf_counter() - t0
     dev, vocab = model.device, model.config.vocab_size
     prefix = 64

@@ -86,6 +86,22 @@ def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = 2 << 3
     return max(tokens // config.block_size, 8)
 
 
+def load_configured(cfg: ServerConfig) -> Target:
+    """The target a config names, with its dtype, device, attention, weights and offload."""
+    offload = None if cfg.offload == "none" else cfg.offload
+    return load_target(
+        cfg.model,
+        cfg.dtype,
+        cfg.device,
+        True,
+        cfg.attention,
+        cfg.weights,
+        offload,
+        cfg.resident_gb,
+        cfg.offload_threads,
+    )
+
+
 async def _load(state: AppState, target: Target | None, loader: TargetLoader | None = None) -> None:
     cfg = state.config
     try:
@@ -98,18 +114,7 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
                 "serve` (in code: pass cloud_verifier.parallel.load_for_service as the loader)"
             )
         elif target is None:
-            target = await asyncio.to_thread(
-                load_target,
-                cfg.model,
-                cfg.dtype,
-                cfg.device,
-                True,
-                cfg.attention,
-                cfg.weights,
-                None if cfg.offload == "none" else cfg.offload,
-                cfg.resident_gb,
-                cfg.offload_threads,
-            )
+            target = await asyncio.to_thread(load_configured, cfg)
         elif target.model.attention_mode != cfg.attention:
             target.model.set_attention(cfg.attention)
         # one copy of the weights: the packed projections replace the loaded ones

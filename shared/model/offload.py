@@ -598,66 +598,21 @@ def stream(
     if verify:
         layout = with_checksums(layout, reader, progress, sidecar)
     keep, _ = plan_resident(layout, budget_bytes, layout.max_span if packed_copy else 0)
-
-    def check(span: LayerSpan, buf: torch.Tensor, got: int) -> None:
-        if verify:
-            check_span(layout, span, buf, got)
-        elif got < span.nbytes - ALIGN:
-            raise OffloadError(
-                f"{layout.path}: layer {span.index} read {got} of {span.nbytes} bytes (truncated)"
-            )
-
-    def read_disk(span: LayerSpan, buf: torch.Tensor, after: Any = None) -> tuple[Any, ...]:
-        host = buf if buf.device.type == "cpu" else staging
-        assert host is not None
-        got = reader.read(host, span.offset, span.nbytes)
-        check(span, host, got)
-        if host is not buf:
-            if after is not None:
-                after.synchronize()
-            buf[: span.nbytes].copy_(host[: span.nbytes])
-        return materialize(span, buf, pack)
-
+    loader = _Loader(layout, reader, pack, verify, dev)
     from tqdm import tqdm
 
     resident: dict[int, tuple[Any, ...]] = {}
-    staging = aligned_buffer(layout.max_span) if dev.type != "cpu" else None
     streamed = [s for s in layout.layers if s.index not in keep]
-    progress_bar = tqdm(total=len(layout.layers), desc="loading layers", unit="layer", disable=not progress)
-    for s in layout.layers:
+    for s in tqdm(layout.layers, desc="loading layers", unit="layer", disable=not progress):
         if s.index in keep:
-            own = aligned_buffer(s.nbytes, dev)
-            resident[s.index] = read_disk(s, own)
-        progress_bar.update(1)
-    host_spans: dict[int, torch.Tensor] = {}
+            resident[s.index] = loader.read_disk(s, aligned_buffer(s.nbytes, dev))
     if mode == "host":
-        pin = dev.type == "cuda"
-        for s in streamed:
-            h = aligned_buffer(s.nbytes, None, pin=pin)
-            check(s, h, reader.read(h, s.offset, s.nbytes))
-            host_spans[s.index] = h
-    progress_bar.close()
-    copy_stream = torch.cuda.Stream(dev) if mode == "host" and dev.type == "cuda" else None
-
-    def read_host(span: LayerSpan, buf: torch.Tensor, after: Any = None) -> tuple[Any, ...]:
-        src = host_spans[span.index]
-        if copy_stream is not None:
-            with torch.cuda.stream(copy_stream):
-                if after is not None:  # the compute stream's last reader of this buffer first
-                    copy_stream.wait_event(after)
-                buf[: span.nbytes].copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(copy_stream)
-            done.synchronize()  # the reader thread waits; the compute stream never blocks on it
-        else:
-            buf[: span.nbytes].copy_(src)
-        return materialize(span, buf, pack)
-
+        loader.hold(streamed)
     buffers = [aligned_buffer(layout.max_span, dev) for _ in range(2)] if streamed else []
     return StreamedLayers(
         layout,
         resident,
-        read_host if mode == "host" else read_disk,
+        loader.read_host if mode == "host" else loader.read_disk,
         buffers,
         mode,
         sum(layout.layers[i].nbytes for i in keep),
@@ -665,6 +620,69 @@ def stream(
         closer=reader.close,
         read_threads=reader.threads,
     )
+
+
+class _Loader:
+    """Reads a layer's span into a buffer, checks it and materializes its weights (on the reader
+    thread): from disk (through a host staging buffer for a GPU) or from spans held in host memory
+    (`hold`; pinned and copied on a side CUDA stream on a GPU)."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        reader: DiskReader,
+        pack: Callable[[torch.Tensor], Any],
+        verify: bool,
+        device: torch.device,
+    ) -> None:
+        self.layout, self.reader, self.pack, self.verify = layout, reader, pack, verify
+        self.device = device
+        self.staging = aligned_buffer(layout.max_span) if device.type != "cpu" else None
+        self.host_spans: dict[int, torch.Tensor] = {}
+        self.copy_stream: Any = None
+
+    def check(self, span: LayerSpan, buf: torch.Tensor, got: int) -> None:
+        if self.verify:
+            check_span(self.layout, span, buf, got)
+        elif got < span.nbytes - ALIGN:
+            raise OffloadError(
+                f"{self.layout.path}: layer {span.index} read {got} of {span.nbytes} bytes (truncated)"
+            )
+
+    def read_disk(self, span: LayerSpan, buf: torch.Tensor, after: Any = None) -> tuple[Any, ...]:
+        host = buf if buf.device.type == "cpu" else self.staging
+        assert host is not None
+        got = self.reader.read(host, span.offset, span.nbytes)
+        self.check(span, host, got)
+        if host is not buf:
+            if after is not None:
+                after.synchronize()
+            buf[: span.nbytes].copy_(host[: span.nbytes])
+        return materialize(span, buf, self.pack)
+
+    def hold(self, spans: Sequence[LayerSpan]) -> None:
+        """Read `spans` once into host memory (pinned for a GPU), checked, for read_host."""
+        pin = self.device.type == "cuda"
+        for s in spans:
+            h = aligned_buffer(s.nbytes, None, pin=pin)
+            self.check(s, h, self.reader.read(h, s.offset, s.nbytes))
+            self.host_spans[s.index] = h
+        if pin:
+            self.copy_stream = torch.cuda.Stream(self.device)
+
+    def read_host(self, span: LayerSpan, buf: torch.Tensor, after: Any = None) -> tuple[Any, ...]:
+        src, stream = self.host_spans[span.index], self.copy_stream
+        if stream is not None:
+            with torch.cuda.stream(stream):
+                if after is not None:  # the compute stream's last reader of this buffer first
+                    stream.wait_event(after)
+                buf[: span.nbytes].copy_(src, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            done.synchronize()  # the reader thread waits; the compute stream never blocks on it
+        else:
+            buf[: span.nbytes].copy_(src)
+        return materialize(span, buf, self.pack)
 
 
 def _no_float_slots(w: torch.Tensor) -> Any:

@@ -65,23 +65,10 @@ def _config_from_json(raw: dict[str, Any]) -> ModelConfig:
 Filler = Callable[[Callable[[str, torch.Tensor], None]], None]
 
 
-def save(
-    entry: Path,
-    model: LlamaModel,
-    tokenizer: TargetTokenizer,
-    progress: bool = True,
-    fill: Filler | None = None,
-) -> bool:
-    """Write `model`'s parameters and `tokenizer` as the entry `entry`; False (logged) on failure,
-    e.g. a full disk: the cache is an optimisation, never a reason to fail a start.
-    `fill`: the parameters' values come from it (each written as it arrives) instead of `model`,
-    whose parameters then only give the names, shapes and dtypes."""
-    # names, shapes and dtypes only: no reference to the tensors is kept here, so a `fill` that
-    # frees each parameter once written really gives its memory back
-    params = [
-        (name, list(p.shape), p.dtype, p.numel() * p.element_size())
-        for name, p in model.named_parameters(remove_duplicate=True)
-    ]
+def _header(model: LlamaModel, tokenizer: TargetTokenizer) -> dict[str, Any]:
+    """An entry's header: config, tokenizer metadata, and each parameter's name, shape, dtype and
+    page-aligned offset (from names, shapes and dtypes only: no reference to the tensors is kept,
+    so a `fill` that frees each parameter once written really gives its memory back)."""
     header: dict[str, Any] = {
         "format": FORMAT,
         "config": asdict(model.config),
@@ -93,17 +80,33 @@ def save(
         },
     }
     offset = 0
-    for name, shape, dtype, nbytes in params:
+    for name, p in model.named_parameters(remove_duplicate=True):
         header["params"].append(
             {
                 "name": name,
-                "shape": shape,
-                "dtype": str(dtype).removeprefix("torch."),
+                "shape": list(p.shape),
+                "dtype": str(p.dtype).removeprefix("torch."),
                 "offset": offset,
             }
         )
-        offset += -(-nbytes // _ALIGN) * _ALIGN
+        offset += -(-(p.numel() * p.element_size()) // _ALIGN) * _ALIGN
     header["data_bytes"] = offset
+    return header
+
+
+def save(
+    entry: Path,
+    model: LlamaModel,
+    tokenizer: TargetTokenizer,
+    progress: bool = True,
+    fill: Filler | None = None,
+) -> bool:
+    """Write `model`'s parameters and `tokenizer` as the entry `entry`; False (logged) on failure,
+    e.g. a full disk: the cache is an optimisation, never a reason to fail a start.
+    `fill`: the parameters' values come from it (each written as it arrives) instead of `model`,
+    whose parameters then only give the names, shapes and dtypes."""
+    header = _header(model, tokenizer)
+    offset = header["data_bytes"]
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
     try:
