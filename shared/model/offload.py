@@ -489,14 +489,9 @@ class StreamedLayers:
 
     def _take(self, layer: int) -> _Job:
         """The job reading `layer`; jobs for other layers (a forward that stopped midway) are drained."""
-        for job in list(self._jobs):
-            self._jobs.remove(job)
-            if job.layer == layer:
-                return job
-            try:
-                job.future.result()
-            except Exception:
-                pass
+        job = self._drain(until=layer)
+        if job is not None:
+            return job
         busy = {j.buffer for j in self._jobs}
         return self._submit(layer, next(b for b in range(len(self.buffers)) if b not in busy))
 
@@ -525,16 +520,20 @@ class StreamedLayers:
                 self._released[job.buffer] = torch.cuda.current_stream(self.buffers[0].device).record_event()
         self.stats.forward_s += time.perf_counter() - t_start
         if streamed:  # the next forward starts with the first streamed layer: read it ahead now
-            self._take_none()
+            self._drain()
             self._submit(streamed[0], 1 - last)
 
-    def _take_none(self) -> None:
+    def _drain(self, until: int | None = None) -> _Job | None:
+        """Wait out pending jobs in order, up to the one reading layer `until` (returned, not waited)."""
         for job in list(self._jobs):
             self._jobs.remove(job)
+            if job.layer == until:
+                return job
             try:
                 job.future.result()
             except Exception:
                 pass
+        return None
 
     def describe(self) -> str:
         """What a forward's cost depends on: mode, file, layers resident of all, reader threads."""
@@ -548,7 +547,7 @@ class StreamedLayers:
             self.stats = StreamStats()
 
     def close(self) -> None:
-        self._take_none()
+        self._drain()
         self._pool.shutdown(wait=True)
         if self.closer is not None:
             self.closer()
