@@ -121,6 +121,7 @@ class SpeculationCore:
         self._full: tuple[float, int, float] | None = None
         self._cache_first: int | None = None  # the round in flight whose likeliest outcome was drafted
         self._cache_idle: int | None = None  # the round in flight for which no more chains fit
+        self._cache_planned_ms = 0.0  # the priced time of the last chains planned
 
     @property
     def in_flight(self) -> int | None:
@@ -140,7 +141,13 @@ class SpeculationCore:
         if first is not None:
             self._trace_send(first, 0, None, 0, 1.0, sent)
             self._sent(Speculation(0, first, full, 1.0, None, sent.at))
-            self.est.verdict_due = sent.at + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
+            self.est.verdict_due = self._due(sent.at, first.tree.num_nodes)
+
+    def _due(self, sent_at: float, nodes: int) -> float:
+        """When the verdict on a tree of `nodes` nodes sent at `sent_at` is expected here: a round
+        trip and a verification (as measured; before any was, the server's advertised cost)."""
+        v = self.est.verify_ms or float(advertised_ms(self.welcome.verify_cost_ms, np.asarray([nodes]))[0])
+        return sent_at + (self.learned.rtt_ms + v) / 1e3
 
     def idle(self, quiet: bool) -> Steps | None:
         """Work while waiting: evaluate pending leaves, or draft the next conditional tree; only
@@ -341,7 +348,10 @@ class SpeculationCore:
                 self.workspace_full = True
             self.stats.prespec_cancelled += out.cancelled
             drafted = out.results
-        self.stats.prespec_ms += (self.clock() - t0) * 1e3
+        took = (self.clock() - t0) * 1e3
+        self.stats.prespec_ms += took
+        if shapes is not None:
+            self.learned.observe_cache_plan(self._cache_planned_ms, took)
         for c, dr in zip(batch, drafted, strict=True):
             if dr is None:
                 continue
@@ -360,7 +370,13 @@ class SpeculationCore:
     def _cache_schedule(self) -> str | float | None:
         """The outcome cache's next step: "first" (the likeliest outcome of the tree in flight,
         alone, full shape), the ms left to draft chains in, or None (no cache: batch as before;
-        the drafter's costs are not measured yet)."""
+        the drafter's costs are not measured yet).
+
+        The chains must reach the server before it sends the verdict, not the edge before the
+        verdict arrives: a chain sent later waits to be verified (a stall) while the drafter was
+        busy. The verdict leaves the server half a round trip before it is due here and a chain
+        needs half a round trip to get there, so the time to draft in ends one round trip before
+        the verdict is due, shortened by the overrun measured on earlier plans."""
         if self._eval_curve() is None or self._full is None:
             return None
         top = self.planner.top()
@@ -369,7 +385,7 @@ class SpeculationCore:
         due = self.est.verdict_due
         now = self.clock()
         left = (due - now) * 1e3 if due is not None else self.est.verify_ms + self.learned.rtt_ms
-        return max(0.0, left)
+        return max(0.0, (left - self.learned.rtt_ms) / self.learned.cache_overrun)
 
     def _plan_cache(
         self, committed: tuple[int, ...], left_ms: float
@@ -387,6 +403,7 @@ class SpeculationCore:
         depth = min(self.req.tree.chain_depth, self.welcome.limits.max_depth)
         gains = chain_gains(self.choice.alpha, depth, miss, self.welcome.verify_cost_ms)
         plan = plan_chains([c.prob for c in cands], gains, eval_ms, left_ms)
+        self._cache_planned_ms = plan.ms
         chosen = [(c, d) for c, d in zip(cands, plan.depths, strict=True) if d > 0]
         self.planner.restore([c for c, d in zip(cands, plan.depths, strict=True) if d == 0])
         if not chosen:
@@ -438,7 +455,7 @@ class SpeculationCore:
         self._bytes_since_verdict += sent.size
         self.learned.last_draft = dr
         if self.in_flight == rid:  # sent with none in flight, for the committed sequence
-            self.est.verdict_due = sent.at + (self.learned.rtt_ms + self.est.verify_ms) / 1e3
+            self.est.verdict_due = self._due(sent.at, dr.tree.num_nodes)
         self._sent(Speculation(rid, dr, full, prob, parent, sent.at))
         return rid
 

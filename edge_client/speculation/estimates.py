@@ -238,12 +238,15 @@ class Learned:
     choice:      outcome models per (target temperature, coupled), speculation.estimates.ChoiceModel
     rtt_ms:      exponential average of the measured round trip (0: none measured yet)
     last_draft:  the last tree sent (its reach and frontier size the next dynamic budget)
+    cache_overrun: how much longer the outcome cache's chains took to draft than their priced
+                 time (>= 1, an exponential average): the cache divides its time by it
     """
 
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
     choice: dict[tuple[float, bool], ChoiceModel] = field(default_factory=dict)
     rtt_ms: float = 0.0
     last_draft: DraftResult | None = None
+    cache_overrun: float = 1.0
 
     def choice_model(self, temperature: float, coupled: bool = False) -> ChoiceModel:
         """The outcome model for this temperature (its acceptance estimate carries over). Coupled
@@ -254,6 +257,13 @@ class Learned:
         if key not in self.choice:
             self.choice[key] = ChoiceModel(temperature=0.0 if coupled else key[0])
         return self.choice[key]
+
+    def observe_cache_plan(self, planned_ms: float, took_ms: float) -> None:
+        """Chains priced at `planned_ms` took `took_ms`: move cache_overrun a quarter of the way
+        to their ratio (clipped to 1..4; a plan priced at nothing teaches nothing)."""
+        if planned_ms > 0:
+            ratio = min(4.0, max(1.0, took_ms / planned_ms))
+            self.cache_overrun += 0.25 * (ratio - self.cache_overrun)
 
     def observe_rtt(self, rtt_ms: float) -> None:
         a = self.rtt_ms

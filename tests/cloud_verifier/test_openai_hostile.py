@@ -284,7 +284,10 @@ def test_a_huge_prompt_never_freezes_the_event_loop() -> None:
         assert ok.status_code == 200, ok.text
         assert ok.json()["choices"][0]["token_ids"] == reference(tuple(tiny().tokenizer.encode("Hello")), 8)
         print(f"/healthz: {probe.count} answers, the slowest {probe.worst:.3f} s")
-        assert probe.count >= 5 and probe.worst < 0.5, probe.worst
+        # The defect froze /healthz for seconds (6.9 s for one prompt). Parsing 3.6 MB of JSON still
+        # happens on the loop (~0.3 s here); on a loaded 2-core CI machine that reached 0.55 s once,
+        # so the bound sits well above it and far below the defect.
+        assert probe.count >= 5 and probe.worst < 1.5, probe.worst
 
 
 def test_tokens_per_min_counts_the_prompt_and_reserves_max_tokens(tmp_path: Path) -> None:

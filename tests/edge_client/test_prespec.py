@@ -26,7 +26,7 @@ from edge_client.speculation.outcomes import (
 from edge_client.stats import GenerationStats
 from edge_client.trees import DraftOptions, draft_static
 from shared.tree import ExpansionConfig, TokenTree, rebase
-from tests.cloud_verifier.service import LiveServer
+from tests.cloud_verifier.service import LiveServer, tiny
 from tests.edge_client.fake_drafter import FakeDrafter
 
 if TYPE_CHECKING:
@@ -350,26 +350,29 @@ def test_prespec_config_names_the_bad_field(field: str, value: Any) -> None:
     PrespecConfig(min_gain=0.1, leaf_min_reach=0.0, allocation="top")  # in range: accepted
 
 
-@pytest.mark.slow  # timing-dependent: on a loaded 2-core CI machine the cache may find no time for a chain
-def test_the_outcome_cache_and_the_priced_miss_path_keep_the_output() -> None:
-    """With the outcome cache on (chains for the further outcomes, planned to the verdict) and the
-    miss path forced to chains, greedy and seeded match give exactly the output of no
-    pre-speculation; the cache's chains really go out and the misses really draft chains.
+def test_the_outcome_cache_and_the_priced_miss_path_keep_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the outcome cache on (chains for the further outcomes, planned to reach the server before
+    its verdict) and the miss path forced to chains, greedy and seeded match give exactly the output
+    of no pre-speculation; the cache's chains really go out and the misses really draft chains.
 
-    The greedy run has one round with a whole round trip to fill (the others are pipelined: the
-    next tree went out during the previous round, and its verdict follows within a verification);
-    it is the last round, so the chains count only if they are drafted and sent before its
-    verdict ends the generation. The cache caps that plan at 24 outcomes x depth 8 whatever the
-    time left, and on a 2-core AVX2 machine those 8 lockstep evaluations of 24 rows take 170-280 ms
-    (the forward ~60-70% of it, the rest the per-level bookkeeping the schedule's eval_ms leaves
-    out). With a 300 ms link the ~230 ms left after the likeliest outcome's tree was a coin toss
-    (a third of the runs alone, and in full suites, sent no chain); 600 ms leaves twice the time."""
+    The chains get the time of a verification (they must reach the server before its verdict
+    leaves), which for `tiny` on a CPU is a few ms: no chain would fit. The verifier here takes
+    300 ms a forward (a sleep, as the real pair's ~400-700 ms on this CPU), so every round has time
+    for chains that no load on the machine takes away (the sleep uses no CPU)."""
+    model = tiny().model
+    real = model.forward_packed
+
+    def slow_forward(inputs: Any, kv: Any) -> Any:
+        time.sleep(0.3)
+        return real(inputs, kv)
+
+    monkeypatch.setattr(model, "forward_packed", slow_forward)
     prompt = load_prompts(1)[0].text
     drafter = create_drafter("torch", "tiny")
 
     async def traced(url: str, cfg: PrespecConfig, **kw: Any) -> tuple[list[int], GenerationStats]:
         async with EdgeClient(
-            url, drafter, prespec=cfg, link=LinkShape.rtt(600.0), tree=TreeSpec(), trace=True
+            url, drafter, prespec=cfg, link=LinkShape.rtt(100.0), tree=TreeSpec(), trace=True
         ) as c:
             async for _ in c.generate(prompt, **kw):
                 pass

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from edge_client.speculation import DraftConditional, PrespecConfig, Request, TreeSpec
+from edge_client.speculation.estimates import Learned
 from edge_client.speculation.schedule import chain_gains, concave, plan_chains
 from shared.messages import Mode
 from shared.tree import ExpansionConfig
@@ -116,3 +117,63 @@ def test_the_core_drafts_the_likeliest_outcome_alone_then_chains_within_the_time
     # the chains were planned to end before the verdict is due (each drafted tree costs 85 ms here,
     # which the plan does not know: it may overrun by those, never start past the due time)
     assert s.core.idle(quiet=True) is None
+
+
+def _first_chain_plan_ms(overrun: float, rtt_ms: float = 300.0) -> tuple[float, float]:
+    """The priced time of the first chains the cache plans (rows per evaluation from their depths),
+    and the time from the first send to when the verdict is due, with a drafter that takes no time."""
+    s = Scripted(
+        FakeDrafter(64),
+        Request(Mode.GREEDY, TreeSpec("static", ExpansionConfig((2, 1, 1, 1)))),
+        PrespecConfig(fanout=3, max_chain=1, gate=True, cache=True, outcomes=12),
+        eval_ms=_llama,
+        verify_cost_ms={1: 200.0, 8: 270.0, 32: 400.0},  # shorter than the chains the cache would like
+    )
+    s.learned.rtt_ms = rtt_ms
+    s.learned.cache_overrun = overrun
+    s.start([3, 14, 15, 9, 26, 5])
+    chains: list[DraftConditional] = []
+    for _ in range(4):  # the likeliest outcome's tree, then the first chains
+        steps = s.core.idle(quiet=True)
+        assert steps is not None
+        s._run(steps)
+        chains = [a for a in s.draft_actions(DraftConditional) if a.shapes is not None]
+        if chains:
+            break
+    assert chains, "further outcomes get chains"
+    assert chains[0].shapes is not None
+    depths = [sh.chain_depth for sh in chains[0].shapes]
+    rows = [sum(d > level for d in depths) for level in range(max(depths))]
+    due = s.core.est.verdict_due
+    assert due is not None
+    return sum(_llama(r) for r in rows), (due - s.clock()) * 1e3
+
+
+def test_the_chains_are_planned_to_reach_the_server_before_its_verdict_leaves() -> None:
+    """The verdict is due here one round trip (300 ms) plus a verification (270 ms) after the tree
+    went out; a chain sent later than a round trip before that reaches the server after its verdict
+    and waits to be verified. So the chains get the verification's time, not the whole wait: they
+    stay within it, and a longer round trip gives them no more time."""
+    planned, left = _first_chain_plan_ms(1.0)
+    window = left - 300.0
+    assert window == pytest.approx(270.0)  # the advertised verification of the 8-node tree in flight
+    assert window - _llama(12) <= planned <= window
+    far, far_left = _first_chain_plan_ms(1.0, rtt_ms=900.0)
+    assert far_left == pytest.approx(left + 600.0) and far == planned
+
+
+def test_chains_that_took_longer_than_priced_shorten_the_next_plans() -> None:
+    """The measured overrun (drafting took twice the priced time) halves the time planned; the
+    overrun learns a quarter of the way to each ratio, never below 1 and at most 4."""
+    planned, left = _first_chain_plan_ms(2.0)
+    assert planned <= (left - 300.0) / 2
+    learned = Learned()
+    learned.observe_cache_plan(100.0, 300.0)
+    assert learned.cache_overrun == pytest.approx(1.5)
+    learned.observe_cache_plan(100.0, 50.0)  # faster than priced: counts as on time
+    assert learned.cache_overrun == pytest.approx(1.375)
+    learned.observe_cache_plan(0.0, 500.0)  # nothing priced: nothing learned
+    assert learned.cache_overrun == pytest.approx(1.375)
+    for _ in range(60):
+        learned.observe_cache_plan(10.0, 1000.0)
+    assert learned.cache_overrun == pytest.approx(4.0)
