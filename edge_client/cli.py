@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from edge_client.client import GenerationResult, TreeSpec
     from edge_client.drafters.base import Drafter
     from edge_client.speculation import PrespecConfig
+    from edge_client.web_edge import WebEdge
 
 
 SAGUARO_HELP = (
@@ -305,6 +306,36 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help=f"for requests in mode mss or rrs, with pre-speculation on: {SAGUARO_HELP}",
     )
     p.add_argument("--threads", type=int, default=0, help="draft model threads (0: the backend's default)")
+    p.add_argument(
+        "--web-draft",
+        default=None,
+        metavar="EXPORT_DIR",
+        help="also serve the browser edge at /edge/: a page whose draft model (this `edge-client "
+        "export-onnx` folder) runs in the tab on onnxruntime-web and reaches --server itself, so the "
+        "verifier must allow this endpoint's origin (cloud-verifier serve --allowed-origins "
+        "http://HOST:PORT)",
+    )
+    p.add_argument(
+        "--web-bundle",
+        default=None,
+        metavar="DIR",
+        help="the browser edge's static bundle (default: clients/typescript/dist/web, built by `make web`)",
+    )
+
+
+def _web_edge(args: argparse.Namespace) -> WebEdge | None:
+    """The browser edge for --web-draft (edge_client.web_edge.WebEdge), None without it; exits with 2
+    and the reason when it cannot be served."""
+    if args.web_draft is None:
+        return None
+    from edge_client.web_edge import BUNDLE, WebEdge, WebEdgeError
+
+    bundle = Path(args.web_bundle) if args.web_bundle else BUNDLE
+    try:
+        return WebEdge(Path(args.web_draft), args.server, bundle)
+    except WebEdgeError as exc:
+        print(f"edge-client: --web-draft: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -335,6 +366,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.saguaro_c != 1 and args.no_prespec:
         print("edge-client: --saguaro-c applies to pre-speculation: drop --no-prespec", file=sys.stderr)
         return 2
+    web = _web_edge(args)
     opts = {"n_threads": args.threads} if args.threads else {}
     drafter = create_drafter(args.drafter, args.draft, **opts)
 
@@ -352,8 +384,10 @@ def _serve(args: argparse.Namespace) -> int:
         f"edge-client: OpenAI-compatible API on http://{args.host}:{args.port}/v1 -> {args.server}",
         flush=True,
     )
+    if web is not None:
+        print(f"edge-client: the browser edge on http://{args.host}:{args.port}/edge/", flush=True)
     try:
-        uvicorn.run(create_app(make, config), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(create_app(make, config, web), host=args.host, port=args.port, log_level="warning")
     finally:
         drafter.close()
     return 0

@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from edge_client.client import EdgeClient, GenerationError
 from edge_client.http_guard import Guard, ServeConfig, read_json, valid_text, watch_disconnect
+from edge_client.web_edge import WebEdge
 from shared.messages import Mode, Verdict
 from shared.openai_compat import (
     SSE_DONE,
@@ -223,8 +224,11 @@ class _Stream(StreamingResponse):
             await self._body.aclose()
 
 
-def create_app(make_client: Callable[[], EdgeClient], config: ServeConfig | None = None) -> FastAPI:
-    """The local API over one verifier session (opened on the first request, reopened if it drops)."""
+def create_app(
+    make_client: Callable[[], EdgeClient], config: ServeConfig | None = None, web: WebEdge | None = None
+) -> FastAPI:
+    """The local API over one verifier session (opened on the first request, reopened if it drops);
+    with `web`, the browser edge's page and files at /edge/ (edge_client.web_edge)."""
     cfg = config or ServeConfig()
     app = FastAPI(title="edge-client serve")
     app.add_middleware(Guard, config=cfg)
@@ -238,6 +242,8 @@ def create_app(make_client: Callable[[], EdgeClient], config: ServeConfig | None
     app.get("/healthz")(routes.healthz)
     app.get("/")(routes.page)
     app.post("/live")(routes.live)
+    if web is not None:
+        web.mount(app)
     return app
 
 

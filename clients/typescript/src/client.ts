@@ -1,9 +1,9 @@
 // The session client: hello, then generations whose rounds are drafted by prompt lookup and
 // verified by the server (greedy or match). Token ids in, token ids out: the caller tokenizes the
 // prompt and decodes the output with the tokenizer of the model the verifier names (welcome.model_id).
-import WebSocket from "ws";
 import { DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
 import { decodeMessage, encodeMessage, type Message, PROTOCOL_VERSION, ProtocolError, type Tree } from "./protocol.js";
+import { openSocket, type Socket } from "./socket.js";
 
 type Welcome = Extract<Message, { type: "welcome" }>;
 type Verdict = Extract<Message, { type: "verdict" }>;
@@ -28,6 +28,16 @@ export interface GenerateOptions {
   seed?: number | bigint;
   stopIds?: number[];
   lookup?: Partial<LookupOptions>;
+  onVerdict?: (v: VerdictInfo) => void; // each verdict, as it arrives (the live marks of a page)
+}
+
+/** What a verdict committed: `tokens`, the first `accepted` of them drafted tokens the target accepted. */
+export interface VerdictInfo {
+  round: number;
+  tokens: number[];
+  accepted: number; // tokens from the draft (at depths 1..accepted)
+  bonus: boolean; // the last token is the target's own (a correction or the bonus)
+  verifyMs: number;
 }
 
 export interface Stats {
@@ -56,20 +66,18 @@ export class TreespecClient {
   rttMs = 0;
   last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0 };
 
-  private constructor(private ws: WebSocket) {
-    ws.on("message", (data: Buffer, isBinary: boolean) => {
-      let m: Message | Error;
-      try {
-        m = isBinary ? decodeMessage(new Uint8Array(data)) : new GenerationError("the verifier sent a text frame");
-      } catch (e) {
-        m = e as Error;
-      }
-      this.push(m);
-    });
-    ws.on("close", (code: number, reason: Buffer) =>
-      this.push(new GenerationError(`the verifier closed the connection (${code}): ${reason.toString()}`)),
-    );
-    ws.on("error", (e: Error) => this.push(new GenerationError(`cannot reach the verifier: ${e.message}`)));
+  private ws!: Socket;
+
+  private constructor() {}
+
+  private received(data: Uint8Array | null): void {
+    let m: Message | Error;
+    try {
+      m = data !== null ? decodeMessage(data) : new GenerationError("the verifier sent a text frame");
+    } catch (e) {
+      m = e as Error;
+    }
+    this.push(m);
   }
 
   private push(m: Message | Error): void {
@@ -105,13 +113,18 @@ export class TreespecClient {
 
   /** Open a session: `fingerprint` is the sha256 of the vocabulary (PROTOCOL.md section 8). */
   static async connect(url: string, fingerprint: string, apiKey?: string): Promise<TreespecClient> {
-    const ws = new WebSocket(url, { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {}, maxPayload: 1 << 22 });
-    await new Promise<void>((resolve, reject) => {
-      ws.once("open", () => resolve());
-      ws.once("error", (e) => reject(new GenerationError(`cannot reach the verifier at ${url}: ${e.message}`)));
-    });
-    const c = new TreespecClient(ws);
-    c.send({ type: "hello", version: PROTOCOL_VERSION, vocab_fingerprint: fingerprint, client: "treespec-ts/0.1" });
+    const c = new TreespecClient();
+    try {
+      c.ws = await openSocket(url, apiKey, {
+        message: (data) => c.received(data),
+        close: (code, reason) => c.push(new GenerationError(`the verifier closed the connection (${code}): ${reason}`)),
+        error: (message) => c.push(new GenerationError(`cannot reach the verifier: ${message}`)),
+      });
+    } catch (e) {
+      throw new GenerationError((e as Error).message);
+    }
+    const key = apiKey && !c.ws.keyInHeader ? { api_key: apiKey } : {}; // a browser sends no headers
+    c.send({ type: "hello", version: PROTOCOL_VERSION, vocab_fingerprint: fingerprint, client: "treespec-ts/0.1", ...key });
     const w = await c.next();
     if (w.type !== "welcome") throw new GenerationError(`expected welcome, got ${w.type}`);
     if (w.vocab_fingerprint && w.vocab_fingerprint !== fingerprint) {
@@ -178,6 +191,8 @@ export class TreespecClient {
         st.tau = st.tokens / verdicts;
         st.msPerToken = (performance.now() - t0) / Math.max(1, st.tokens);
         st.draftMs = median(drafting);
+        o.onVerdict?.({ round: v.round, tokens: [...v.tokens], accepted: v.accepted_nodes.length, bonus: v.has_bonus,
+                        verifyMs: v.verify_ms });  // prettier-ignore
         if (v.tokens.length) yield v.tokens;
         if (v.done) {
           if (cancelled && v.reason === "cancelled") throw signal?.reason ?? new DOMException("cancelled", "AbortError");
@@ -196,7 +211,7 @@ export class TreespecClient {
   }
 
   close(): void {
-    if (this.ws.readyState === WebSocket.OPEN) {
+    if (this.ws.open) {
       this.send({ type: "close" });
       this.ws.close(1000);
     }

@@ -17,6 +17,9 @@ export interface EdgeOptions extends DrafterOptions {
   where?: string; // how errors name the export (default "the export")
 }
 
+/** A text (chat template unless `raw`), chat messages, or token ids. */
+export type Prompt = string | ChatMessage[] | readonly number[];
+
 export interface TextOptions extends Omit<GenerateOptions, "draft" | "lookup"> {
   raw?: boolean; // the prompt as is, without the chat template
 }
@@ -38,13 +41,14 @@ export class Edge {
     return new Edge(client, drafter, codec, o.tree ?? DEFAULT_TREE);
   }
 
-  /** The prompt's token ids (chat template unless raw). */
-  encode(prompt: string | ChatMessage[], raw = false): number[] {
-    return this.codec.encodePrompt(prompt, raw);
+  /** The prompt's token ids (chat template unless raw; token ids as they are). */
+  encode(prompt: Prompt, raw = false): number[] {
+    if (Array.isArray(prompt) && prompt.every((x) => typeof x === "number")) return [...(prompt as readonly number[])];
+    return this.codec.encodePrompt(prompt as string | ChatMessage[], raw);
   }
 
-  /** Generate from a text prompt; yields the answer's text as it is committed (never half a character). */
-  async *generate(prompt: string | ChatMessage[], o: TextOptions = {}): AsyncGenerator<string> {
+  /** Generate from a prompt; yields the answer's text as it is committed (never half a character). */
+  async *generate(prompt: Prompt, o: TextOptions = {}): AsyncGenerator<string> {
     const show = this.codec.stream();
     const draft = (ctx: readonly number[]) => draftStatic(this.drafter, ctx, this.tree);
     for await (const ids of this.client.generate(this.encode(prompt, o.raw), { ...o, draft })) {

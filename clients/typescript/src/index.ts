@@ -1,4 +1,11 @@
-export { GenerationError, TreespecClient, type GenerateOptions, type Stats, type TreeSource } from "./client.js";
+export {
+  GenerationError,
+  TreespecClient,
+  type GenerateOptions,
+  type Stats,
+  type TreeSource,
+  type VerdictInfo,
+} from "./client.js";
 export {
   chooseBudget,
   draftDynamic,
@@ -17,5 +24,7 @@ export {
 } from "./onnx_drafter.js";
 export { continuations, DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
 export { decodeMessage, encodeMessage, type Message, ProtocolError, PROTOCOL_VERSION } from "./protocol.js";
-export { DEFAULT_TREE, Edge, type EdgeOptions, type TextOptions } from "./edge.js";
+export { DEFAULT_TREE, Edge, type EdgeOptions, type Prompt, type TextOptions } from "./edge.js";
 export { type ChatMessage, TextCodec } from "./text.js";
+export { inBrowser, openSocket, type Socket } from "./socket.js";
+export { webReader, type WebReader, type WebReaderOptions } from "./web.js";

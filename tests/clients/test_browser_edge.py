@@ -1,0 +1,188 @@
+"""The browser edge (`edge-client serve --web-draft EXPORT_DIR`, page /edge/): the draft model of an ONNX
+export runs in a headless Chromium tab on onnxruntime-web (WASM) and talks to the verifier over the
+browser's own WebSocket. Its tokens are the verifier's `ar` tokens (greedy, seeded match, chat text),
+the model files come from the page's origin once and from the browser's cache after, and a verifier
+that does not allow the page's origin is named. The serving side's checks run everywhere; the page's
+tests need Node 20 + npm (to build the bundle) and Chromium, and are skipped, saying why, without."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from edge_client.cli import main as edge_cli
+from edge_client.serve import create_app
+from edge_client.web_edge import BUNDLE, WebEdge, WebEdgeError
+from tests.clients.test_typescript import PROMPT, TS, _built, _seeded_ar, tiny_export
+from tests.cloud_verifier.service import LiveServer, reference
+from tests.edge_client.browser import Browser, chromium
+from tests.edge_client.local_server import served
+from tests.edge_client.test_serve import _ar
+
+__all__ = ["tiny_export"]  # a fixture, used by name
+
+
+@functools.cache
+def _bundle() -> str | None:
+    """Build the browser bundle once; None when it worked, else why not."""
+    why = _built()
+    if why is not None:
+        return why
+    if chromium() is None:
+        return "no chromium (apt-get install chromium): the browser edge's page tests are skipped"
+    r = subprocess.run(
+        [shutil.which("npm") or "npm", "run", "build:web"], cwd=TS, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return None
+
+
+@pytest.fixture
+def bundle() -> Path:
+    why = _bundle()
+    if why is not None:
+        pytest.skip(why)
+    return BUNDLE
+
+
+def _no_api() -> Any:
+    raise AssertionError("the page's tests never use the local API")
+
+
+@contextmanager
+def _page_server(export: Path, verifier: str, bundle: Path) -> Iterator[str]:
+    app = create_app(_no_api, web=WebEdge(export, verifier, bundle))
+    with served(app) as port:
+        yield f"http://127.0.0.1:{port}/edge/"
+
+
+def _visit(b: Browser, url: str) -> dict[str, Any]:
+    b.open(url)
+    b.wait_for(f"location.href === {json.dumps(url)} && window.treespec && window.treespec.done", timeout=180)
+    state: dict[str, Any] = json.loads(b.eval("JSON.stringify(window.treespec)"))
+    marks = b.eval("JSON.stringify([...document.querySelectorAll('#out span')].map(s => s.className))")
+    state["marks"] = json.loads(marks)
+    return state
+
+
+# ------------------------------------------------------------------ the serving side (no browser)
+def _fake_bundle(root: Path) -> Path:
+    for name in ("index.html", "edge-page.js", "treespec-edge.js", "ort/ort-wasm-simd-threaded.wasm"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(b"<!doctype html>" if name.endswith(".html") else b"\0asm" + name.encode())
+    return root
+
+
+def test_the_endpoint_serves_the_bundle_and_the_export_and_nothing_else(
+    tmp_path: Path, tiny_export: Path
+) -> None:
+    bundle = _fake_bundle(tmp_path / "web")
+    (tmp_path / "secret.txt").write_text("not served")
+    with (
+        _page_server(tiny_export, "ws://127.0.0.1:9/v1/session", bundle) as page,
+        httpx.Client(follow_redirects=True) as h,
+    ):
+        assert h.get(page).text == "<!doctype html>"
+        assert h.get(page.removesuffix("/")).status_code == 200  # /edge redirects to /edge/
+        conf = h.get(page + "config.json").json()
+        assert conf == {"server": "ws://127.0.0.1:9/v1/session", "model": "model/"}
+        wasm = h.get(page + "ort/ort-wasm-simd-threaded.wasm")
+        assert wasm.headers["content-type"] == "application/wasm" and wasm.content.startswith(b"\0asm")
+        manifest = h.get(page + "model/manifest.json")
+        assert manifest.json()["fingerprint"] and manifest.headers["cache-control"] == "no-cache"
+        onnx = h.head(page + "model/model.onnx")
+        assert int(onnx.headers["content-length"]) == (tiny_export / "model.onnx").stat().st_size
+        assert "max-age" in onnx.headers["cache-control"]
+        for bad in (
+            "model/../../secret.txt",
+            "../secret.txt",
+            "model/nothing.onnx",
+            "model/%2e%2e%2fsecret.txt",
+        ):
+            r = h.get(page + bad)
+            assert r.status_code == 404 and "not served" not in r.text, bad
+
+
+def test_a_missing_bundle_or_a_damaged_export_is_refused_at_start(tmp_path: Path, tiny_export: Path) -> None:
+    with pytest.raises(WebEdgeError, match="make web"):
+        WebEdge(tiny_export, "ws://127.0.0.1:9/v1/session", tmp_path / "nothing")
+    bundle = _fake_bundle(tmp_path / "web")
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_export, bad)
+    data = bad / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(WebEdgeError, match=r"model\.onnx\.data"):
+        WebEdge(bad, "ws://127.0.0.1:9/v1/session", bundle)
+    with pytest.raises(WebEdgeError, match="not ws://"):
+        WebEdge(tiny_export, "http://127.0.0.1:9", bundle)
+
+
+def test_serve_refuses_web_draft_without_a_bundle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        edge_cli(
+            ["serve", "--web-draft", str(tmp_path), "--web-bundle", str(tmp_path / "none"), "--draft", "tiny"]
+        )
+    assert exc.value.code == 2
+    assert "--web-draft" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the page in Chromium
+def test_the_page_drafts_in_the_tab_and_gives_the_verifiers_tokens(bundle: Path, tiny_export: Path) -> None:
+    """Greedy: the verifier's `ar` tokens, drafted tokens really accepted; the model files fetched on
+    the first visit and read from the browser's cache on the second; seeded match equals seeded ar;
+    mode ar marks every token the target's."""
+    ids = ",".join(map(str, PROMPT))
+    with LiveServer(allowed_origins="*") as srv, _page_server(tiny_export, srv.ws, bundle) as page:
+        with Browser() as b:
+            first = _visit(b, f"{page}?prompt_ids={ids}&max=40&autorun=1")
+            assert first["error"] is None, first["error"]
+            assert first["tokens"] == reference(tuple(PROMPT), 40)
+            assert "model.onnx" in first["fetched"] and "d1" in first["marks"] and "bonus" in first["marks"]
+            assert first["stats"]["tau"] > 1.0
+            again = _visit(b, f"{page}?prompt_ids={ids}&max=40&autorun=1&again=1")
+            assert again["tokens"] == first["tokens"]
+            assert again["fetched"] == ["manifest.json"] and "model.onnx" in again["cached"]
+            match = _visit(b, f"{page}?prompt_ids={ids}&max=30&autorun=1&mode=match&temperature=0.9&seed=77")
+            assert match["error"] is None and match["tokens"] == _seeded_ar(srv.ws)
+            ar = _visit(b, f"{page}?prompt_ids={ids}&max=12&autorun=1&mode=ar&temperature=0")
+            assert ar["tokens"] == reference(tuple(PROMPT), 12) and set(ar["marks"]) == {"target"}
+
+
+def test_the_page_tokenizes_a_chat_prompt_as_the_python_edge(bundle: Path, tiny_export: Path) -> None:
+    """A text prompt goes through the export's tokenizer and chat template in the tab: the answer is
+    the verifier's `ar` answer to the Python edge's ids for the same text."""
+    from edge_client.onnx.export import read_manifest
+    from edge_client.stored_tokenizer import StoredTokenizer
+
+    m = read_manifest(tiny_export)
+    tok = StoredTokenizer(tiny_export, bos_id=m.bos_id, eos_ids=m.eos_ids, chat_template=m.chat_template)
+    msgs = [{"role": "user", "content": "Count to five, ünïcödé ✓."}]
+    text = tok.render_chat(msgs, add_generation_prompt=True)
+    want_ids = tok.encode(text, add_special=False, parse_special=True)
+    with LiveServer(allowed_origins="*") as srv, _page_server(tiny_export, srv.ws, bundle) as page:
+        want = _ar(srv.ws, want_ids, 24)
+        with Browser() as b:
+            got = _visit(
+                b,
+                f"{page}?prompt=Count%20to%20five%2C%20%C3%BCn%C3%AFc%C3%B6d%C3%A9%20%E2%9C%93.&max=24&autorun=1",
+            )
+    assert got["error"] is None and got["tokens"] == want
+
+
+def test_a_verifier_that_refuses_the_pages_origin_is_named(bundle: Path, tiny_export: Path) -> None:
+    with (
+        LiveServer(allowed_origins="https://app.example") as srv,
+        _page_server(tiny_export, srv.ws, bundle) as page,
+    ):
+        with Browser() as b:
+            state = _visit(b, f"{page}?prompt_ids=1,2,3&max=4&autorun=1")
+    assert state["error"] is not None and "origin" in state["error"], state["error"]
