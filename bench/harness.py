@@ -15,7 +15,8 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -541,3 +542,27 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+@contextmanager
+def served(app: Any) -> Iterator[int]:
+    """Serve an ASGI app on uvicorn in a thread on a free loopback port until the block ends; yields
+    the port (the browser edge's page in bench.js_edge, the edge's local endpoint in tests)."""
+    import uvicorn
+
+    # log_config=None: uvicorn's default config would leave handlers bound to the caller's stderr
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", log_config=None)
+    )
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not start within 30 s")
+        time.sleep(0.02)
+    try:
+        yield int(server.servers[0].sockets[0].getsockname()[1])
+    finally:
+        server.should_exit = True
+        t.join(10)

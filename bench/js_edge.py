@@ -1,13 +1,18 @@
-"""The TypeScript edge against the Python edge, with the same ONNX export, on the same verifier.
+"""The TypeScript edge (in Node, and in a Chromium tab) against the Python edge, with the same ONNX
+export, on the same verifier.
 
-Both edges draft with the same export (`edge-client export-onnx`, here made on first use) and the
+Every edge drafts with the same export (`edge-client export-onnx`, here made on first use) and the
 same static tree, greedy, one prompt at a time against one `cloud-verifier serve` (edge and
 verifier on disjoint cores), directly (RTT 0) or through the TCP delay proxy (bench.netproxy) at
 each `--rtt-ms`. Per edge and RTT: tau, ms/token, the median ms of drafting a round's tree on the
-critical path, and whether the output equals the other edge's (both must be the target's greedy
-output). Node, npm and a built clients/typescript are needed (`npm ci && npm run build` there).
+critical path, and whether the output equals the Python edge's (all must be the target's greedy
+output). Node, npm and a built clients/typescript are needed (`npm ci && npm run build` there);
+the `chromium` edge also needs Debian's chromium and the browser bundle (`make web`): the page of
+`edge-client serve --web-draft` (onnxruntime-web, WASM, one thread) in headless Chromium pinned
+to the edge's core, each prompt one visit with the model read from the browser's cache; its rows
+add the page's load time and the time to the first token of a visit (`first_token_s`).
 
-    python -m bench.js_edge --prompts 4 --humaneval 4 --tokens 64 --rtt-ms 0,50 --json out.json
+    python -m bench.js_edge --prompts 4 --humaneval 4 --tokens 64 --rtt-ms 0,50 --edges ts,py,chromium
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from tqdm import tqdm
 
@@ -31,6 +37,7 @@ from bench.harness import (
     Verifier,
     add_common_args,
     nonnegative_ints,
+    served,
     suite_from_args,
     table,
     write_result,
@@ -38,6 +45,11 @@ from bench.harness import (
 from bench.network import Proxy
 
 TS = REPO / "clients" / "typescript"
+EDGES = {
+    "ts": "typescript (onnxruntime-node)",
+    "py": "python (onnxruntime)",
+    "chromium": "typescript (chromium, onnxruntime-web wasm)",
+}
 
 
 def run_edge(edge: str, url: str, export: Path, prompt: str, raw: bool, tokens: int, tree: str,
@@ -80,11 +92,77 @@ def run_edge(edge: str, url: str, export: Path, prompt: str, raw: bool, tokens: 
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+class ChromiumEdge:
+    """The browser edge's page (edge-client serve --web-draft) in a headless Chromium on the edge's
+    core; a warm-up visit puts the model in the browser's cache, so measured visits read it there."""
+
+    def __init__(self, export: Path, verifier_url: str, pin: Callable[[], None]) -> None:
+        self.export, self.verifier_url, self.pin = export, verifier_url, pin
+        self.visits = 0
+
+    def __enter__(self) -> ChromiumEdge:
+        from bench.browser import Browser
+        from edge_client.serve import create_app
+        from edge_client.web_edge import WebEdge
+
+        self._stack = contextlib.ExitStack()
+        app = create_app(_no_api, web=WebEdge(self.export, self.verifier_url))
+        port = self._stack.enter_context(served(app))
+        self.page = f"http://127.0.0.1:{port}/edge/"
+        self.browser = self._stack.enter_context(Browser(pin=self.pin))
+        self.run(self.verifier_url, "Hello", True, 4, "1")  # the model into the browser's cache
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def run(self, url: str, prompt: str, raw: bool, tokens: int, tree: str) -> dict[str, Any]:
+        """One visit: the prompt generated in the tab; its tokens and figures."""
+        self.visits += 1
+        q = urlencode({"server": url, "prompt": prompt, "raw": "1" if raw else "0", "max": tokens,
+                       "tree": tree, "mode": "greedy", "autorun": "1", "visit": self.visits})  # fmt: skip
+        target = f"{self.page}?{q}"
+        b = self.browser
+        b.open(target)
+        b.wait_for(f"location.href === {json.dumps(target)} && window.treespec && window.treespec.done", 900)
+        st = json.loads(b.eval("JSON.stringify(window.treespec)"))
+        if st["error"]:
+            raise RuntimeError(f"the browser edge failed: {st['error']}")
+        return {
+            "tokens": st["tokens"],
+            "tau": st["stats"]["tau"],
+            "ms_per_token": st["stats"]["msPerToken"],
+            "draft_ms": st["stats"]["draftMs"],
+            "first_token_s": (st["loadMs"] + st["firstTokenMs"]) / 1e3,
+            "load_s": st["loadMs"] / 1e3,
+        }
+
+
+def _no_api() -> Any:
+    raise RuntimeError("bench.js_edge uses the page only")
+
+
+def _row(edge: str, rtt: int, runs: list[dict[str, Any]], same: list[bool]) -> dict[str, Any]:
+    row = {
+        "edge": EDGES[edge],
+        "rtt_ms": rtt,
+        "tau": round(statistics.mean(r["tau"] for r in runs), 3),
+        "ms_per_token": round(statistics.median(r["ms_per_token"] for r in runs), 2),
+        "draft_ms_per_round": round(statistics.median(r["draft_ms"] for r in runs), 2),
+        "identical_outputs": f"{sum(same)}/{len(same)}",
+    }
+    if edge == "chromium":
+        row["first_token_s"] = round(statistics.median(r["first_token_s"] for r in runs), 3)
+        row["load_s"] = round(statistics.median(r["load_s"] for r in runs), 3)
+    return row
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.js_edge",
-        description="The TypeScript edge (onnxruntime-node) against the Python edge (onnxruntime), the same "
-        "ONNX export and tree: tau, ms/token and drafting ms a round, at each RTT.",
+        description="The TypeScript edge (onnxruntime-node; onnxruntime-web in headless Chromium) against "
+        "the Python edge (onnxruntime), the same ONNX export and tree: tau, ms/token and drafting ms a "
+        "round, at each RTT.",
     )
     ap.add_argument("--model", default="smollm2-135m", help="the verifier's target")
     ap.add_argument("--draft", default="smollm2-135m-q4", help="the draft exported to ONNX (alias or GGUF)")
@@ -94,14 +172,57 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--rtt-ms", type=nonnegative_ints, default=[0, 50], help="round trips (0: direct; else via the proxy)"
     )
-    ap.add_argument("--tree", default="1,1,3,1,1,1,1,1", help="the static expansion tree both edges draft")
+    ap.add_argument("--tree", default="1,1,3,1,1,1,1,1", help="the static expansion tree every edge drafts")
+    ap.add_argument(
+        "--edges",
+        default="ts,py",
+        help="comma-separated edges: ts (Node), py (Python), chromium (the browser page in headless "
+        "Chromium; needs chromium and `make web`); the outputs are compared with py's where it runs",
+    )
     add_common_args(ap, json=True, json_help="rows: one per edge and RTT", tokens=64,
                     tokens_help="new tokens per prompt", prompt_file=True, no_progress=True)  # fmt: skip
-    a = ap.parse_args(argv)
+    return ap
+
+
+def _check(ap: argparse.ArgumentParser, edges: list[str]) -> None:
+    from bench.browser import chromium
+    from edge_client.web_edge import BUNDLE, BUNDLE_FILES
+
+    bad = [e for e in edges if e not in EDGES]
+    if bad or not edges:
+        ap.error(f"--edges: {','.join(bad) or 'none'}: choose from {','.join(EDGES)}")
     if shutil.which("node") is None or not (TS / "dist" / "src" / "cli.js").exists():
         ap.error(
             "needs Node 20 and the built TypeScript client: cd clients/typescript && npm ci && npm run build"
         )
+    if "chromium" in edges and chromium() is None:
+        ap.error("--edges chromium needs Debian's chromium (apt-get install chromium)")
+    if "chromium" in edges and not all((BUNDLE / f).is_file() for f in BUNDLE_FILES):
+        ap.error("--edges chromium needs the browser bundle: make web")
+
+
+def _measure(
+    edges: list[str], prompts: Sequence[Any], url: str, export: Path, a: argparse.Namespace,
+    page: ChromiumEdge | None, pin: Callable[[], None], bar: tqdm[Any],
+) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
+    """Every prompt through every edge at one verifier URL (direct or through the proxy)."""
+    per: dict[str, list[dict[str, Any]]] = {e: [] for e in edges}
+    for p in prompts:
+        for edge in edges:
+            if edge == "chromium":
+                assert page is not None
+                per[edge].append(page.run(url, p.text, p.raw, a.tokens, a.tree))
+            else:
+                per[edge].append(run_edge(edge, url, export, p.text, p.raw, a.tokens, a.tree, pin))
+            bar.update()
+    return per
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = _parser()
+    a = ap.parse_args(argv)
+    edges = [e.strip() for e in a.edges.split(",") if e.strip()]
+    _check(ap, edges)
     from edge_client.onnx.export import ensure_export
 
     export = ensure_export(a.draft, int8=a.int8, progress=not a.no_progress)
@@ -109,40 +230,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     split = CoreSplit.auto()
     print(split.describe(), file=sys.stderr)
     rows: list[dict[str, Any]] = []
-    with Verifier(a.model, cores=split.verifier, echo=not a.no_progress).start() as ver:
-        bar = tqdm(
-            total=len(a.rtt_ms) * len(prompts) * 2, desc="js_edge", file=sys.stderr, disable=a.no_progress
-        )
+    origins = ("--allowed-origins", "*") if "chromium" in edges else ()
+    with (
+        Verifier(a.model, cores=split.verifier, echo=not a.no_progress, args=origins).start() as ver,
+        contextlib.ExitStack() as outer,
+    ):
+        page = None
+        if "chromium" in edges:
+            page = outer.enter_context(ChromiumEdge(export, ver.url, split.pin_edge))
+        bar = tqdm(total=len(a.rtt_ms) * len(prompts) * len(edges), desc="js_edge", file=sys.stderr,
+                   disable=a.no_progress)  # fmt: skip
         for rtt in a.rtt_ms:
             with contextlib.ExitStack() as stack:
                 url = ver.url
                 if rtt:
-                    proxy = stack.enter_context(Proxy(ver.port, rtt, 0.0, 0.0, split.edge))
-                    url = proxy.url
-                per: dict[str, list[dict[str, Any]]] = {"ts": [], "py": []}
-                for p in prompts:
-                    for edge in ("ts", "py"):
-                        per[edge].append(
-                            run_edge(edge, url, export, p.text, p.raw, a.tokens, a.tree, split.pin_edge)
-                        )
-                        bar.update()
-            same = [t["tokens"] == q["tokens"] for t, q in zip(per["ts"], per["py"], strict=True)]
+                    url = stack.enter_context(Proxy(ver.port, rtt, 0.0, 0.0, split.edge)).url
+                per = _measure(edges, prompts, url, export, a, page, split.pin_edge, bar)
+            ref = per.get("py", per[edges[0]])
             for edge, runs in per.items():
-                rows.append(
-                    {
-                        "edge": "typescript (onnxruntime-node)" if edge == "ts" else "python (onnxruntime)",
-                        "rtt_ms": rtt,
-                        "tau": round(statistics.mean(r["tau"] for r in runs), 3),
-                        "ms_per_token": round(statistics.median(r["ms_per_token"] for r in runs), 2),
-                        "draft_ms_per_round": round(statistics.median(r["draft_ms"] for r in runs), 2),
-                        "identical_outputs": f"{sum(same)}/{len(same)}",
-                    }
-                )
+                same = [r["tokens"] == q["tokens"] for r, q in zip(runs, ref, strict=True)]
+                rows.append(_row(edge, rtt, runs, same))
             write_result(a.json, a, rows, False, export=str(export))
         bar.close()
-    print(table([[r["edge"], r["rtt_ms"], r["tau"], r["ms_per_token"], r["draft_ms_per_round"],
-                  r["identical_outputs"]] for r in rows],
-                ["edge", "rtt ms", "tau", "ms/token", "draft ms/round", "same output"]))  # fmt: skip
+    heads = ["edge", "rtt ms", "tau", "ms/token", "draft ms/round", "same output", "first token s"]
+    keys = [
+        "edge",
+        "rtt_ms",
+        "tau",
+        "ms_per_token",
+        "draft_ms_per_round",
+        "identical_outputs",
+        "first_token_s",
+    ]
+    print(table([[r.get(k, "-") for k in keys] for r in rows], heads))
     write_result(a.json, a, rows, True, export=str(export))
     return 0
 

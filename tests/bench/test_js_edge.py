@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 from bench import js_edge
+from tests.clients.test_browser_edge import _bundle
 from tests.clients.test_typescript import _built
+from tests.edge_client.browser import chromium
 
 
-@pytest.mark.slow  # a verifier process and four CLI runs: ~35 s
+@pytest.mark.slow  # a verifier process, four CLI runs and (with chromium) a browser: ~45 s
 def test_both_edges_give_the_same_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     why = _built()
     if why is not None:
@@ -23,8 +25,24 @@ def test_both_edges_give_the_same_output(tmp_path: Path, monkeypatch: pytest.Mon
     onnx_export.export("tiny", folder, progress=False)
     monkeypatch.setattr(onnx_export, "ensure_export", lambda source, int8=False, progress=True: folder)
     out = tmp_path / "js_edge.json"
+    edges = ["ts", "py"]
+    if chromium() is not None and _bundle() is None:  # the browser page too, where it can run
+        edges.append("chromium")
     args = ["--model", "tiny", "--draft", "tiny", "--humaneval", "1", "--prompts", "1", "--tokens", "12"]
-    assert js_edge.main([*args, "--rtt-ms", "0", "--tree", "1,2,1", "--json", str(out), "--no-progress"]) == 0
+    args += [
+        "--edges",
+        ",".join(edges),
+        "--rtt-ms",
+        "0",
+        "--tree",
+        "1,2,1",
+        "--json",
+        str(out),
+        "--no-progress",
+    ]
+    assert js_edge.main(args) == 0
     doc = json.loads(out.read_text())
-    assert doc["complete"] and len(doc["rows"]) == 2
+    assert doc["complete"] and [r["edge"] for r in doc["rows"]] == [js_edge.EDGES[e] for e in edges]
     assert all(r["identical_outputs"] == "2/2" and r["tau"] > 1.0 for r in doc["rows"])
+    if "chromium" in edges:
+        assert doc["rows"][-1]["first_token_s"] > 0

@@ -2,7 +2,7 @@
 // onnxruntime-web (WASM), and the verifier is reached over a WebSocket from the page. Settings come from
 // config.json beside the page ({"server": "ws://…/v1/session", "model": "model/"}) and the query string:
 //   ?prompt=TEXT  &raw=1  &prompt_ids=1,2,3  &max=N  &mode=greedy|match|ar  &temperature=T  &seed=S
-//   &autorun=1  &server=WS_URL  &model=URL
+//   &autorun=1  &server=WS_URL  &model=URL  &tree=1,1,3,1 (the expansion tree drafted each round)
 // For tests and tools the page keeps its state in `window.treespec` (ready, done, tokens, text, stats,
 // error, fetched, cached, loadMs, firstTokenMs).
 import * as ort from "onnxruntime-web/wasm";
@@ -57,7 +57,10 @@ async function load(): Promise<Edge> {
   ort.env.wasm.wasmPaths = new URL("ort/", location.href).href; // from this origin, never a CDN
   ort.env.wasm.numThreads = 1; // the edge drafts on one core (threads would need cross-origin isolation)
   const reader = webReader(model);
-  const edge = await Edge.open(server, reader, ort as unknown as OrtLike, { where: new URL(model, location.href).href });
+  const tree = query.get("tree")?.split(",").map(Number);
+  if (tree && !tree.every((k) => Number.isInteger(k) && k >= 1)) throw new Error(`?tree=${query.get("tree")}: give positive integers`);
+  const where = new URL(model, location.href).href;
+  const edge = await Edge.open(server, reader, ort as unknown as OrtLike, { where, tree });
   state.fetched = reader.fetched;
   state.cached = reader.cached;
   state.loadMs = performance.now() - t0;
