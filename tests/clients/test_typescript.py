@@ -9,8 +9,10 @@ import functools
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -309,3 +311,81 @@ def test_the_typescript_budget_is_the_python_edges(built: None) -> None:
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [c["want"] for c in cases]
+
+
+RESUME_SCRIPT = """
+import * as ort from "onnxruntime-node";
+import { createInterface } from "node:readline";
+import { draftStatic, folderReader, OnnxDrafter, TreespecClient } from "./dist/src/index.js";
+const [url, folder, mode, pauseAt] = process.argv.slice(1);
+const lines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
+const drafter = await OnnxDrafter.load(await folderReader(folder), folder, ort);
+const c = await TreespecClient.connect(url, drafter.manifest.fingerprint, undefined,
+                                       { resume: { attempts: 60, backoffMs: 200, maxBackoffMs: 1000 } });
+const out = [];
+let chunks = 0;
+for await (const ids of c.generate(PROMPT_IDS, { mode, temperature: 0.8, seed: 4n, maxNewTokens: 60,
+                                         draft: (ctx) => draftStatic(drafter, ctx, [1, 2, 1]) })) {
+  out.push(...ids);
+  if (++chunks === Number(pauseAt)) {
+    process.stdout.write("paused\\n");
+    await lines.next();  // the test kills and restarts the verifier meanwhile
+  }
+}
+c.close();
+process.stdout.write(JSON.stringify({ tokens: out, resumes: c.last.resumes }) + "\\n", () => process.exit(0));
+""".replace("PROMPT_IDS", json.dumps(PROMPT))
+
+
+@pytest.mark.parametrize("mode", ["greedy", pytest.param("match", marks=pytest.mark.slow)])
+def test_the_typescript_edge_resumes_after_the_verifier_is_killed(
+    built: None, tiny_export: Path, mode: str
+) -> None:
+    """The verifier is SIGKILLed after the third verdict and a new process takes its port: the
+    TypeScript edge reconnects, sends every committed token as the new session's prompt and goes on
+    with exactly the tokens of an uninterrupted run (greedy: the target's; match: seeded, the same)."""
+    import signal
+
+    from tests.cloud_verifier.test_lifecycle import _free_port
+    from tests.edge_client.test_resume import _serve
+
+    port = _free_port()
+    url = f"ws://127.0.0.1:{port}/v1/session"
+    procs = [_serve(port)]
+
+    def run(pause_at: int) -> dict[str, object]:
+        cmd = ["node", "--input-type=module", "-e", RESUME_SCRIPT, url, str(tiny_export), mode, str(pause_at)]
+        p = subprocess.Popen(cmd, cwd=TS, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert p.stdin is not None and p.stdout is not None
+        if pause_at:
+            assert p.stdout.readline().strip() == "paused"
+            procs[-1].send_signal(signal.SIGKILL)
+            procs[-1].wait()
+            procs.append(_serve(port))
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+        doc: dict[str, object] = json.loads(out.strip().splitlines()[-1])
+        return doc
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # wait for the first process to serve
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the verifier did not start"
+            time.sleep(0.2)
+        killed = run(3)
+        whole = run(0)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert killed["resumes"] == 1 and whole["resumes"] == 0
+    assert killed["tokens"] == whole["tokens"]
+    if mode == "greedy":
+        assert killed["tokens"] == reference(tuple(PROMPT), 60)

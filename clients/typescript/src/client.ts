@@ -14,6 +14,24 @@ export class GenerationError extends Error {
   }
 }
 
+/** The connection to the verifier dropped or could not be made (resumed where ConnectOptions.resume allows). */
+export class ConnectionLost extends GenerationError {}
+
+/** Reconnecting after a drop (the Python client's ResumeConfig). */
+export interface ResumeOptions {
+  attempts: number; // connection attempts per drop (the next URL each); also the drops in a row with no new token a generation survives
+  backoffMs: number; // the first wait between attempts, doubled up to maxBackoffMs
+  maxBackoffMs: number;
+}
+export const DEFAULT_RESUME: ResumeOptions = { attempts: 10, backoffMs: 200, maxBackoffMs: 5000 };
+
+export interface ConnectOptions {
+  resume?: Partial<ResumeOptions> | false; // false: a drop ends the generation with ConnectionLost
+}
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+const backoff = (r: ResumeOptions, retry: number) => Math.min(r.backoffMs * 2 ** Math.max(0, Math.min(retry - 1, 60)), r.maxBackoffMs);
+
 /** Drafts the next round's tree from the committed tokens (a model drafter, or prompt lookup). */
 export type TreeSource = (committed: readonly number[]) => Tree | Promise<Tree>;
 
@@ -47,6 +65,7 @@ export interface Stats {
   draftedNodes: number;
   draftMs: number; // median ms of drafting a round's tree (on the critical path)
   msPerToken: number; // wall ms from the prompt to the last verdict, per generated token
+  resumes: number; // dropped connections resumed during the generation
 }
 
 const median = (xs: number[]) => {
@@ -64,9 +83,15 @@ export class TreespecClient {
   private sentAt = 0;
   /** The network's share of a round, learned from verdicts (wall time - the server's verify_ms). */
   rttMs = 0;
-  last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0 };
+  last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0 };
 
   private ws!: Socket;
+  private generation = 0;
+  private urls: string[] = [];
+  private urlIndex = 0;
+  private fingerprint = "";
+  private apiKey?: string;
+  private resume: ResumeOptions | null = null;
 
   private constructor() {}
 
@@ -108,43 +133,87 @@ export class TreespecClient {
   }
 
   private send(m: Message): void {
+    if (!this.ws.open) throw new ConnectionLost("the connection to the verifier is closed");
     this.ws.send(encodeMessage(m));
   }
 
-  /** Open a session: `fingerprint` is the sha256 of the vocabulary (PROTOCOL.md section 8). */
-  static async connect(url: string, fingerprint: string, apiKey?: string): Promise<TreespecClient> {
+  /**
+   * Open a session: `fingerprint` is the sha256 of the vocabulary (PROTOCOL.md section 8). `url` may
+   * list replicas: a dropped connection is resumed on the next (round robin).
+   */
+  static async connect(url: string | string[], fingerprint: string, apiKey?: string, o: ConnectOptions = {}): Promise<TreespecClient> {
     const c = new TreespecClient();
-    try {
-      c.ws = await openSocket(url, apiKey, {
-        message: (data) => c.received(data),
-        close: (code, reason) => c.push(new GenerationError(`the verifier closed the connection (${code}): ${reason}`)),
-        error: (message) => c.push(new GenerationError(`cannot reach the verifier: ${message}`)),
-      });
-    } catch (e) {
-      throw new GenerationError((e as Error).message);
-    }
-    const key = apiKey && !c.ws.keyInHeader ? { api_key: apiKey } : {}; // a browser sends no headers
-    c.send({ type: "hello", version: PROTOCOL_VERSION, vocab_fingerprint: fingerprint, client: "treespec-ts/0.1", ...key });
-    const w = await c.next();
-    if (w.type !== "welcome") throw new GenerationError(`expected welcome, got ${w.type}`);
-    if (w.vocab_fingerprint && w.vocab_fingerprint !== fingerprint) {
-      throw new GenerationError(`the vocabulary is not the target's (${w.model_id})`, "VOCAB_MISMATCH", "vocab_fingerprint");
-    }
-    c.welcome = w;
+    c.urls = typeof url === "string" ? [url] : [...url];
+    if (!c.urls.length) throw new GenerationError("no verifier URL given");
+    c.fingerprint = fingerprint;
+    c.apiKey = apiKey;
+    c.resume = o.resume === false ? null : { ...DEFAULT_RESUME, ...o.resume };
+    await c.open(c.urls[0]);
     return c;
   }
 
-  /** Generate from `prompt` (token ids); yields each verdict's new tokens as they are committed. */
+  /** A new socket and session on `url`: hello, welcome, the vocabulary checked. */
+  private async open(url: string): Promise<void> {
+    const gen = ++this.generation; // a dead socket's late events are ignored
+    this.inbox = [];
+    this.waiting = null;
+    try {
+      this.ws = await openSocket(url, this.apiKey, {
+        message: (data) => gen === this.generation && this.received(data),
+        close: (code, reason) =>
+          gen === this.generation && this.push(new ConnectionLost(`the verifier closed the connection (${code}): ${reason}`)),
+        error: (message) => gen === this.generation && this.push(new ConnectionLost(`the connection to the verifier failed: ${message}`)),
+      });  // prettier-ignore
+    } catch (e) {
+      throw new ConnectionLost((e as Error).message);
+    }
+    const key = this.apiKey && !this.ws.keyInHeader ? { api_key: this.apiKey } : {}; // a browser sends no headers
+    this.send({ type: "hello", version: PROTOCOL_VERSION, vocab_fingerprint: this.fingerprint, client: "treespec-ts/0.1", ...key });
+    const w = await this.next();
+    if (w.type !== "welcome") throw new GenerationError(`expected welcome, got ${w.type}`);
+    if (w.vocab_fingerprint && w.vocab_fingerprint !== this.fingerprint) {
+      throw new GenerationError(`the vocabulary is not the target's (${w.model_id})`, "VOCAB_MISMATCH", "vocab_fingerprint");
+    }
+    if (this.welcome && w.model_id !== this.welcome.model_id) {
+      throw new GenerationError(`the verifier came back with another model (${w.model_id}, was ${this.welcome.model_id}): ` +
+        "its tokens would not continue this output");  // prettier-ignore
+    }
+    this.welcome = w;
+    this.round = 0;
+  }
+
+  /** The connection dropped: connect again (the next URL each attempt, with backoff). */
+  private async reconnect(): Promise<void> {
+    const r = this.resume!;
+    let last: Error | null = null;
+    for (let i = 0; i < r.attempts; i++) {
+      if (i > 0) await sleep(backoff(r, i));
+      this.urlIndex = (this.urlIndex + 1) % this.urls.length;
+      try {
+        await this.open(this.urls[this.urlIndex]);
+        return;
+      } catch (e) {
+        if (!(e instanceof ConnectionLost)) throw e;
+        last = e;
+      }
+    }
+    throw new ConnectionLost(`cannot reconnect to the verifier after ${r.attempts} attempts: ${last?.message}`);
+  }
+
+  /**
+   * Generate from `prompt` (token ids); yields each verdict's new tokens as they are committed. A
+   * dropped connection is resumed (ConnectOptions.resume): a new session whose prompt is every
+   * committed token, so the output goes on exactly (the keyed sampler depends on seed and position),
+   * with no token lost or repeated.
+   */
   async *generate(prompt: number[], o: GenerateOptions = {}): AsyncGenerator<number[]> {
     const mode = o.mode ?? "greedy";
-    const lim = this.welcome.limits;
     const look: LookupOptions = { ...DEFAULT_LOOKUP, ...o.lookup };
-    look.depth = Math.min(look.depth, lim.max_depth);
-    const source: TreeSource = o.draft ?? ((ctx) => lookupTree(ctx, look));
+    const source: TreeSource = o.draft ?? ((ctx) => lookupTree(ctx, { ...look, depth: Math.min(look.depth, this.welcome.limits.max_depth) }));
     const drafting: number[] = [];
     const draft = async (ctx: number[]) => {
       const t = performance.now();
-      const tree = fitTree(await source(ctx), lim.max_nodes, lim.max_depth);
+      const tree = fitTree(await source(ctx), this.welcome.limits.max_nodes, this.welcome.limits.max_depth);
       drafting.push(performance.now() - t);
       return tree;
     };
@@ -154,25 +223,50 @@ export class TreespecClient {
     const cancel = () => {
       if (!cancelled) {
         cancelled = true;
-        this.send({ type: "cancel" }); // the verdict of the round in flight comes back done
+        if (this.ws.open) this.send({ type: "cancel" }); // the verdict of the round in flight comes back done
       }
     };
+    const maxNew = o.maxNewTokens ?? 128;
     const t0 = performance.now();
     this.committed = [...prompt];
-    const first = mode === "ar" ? undefined : await draft(this.committed);
-    this.send({
-      type: "prompt", tokens: prompt, mode, temperature: mode === "greedy" ? 0 : o.temperature ?? 0,
-      top_k: o.topK ?? 0, top_p: o.topP ?? 1, seed: o.seed ?? 0, max_new_tokens: o.maxNewTokens ?? 128,
-      stop_ids: o.stopIds ?? [], continue: false, ...(first ? { tree: first } : {}),
-    });  // prettier-ignore
-    const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: first?.tokens.length ?? 0, draftMs: 0, msPerToken: 0 };
+    const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0 };
     this.last = st;
+    const start = async () => {
+      // the prompt, or after a drop every committed token as a new session's prompt
+      const first = mode === "ar" ? undefined : await draft(this.committed);
+      st.draftedNodes += first?.tokens.length ?? 0;
+      this.send({
+        type: "prompt", tokens: this.committed, mode, temperature: mode === "greedy" ? 0 : o.temperature ?? 0,
+        top_k: o.topK ?? 0, top_p: o.topP ?? 1, seed: o.seed ?? 0, max_new_tokens: maxNew - st.tokens,
+        stop_ids: o.stopIds ?? [], continue: false, ...(first ? { tree: first } : {}),
+      });  // prettier-ignore
+    };
+    await start();
     let verdicts = 0;
+    let stalls = 0; // drops in a row with no new token
+    let droppedAt = -1;
     signal?.addEventListener("abort", cancel, { once: true });
     if (signal?.aborted) cancel(); // aborted while the first tree was drafted
     try {
       for (;;) {
-        const m = await this.next();
+        let m: Message;
+        try {
+          m = await this.next();
+        } catch (e) {
+          if (!(e instanceof ConnectionLost) || !this.resume || cancelled) throw e;
+          if (st.tokens >= maxNew) return;
+          stalls = st.tokens === droppedAt ? stalls + 1 : 1;
+          droppedAt = st.tokens;
+          if (stalls > this.resume.attempts) {
+            throw new ConnectionLost(`the verifier dropped the connection ${stalls} times in a row with no new token ` +
+              `(${st.tokens} committed): giving up; last: ${e.message}`);  // prettier-ignore
+          }
+          if (stalls > 1) await sleep(backoff(this.resume, stalls - 1));
+          await this.reconnect();
+          st.resumes++;
+          await start();
+          continue;
+        }
         if (m.type === "stale") continue;
         if (m.type === "error") throw new GenerationError(`verifier refused: ${m.code} (${m.field}): ${m.message}`, m.code, m.field);
         if (m.type !== "verdict") throw new ProtocolError("BAD_ORDER", `unexpected ${m.type}`, "type", true);
@@ -201,7 +295,8 @@ export class TreespecClient {
         if (mode !== "ar" && !cancelled) {
           const t = await draft(this.committed);
           st.draftedNodes += t.tokens.length;
-          this.send({ type: "tree", round: ++this.round, ...t });
+          // a socket that just closed: its close event is next in the inbox, and resumes
+          if (this.ws.open) this.send({ type: "tree", round: ++this.round, ...t });
           this.sentAt = performance.now();
         }
       }

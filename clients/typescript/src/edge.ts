@@ -5,7 +5,7 @@
 //   const edge = await Edge.open("ws://host:8000/v1/session", await folderReader("smollm2-onnx"), ort);
 //   for await (const text of edge.generate("Write a haiku", { maxNewTokens: 64, signal })) show(text);
 //   console.log(edge.last.tau);
-import { type GenerateOptions, type Stats, TreespecClient } from "./client.js";
+import { type GenerateOptions, type ResumeOptions, type Stats, TreespecClient } from "./client.js";
 import { draftStatic, type DrafterOptions, type ExportReader, OnnxDrafter, type OrtLike } from "./onnx_drafter.js";
 import { type ChatMessage, TextCodec } from "./text.js";
 
@@ -13,6 +13,7 @@ export const DEFAULT_TREE = [1, 1, 3, 1, 1, 1, 1, 1]; // SpecInfer's default exp
 
 export interface EdgeOptions extends DrafterOptions {
   apiKey?: string;
+  resume?: Partial<ResumeOptions> | false; // reconnect after a drop and go on (default: 10 attempts)
   tree?: number[]; // the expansion tree drafted each round
   where?: string; // how errors name the export (default "the export")
 }
@@ -33,11 +34,11 @@ export class Edge {
   ) {}
 
   /** Load the export (checked), connect, and check that its vocabulary is the verifier's. */
-  static async open(server: string, reader: ExportReader, ort: OrtLike, o: EdgeOptions = {}): Promise<Edge> {
+  static async open(server: string | string[], reader: ExportReader, ort: OrtLike, o: EdgeOptions = {}): Promise<Edge> {
     const where = o.where ?? "the export";
     const drafter = await OnnxDrafter.load(reader, where, ort, o);
     const codec = await TextCodec.load(reader, drafter.manifest, where);
-    const client = await TreespecClient.connect(server, drafter.manifest.fingerprint, o.apiKey);
+    const client = await TreespecClient.connect(server, drafter.manifest.fingerprint, o.apiKey, { resume: o.resume });
     return new Edge(client, drafter, codec, o.tree ?? DEFAULT_TREE);
   }
 

@@ -1,5 +1,9 @@
 export {
+  ConnectionLost,
+  type ConnectOptions,
+  DEFAULT_RESUME,
   GenerationError,
+  type ResumeOptions,
   TreespecClient,
   type GenerateOptions,
   type Stats,
