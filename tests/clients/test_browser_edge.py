@@ -146,10 +146,11 @@ def test_the_page_drafts_in_the_tab_and_gives_the_verifiers_tokens(bundle: Path,
             first = _visit(b, f"{page}?prompt_ids={ids}&max=40&autorun=1")
             assert first["error"] is None, first["error"]
             assert first["tokens"] == reference(tuple(PROMPT), 40)
-            assert "model.onnx" in first["fetched"] and "d1" in first["marks"] and "bonus" in first["marks"]
-            assert first["stats"]["tau"] > 1.0
-            again = _visit(b, f"{page}?prompt_ids={ids}&max=40&autorun=1&again=1")
-            assert again["tokens"] == first["tokens"]
+            kinds = {k for m in first["marks"] for k in m.split()}
+            assert "model.onnx" in first["fetched"] and {"d1", "bonus", "hit"} <= kinds
+            assert first["stats"]["tau"] > 1.0 and first["stats"]["hits"] > 0  # the page pre-speculates
+            again = _visit(b, f"{page}?prompt_ids={ids}&max=40&autorun=1&prespec=0")
+            assert again["tokens"] == first["tokens"] and again["stats"]["hits"] == 0
             assert again["fetched"] == ["manifest.json"] and "model.onnx" in again["cached"]
             match = _visit(b, f"{page}?prompt_ids={ids}&max=30&autorun=1&mode=match&temperature=0.9&seed=77")
             assert match["error"] is None and match["tokens"] == _seeded_ar(srv.ws)

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -115,7 +116,8 @@ def test_the_typescript_edge_drafts_with_an_onnx_model_and_keeps_the_output(
 ) -> None:
     """`treespec-ts generate --draft EXPORT_DIR`: the export drafted by onnxruntime-node (the tiny
     model drafting for itself, so nearly every tree is accepted whole), greedy output exactly the
-    target's own, seeded match exactly seeded ar's."""
+    target's own, seeded match exactly seeded ar's; coupled drafting in match, and pre-speculation
+    in both, keep the output and do what they are for (more accepted, conditional trees taken)."""
     prompt = ",".join(map(str, PROMPT))
     with LiveServer() as srv:
         out = _cli("generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids", prompt,
@@ -130,6 +132,85 @@ def test_the_typescript_edge_drafts_with_an_onnx_model_and_keeps_the_output(
         match = _cli("generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids", prompt,
                      *seeded)  # fmt: skip
         assert match["tokens"] == _seeded_ar(srv.ws)
+        # coupled drafting (the keyed token first): the self-draft proposes the very tokens the
+        # target samples; the draft's likeliest tokens (--no-couple) match far fewer at T 0.9
+        plain = _cli("generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids", prompt,
+                     *seeded, "--no-couple")  # fmt: skip
+        assert plain["tokens"] == match["tokens"]
+        coupled, uncoupled = match["stats"], plain["stats"]
+        assert isinstance(coupled, dict) and isinstance(uncoupled, dict)
+        assert coupled["tau"] > 3.0 and coupled["tau"] > uncoupled["tau"] + 1.0, (coupled, uncoupled)
+
+
+def test_typescript_prespeculation_hides_the_wait_and_keeps_the_output(
+    built: None, tiny_export: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--prespec`: while a tree is verified the edge drafts the tree after its likeliest outcome and
+    sends it conditional on it. The verifier here takes 100 ms a forward (a sleep: on loopback `tiny`
+    verifies in ~1 ms, before any conditional tree could arrive), so the server finds the tree
+    waiting and goes on at once (`next_round`); greedy and seeded match keep exactly the output."""
+    model = tiny().model
+    real = model.forward_packed
+
+    def slow_forward(inputs: Any, kv: Any) -> Any:
+        time.sleep(0.1)
+        return real(inputs, kv)
+
+    monkeypatch.setattr(model, "forward_packed", slow_forward)
+    prompt = ",".join(map(str, PROMPT))
+    gen = [
+        "generate",
+        "--server",
+        "",
+        "--draft",
+        str(tiny_export),
+        "--prompt-ids",
+        prompt,
+        "--tree",
+        "1,2,1,1",
+    ]
+    with LiveServer() as srv:
+        gen[2] = srv.ws
+        pre = _cli(*gen, "--max-new-tokens", "40", "--prespec")
+        assert pre["tokens"] == reference(tuple(PROMPT), 40)
+        st = pre["stats"]
+        assert isinstance(st, dict) and st["hits"] >= 2 and st["hitRate"] > 0.5, st
+        seeded = ["--mode", "match", "--temperature", "0.9", "--seed", "77", "--max-new-tokens", "30"]
+        pre_match = _cli(*gen, *seeded, "--prespec")
+        assert pre_match["tokens"] == _seeded_ar(srv.ws)
+        assert isinstance(pre_match["stats"], dict) and pre_match["stats"]["hits"] >= 1
+
+
+def test_the_typescript_coupling_is_the_python_edges(built: None) -> None:
+    """keyedUniform is shared.keyed's (PROTOCOL.md section 7), and the coupled token is the Python
+    edge's trees.Coupling.token on random rows, temperatures, top-k and top-p."""
+    from edge_client.trees.sampling import Coupling
+    from shared.keyed import keyed_uniform
+
+    rng = np.random.default_rng(5)
+    cases = []
+    for i in range(60):
+        logits = (rng.standard_normal(300) * rng.uniform(0.5, 4.0)).astype(np.float32)
+        seed, pos = int(rng.integers(0, 2**63 - 1)), int(rng.integers(0, 5000))
+        t, k, p = [0.3, 0.9, 1.5][i % 3], [0, 5, 40][(i // 3) % 3], [1.0, 0.9, 0.5][(i // 9) % 3]
+        want = Coupling(seed, t, k, p).token(logits, pos)
+        cases.append({"logits": logits.tolist(), "seed": str(seed), "pos": pos, "t": t, "k": k, "p": p,
+                      "u": keyed_uniform(seed, pos), "want": want})  # fmt: skip
+    script = """
+    import { readFileSync } from "node:fs";
+    import { coupledToken, keyedUniform } from "./dist/src/index.js";
+    const cases = JSON.parse(readFileSync(0, "utf8"));
+    const opts = (c) => ({ seed: BigInt(c.seed), temperature: c.t, topK: c.k, topP: c.p });
+    const got = cases.map((c) => [keyedUniform(BigInt(c.seed), c.pos),
+                                  coupledToken(Float32Array.from(c.logits), c.pos, opts(c))]);
+    process.stdout.write(JSON.stringify(got), () => process.exit(0));
+    """
+    r = subprocess.run(["node", "--input-type=module", "-e", script], cwd=TS, input=json.dumps(cases),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert [u for u, _ in got] == [c["u"] for c in cases]
+    assert [tok for _, tok in got] == [c["want"] for c in cases]
 
 
 def test_a_damaged_export_is_named(built: None, tiny_export: Path, tmp_path: Path) -> None:

@@ -2,9 +2,10 @@
 // treespec-ts: generate against a verifier, drafting with an ONNX draft model or by prompt lookup.
 //   node dist/src/cli.js --server ws://127.0.0.1:8000/v1/session --fingerprint HEX --prompt-ids 1,2,3
 import { parseArgs } from "node:util";
-import { GenerationError, TreespecClient, type TreeSource } from "./client.js";
+import { type GenerateOptions, GenerationError, TreespecClient, type TreeSource } from "./client.js";
 import {
   chooseBudget,
+  draftConditional,
   draftDynamic,
   draftStatic,
   type DynamicTree,
@@ -15,6 +16,7 @@ import {
   type OrtLike,
   readManifest,
 } from "./onnx_drafter.js";
+import { couplingOf } from "./edge.js";
 import { TextCodec } from "./text.js";
 
 const HELP = `treespec-ts: a TypeScript client of the treespec verifier (PROTOCOL.md)
@@ -39,6 +41,9 @@ const HELP = `treespec-ts: a TypeScript client of the treespec verifier (PROTOCO
   --max-new-tokens N    default 64
   --temperature T       match: sampling temperature (> 0)
   --seed S              match: the seed of the keyed sampler
+  --no-couple           match: draft the draft's likeliest tokens, not the keyed (coupled) token first
+  --prespec             generate: while a tree is verified, draft the tree after its likeliest outcome
+                        and send it conditional on it (the server goes on without waiting when it holds)
   --depth D --width W   prompt lookup: tokens per guess, guesses merged into the tree
   --api-key KEY         if the verifier needs one
   --json                print one JSON object (text, prompt_tokens, tokens, stats with tau) at the end
@@ -84,6 +89,7 @@ async function main(): Promise<number> {
       "max-new-tokens": { type: "string", default: "64" }, temperature: { type: "string", default: "0" },
       seed: { type: "string", default: "0" }, depth: { type: "string", default: "8" }, width: { type: "string", default: "3" },
       "api-key": { type: "string" }, json: { type: "boolean", default: false }, help: { type: "boolean", default: false },
+      "no-couple": { type: "boolean", default: false }, prespec: { type: "boolean", default: false },
     },  // prettier-ignore
   });
   const usage = (why: string) => {
@@ -110,6 +116,7 @@ async function main(): Promise<number> {
   try {
     let fingerprint = a.fingerprint!;
     let draft: TreeSource | undefined;
+    let prespec: GenerateOptions["prespec"];
     let client: TreespecClient | undefined;
     let codec: TextCodec | undefined;
     if (generate) {
@@ -117,7 +124,9 @@ async function main(): Promise<number> {
       const reader = await folderReader(a.draft!);
       const drafter = await OnnxDrafter.load(reader, a.draft!, ort, { threads: Number(a.threads) });
       fingerprint = drafter.manifest.fingerprint;
-      draft = (ctx) => draftStatic(drafter, ctx, ks);
+      const coupling = a["no-couple"] ? undefined : couplingOf({ mode, temperature: Number(a.temperature), seed: BigInt(a.seed!) });
+      draft = (ctx) => draftStatic(drafter, ctx, ks, coupling);
+      if (a.prespec) prespec = (ctx, t) => draftConditional(drafter, ctx, t, ks, coupling);
       if (a.budget !== undefined) {
         const fixed = a.budget === "auto" ? 0 : Number(a.budget);
         if (!(a.budget === "auto" || (Number.isInteger(fixed) && fixed >= 1))) {
@@ -149,7 +158,7 @@ async function main(): Promise<number> {
     try {
     for await (const chunk of c.generate(ids as number[], {
       mode, maxNewTokens: Number(a["max-new-tokens"]), temperature: Number(a.temperature), seed: BigInt(a.seed!),
-      lookup: { depth: Number(a.depth), width: Number(a.width) }, draft, signal: abort.signal,
+      lookup: { depth: Number(a.depth), width: Number(a.width) }, draft, prespec, signal: abort.signal,
     })) {  // prettier-ignore
       out.push(...chunk);
       if (!a.json) process.stdout.write(shown ? shown(chunk) : chunk.join(" ") + " ");

@@ -29,6 +29,7 @@ export interface ConnectOptions {
   resume?: Partial<ResumeOptions> | false; // false: a drop ends the generation with ConnectionLost
 }
 
+const sameTokens = (a: readonly number[], b: readonly number[]) => a.length === b.length && a.every((x, i) => x === b[i]);
 const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 const backoff = (r: ResumeOptions, retry: number) => Math.min(r.backoffMs * 2 ** Math.max(0, Math.min(retry - 1, 60)), r.maxBackoffMs);
 
@@ -47,6 +48,16 @@ export interface GenerateOptions {
   stopIds?: number[];
   lookup?: Partial<LookupOptions>;
   onVerdict?: (v: VerdictInfo) => void; // each verdict, as it arrives (the live marks of a page)
+  // pre-speculation: while a tree is verified, draft the tree for its likeliest outcome and send it
+  // conditional on that outcome (PROTOCOL.md section 5); when the outcome holds, the server goes on
+  // without waiting for the edge (no round trip, no drafting on the critical path)
+  prespec?: (committed: readonly number[], tree: Tree) => Promise<Conditional | null>;
+}
+
+/** A tree drafted after `cond`, the predicted outcome of the tree in flight. */
+export interface Conditional {
+  cond: number[];
+  tree: Tree;
 }
 
 /** What a verdict committed: `tokens`, the first `accepted` of them drafted tokens the target accepted. */
@@ -56,6 +67,7 @@ export interface VerdictInfo {
   accepted: number; // tokens from the draft (at depths 1..accepted)
   bonus: boolean; // the last token is the target's own (a correction or the bonus)
   verifyMs: number;
+  prespeculated: boolean; // the tree was pre-speculated: the server verified it without waiting for the edge
 }
 
 export interface Stats {
@@ -66,6 +78,9 @@ export interface Stats {
   draftMs: number; // median ms of drafting a round's tree (on the critical path)
   msPerToken: number; // wall ms from the prompt to the last verdict, per generated token
   resumes: number; // dropped connections resumed during the generation
+  hits: number; // verdicts after which the server went on with a pre-speculated tree at once
+  hitRate: number; // hits / tree verdicts (0 without pre-speculation)
+  lateHits: number; // outcomes predicted whose tree reached the server after its verdict (verified on arrival)
 }
 
 const median = (xs: number[]) => {
@@ -83,7 +98,7 @@ export class TreespecClient {
   private sentAt = 0;
   /** The network's share of a round, learned from verdicts (wall time - the server's verify_ms). */
   rttMs = 0;
-  last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0 };
+  last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0, hits: 0, hitRate: 0, lateHits: 0 };
 
   private ws!: Socket;
   private generation = 0;
@@ -229,8 +244,22 @@ export class TreespecClient {
     const maxNew = o.maxNewTokens ?? 128;
     const t0 = performance.now();
     this.committed = [...prompt];
-    const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0 };
+    const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0, hits: 0, hitRate: 0, lateHits: 0 };
     this.last = st;
+    // pre-speculation: the conditional tree sent for the round in flight, if any
+    // (in an object: a closure assigns it, which TypeScript's narrowing of a `let` does not follow)
+    const spec: { pending: { round: number; full: number[]; tree: Tree } | null } = { pending: null };
+    let hitRound = -1; // the last pre-speculated round the server took
+    const speculate = async (tree: Tree) => {
+      spec.pending = null;
+      if (!o.prespec || cancelled || this.welcome.limits.max_pending < 1) return;
+      const c = await o.prespec(this.committed, tree);
+      if (!c || !this.ws.open || cancelled) return;
+      st.draftedNodes += c.tree.tokens.length;
+      const round = ++this.round;
+      this.send({ type: "tree", round, base: this.committed.length, cond: c.cond, tokens: c.tree.tokens, parents: c.tree.parents });
+      spec.pending = { round, full: [...this.committed, ...c.cond], tree: c.tree };
+    };
     const start = async () => {
       // the prompt, or after a drop every committed token as a new session's prompt
       const first = mode === "ar" ? undefined : await draft(this.committed);
@@ -240,6 +269,7 @@ export class TreespecClient {
         top_k: o.topK ?? 0, top_p: o.topP ?? 1, seed: o.seed ?? 0, max_new_tokens: maxNew - st.tokens,
         stop_ids: o.stopIds ?? [], continue: false, ...(first ? { tree: first } : {}),
       });  // prettier-ignore
+      if (first) await speculate(first);
     };
     await start();
     let verdicts = 0;
@@ -286,18 +316,32 @@ export class TreespecClient {
         st.msPerToken = (performance.now() - t0) / Math.max(1, st.tokens);
         st.draftMs = median(drafting);
         o.onVerdict?.({ round: v.round, tokens: [...v.tokens], accepted: v.accepted_nodes.length, bonus: v.has_bonus,
-                        verifyMs: v.verify_ms });  // prettier-ignore
+                        verifyMs: v.verify_ms, prespeculated: v.round === hitRound });  // prettier-ignore
         if (v.tokens.length) yield v.tokens;
         if (v.done) {
           if (cancelled && v.reason === "cancelled") throw signal?.reason ?? new DOMException("cancelled", "AbortError");
           return;
         }
-        if (mode !== "ar" && !cancelled) {
+        const hit = spec.pending;
+        if (hit !== null && sameTokens(hit.full, this.committed)) {
+          // the outcome was predicted: the server goes on with the pre-speculated tree (at once, or
+          // as soon as it arrives when it came after the verdict was sent); draft the one after it
+          if (v.next_round === hit.round) {
+            st.hits++;
+            hitRound = hit.round;
+          } else st.lateHits++;
+          st.hitRate = st.hits / verdicts;
+          this.sentAt = performance.now();
+          await speculate(hit.tree);
+        } else if (mode !== "ar" && !cancelled) {
+          // a miss (a pending tree is answered stale): draft from what was committed
           const t = await draft(this.committed);
           st.draftedNodes += t.tokens.length;
           // a socket that just closed: its close event is next in the inbox, and resumes
           if (this.ws.open) this.send({ type: "tree", round: ++this.round, ...t });
           this.sentAt = performance.now();
+          st.hitRate = st.hits / verdicts;
+          if (this.ws.open) await speculate(t);
         }
       }
     } finally {

@@ -1,4 +1,5 @@
 export {
+  type Conditional,
   ConnectionLost,
   type ConnectOptions,
   DEFAULT_RESUME,
@@ -16,7 +17,10 @@ export {
   type DynamicTree,
   nextGains,
   verifyMs,
+  coupledChildren,
+  draftConditional,
   draftStatic,
+  likeliestOutcome,
   EXPORT_FORMAT,
   ExportError,
   folderReader,
@@ -28,7 +32,8 @@ export {
 } from "./onnx_drafter.js";
 export { continuations, DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
 export { decodeMessage, encodeMessage, type Message, ProtocolError, PROTOCOL_VERSION } from "./protocol.js";
-export { DEFAULT_TREE, Edge, type EdgeOptions, type Prompt, type TextOptions } from "./edge.js";
+export { type Coupling, coupledToken, keyedUniform } from "./coupling.js";
+export { couplingOf, DEFAULT_TREE, Edge, type EdgeOptions, type Prompt, type TextOptions } from "./edge.js";
 export { type ChatMessage, TextCodec } from "./text.js";
 export { inBrowser, openSocket, type Socket } from "./socket.js";
 export { webReader, type WebReader, type WebReaderOptions } from "./web.js";

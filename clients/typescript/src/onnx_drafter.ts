@@ -9,6 +9,7 @@
 //   logit_rows int64 [k], past_key / past_value float32 [P, layers, kv_heads, head_dim]
 //   -> logits float32 [k, vocab], present_key / present_value float32 [n, layers, kv_heads, head_dim]
 
+import { type Coupling, coupledToken } from "./coupling.js";
 import type { Tree } from "./protocol.js";
 
 export const EXPORT_FORMAT = 1;
@@ -321,14 +322,21 @@ export function topK(row: Float32Array, k: number): number[] {
 
 /** SpecInfer's expansion tree ⟨k1..km⟩ below `committed`, greedy (the draft's top-k_i tokens at
  * every node), one run per level; the last level is not evaluated (as the Python edge drafts it). */
-export async function draftStatic(drafter: OnnxDrafter, committed: readonly number[], ks: readonly number[]): Promise<Tree> {
+export async function draftStatic(
+  drafter: OnnxDrafter,
+  committed: readonly number[],
+  ks: readonly number[],
+  coupling?: Coupling,
+): Promise<Tree> {
   const tokens: number[] = [];
   const parents: number[] = [];
   let frontier: { node: number; logits: Float32Array }[] = [{ node: -1, logits: await drafter.sync(committed) }];
   for (let level = 0; level < ks.length; level++) {
     const fresh: number[] = [];
     for (const { node, logits } of frontier) {
-      for (const tok of topK(logits, ks[level])) {
+      // match: the keyed token at this node's absolute position leads its children
+      const children = coupling ? coupledChildren(logits, ks[level], committed.length + level, coupling) : topK(logits, ks[level]);
+      for (const tok of children) {
         fresh.push(tokens.length);
         tokens.push(tok);
         parents.push(node);
@@ -343,6 +351,48 @@ export async function draftStatic(drafter: OnnxDrafter, committed: readonly numb
     frontier = fresh.map((node, j) => ({ node, logits: out[j] }));
   }
   return { base: committed.length, cond: [], tokens, parents };
+}
+
+/**
+ * The likeliest outcome of `tree` (drafted after `committed`, no cond): its first-child path, every
+ * node accepted, then the draft's next token as the bonus (in match the coupled one).
+ */
+export async function likeliestOutcome(
+  drafter: OnnxDrafter,
+  committed: readonly number[],
+  tree: Tree,
+  coupling?: Coupling,
+): Promise<number[]> {
+  const path: number[] = [];
+  let node = -1;
+  for (;;) {
+    const child = tree.parents.findIndex((p, i) => p === node && i > node);
+    if (child < 0) break;
+    path.push(tree.tokens[child]);
+    node = child;
+  }
+  const ctx = [...committed, ...path];
+  const logits = await drafter.sync(ctx);
+  return [...path, coupling ? coupledToken(logits, ctx.length, coupling) : topK(logits, 1)[0]];
+}
+
+/** Pre-speculation's conditional tree: the static tree drafted after the likeliest outcome of `tree`. */
+export async function draftConditional(
+  drafter: OnnxDrafter,
+  committed: readonly number[],
+  tree: Tree,
+  ks: readonly number[],
+  coupling?: Coupling,
+): Promise<{ cond: number[]; tree: Tree }> {
+  const cond = await likeliestOutcome(drafter, committed, tree, coupling);
+  const next = await draftStatic(drafter, [...committed, ...cond], ks, coupling);
+  return { cond, tree: { ...next, base: committed.length, cond } };
+}
+
+/** The coupled token, then the draft's likeliest others: k children of a node in mode match. */
+export function coupledChildren(logits: Float32Array, k: number, pos: number, c: Coupling): number[] {
+  const first = coupledToken(logits, pos, c);
+  return [first, ...topK(logits, k + 1).filter((t) => t !== first)].slice(0, k);
 }
 
 /** Log-probabilities (temperature 1) of the given ids after a row of logits. */

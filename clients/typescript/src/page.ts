@@ -3,6 +3,7 @@
 // config.json beside the page ({"server": "ws://…/v1/session", "model": "model/"}) and the query string:
 //   ?prompt=TEXT  &raw=1  &prompt_ids=1,2,3  &max=N  &mode=greedy|match|ar  &temperature=T  &seed=S
 //   &autorun=1  &server=WS_URL  &model=URL  &tree=1,1,3,1 (the expansion tree drafted each round)
+//   &prespec=1 (pre-speculate each round's likeliest outcome)
 // For tests and tools the page keeps its state in `window.treespec` (ready, done, tokens, text, stats,
 // error, fetched, cached, loadMs, firstTokenMs).
 import * as ort from "onnxruntime-web/wasm";
@@ -97,6 +98,7 @@ async function run(edge: Edge): Promise<void> {
       const span = document.createElement("span");
       span.textContent = show([t]);
       span.className = mark(v, i, mode);
+      if (v.prespeculated) span.classList.add("hit");
       out.append(span);
     });
     state.tokens.push(...v.tokens);
@@ -107,6 +109,7 @@ async function run(edge: Edge): Promise<void> {
       maxNewTokens: Number($<HTMLInputElement>("max").value),
       temperature: Number($<HTMLInputElement>("temperature").value),
       seed: BigInt($<HTMLInputElement>("seed").value),
+      prespec: $<HTMLInputElement>("prespec").checked,
     };  // prettier-ignore
     for await (const _ of edge.generate(prompt, opts)) {
       // the spans are written per verdict (onVerdict); the text chunks are the same text
@@ -119,11 +122,12 @@ async function run(edge: Edge): Promise<void> {
   }
   const st = edge.last;
   state.text = edge.codec.decode(state.tokens);
-  state.stats = { ...st, hitRate: "n/a" };
+  state.stats = { ...st };
   $("stats").textContent =
     `τ ${st.tau.toFixed(2)} tokens a round · ${st.rounds} rounds · ${st.tokens} tokens · ` +
     `${st.msPerToken.toFixed(0)} ms/token · drafting ${st.draftMs.toFixed(0)} ms a round (median) · ` +
-    `first token ${state.firstTokenMs.toFixed(0)} ms · hit rate n/a (this edge does not pre-speculate)`;
+    `first token ${state.firstTokenMs.toFixed(0)} ms · ` +
+    ($<HTMLInputElement>("prespec").checked ? `pre-speculation hit rate ${st.hitRate.toFixed(2)}` : "no pre-speculation");
   state.done = true;
   out.dataset.done = "1";
 }
@@ -135,6 +139,7 @@ async function main(): Promise<void> {
     const v = query.get(id);
     if (v !== null) $<HTMLInputElement>(id).value = v;
   }
+  if (query.get("prespec") !== null) $<HTMLInputElement>("prespec").checked = query.get("prespec") === "1";
   let edge: Edge;
   try {
     edge = await load();
