@@ -47,15 +47,19 @@ from bench.network import Proxy
 TS = REPO / "clients" / "typescript"
 EDGES = {
     "ts": "typescript (onnxruntime-node)",
+    "ts_prespec": "typescript (onnxruntime-node), pre-speculating",
     "py": "python (onnxruntime)",
+    "py_prespec": "python (onnxruntime), pre-speculating",
     "chromium": "typescript (chromium, onnxruntime-web wasm)",
+    "chromium_prespec": "typescript (chromium, onnxruntime-web wasm), pre-speculating",
 }
 
 
 def run_edge(edge: str, url: str, export: Path, prompt: str, raw: bool, tokens: int, tree: str,
              pin: Callable[[], None]) -> dict[str, Any]:  # fmt: skip
-    """One generation by the `ts` or `py` edge's CLI; its tokens and figures."""
-    if edge == "ts":
+    """One generation by the `ts` or `py` edge's CLI (`*_prespec`: with --prespec); its tokens and figures."""
+    base, prespec = edge.removesuffix("_prespec"), edge.endswith("_prespec")
+    if base == "ts":
         cmd = ["node", str(TS / "dist" / "src" / "cli.js"), "generate", "--server", url]
         cmd += ["--draft", str(export), "--tree", tree, "--max-new-tokens", str(tokens), "--json"]
     else:
@@ -71,24 +75,28 @@ def run_edge(edge: str, url: str, export: Path, prompt: str, raw: bool, tokens: 
             "1",
             "--json",
         ]
+    if prespec:
+        cmd.append("--prespec")
     cmd += ["--raw", prompt] if raw else [prompt]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, preexec_fn=pin, cwd=REPO)
     if r.returncode != 0:
         raise RuntimeError(f"{edge} edge failed ({r.returncode}): {r.stderr[-2000:]}")
     doc = json.loads(r.stdout.strip().splitlines()[-1])
     st = doc["stats"]
-    if edge == "ts":
+    if base == "ts":
         return {
             "tokens": doc["tokens"],
             "tau": st["tau"],
             "ms_per_token": st["msPerToken"],
             "draft_ms": st["draftMs"],
+            "hit_rate": st["hitRate"] if prespec else None,
         }
     return {
         "tokens": doc["tokens"],
         "tau": st["tau"],
         "ms_per_token": st["ms_per_token"],
         "draft_ms": st["draft_ms"],
+        "hit_rate": st.get("hit_rate") if prespec else None,
     }
 
 
@@ -116,11 +124,14 @@ class ChromiumEdge:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
-    def run(self, url: str, prompt: str, raw: bool, tokens: int, tree: str) -> dict[str, Any]:
-        """One visit: the prompt generated in the tab; its tokens and figures."""
+    def run(
+        self, url: str, prompt: str, raw: bool, tokens: int, tree: str, prespec: bool = False
+    ) -> dict[str, Any]:
+        """One visit: the prompt generated in the tab (pre-speculating or not); its tokens and figures."""
         self.visits += 1
         q = urlencode({"server": url, "prompt": prompt, "raw": "1" if raw else "0", "max": tokens,
-                       "tree": tree, "mode": "greedy", "autorun": "1", "visit": self.visits})  # fmt: skip
+                       "tree": tree, "mode": "greedy", "autorun": "1", "prespec": int(prespec),
+                       "visit": self.visits})  # fmt: skip
         target = f"{self.page}?{q}"
         b = self.browser
         b.open(target)
@@ -133,6 +144,7 @@ class ChromiumEdge:
             "tau": st["stats"]["tau"],
             "ms_per_token": st["stats"]["msPerToken"],
             "draft_ms": st["stats"]["draftMs"],
+            "hit_rate": st["stats"]["hitRate"] if prespec else None,
             "first_token_s": (st["loadMs"] + st["firstTokenMs"]) / 1e3,
             "load_s": st["loadMs"] / 1e3,
         }
@@ -151,7 +163,9 @@ def _row(edge: str, rtt: int, runs: list[dict[str, Any]], same: list[bool]) -> d
         "draft_ms_per_round": round(statistics.median(r["draft_ms"] for r in runs), 2),
         "identical_outputs": f"{sum(same)}/{len(same)}",
     }
-    if edge == "chromium":
+    hits = [r["hit_rate"] for r in runs if r.get("hit_rate") is not None]
+    row["hit_rate"] = round(statistics.mean(hits), 3) if hits else None
+    if edge.startswith("chromium"):
         row["first_token_s"] = round(statistics.median(r["first_token_s"] for r in runs), 3)
         row["load_s"] = round(statistics.median(r["load_s"] for r in runs), 3)
     return row
@@ -177,7 +191,8 @@ def _parser() -> argparse.ArgumentParser:
         "--edges",
         default="ts,py",
         help="comma-separated edges: ts (Node), py (Python), chromium (the browser page in headless "
-        "Chromium; needs chromium and `make web`); the outputs are compared with py's where it runs",
+        "Chromium; needs chromium and `make web`), each also as NAME_prespec (pre-speculating); the "
+        "outputs are compared with py's where it runs",
     )
     add_common_args(ap, json=True, json_help="rows: one per edge and RTT", tokens=64,
                     tokens_help="new tokens per prompt", prompt_file=True, no_progress=True)  # fmt: skip
@@ -195,9 +210,10 @@ def _check(ap: argparse.ArgumentParser, edges: list[str]) -> None:
         ap.error(
             "needs Node 20 and the built TypeScript client: cd clients/typescript && npm ci && npm run build"
         )
-    if "chromium" in edges and chromium() is None:
+    browser = any(e.startswith("chromium") for e in edges)
+    if browser and chromium() is None:
         ap.error("--edges chromium needs Debian's chromium (apt-get install chromium)")
-    if "chromium" in edges and not all((BUNDLE / f).is_file() for f in BUNDLE_FILES):
+    if browser and not all((BUNDLE / f).is_file() for f in BUNDLE_FILES):
         ap.error("--edges chromium needs the browser bundle: make web")
 
 
@@ -209,9 +225,9 @@ def _measure(
     per: dict[str, list[dict[str, Any]]] = {e: [] for e in edges}
     for p in prompts:
         for edge in edges:
-            if edge == "chromium":
+            if edge.startswith("chromium"):
                 assert page is not None
-                per[edge].append(page.run(url, p.text, p.raw, a.tokens, a.tree))
+                per[edge].append(page.run(url, p.text, p.raw, a.tokens, a.tree, edge.endswith("_prespec")))
             else:
                 per[edge].append(run_edge(edge, url, export, p.text, p.raw, a.tokens, a.tree, pin))
             bar.update()
@@ -230,13 +246,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     split = CoreSplit.auto()
     print(split.describe(), file=sys.stderr)
     rows: list[dict[str, Any]] = []
-    origins = ("--allowed-origins", "*") if "chromium" in edges else ()
+    browser = any(e.startswith("chromium") for e in edges)
+    origins = ("--allowed-origins", "*") if browser else ()
     with (
         Verifier(a.model, cores=split.verifier, echo=not a.no_progress, args=origins).start() as ver,
         contextlib.ExitStack() as outer,
     ):
         page = None
-        if "chromium" in edges:
+        if browser:
             page = outer.enter_context(ChromiumEdge(export, ver.url, split.pin_edge))
         bar = tqdm(total=len(a.rtt_ms) * len(prompts) * len(edges), desc="js_edge", file=sys.stderr,
                    disable=a.no_progress)  # fmt: skip
@@ -252,16 +269,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(_row(edge, rtt, runs, same))
             write_result(a.json, a, rows, False, export=str(export))
         bar.close()
-    heads = ["edge", "rtt ms", "tau", "ms/token", "draft ms/round", "same output", "first token s"]
-    keys = [
+    heads = [
         "edge",
-        "rtt_ms",
+        "rtt ms",
         "tau",
-        "ms_per_token",
-        "draft_ms_per_round",
-        "identical_outputs",
-        "first_token_s",
+        "ms/token",
+        "draft ms/round",
+        "hit rate",
+        "same output",
+        "first token s",
     ]
+    keys = ["edge", "rtt_ms", "tau", "ms_per_token", "draft_ms_per_round", "hit_rate", "identical_outputs"]
+    keys.append("first_token_s")
     print(table([[r.get(k, "-") for k in keys] for r in rows], heads))
     write_result(a.json, a, rows, True, export=str(export))
     return 0

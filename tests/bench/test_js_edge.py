@@ -25,9 +25,9 @@ def test_both_edges_give_the_same_output(tmp_path: Path, monkeypatch: pytest.Mon
     onnx_export.export("tiny", folder, progress=False)
     monkeypatch.setattr(onnx_export, "ensure_export", lambda source, int8=False, progress=True: folder)
     out = tmp_path / "js_edge.json"
-    edges = ["ts", "py"]
+    edges = ["ts", "ts_prespec", "py"]
     if chromium() is not None and _bundle() is None:  # the browser page too, where it can run
-        edges.append("chromium")
+        edges += ["chromium", "chromium_prespec"]
     args = ["--model", "tiny", "--draft", "tiny", "--humaneval", "1", "--prompts", "1", "--tokens", "12"]
     args += [
         "--edges",
