@@ -124,6 +124,10 @@ class ChromiumEdge:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
+    def screenshot(self, path: Path) -> None:
+        """The page as the last visit left it (a PNG)."""
+        self.browser.screenshot(path)
+
     def run(
         self, url: str, prompt: str, raw: bool, tokens: int, tree: str, prespec: bool = False
     ) -> dict[str, Any]:
@@ -193,6 +197,12 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated edges: ts (Node), py (Python), chromium (the browser page in headless "
         "Chromium; needs chromium and `make web`), each also as NAME_prespec (pre-speculating); the "
         "outputs are compared with py's where it runs",
+    )
+    ap.add_argument(
+        "--screenshot",
+        default=None,
+        metavar="PNG",
+        help="with a chromium edge: the page after the last visit",
     )
     add_common_args(ap, json=True, json_help="rows: one per edge and RTT", tokens=64,
                     tokens_help="new tokens per prompt", prompt_file=True, no_progress=True)  # fmt: skip
@@ -269,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(_row(edge, rtt, runs, same))
             write_result(a.json, a, rows, False, export=str(export))
         bar.close()
+        if page is not None and a.screenshot:
+            page.screenshot(Path(a.screenshot))
     heads = [
         "edge",
         "rtt ms",

@@ -571,6 +571,7 @@ def _report(args: argparse.Namespace, gen: GenerationResult, out: TextIO) -> Non
             "bytes_down": st.bytes_down,
             "draft_ms": st.as_dict()["draft_ms"],  # median ms of drafting a round on the critical path
             "ms_per_token": round(st.ms_per_token, 3),
+            "hit_rate": st.as_dict()["hit_rate"],  # pre-speculated trees taken at once / rounds (None: none)
         }
         line = {"text": gen.text, "prompt_tokens": gen.prompt_tokens, "tokens": gen.tokens, "stats": stats}
         out.write(json.dumps(line, ensure_ascii=False) + "\n")

@@ -470,3 +470,27 @@ def test_the_typescript_edge_resumes_after_the_verifier_is_killed(
     assert killed["tokens"] == whole["tokens"]
     if mode == "greedy":
         assert killed["tokens"] == reference(tuple(PROMPT), 60)
+
+
+def test_a_verifier_with_another_vocabulary_is_named(built: None, tiny_export: Path, tmp_path: Path) -> None:
+    """An export whose vocabulary fingerprint is not the verifier's: the session is refused before any
+    drafting, with an error naming the vocabulary (exit 1), not a wrong answer."""
+    other = tmp_path / "other"
+    shutil.copytree(tiny_export, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["fingerprint"] = "0" * 64
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with LiveServer() as srv:
+        cmd = [
+            "node",
+            "dist/src/cli.js",
+            "generate",
+            "--server",
+            srv.ws,
+            "--draft",
+            str(other),
+            "--prompt-ids",
+            "1,2",
+        ]
+        r = subprocess.run(cmd, cwd=TS, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "VOCAB_MISMATCH" in r.stderr, r.stderr
