@@ -228,7 +228,8 @@ def _export_onnx_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
         action="store_true",
         help="write int8 weights: symmetric 8-bit blocks of 16-128 inputs per scale, quantized while "
         "exporting (peak memory about the fp32 model's), run by onnxruntime's MatMulNBits with int8 "
-        "activations (needs onnxruntime >= 1.22); about 4x smaller and faster per decode step",
+        "activations (needs onnxruntime >= 1.22); about 4x smaller and faster per decode step. For the "
+        "browser edge export fp32: onnxruntime-web's WASM runs MatMulNBits about 3x slower than fp32",
     )
     p.add_argument(
         "--int8-method",

@@ -11,6 +11,7 @@ import functools
 import json
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,7 +24,7 @@ from edge_client.cli import main as edge_cli
 from edge_client.serve import create_app
 from edge_client.web_edge import BUNDLE, WebEdge, WebEdgeError
 from tests.clients.test_typescript import PROMPT, TS, _built, _seeded_ar, tiny_export
-from tests.cloud_verifier.service import LiveServer, reference
+from tests.cloud_verifier.service import LiveServer, reference, tiny
 from tests.edge_client.browser import Browser, chromium
 from tests.edge_client.local_server import served
 from tests.edge_client.test_serve import _ar
@@ -136,10 +137,22 @@ def test_serve_refuses_web_draft_without_a_bundle(tmp_path: Path, capsys: pytest
 
 
 # ------------------------------------------------------------------ the page in Chromium
-def test_the_page_drafts_in_the_tab_and_gives_the_verifiers_tokens(bundle: Path, tiny_export: Path) -> None:
-    """Greedy: the verifier's `ar` tokens, drafted tokens really accepted; the model files fetched on
-    the first visit and read from the browser's cache on the second; seeded match equals seeded ar;
-    mode ar marks every token the target's."""
+def test_the_page_drafts_in_the_tab_and_gives_the_verifiers_tokens(
+    bundle: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy: the verifier's `ar` tokens, drafted tokens really accepted, pre-speculated trees taken
+    (the verifier takes 100 ms a forward here, a sleep: on loopback `tiny` answers before a
+    conditional tree drafted in the tab arrives); the model files fetched on the first visit and
+    read from the browser's cache on the second; seeded match equals seeded ar; mode ar marks every
+    token the target's."""
+    model = tiny().model
+    real = model.forward_packed
+
+    def slow_forward(inputs: Any, kv: Any) -> Any:
+        time.sleep(0.1)
+        return real(inputs, kv)
+
+    monkeypatch.setattr(model, "forward_packed", slow_forward)
     ids = ",".join(map(str, PROMPT))
     with LiveServer(allowed_origins="*") as srv, _page_server(tiny_export, srv.ws, bundle) as page:
         with Browser() as b:
@@ -187,3 +200,38 @@ def test_a_verifier_that_refuses_the_pages_origin_is_named(bundle: Path, tiny_ex
         with Browser() as b:
             state = _visit(b, f"{page}?prompt_ids=1,2,3&max=4&autorun=1")
     assert state["error"] is not None and "origin" in state["error"], state["error"]
+
+
+SDK_PAGE = """<!doctype html><meta charset="utf-8">
+<script type="module">
+  import * as ort from "/edge/ort/ort.wasm.min.mjs";
+  import { Edge, webReader } from "/edge/treespec-edge.js";
+  ort.env.wasm.wasmPaths = "/edge/ort/";
+  ort.env.wasm.numThreads = 1;
+  try {
+    const opts = { prespec: true, tree: [1, 2, 1] };
+    const edge = await Edge.open("SERVER", webReader("/edge/model/"), ort, opts);
+    const ids = [];
+    const gen = { maxNewTokens: 24, onVerdict: (v) => ids.push(...v.tokens) };
+    for await (const _ of edge.generate(PROMPT, gen)) {}
+    window.result = { ids, tau: edge.last.tau };
+  } catch (e) { window.result = { error: String(e) }; }
+</script>"""
+
+
+def test_the_sdk_module_runs_in_a_page_without_a_bundler(
+    bundle: Path, tiny_export: Path, tmp_path: Path
+) -> None:
+    """README's no-bundler example: a page imports the bundle's treespec-edge.js and onnxruntime-web's
+    module from ort/, and its answer is the verifier's `ar` answer."""
+    own = tmp_path / "web"
+    shutil.copytree(bundle, own)
+    with LiveServer(allowed_origins="*") as srv:
+        page = SDK_PAGE.replace("SERVER", srv.ws).replace("PROMPT", json.dumps(PROMPT))
+        (own / "sdk.html").write_text(page)
+        with _page_server(tiny_export, srv.ws, own) as root, Browser() as b:
+            b.open(root + "sdk.html")
+            b.wait_for("window.result !== undefined", timeout=120)
+            got = json.loads(b.eval("JSON.stringify(window.result)"))
+    assert "error" not in got, got
+    assert got["ids"] == reference(tuple(PROMPT), 24) and got["tau"] > 1.0

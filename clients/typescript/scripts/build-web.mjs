@@ -4,7 +4,8 @@
 //   edge-page.js        the page's script, bundled with onnxruntime-web (WASM)
 //   treespec-edge.js    the SDK alone (Edge, webReader, TreespecClient, ...) as one ES module, for apps
 //                       without a bundler; bring your own onnxruntime-web module
-//   ort/                onnxruntime-web's .wasm and its loader, served from the same origin (no CDN)
+//   ort/                onnxruntime-web's .wasm, its loader and its ES module (ort.wasm.min.mjs, for pages
+//                       that import treespec-edge.js), served from the same origin (no CDN)
 import { build } from "esbuild";
 import { copyFileSync, mkdirSync, readdirSync, rmSync } from "node:fs";
 import { createRequire } from "node:module";
@@ -36,10 +37,10 @@ const require = createRequire(import.meta.url);
 const dist = dirname(require.resolve("onnxruntime-web/wasm"));
 let copied = 0;
 for (const f of readdirSync(dist)) {
-  if (/^ort-wasm-simd-threaded\.(wasm|mjs)$/.test(f)) {
+  if (/^(ort-wasm-simd-threaded\.(wasm|mjs)|ort\.wasm\.min\.mjs)$/.test(f)) {
     copyFileSync(join(dist, f), join(out, "ort", f));
     copied++;
   }
 }
-if (copied !== 2) throw new Error(`onnxruntime-web: expected ort-wasm-simd-threaded.wasm and .mjs in ${dist}`);
+if (copied !== 3) throw new Error(`onnxruntime-web: expected ort-wasm-simd-threaded.wasm, .mjs and ort.wasm.min.mjs in ${dist}`);
 console.log(`browser bundle: ${out}`);
