@@ -123,6 +123,7 @@ class LlamaModel(nn.Module):
         self.released = False  # projections freed after packing (see prepare)
         self.weights = "fp32"  # or "quantized": the projections are GGUF blocks (use_quantized)
         self._quant_embed: QuantMatrix | None = None  # the token table as blocks (quantized weights)
+        self.embed_rows: Any = None  # the token table left on disk (offload.TableRows: .rows(tokens))
         self.attn_dtype = dtype
         self._mode = "model"  # one of ATTENTION_MODES
         self._backend: attention.AttentionBackend | None = None  # chosen from the mode on first use
@@ -275,6 +276,9 @@ class LlamaModel(nn.Module):
         """tokens [T] -> [T, hidden]: the table's rows (dequantized exactly when it is blocks)."""
         if self._quant_embed is not None:
             return self._quant_embed.rows(tokens)
+        if self.embed_rows is not None:
+            rows: torch.Tensor = self.embed_rows.rows(tokens)
+            return rows
         return F.embedding(tokens, self.embed)
 
     def _check_weights(self, what: str) -> None:

@@ -34,6 +34,7 @@ weights, two packed layers in flight); layers are kept resident from the first o
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -456,6 +457,7 @@ class StreamedLayers:
     stats: StreamStats = field(default_factory=StreamStats)
     closer: Callable[[], None] | None = None
     read_threads: int = 1
+    table: TableRows | None = None  # the token table left on disk (float weights on the CPU)
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="offload")
     )
@@ -551,6 +553,8 @@ class StreamedLayers:
         self._pool.shutdown(wait=True)
         if self.closer is not None:
             self.closer()
+        if self.table is not None:
+            self.table.close()
 
 
 def plan_resident(layout: Layout, budget_bytes: int, extra_per_buffer: int = 0) -> tuple[set[int], int]:
@@ -744,7 +748,121 @@ def attach(
     model._prepared = _Prepared(gemm, streamed, head)
     model.released = True
     model.offload = streamed
+    if layout.kind == "float" and model.device.type == "cpu":
+        streamed.table = table_on_disk(model, layout.path.parent, sidecar, progress)
+        model.embed_rows = streamed.table
     return streamed
+
+
+# ---------------------------------------------------------------------------------------------
+# The token table, left on disk
+
+
+TABLE_CHUNK_BYTES = 1 << 18  # rows are checked in chunks of about this many bytes
+
+
+class TableRows:
+    """A float token table left in the float-weight cache file: a forward reads the rows of its
+    tokens (6 KB each for the 1.5B; the page cache keeps the frequent ones, outside this process's
+    memory) instead of holding the table (0.93 GB for the 1.5B in fp32). The rows are checked in
+    chunks of about TABLE_CHUNK_BYTES against checksums (computed the first time, kept in a sidecar
+    beside the layers'): every chunk a forward reads is checked, so a damaged table is an error
+    naming the rows, never a wrong token."""
+
+    def __init__(self, path: Path, offset: int, shape: tuple[int, int], dtype: torch.dtype,
+                 sidecar: Path, progress: bool = False) -> None:  # fmt: skip
+        self.path, self.offset, self.shape, self.dtype = path, offset, shape, dtype
+        self.row_bytes = shape[1] * torch.empty(0, dtype=dtype).element_size()
+        self.chunk_rows = max(1, TABLE_CHUNK_BYTES // self.row_bytes)
+        self.fd = os.open(path, os.O_RDONLY)
+        self.digests = self._checksums(sidecar, progress)
+
+    def _chunk(self, c: int) -> bytes:
+        first = c * self.chunk_rows
+        n = min(self.chunk_rows, self.shape[0] - first)
+        data = os.pread(self.fd, n * self.row_bytes, self.offset + first * self.row_bytes)
+        if len(data) != n * self.row_bytes:
+            raise OffloadError(f"{self.path}: the token table is truncated (rows {first}..{first + n - 1}); "
+                               "fetch or rebuild it")  # fmt: skip
+        return data
+
+    def _checksums(self, sidecar: Path, progress: bool) -> list[int]:
+        from tqdm import tqdm
+
+        chunks = -(-self.shape[0] // self.chunk_rows)
+        want = {"format": CHECKSUM_FORMAT, "hash": HASH, "offset": self.offset, "shape": list(self.shape),
+                "chunk_rows": self.chunk_rows}  # fmt: skip
+        with contextlib.suppress(OSError, ValueError):
+            saved = json.loads(sidecar.read_text(encoding="utf-8"))
+            if {k: saved.get(k) for k in want} == want and len(saved.get("digests", [])) == chunks:
+                self.digests = [int(d) for d in saved["digests"]]
+                for c in tqdm(range(chunks), desc="checking the token table", disable=not progress):
+                    self._checked(c)  # a table damaged since is refused at start
+                return self.digests
+        digests = [_digest(memoryview(self._chunk(c))) for c in range(chunks)]
+        try:
+            sidecar.parent.mkdir(parents=True, exist_ok=True)
+            tmp = sidecar.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**want, "digests": digests}), encoding="utf-8")
+            os.replace(tmp, sidecar)
+        except OSError as exc:
+            log.warning("not saving the token table's checksums (%s)", exc)
+        return digests
+
+    def _checked(self, c: int) -> bytes:
+        data = self._chunk(c)
+        if _digest(memoryview(data)) != self.digests[c]:
+            first = c * self.chunk_rows
+            last = first + self.chunk_rows - 1
+            raise OffloadError(f"{self.path}: the token table's rows {first}..{last} fail their checksum: "
+                               "the file is corrupt; fetch or rebuild it")  # fmt: skip
+        return data
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [T] -> [T, hidden]: the table's rows, read and checked."""
+        ids = tokens.reshape(-1).tolist()
+        out = torch.empty(len(ids), self.shape[1], dtype=self.dtype)
+        chunks: dict[int, torch.Tensor] = {}
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.shape[0]:
+                raise IndexError(f"token {t} is outside the table of {self.shape[0]} rows")
+            c = t // self.chunk_rows
+            if c not in chunks:
+                chunks[c] = torch.frombuffer(bytearray(self._checked(c)), dtype=self.dtype).view(
+                    -1, self.shape[1]
+                )
+            out[i] = chunks[c][t - c * self.chunk_rows]
+        return out.to(tokens.device)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def table_on_disk(model: Any, entry: Path, sidecar: Path | None, progress: bool) -> TableRows | None:
+    """Leave the float token table of `model` in its cache entry (TableRows) and free it, where
+    nothing else uses it (the head is a packed copy, or another matrix); None otherwise."""
+    prep = model._prepared
+    if model.weights == "quantized" or prep is None or prep.lm_head is model.embed:
+        return None
+    header = json.loads((entry / "header.json").read_text(encoding="utf-8"))
+    spec = next((p for p in header["params"] if p["name"] == "embed"), None)
+    if spec is None or spec["dtype"] not in _DTYPE_BYTES or list(model.embed.shape) != spec["shape"]:
+        return None
+    from shared import model_store
+
+    if sidecar is not None:
+        where = sidecar.with_suffix(".table.json")
+    else:
+        cid = model_store.content_id(entry / "weights.bin")
+        where = model_store.cache_dir() / "offload" / f"{cid}.table.json"
+    dtype = getattr(torch, spec["dtype"])
+    table = TableRows(
+        entry / "weights.bin", int(spec["offset"]), tuple(spec["shape"]), dtype, where, progress
+    )
+    model.embed.data = model.embed.data.new_empty(0)
+    return table
 
 
 def rss_bytes() -> int:
