@@ -727,6 +727,11 @@ def attach(
         head = gemm.pack(model.lm_head)
         if packed_copy and model.lm_head is not model.embed:  # one copy of the head, as prepare(release)
             model.lm_head.data = model.lm_head.data.new_empty(0)
+    # the token table goes back to disk before the resident layers and buffers are filled: the
+    # peak holds the table and the head's packed copy, or the head and the layers, never all three
+    table = (
+        table_on_disk(model, head, layout.path.parent, sidecar, progress) if layout.kind == "float" else None
+    )
     streamed = stream(
         layout,
         int(resident_gb * 1e9),
@@ -748,9 +753,8 @@ def attach(
     model._prepared = _Prepared(gemm, streamed, head)
     model.released = True
     model.offload = streamed
-    if layout.kind == "float" and model.device.type == "cpu":
-        streamed.table = table_on_disk(model, layout.path.parent, sidecar, progress)
-        model.embed_rows = streamed.table
+    streamed.table = table
+    model.embed_rows = table
     return streamed
 
 
@@ -840,15 +844,20 @@ class TableRows:
             self.fd = -1
 
 
-def table_on_disk(model: Any, entry: Path, sidecar: Path | None, progress: bool) -> TableRows | None:
+def table_on_disk(
+    model: Any, head: Any, entry: Path, sidecar: Path | None, progress: bool
+) -> TableRows | None:
     """Leave the float token table of `model` in its cache entry (TableRows) and free it, where
-    nothing else uses it (the head is a packed copy, or another matrix); None otherwise."""
-    prep = model._prepared
-    if model.weights == "quantized" or prep is None or prep.lm_head is model.embed:
+    nothing else uses it (`head`, the head as the model will run it, is a packed copy or another
+    matrix); None otherwise."""
+    if model.weights == "quantized" or head is model.embed or model.device.type != "cpu":
         return None
     header = json.loads((entry / "header.json").read_text(encoding="utf-8"))
     spec = next((p for p in header["params"] if p["name"] == "embed"), None)
-    if spec is None or spec["dtype"] not in _DTYPE_BYTES or list(model.embed.shape) != spec["shape"]:
+    shape = [model.config.vocab_size, model.config.hidden_size]
+    if spec is None or spec["dtype"] not in _DTYPE_BYTES or spec["shape"] != shape:
+        if model.embed.numel() == 0:
+            raise OffloadError(f"{entry}: no token table of shape {shape} to read rows from; rebuild it")
         return None
     from shared import model_store
 

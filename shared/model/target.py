@@ -9,6 +9,7 @@ directory. Nothing is fetched from a model hub.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,6 +201,19 @@ def _is_projection(name: str) -> bool:
     return len(parts) == 3 and parts[0] == "layers" and parts[2] in ("qkv", "o", "gate_up", "down")
 
 
+def _streamed_skip(entry: Path, dev: torch.device) -> Callable[[str], bool]:
+    """What a streamed float model does not read from its cache entry: the layers' projections,
+    and on the CPU the token table when the head is a matrix of its own (offload.table_on_disk
+    leaves the table in the file; reading it would only raise the start's peak memory)."""
+    try:
+        header = json.loads((entry / "header.json").read_text(encoding="utf-8"))
+        untied = any(p["name"] == "lm_head" for p in header["params"])
+    except (OSError, ValueError, KeyError, TypeError):
+        untied = False  # (no entry yet: the first start writes it, then reads it with this again)
+    table = untied and dev.type == "cpu"
+    return lambda name: _is_projection(name) or (table and name == "embed")
+
+
 def _load_streamed(
     name_or_path: str,
     dtype: str,
@@ -248,7 +262,8 @@ def _load_streamed(
     else:
         path, model_id = _gguf_file(name_or_path, progress)
         entry = weight_cache.entry_dir(path, dt)
-        hit = weight_cache.load(entry, dt, dev, progress, skip=_is_projection)
+        skip = _streamed_skip(entry, dev)
+        hit = weight_cache.load(entry, dt, dev, progress, skip=skip)
         if hit is None:  # first start: dequantize into the cache a parameter at a time, read back
             reader = gguf_loader.open_gguf(path)
             shell = build_model(gguf_loader.config_from_gguf(reader), None, dt, "cpu")  # untouched
@@ -259,7 +274,7 @@ def _load_streamed(
             if not weight_cache.save(entry, shell, _gguf_tokenizer(str(path), reader), progress, fill):
                 raise RuntimeError(f"could not write the float-weight cache entry {entry} to stream from")
             del shell, reader
-            hit = weight_cache.load(entry, dt, dev, progress, skip=_is_projection)
+            hit = weight_cache.load(entry, dt, dev, progress, skip=_streamed_skip(entry, dev))
             if hit is None:
                 raise RuntimeError(f"the float-weight cache entry {entry} cannot be read back")
         target = _finish(hit[0], hit[1], model_id, dev)

@@ -125,6 +125,29 @@ def test_the_float_token_table_stays_on_disk_checked(tmp_path: Path) -> None:
     st.close()
 
 
+def test_an_untied_head_streams_with_the_table_never_read(tmp_path: Path) -> None:
+    """A model whose head is its own matrix (the 1.5B's GGUF): a streamed start reads neither the
+    projections nor the token table (target._streamed_skip), so its peak memory holds neither; the
+    rows come from the file and the logits are the resident model's bit for bit."""
+    from shared.model.target import _streamed_skip
+
+    resident = build_model(make_tiny_config(num_layers=LAYERS, tie_embeddings=False), 5, "float32", "cpu")
+    assert resident.lm_head is not resident.embed
+    entry = _entry(tmp_path, resident)
+    want = _logits(resident, _tokens())
+    skip = _streamed_skip(entry, torch.device("cpu"))
+    assert skip("embed") and skip("layers.0.qkv") and not skip("lm_head") and not skip("norm")
+    hit = weight_cache.load(entry, torch.float32, torch.device("cpu"), False, skip=skip)
+    assert hit is not None
+    model = hit[0]
+    assert model.embed.numel() == 0  # never read
+    layout = offload.float_layout(entry)
+    st = offload.attach(model, layout, 2 * layout.max_span / 1e9, sidecar=tmp_path / "c.json")
+    assert st.table is not None
+    assert torch.equal(_logits(model, _tokens()), want)
+    st.close()
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_tree_rows_under_streaming_equal_one_token_decoding(tmp_path: Path, seed: int) -> None:
     model, st = _streamed(_entry(tmp_path, _tiny_model()), tmp_path, 2)
