@@ -38,7 +38,7 @@ LLAMA_CPP_CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS '-DCMAKE_PROJECT_llama.cpp_INCLUDE=$
 # llama.cpp draft and test crashed on such a machine). Build without AMX there: explicit -mno-amx-*
 # flags win over the -march=native of GGML_NATIVE, and AVX-512/VNNI/BF16 stay on.
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-if grep -qw -e amx_tile -e amx_int8 /proc/cpuinfo 2>/dev/null; then
+if grep -qw -e amx_tile -e amx_int8 "${TREESPEC_CPUINFO:-/proc/cpuinfo}" 2>/dev/null; then
   echo "[setup] this CPU has AMX: llama.cpp is built without its AMX backend (it crashes here)"
   LLAMA_CPP_CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS '-DCMAKE_C_FLAGS=$NO_AMX' '-DCMAKE_CXX_FLAGS=$NO_AMX'"
 fi

@@ -33,11 +33,21 @@ with open(os.environ["RECORD"], "a") as f:
     f.write(json.dumps({"argv": sys.argv[1:], "cmake_args": os.environ.get("CMAKE_ARGS"),
                         "include": inc, "include_text": text,
                         "parallel": os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL")}) + "\\n")
-sys.exit(int(os.environ.get("IMPORT_RC", "0")) if sys.argv[1:2] == ["-c"] else 0)
+smoke = sys.argv[1:2] == ["-c"] and "eval(" in sys.argv[2]
+rc = os.environ.get("SMOKE_RC" if smoke else "IMPORT_RC", "0")
+sys.exit(int(rc) if sys.argv[1:2] == ["-c"] else 0)
 """
 
 
-def run_setup(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+def run_setup(
+    tmp_path: Path, amx: bool = False, **env: str
+) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """The script against the recorder, on a CPU whose flags have AMX or not (TREESPEC_CPUINFO)."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "flags\t\t: fpu sse2 avx2 avx512f avx512_vnni" + (" amx_tile amx_int8 amx_bf16" if amx else "") + "\n"
+    )
+    env = {"TREESPEC_CPUINFO": str(cpuinfo), **env}
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (tmp_path / "recorder.py").write_text(RECORDER)
@@ -73,6 +83,32 @@ def test_llama_cpp_python_is_built_without_mtmd_and_common(tmp_path: Path) -> No
     assert not Path(call["include"][0]).exists()
     # the import of llama_cpp is checked after the install
     assert calls[calls.index(call) + 1]["argv"] == ["-c", "from llama_cpp import Llama"]
+
+
+def test_on_a_cpu_with_amx_llama_cpp_is_built_without_it(tmp_path: Path) -> None:
+    """llama.cpp's AMX backend segfaults on its first evaluation on such a CPU: the flags turn it
+    off (and only there); the caller's CMAKE_ARGS still come last."""
+    r, calls = run_setup(tmp_path, amx=True, CMAKE_ARGS="-DGGML_CUDA=on")
+    assert r.returncode == 0, r.stderr
+    args = shlex.split(project_install(calls)["cmake_args"])
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    assert args[-3:] == [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}", "-DGGML_CUDA=on"]
+    assert "built without its AMX backend" in r.stdout
+    (tmp_path / "plain").mkdir()
+    r, calls = run_setup(tmp_path / "plain")
+    assert not any("-mno-amx" in a for a in shlex.split(project_install(calls)["cmake_args"]))
+
+
+def test_a_llama_cpp_that_crashes_on_its_first_evaluation_is_rebuilt_without_the_cache(
+    tmp_path: Path,
+) -> None:
+    """The one-evaluation smoke test fails (a cached AMX wheel): llama-cpp-python is reinstalled with
+    --no-cache-dir and the same CMAKE_ARGS, then checked again."""
+    r, calls = run_setup(tmp_path, amx=True, SMOKE_RC="1")
+    assert r.returncode != 0 and "still fails" in r.stderr  # the stand-in keeps failing the smoke test
+    rebuild = [c for c in calls if "--no-cache-dir" in c["argv"]]
+    assert len(rebuild) == 1 and "llama-cpp-python" in rebuild[0]["argv"]
+    assert rebuild[0]["cmake_args"] == project_install(calls)["cmake_args"]
 
 
 def test_the_callers_cmake_args_come_last_and_win(tmp_path: Path) -> None:
