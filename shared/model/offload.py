@@ -324,14 +324,19 @@ def with_checksums(
         if got < s.nbytes - ALIGN:
             raise OffloadError(f"{layout.path}: layer {s.index} is truncated ({got} of {s.nbytes} bytes)")
         digests.append(_digest(_view(buf[: s.nbytes])[: min(got, s.nbytes)]))
+    _save_sidecar(path, {**want, "digests": digests}, "the streamed layers' checksums")
+    return _set_digests(layout, digests)
+
+
+def _save_sidecar(path: Path, doc: dict[str, Any], what: str) -> None:
+    """Write a checksum sidecar atomically; a cache that cannot be written only costs a recount."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**want, "digests": digests}), encoding="utf-8")
+        tmp.write_text(json.dumps(doc), encoding="utf-8")
         os.replace(tmp, path)
     except OSError as exc:
-        log.warning("not saving the streamed layers' checksums (%s)", exc)
-    return _set_digests(layout, digests)
+        log.warning("not saving %s (%s)", what, exc)
 
 
 def verify_all(layout: Layout, reader: DiskReader, progress: bool = False) -> None:
@@ -804,13 +809,7 @@ class TableRows:
                     self._checked(c)  # a table damaged since is refused at start
                 return self.digests
         digests = [_digest(memoryview(self._chunk(c))) for c in range(chunks)]
-        try:
-            sidecar.parent.mkdir(parents=True, exist_ok=True)
-            tmp = sidecar.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**want, "digests": digests}), encoding="utf-8")
-            os.replace(tmp, sidecar)
-        except OSError as exc:
-            log.warning("not saving the token table's checksums (%s)", exc)
+        _save_sidecar(sidecar, {**want, "digests": digests}, "the token table's checksums")
         return digests
 
     def _checked(self, c: int) -> bytes:

@@ -11,7 +11,6 @@ import functools
 import json
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +23,7 @@ from edge_client.cli import main as edge_cli
 from edge_client.serve import create_app
 from edge_client.web_edge import BUNDLE, WebEdge, WebEdgeError
 from tests.clients.test_typescript import PROMPT, TS, _built, _seeded_ar, tiny_export
-from tests.cloud_verifier.service import LiveServer, reference, tiny
+from tests.cloud_verifier.service import LiveServer, reference, slow_forwards
 from tests.edge_client.browser import Browser, chromium
 from tests.edge_client.local_server import served
 from tests.edge_client.test_serve import _ar
@@ -145,14 +144,7 @@ def test_the_page_drafts_in_the_tab_and_gives_the_verifiers_tokens(
     conditional tree drafted in the tab arrives); the model files fetched on the first visit and
     read from the browser's cache on the second; seeded match equals seeded ar; mode ar marks every
     token the target's."""
-    model = tiny().model
-    real = model.forward_packed
-
-    def slow_forward(inputs: Any, kv: Any) -> Any:
-        time.sleep(0.1)
-        return real(inputs, kv)
-
-    monkeypatch.setattr(model, "forward_packed", slow_forward)
+    slow_forwards(monkeypatch, 0.1)
     ids = ",".join(map(str, PROMPT))
     with LiveServer(allowed_origins="*") as srv, _page_server(tiny_export, srv.ws, bundle) as page:
         with Browser() as b:

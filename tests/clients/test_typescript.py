@@ -11,14 +11,13 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 
 from shared.messages import Mode, Prompt, Verdict, Welcome
-from tests.cloud_verifier.service import AsyncSession, LiveServer, reference, tiny
+from tests.cloud_verifier.service import AsyncSession, LiveServer, reference, slow_forwards, tiny
 
 TS = Path(__file__).resolve().parents[2] / "clients" / "typescript"
 
@@ -149,14 +148,7 @@ def test_typescript_prespeculation_hides_the_wait_and_keeps_the_output(
     sends it conditional on it. The verifier here takes 100 ms a forward (a sleep: on loopback `tiny`
     verifies in ~1 ms, before any conditional tree could arrive), so the server finds the tree
     waiting and goes on at once (`next_round`); greedy and seeded match keep exactly the output."""
-    model = tiny().model
-    real = model.forward_packed
-
-    def slow_forward(inputs: Any, kv: Any) -> Any:
-        time.sleep(0.1)
-        return real(inputs, kv)
-
-    monkeypatch.setattr(model, "forward_packed", slow_forward)
+    slow_forwards(monkeypatch, 0.1)
     prompt = ",".join(map(str, PROMPT))
     gen = [
         "generate",

@@ -29,6 +29,19 @@ def tiny() -> Target:
     return load_target("tiny", progress=False)
 
 
+def slow_forwards(monkeypatch: Any, seconds: float) -> None:
+    """Make `tiny`'s every forward take `seconds` more (a sleep, no CPU): a verifier as slow as the
+    real pair's on a CPU, so an edge's work during a verification has time, whatever the load."""
+    model = tiny().model
+    real = model.forward_packed
+
+    def slow(inputs: Any, kv: Any) -> Any:
+        time.sleep(seconds)
+        return real(inputs, kv)
+
+    monkeypatch.setattr(model, "forward_packed", slow)
+
+
 @functools.cache
 def reference(prompt: tuple[int, ...], n: int) -> list[int]:
     """Target-only greedy continuation (the oracle every greedy session must reproduce)."""

@@ -26,7 +26,7 @@ from edge_client.speculation.outcomes import (
 from edge_client.stats import GenerationStats
 from edge_client.trees import DraftOptions, draft_static
 from shared.tree import ExpansionConfig, TokenTree, rebase
-from tests.cloud_verifier.service import LiveServer, tiny
+from tests.cloud_verifier.service import LiveServer, slow_forwards, tiny
 from tests.edge_client.fake_drafter import FakeDrafter
 
 if TYPE_CHECKING:
@@ -203,7 +203,6 @@ def test_prespec_in_stochastic_modes_keeps_draws_valid(mode: str) -> None:
 def test_misses_and_stales_end_to_end() -> None:
     """A draft whose rankings are scrambled: its conditional trees mostly miss, come back stale,
     and the client falls back to drafting synchronously; the output is still exactly the target's."""
-    from tests.cloud_verifier.service import tiny
     from tests.edge_client.test_e2e import compare, greedy_with_gaps
 
     drafter = create_drafter("torch", "tiny")
@@ -285,7 +284,6 @@ def test_a_conditional_tree_refused_for_room_is_dropped() -> None:
     stale ones and the generation finishes with exactly the target's tokens."""
     import dataclasses
 
-    from tests.cloud_verifier.service import tiny
     from tests.edge_client.test_e2e import compare, greedy_with_gaps
 
     drafter = create_drafter("torch", "tiny")
@@ -359,14 +357,7 @@ def test_the_outcome_cache_and_the_priced_miss_path_keep_the_output(monkeypatch:
     leaves), which for `tiny` on a CPU is a few ms: no chain would fit. The verifier here takes
     300 ms a forward (a sleep, as the real pair's ~400-700 ms on this CPU), so every round has time
     for chains that no load on the machine takes away (the sleep uses no CPU)."""
-    model = tiny().model
-    real = model.forward_packed
-
-    def slow_forward(inputs: Any, kv: Any) -> Any:
-        time.sleep(0.3)
-        return real(inputs, kv)
-
-    monkeypatch.setattr(model, "forward_packed", slow_forward)
+    slow_forwards(monkeypatch, 0.3)
     prompt = load_prompts(1)[0].text
     drafter = create_drafter("torch", "tiny")
 
