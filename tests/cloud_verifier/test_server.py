@@ -10,6 +10,7 @@ from typing import cast
 
 import httpx
 import numpy as np
+import pytest
 from fastapi import FastAPI
 
 from shared.errors import ErrorCode
@@ -26,6 +27,7 @@ from tests.cloud_verifier.service import (
     run_greedy_async,
     scripted_tree,
     service,
+    slow_forwards,
     tiny,
 )
 
@@ -154,7 +156,11 @@ def test_stop_ids_end_the_generation_on_the_server() -> None:
         assert out == ref[: first + 1] and v.reason == "stop"
 
 
-def test_conditional_tree_hit_needs_no_client_message() -> None:
+def test_conditional_tree_hit_needs_no_client_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the verifier takes 100 ms a forward (a sleep): `tiny` alone verifies round 1 in ~3 ms, and on a
+    # loaded machine that was before the conditional tree's frame was read (a fresh-clone run saw
+    # next_round None once); the tree must be pending while round 1 is in flight
+    slow_forwards(monkeypatch, 0.1)
     prompt = prompt_tokens(21)
     ref = prompt + reference(tuple(prompt), 40)
     with service() as client, WsSession(client) as sess:
