@@ -115,13 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _layer_bytes(model: str, weights: str, shape: str | None, device: str) -> tuple[int, str | None]:
-    """The streamable layers' bytes of the target (and, for --shape, the weight-cache entry made
-    for its random weights)."""
+    """The streamable weights' bytes of the target: its layers, and on the CPU a float head of its own
+    (offload_head: the budget holds it first, or it streams); and, for --shape, the weight-cache
+    entry made for its random weights."""
     from shared.model import offload
 
     if shape:
         entry = _random_entry(shape, device)
-        return offload.float_layout(entry).layer_bytes, str(entry)
+        return _float_bytes(entry, device), str(entry)
     from shared.model import gguf_loader, weight_cache
     from shared.model.target import _gguf_file
     from shared.model.weights import resolve_device, resolve_dtype
@@ -137,7 +138,20 @@ def _layer_bytes(model: str, weights: str, shape: str | None, device: str) -> tu
         from shared.model import load_target
 
         load_target(model, offload="disk", resident_gb=0.0)
-    return offload.float_layout(entry).layer_bytes, None
+    return _float_bytes(entry, device), None
+
+
+def _float_bytes(entry: Path, device: str) -> int:
+    """A float-weight cache entry's streamable bytes: the layers' spans and, on the CPU, the head's."""
+    from shared.model import offload
+    from shared.model.offload_head import head_entry
+    from shared.model.weights import resolve_device
+
+    head = head_entry(entry) if resolve_device(device).type == "cpu" else None
+    layers = offload.float_layout(entry).layer_bytes
+    if head is None:
+        return layers
+    return layers + int(head["shape"][0]) * int(head["shape"][1]) * offload._DTYPE_BYTES[head["dtype"]]
 
 
 def _random_entry(shape: str, device: str) -> Path:
@@ -243,6 +257,7 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
         "resident_gb": round(fraction * layer_bytes / GB, 3),
         "layers_resident": len(stream.resident),
         "layers": len(stream),
+        "head_streamed": stream.head is not None,
         "rows_ms": rows_ms,
         "stream_ms_by_rows": per_row,
         "bytes_per_forward": sum(stream.layout.layers[i].nbytes for i in stream.streamed),
@@ -273,7 +288,8 @@ def run_forward_part(args: argparse.Namespace, layer_bytes: int, entry: str | No
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(
-            f"forward, resident {f:g}: {row['layers_resident']}/{row['layers']} layers, ms by rows "
+            f"forward, resident {f:g}: {row['layers_resident']}/{row['layers']} layers"
+            f"{' (head streamed)' if row['head_streamed'] else ''}, ms by rows "
             f"{row['rows_ms']}, overlap at 1 row {row['overlap_1row']}, peak RSS {row['peak_rss_gb']} GB",
             flush=True,
         )
@@ -494,7 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1 or args.offload_threads < 1:
         ap.error("--repeats and --offload-threads must be >= 1")
     layer_bytes, entry = _layer_bytes(args.model, args.weights, args.shape, args.device)
-    print(f"layers: {layer_bytes / GB:.3f} GB streamable; budgets {args.resident}", flush=True)
+    print(f"layers (and a head of its own): {layer_bytes / GB:.3f} GB streamable; budgets {args.resident}",
+          flush=True)  # fmt: skip
     rows: list[dict[str, Any]] = []
     if "forward" in parts:
         rows += run_forward_part(args, layer_bytes, entry)

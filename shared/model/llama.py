@@ -32,7 +32,7 @@ checkpoints keep using), so memory for the projections doubles on CPU.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +73,32 @@ class DecoderLayer(nn.Module):
 
 
 # a projection as the forward uses it: the Gemm's prepared float weight, or GGUF blocks
-Weight = torch.Tensor | QuantMatrix
+class RowChunks:
+    """A projection [out, in] prepared in chunks of output rows (`rows` each, the last shorter): its
+    product is the concatenation of the chunks' products. oneDNN heads are prepared this way, so a
+    head held in memory and one streamed a chunk at a time from disk (offload.StreamedRows) run the
+    very same products and give the same bits; the packing's temporary copy is a chunk's, not the
+    head's."""
+
+    def __init__(self, parts: list[torch.Tensor], rows: int, out_features: int, in_features: int) -> None:
+        self.parts, self.rows = parts, rows
+        self.out_features, self.in_features = out_features, in_features
+
+    def chunks(self) -> Iterator[torch.Tensor]:
+        """Each chunk's prepared weight, in order."""
+        yield from self.parts
+
+    def linear(self, gemm: Gemm, x: torch.Tensor) -> torch.Tensor:
+        """x: [rows, in] -> [rows, out]."""
+        return torch.cat([gemm.linear(x, part) for part in self.chunks()], dim=1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the chunks held in memory."""
+        return sum(p.numel() * p.element_size() for p in self.parts)
+
+
+Weight = torch.Tensor | QuantMatrix | RowChunks
 
 
 @dataclass(frozen=True)
@@ -197,7 +222,7 @@ class LlamaModel(nn.Module):
                 if release:
                     for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
                         p.data = p.data.new_empty(0)
-            head = g.pack(self.lm_head)
+            head = g.pack_rows(self.lm_head)
             if release and self.lm_head is not self.embed:
                 self.lm_head.data = self.lm_head.data.new_empty(0)
             self._prepared = _Prepared(g, layers, head)
@@ -254,7 +279,9 @@ class LlamaModel(nn.Module):
         if self.offload is not None:  # the resident layers and the stream buffers, not the file
             own = sum(p.numel() * p.element_size() for p in self.parameters())
             head = self.prepare().lm_head
-            if isinstance(head, torch.Tensor) and all(head is not p for p in self.parameters()):
+            if isinstance(head, RowChunks):  # the chunks held, or a streamed head's buffers
+                own += head.nbytes + getattr(head, "buffer_bytes", 0)
+            elif isinstance(head, torch.Tensor) and all(head is not p for p in self.parameters()):
                 own += head.numel() * head.element_size()  # the packed head is a copy
             tables = [m for m in (head, self._quant_embed) if isinstance(m, QuantMatrix)]
             # a tied head and token table are two matrices over the same blocks: count them once
@@ -459,6 +486,7 @@ class Rotary:
 # oneDNN picks its blocked layout for an expected row count; 16 serves 1..300 rows within a few %
 PACK_ROWS_HINT = 16
 GEMM_MIN_ROWS = 4  # products of fewer rows are padded (see Gemm.linear)
+HEAD_CHUNK_ROWS = 8192  # output rows per chunk of a oneDNN head (RowChunks): 48 MB of the 1.5B's fp32 head
 GEMM_KINDS = ("auto", "onednn", "torch")
 
 
@@ -496,8 +524,20 @@ class Gemm:
             return prepared
         return weight
 
+    def pack_rows(self, weight: torch.Tensor) -> torch.Tensor | RowChunks:
+        """A head [vocab, hidden] prepared as `pack` does; for oneDNN in chunks of HEAD_CHUNK_ROWS
+        rows (RowChunks) when it has more rows than one chunk."""
+        rows = HEAD_CHUNK_ROWS
+        if self.kind != "onednn" or weight.shape[0] <= rows:
+            return self.pack(weight)
+        parts = [self.pack(weight[a : a + rows]) for a in range(0, weight.shape[0], rows)]
+        return RowChunks(parts, rows, weight.shape[0], weight.shape[1])
+
     def linear(self, x: torch.Tensor, packed: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x: [rows, in] -> [rows, out]."""
+        if isinstance(packed, RowChunks):
+            assert bias is None
+            return packed.linear(self, x)
         if isinstance(packed, QuantMatrix):
             return packed.linear(x, bias)
         if self.kind == "onednn":

@@ -26,10 +26,15 @@ Integrity: every span's checksum (xxh3-64, or CRC-32 without xxhash) is recorded
 file streams (a sidecar keyed by the file's content id), every span is checked against it at each
 later start, and on every read on the reader thread: a truncated file is refused at start, a
 corrupt span (at start or later) raises `OffloadError` naming the layer, never a wrong token.
-Non-layer state (token table, head, norms, biases) stays resident.
+On the CPU, float weights' token table stays in the file too (TableRows: a forward reads its
+tokens' rows), and so does a head of its own (offload_head): packed into memory a chunk at a time
+when it fits the budget, else streamed every forward in chunks like a layer. Norms and biases stay
+resident.
 
-The resident budget covers the resident layers and the two stream buffers (plus, for float
-weights, two packed layers in flight); layers are kept resident from the first one on.
+The resident budget covers the head (first, when it fits: it is read every forward), the resident
+layers and the stream buffers (two layers' spans, plus, for float weights, two packed layers in
+flight; a streamed head's two chunks and one packed chunk); layers are kept resident from the first
+one on.
 """
 
 from __future__ import annotations
@@ -463,6 +468,7 @@ class StreamedLayers:
     closer: Callable[[], None] | None = None
     read_threads: int = 1
     table: TableRows | None = None  # the token table left on disk (float weights on the CPU)
+    head: Any = None  # the head when it streams too (offload_head.StreamedRows)
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="offload")
     )
@@ -560,6 +566,8 @@ class StreamedLayers:
             self.closer()
         if self.table is not None:
             self.table.close()
+        if self.head is not None:
+            self.head.close()
 
 
 def plan_resident(layout: Layout, budget_bytes: int, extra_per_buffer: int = 0) -> tuple[set[int], int]:
@@ -729,9 +737,11 @@ def attach(
             raise ValueError("a model on float weights streams the float-weight cache (float_layout)")
         gemm = Gemm(choose_gemm(model.gemm_kind, model.device, model.dtype))
         pack, packed_copy = gemm.pack, gemm.kind == "onednn"
-        head = gemm.pack(model.lm_head)
-        if packed_copy and model.lm_head is not model.embed:  # one copy of the head, as prepare(release)
-            model.lm_head.data = model.lm_head.data.new_empty(0)
+    budget = int(resident_gb * 1e9)
+    head_file = None
+    if model.weights != "quantized":
+        entry = layout.path.parent
+        head, budget, head_file = _float_head(model, gemm, entry, budget, sidecar, direct, progress)
     # the token table goes back to disk before the resident layers and buffers are filled: the
     # peak holds the table and the head's packed copy, or the head and the layers, never all three
     table = (
@@ -739,7 +749,7 @@ def attach(
     )
     streamed = stream(
         layout,
-        int(resident_gb * 1e9),
+        budget,
         pack,
         mode,
         model.device,
@@ -755,12 +765,48 @@ def attach(
         assert isinstance(layer, DecoderLayer)
         for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
             p.data = p.data.new_empty(0)
+    streamed.budget_bytes = int(resident_gb * 1e9)  # the head's share included
+    if head_file is not None:
+        from shared.model.offload_head import StreamedRows
+
+        head = streamed.head = StreamedRows(head_file, gemm.pack, lambda: streamed.stats, streamed._lock)
     model._prepared = _Prepared(gemm, streamed, head)
     model.released = True
     model.offload = streamed
     streamed.table = table
     model.embed_rows = table
     return streamed
+
+
+def _float_head(
+    model: Any, gemm: Any, entry: Path, budget: int, sidecar: Path | None, direct: bool, progress: bool
+) -> tuple[Any, int, Any]:
+    """The head as the streamed model runs it, the budget left for the layers, and the head's file
+    when the head streams (offload_head.StreamedRows, made once the layers' stream exists).
+
+    A head of its own on oneDNN is read from the cache file a chunk at a time (offload_head): packed
+    into memory when it fits the budget, which it then takes first (it is read every forward, like a
+    layer), else streamed every forward, its buffers taken from the budget. A tied head is the token
+    table, which the token lookup needs anyway: packed from memory, outside the budget."""
+    from shared.model import offload_head
+
+    own = model.lm_head is not model.embed and model.device.type == "cpu"
+    source = offload_head.open_head(entry, sidecar, direct, progress) if own else None
+    if source is None:
+        head = gemm.pack_rows(model.lm_head)
+        if gemm.kind == "onednn" and model.lm_head is not model.embed:  # one copy, as prepare(release)
+            model.lm_head.data = model.lm_head.data.new_empty(0)
+        return head, budget, None
+    model.lm_head.data = model.lm_head.data.new_empty(0)  # (never read: target._streamed_skip)
+    if gemm.kind != "onednn":  # the whole matrix, as the resident model runs it
+        weight = torch.cat([source.read(c, source.buffer()).clone() for c in range(source.count)])
+        source.close()
+        return gemm.pack_rows(weight), budget, None
+    if source.nbytes <= budget:
+        head = offload_head.resident_head(source, gemm.pack)
+        source.close()
+        return head, budget - source.nbytes, None
+    return None, max(0, budget - source.stream_bytes), source
 
 
 # ---------------------------------------------------------------------------------------------

@@ -203,15 +203,16 @@ def _is_projection(name: str) -> bool:
 
 def _streamed_skip(entry: Path, dev: torch.device) -> Callable[[str], bool]:
     """What a streamed float model does not read from its cache entry: the layers' projections,
-    and on the CPU the token table when the head is a matrix of its own (offload.table_on_disk
-    leaves the table in the file; reading it would only raise the start's peak memory)."""
+    and on the CPU, when the head is a matrix of its own, the token table and the head
+    (offload.table_on_disk leaves the table in the file, offload_head reads the head a chunk at a
+    time; reading either whole would only raise the start's peak memory)."""
     try:
         header = json.loads((entry / "header.json").read_text(encoding="utf-8"))
         untied = any(p["name"] == "lm_head" for p in header["params"])
     except (OSError, ValueError, KeyError, TypeError):
         untied = False  # (no entry yet: the first start writes it, then reads it with this again)
     table = untied and dev.type == "cpu"
-    return lambda name: _is_projection(name) or (table and name == "embed")
+    return lambda name: _is_projection(name) or (table and name in ("embed", "lm_head"))
 
 
 def _load_streamed(

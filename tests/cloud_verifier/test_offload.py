@@ -26,7 +26,7 @@ from shared.model import (
     weight_cache,
 )
 from shared.model.generate import greedy_generate
-from shared.model.llama import DecoderLayer
+from shared.model.llama import DecoderLayer, choose_gemm
 from shared.model.tokenizer import placeholder_tokenizer
 from tests.cloud_verifier.service import prompt_tokens
 from tests.cloud_verifier.test_quantized_model import _target, tree_generation, write_llama_gguf
@@ -34,6 +34,7 @@ from tests.cloud_verifier.test_tree_forward import check_round
 from treespec_kernels import quant_matmul as qm
 
 LAYERS = 8
+CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -125,25 +126,115 @@ def test_the_float_token_table_stays_on_disk_checked(tmp_path: Path) -> None:
     st.close()
 
 
-def test_an_untied_head_streams_with_the_table_never_read(tmp_path: Path) -> None:
-    """A model whose head is its own matrix (the 1.5B's GGUF): a streamed start reads neither the
-    projections nor the token table (target._streamed_skip), so its peak memory holds neither; the
-    rows come from the file and the logits are the resident model's bit for bit."""
-    from shared.model.target import _streamed_skip
-
+def _untied(tmp: Path) -> tuple[LlamaModel, Path]:
+    """A tiny model whose head is its own matrix (as the 1.5B's GGUF), and its cache entry."""
     resident = build_model(make_tiny_config(num_layers=LAYERS, tie_embeddings=False), 5, "float32", "cpu")
     assert resident.lm_head is not resident.embed
-    entry = _entry(tmp_path, resident)
-    want = _logits(resident, _tokens())
-    skip = _streamed_skip(entry, torch.device("cpu"))
-    assert skip("embed") and skip("layers.0.qkv") and not skip("lm_head") and not skip("norm")
-    hit = weight_cache.load(entry, torch.float32, torch.device("cpu"), False, skip=skip)
+    return resident, _entry(tmp, resident)
+
+
+def _streamed_start(entry: Path, budget: int, sidecar: Path) -> tuple[LlamaModel, offload.StreamedLayers]:
+    """A streamed start as load_target makes it: read what target._streamed_skip keeps, then attach."""
+    from shared.model.target import _streamed_skip
+
+    hit = weight_cache.load(entry, torch.float32, torch.device("cpu"), False, skip=_streamed_skip(entry, CPU))
     assert hit is not None
     model = hit[0]
-    assert model.embed.numel() == 0  # never read
+    return model, offload.attach(model, offload.float_layout(entry), budget / 1e9, sidecar=sidecar)
+
+
+def _onednn_only() -> None:
+    if choose_gemm("auto", CPU, torch.float32) != "onednn":
+        pytest.skip("this CPU has no oneDNN projections: the head is packed from memory as before")
+
+
+def test_an_untied_head_streams_with_the_table_never_read(tmp_path: Path) -> None:
+    """A model whose head is its own matrix (the 1.5B's GGUF): a streamed start reads neither the
+    projections, nor the token table, nor the head (target._streamed_skip), so its peak memory holds
+    none of them; the rows and the head come from the file and the logits are the resident model's
+    bit for bit."""
+    from shared.model.target import _streamed_skip
+
+    resident, entry = _untied(tmp_path)
+    want = _logits(resident, _tokens())
+    skip = _streamed_skip(entry, CPU)
+    assert skip("embed") and skip("lm_head") and skip("layers.0.qkv") and not skip("norm")
     layout = offload.float_layout(entry)
-    st = offload.attach(model, layout, 2 * layout.max_span / 1e9, sidecar=tmp_path / "c.json")
+    model, st = _streamed_start(entry, 2 * layout.max_span, tmp_path / "c.json")
+    assert model.embed.numel() == 0 and model.lm_head.numel() == 0  # never read
     assert st.table is not None
+    assert torch.equal(_logits(model, _tokens()), want)
+    st.close()
+
+
+def test_a_head_of_its_own_is_held_within_the_budget_else_streamed_bit_for_bit(tmp_path: Path) -> None:
+    """The head counts in the resident budget: packed into memory a chunk at a time when it fits
+    (its chunks, HEAD_CHUNK_ROWS rows each, as a resident model's), else streamed every forward with
+    read-ahead (offload_head.StreamedRows), its buffers within the budget. Either way the logits are
+    the resident model's bit for bit, forward after forward, and a tree's rows equal decoding its
+    path one token at a time."""
+    from shared.model.llama import HEAD_CHUNK_ROWS, RowChunks
+    from shared.model.offload_head import StreamedRows
+
+    _onednn_only()
+    resident, entry = _untied(tmp_path)
+    want = _logits(resident, _tokens())
+    c = resident.config
+    head_bytes = c.vocab_size * c.hidden_size * 4
+    chunks = -(-c.vocab_size // HEAD_CHUNK_ROWS)
+    assert chunks > 1  # the tiny vocabulary already spans several chunks
+    assert isinstance(resident.prepare().lm_head, RowChunks)
+    span = offload.float_layout(entry).max_span
+    model, st = _streamed_start(entry, head_bytes + 4 * span, tmp_path / "c.json")
+    head = model.prepare().lm_head
+    assert isinstance(head, RowChunks) and not isinstance(head, StreamedRows) and len(head.parts) == chunks
+    assert not st.resident and abs(st.budget_bytes - head_bytes - 4 * span) <= 1  # the head came first
+    assert torch.equal(_logits(model, _tokens()), want)
+    st.close()
+    model, st = _streamed_start(entry, 4 * span + head_bytes * 3 // 4, tmp_path / "c.json")
+    head = model.prepare().lm_head
+    assert isinstance(head, StreamedRows)
+    assert sum(int(b.numel()) for b in st.buffers) + st.resident_bytes + head.buffer_bytes <= st.budget_bytes
+    for _ in range(3):
+        read = st.stats.bytes_read
+        assert torch.equal(_logits(model, _tokens()), want)
+        assert st.stats.bytes_read - read >= head_bytes  # the whole head, every forward
+    rng = random.Random(77)
+    check_round(model, rng, prompt_len=20, nodes=12, tail=2, cond=1, exact=True)
+    st.close()
+
+
+def test_a_corrupt_head_is_refused_and_never_gives_a_wrong_token(tmp_path: Path) -> None:
+    """A flipped byte in a streamed head: the next forward that reads its chunk fails naming the
+    head's rows, and the next start refuses the file; repaired, the same logits again."""
+    from shared.model.offload_head import head_entry
+
+    _onednn_only()
+    resident, entry = _untied(tmp_path)
+    span = offload.float_layout(entry).max_span
+    model, st = _streamed_start(entry, 4 * span, tmp_path / "c.json")  # records the checksums
+    want = _logits(model, _tokens())
+    spec = head_entry(entry)
+    assert spec is not None
+    at = int(spec["offset"]) + 9000 * resident.config.hidden_size * 4 + 12  # in the second chunk
+    data = entry / "weights.bin"
+
+    def flip() -> None:
+        with data.open("r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x08]))
+
+    flip()
+    with pytest.raises(offload.OffloadError, match="head's rows 8192"):
+        for _ in range(3):  # (a chunk read ahead before the flip may still pass once)
+            _logits(model, _tokens())
+    st.close()
+    with pytest.raises(offload.OffloadError, match=r"head's rows 8192.*corrupt"):
+        _streamed_start(entry, 4 * span, tmp_path / "c.json")
+    flip()
+    model, st = _streamed_start(entry, 4 * span, tmp_path / "c.json")
     assert torch.equal(_logits(model, _tokens()), want)
     st.close()
 
