@@ -7,6 +7,7 @@ tests need Node 20 + npm (to build the bundle) and Chromium, and are skipped, sa
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import shutil
@@ -148,19 +149,48 @@ def test_the_page_drafts_in_the_tab_and_gives_the_verifiers_tokens(
     ids = ",".join(map(str, PROMPT))
     with LiveServer(allowed_origins="*") as srv, _page_server(tiny_export, srv.ws, bundle) as page:
         with Browser() as b:
-            first = _visit(b, f"{page}?prompt_ids={ids}&max=40&autorun=1")
+            # (background=0: drafting from the first round; the other visits start while the model loads)
+            first = _visit(b, f"{page}?prompt_ids={ids}&max=40&autorun=1&background=0")
             assert first["error"] is None, first["error"]
             assert first["tokens"] == reference(tuple(PROMPT), 40)
             kinds = {k for m in first["marks"] for k in m.split()}
             assert "model.onnx" in first["fetched"] and {"d1", "bonus", "hit"} <= kinds
             assert first["stats"]["tau"] > 1.0 and first["stats"]["hits"] > 0  # the page pre-speculates
-            again = _visit(b, f"{page}?prompt_ids={ids}&max=40&autorun=1&prespec=0")
+            again = _visit(b, f"{page}?prompt_ids={ids}&max=40&autorun=1&prespec=0&background=0")
             assert again["tokens"] == first["tokens"] and again["stats"]["hits"] == 0
             assert again["fetched"] == ["manifest.json"] and "model.onnx" in again["cached"]
             match = _visit(b, f"{page}?prompt_ids={ids}&max=30&autorun=1&mode=match&temperature=0.9&seed=77")
             assert match["error"] is None and match["tokens"] == _seeded_ar(srv.ws)
             ar = _visit(b, f"{page}?prompt_ids={ids}&max=12&autorun=1&mode=ar&temperature=0")
             assert ar["tokens"] == reference(tuple(PROMPT), 12) and set(ar["marks"]) == {"target"}
+
+
+def test_the_page_answers_before_its_model_is_loaded(
+    bundle: Path, tiny_export: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page's default start: the session opens once the manifest and tokenizer are read, and while
+    model.onnx is still on its way (held back 2 s here) the rounds are the target's own tokens
+    (marked "target", `cloudRounds`); once the model is loaded the tab drafts. The tokens are the
+    verifier's `ar` tokens, and the first one came before the model was loaded."""
+    slow_forwards(monkeypatch, 0.1)
+    serve = WebEdge.model_file
+
+    async def slow_model(self: WebEdge, name: str) -> Any:
+        if name == "model.onnx":
+            await asyncio.sleep(2.0)
+        return await serve(self, name)
+
+    monkeypatch.setattr(WebEdge, "model_file", slow_model)
+    ids = ",".join(map(str, PROMPT))
+    with LiveServer(allowed_origins="*") as srv, _page_server(tiny_export, srv.ws, bundle) as page:
+        with Browser() as b:
+            got = _visit(b, f"{page}?prompt_ids={ids}&max=60&autorun=1&prespec=0")
+    assert got["error"] is None, got["error"]
+    assert got["tokens"] == reference(tuple(PROMPT), 60)
+    marks, st = got["marks"], got["stats"]
+    assert marks[:3] == ["target"] * 3 and st["cloudRounds"] >= 3, (marks, st)
+    assert "d1" in {k for m in marks[st["cloudRounds"] :] for k in m.split()}  # drafted once loaded
+    assert 0 < got["firstTokenPageMs"] < got["loadMs"], got
 
 
 def test_the_page_tokenizes_a_chat_prompt_as_the_python_edge(bundle: Path, tiny_export: Path) -> None:

@@ -305,6 +305,60 @@ def test_the_edge_sdk_streams_the_targets_text(built: None, tiny_export: Path) -
     assert doc["text"] == want and doc["tau"] > 1.0
 
 
+BACKGROUND_SCRIPT = """
+import * as ort from "onnxruntime-node";
+import { Edge, folderReader } from "./dist/src/index.js";
+const [url, folder, ids, mode] = process.argv.slice(1);
+let release;
+const gate = new Promise((r) => (release = r));
+// onnxruntime's session is made only after the third verdict: a draft model that loads slowly
+const create = async (...a) => {
+  await gate;
+  return ort.InferenceSession.create(...a);
+};
+const slow = { ...ort, InferenceSession: { create } };
+const edge = await Edge.open(url, await folderReader(folder), slow, { tree: [1, 2, 1, 1], background: true });
+const loadedAtOpen = edge.drafting;
+const marks = [];
+const onVerdict = (v) => {
+  marks.push(v.cloudOnly);
+  if (marks.length === 3) release();
+};
+const opts = mode === "match"
+  ? { mode, temperature: 0.9, seed: 77n, maxNewTokens: 30 }
+  : { maxNewTokens: 40 };
+const tokens = [];
+for await (const _ of edge.generate(ids.split(",").map(Number), { ...opts, onVerdict })) {}
+tokens.push(...edge.client.committed.slice(ids.split(",").length));
+edge.close();
+const doc = { tokens, loadedAtOpen, marks, stats: edge.last };
+process.stdout.write(JSON.stringify(doc), () => process.exit(0));
+"""
+
+
+@pytest.mark.parametrize("mode", ["greedy", "match"])
+def test_the_edge_starts_before_its_model_is_loaded_and_keeps_the_output(
+    built: None, tiny_export: Path, mode: str
+) -> None:
+    """`background: true` (the page's default): Edge.open returns once the verifier answers, the first
+    rounds are the target's own tokens (empty trees, marked `cloudOnly`), and drafting starts with
+    the first round after the model is loaded; greedy output is the target's own, seeded match
+    seeded ar's."""
+    with LiveServer() as srv:
+        ids = ",".join(map(str, PROMPT))
+        cmd = ["node", "--input-type=module", "-e", BACKGROUND_SCRIPT, srv.ws, str(tiny_export), ids, mode]
+        r = subprocess.run(cmd, cwd=TS, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        want = reference(tuple(PROMPT), 40) if mode == "greedy" else _seeded_ar(srv.ws)
+    assert doc["tokens"] == want
+    assert doc["loadedAtOpen"] is False and doc["marks"][:3] == [True, True, True]
+    st = doc["stats"]
+    assert 3 <= st["cloudRounds"] < len(doc["marks"]) and st["draftedNodes"] > 0, st
+    drafted = doc["marks"].index(False)  # from here on the model drafts
+    assert all(not m for m in doc["marks"][drafted:]) and len(doc["marks"]) < len(want), doc["marks"]
+
+
 DYNAMIC_SCRIPT = """
 import * as ort from "onnxruntime-node";
 import { draftDynamic, folderReader, OnnxDrafter } from "./dist/src/index.js";

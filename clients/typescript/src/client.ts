@@ -68,6 +68,7 @@ export interface VerdictInfo {
   bonus: boolean; // the last token is the target's own (a correction or the bonus)
   verifyMs: number;
   prespeculated: boolean; // the tree was pre-speculated: the server verified it without waiting for the edge
+  cloudOnly: boolean; // the round had no drafted token (the draft model was still loading): the target's own
 }
 
 export interface Stats {
@@ -81,6 +82,7 @@ export interface Stats {
   hits: number; // verdicts after which the server went on with a pre-speculated tree at once
   hitRate: number; // hits / tree verdicts (0 without pre-speculation)
   lateHits: number; // outcomes predicted whose tree reached the server after its verdict (verified on arrival)
+  cloudRounds: number; // verdicts of rounds sent without a drafted token (an empty tree, or a prompt without one)
 }
 
 const median = (xs: number[]) => {
@@ -98,7 +100,8 @@ export class TreespecClient {
   private sentAt = 0;
   /** The network's share of a round, learned from verdicts (wall time - the server's verify_ms). */
   rttMs = 0;
-  last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0, hits: 0, hitRate: 0, lateHits: 0 };
+  last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0, hits: 0, hitRate: 0, lateHits: 0,
+    cloudRounds: 0 };
 
   private ws!: Socket;
   private generation = 0;
@@ -244,12 +247,14 @@ export class TreespecClient {
     const maxNew = o.maxNewTokens ?? 128;
     const t0 = performance.now();
     this.committed = [...prompt];
-    const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0, hits: 0, hitRate: 0, lateHits: 0 };
+    const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0, hits: 0, hitRate: 0, lateHits: 0,
+    cloudRounds: 0 };
     this.last = st;
     // pre-speculation: the conditional tree sent for the round in flight, if any
     // (in an object: a closure assigns it, which TypeScript's narrowing of a `let` does not follow)
     const spec: { pending: { round: number; full: number[]; tree: Tree } | null } = { pending: null };
     let hitRound = -1; // the last pre-speculated round the server took
+    const cloud = new Set<number>(); // rounds sent with no drafted token
     const speculate = async (tree: Tree) => {
       spec.pending = null;
       if (!o.prespec || cancelled || this.welcome.limits.max_pending < 1) return;
@@ -262,7 +267,12 @@ export class TreespecClient {
     };
     const start = async () => {
       // the prompt, or after a drop every committed token as a new session's prompt
-      const first = mode === "ar" ? undefined : await draft(this.committed);
+      cloud.clear(); // a new session numbers its rounds again
+      let first = mode === "ar" ? undefined : await draft(this.committed);
+      if (first && !first.tokens.length) {
+        first = undefined; // the server answers a prompt without a tree with the target's first token
+        cloud.add(0);
+      }
       st.draftedNodes += first?.tokens.length ?? 0;
       this.send({
         type: "prompt", tokens: this.committed, mode, temperature: mode === "greedy" ? 0 : o.temperature ?? 0,
@@ -311,12 +321,14 @@ export class TreespecClient {
           const net = Math.max(0, performance.now() - this.sentAt - v.verify_ms);
           this.rttMs = st.rounds === 1 ? net : 0.8 * this.rttMs + 0.2 * net;
         }
+        if (cloud.has(v.round)) st.cloudRounds++;
         st.tokens += v.tokens.length;
         st.tau = st.tokens / verdicts;
         st.msPerToken = (performance.now() - t0) / Math.max(1, st.tokens);
         st.draftMs = median(drafting);
         o.onVerdict?.({ round: v.round, tokens: [...v.tokens], accepted: v.accepted_nodes.length, bonus: v.has_bonus,
-                        verifyMs: v.verify_ms, prespeculated: v.round === hitRound });  // prettier-ignore
+                        verifyMs: v.verify_ms, prespeculated: v.round === hitRound,
+                        cloudOnly: cloud.has(v.round) });  // prettier-ignore
         if (v.tokens.length) yield v.tokens;
         if (v.done) {
           if (cancelled && v.reason === "cancelled") throw signal?.reason ?? new DOMException("cancelled", "AbortError");
@@ -337,6 +349,7 @@ export class TreespecClient {
           // a miss (a pending tree is answered stale): draft from what was committed
           const t = await draft(this.committed);
           st.draftedNodes += t.tokens.length;
+          if (!t.tokens.length) cloud.add(this.round + 1);
           // a socket that just closed: its close event is next in the inbox, and resumes
           if (this.ws.open) this.send({ type: "tree", round: ++this.round, ...t });
           this.sentAt = performance.now();

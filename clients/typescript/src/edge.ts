@@ -6,7 +6,9 @@
 //   for await (const text of edge.generate("Write a haiku", { maxNewTokens: 64, signal })) show(text);
 //   console.log(edge.last.tau);
 import { type GenerateOptions, type ResumeOptions, type Stats, TreespecClient } from "./client.js";
-import { draftConditional, draftStatic, type DrafterOptions, type ExportReader, OnnxDrafter, type OrtLike } from "./onnx_drafter.js";
+import {
+  draftConditional, draftStatic, type DrafterOptions, type ExportReader, type Manifest, OnnxDrafter, type OrtLike, readManifest,
+} from "./onnx_drafter.js";  // prettier-ignore
 import type { Coupling } from "./coupling.js";
 import type { Tree } from "./protocol.js";
 import { type ChatMessage, TextCodec } from "./text.js";
@@ -25,6 +27,10 @@ export interface EdgeOptions extends DrafterOptions {
   prespec?: boolean; // pre-speculate each round's likeliest outcome (default false)
   tree?: number[]; // the expansion tree drafted each round
   where?: string; // how errors name the export (default "the export")
+  // open as soon as the verifier answers and load the draft model meanwhile: until it is loaded each
+  // round is the target's own token (an empty tree, `Stats.cloudRounds`), so the first tokens do not
+  // wait for the model (default false: open returns with the model loaded; `edge.ready` either way)
+  background?: boolean;
 }
 
 /** A text (chat template unless `raw`), chat messages, or token ids. */
@@ -35,22 +41,66 @@ export interface TextOptions extends Omit<GenerateOptions, "draft" | "lookup" | 
   raw?: boolean; // the prompt as is, without the chat template
 }
 
+/** A tree of no nodes after `ctx`: the verifier answers it with the target's own next token. */
+export const cloudRound = (ctx: readonly number[]): Tree => ({ base: ctx.length, cond: [], tokens: [], parents: [] });
+
 export class Edge {
+  private loaded: OnnxDrafter | null = null;
+  private failed: Error | null = null;
+  /** Resolves with the draft model once it is loaded (rejects with why it could not be). */
+  readonly ready: Promise<OnnxDrafter>;
+
   private constructor(
     readonly client: TreespecClient,
-    readonly drafter: OnnxDrafter,
+    readonly manifest: Manifest,
+    loading: Promise<OnnxDrafter>,
     readonly codec: TextCodec,
     private readonly tree: number[],
     private readonly prespec: boolean,
-  ) {}
+  ) {
+    this.ready = loading.then(
+      (d) => (this.loaded = d),
+      (e: Error) => {
+        this.failed = e;
+        throw e;
+      },
+    );
+    this.ready.catch(() => undefined); // surfaced by `ready` and by the next draft, never unhandled
+  }
 
-  /** Load the export (checked), connect, and check that its vocabulary is the verifier's. */
+  /**
+   * Read the export's manifest and tokenizer (checked), connect and check that its vocabulary is the
+   * verifier's; the model loads meanwhile. Returns with it loaded unless `background`.
+   */
   static async open(server: string | string[], reader: ExportReader, ort: OrtLike, o: EdgeOptions = {}): Promise<Edge> {
     const where = o.where ?? "the export";
-    const drafter = await OnnxDrafter.load(reader, where, ort, o);
-    const codec = await TextCodec.load(reader, drafter.manifest, where);
-    const client = await TreespecClient.connect(server, drafter.manifest.fingerprint, o.apiKey, { resume: o.resume });
-    return new Edge(client, drafter, codec, o.tree ?? DEFAULT_TREE, o.prespec ?? false);
+    const manifest = await readManifest(reader, where);
+    const client = TreespecClient.connect(server, manifest.fingerprint, o.apiKey, { resume: o.resume });
+    const codec = TextCodec.load(reader, manifest, where);
+    codec.catch(() => undefined); // awaited below (after a failed connect, not at all)
+    const loading = OnnxDrafter.load(reader, where, ort, o, manifest);
+    loading.catch(() => undefined); // awaited below, or by `ready`
+    const edge = new Edge(await client, manifest, loading, await codec, o.tree ?? DEFAULT_TREE, o.prespec ?? false);
+    if (!o.background) {
+      try {
+        await edge.ready;
+      } catch (e) {
+        edge.close(); // the session is no use without the model
+        throw e;
+      }
+    }
+    return edge;
+  }
+
+  /** The draft model (an error while it is still loading: await `ready`). */
+  get drafter(): OnnxDrafter {
+    if (this.loaded) return this.loaded;
+    throw this.failed ?? new Error("the draft model is still loading: await edge.ready");
+  }
+
+  /** Whether the draft model is loaded (rounds before that are the target's own tokens). */
+  get drafting(): boolean {
+    return this.loaded !== null;
   }
 
   /** The prompt's token ids (chat template unless raw; token ids as they are). */
@@ -63,9 +113,13 @@ export class Edge {
   async *generate(prompt: Prompt, o: TextOptions = {}): AsyncGenerator<string> {
     const show = this.codec.stream();
     const coupling = couplingOf(o);
-    const draft = (ctx: readonly number[]) => draftStatic(this.drafter, ctx, this.tree, coupling);
+    // until the model is loaded (`background`): an empty tree, the target's own token
+    const draft = (ctx: readonly number[]) => {
+      if (this.failed) throw this.failed;
+      return this.loaded ? draftStatic(this.loaded, ctx, this.tree, coupling) : cloudRound(ctx);
+    };
     const prespec = (o.prespec ?? this.prespec)
-      ? (ctx: readonly number[], t: Tree) => draftConditional(this.drafter, ctx, t, this.tree, coupling)
+      ? async (ctx: readonly number[], t: Tree) => (this.loaded ? draftConditional(this.loaded, ctx, t, this.tree, coupling) : null)
       : undefined;
     for await (const ids of this.client.generate(this.encode(prompt, o.raw), { ...o, draft, prespec })) {
       const text = show(ids);

@@ -155,8 +155,8 @@ export class OnnxDrafter {
   }
 
   /** Load an export folder (checked against its manifest) with the given ONNX Runtime module. */
-  static async load(reader: ExportReader, where: string, ort: OrtLike, o: DrafterOptions = {}): Promise<OnnxDrafter> {
-    const manifest = await readManifest(reader, where);
+  static async load(reader: ExportReader, where: string, ort: OrtLike, o: DrafterOptions = {}, read?: Manifest): Promise<OnnxDrafter> {
+    const manifest = read ?? (await readManifest(reader, where)); // `read`: the manifest, already read and checked
     const options = {
       executionProviders: ["cpu"],
       intraOpNumThreads: o.threads ?? 1,

@@ -4,8 +4,11 @@
 //   ?prompt=TEXT  &raw=1  &prompt_ids=1,2,3  &max=N  &mode=greedy|match|ar  &temperature=T  &seed=S
 //   &autorun=1  &server=WS_URL  &model=URL  &tree=1,1,3,1 (the expansion tree drafted each round)
 //   &prespec=1 (pre-speculate each round's likeliest outcome)
+//   &background=0 (wait for the draft model before the first round; by default the page connects, starts at
+//   once with the target's own tokens and drafts from the round after the model is loaded)
 // For tests and tools the page keeps its state in `window.treespec` (ready, done, tokens, text, stats,
-// error, fetched, cached, loadMs, firstTokenMs).
+// error, fetched, cached, loadMs: ms until the draft model was loaded, firstTokenMs: ms from the run's start
+// to its first token, firstTokenPageMs: ms from the page's navigation to that token).
 import * as ort from "onnxruntime-web/wasm";
 import { Edge } from "./edge.js";
 import type { OrtLike } from "./onnx_drafter.js";
@@ -23,11 +26,12 @@ interface PageState {
   cached: string[];
   loadMs: number;
   firstTokenMs: number;
+  firstTokenPageMs: number;
 }
 
 const state: PageState = {
   ready: false, done: false, tokens: [], text: "", stats: {}, error: null, fetched: [], cached: [], loadMs: 0,
-  firstTokenMs: 0,
+  firstTokenMs: 0, firstTokenPageMs: 0,
 };  // prettier-ignore
 (globalThis as unknown as { treespec: PageState }).treespec = state;
 
@@ -61,19 +65,27 @@ async function load(): Promise<Edge> {
   const tree = query.get("tree")?.split(",").map(Number);
   if (tree && !tree.every((k) => Number.isInteger(k) && k >= 1)) throw new Error(`?tree=${query.get("tree")}: give positive integers`);
   const where = new URL(model, location.href).href;
-  const edge = await Edge.open(server, reader, ort as unknown as OrtLike, { where, tree });
-  state.fetched = reader.fetched;
-  state.cached = reader.cached;
-  state.loadMs = performance.now() - t0;
-  const from = reader.cached.length && !reader.fetched.some((f) => f !== "manifest.json") ? "the browser's cache" : "the network";
-  $("status").textContent =
-    `draft model ${edge.drafter.manifest.source} loaded from ${from} in ${(state.loadMs / 1000).toFixed(1)} s; ` +
-    `verifier ${edge.client.welcome.model_id} at ${server}`;
+  const background = query.get("background") !== "0";
+  const edge = await Edge.open(server, reader, ort as unknown as OrtLike, { where, tree, background });
+  const verifier = `verifier ${edge.client.welcome.model_id} at ${server}`;
+  const loaded = () => {
+    state.fetched = reader.fetched;
+    state.cached = reader.cached;
+    state.loadMs = performance.now() - t0;
+    const from = reader.cached.length && !reader.fetched.some((f) => f !== "manifest.json") ? "the browser's cache" : "the network";
+    $("status").textContent =
+      `draft model ${edge.manifest.source} loaded from ${from} in ${(state.loadMs / 1000).toFixed(1)} s; ${verifier}`;
+  };  // prettier-ignore
+  if (edge.drafting) loaded();
+  else {
+    $("status").textContent = `${verifier}; loading the draft model ${edge.manifest.source} (the target answers meanwhile)`;
+    edge.ready.then(loaded, fail);
+  }
   return edge;
 }
 
 function mark(v: VerdictInfo, i: number, mode: string): string {
-  if (mode === "ar") return "target";
+  if (mode === "ar" || v.cloudOnly) return "target";
   if (i < v.accepted) return i < 8 ? `d${i + 1}` : "deep";
   return "bonus";
 }
@@ -82,7 +94,7 @@ async function run(edge: Edge): Promise<void> {
   const out = $("out");
   out.textContent = "";
   delete out.dataset.done;
-  Object.assign(state, { done: false, tokens: [], text: "", error: null, firstTokenMs: 0 });
+  Object.assign(state, { done: false, tokens: [], text: "", error: null, firstTokenMs: 0, firstTokenPageMs: 0 });
   const mode = $<HTMLSelectElement>("mode").value as "greedy" | "match" | "ar";
   const ids = query.get("prompt_ids");
   const prompt = ids ? ids.split(",").map(Number) : $<HTMLTextAreaElement>("prompt").value;
@@ -93,7 +105,10 @@ async function run(edge: Edge): Promise<void> {
   ($("run") as HTMLButtonElement).disabled = true;
   const t0 = performance.now();
   const onVerdict = (v: VerdictInfo) => {
-    if (v.tokens.length && !state.firstTokenMs) state.firstTokenMs = performance.now() - t0;
+    if (v.tokens.length && !state.firstTokenMs) {
+      state.firstTokenMs = performance.now() - t0;
+      state.firstTokenPageMs = performance.now(); // from the navigation (performance's time origin)
+    }
     v.tokens.forEach((t, i) => {
       const span = document.createElement("span");
       span.textContent = show([t]);
@@ -126,6 +141,7 @@ async function run(edge: Edge): Promise<void> {
   $("stats").textContent =
     `τ ${st.tau.toFixed(2)} tokens a round · ${st.rounds} rounds · ${st.tokens} tokens · ` +
     `${st.msPerToken.toFixed(0)} ms/token · drafting ${st.draftMs.toFixed(0)} ms a round (median) · ` +
+    (st.cloudRounds ? `${st.cloudRounds} rounds of the target's own while the draft model loaded · ` : "") +
     `first token ${state.firstTokenMs.toFixed(0)} ms · ` +
     ($<HTMLInputElement>("prespec").checked ? `pre-speculation hit rate ${st.hitRate.toFixed(2)}` : "no pre-speculation");
   state.done = true;
