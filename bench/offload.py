@@ -251,6 +251,9 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
             per_row[str(n)] = {"read_ms": round(s.read_s * 1e3, 1), "wait_ms": round(s.wait_s * 1e3, 1)}
     s1 = per_row[str(args.rows[0])]
     overlap = None if s1["read_ms"] <= 0 else round(max(0.0, 1 - s1["wait_ms"] / s1["read_ms"]), 3)
+    # the streamed layers and, when it streams too, the head: read in full every forward
+    read_bytes = sum(stream.layout.layers[i].nbytes for i in stream.streamed)
+    read_bytes += 0 if stream.head is None else stream.head.source.nbytes
     row = {
         "part": "forward",
         "resident_fraction": fraction,
@@ -260,7 +263,7 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
         "head_streamed": stream.head is not None,
         "rows_ms": rows_ms,
         "stream_ms_by_rows": per_row,
-        "bytes_per_forward": sum(stream.layout.layers[i].nbytes for i in stream.streamed),
+        "bytes_per_forward": read_bytes,
         "overlap_1row": overlap,
         # 1.0: a one-row forward costs only its transfer (the compute entirely hidden behind it)
         "forward_over_read_1row": None
@@ -268,7 +271,7 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
         else round(rows_ms[str(args.rows[0])] / s1["read_ms"], 3),
         "read_mb_s": None
         if s1["read_ms"] <= 0
-        else round(sum(stream.layout.layers[i].nbytes for i in stream.streamed) / s1["read_ms"] / 1e3, 1),
+        else round(read_bytes / s1["read_ms"] / 1e3, 1),
         "load_s": round(load_s, 1),
         "peak_rss_gb": round(offload.peak_rss_bytes() / GB, 3),
     }
