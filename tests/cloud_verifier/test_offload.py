@@ -54,6 +54,15 @@ def _logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     return prefill(model, kv, 0, tokens)
 
 
+def _flip_byte(path: Path, at: int, mask: int) -> None:
+    """XOR one byte of a file in place (a damaged weight)."""
+    with path.open("r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def _tokens(n: int = 30, seed: int = 1) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(make_tiny_config().vocab_size) for _ in range(n)]
@@ -108,11 +117,7 @@ def test_the_float_token_table_stays_on_disk_checked(tmp_path: Path) -> None:
     data = entry / "weights.bin"
 
     def flip() -> None:
-        with data.open("r+b") as f:
-            f.seek(at)
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0x10]))
+        _flip_byte(data, at, 0x10)
 
     flip()
     with pytest.raises(offload.OffloadError, match="token table's rows"):
@@ -220,11 +225,7 @@ def test_a_corrupt_head_is_refused_and_never_gives_a_wrong_token(tmp_path: Path)
     data = entry / "weights.bin"
 
     def flip() -> None:
-        with data.open("r+b") as f:
-            f.seek(at)
-            b = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([b[0] ^ 0x08]))
+        _flip_byte(data, at, 0x08)
 
     flip()
     with pytest.raises(offload.OffloadError, match="head's rows 8192"):
