@@ -269,9 +269,7 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
         "forward_over_read_1row": None
         if s1["read_ms"] <= 0
         else round(rows_ms[str(args.rows[0])] / s1["read_ms"], 3),
-        "read_mb_s": None
-        if s1["read_ms"] <= 0
-        else round(read_bytes / s1["read_ms"] / 1e3, 1),
+        "read_mb_s": None if s1["read_ms"] <= 0 else round(read_bytes / s1["read_ms"] / 1e3, 1),
         "load_s": round(load_s, 1),
         "peak_rss_gb": round(offload.peak_rss_bytes() / GB, 3),
     }
