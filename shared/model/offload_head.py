@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from shared.model import llama
-from shared.model.offload import (
+from shared.model.disk_io import (
     _DTYPE_BYTES,
     ALIGN,
     CHECKSUM_FORMAT,
