@@ -44,8 +44,15 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
+#endif
+
+// The AVX-512 path (512-bit integer sums with VNNI's dpwssd) where the build's -march=native has
+// it; the AVX2 path otherwise. Both compute the same exact integers, then the same float chain.
+#if defined(__AVX2__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define TREESPEC_AVX512 1
 #endif
 
 namespace {
@@ -57,7 +64,11 @@ constexpr int QB = 32;  // activation block (and the inner integer dot's length)
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);  // exact, as the conversion below: every half is a float
+#else
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
 }
 
 int64_t block_values(int64_t t) { return (t == Q4_K || t == Q6_K) ? 256 : 32; }
@@ -374,6 +385,173 @@ void k_rows4(int64_t t, const uint8_t* row, int64_t in, const int8_t* const* xq4
 }
 #endif
 
+#if defined(TREESPEC_AVX512)
+// ---------------------------------------------------------------------------------------------------
+// The K types with AVX-512: a super-block as four 64-value pieces (piece e: values 64 e .. 64 e + 63
+// of the activation row), each a zmm of the weight's integers (Q4_K: 0..15; Q6_K: |q - 32|, with a
+// mask of the negative ones) and a zmm of the int16 sub-block scales matching maddubs' 32 pairs.
+// Per activation row and piece: maddubs (pairs of u8 * s8 in int16: at most 2 * 32 * 127, no
+// saturation) then dpwssd (int16 pairs times the scales, added in int32: exact, see k_sums' bounds).
+// The int32 lanes sum to the same totals A as the AVX2 path's, so the float chain sees the same
+// numbers.
+struct KPieces {
+  __m512i w[4];
+  __m512i s[4];
+  __mmask64 neg[4];
+  int32_t mn[8];  // Q4_K's mins
+};
+
+// The 8 scales and 8 mins of a Q4_K super-block (bytes 4..15), as q4k_scales, four at a time.
+inline void q4k_scales_packed(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t k1 = 0x3F3F3F3Fu, k2 = 0x0F0F0F0Fu, k3 = 0x03030303u;
+  const uint32_t sc_lo = u[0] & k1, sc_hi = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  const uint32_t mn_lo = u[1] & k1, mn_hi = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  *sc = uint64_t(sc_lo) | (uint64_t(sc_hi) << 32);
+  *mn = uint64_t(mn_lo) | (uint64_t(mn_hi) << 32);
+}
+
+// lanes 8 q .. 8 q + 7 of 32 int16 take entry `first + q` of a table of int16 (q = 0..3), or, with
+// `wide`, lanes 16 q .. 16 q + 15 take entry `first + q` (q = 0, 1)
+inline __m512i spread_index(int first, bool wide) {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 32; ++i) idx[i] = int16_t(first + (wide ? i / 16 : i / 8));
+  return _mm512_load_si512(idx);
+}
+
+inline void k_unpack(int64_t t, const uint8_t* blk, KPieces& p) {
+  static const __m512i wide_idx[4] = {spread_index(0, true), spread_index(2, true), spread_index(4, true),
+                                      spread_index(6, true)};
+  static const __m512i narrow_idx[4] = {spread_index(0, false), spread_index(4, false),
+                                        spread_index(8, false), spread_index(12, false)};
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  if (t == Q4_K) {
+    uint64_t sc, mn;
+    q4k_scales_packed(blk + 4, &sc, &mn);
+    for (int k = 0; k < 8; ++k) p.mn[k] = int32_t((mn >> (8 * k)) & 0xFF);
+    const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * g));
+      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      p.w[g] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      p.s[g] = _mm512_permutexvar_epi16(wide_idx[g], sc16);
+      p.neg[g] = 0;
+    }
+    return;
+  }
+  // Q6_K: ql[128], qh[64], scales[16] (int8), d
+  const __m512i sc16 = _mm512_castsi256_si512(
+      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
+  const __m512i m4w = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3), k32 = _mm512_set1_epi8(32);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i L = _mm512_loadu_si512(blk + 64 * h);  // l0 | l1
+    const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+    for (int q = 0; q < 2; ++q) {  // piece 2 h + q: chunks 2 q (l0) and 2 q + 1 (l1) of this half
+      const __m512i low = q == 0 ? _mm512_and_si512(L, m4w) : _mm512_and_si512(_mm512_srli_epi16(L, 4), m4w);
+      // the high bits of chunk c are qh >> 2 c: 4 q in the lower 256 bits, 4 q + 2 in the upper
+      const __m512i shift = _mm512_set_epi64(4 * q + 2, 4 * q + 2, 4 * q + 2, 4 * q + 2, 4 * q, 4 * q, 4 * q, 4 * q);
+      const __m512i high = _mm512_and_si512(_mm512_srlv_epi64(H, shift), m2);
+      const __m512i w = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), k32);
+      const int e = 2 * h + q;
+      p.neg[e] = _mm512_movepi8_mask(w);
+      p.w[e] = _mm512_abs_epi8(w);
+      p.s[e] = _mm512_permutexvar_epi16(narrow_idx[e], sc16);
+    }
+  }
+}
+
+// The integer sums of one super-block for N activation rows (x[k]: row k's 256 values).
+template <int N>
+inline void k_dot(int64_t t, const KPieces& p, const int8_t* const* x, __m512i* acc) {
+  for (int k = 0; k < N; ++k) acc[k] = _mm512_setzero_si512();
+  if (t == Q4_K) {
+    for (int e = 0; e < 4; ++e)
+      for (int k = 0; k < N; ++k) {
+        const __m512i xv = _mm512_loadu_si512(x[k] + 64 * e);
+        acc[k] = _mm512_dpwssd_epi32(acc[k], _mm512_maddubs_epi16(p.w[e], xv), p.s[e]);
+      }
+    return;
+  }
+  const __m512i zero = _mm512_setzero_si512();
+  for (int e = 0; e < 4; ++e)
+    for (int k = 0; k < N; ++k) {
+      __m512i xv = _mm512_loadu_si512(x[k] + 64 * e);
+      xv = _mm512_mask_sub_epi8(xv, p.neg[e], zero, xv);  // x * sign(w): x is never -128
+      acc[k] = _mm512_dpwssd_epi32(acc[k], _mm512_maddubs_epi16(p.w[e], xv), p.s[e]);
+    }
+}
+
+// lane k: the sum of acc[k]'s sixteen lanes
+inline __m128i reduce4(const __m512i* acc) {
+  __m256i h[4];
+  for (int k = 0; k < 4; ++k)
+    h[k] = _mm256_add_epi32(_mm512_castsi512_si256(acc[k]), _mm512_extracti64x4_epi32(acc[k], 1));
+  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(h[0], h[1]), _mm256_hadd_epi32(h[2], h[3]));
+  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+}
+
+// 4 G activation rows (from `r`) against one K-type weight row: the super-block unpacked once for
+// all of them, each group of four rows' float chains in the lanes of one vector, every lane doing
+// exactly k_step's operations. dxT, sxT as k_rows4's.
+template <int G>
+void k_rows_avx512(int64_t t, const uint8_t* row, int64_t in, const int8_t* xq, const float* dxT,
+                   const int32_t* sxT, int64_t rows, int64_t r, float* out) {
+  const int64_t bb = block_bytes(t);
+  __m128 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm_setzero_ps();
+  KPieces p;
+  for (int64_t sb = 0; sb < in / 256; ++sb) {
+    const uint8_t* blk = row + sb * bb;
+    k_unpack(t, blk, p);
+    const int8_t* x[4 * G];
+    for (int k = 0; k < 4 * G; ++k) x[k] = xq + (r + k) * in + 256 * sb;
+    __m512i s[4 * G];
+    k_dot<4 * G>(t, p, x, s);
+    for (int g = 0; g < G; ++g) {
+      const __m128i A = reduce4(s + 4 * g);
+      const __m128 dx = _mm_loadu_ps(dxT + sb * rows + r + 4 * g);
+      if (t == Q4_K) {
+        __m128i M = _mm_setzero_si128();
+        for (int k = 0; k < 8; ++k) {
+          const __m128i sx =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(sxT + (8 * sb + k) * rows + r + 4 * g));
+          M = _mm_add_epi32(M, _mm_mullo_epi32(_mm_set1_epi32(p.mn[k]), sx));
+        }
+        const __m128 da = _mm_mul_ps(_mm_set1_ps(half_to_float(blk)), _mm_cvtepi32_ps(A));
+        const __m128 mc = _mm_mul_ps(_mm_set1_ps(half_to_float(blk + 2)), _mm_cvtepi32_ps(M));
+        acc[g] = _mm_add_ps(acc[g], _mm_mul_ps(dx, _mm_sub_ps(da, mc)));
+      } else {
+        const __m128 scale = _mm_mul_ps(_mm_set1_ps(half_to_float(blk + 208)), dx);
+        acc[g] = _mm_add_ps(acc[g], _mm_mul_ps(scale, _mm_cvtepi32_ps(A)));
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) _mm_storeu_ps(out + 4 * g, acc[g]);
+}
+
+// One activation row against one K-type weight row (k_rows<1>'s chain).
+float k_row1_avx512(int64_t t, const uint8_t* row, int64_t in, const int8_t* xq, const float* dx,
+                    const int32_t* sx) {
+  const int64_t bb = block_bytes(t);
+  float acc = 0.0f;
+  KPieces p;
+  for (int64_t sb = 0; sb < in / 256; ++sb) {
+    const uint8_t* blk = row + sb * bb;
+    k_unpack(t, blk, p);
+    const int8_t* x[1] = {xq + 256 * sb};
+    __m512i s;
+    k_dot<1>(t, p, x, &s);
+    const int32_t A = _mm512_reduce_add_epi32(s);
+    int32_t M = 0;
+    if (t == Q4_K)
+      for (int k = 0; k < 8; ++k) M += p.mn[k] * sx[8 * sb + k];
+    acc = k_step(t, blk, A, M, dx[sb], acc);
+  }
+  return acc;
+}
+#endif
+
 // N activation rows (xq[k], dx[k] per 256, sx[k] per 32) against one K-type weight row.
 template <int N>
 void k_rows(int64_t t, const uint8_t* row, int64_t in, const int8_t* const* xq, const float* const* dx,
@@ -477,6 +655,19 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
       const uint8_t* row = wp + j * row_bytes;
       int64_t r = 0;
       if (k_type(t)) {
+#if defined(TREESPEC_AVX512)
+        for (; r + 8 <= rows; r += 8) {
+          float o[8];
+          k_rows_avx512<2>(t, row, in, xq, dxT, sxT, rows, r, o);
+          for (int k = 0; k < 8; ++k) yp[(r + k) * out + j] = o[k];
+        }
+        for (; r + 4 <= rows; r += 4) {
+          float o[4];
+          k_rows_avx512<1>(t, row, in, xq, dxT, sxT, rows, r, o);
+          for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
+        }
+        for (; r < rows; ++r) yp[r * out + j] = k_row1_avx512(t, row, in, xq + r * in, dx + r * nx, sx + r * (in / QB));
+#endif
 #if defined(__AVX2__)
         for (; r + 4 <= rows; r += 4) {
           const int8_t* x4[4] = {xq + r * in, xq + (r + 1) * in, xq + (r + 2) * in, xq + (r + 3) * in};
