@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=_ints, default=[1, 2], help="torch thread counts, comma-separated")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per cell (the median is shown)")
     ap.add_argument("--no-head", action="store_true", help="leave the LM head out (the largest matrix)")
+    ap.add_argument(
+        "--compare-avx2",
+        action="store_true",
+        help="also time the same kernel built for x86-64-v3 (AVX2, no AVX-512), column avx2_ms: what "
+        "this machine's AVX-512 paths gain, measured side by side",
+    )
     add_common_args(ap, json=True, no_progress=True)
     return ap
 
@@ -102,6 +108,8 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     rows_out: list[dict[str, object]] = []
     total = len(mats) * len(args.threads) * len(args.rows)
     before = torch.get_num_threads()
+    # the same source built for x86-64-v3 (AVX2 only), timed beside this machine's build
+    avx2_mod = qm.build_for("x86-64-v3") if args.compare_avx2 else None
     with tqdm(total=total, desc="timing", unit="cell", disable=args.no_progress) as bar:
         for name, q, blocks, dense in mats:
             packed = gemm.pack(torch.from_numpy(dense))
@@ -112,6 +120,11 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
                     x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
                     quant = _median_ms(lambda: qm.quant_matmul(x, blocks, q), args.repeats)  # noqa: B023
                     fp32 = _median_ms(lambda: gemm.linear(x, packed), args.repeats)  # noqa: B023
+                    avx2 = (
+                        None
+                        if avx2_mod is None
+                        else _median_ms(lambda: avx2_mod.quant_matmul(x, blocks, q.ggml_id), args.repeats)  # noqa: B023
+                    )
                     rows_out.append(
                         {
                             "matrix": name,
@@ -123,6 +136,8 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
                             "quant_ms": round(quant, 3),
                             "fp32_ms": round(fp32, 3),
                             "quant_over_fp32": round(quant / fp32, 3),
+                            "avx2_ms": None if avx2 is None else round(avx2, 3),
+                            "simd": qm.simd(),
                             "quant_bytes": blocks.numel(),
                             "fp32_bytes": dense.size * 4,
                         }
@@ -138,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().error("--repeats must be at least 1")
     rows = run(args)
     keys = ["matrix", "type", "out", "in", "threads", "rows", "quant_ms", "fp32_ms", "quant_over_fp32"]
+    keys += ["avx2_ms"] if args.compare_avx2 else []
+    print(f"kernel SIMD paths: {qm.simd()}")
     print(table([[r[k] for k in keys] for r in rows], keys))
     one = {(r["matrix"], r["threads"]): r["quant_ms"] for r in rows if r["rows"] == 1}
     for r in rows:

@@ -48,20 +48,39 @@ QTYPES: dict[str, QuantType] = {
     )
 }
 
-_EXT = CppExtension(
-    "treespec_quant_matmul",
-    "quant_matmul.cpp",
+
+def _flags(arch: str) -> list[str]:
     # -ffp-contract=off: the float chain is separate multiplies and adds on every machine, as in
     # the torch reference (an FMA would round once where the reference rounds twice)
-    ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"],
-    "quantized projections are unavailable",
+    # -mtune=generic: tuned for this machine (sapphirerapids) one-row products of the 1.5B's head
+    # ran 20% slower (bench.quant_matmul, 2026-12-05); the instruction set stays -march's
+    return ["-O3", f"-march={arch}", "-mtune=generic", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+
+
+_EXT = CppExtension(
+    "treespec_quant_matmul", "quant_matmul.cpp", _flags("native"), "quantized projections are unavailable"
 )
+
+
+def build_for(arch: str) -> Any:
+    """The same kernel built for another -march (x86-64-v2: scalar; x86-64-v3: AVX2, no AVX-512),
+    for the tests that its bits do not depend on the instruction set and for the benchmark's A/B;
+    a RuntimeError when it cannot be built."""
+    name = "treespec_quant_matmul_" + arch.replace("-", "_")
+    return CppExtension(name, "quant_matmul.cpp", _flags(arch), "not built").require()
 
 
 def load() -> Any:
     """The compiled module, or None when it is disabled or cannot be built (reason: `error()`)."""
     mod = _EXT.module
     return mod if mod is not None else _EXT.load()
+
+
+def simd() -> str:
+    """The SIMD paths the built kernel runs ("avx512-vnni (K types), avx2", "avx2" or "scalar"), or
+    "unavailable"."""
+    mod = load()
+    return "unavailable" if mod is None else str(mod.simd())
 
 
 def _require() -> Any:

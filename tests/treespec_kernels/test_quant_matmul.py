@@ -130,21 +130,21 @@ def test_bad_input_is_refused_with_the_reason() -> None:
         qm.row_bytes(qm.qtype("Q8_0"), 48)
 
 
-def test_the_result_does_not_depend_on_the_instruction_set() -> None:
-    """The same source built for x86-64-v2 (SSE4.2: no AVX2, the scalar path everywhere) gives
-    the same bits as this machine's build (AVX2 four-row path, and AVX-512 code where the compiler
-    picks it)."""
+@pytest.mark.parametrize("arch", ["x86-64-v2", "x86-64-v3"])
+def test_the_result_does_not_depend_on_the_instruction_set(arch: str) -> None:
+    """The same source built for x86-64-v2 (SSE4.2: no AVX2, the scalar path everywhere) and for
+    x86-64-v3 (AVX2: the 256-bit paths, no AVX-512) gives the same bits as this machine's build
+    (-march=native: the AVX-512 VNNI paths of the K types where the CPU has them). 13 rows run the
+    8-row, 4-row and one-row paths."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("x86-64 only")
-    from treespec_kernels.cpp_build import CppExtension
-
-    flags = ["-O3", "-march=x86-64-v2", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
-    plain = CppExtension("treespec_quant_matmul_x86_64_v2", "quant_matmul.cpp", flags, "skipped").require()
+    other = qm.build_for(arch)
     for name in TYPES:
         q = qm.qtype(name)
         n = 3 * 256
         w = random_blocks(q, 29, n, seed=13)
-        x = torch.randn(11, n, generator=torch.Generator().manual_seed(17)) * 4
-        assert torch.equal(plain.quant_matmul(x, w, q.ggml_id), qm.quant_matmul(x, w, q)), name
+        for rows in (13, 1):
+            x = torch.randn(rows, n, generator=torch.Generator().manual_seed(17)) * 4
+            assert torch.equal(other.quant_matmul(x, w, q.ggml_id), qm.quant_matmul(x, w, q)), (name, rows)
