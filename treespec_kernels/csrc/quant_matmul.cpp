@@ -61,6 +61,10 @@
 #define TREESPEC_AVX512 1
 #endif
 
+#ifndef TREESPEC_PREFETCH_ROWS
+#define TREESPEC_PREFETCH_ROWS 4
+#endif
+
 namespace {
 
 enum QType : int64_t { Q4_1 = 3, Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14 };
@@ -125,13 +129,25 @@ inline int32_t dot32(const int8_t* w, const int8_t* x) {
   return lo + hi;
 }
 
+// The 8 scales and 8 mins of a Q4_K super-block (bytes 4..15), a byte each, four at a time in
+// a 32-bit word.
+inline void q4k_scales_packed(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t k1 = 0x3F3F3F3Fu, k2 = 0x0F0F0F0Fu, k3 = 0x03030303u;
+  const uint32_t sc_lo = u[0] & k1, sc_hi = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  const uint32_t mn_lo = u[1] & k1, mn_hi = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  *sc = uint64_t(sc_lo) | (uint64_t(sc_hi) << 32);
+  *mn = uint64_t(mn_lo) | (uint64_t(mn_hi) << 32);
+}
+
 // Q4_K's eight 6-bit scales and mins, packed in 12 bytes.
 inline void q4k_scales(const uint8_t* s, int32_t* sc, int32_t* mn) {
-  for (int k = 0; k < 4; ++k) {
-    sc[k] = s[k] & 0x3F;
-    mn[k] = s[4 + k] & 0x3F;
-    sc[4 + k] = (s[8 + k] & 0x0F) | ((s[k] >> 2) & 0x30);
-    mn[4 + k] = (s[8 + k] >> 4) | ((s[4 + k] >> 2) & 0x30);
+  uint64_t a, b;
+  q4k_scales_packed(s, &a, &b);
+  for (int k = 0; k < 8; ++k) {
+    sc[k] = int32_t((a >> (8 * k)) & 0xFF);
+    mn[k] = int32_t((b >> (8 * k)) & 0xFF);
   }
 }
 
@@ -269,14 +285,6 @@ inline float k_step(int64_t t, const uint8_t* blk, int32_t A, int32_t M, float d
   return acc + scale * float(A);
 }
 
-// M of a Q4_K super-block: its mins times the row's sums of 32 (sx32: this super-block's 8).
-inline int32_t q4k_mins(const uint8_t* blk, const int32_t* sx32) {
-  int32_t sc[8], mn[8], m = 0;
-  q4k_scales(blk + 4, sc, mn);
-  for (int s = 0; s < 8; ++s) m += mn[s] * sx32[s];
-  return m;
-}
-
 // The integer total A (Q4_K: sum sc * isum; Q6_K: T) of one super-block, plainly.
 int32_t k_total_plain(int64_t t, const uint8_t* blk, const int8_t* x) {
   int8_t q[256];
@@ -304,12 +312,10 @@ inline int32_t hsum8(__m256i v) {
 // weights unpacked in registers once: maddubs of the weights with the rows' int8 values, then
 // madd with the sub-block scales as int16, summed in int32 lanes (exact: see the bounds below).
 template <int N>
-void k_sums(int64_t t, const uint8_t* blk, const int8_t* const* x, __m256i* acc) {
+void k_sums(int64_t t, const uint8_t* blk, const int8_t* const* x, __m256i* acc, const int32_t* sc) {
   for (int k = 0; k < N; ++k) acc[k] = _mm256_setzero_si256();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  if (t == Q4_K) {  // pairs of 15 * 127 and scales <= 63: lanes far below 2^31
-    int32_t sc[8], mn[8];
-    q4k_scales(blk + 4, sc, mn);
+  if (t == Q4_K) {  // pairs of 15 * 127 and scales <= 63: lanes far below 2^31 (sc: q4k_scales')
     for (int g = 0; g < 4; ++g) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * g));
       const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
@@ -350,9 +356,9 @@ void k_sums(int64_t t, const uint8_t* blk, const int8_t* const* x, __m256i* acc)
 
 // The totals A of one super-block for N rows (each row's lanes summed).
 template <int N>
-void k_totals(int64_t t, const uint8_t* blk, const int8_t* const* x, int32_t* A) {
+void k_totals(int64_t t, const uint8_t* blk, const int8_t* const* x, int32_t* A, const int32_t* sc) {
   __m256i acc[N];
-  k_sums<N>(t, blk, x, acc);
+  k_sums<N>(t, blk, x, acc, sc);
   for (int k = 0; k < N; ++k) A[k] = hsum8(acc[k]);
 }
 
@@ -366,14 +372,14 @@ void k_rows4(int64_t t, const uint8_t* row, int64_t in, const int8_t* const* xq4
   for (int64_t sb = 0; sb < in / 256; ++sb) {
     const uint8_t* blk = row + sb * bb;
     const int8_t* x[4] = {xq4[0] + 256 * sb, xq4[1] + 256 * sb, xq4[2] + 256 * sb, xq4[3] + 256 * sb};
+    int32_t sc[8], mn[8];
+    if (t == Q4_K) q4k_scales(blk + 4, sc, mn);
     __m256i s[4];
-    k_sums<4>(t, blk, x, s);
+    k_sums<4>(t, blk, x, s, sc);
     const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
     const __m128i A = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
     const __m128 dx = _mm_loadu_ps(dxT + sb * rows + r);
     if (t == Q4_K) {
-      int32_t sc[8], mn[8];
-      q4k_scales(blk + 4, sc, mn);
       __m128i M = _mm_setzero_si128();
       for (int k = 0; k < 8; ++k) {
         const __m128i sx = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sxT + (8 * sb + k) * rows + r));
@@ -407,16 +413,6 @@ struct KPieces {
   int32_t mn[8];  // Q4_K's mins
 };
 
-// The 8 scales and 8 mins of a Q4_K super-block (bytes 4..15), as q4k_scales, four at a time.
-inline void q4k_scales_packed(const uint8_t* s, uint64_t* sc, uint64_t* mn) {
-  uint32_t u[3];
-  std::memcpy(u, s, 12);
-  const uint32_t k1 = 0x3F3F3F3Fu, k2 = 0x0F0F0F0Fu, k3 = 0x03030303u;
-  const uint32_t sc_lo = u[0] & k1, sc_hi = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
-  const uint32_t mn_lo = u[1] & k1, mn_hi = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
-  *sc = uint64_t(sc_lo) | (uint64_t(sc_hi) << 32);
-  *mn = uint64_t(mn_lo) | (uint64_t(mn_hi) << 32);
-}
 
 // lanes 8 q .. 8 q + 7 of 32 int16 take entry `first + q` of a table of int16 (q = 0..3), or, with
 // `wide`, lanes 16 q .. 16 q + 15 take entry `first + q` (q = 0, 1)
@@ -549,14 +545,17 @@ void k_rows(int64_t t, const uint8_t* row, int64_t in, const int8_t* const* xq, 
     const uint8_t* blk = row + sb * bb;
     const int8_t* x[N];
     for (int k = 0; k < N; ++k) x[k] = xq[k] + 256 * sb;
-    int32_t A[N];
+    int32_t A[N], sc[8], mn[8];
+    if (t == Q4_K) q4k_scales(blk + 4, sc, mn);
 #if defined(__AVX2__)
-    k_totals<N>(t, blk, x, A);
+    k_totals<N>(t, blk, x, A, sc);
 #else
     for (int k = 0; k < N; ++k) A[k] = k_total_plain(t, blk, x[k]);
 #endif
     for (int k = 0; k < N; ++k) {
-      const int32_t M = t == Q4_K ? q4k_mins(blk, sx[k] + 8 * sb) : 0;
+      int32_t M = 0;
+      if (t == Q4_K)
+        for (int s = 0; s < 8; ++s) M += mn[s] * sx[k][8 * sb + s];
       acc[k] = k_step(t, blk, A[k], M, dx[k][sb], acc[k]);
     }
   }
@@ -639,6 +638,14 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
     std::vector<int8_t> wq(in);
     for (int64_t j = lo; j < hi; ++j) {
       const uint8_t* row = wp + j * row_bytes;
+#if defined(__SSE__) && TREESPEC_PREFETCH_ROWS > 0
+      // the weight row PREFETCH_ROWS ahead, line by line: the hardware's streamer stops at every 4 KB
+      // page of the file's mapping, and a forward reads each matrix once, from memory
+      if (j + TREESPEC_PREFETCH_ROWS < hi) {
+        const char* ahead = reinterpret_cast<const char*>(row + TREESPEC_PREFETCH_ROWS * row_bytes);
+        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+      }
+#endif
       int64_t r = 0;
       if (k_type(t)) {
 #if defined(TREESPEC_AVX512)
