@@ -44,6 +44,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -634,7 +635,11 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
   const int32_t* sxT = sxt.data_ptr<int32_t>();
   (void)dxT;
   (void)sxT;
-  at::parallel_for(0, out, 16, [&](int64_t lo, int64_t hi) {
+  // at least ~256 KB of weights (times the rows of x) per task: a small matrix (the 1.5B's k and v,
+  // 0.2 MB) runs on the calling thread, without waking the pool's sleeping threads (the verifier
+  // runs with OMP_WAIT_POLICY=PASSIVE, and a forward calls this ~200 times)
+  const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 18) / std::max<int64_t>(1, row_bytes * rows));
+  at::parallel_for(0, out, grain, [&](int64_t lo, int64_t hi) {
     std::vector<int8_t> wq(in);
     for (int64_t j = lo; j < hi; ++j) {
       const uint8_t* row = wp + j * row_bytes;
