@@ -143,7 +143,7 @@ def _layer_bytes(model: str, weights: str, shape: str | None, device: str) -> tu
 
 def _float_bytes(entry: Path, device: str) -> int:
     """A float-weight cache entry's streamable bytes: the layers' spans and, on the CPU, the head's."""
-    from shared.model import offload
+    from shared.model import disk_io, offload
     from shared.model.offload_head import head_entry
     from shared.model.weights import resolve_device
 
@@ -151,7 +151,7 @@ def _float_bytes(entry: Path, device: str) -> int:
     layers = offload.float_layout(entry).layer_bytes
     if head is None:
         return layers
-    return layers + int(head["shape"][0]) * int(head["shape"][1]) * offload._DTYPE_BYTES[head["dtype"]]
+    return layers + int(head["shape"][0]) * int(head["shape"][1]) * disk_io._DTYPE_BYTES[head["dtype"]]
 
 
 def _random_entry(shape: str, device: str) -> Path:

@@ -19,6 +19,7 @@ import torch
 from shared.model import (
     LlamaModel,
     build_model,
+    disk_io,
     load_target,
     make_tiny_config,
     offload,
@@ -275,7 +276,7 @@ def test_gguf_blocks_stream_bit_for_bit(tmp_path: Path) -> None:
     want, got = load(), load()
     c = got.config
     layout = offload.gguf_layout(path, open_gguf(path), c.num_layers, c.num_heads, c.num_kv_heads)
-    assert layout.kind == "gguf" and all(s.offset % offload.ALIGN == 0 for s in layout.layers)
+    assert layout.kind == "gguf" and all(s.offset % disk_io.ALIGN == 0 for s in layout.layers)
     st = offload.attach(got, layout, 0.0, sidecar=tmp_path / "checksums.json")
     assert st.streamed == [0, 1, 2, 3] and not st.resident
     assert torch.equal(_logits(got, _tokens()), _logits(want, _tokens()))
@@ -327,7 +328,7 @@ def test_a_truncated_file_is_refused_at_start(tmp_path: Path) -> None:
     entry = _entry(tmp_path, _tiny_model())
     data = entry / "weights.bin"
     with data.open("r+b") as f:
-        f.truncate(data.stat().st_size - 3 * offload.ALIGN)
+        f.truncate(data.stat().st_size - 3 * disk_io.ALIGN)
     with pytest.raises(offload.OffloadError, match="truncated"):
         offload.float_layout(entry)
     # a GGUF cut short: the layout names the layer whose blocks run past the end
