@@ -511,6 +511,9 @@ void k_rows_avx512(int64_t t, const uint8_t* row, int64_t in, const int8_t* xq, 
     for (int k = 0; k < 4 * G; ++k) x[k] = xq + (r + k) * in + 256 * sb;
     __m512i s[4 * G];
     k_dot<4 * G>(t, p, x, s);
+    // the block's half scales, once for every group: Q4_K's d and dmin, Q6_K's d
+    const __m128 d = _mm_set1_ps(half_to_float(t == Q4_K ? blk : blk + 208));
+    const __m128 dmin = _mm_set1_ps(t == Q4_K ? half_to_float(blk + 2) : 0.0f);
     for (int g = 0; g < G; ++g) {
       const __m128i A = reduce4(s + 4 * g);
       const __m128 dx = _mm_loadu_ps(dxT + sb * rows + r + 4 * g);
@@ -521,11 +524,11 @@ void k_rows_avx512(int64_t t, const uint8_t* row, int64_t in, const int8_t* xq, 
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(sxT + (8 * sb + k) * rows + r + 4 * g));
           M = _mm_add_epi32(M, _mm_mullo_epi32(_mm_set1_epi32(p.mn[k]), sx));
         }
-        const __m128 da = _mm_mul_ps(_mm_set1_ps(half_to_float(blk)), _mm_cvtepi32_ps(A));
-        const __m128 mc = _mm_mul_ps(_mm_set1_ps(half_to_float(blk + 2)), _mm_cvtepi32_ps(M));
+        const __m128 da = _mm_mul_ps(d, _mm_cvtepi32_ps(A));
+        const __m128 mc = _mm_mul_ps(dmin, _mm_cvtepi32_ps(M));
         acc[g] = _mm_add_ps(acc[g], _mm_mul_ps(dx, _mm_sub_ps(da, mc)));
       } else {
-        const __m128 scale = _mm_mul_ps(_mm_set1_ps(half_to_float(blk + 208)), dx);
+        const __m128 scale = _mm_mul_ps(d, dx);
         acc[g] = _mm_add_ps(acc[g], _mm_mul_ps(scale, _mm_cvtepi32_ps(A)));
       }
     }
