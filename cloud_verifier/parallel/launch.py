@@ -48,9 +48,11 @@ def start(
     attention: str = "model",
     threads: int = 0,
     timeout_s: float = JOIN_TIMEOUT_S,
+    weights: str = "fp32",
 ) -> TPGroup:
     """Rank 0 of a new group on this machine: start ranks 1..world-1 (`python -m
-    cloud_verifier.parallel`) and rendezvous with them on a free loopback port."""
+    cloud_verifier.parallel`) and rendezvous with them on a free loopback port. `weights`: what
+    every rank loads ("fp32" or "quantized"; rank 0 loads the same through load_sharded_target)."""
     if current() is not None:
         raise RuntimeError("this process is already in a tensor-parallel group")
     if world < 2:
@@ -74,7 +76,7 @@ def start(
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
         }
         cmd = [sys.executable, "-m", "cloud_verifier.parallel", "--model", model, "--dtype", dtype]
-        cmd += ["--device", dev.type, "--attention", attention, "--threads", str(share)]
+        cmd += ["--device", dev.type, "--attention", attention, "--threads", str(share), "--weights", weights]
         # a session of its own: a terminal's Ctrl-C reaches rank 0 only, which stops the workers
         procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     try:

@@ -18,7 +18,7 @@ from cloud_verifier.parallel.launch import join, start, threads_per_rank, under_
 from cloud_verifier.parallel.sharding import load_sharded_target
 from cloud_verifier.parallel.worker import serve_commands
 from cloud_verifier.server_config import ServerConfig
-from shared.model.target import Target
+from shared.model.target import Target, resolve_weights
 
 
 def load_for_service(config: ServerConfig) -> Target:
@@ -30,7 +30,9 @@ def load_for_service(config: ServerConfig) -> Target:
         raise RuntimeError(
             f"--tensor-parallel {config.tensor_parallel} but the group has {group.world} ranks"
         )
-    return load_sharded_target(group, config.model, config.dtype, config.device, True, config.attention)
+    return load_sharded_target(
+        group, config.model, config.dtype, config.device, True, config.attention, config.weights
+    )
 
 
 def serve_parallel(config: ServerConfig) -> int:
@@ -39,6 +41,8 @@ def serve_parallel(config: ServerConfig) -> int:
     from cloud_verifier import logs, server  # (here: workers import this package, not the web stack)
 
     logs.setup(config.log_level, config.log_format)
+    if config.weights == "auto":  # once, here: every rank must load the same weights
+        config = replace(config, weights=resolve_weights(config.model, config.dtype, config.device))
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if config.tensor_parallel not in (1, world):
@@ -57,7 +61,9 @@ def serve_parallel(config: ServerConfig) -> int:
             print(f"cloud-verifier: {exc}", file=sys.stderr)
             return 2
         if group.rank != 0:
-            return serve_commands(group, config.model, config.dtype, config.device, config.attention)
+            return serve_commands(
+                group, config.model, config.dtype, config.device, config.attention, config.weights
+            )
     else:
         try:
             group = start(
@@ -67,6 +73,7 @@ def serve_parallel(config: ServerConfig) -> int:
                 config.device,
                 config.attention,
                 config.threads,
+                weights=config.weights,
             )
         except ValueError as exc:  # a device or a GPU count this group cannot have
             print(f"cloud-verifier: {exc}", file=sys.stderr)

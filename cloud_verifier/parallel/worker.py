@@ -66,19 +66,25 @@ def worker_loop(group: TPGroup, model: ShardedLlamaModel) -> None:
             log.debug("rank %d: %s failed as on rank 0: %s", group.rank, op.name, exc)
 
 
-def run_worker(model: str, dtype: str, device: str, attention: str, threads: int) -> int:
+def run_worker(
+    model: str, dtype: str, device: str, attention: str, threads: int, weights: str = "fp32"
+) -> int:
     """A worker process: join, load this rank's shard, pack it, serve commands. Exit status 0
     after STOP, 1 when the group broke."""
     if threads:
         torch.set_num_threads(threads)
-    return serve_commands(join(device), model, dtype, device, attention)
+    return serve_commands(join(device), model, dtype, device, attention, weights)
 
 
-def serve_commands(group: TPGroup, model: str, dtype: str, device: str, attention: str) -> int:
+def serve_commands(
+    group: TPGroup, model: str, dtype: str, device: str, attention: str, weights: str = "fp32"
+) -> int:
     """A worker rank of `group`: load, split and pack this rank's shard, then `worker_loop`. Exit
     status 0 after STOP, 1 when the group broke or the shard cannot be made."""
     try:
-        sharded = shard_model(load_worker_model(model, dtype, str(group.device), attention), group, model)
+        sharded = shard_model(
+            load_worker_model(model, dtype, str(group.device), attention, weights), group, model
+        )
         sharded.prepare(release=True)
         worker_loop(group, sharded)
     except Exception as exc:  # a broken group, or a model this rank cannot load or split
@@ -96,6 +102,7 @@ class _WorkerArgs:
     device: str
     attention: str
     threads: int
+    weights: str
 
 
 def _parse(argv: Sequence[str] | None) -> _WorkerArgs:
@@ -109,8 +116,14 @@ def _parse(argv: Sequence[str] | None) -> _WorkerArgs:
     p.add_argument("--device", default="auto", help="as serve --device")
     p.add_argument("--attention", default="model", choices=list(ATTENTION_MODES), help="as serve --attention")
     p.add_argument("--threads", type=int, default=0, help="torch threads of this rank (0: torch's default)")
+    p.add_argument(
+        "--weights",
+        default="fp32",
+        choices=["fp32", "quantized"],
+        help="as serve --weights, resolved by rank 0 (every rank loads the same)",
+    )
     ns = p.parse_args(argv)
-    return _WorkerArgs(ns.model, ns.dtype, ns.device, ns.attention, ns.threads)
+    return _WorkerArgs(ns.model, ns.dtype, ns.device, ns.attention, ns.threads, ns.weights)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,4 +134,4 @@ def main(argv: Sequence[str] | None = None) -> int:
             "python -m cloud_verifier.parallel: RANK, WORLD_SIZE and MASTER_ADDR must be set", file=sys.stderr
         )
         return 2
-    return run_worker(a.model, a.dtype, a.device, a.attention, a.threads)
+    return run_worker(a.model, a.dtype, a.device, a.attention, a.threads, a.weights)

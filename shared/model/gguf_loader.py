@@ -195,6 +195,18 @@ _PROJECTIONS = {
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
+def unquantizable(reader: Any) -> str | None:
+    """The first projection of a GGUF whose type the quantized kernels cannot read ("blk.0.ffn_down.weight
+    is IQ4_XS"), or None when every one can (what `--weights auto` checks before choosing them)."""
+    arch = by_name(config_from_gguf(reader).architecture)
+    for t in reader.tensors:
+        name = hf_name(t.name, arch)
+        hit = None if name is None else _LAYER_NAME.fullmatch(name)
+        if hit is not None and hit.group(2) in _PROJECTIONS and t.tensor_type.name not in QTYPES:
+            return f"{t.name} is {t.tensor_type.name}"
+    return None
+
+
 def load_gguf_quantized(reader: Any, model: LlamaModel, progress: bool = True) -> None:
     """`--weights quantized`: the projections, the head and a quantized token table stay GGUF
     blocks (shared/model/quantized.py; no float copy is made), the rest (norms, biases, a float

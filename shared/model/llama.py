@@ -234,11 +234,13 @@ class LlamaModel(nn.Module):
         layers: list[tuple[QuantMatrix, QuantMatrix, QuantMatrix, QuantMatrix]],
         lm_head: Weight,
         embed: QuantMatrix | None = None,
+        head_rows: int | None = None,
     ) -> None:
         """Run the projections (per layer q|k|v, o, gate|up, down) and the head from GGUF blocks
         (shared/model/quantized.py), and the token lookup too when `embed` is given. The float
         projections (and the float token table, with `embed`) are freed: like
-        `prepare(release=True)`, the weights can no longer be read or re-packed."""
+        `prepare(release=True)`, the weights can no longer be read or re-packed. `head_rows`: the
+        head's rows when it is not the whole vocabulary (a tensor-parallel rank's share)."""
         c = self.config
         want = (
             (c.q_size + 2 * c.kv_size, c.hidden_size),
@@ -252,12 +254,12 @@ class LlamaModel(nn.Module):
         for i, shape in enumerate(shapes):
             if shape != want[i % 4]:
                 raise ValueError(f"layer {i // 4}, projection {i % 4}: shape {shape}, expected {want[i % 4]}")
-        tables = [m for m in (lm_head, embed) if isinstance(m, QuantMatrix)]
-        for m in tables:
-            if (m.out_features, m.in_features) != (c.vocab_size, c.hidden_size):
+        tables = [(m, n) for m, n in ((lm_head, head_rows), (embed, None)) if isinstance(m, QuantMatrix)]
+        for m, n in tables:
+            want_table = (c.vocab_size if n is None else n, c.hidden_size)
+            if (m.out_features, m.in_features) != want_table:
                 raise ValueError(
-                    f"a token table of shape {(m.out_features, m.in_features)}, expected "
-                    f"{(c.vocab_size, c.hidden_size)}"
+                    f"a token table of shape {(m.out_features, m.in_features)}, expected {want_table}"
                 )
         self._prepared = _Prepared(Gemm("torch"), layers, lm_head)
         for layer in self.layers:

@@ -73,6 +73,44 @@ class QuantMatrix:
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
         return y if bias is None else y + bias
 
+    @property
+    def column_block(self) -> int:
+        """Columns in one block of every part (32, or 256 with a K type): where a column cut may fall."""
+        return max(p.qtype.values for p in self.parts)
+
+    def take_rows(self, ranges: Sequence[tuple[int, int]]) -> QuantMatrix:
+        """Output rows [a, b) for each (a, b) in order, stacked: views of the parts' blocks (a range
+        that crosses parts becomes one part per part it touches). Tensor parallelism's column-parallel
+        slice (this rank's q, k, v heads; its gate and up rows; its vocabulary rows)."""
+        parts: list[QuantPart] = []
+        for a, b in ranges:
+            if not 0 <= a < b <= self.out_features:
+                raise ValueError(f"rows [{a}, {b}) of a matrix of {self.out_features}")
+            start = 0
+            for p in self.parts:
+                lo, hi = max(a, start), min(b, start + p.rows)
+                if lo < hi:
+                    parts.append(QuantPart(p.qtype, p.blocks[lo - start : hi - start]))
+                start += p.rows
+        return QuantMatrix(parts, self.in_features)
+
+    def take_columns(self, a: int, b: int) -> QuantMatrix:
+        """Input columns [a, b) (a copy of those blocks; row-parallel's slice: this rank's columns of o
+        and down). The cut must fall on every part's block boundary: a block is one scale over its
+        values, it cannot be split."""
+        for p in self.parts:
+            n = p.qtype.values
+            if a % n or b % n or not 0 <= a < b <= self.in_features:
+                raise ValueError(
+                    f"columns [{a}, {b}) of a {p.qtype.name} matrix of {self.in_features} columns: a cut "
+                    f"must fall on its {n}-value blocks"
+                )
+        parts = []
+        for p in self.parts:
+            n, size = p.qtype.values, p.qtype.bytes
+            parts.append(QuantPart(p.qtype, p.blocks[:, a // n * size : b // n * size].contiguous()))
+        return QuantMatrix(parts, b - a)
+
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` [n] as float32 [n, in], exactly as gguf-py dequantizes them."""
         if len(self.parts) != 1:

@@ -27,7 +27,7 @@ from shared.model.weights import build_model, resolve_device, resolve_dtype
 from shared.vocab import vocab_fingerprint
 
 ALIASES = (*model_store.aliases("target"), "tiny")
-WEIGHTS = ("fp32", "quantized")
+WEIGHTS = ("fp32", "quantized")  # and "auto", which resolve_weights turns into one of them
 # smaller models dequantize in a few seconds: not worth their disk space in the weight cache
 CACHE_MIN_PARAMETERS = 300_000_000
 
@@ -75,6 +75,43 @@ def _finish(model: LlamaModel, tokenizer: TargetTokenizer, model_id: str, device
     )
 
 
+def resolve_weights(
+    name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True
+) -> str:
+    """`weights="auto"`: "quantized" for a GGUF target run in float32 on a CPU when the kernel
+    builds and reads every projection's type (the GGUF's own blocks: about the file's size in
+    memory and faster at every row count measured, README "Quantized weights"), else "fp32" (a
+    safetensors directory, `tiny`, a GPU, bf16/fp16, an unsupported type). Logs which, and why."""
+    import logging
+
+    from treespec_kernels import quant_matmul
+
+    log = logging.getLogger("shared.model.target")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    why = None
+    path: Path | None = None
+    if dev.type != "cpu" or dt != torch.float32:
+        why = f"the quantized kernels run on a CPU in float32, this target runs on {dev.type} in {dt}"
+    elif name_or_path == "tiny":
+        why = "tiny has no GGUF blocks"
+    elif name_or_path in model_store.ALIASES:
+        path = model_store.resolve(name_or_path, "target", progress=progress)
+    elif Path(name_or_path).is_file() and Path(name_or_path).suffix == ".gguf":
+        path = Path(name_or_path)
+    else:
+        why = f"{name_or_path!r} is not a GGUF file"
+    if why is None and quant_matmul.load() is None:
+        why = f"the quant_matmul kernel is unavailable ({quant_matmul.error()})"
+    if why is None and path is not None:
+        why = gguf_loader.unquantizable(gguf_loader.open_gguf(path))
+    if why is None:
+        log.info("weights auto: quantized (the GGUF's blocks)")
+        return "quantized"
+    log.info("weights auto: fp32 (%s)", why)
+    return "fp32"
+
+
 def load_target(
     name_or_path: str,
     dtype: str = "auto",
@@ -91,15 +128,17 @@ def load_target(
     dtype auto: float32 on CPU, bfloat16 on GPU; device auto: CUDA when available.
     attention: "model" (attention in the weights' dtype) or "float64" (exact mode: tree rows
     bit-identical to incremental decoding; see LlamaModel).
-    weights: "fp32" (a GGUF dequantized to the dtype) or "quantized" (a GGUF's projections, head
+    weights: "fp32" (a GGUF dequantized to the dtype), "quantized" (a GGUF's projections, head
     and token table kept as its blocks and multiplied by treespec_kernels.quant_matmul: float32 on
-    a CPU only; shared/model/quantized.py).
+    a CPU only; shared/model/quantized.py) or "auto" (quantized where it can run: resolve_weights).
     offload: None (every weight resident), "disk" or "host": stream the layers' projections that do
     not fit in `resident_gb` GB (shared/model/offload.py), from the float-weight cache (fp32, made
     here when missing) or the GGUF's blocks (quantized), `read_threads` threads per read.
     """
+    if weights == "auto":
+        weights = resolve_weights(name_or_path, dtype, device, progress)
     if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+        raise ValueError(f"weights must be one of {(*WEIGHTS, 'auto')}, got {weights!r}")
     if offload is not None:
         target = _load_streamed(
             name_or_path, dtype, device, progress, weights, offload, resident_gb, read_threads

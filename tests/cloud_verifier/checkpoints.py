@@ -65,8 +65,11 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, model: LlamaModel, arch: str = "llama") -> None:
+def write_gguf(path: Path, model: LlamaModel, arch: str = "llama", quant: str | None = None) -> None:
+    """`model` as a GGUF with a small BPE vocabulary; `quant` ("Q8_0", ...): its matrices (the
+    projections and the token table) stored as gguf-py quantizes them, the norms and biases F32."""
     import gguf
+    from gguf.quants import quantize
 
     c = model.config
     tokens, types = small_vocab()
@@ -92,19 +95,27 @@ def write_gguf(path: Path, model: LlamaModel, arch: str = "llama") -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(TEMPLATE)
+
+    def add(gguf_name: str, arr: np.ndarray) -> None:
+        if quant is None or arr.ndim != 2:
+            w.add_tensor(gguf_name, arr)
+            return
+        kind = gguf.GGMLQuantizationType[quant]
+        w.add_tensor(gguf_name, quantize(arr.astype(np.float32), kind), raw_dtype=kind)
+
     for name, t in hf_state_dict(model).items():
         arr = t.float().numpy()
         if name == "model.embed_tokens.weight":
-            w.add_tensor("token_embd.weight", arr)
+            add("token_embd.weight", arr)
         elif name == "model.norm.weight":
             w.add_tensor("output_norm.weight", arr)
         elif name == "lm_head.weight":
-            w.add_tensor("output.weight", arr)
+            add("output.weight", arr)
         else:
             _, _, layer, part = name.split(".", 3)
             if arch == "llama" and part.startswith(("self_attn.q_proj", "self_attn.k_proj")):
                 arr = llama_cpp_permute(arr, c.num_heads if ".q_proj" in part else c.num_kv_heads)
-            w.add_tensor(f"blk.{layer}.{_GGUF_BLOCK[part]}", arr)
+            add(f"blk.{layer}.{_GGUF_BLOCK[part]}", arr)
     if c.rope_scaling is not None:
         # llama.cpp stores Llama 3 scaling as per-frequency divisors
         base = inverse_frequencies(dataclasses.replace(c, rope_scaling=None))

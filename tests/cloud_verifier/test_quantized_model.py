@@ -245,13 +245,13 @@ def test_what_cannot_run_quantized_is_refused_with_the_reason(qtiny: LlamaModel,
         QuantMatrix([QuantPart(qm.qtype("Q8_0"), torch.zeros(2, 10, dtype=torch.uint8))], 32)
 
 
-def test_the_service_refuses_quantized_weights_with_tensor_parallelism(
+def test_the_service_refuses_quantized_weights_for_a_model_without_blocks(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from cloud_verifier.cli import main
 
     assert main(["serve", "--model", "tiny", "--weights", "quantized", "--tensor-parallel", "2"]) == 2
-    assert "does not shard yet" in capsys.readouterr().err
+    assert "the tiny model has none (use --weights fp32 or auto)" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
