@@ -85,7 +85,8 @@ def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = 2 << 3
     one = config.max_context + config.max_nodes + 1  # a session at its longest, with a tree
     cap = min(memory_cap, max(256 << 20, int(KV_WEIGHT_SHARE * weight_bytes), one * per_token))
     tokens = min(config.max_sessions * one, cap // per_token)
-    return max(tokens // config.block_size, 8)
+    floor = min(one, memory_cap // per_token)  # whole blocks for one session, within memory_cap
+    return max(tokens // config.block_size, -(-floor // config.block_size), 8)
 
 
 def load_configured(cfg: ServerConfig) -> Target:
