@@ -5,8 +5,8 @@ Qwen2.5-Coder-0.5B-Instruct as the edge draft, both Q4_K_M GGUFs from the packag
 `cloud-verifier serve` on its own core (the verifier's default weights: on a CPU the target GGUF's own
 quantized blocks, ~1.1 GB), drafts on the other, streams two complete
 answers (96 tokens each) as the edge produces them with pre-speculation, and ends with a table:
-cloud-only `ar` (the target alone, every token a round trip) against the default pre-speculating
-mode (`tree_prespec`: the outcome cache and the priced miss path) at RTT 0 and at RTT 50 ms
+cloud-only `ar` (the target alone, every token a round trip) against the best measured mode
+(`budget_prespec`: budgeted trees, pre-speculated; `--mode` picks another) at RTT 0 and at RTT 50 ms
 through a TCP delay proxy, with τ (tokens per round) and the pre-speculation hit rate. The output
 of every mode is exactly the target's (checked at the end). `--pair smollm2` runs the SmolLM2-135M
 self-draft instead (small and fast, but not a realistic pair).
@@ -37,14 +37,20 @@ PAIRS = {
     "qwen": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b-q4"),
     "smollm2": ("smollm2-135m", "smollm2-135m-q4"),
 }
-MODES = ("ar", "tree_prespec")
+SHOWN_MODES = (
+    "budget_prespec",
+    "tree_prespec",
+    "budget",
+    "tree",
+    "budget_prespec_cache",
+    "tree_prespec_cache",
+)
 WEIGHTS_TEXT = {"quantized": "its GGUF's quantized blocks", "fp32": "the GGUF dequantized to fp32"}
 START_TEXT = {
     "quantized": "maps the GGUF's blocks: ~10 s",
     "fp32": "first start dequantizes the GGUF and caches the floats, ~1 min; later starts ~20 s",
 }
 FIGURES = ("ms_per_token", "tau", "hit_rate", "target_forwards_per_token")  # of a mode's summary
-SHOWN = "tree_prespec"  # the mode whose answers are streamed (at the first RTT)
 PROMPTS = (
     BenchPrompt(
         "fib",
@@ -68,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--rtt-ms", default="0,50", help="round-trip times to run, through the delay proxy")
     ap.add_argument("--tree", default=None, help="expansion config (default: the draft's recommended tree)")
+    ap.add_argument(
+        "--mode",
+        default=SHOWN_MODES[0],
+        choices=SHOWN_MODES,
+        help="the speculative mode run against ar and streamed (default: budget_prespec, the fastest "
+        "measured on the pair with the quantized target: bench/results/2026-12-05)",
+    )
     return ap
 
 
@@ -83,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"Demo: cloud verifier ({model}, {WEIGHTS_TEXT[weights]}) + edge client (draft {draft}) on "
         "localhost.\n"
-        f"{len(PROMPTS)} prompts x {a.tokens} tokens, greedy, tree {tree_text}; modes {', '.join(MODES)} at "
+        f"{len(PROMPTS)} prompts x {a.tokens} tokens, greedy, tree {tree_text}; modes ar, {a.mode} at "
         f"RTT {', '.join(f'{r:g}' for r in rtts)} ms. Every mode's output is exactly the target's.\n"
         + split.describe(),
         flush=True,
@@ -101,11 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rtt in rtts:
                 print(f"\n=== RTT {rtt:g} ms ===", flush=True)
                 tree = ExpansionConfig.parse(tree_text)
-                results[rtt] = run_rtt(verifier, split, drafter, rtt, a.tokens, tree, stream=rtt == rtts[0])
+                results[rtt] = run_rtt(
+                    verifier, split, drafter, rtt, a.tokens, tree, stream=rtt == rtts[0], shown=a.mode
+                )
                 print(flush=True)
         finally:
             drafter.close()
-    identical = report(results, a, {"model": model, "draft": draft, "tree": tree_text, "weights": weights})
+    run = {"model": model, "draft": draft, "tree": tree_text, "weights": weights, "mode": a.mode}
+    identical = report(results, a, run)
     print(f"demo wall time: {time.perf_counter() - t_start:.0f} s")
     return 0 if identical else 1
 
@@ -126,14 +142,15 @@ def run_rtt(
     tokens: int,
     tree: ExpansionConfig,
     stream: bool,
+    shown: str = SHOWN_MODES[0],
 ) -> dict[str, ModeRuns]:
-    """Every mode on the demo's prompts at one RTT (through the delay proxy when above 0), the
-    SHOWN mode's answers streamed as they come when `stream`."""
+    """`ar` and `shown` on the demo's prompts at one RTT (through the delay proxy when above 0),
+    `shown`'s answers streamed as they come when `stream`."""
     prompts = list(PROMPTS)
     shown: set[int] = set()
 
     def show(mode: str, i: int, chunk: str) -> None:
-        if mode != SHOWN or not stream:
+        if mode != shown or not stream:
             return
         if i not in shown:
             shown.add(i)
@@ -155,7 +172,7 @@ def run_rtt(
                 tree,
                 verifier.forwards,
                 on_chunk=show,
-                modes=MODES,
+                modes=("ar", shown),
                 progress=False,
             )
         )
