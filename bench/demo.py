@@ -147,13 +147,13 @@ def run_rtt(
     """`ar` and `shown` on the demo's prompts at one RTT (through the delay proxy when above 0),
     `shown`'s answers streamed as they come when `stream`."""
     prompts = list(PROMPTS)
-    shown: set[int] = set()
+    started: set[int] = set()  # prompts whose answer has begun printing
 
     def show(mode: str, i: int, chunk: str) -> None:
         if mode != shown or not stream:
             return
-        if i not in shown:
-            shown.add(i)
+        if i not in started:
+            started.add(i)
             print(f"\n[{prompts[i].category}] {prompts[i].text.strip()[:80]}\n> ", end="", flush=True)
         print(chunk, end="", flush=True)
 
