@@ -99,6 +99,15 @@ def monotone(curve: dict[int, float]) -> dict[int, float]:
     return {n: out[n] for n in sorted(out)}
 
 
+def _kernel_paths(weights: str) -> str:
+    """The quantized kernel's SIMD paths (AMX from how many rows, or not): they change the curve."""
+    if weights != "quantized":
+        return "-"
+    from treespec_kernels import quant_matmul
+
+    return quant_matmul.simd()
+
+
 def cost_cache_key(target: Target, threads: int, nodes: Sequence[int], prefix: int) -> str:
     """What a measured curve depends on: the model's weights (and whether its projections are
     quantized), dtype, device and attention, the
@@ -122,6 +131,7 @@ def cost_cache_key(target: Target, threads: int, nodes: Sequence[int], prefix: i
         target.model.attention_mode,
         target.model.attention_kernel,
         target.model.weights,  # fp32 or quantized projections
+        _kernel_paths(target.model.weights),
         str(threads or torch.get_num_threads()),
         hw,
         ",".join(map(str, nodes)),

@@ -17,6 +17,7 @@ The activations' int8 rounding makes this a numerically different target from th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,10 +71,32 @@ def build_for(arch: str) -> Any:
     return CppExtension(name, "quant_matmul.cpp", _flags(arch), "not built").require()
 
 
+AMX_ENV = "TREESPEC_AMX_MIN_ROWS"  # rows from which the K types use AMX; 0 turns it off
+
+
 def load() -> Any:
     """The compiled module, or None when it is disabled or cannot be built (reason: `error()`)."""
     mod = _EXT.module
-    return mod if mod is not None else _EXT.load()
+    if mod is not None:
+        return mod
+    mod = _EXT.load()
+    if mod is not None and os.environ.get(AMX_ENV, "").strip():
+        set_amx_min_rows(int(os.environ[AMX_ENV]), mod)
+    return mod
+
+
+def set_amx_min_rows(rows: int, mod: Any = None) -> None:
+    """The K types' products of `rows` activation rows or more run on AMX tiles where the CPU has
+    them (Sapphire Rapids and later; the same bits as every other path); 0 never uses them. The
+    default, 9, is where AMX overtook AVX-512 VNNI on the 1.5B's matrices (bench/results/2026-12-05).
+    Also set by the environment variable TREESPEC_AMX_MIN_ROWS."""
+    if rows < 0:
+        raise ValueError(f"{AMX_ENV} must be >= 0 (0 turns AMX off), got {rows}")
+    (mod or _require()).set_amx_min_rows(rows)
+
+
+def amx_min_rows() -> int:
+    return int(_require().amx_min_rows())
 
 
 def simd() -> str:
@@ -85,6 +108,8 @@ def simd() -> str:
 
 def _require() -> Any:
     mod = _EXT.module  # built already: no call (this runs for every projection of every forward)
+    if mod is None:
+        mod = load()
     return mod if mod is not None else _EXT.require()
 
 

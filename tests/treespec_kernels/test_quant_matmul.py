@@ -148,3 +148,32 @@ def test_the_result_does_not_depend_on_the_instruction_set(arch: str) -> None:
         for rows in (13, 1):
             x = torch.randn(rows, n, generator=torch.Generator().manual_seed(17)) * 4
             assert torch.equal(other.quant_matmul(x, w, q.ggml_id), qm.quant_matmul(x, w, q)), (name, rows)
+
+
+def test_the_amx_tiles_give_the_same_bits_as_every_other_path() -> None:
+    """Where the CPU has AMX (Sapphire Rapids and later), the K types' products of many rows run on
+    tiles of 16 weight rows x 16 activation rows. Forced on from one row, they equal the torch
+    reference bit for bit: rows that fill no tile, one tile, a tile and a part; outputs that are
+    no multiple of 16 (the rest on the vector path); a row alone equals the same row among 40."""
+    if "amx" not in qm.simd():
+        pytest.skip(f"no AMX on this CPU (paths: {qm.simd()})")
+    before = qm.amx_min_rows()
+    try:
+        for name in ("Q4_K", "Q6_K"):
+            q = qm.qtype(name)
+            n = 3 * 256
+            w = random_blocks(q, 53, n, seed=19)
+            x = torch.randn(40, n, generator=torch.Generator().manual_seed(23)) * 3
+            x[2, :256] = 0  # an all-zero super-block
+            qm.set_amx_min_rows(1)
+            for rows in (1, 5, 16, 17, 40):
+                got = qm.quant_matmul(x[:rows], w, q)
+                assert torch.equal(got, qm.reference_quant_matmul(x[:rows], w, q)), (name, rows)
+            many = qm.quant_matmul(x, w, q)
+            qm.set_amx_min_rows(0)  # off: the AVX-512 / AVX2 paths
+            assert torch.equal(qm.quant_matmul(x, w, q), many), name
+            assert torch.equal(qm.quant_matmul(x[7:8], w, q), many[7:8]), name
+    finally:
+        qm.set_amx_min_rows(before)
+    with pytest.raises(ValueError, match="TREESPEC_AMX_MIN_ROWS must be >= 0"):
+        qm.set_amx_min_rows(-1)
