@@ -85,7 +85,7 @@ def qgguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # closed after its test: the slow test below starts a group of its own
 def qtp2(qgguf: Path) -> Iterator[Target]:
     threads = torch.get_num_threads()
     group = parallel.start(2, str(qgguf), device="cpu", threads=2, weights="quantized")
