@@ -80,8 +80,13 @@ def load() -> Any:
     if mod is not None:
         return mod
     mod = _EXT.load()
-    if mod is not None and os.environ.get(AMX_ENV, "").strip():
-        set_amx_min_rows(int(os.environ[AMX_ENV]), mod)
+    text = os.environ.get(AMX_ENV, "").strip()
+    if mod is not None and text:
+        try:
+            rows = int(text)
+        except ValueError:
+            raise ValueError(f"{AMX_ENV}={text!r}: give a row count (0 turns AMX off)") from None
+        set_amx_min_rows(rows, mod)
     return mod
 
 

@@ -177,3 +177,15 @@ def test_the_amx_tiles_give_the_same_bits_as_every_other_path() -> None:
         qm.set_amx_min_rows(before)
     with pytest.raises(ValueError, match="TREESPEC_AMX_MIN_ROWS must be >= 0"):
         qm.set_amx_min_rows(-1)
+
+
+def test_a_bad_amx_row_count_in_the_environment_is_named() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = "from treespec_kernels import quant_matmul as qm; qm.load()"
+    env = {**os.environ, "TREESPEC_AMX_MIN_ROWS": "many"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "TREESPEC_AMX_MIN_ROWS='many': give a row count" in done.stderr

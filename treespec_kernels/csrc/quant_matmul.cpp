@@ -734,7 +734,7 @@ void amx_decode(int64_t t, const uint8_t* rows, int64_t row_bytes, int64_t in, A
   w.hi.resize(16 * in);
   w.mnp.resize(16 * nsb * 4);
   w.d.resize(16 * nsb);
-  w.dmin.assign(16 * nsb, 0.0f);
+  w.dmin.resize(16 * nsb);  // Q4_K's; Q6_K leaves it unread
   for (int n = 0; n < 16; ++n)
     for (int64_t sb = 0; sb < nsb; ++sb)
       amx_decode_block(t, rows + n * row_bytes + sb * bb, w.lo.data() + n * in + 256 * sb,
