@@ -18,6 +18,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from shared.model_store import DEFAULT_TARGET
 
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     dp.add_argument("--max-positions", type=int, default=0, help="teacher positions per record (0: all)")
     dp.add_argument("--seed", type=int, default=0, help="seeds the record order and the LoRA init")
+    _autocast_arg(dp)
     dp.add_argument("--no-progress", action="store_true", help="no progress bar")
     ep = sub.add_parser(
         "export",
@@ -111,7 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--run", type=Path, required=True, help="a distill run folder (holds draft.safetensors)")
     ep.add_argument("--draft", default="smollm2-135m-q4-l8", help="the draft the run trained: alias or GGUF")
     ep.add_argument("--gguf-type", choices=("f32", "q8_0"), default="f32", help="type of rewritten tensors")
-    ep.add_argument("--out", type=Path, default=None, help="output GGUF (default: RUN/draft.gguf)")
+    ep.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output GGUF (default: RUN/draft.gguf, with --lora RUN/lora.gguf)",
+    )
+    ep.add_argument(
+        "--lora",
+        action="store_true",
+        help="write the LoRA run's adapters alone as a llama.cpp adapter GGUF (from RUN/checkpoint), applied "
+        "at run time on the unchanged --draft by `edge-client generate --draft-lora FILE`",
+    )
     op = sub.add_parser(
         "boost",
         help="SSM_2..m trained on what the SSMs before them miss (SpecInfer's boost-tuning, adapted)",
@@ -136,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--min-gain", type=float, default=0.01, help="stop when union top-1 grows less than this")
     op.add_argument("--steps", type=int, default=200, help="optimizer steps per SSM")
     op.add_argument("--batch", type=int, default=4, help="records per step")
+    _autocast_arg(op)
     op.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     op.add_argument("--max-positions", type=int, default=0, help="teacher positions per record (0: all)")
     op.add_argument("--seed", type=int, default=0, help="SSM_j trains with seed + j - 1 (control: + 100 + j)")
@@ -171,11 +185,43 @@ def _export(a: argparse.Namespace) -> int:
 
     base = Path(resolve_draft(a.draft, progress=False))
     draft = load_target(str(base), progress=False)
+    if a.lora:
+        return _export_lora(a, base, draft.model.config)
     load_draft_weights(draft.model, a.run / "draft.safetensors")
     out = a.out or a.run / "draft.gguf"
     info = export_gguf(draft.model, base, out, a.gguf_type)
     print(json.dumps({"path": info["path"], "rewritten": len(info["rewritten"]), "copied": info["copied"]}))
     return 0
+
+
+def _export_lora(a: argparse.Namespace, base: Path, config: Any) -> int:
+    from safetensors.torch import load_file
+
+    from draft_training.distill import CHECKPOINT, SETTINGS
+    from draft_training.export import export_lora_gguf
+
+    ck, settings = a.run / CHECKPOINT / "trainable.safetensors", a.run / SETTINGS
+    if not ck.is_file() or not settings.is_file():
+        raise FileNotFoundError(f"{a.run} holds no distill checkpoint ({ck}): run `draft-training distill`")
+    spec = json.loads(settings.read_text(encoding="utf-8"))["train_spec"]
+    if int(spec.get("lora_rank", 0)) < 1:
+        raise ValueError(f"{a.run} trained without LoRA (--lora-rank 0): export it without --lora")
+    prefix = "lora."
+    adapters = {k[len(prefix) :]: v for k, v in load_file(str(ck)).items() if k.startswith(prefix)}
+    out = a.out or a.run / "lora.gguf"
+    info = export_lora_gguf(adapters, float(spec["lora_alpha"]), config, base, out)
+    print(json.dumps({"path": info["path"], "adapted": len(info["adapted"])}))
+    return 0
+
+
+def _autocast_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--autocast",
+        choices=("none", "bf16"),
+        default="none",
+        help="bf16: the training forward and backward under CPU bf16 autocast (faster where the CPU has "
+        "AMX or AVX-512 BF16, README); the loss, weights and optimizer stay float32",
+    )
 
 
 def _boost(a: argparse.Namespace) -> int:
@@ -187,8 +233,9 @@ def _boost(a: argparse.Namespace) -> int:
 
     parse_criterion(a.criterion)
     config = DistillConfig(
-        a.draft, a.steps, a.batch, a.lr, seed=a.seed, eval_every=0, max_positions=a.max_positions
-    )
+        a.draft, a.steps, a.batch, a.lr, seed=a.seed, eval_every=0, max_positions=a.max_positions,
+        autocast=a.autocast,
+    )  # fmt: skip
     config.check()
     base = str(resolve_draft(a.draft, progress=not a.no_progress))
 
@@ -216,7 +263,7 @@ def _distill(a: argparse.Namespace) -> int:
     spec = TrainSpec(blocks, a.lora_rank, a.lora_alpha, tuple(t for t in a.lora_targets.split(",") if t))
     config = DistillConfig(
         str(a.draft), a.steps, a.batch, a.lr, 0.0, a.loss, a.ce_weight, a.seed, a.eval_every,
-        a.checkpoint_every, a.max_positions,
+        a.checkpoint_every, a.max_positions, a.autocast,
     )  # fmt: skip
     config.check()
     path = a.draft if a.draft == "tiny" else str(resolve_draft(a.draft, progress=not a.no_progress))

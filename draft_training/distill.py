@@ -43,6 +43,8 @@ from draft_training.student import Student, TrainSpec, distill_loss, simulated_t
 
 CHECKPOINT = "checkpoint"
 SETTINGS = "train.json"
+# --autocast: the dtype of the student's training forward under CPU autocast (None: float32 throughout)
+AUTOCAST: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class DistillConfig:
     eval_every: int = 50
     checkpoint_every: int = 50
     max_positions: int = 0  # 0: every stored position of a record
+    autocast: str = "none"  # "bf16": the training forward and backward under CPU bf16 autocast
 
     def check(self) -> None:
         if self.steps < 1 or self.batch < 1:
@@ -68,6 +71,8 @@ class DistillConfig:
             raise ValueError(f"--loss must be kl or tvd, got {self.loss!r}")
         if self.eval_every < 0 or self.checkpoint_every < 0 or self.max_positions < 0:
             raise ValueError("--eval-every, --checkpoint-every and --max-positions must be >= 0")
+        if self.autocast not in AUTOCAST:
+            raise ValueError(f"--autocast must be one of {', '.join(AUTOCAST)}, got {self.autocast!r}")
 
 
 @dataclass
@@ -109,7 +114,13 @@ def load_examples(folder: Path, max_positions: int = 0, vocab: int | None = None
 
 
 def example_loss(student: Student, ex: Example, config: DistillConfig) -> torch.Tensor:
-    logits = student(ex.tokens, ex.start)[: len(ex.target)]
+    """The example's loss; with `config.autocast` "bf16" the student's forward runs under CPU bf16
+    autocast (matrix products in bf16, on AMX or AVX-512 BF16 where the CPU has them) and the loss
+    in float32 from its logits."""
+    dtype = AUTOCAST[config.autocast]
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        logits = student(ex.tokens, ex.start)[: len(ex.target)]
+    logits = logits.float()
     return distill_loss(
         logits, ex.top_ids, ex.top_probs, ex.rest, ex.target, config.loss, config.ce_weight, ex.weight
     )
@@ -136,8 +147,11 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
 
 def _settings(config: DistillConfig, spec: TrainSpec, records: Path, heldout: Path | None) -> dict[str, Any]:
     manifest = json.loads((records / MANIFEST).read_text(encoding="utf-8"))
+    settings = asdict(config)
+    if config.autocast == "none":  # runs from before the option resume with their settings
+        del settings["autocast"]
     doc = {
-        "distill": asdict(config),
+        "distill": settings,
         "train_spec": {**asdict(spec), "blocks": list(spec.blocks) if spec.blocks is not None else None},
         "records": str(records),
         "records_manifest": manifest,

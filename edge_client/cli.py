@@ -81,6 +81,15 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "nodes), @sequence=D (a chain), or without @ its recommended static tree",
     )
     p.add_argument(
+        "--draft-lora",
+        type=Path,
+        default=None,
+        metavar="GGUF",
+        help="a LoRA adapter GGUF (`draft-training export --lora`) applied at run time to the first "
+        "--draft, whose file stays as it is (its 4-bit weights keep a small trained update that "
+        "re-quantizing could erase); llama.cpp drafter only (--drafter auto picks it)",
+    )
+    p.add_argument(
         "--parallel-drafters",
         action="store_true",
         help="with several --draft: draft each round's trees at the same time, one thread per drafter "
@@ -488,11 +497,21 @@ def _load_drafters(args: argparse.Namespace, models: Sequence[str]) -> list[Draf
     reported, the ones already loaded closed)."""
     from edge_client.drafters.registry import create_drafter
 
-    opts = {"n_threads": args.threads} if args.threads else {}
+    opts: dict[str, object] = {"n_threads": args.threads} if args.threads else {}
+    backend, lora = args.drafter, getattr(args, "draft_lora", None)
+    if lora is not None:
+        if backend not in ("auto", "llama_cpp"):
+            _error(
+                f"--draft-lora runs on the llama.cpp drafter, not {backend}: drop --drafter, or export the "
+                "merged draft (`draft-training export`) for the other backends"
+            )
+            return None
+        backend = "llama_cpp"
     drafters = []
     try:
-        for m in models:
-            drafters.append(create_drafter(args.drafter, m, **opts))
+        for i, m in enumerate(models):
+            first = {"lora": lora} if lora is not None and i == 0 else {}
+            drafters.append(create_drafter(backend if first else args.drafter, m, **opts, **first))
     except (OSError, ValueError, ImportError, RuntimeError) as exc:  # a missing file, a bad model
         for drafter in drafters:
             drafter.close()

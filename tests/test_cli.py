@@ -3,6 +3,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,6 +72,16 @@ def test_edge_refuses_parallel_drafters_with_one_draft(capsys: pytest.CaptureFix
         ]
     )
     assert rc == 2 and "--parallel-drafters needs two or more --draft" in capsys.readouterr().err
+
+
+def test_edge_draft_lora_runs_on_llama_cpp_only(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from edge_client.cli import main
+
+    base = ["generate", "--server", "ws://127.0.0.1:9/v1/session", "--draft", "tiny"]
+    rc = main([*base, "--drafter", "torch", "--draft-lora", str(tmp_path / "a.gguf"), "hi"])
+    assert rc == 2 and "--draft-lora runs on the llama.cpp drafter, not torch" in capsys.readouterr().err
+    rc = main([*base, "--draft-lora", str(tmp_path / "a.gguf"), "hi"])  # auto: llama.cpp, which needs a GGUF
+    assert rc == 2 and "cannot load the draft model 'tiny'" in capsys.readouterr().err
 
 
 def test_edge_tree_defaults_follow_the_draft() -> None:

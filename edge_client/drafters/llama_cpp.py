@@ -26,6 +26,8 @@ dropped branches are reused, results agree only to that noise. Tests compare wit
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,8 @@ class LlamaCppDrafter(Drafter):
     n_threads:   llama.cpp threads (benches pin the edge to 1); default min(4, cores)
     max_context: the longest committed sequence; the KV cache has max_context + max_nodes cells
     max_nodes:   workspace nodes between syncs (also the largest batch one extend may send)
-    max_leaves:  workspace branches between syncs, at most 255 (one KV sequence each)
+    max_leaves:  workspace branches between syncs, at most 255 (one KV sequence each) and fewer than
+                 a batch's rows (min(max(n_batch, max_nodes), max_context + max_nodes)); lowered to fit
 
     Not thread-safe: use it from one thread at a time (the client drafts on a worker thread).
     """
@@ -68,6 +71,8 @@ class LlamaCppDrafter(Drafter):
         max_nodes: int = 256,
         max_leaves: int = LLAMA_MAX_SEQ - 1,
         n_batch: int = 512,
+        lora: str | Path | None = None,
+        lora_scale: float = 1.0,
     ) -> None:
         if not 1 <= max_leaves < LLAMA_MAX_SEQ:
             raise ValueError(f"max_leaves must be in [1, {LLAMA_MAX_SEQ - 1}] (llama.cpp's sequence limit)")
@@ -85,14 +90,16 @@ class LlamaCppDrafter(Drafter):
         self.vocab_size = self._model.n_vocab
         self.max_context = max_context
         self.max_nodes = max_nodes
-        self.max_leaves = max_leaves
         self.n_threads = n_threads or default_threads()
-        self._n_batch = max(n_batch, max_nodes)
+        # llama.cpp aborts the process when a batch exceeds the context, or when it has more sequences
+        # (one per leaf and the committed one) than a batch has rows: never ask for either
+        self._n_batch = min(max(n_batch, max_nodes), max_context + max_nodes)
+        self.max_leaves = min(max_leaves, self._n_batch - 1)
         params = llama.llama_context_default_params()
         params.n_ctx = max_context + max_nodes
         params.n_batch = self._n_batch
         params.n_ubatch = self._n_batch  # one level = one ubatch: no split of a level's batch
-        params.n_seq_max = max_leaves + 1
+        params.n_seq_max = self.max_leaves + 1
         params.kv_unified = True
         params.n_threads = self.n_threads
         params.n_threads_batch = self.n_threads
@@ -104,9 +111,37 @@ class LlamaCppDrafter(Drafter):
                 f"llama.cpp could not create a context of {max_context + max_nodes} tokens for {path}; "
                 "lower max_context / max_nodes"
             )
+        self.lora = None if lora is None else Path(lora)
+        if self.lora is not None:
+            self._apply_lora(self.lora, lora_scale)
         self._mem: Any = llama.llama_get_memory(self._ctx)
-        self._batch = llama.llama_batch_init(self._n_batch, 0, max_leaves + 1)
+        self._batch = llama.llama_batch_init(self._n_batch, 0, self.max_leaves + 1)
         self._reset_seqs()
+
+    def _apply_lora(self, path: Path, scale: float) -> None:
+        """Load a LoRA adapter GGUF (`draft-training export --lora`) onto the model and apply it to
+        this context with `scale` (llama.cpp frees it with the model)."""
+        assert self._model is not None
+        if not path.is_file():
+            self.close()
+            raise DrafterError(
+                f"LoRA adapter not found: {path} (write one with `draft-training export --lora`)"
+            )
+        if not math.isfinite(scale):
+            self.close()
+            raise DrafterError(f"lora_scale must be a finite number, got {scale}")
+        adapter = llama.llama_adapter_lora_init(self._model.ptr, str(path).encode())
+        if not adapter:
+            self.close()
+            raise DrafterError(
+                f"llama.cpp could not load the LoRA adapter {path} for {self.path}: is it an adapter GGUF "
+                "of this draft's architecture and shapes?"
+            )
+        adapters = (llama.llama_adapter_lora_p_ctypes * 1)(adapter)
+        scales = (ctypes.c_float * 1)(scale)
+        if llama.llama_set_adapters_lora(self._ctx, adapters, 1, scales):
+            self.close()
+            raise DrafterError(f"llama.cpp could not apply the LoRA adapter {path}")
 
     # ------------------------------------------------------------------ hooks
     def _commit(self, keep: int, path: list[int], tail: list[int]) -> np.ndarray | None:

@@ -6,6 +6,7 @@ checkpoint and resumed ends bit for bit where an uninterrupted one does."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,14 @@ import torch
 from bench.harness import BenchPrompt
 from draft_training.cli import main
 from draft_training.collect import CollectConfig, collect
-from draft_training.distill import DistillConfig, distill, evaluate, load_examples, save_draft
+from draft_training.distill import (
+    DistillConfig,
+    distill,
+    evaluate,
+    example_loss,
+    load_examples,
+    save_draft,
+)
 from draft_training.student import Student, TrainSpec, distill_loss, simulated_tau
 from shared.model import LlamaModel, Target, build_model, load_target, make_tiny_config
 from shared.model.inputs import SeqInput
@@ -169,3 +177,41 @@ def test_the_cli_distills_and_refuses_bad_values(records: tuple[Path, Path], tmp
     assert (out / "draft.safetensors").exists() and (out / "checkpoint" / "state.json").exists()
     assert main(["distill", "--records", str(tmp_path / "none"), "--out", str(out), "--draft", "tiny"]) == 2
     assert main(["distill", "--records", str(train), "--out", str(out), "--draft", "tiny", "--lr", "0"]) == 2
+
+
+def test_bf16_autocast_trains_in_float32_weights_and_is_refused_by_name_when_unknown(
+    records: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """--autocast bf16: the forward runs in bf16 (its logits differ from float32's), the weights and
+    the optimizer stay float32, the loss falls and held-out agreement rises as in float32; a run
+    without it writes no autocast key (runs from before the option resume)."""
+    train, held = records
+    ex = load_examples(train)[0]
+    student = Student(_student_model(), TrainSpec())
+    plain = DistillConfig("tiny", steps=30, batch=4, lr=3e-3, eval_every=30, checkpoint_every=0)
+    bf16 = DistillConfig(
+        "tiny", steps=30, batch=4, lr=3e-3, eval_every=30, checkpoint_every=0, autocast="bf16"
+    )
+    with torch.no_grad():
+        a, b = example_loss(student, ex, plain), example_loss(student, ex, bf16)
+    assert a.dtype == b.dtype == torch.float32 and not torch.equal(a, b)
+    assert abs(float(a) - float(b)) < 0.05 * float(a)  # the same loss, to bf16's precision
+    before = evaluate(student, load_examples(held))
+    summary = distill(tmp_path / "bf16", train, student, bf16, held, progress=False)
+    after = summary["evals"][-1]
+    assert after["top1"] > before["top1"] + 0.2 and after["tau"] > before["tau"]
+    assert all(p.dtype == torch.float32 for _, p in student.trainable())
+    assert json.loads((tmp_path / "bf16" / "train.json").read_text())["distill"]["autocast"] == "bf16"
+    distill(
+        tmp_path / "plain",
+        train,
+        Student(_student_model(), TrainSpec()),
+        replace(plain, steps=1),
+        progress=False,
+    )
+    assert "autocast" not in json.loads((tmp_path / "plain" / "train.json").read_text())["distill"]
+    with pytest.raises(ValueError, match="--autocast"):
+        replace(plain, autocast="fp16").check()
+    args = ["distill", "--records", str(train), "--out", str(tmp_path / "cli"), "--draft", "tiny"]
+    with pytest.raises(SystemExit):  # argparse names the flag and its choices
+        main([*args, "--autocast", "fp16"])
