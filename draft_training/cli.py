@@ -1,6 +1,6 @@
 """`python -m draft_training` (`draft-training`): the steps of training a draft for a target.
 
-draft-training split [--check]
+draft-training split [--check] [--prompts-out FILE [--side heldout|train] [--per-category N]]
 draft-training collect --out DIR [--model M] [--tokens N] [--temperatures 0,1] [--batch B]
                        [--top-k K] [--seed S] [--limit N] [--side train|heldout] [--no-progress]
                        [--from-traces DIR]
@@ -43,6 +43,23 @@ def build_parser() -> argparse.ArgumentParser:
         "sha256('category/id'), the first third held out. --check compares the committed file instead.",
     )
     sp.add_argument("--check", action="store_true", help="exit 1 if the committed split is not the rule's")
+    sp.add_argument(
+        "--prompts-out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="instead: write one side of the committed split as a JSONL prompt file that bench.e2e, "
+        "bench.network and bench.outcomes read with --prompt-file (to measure trained drafts)",
+    )
+    sp.add_argument(
+        "--side", choices=("train", "heldout"), default="heldout", help="the side --prompts-out writes"
+    )
+    sp.add_argument(
+        "--per-category",
+        type=int,
+        default=0,
+        help="with --prompts-out: the first N prompts of each category (0: all)",
+    )
     cp = sub.add_parser(
         "collect",
         help="the teacher's continuations of the train prompts with its top-k probabilities",
@@ -282,6 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from draft_training import split as splits
 
     if a.command == "split":
+        if a.prompts_out is not None:
+            n = splits.write_prompts(a.prompts_out, splits.load_split(), a.side, a.per_category)
+            print(f"wrote {a.prompts_out}: {n} {a.side} prompts")
+            return 0
         if a.check:
             problem = splits.check_split()
             print(problem or f"{splits.SPLIT_FILE}: the committed split is the rule's")

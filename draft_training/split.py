@@ -120,3 +120,24 @@ def check_split(path: Path = SPLIT_FILE) -> str | None:
             cats = sorted(c for c in set(have) | set(want[side]) if have.get(c) != want[side].get(c))
             return f"{path}: the {side} side differs from the rule's in categories {cats}"
     return None
+
+
+def write_prompts(path: Path, split: Split, which: str = "heldout", per_category: int = 0) -> int:
+    """One side of `split` as a JSONL prompt file (bench.harness.load_prompt_file's forms: a chat
+    prompt as Spec-Bench's {question_id, category, turns}, a raw one as HumanEval's {task_id,
+    category, prompt}), the first `per_category` of each category (0: all); the number written."""
+    if per_category < 0:
+        raise ValueError(f"--per-category must be >= 0, got {per_category}")
+    taken: dict[str, int] = {}
+    lines = []
+    for p in split.prompts(which):
+        if per_category and taken.get(p.category, 0) >= per_category:
+            continue
+        taken[p.category] = taken.get(p.category, 0) + 1
+        if p.raw:
+            d: dict[str, Any] = {"task_id": p.question_id, "category": p.category, "prompt": p.text}
+        else:
+            d = {"question_id": p.question_id, "category": p.category, "turns": [p.text]}
+        lines.append(json.dumps(d, ensure_ascii=False))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return len(lines)

@@ -49,6 +49,22 @@ def test_a_prompts_side_is_its_hashs_and_not_the_files_order() -> None:
         splits.make_split([every[0], every[0]])
 
 
+def test_a_side_written_as_a_prompt_file_reads_back_as_the_same_prompts(tmp_path: Path) -> None:
+    from bench.harness import load_prompt_file
+
+    s = splits.load_split()
+    path = tmp_path / "held.jsonl"
+    assert main(["split", "--prompts-out", str(path)]) == 0
+    back = load_prompt_file(path)
+    assert back == s.prompts("heldout") and any(p.raw for p in back) and any(not p.raw for p in back)
+    n = splits.write_prompts(path, s, "train", per_category=2)
+    cats = {p.category for p in s.prompts("train")}
+    back = load_prompt_file(path)
+    assert n == len(back) == 2 * len(cats) and back == [p for p in s.prompts("train") if p in back]
+    with pytest.raises(ValueError, match="--per-category"):
+        splits.write_prompts(path, s, per_category=-1)
+
+
 def _prompts() -> list[BenchPrompt]:
     return [
         BenchPrompt("t/1", "humaneval", "def add(a, b):\n", raw=True),
