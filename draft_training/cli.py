@@ -300,8 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if a.command == "split":
         if a.prompts_out is not None:
-            n = splits.write_prompts(a.prompts_out, splits.load_split(), a.side, a.per_category)
-            print(f"wrote {a.prompts_out}: {n} {a.side} prompts")
+            written = splits.write_prompts(a.prompts_out, splits.load_split(), a.side, a.per_category)
+            print(f"wrote {a.prompts_out}: {written} {a.side} prompts")
             return 0
         if a.check:
             problem = splits.check_split()
