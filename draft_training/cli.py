@@ -180,14 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bp.add_argument("aliases", nargs="*", help="which recipes (default: all of them)")
     bp.add_argument("--rebuild", action="store_true", help="train again even if the alias is built")
+    bp.add_argument(
+        "--qwen",
+        action="store_true",
+        help="also the Qwen pilot qwen2.5-coder-0.5b-kd (LoRA of the 0.5B taught by the 1.5B); "
+        "make drafts QWEN=1",
+    )
     bp.add_argument("--no-progress", action="store_true", help="no progress bars")
     return ap
 
 
 def _drafts(a: argparse.Namespace) -> int:
-    from draft_training.drafts import RECIPES, build_all
+    from draft_training.drafts import build_all, default_aliases
 
-    infos = build_all(a.aliases or list(RECIPES), rebuild=a.rebuild, progress=not a.no_progress)
+    infos = build_all(a.aliases or default_aliases(a.qwen), rebuild=a.rebuild, progress=not a.no_progress)
     for info in infos:
         last = info.get("evals", [])[-1:] or [None]
         print(json.dumps({"alias": info.get("alias"), "path": info["path"], "last_eval": last[0]}))

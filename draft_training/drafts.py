@@ -48,12 +48,35 @@ class Recipe:
     lr: float = 3e-4
     eval_every: int = 100
     gguf_type: str = "f32"
+    lora_rank: int = 0  # > 0: LoRA adapters (the merged file, and the adapters alone as <file>.lora.gguf)
+    lora_alpha: float = 16.0
+    autocast: str = "none"  # distill's --autocast
+    pilot: bool = False  # built only when named (or with --qwen), not by a plain `make drafts`
 
 
 # the SmolLM2 showcase: the untrained 8-block draft (tau 1.04) distilled from the full 30-block model;
 # about an hour on 2 cores (collect ~17 + 6 min, distill ~35 min: the pilot's rates)
 RECIPES: dict[str, Recipe] = {
     "smollm2-135m-l8-kd": Recipe("smollm2-135m-l8-kd", "smollm2-135m", "smollm2-135m-q4-l8"),
+    # the Qwen pilot (`make drafts QWEN=1`): LoRA of the 0.5B on a slice of the train prompts, the 1.5B
+    # teaching; a pilot's size (see the README for what it gave), not a full training run
+    "qwen2.5-coder-0.5b-kd": Recipe(
+        "qwen2.5-coder-0.5b-kd",
+        "qwen2.5-coder-1.5b",
+        "qwen2.5-coder-0.5b-q4",
+        tokens=48,
+        train_prompts=96,
+        heldout_prompts=32,
+        steps=120,
+        batch=4,
+        lr=2e-4,
+        eval_every=40,
+        gguf_type="q8_0",
+        lora_rank=16,
+        lora_alpha=32.0,
+        autocast="bf16",
+        pilot=True,
+    ),
 }
 
 
@@ -64,8 +87,21 @@ def work_dir(alias: str) -> Path:
 
 
 def _prompts(split: Split, side: str, limit: int) -> list[Any]:
+    """The side's prompts; with a `limit`, that many taken round-robin over the categories (each
+    category's in the sets' order), so that a slice covers every category."""
     prompts = split.prompts(side)
-    return prompts[:limit] if limit else prompts
+    if not limit or limit >= len(prompts):
+        return prompts
+    by_cat: dict[str, list[Any]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    out: list[Any] = []
+    queues = list(by_cat.values())
+    while len(out) < limit:
+        for q in queues:
+            if q and len(out) < limit:
+                out.append(q.pop(0))
+    return out
 
 
 def build(
@@ -79,7 +115,7 @@ def build(
 ) -> dict[str, Any]:
     """Run the recipe (resuming what an earlier run left) and write its GGUF to `out` (default:
     the alias's file in the model cache); the summary, also written to `<out>.json`."""
-    from draft_training.export import export_gguf
+    from draft_training.export import export_gguf, export_lora_gguf
     from edge_client.models import resolve_draft
     from shared.model import load_target
     from shared.model_store import cached_path, model_file
@@ -95,31 +131,25 @@ def build(
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     _say(f"{recipe.alias}: 1/3 the teacher's records ({recipe.teacher}) in {work}", progress)
-    teacher = load_target(recipe.teacher, progress=progress)
-    train = CollectConfig(recipe.teacher, recipe.tokens, recipe.temperatures, 32, 0)
-    held = replace(train, temperatures=(0.0,))
-    # held-out greedy (distill's evaluation) and at T 1 (bench.speculators' second table); never trained on
-    held_t1 = replace(train, temperatures=(1.0,))
-    sides = (
-        ("train", "train", train, recipe.train_prompts),
-        ("heldout", "heldout", held, recipe.heldout_prompts),
-        ("heldout_t1", "heldout", held_t1, recipe.heldout_prompts),
-    )
-    for name, side, want, limit in sides:
-        collect(work / name, _prompts(split, side, limit), want, recipe.collect_batch, teacher, progress)
-    del teacher
+    _collect(recipe, work, split, progress)
     times["collect_s"] = round(time.perf_counter() - t0, 1)
     t1 = time.perf_counter()
     _say(f"{recipe.alias}: 2/3 distilling {recipe.draft} ({recipe.steps} steps)", progress)
     base = resolve_draft(recipe.draft, progress=progress)
     draft = load_target(str(base), progress=progress)
-    student = Student(draft.model, TrainSpec(), seed=0)
+    spec = (
+        TrainSpec(lora_rank=recipe.lora_rank, lora_alpha=recipe.lora_alpha)
+        if recipe.lora_rank
+        else TrainSpec()
+    )
+    student = Student(draft.model, spec, seed=0)
     config = DistillConfig(
         recipe.draft, recipe.steps, recipe.batch, recipe.lr, eval_every=recipe.eval_every,
-        checkpoint_every=recipe.eval_every,
+        checkpoint_every=recipe.eval_every, autocast=recipe.autocast,
     )  # fmt: skip
     run = distill(work / "run", work / "train", student, config, work / "heldout", progress=progress)
-    save_draft(student, work / "run" / "draft.safetensors")
+    adapters = {n: p.detach().clone() for n, p in student.lora.items()}
+    save_draft(student, work / "run" / "draft.safetensors")  # adapters merged
     times["distill_s"] = round(time.perf_counter() - t1, 1)
     t2 = time.perf_counter()
     _say(f"{recipe.alias}: 3/3 writing {dst}", progress)
@@ -127,6 +157,8 @@ def build(
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
     try:
         exported = export_gguf(student.model, base, tmp, recipe.gguf_type)
+        if adapters:  # the adapters alone, for `edge-client --draft-lora` on the unchanged base
+            export_lora_gguf(adapters, recipe.lora_alpha, student.model.config, base, lora_file(dst))
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
@@ -145,9 +177,37 @@ def build(
     return info
 
 
+def _collect(recipe: Recipe, work: Path, split: Split, progress: bool) -> None:
+    """The teacher's records: train, and held-out greedy (distill's evaluation) and at T 1
+    (bench.speculators' second table), never trained on."""
+    from shared.model import load_target
+
+    teacher = load_target(recipe.teacher, progress=progress)
+    train = CollectConfig(recipe.teacher, recipe.tokens, recipe.temperatures, 32, 0)
+    held = replace(train, temperatures=(0.0,))
+    held_t1 = replace(train, temperatures=(1.0,))
+    sides = (
+        ("train", "train", train, recipe.train_prompts),
+        ("heldout", "heldout", held, recipe.heldout_prompts),
+        ("heldout_t1", "heldout", held_t1, recipe.heldout_prompts),
+    )
+    for name, side, want, limit in sides:
+        collect(work / name, _prompts(split, side, limit), want, recipe.collect_batch, teacher, progress)
+
+
+def lora_file(path: Path) -> Path:
+    """Where a LoRA recipe's adapters alone are written beside its merged file."""
+    return path.with_name(path.name.removesuffix(".gguf") + ".lora.gguf")
+
+
 def _say(text: str, progress: bool) -> None:
     if progress:
         print(text, file=sys.stderr, flush=True)
+
+
+def default_aliases(pilots: bool = False) -> list[str]:
+    """The recipes a plain `make drafts` builds (and the pilots with `pilots`)."""
+    return [a for a, r in RECIPES.items() if pilots or not r.pilot]
 
 
 def build_all(aliases: Sequence[str], **kw: Any) -> list[dict[str, Any]]:

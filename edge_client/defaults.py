@@ -20,8 +20,10 @@ from shared.tree import ExpansionConfig
 # the expansion ⟨k1..km⟩ the CLI and the benches use when none is given
 RECOMMENDED_TREES: dict[str, str] = {
     "qwen2.5-coder-0.5b-q4": "2,1,1,1,1,1,1,1",
+    "qwen2.5-coder-0.5b-kd": "2,1,1,1,1,1,1,1",
     "smollm2-135m-q4": "1,1,3,1,1",
     "smollm2-135m-q4-l8": "1,1,3,1,1",
+    "smollm2-135m-l8-kd": "1,1,3,1,1",
 }
 FALLBACK_TREE = "1,1,3,1,1,1,1,1"  # SpecInfer's ⟨1,1,3,1,1,1,1,1⟩
 

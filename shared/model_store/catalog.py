@@ -55,6 +55,7 @@ QWEN_15B_FILE = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_L8_FILE = "SmolLM2-135M-Instruct.Q4_1.l8.gguf"
 SMOLLM2_L8_KD_FILE = "SmolLM2-135M-Instruct.l8-kd.gguf"
+QWEN_05B_KD_FILE = "qwen2.5-coder-0.5b-instruct.lora-kd.gguf"
 
 FILES: dict[str, ModelFile] = {
     QWEN_05B_FILE: ModelFile(
@@ -82,6 +83,7 @@ FILES: dict[str, ModelFile] = {
     ),
     SMOLLM2_L8_FILE: ModelFile(SMOLLM2_L8_FILE, "derived", source=SMOLLM2_FILE, blocks=8),
     SMOLLM2_L8_KD_FILE: ModelFile(SMOLLM2_L8_KD_FILE, "trained", source=SMOLLM2_L8_FILE),
+    QWEN_05B_KD_FILE: ModelFile(QWEN_05B_KD_FILE, "trained", source=QWEN_05B_FILE),
 }
 
 _ALIASES = (
@@ -127,6 +129,13 @@ _ALIASES = (
         SMOLLM2_L8_KD_FILE,
         ("draft",),
         "the 8-block draft distilled from SmolLM2-135M (fp32) on its own outputs; built by `make drafts`",
+    ),
+    ModelAlias(
+        "qwen2.5-coder-0.5b-kd",
+        QWEN_05B_KD_FILE,
+        ("draft",),
+        "the 0.5B draft with LoRA adapters distilled from the 1.5B on its own outputs, merged (adapted "
+        "tensors Q8_0; the adapters alone beside it as .lora.gguf); a pilot: `make drafts QWEN=1`",
     ),
 )
 ALIASES: dict[str, ModelAlias] = {a.name: a for a in _ALIASES}

@@ -50,3 +50,41 @@ def test_the_trained_alias_is_built_by_make_drafts(cache: Path) -> None:
     mtime = path.stat().st_mtime_ns
     again = build(micro, progress=False)  # built: kept as it is
     assert path.stat().st_mtime_ns == mtime and again["evals"] == info["evals"]
+
+
+def test_a_lora_recipe_writes_the_merged_draft_and_its_adapters_for_llama_cpp(cache: Path) -> None:
+    """A LoRA recipe (the Qwen pilot's kind, here on the L8 draft): the merged file with the adapted
+    tensors as Q8_0, and the adapters alone beside it, which the llama.cpp drafter applies to the
+    unchanged base; trained with bf16 autocast. Pilots are built only when named."""
+    from draft_training.drafts import _prompts, default_aliases, lora_file
+    from draft_training.split import load_split
+    from edge_client.drafters.llama_cpp import LlamaCppDrafter
+
+    assert RECIPES["qwen2.5-coder-0.5b-kd"].pilot and "qwen2.5-coder-0.5b-kd" not in default_aliases()
+    assert default_aliases(pilots=True) == list(RECIPES)
+    some = _prompts(load_split(), "train", 13)
+    assert len(some) == 13 and len({p.category for p in some}) == 13  # round-robin over the categories
+    micro = Recipe(
+        ALIAS, "tiny", "smollm2-135m-q4-l8", tokens=6, train_prompts=3, heldout_prompts=2,
+        collect_batch=4, steps=2, batch=2, lr=1e-2, eval_every=1, gguf_type="q8_0", lora_rank=2,
+        autocast="bf16",
+    )  # fmt: skip
+    info = build(micro, progress=False)
+    path = Path(info["path"])
+    adapter = lora_file(path)
+    assert adapter.is_file() and adapter.name.endswith(".lora.gguf")
+    run = json.loads((cache / "draft_training" / ALIAS / "run" / "train.json").read_text())
+    assert run["distill"]["autocast"] == "bf16" and run["train_spec"]["lora_rank"] == 2
+    base = resolve_draft("smollm2-135m-q4-l8", progress=False)
+    prompt = [1, 504, 3458, 282, 4649, 314]
+
+    def logits(model: Path, lora: Path | None = None) -> torch.Tensor:
+        d = LlamaCppDrafter(model, n_threads=1, max_context=32, max_nodes=4, lora=lora)
+        try:
+            return torch.softmax(torch.tensor(d.sync(prompt)), -1)
+        finally:
+            d.close()
+
+    merged, adapted, plain = logits(path), logits(base, adapter), logits(base)
+    tvd = 0.5 * float((merged - adapted).abs().sum())
+    assert tvd < 0.05 and not torch.equal(adapted, plain), tvd
