@@ -166,6 +166,7 @@ def add_common_args(
       soak              --json --seed --no-progress
       speculators       --json --no-progress
       target_step       --json --no-progress
+      train_step        --json --no-progress
       tree_attention    --json --seed
       verifier_memory   --json
       verify_exactness  --json --seed --no-progress
