@@ -180,7 +180,8 @@ def test_an_exported_draft_runs_in_every_drafter_backend(l8_path: Path, tmp_path
         finally:
             d.close()
         p = np.exp(x - x.max())
-        return p / p.sum()
+        out: np.ndarray = p / p.sum()
+        return out
 
     ref = dist("torch", trained)
     for backend, model in (("llama_cpp", trained), ("onnx", tmp_path / "onnx")):
