@@ -182,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--drafts",
         default=None,
         help="comma-separated drafts (aliases or GGUF paths), the first the baseline (default: the recipe's "
-        "base draft, then the trained alias)",
+        "base draft, then the trained alias); DRAFT@lora=FILE applies a LoRA adapter GGUF to DRAFT "
+        "(llama.cpp only: skipped on the other backends)",
     )
     ap.add_argument(
         "--backends",
@@ -208,8 +209,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = load_positions(folders)
     drafts = [d for d in (a.drafts or f"{RECIPES[a.recipe].draft},{a.recipe}").split(",") if d]
     backends = [b for b in a.backends.split(",") if b]
-    from edge_client.drafters.registry import create_drafter
-
     longest = max(len(r["prompt"]) + len(r["tokens"]) for r in records)
     rows: list[dict[str, Any]] = []
     comparisons: list[dict[str, Any]] = []
@@ -218,15 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for backend in backends:
         by_draft: dict[str, dict[str, np.ndarray]] = {}
         for draft in drafts:
-            drafter = create_drafter(backend, draft, max_context=longest + 16, max_nodes=max(256, longest))
-            ranks: dict[str, np.ndarray] = {}
-            for r in records:
-                ranks[r["name"]] = np.asarray(draft_ranks(drafter, r["prompt"], r["tokens"]))
-                bar.update()
-            drafter.close()
-            by_draft[draft] = ranks
-            rows += [{"draft": draft, "backend": backend, **row} for row in table1(records, ranks)]
-        for draft in drafts[1:]:
+            ranks = _ranks(backend, draft, records, longest, bar)
+            if ranks is not None:
+                by_draft[draft] = ranks
+                rows += [{"draft": draft, "backend": backend, **row} for row in table1(records, ranks)]
+        for draft in (d for d in drafts[1:] if d in by_draft and drafts[0] in by_draft):
             comparisons += [
                 {"backend": backend, "base": drafts[0], "draft": draft, **c}
                 for c in compare(records, by_draft[drafts[0]], by_draft[draft])
@@ -236,6 +231,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print(rows, comparisons, curve)
     write_result(a.json, a, rows, True, comparisons=comparisons, learning_curve=curve)
     return 0
+
+
+def _ranks(
+    backend: str, draft: str, records: list[dict[str, Any]], longest: int, bar: Any
+) -> dict[str, np.ndarray] | None:
+    """The rank of the teacher's token at every position of every record for one draft on one
+    backend; None where DRAFT@lora=FILE meets a backend other than llama.cpp (skipped)."""
+    from edge_client.drafters.registry import create_drafter
+
+    model, _, lora = draft.partition("@lora=")
+    if lora and backend != "llama_cpp":
+        bar.update(len(records))
+        return None
+    extra = {"lora": lora} if lora else {}
+    drafter = create_drafter(backend, model, max_context=longest + 16, max_nodes=max(256, longest), **extra)
+    ranks: dict[str, np.ndarray] = {}
+    try:
+        for r in records:
+            ranks[r["name"]] = np.asarray(draft_ranks(drafter, r["prompt"], r["tokens"]))
+            bar.update()
+    finally:
+        drafter.close()
+    return ranks
 
 
 def _print(

@@ -66,3 +66,8 @@ def test_a_run_on_tiny_records(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert greedy[0]["top1"] == 1.0
     assert all(c["p"] == 1.0 and c["points"] == 0.0 for c in doc["comparisons"])
     assert len(doc["learning_curve"]) == 2 and "McNemar" in capsys.readouterr().out
+    # DRAFT@lora=FILE runs on llama.cpp only: skipped on torch, and so left out of the comparisons
+    args = ["--records", str(tmp_path / "held"), "--drafts", f"tiny,tiny@lora={tmp_path / 'a.gguf'}"]
+    assert main([*args, "--backends", "torch", "--json", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    assert {r["draft"] for r in doc["rows"]} == {"tiny"} and doc["comparisons"] == []
