@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +89,8 @@ def export_gguf(model: LlamaModel, base: Path, dst: Path, gguf_type: str = "f32"
             out_tensors.append((t.name, quantize(np.ascontiguousarray(new), kind), kind))
         else:
             out_tensors.append((t.name, np.ascontiguousarray(new), gguf.GGMLQuantizationType.F32))
-    fd, tmp_name = tempfile.mkstemp(prefix=dst.name + ".", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        writer = gguf.GGUFWriter(tmp, arch_name)
+
+    def fill(writer: Any) -> None:
         name_key = gguf.Keys.General.NAME
         copy_fields(reader, writer, lambda key, value: f"{value} (distilled)" if key == name_key else value)
         for name, data, kind in out_tensors:
@@ -100,14 +98,8 @@ def export_gguf(model: LlamaModel, base: Path, dst: Path, gguf_type: str = "f32"
                 writer.add_tensor(name, data)
             else:
                 writer.add_tensor(name, data, raw_dtype=kind)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    write_gguf(dst, arch_name, fill)
     return {"path": str(dst), "rewritten": rewritten, "copied": len(out_tensors) - len(rewritten)}
 
 
@@ -170,17 +162,30 @@ def export_lora_gguf(
             name.endswith("lora_b") and arr.shape[0] != out_f
         ):
             raise ValueError(f"{name} {arr.shape} does not fit {weight} {shapes[weight]}")
-    fd, tmp_name = tempfile.mkstemp(prefix=dst.name + ".", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        writer = gguf.GGUFWriter(tmp, arch_name)
+
+    def fill(writer: Any) -> None:
         writer.add_type(gguf.GGUFType.ADAPTER)
         writer.add_name(f"{reader_name(reader)} (LoRA)")
         writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
         writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(alpha))
         for name, arr in tensors:
             writer.add_tensor(name, arr)
+
+    write_gguf(dst, arch_name, fill)
+    return {"path": str(dst), "adapted": sorted({n.rsplit(".", 1)[0] for n, _ in tensors})}
+
+
+def write_gguf(dst: Path, arch_name: str, fill: Callable[[Any], None]) -> None:
+    """Write `dst` whole or not at all: a GGUFWriter of `arch_name` that `fill` gives its keys and
+    tensors, written to a temporary file beside `dst` and renamed over it."""
+    import gguf
+
+    fd, tmp_name = tempfile.mkstemp(prefix=dst.name + ".", suffix=".tmp", dir=dst.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch_name)
+        fill(writer)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -189,7 +194,6 @@ def export_lora_gguf(
         os.replace(tmp, dst)
     finally:
         tmp.unlink(missing_ok=True)
-    return {"path": str(dst), "adapted": sorted({n.rsplit(".", 1)[0] for n, _ in tensors})}
 
 
 def reader_name(reader: Any) -> str:
