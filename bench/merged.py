@@ -2,9 +2,12 @@
 
 Every variant drafts dynamic (best-first) trees of fixed sizes: `one` is the first draft alone
 with --nodes nodes, `other` the second alone with --nodes, `merged` every draft with
---nodes / len(drafts) nodes each, merged into one tree (identical paths deduplicated in greedy /
-match, so a merged tree may hold fewer nodes). `ar` is target-only, the ms/token baseline and the
-exactness reference. Prompts are interleaved variant by variant as in bench.e2e.
+--nodes / len(drafts) nodes each, drafted in turn and merged into one tree (identical paths
+deduplicated in greedy / match, so a merged tree may hold fewer nodes: `nodes_per_round` against
+--nodes is the drafts' redundancy). With --parallel, `merged_parallel` is the same merge with the
+drafts drafting at the same time (EdgeClient's parallel_drafters, a thread each). `ar` is
+target-only, the ms/token baseline and the exactness reference. Prompts are interleaved variant by
+variant as in bench.e2e.
 
     python -m bench.merged --model smollm2-135m --draft smollm2-135m-q4 --draft smollm2-135m-q4-l8 \
         --nodes 16 --prompts 10 --humaneval 0 --tokens 64 --json bench/out/merged_smollm2.json
@@ -28,30 +31,41 @@ from shared.messages import Mode
 from shared.model_store import DEFAULT_TARGET
 
 
-def variant_shapes(n_drafts: int, nodes: int) -> dict[str, tuple[list[int], list[TreeSpec]]]:
-    """Variant name -> (indices of the drafts it uses, their tree shapes), at `nodes` nodes in all."""
+def variant_shapes(
+    n_drafts: int, nodes: int, parallel: bool = False
+) -> dict[str, tuple[list[int], list[TreeSpec]]]:
+    """Variant name -> (indices of the drafts it uses, their tree shapes), at `nodes` nodes in all;
+    `parallel` adds `merged_parallel` (the drafts of `merged`, drafted at the same time)."""
     if n_drafts < 2:
         raise ValueError("give at least two --draft to compare one drafter with merged ones")
     each = nodes // n_drafts
     if each < 1:
         raise ValueError(f"--nodes {nodes} cannot be split over {n_drafts} drafts")
+    merged = (list(range(n_drafts)), [TreeSpec("budget", budget=each)] * n_drafts)
     return {
         "ar": ([0], [TreeSpec("budget", budget=nodes)]),
         "one": ([0], [TreeSpec("budget", budget=nodes)]),
         "other": ([1], [TreeSpec("budget", budget=nodes)]),
-        "merged": (list(range(n_drafts)), [TreeSpec("budget", budget=each)] * n_drafts),
+        "merged": merged,
+        **({"merged_parallel": merged} if parallel else {}),
     }
 
 
 async def run(
     url: str, drafters: Sequence[Any], prompts: Sequence[BenchPrompt], a: argparse.Namespace
 ) -> tuple[dict[str, ModeRuns], dict[str, list[int]]]:
-    shapes = variant_shapes(len(drafters), a.nodes)
+    shapes = variant_shapes(len(drafters), a.nodes, a.parallel)
     mode = Mode(a.mode)
     runs = {v: ModeRuns() for v in shapes}
     nodes: dict[str, list[int]] = {v: [] for v in shapes}  # tree nodes of every round
     clients = {
-        v: EdgeClient(url, [drafters[i] for i in idx], tree=trees, api_key=a.api_key)
+        v: EdgeClient(
+            url,
+            [drafters[i] for i in idx],
+            tree=trees,
+            api_key=a.api_key,
+            parallel_drafters=v == "merged_parallel",
+        )
         for v, (idx, trees) in shapes.items()
     }
     for c in clients.values():
@@ -95,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft backend: once for every --draft, or once per --draft in order (default llama_cpp)",
     )
     ap.add_argument("--nodes", type=int, default=16, help="total tree nodes per round in every variant")
+    ap.add_argument(
+        "--parallel",
+        action="store_true",
+        help="also run `merged_parallel`: the merged drafts drafting at the same time, a thread each "
+        "(on the edge's cores: with one core they take turns on it)",
+    )
     ap.add_argument("--prompts", type=int, default=10, help="Spec-Bench prompts")
     ap.add_argument("--humaneval", type=int, default=0, help="HumanEval prompts")
     ap.add_argument("--mode", default="greedy", choices=["greedy", "match"], help="verification mode")
@@ -123,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--drafter: give one backend, or one per --draft ({len(drafts)})")
     backends = backends * len(drafts) if len(backends) == 1 else backends
     try:
-        variant_shapes(len(drafts), a.nodes)
+        variant_shapes(len(drafts), a.nodes, a.parallel)
     except ValueError as exc:
         ap.error(str(exc))
     split = CoreSplit.auto()
@@ -158,11 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # greedy and seeded match are exact: every variant's tokens are ar's (up to near-ties)
         "identical_to_ar": {v: r.tokens == ar for v, r in runs.items() if v != "ar"},
     }
-    print(f"{'variant':8} {'tau':>6} {'ms/token':>9} {'nodes/round':>12}")
+    print(f"{'variant':15} {'tau':>6} {'ms/token':>9} {'nodes/round':>12}")
     for v, r in runs.items():
         s = r.summary()
         per_round = sum(nodes[v]) / len(nodes[v]) if nodes[v] else 0.0
-        print(f"{v:8} {s['tau_pooled']:6.2f} {s['ms_per_token']:9.1f} {per_round:12.1f}")
+        print(f"{v:15} {s['tau_pooled']:6.2f} {s['ms_per_token']:9.1f} {per_round:12.1f}")
     print("identical to ar:", result["identical_to_ar"])
     rows = [
         {"variant": v, **summary, "nodes_per_round": result["nodes_per_round"][v]}
