@@ -164,7 +164,7 @@ def add_common_args(
       round_files       --json
       simulate          --json --no-progress
       soak              --json --seed --no-progress
-      speculators       --json --no-progress
+      speculators       --json --tokens --prompt-file --no-progress
       target_step       --json --no-progress
       train_step        --json --no-progress
       tree_attention    --json --seed

@@ -12,8 +12,15 @@ first right, c: only the other right; two-sided binomial p of min(b, c) in b + c
 With `--curve RUN` (a distill run folder, or a trained draft's `<file>.json`): the learning curve,
 held-out top-1 and simulated tau against training tokens.
 
+With `--parts ...,e2e`: every draft end to end against the recipe's teacher served by a verifier
+(bench.e2e's modes, greedy, `--e2e-modes`, default ar,tree,budget) on held-out prompts (the first
+`--per-category` of each category of the committed split, or `--prompt-file`): tau, ms/token, the
+speed-up over `ar` and whether the tokens are `ar`'s. `ar` runs again beside each draft, prompt by
+prompt interleaved with its modes, so each draft's speed-up is measured in the same minutes.
+
     python -m bench.speculators --drafts smollm2-135m-q4-l8,smollm2-135m-l8-kd --json out.json
     python -m bench.speculators --recipe qwen2.5-coder-0.5b-kd --json out.json   (the Qwen pilot)
+    python -m bench.speculators --parts e2e --tokens 64 --json out.json    (tau and ms/token only)
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -32,7 +40,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.agreement import TOP_K, draft_ranks
-from bench.harness import add_common_args, table, write_result
+from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
 
 DEFAULT_RECIPE = "smollm2-135m-l8-kd"
 _NAME = re.compile(r"^(?P<category>.+?)__(?P<id>.+)__t(?P<t>[0-9.]+)$")
@@ -157,13 +165,18 @@ def default_records(recipe: str = DEFAULT_RECIPE) -> list[Path]:
     return [p for p in (work / "heldout", work / "heldout_t1") if p.is_dir()]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+PARTS = ("table1", "e2e")
+E2E_MODES = "ar,tree,budget"
+
+
+def build_parser() -> argparse.ArgumentParser:
     from edge_client.drafters.registry import backend_choices
 
     ap = argparse.ArgumentParser(
         prog="python -m bench.speculators",
         description="Top-1..5 coverage of the teacher's tokens by each draft on held-out records, with "
-        "Wilson intervals and McNemar against the first draft, and the learning curve (issue 34's Table 1).",
+        "Wilson intervals and McNemar against the first draft, the learning curve, and (--parts e2e) "
+        "tau and ms/token end to end (issue 34's Table 1).",
     )
     ap.add_argument(
         "--records",
@@ -176,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--recipe",
         default=DEFAULT_RECIPE,
         help="a `make drafts` recipe (smollm2-135m-l8-kd, or the Qwen pilot qwen2.5-coder-0.5b-kd): its "
-        "held-out records and, unless --drafts, its base draft against the trained alias",
+        "held-out records, its teacher (the e2e part's verifier) and, unless --drafts, its base draft "
+        "against the trained alias",
     )
     ap.add_argument(
         "--drafts",
@@ -194,26 +208,83 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--curve", type=Path, default=None, help="a distill run folder or a trained draft's .json"
     )
+    ap.add_argument(
+        "--parts",
+        default="table1",
+        help="comma-separated: table1 (coverage from the records, with the curve) and e2e (tau and ms/token "
+        "of each draft against a verifier of the recipe's teacher)",
+    )
+    ap.add_argument(
+        "--e2e-modes", default=E2E_MODES, help="e2e: the modes, as bench.e2e names them (ar among them)"
+    )
+    ap.add_argument(
+        "--e2e-backend",
+        default="llama_cpp",
+        choices=backend_choices(),
+        help="e2e: the drafter backend (default: llama.cpp, the shipped GGUF)",
+    )
+    ap.add_argument(
+        "--per-category",
+        type=int,
+        default=1,
+        help="e2e: the first N held-out prompts of each category of the committed split (0: all)",
+    )
+    ap.add_argument(
+        "--tree", default=None, help="e2e: the tree modes' expansion (default: the first draft's recommended)"
+    )
     add_common_args(
         ap, json=True, json_help="rows: coverage per draft, backend, T and category; comparisons; "
-        "learning_curve", no_progress=True,
+        "learning_curve; e2e (per draft and mode: tau, ms_per_token, speedup_vs_ar, identical_to_ar)",
+        tokens=64, tokens_help="e2e: new tokens per prompt", prompt_file=True, no_progress=True,
     )  # fmt: skip
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
     a = ap.parse_args(argv)
     from draft_training.drafts import RECIPES
 
     if a.recipe not in RECIPES:
         ap.error(f"--recipe: no recipe {a.recipe!r}; recipes: {', '.join(RECIPES)}")
-    folders = a.records or default_records(a.recipe)
-    if not folders:
-        ap.error(f"no held-out records: run `make drafts` ({a.recipe}) first or give --records")
-    records = load_positions(folders)
+    parts = [p for p in a.parts.split(",") if p]
+    if not parts or any(p not in PARTS for p in parts):
+        ap.error(f"--parts: choose from {','.join(PARTS)}, got {a.parts!r}")
     drafts = [d for d in (a.drafts or f"{RECIPES[a.recipe].draft},{a.recipe}").split(",") if d]
-    backends = [b for b in a.backends.split(",") if b]
+    rows: list[dict[str, Any]] = []
+    comparisons: list[dict[str, Any]] = []
+    if "table1" in parts:
+        folders = a.records or default_records(a.recipe)
+        if not folders:
+            ap.error(f"no held-out records: run `make drafts` ({a.recipe}) first or give --records")
+        rows, comparisons = coverage_part(load_positions(folders), drafts, a.backends, a.no_progress)
+    e2e: list[dict[str, Any]] = []
+    if "e2e" in parts:
+        modes = [m for m in a.e2e_modes.split(",") if m]
+        if "ar" not in modes:
+            ap.error("--e2e-modes: include ar (the speed-up's and the exactness's reference)")
+        prompts = (
+            suite_from_args(ap, 0, 0, a.prompt_file) if a.prompt_file else heldout_prompts(a.per_category)
+        )
+        e2e = e2e_part(RECIPES[a.recipe].teacher, drafts, prompts, modes, a)
+    curve = learning_curve(a.curve) if a.curve else []
+    _print(rows, comparisons, curve)
+    if e2e:
+        _print_e2e(e2e)
+    write_result(a.json, a, rows, True, comparisons=comparisons, learning_curve=curve, e2e=e2e)
+    return 0
+
+
+def coverage_part(
+    records: list[dict[str, Any]], drafts: list[str], backends_text: str, no_progress: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Table 1's rows (coverage per draft, backend, T and category) and the McNemar comparisons."""
+    backends = [b for b in backends_text.split(",") if b]
     longest = max(len(r["prompt"]) + len(r["tokens"]) for r in records)
     rows: list[dict[str, Any]] = []
     comparisons: list[dict[str, Any]] = []
     bar = tqdm(total=len(drafts) * len(backends) * len(records), desc="speculators", file=sys.stderr,
-               disable=a.no_progress)  # fmt: skip
+               disable=no_progress)  # fmt: skip
     for backend in backends:
         by_draft: dict[str, dict[str, np.ndarray]] = {}
         for draft in drafts:
@@ -227,10 +298,87 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for c in compare(records, by_draft[drafts[0]], by_draft[draft])
             ]
     bar.close()
-    curve = learning_curve(a.curve) if a.curve else []
-    _print(rows, comparisons, curve)
-    write_result(a.json, a, rows, True, comparisons=comparisons, learning_curve=curve)
-    return 0
+    return rows, comparisons
+
+
+def heldout_prompts(per_category: int) -> list[BenchPrompt]:
+    """The committed split's held-out prompts, the first `per_category` of each category (0: all)."""
+    from draft_training.split import first_per_category, load_split
+
+    return first_per_category(load_split().prompts("heldout"), per_category)
+
+
+def e2e_part(
+    teacher: str, drafts: list[str], prompts: Sequence[BenchPrompt], modes: list[str], a: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Each draft end to end against a verifier of `teacher` (started here, on its own cores), greedy:
+    one row per draft and mode (tau, ms/token, the speed-up over this draft's own `ar` and whether
+    every mode's tokens are `ar`'s). The edge's cores are given back afterwards."""
+    from bench.harness import CoreSplit, Verifier
+    from edge_client.defaults import recommended_tree
+
+    split = CoreSplit.auto()
+    print(split.describe(), flush=True)
+    tree_text = a.tree or recommended_tree(drafts[0].partition("@lora=")[0])
+    verifier = Verifier(teacher, cores=split.verifier, threads=len(split.verifier)).start()
+    saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    split.pin_edge()
+    rows: list[dict[str, Any]] = []
+    try:
+        for i, draft in enumerate(drafts):
+            print(f"e2e: draft {i + 1}/{len(drafts)} {draft}, modes {','.join(modes)}", file=sys.stderr)
+            rows += _e2e_draft(verifier, draft, prompts, modes, tree_text, a)
+    finally:
+        verifier.stop()
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
+    return rows
+
+
+def _e2e_draft(
+    verifier: Any, draft: str, prompts: Sequence[BenchPrompt], modes: list[str], tree_text: str,
+    a: argparse.Namespace,
+) -> list[dict[str, Any]]:  # fmt: skip
+    import asyncio
+
+    from bench.e2e import run_modes
+    from bench.e2e_results import report
+    from edge_client.drafters.registry import create_drafter
+    from shared.messages import Mode
+    from shared.tree import ExpansionConfig
+
+    model, _, lora = draft.partition("@lora=")
+    if lora and a.e2e_backend != "llama_cpp":
+        raise SystemExit(f"--drafts {draft}: a LoRA adapter runs in llama.cpp only (--e2e-backend llama_cpp)")
+    drafter = create_drafter(a.e2e_backend, model, n_threads=1, **({"lora": lora} if lora else {}))
+    try:
+        runs, by_cat = asyncio.run(
+            run_modes(
+                verifier.url, drafter, prompts, a.tokens, 0.0, Mode.GREEDY, ExpansionConfig.parse(tree_text),
+                verifier.forwards, modes=modes, progress=not a.no_progress,
+            )
+        )  # fmt: skip
+    finally:
+        drafter.close()
+    res = report(runs, by_cat, True)
+    ar_ms = res["modes"]["ar"]["ms_per_token"]
+    return [
+        {
+            "draft": draft,
+            "mode": m,
+            "tree": tree_text,
+            "prompts": len(prompts),
+            "tokens": a.tokens,
+            "tau": s["tau"],
+            "tau_pooled": s["tau_pooled"],
+            "ms_per_token": s["ms_per_token"],
+            "target_forwards_per_token": s["target_forwards_per_token"],
+            "speedup_vs_ar": round(ar_ms / s["ms_per_token"], 3) if s["ms_per_token"] else None,
+            "identical_to_ar": res["identical_to_ar"],
+            "tau_by_category": s["tau_by_category"],
+        }
+        for m, s in res["modes"].items()
+    ]
 
 
 def _ranks(
@@ -306,6 +454,22 @@ def _print(
                 ["step", "train tokens", "top-1", "tau"],
             )
         )
+
+
+def _print_e2e(rows: list[dict[str, Any]]) -> None:
+    r0 = rows[0]
+    print(
+        f"\nend to end, greedy, {r0['prompts']} held-out prompts x {r0['tokens']} tokens, tree {r0['tree']}:"
+    )
+    print(
+        table(
+            [
+                [r["draft"], r["mode"], r["tau"], r["ms_per_token"], r["speedup_vs_ar"], r["identical_to_ar"]]
+                for r in rows
+            ],
+            ["draft", "mode", "tau", "ms/token", "speed-up vs ar", "tokens = ar's"],
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -122,18 +122,26 @@ def check_split(path: Path = SPLIT_FILE) -> str | None:
     return None
 
 
+def first_per_category(prompts: Sequence[BenchPrompt], per_category: int = 0) -> list[BenchPrompt]:
+    """The first `per_category` prompts of each category, in order (0: all of them)."""
+    if per_category < 0:
+        raise ValueError(f"--per-category must be >= 0, got {per_category}")
+    taken: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        if per_category and taken.get(p.category, 0) >= per_category:
+            continue
+        taken[p.category] = taken.get(p.category, 0) + 1
+        out.append(p)
+    return out
+
+
 def write_prompts(path: Path, split: Split, which: str = "heldout", per_category: int = 0) -> int:
     """One side of `split` as a JSONL prompt file (bench.harness.load_prompt_file's forms: a chat
     prompt as Spec-Bench's {question_id, category, turns}, a raw one as HumanEval's {task_id,
     category, prompt}), the first `per_category` of each category (0: all); the number written."""
-    if per_category < 0:
-        raise ValueError(f"--per-category must be >= 0, got {per_category}")
-    taken: dict[str, int] = {}
     lines = []
-    for p in split.prompts(which):
-        if per_category and taken.get(p.category, 0) >= per_category:
-            continue
-        taken[p.category] = taken.get(p.category, 0) + 1
+    for p in first_per_category(split.prompts(which), per_category):
         if p.raw:
             d: dict[str, Any] = {"task_id": p.question_id, "category": p.category, "prompt": p.text}
         else:

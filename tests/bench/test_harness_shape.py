@@ -200,6 +200,7 @@ DEFAULTS = {
     "peers": {"tokens": 64},
     "prefill_share": {"tokens": 64, "seed": 0},
     "soak": {"seed": 0},
+    "speculators": {"tokens": 64},
     "tree_attention": {"seed": 0},
     "verify_exactness": {"seed": 0},
     "weights_agreement": {"tokens": 64},

@@ -71,3 +71,48 @@ def test_a_run_on_tiny_records(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main([*args, "--backends", "torch", "--json", str(out), "--no-progress"]) == 0
     doc = json.loads(out.read_text())
     assert {r["draft"] for r in doc["rows"]} == {"tiny"} and doc["comparisons"] == []
+
+
+def test_the_e2e_part_on_the_tiny_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    """tau and ms/token end to end: a verifier of `tiny` (a child process), the same weights drafting
+    in torch; every mode's greedy tokens are ar's, ar's speed-up is 1, and the edge's cores are given
+    back afterwards."""
+    import argparse
+    import os
+
+    from bench.speculators import _print_e2e, e2e_part
+
+    cores = os.sched_getaffinity(0)
+    a = argparse.Namespace(tree="2,1", e2e_backend="torch", tokens=6, no_progress=True)
+    prompts = [
+        BenchPrompt("q0", "qa", "What is two plus two?"),
+        BenchPrompt("c0", "coding", "def f(x):", raw=True),
+    ]
+    rows = e2e_part("tiny", ["tiny"], prompts, ["ar", "tree", "budget"], a)
+    assert os.sched_getaffinity(0) == cores
+    by_mode = {r["mode"]: r for r in rows}
+    assert set(by_mode) == {"ar", "tree", "budget"} and all(r["draft"] == "tiny" for r in rows)
+    assert all(r["identical_to_ar"] is True and r["prompts"] == 2 for r in rows)
+    assert by_mode["ar"]["speedup_vs_ar"] == 1.0 and by_mode["ar"]["tau"] == 1.0
+    # the draft is the target itself: every drafted token is accepted, so a round commits more than one
+    assert by_mode["tree"]["tau"] > 1.5 and by_mode["tree"]["target_forwards_per_token"] < 1
+    _print_e2e(rows)
+    assert "tokens = ar's" in capsys.readouterr().out
+
+
+def test_parts_and_modes_are_checked() -> None:
+    with pytest.raises(SystemExit):
+        main(["--parts", "table2", "--no-progress"])
+    with pytest.raises(SystemExit):
+        main(["--parts", "e2e", "--e2e-modes", "tree,budget", "--no-progress"])
+
+
+def test_the_heldout_prompts_are_the_splits_first_per_category() -> None:
+    from bench.speculators import heldout_prompts
+    from draft_training.split import load_split
+
+    one = heldout_prompts(1)
+    cats = {p.category for p in load_split().prompts("heldout")}
+    assert sorted(p.category for p in one) == sorted(cats)
+    two = heldout_prompts(2)
+    assert all(p in two for p in one) and len(two) <= 2 * len(cats) and len(heldout_prompts(0)) >= len(two)
