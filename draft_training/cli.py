@@ -4,7 +4,8 @@ draft-training split [--check] [--prompts-out FILE [--side heldout|train] [--per
 draft-training collect --out DIR [--model M] [--tokens N] [--temperatures 0,1] [--batch B]
                        [--top-k K] [--seed S] [--limit N] [--side train|heldout] [--no-progress]
                        [--from-traces DIR]
-draft-training distill --records DIR --out DIR [--heldout DIR] [--draft D] [--steps N] ...
+draft-training distill --records DIR --out DIR [--heldout DIR] [--draft D] [--steps N]
+                       [--validation SHARE --keep best] ...
 draft-training export --run DIR [--draft D] [--gguf-type f32|q8_0] [--out FILE]
 draft-training boost --records DIR --heldout DIR --ssm1 RUN --out DIR [--m M]
                      [--criterion token|window:N|sequence] [--no-control]
@@ -119,6 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     dp.add_argument("--max-positions", type=int, default=0, help="teacher positions per record (0: all)")
     dp.add_argument("--seed", type=int, default=0, help="seeds the record order and the LoRA init")
+    dp.add_argument(
+        "--validation",
+        type=float,
+        default=0.0,
+        help="the share of train prompts set apart (never trained on) and evaluated at --eval-every, to "
+        "choose the kept step with --keep best (0: none)",
+    )
+    dp.add_argument(
+        "--keep",
+        choices=("last", "best"),
+        default="last",
+        help="the draft written: the last step's, or the step of the best validation top-1 (needs "
+        "--validation; the --heldout records never choose it)",
+    )
     _autocast_arg(dp)
     dp.add_argument("--no-progress", action="store_true", help="no progress bar")
     ep = sub.add_parser(
@@ -286,7 +301,7 @@ def _distill(a: argparse.Namespace) -> int:
     spec = TrainSpec(blocks, a.lora_rank, a.lora_alpha, tuple(t for t in a.lora_targets.split(",") if t))
     config = DistillConfig(
         str(a.draft), a.steps, a.batch, a.lr, 0.0, a.loss, a.ce_weight, a.seed, a.eval_every,
-        a.checkpoint_every, a.max_positions, a.autocast,
+        a.checkpoint_every, a.max_positions, a.autocast, a.validation, a.keep,
     )  # fmt: skip
     config.check()
     path = a.draft if a.draft == "tiny" else str(resolve_draft(a.draft, progress=not a.no_progress))
@@ -295,7 +310,8 @@ def _distill(a: argparse.Namespace) -> int:
     summary = distill(a.out, a.records, student, config, a.heldout, progress=not a.no_progress)
     save_draft(student, a.out / "draft.safetensors")
     last = summary["evals"][-1] if summary["evals"] else None
-    print(json.dumps({"steps": summary["steps"], "loss": summary["loss"], "last_eval": last}))
+    kept = {"kept": summary["kept"]} if "kept" in summary else {}
+    print(json.dumps({"steps": summary["steps"], "loss": summary["loss"], "last_eval": last, **kept}))
     return 0
 
 

@@ -10,10 +10,17 @@ Evaluation (every `eval_every` steps and at the end) on the held-out records: to
 student's argmax is the teacher's greedy token, teacher-forced) and the simulated tau of a chain of
 8 (`student.simulated_tau`), shown on the progress bar beside the loss.
 
+Choosing the step: `validation` > 0 sets that share of the train prompts apart (by a hash of each
+prompt's record name, both temperatures of a prompt on the same side), never trained on, and
+evaluates them at the same steps. With `keep="best"` the draft saved is the one of the step with
+the best validation top-1 (step 0, the untrained draft, included), not the last step's. The
+held-out records stay what the figures are reported on: they never choose the step.
+
 Output folder:
 
     train.json                 the settings (a resumed run must match them) and the evaluations
     checkpoint/                the latest state: trainable.safetensors, optimizer.safetensors, state.json
+    best/                      keep="best": trainable.safetensors of the best validation step so far
     draft.safetensors          the trained draft's weights (every parameter, LoRA merged)
 
 Checkpoints are safetensors and JSON only (nothing is unpickled).
@@ -26,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -42,6 +50,8 @@ from draft_training.collect import MANIFEST, RECORDS, read_record
 from draft_training.student import Student, TrainSpec, distill_loss, simulated_tau
 
 CHECKPOINT = "checkpoint"
+BEST = "best"
+KEEP = ("last", "best")
 SETTINGS = "train.json"
 # --autocast: the dtype of the student's training forward under CPU autocast (None: float32 throughout)
 AUTOCAST: dict[str, torch.dtype | None] = {"none": None, "bf16": torch.bfloat16}
@@ -61,6 +71,8 @@ class DistillConfig:
     checkpoint_every: int = 50
     max_positions: int = 0  # 0: every stored position of a record
     autocast: str = "none"  # "bf16": the training forward and backward under CPU bf16 autocast
+    validation: float = 0.0  # the share of train prompts set apart to choose the kept step
+    keep: str = "last"  # "best": the step of the best validation top-1
 
     def check(self) -> None:
         if self.steps < 1 or self.batch < 1:
@@ -73,6 +85,14 @@ class DistillConfig:
             raise ValueError("--eval-every, --checkpoint-every and --max-positions must be >= 0")
         if self.autocast not in AUTOCAST:
             raise ValueError(f"--autocast must be one of {', '.join(AUTOCAST)}, got {self.autocast!r}")
+        if not 0 <= self.validation < 1:
+            raise ValueError(f"--validation must be in [0, 1), got {self.validation}")
+        if self.keep not in KEEP:
+            raise ValueError(f"--keep must be one of {', '.join(KEEP)}, got {self.keep!r}")
+        if self.keep == "best" and not (self.validation > 0 and self.eval_every > 0):
+            raise ValueError(
+                "--keep best chooses by the validation records: give --validation > 0 and --eval-every > 0"
+            )
 
 
 @dataclass
@@ -84,6 +104,7 @@ class Example:
     top_probs: torch.Tensor  # [n, k] float32
     rest: torch.Tensor  # [n] float32
     weight: torch.Tensor | None = None  # [n] float32 per-position weights (boosting); None: all 1
+    name: str = ""  # the record's file name, without .npz
 
 
 def load_examples(folder: Path, max_positions: int = 0, vocab: int | None = None) -> list[Example]:
@@ -108,6 +129,7 @@ def load_examples(folder: Path, max_positions: int = 0, vocab: int | None = None
                 torch.from_numpy(r["top_ids"][:n].astype(np.int64)),
                 torch.from_numpy(r["top_probs"][:n].astype(np.float32)),
                 torch.from_numpy(r["rest"][:n].astype(np.float32)),
+                name=path.stem,
             )
         )
     return out
@@ -141,6 +163,25 @@ def evaluate(student: Student, examples: Sequence[Example], depth: int = 8) -> d
     }
 
 
+def split_validation(train: list[Example], share: float) -> tuple[list[Example], list[Example]]:
+    """(train, validation): the records of about `share` of the prompts, chosen by a hash of the
+    record's name without its temperature (a prompt's greedy and sampled records stay together)."""
+    if share <= 0:
+        return train, []
+    keep: list[Example] = []
+    val: list[Example] = []
+    for ex in train:
+        prompt = re.sub(r"__t[0-9.]+$", "", ex.name)
+        h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") / 2**64
+        (val if h < share else keep).append(ex)
+    if not keep or not val:
+        raise ValueError(
+            f"--validation {share} leaves {len(keep)} train and {len(val)} validation records of "
+            f"{len(train)}: collect more records or change the share"
+        )
+    return keep, val
+
+
 def _order(n: int, seed: int, epoch: int) -> list[int]:
     return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(n)]
 
@@ -148,8 +189,9 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
 def _settings(config: DistillConfig, spec: TrainSpec, records: Path, heldout: Path | None) -> dict[str, Any]:
     manifest = json.loads((records / MANIFEST).read_text(encoding="utf-8"))
     settings = asdict(config)
-    if config.autocast == "none":  # runs from before the option resume with their settings
-        del settings["autocast"]
+    for key, default in (("autocast", "none"), ("validation", 0.0), ("keep", "last")):
+        if settings[key] == default:  # runs from before the option resume with their settings
+            del settings[key]
     doc = {
         "distill": settings,
         "train_spec": {**asdict(spec), "blocks": list(spec.blocks) if spec.blocks is not None else None},
@@ -194,13 +236,8 @@ def _restore(out: Path, student: Student, opt: torch.optim.Optimizer) -> tuple[i
     if not (ck / "state.json").exists():
         return 0, []
     state = json.loads((ck / "state.json").read_text())
+    _load_trainable(student, ck / "trainable.safetensors")
     params = dict(student.trainable())
-    saved = load_file(str(ck / "trainable.safetensors"))
-    if set(saved) != set(params):
-        raise ValueError(f"{ck} holds other parameters than this run trains: use another --out folder")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(saved[n])
     moments = load_file(str(ck / "optimizer.safetensors"))
     for n, p in params.items():
         if n in state["adam_steps"]:
@@ -225,7 +262,8 @@ def distill(
     """Train `student` in place; `stop_after` ends the run early (a checkpoint is written), as an
     interruption would; `weights`: per-position loss weights of every train record, in
     `load_examples` order (boosting; a record whose weights are all 0 is left out). The summary:
-    steps done, the evaluations, the final loss."""
+    steps done, the evaluations, the final loss and, with keep="best", the step kept (the student
+    then holds that step's weights)."""
     config.check()
     torch.manual_seed(config.seed)
     vocab = student.model.config.vocab_size
@@ -237,57 +275,128 @@ def distill(
         train = _weighted(train, weights)
         digest = hashlib.sha256(b"".join(np.asarray(w, np.float32).tobytes() for w in weights))
         want["weights_sha256"] = digest.hexdigest()
+    train, val = split_validation(train, config.validation)
     path = out / SETTINGS
-    if path.exists():
-        have = json.loads(path.read_text(encoding="utf-8"))
-        have.pop("evals", None)
-        diff = sorted(k for k in want if have.get(k) != want[k])
-        if diff:
-            raise ValueError(
-                f"{out} holds a run with other settings ({', '.join(diff)} differ): use another --out"
-            )
-    else:  # the settings first, so an interrupted run is resumed only with the same ones
-        path.write_text(json.dumps({**want, "evals": []}, indent=1) + "\n", encoding="utf-8")
+    _check_settings(path, want, out)
     params = [p for _, p in student.trainable()]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     step, evals = _restore(out, student, opt)
     bar = tqdm(total=config.steps, initial=step, desc="distill", file=sys.stderr, disable=not progress)
     last_eval = evals[-1] if evals else None
-    if held and step == 0:
-        last_eval = {"step": 0, **evaluate(student, held)}
-        evals.append(last_eval)
+    if (held or val) and step == 0:
+        last_eval = _eval_step(out, student, held, val, 0, config, evals)
     loss_avg: float | None = None
     t0 = time.perf_counter()
     end = config.steps if stop_after is None else min(config.steps, stop_after)
     while step < end:
-        epoch, at = divmod(step * config.batch, len(train))
-        order = _order(len(train), config.seed, epoch)
-        batch = [train[order[(at + i) % len(train)]] for i in range(config.batch)]
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for ex in batch:
-            loss = example_loss(student, ex, config) / len(batch)
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        total = _train_step(student, opt, params, train, step, config)
         step += 1
         loss_avg = total if loss_avg is None else 0.9 * loss_avg + 0.1 * total
-        if held and config.eval_every and (step % config.eval_every == 0 or step == config.steps):
-            last_eval = {"step": step, **evaluate(student, held)}
-            evals.append(last_eval)
+        if (held or val) and config.eval_every and (step % config.eval_every == 0 or step == config.steps):
+            last_eval = _eval_step(out, student, held, val, step, config, evals)
         if step == end or (config.checkpoint_every and step % config.checkpoint_every == 0):
             _save(out, student, opt, step, evals)
             path.write_text(json.dumps({**want, "evals": evals}, indent=1) + "\n", encoding="utf-8")
         bar.update(1)
-        post = f"loss {loss_avg:.3f}"
-        if last_eval:
-            post += f" | held-out top-1 {last_eval['top1']:.3f} tau {last_eval['tau']:.2f}"
-        bar.set_postfix_str(post)
+        bar.set_postfix_str(_postfix(loss_avg, last_eval))
     bar.close()
+    summary = {"steps": step, "evals": evals, "loss": loss_avg, "seconds": round(time.perf_counter() - t0, 1)}
     doc = {**want, "evals": evals}
+    if config.keep == "best" and step == config.steps:
+        kept = _best(evals)
+        _load_trainable(student, out / BEST / "trainable.safetensors")
+        doc["kept"] = summary["kept"] = kept
     path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    return {"steps": step, "evals": evals, "loss": loss_avg, "seconds": round(time.perf_counter() - t0, 1)}
+    return summary
+
+
+def _check_settings(path: Path, want: dict[str, Any], out: Path) -> None:
+    """A run folder's settings must be this run's (resume); a new folder gets them first, so an
+    interrupted run is resumed only with the same ones."""
+    if path.exists():
+        have = json.loads(path.read_text(encoding="utf-8"))
+        have.pop("evals", None)
+        have.pop("kept", None)
+        diff = sorted(k for k in want if have.get(k) != want[k])
+        if diff:
+            raise ValueError(
+                f"{out} holds a run with other settings ({', '.join(diff)} differ): use another --out"
+            )
+    else:
+        path.write_text(json.dumps({**want, "evals": []}, indent=1) + "\n", encoding="utf-8")
+
+
+def _train_step(
+    student: Student, opt: torch.optim.Optimizer, params: list[torch.nn.Parameter], train: list[Example],
+    step: int, config: DistillConfig,
+) -> float:  # fmt: skip
+    """One optimizer step on the batch the seed's order gives step `step`; its loss."""
+    epoch, at = divmod(step * config.batch, len(train))
+    order = _order(len(train), config.seed, epoch)
+    batch = [train[order[(at + i) % len(train)]] for i in range(config.batch)]
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for ex in batch:
+        loss = example_loss(student, ex, config) / len(batch)
+        loss.backward()
+        total += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    return total
+
+
+def _eval_step(
+    out: Path, student: Student, held: list[Example], val: list[Example], step: int, config: DistillConfig,
+    evals: list[Any],
+) -> dict[str, Any]:  # fmt: skip
+    """Evaluate at `step` (held-out; validation as validation_*), append to `evals`; with keep="best"
+    a new best validation top-1 writes the trainable weights to out/best."""
+    entry: dict[str, Any] = {"step": step, **(evaluate(student, held) if held else {})}
+    if val:
+        entry.update({f"validation_{k}": v for k, v in evaluate(student, val).items()})
+    better = config.keep == "best" and all(entry["validation_top1"] > e["validation_top1"] for e in evals)
+    evals.append(entry)
+    if better:
+        _save_trainable(student, out / BEST, step)
+    return entry
+
+
+def _best(evals: list[Any]) -> dict[str, Any]:
+    """The evaluation of the best validation top-1 (the earliest of equals)."""
+    best = max(evals, key=lambda e: (e["validation_top1"], -e["step"]))
+    return {k: best[k] for k in ("step", "validation_top1", "top1", "tau") if k in best}
+
+
+def _postfix(loss_avg: float | None, e: dict[str, Any] | None) -> str:
+    post = f"loss {loss_avg:.3f}"
+    if e and "top1" in e:
+        post += f" | held-out top-1 {e['top1']:.3f} tau {e['tau']:.2f}"
+    if e and "validation_top1" in e:
+        post += f" | validation top-1 {e['validation_top1']:.3f}"
+    return post
+
+
+def _save_trainable(student: Student, folder: Path, step: int) -> None:
+    """The trainable parameters as folder/trainable.safetensors (its step in the metadata), written whole."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / ".trainable.safetensors.tmp"
+    tensors = {n: p.detach().contiguous() for n, p in student.trainable()}
+    save_file(tensors, str(tmp), metadata={"step": str(step)})
+    os.replace(tmp, folder / "trainable.safetensors")
+
+
+def _load_trainable(student: Student, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path))
+    params = dict(student.trainable())
+    if set(saved) != set(params):
+        raise ValueError(f"{path} holds other parameters than this run trains: use another --out folder")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])
 
 
 def _weighted(train: list[Example], weights: Sequence[np.ndarray]) -> list[Example]:

@@ -215,3 +215,64 @@ def test_bf16_autocast_trains_in_float32_weights_and_is_refused_by_name_when_unk
     args = ["distill", "--records", str(train), "--out", str(tmp_path / "cli"), "--draft", "tiny"]
     with pytest.raises(SystemExit):  # argparse names the flag and its choices
         main([*args, "--autocast", "fp16"])
+
+
+def test_keep_best_saves_the_step_of_the_best_validation_top1(
+    records: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """--validation sets prompts apart (both temperatures of a prompt together, never trained on);
+    --keep best ends with the weights of the best validation step: the same weights as a run of the
+    same settings stopped at that step."""
+    from draft_training.distill import split_validation
+
+    train, held = records
+    examples = load_examples(train)
+    kept, val = split_validation(examples, 0.5)
+    assert val and kept and len(kept) + len(val) == len(examples)
+    prompts = {ex.name.rsplit("__t", 1)[0] for ex in val}
+    assert not prompts & {ex.name.rsplit("__t", 1)[0] for ex in kept}
+    assert len(val) == 2 * len(prompts)  # greedy and T 1 of each prompt set apart together
+    assert [e.name for e in split_validation(examples, 0.5)[1]] == [e.name for e in val]  # by name: fixed
+    config = DistillConfig("tiny", steps=12, batch=2, lr=2e-2, eval_every=2, checkpoint_every=0, seed=3,
+                           validation=0.5, keep="best")  # fmt: skip
+    best = Student(_student_model(), TrainSpec(blocks=(0,)))
+    summary = distill(tmp_path / "best", train, best, config, held, progress=False)
+    vals = [e["validation_top1"] for e in summary["evals"]]
+    step = summary["kept"]["step"]
+    assert summary["kept"]["validation_top1"] == max(vals)
+    assert [e["step"] for e in summary["evals"]] == [0, 2, 4, 6, 8, 10, 12]
+    assert all(e["validation_positions"] == sum(len(x.target) for x in val) for e in summary["evals"])
+    doc = json.loads((tmp_path / "best" / "train.json").read_text())
+    assert doc["kept"]["step"] == step and doc["distill"]["keep"] == "best"
+    plain = Student(_student_model(), TrainSpec(blocks=(0,)))
+    if step:
+        distill(
+            tmp_path / "last",
+            train,
+            plain,
+            replace(config, keep="last"),
+            held,
+            progress=False,
+            stop_after=step,
+        )
+    for (n, a), (_, b) in zip(best.trainable(), plain.trainable(), strict=True):
+        assert torch.equal(a, b), n
+    with pytest.raises(ValueError, match="--validation"):
+        DistillConfig("tiny", keep="best").check()
+    with pytest.raises(ValueError, match="--validation"):
+        DistillConfig("tiny", validation=1.0).check()
+    with pytest.raises(ValueError, match="leaves"):
+        split_validation(examples[:1], 0.5)
+
+
+def test_runs_without_a_validation_share_keep_their_settings(
+    records: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The new options are left out of train.json at their defaults, so runs from before them resume."""
+    from draft_training.distill import _settings
+
+    train, held = records
+    doc = _settings(DistillConfig("tiny"), TrainSpec(), train, held)
+    assert not {"validation", "keep", "autocast"} & set(doc["distill"])
+    doc = _settings(DistillConfig("tiny", validation=0.2, keep="best"), TrainSpec(), train, held)
+    assert doc["distill"]["validation"] == 0.2 and doc["distill"]["keep"] == "best"
