@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(
         ap,
         json=True,
-        json_help="rows: part 'forward' (resident_fraction, rows_ms, bytes_per_forward, overlap_1row, "
-        "peak_rss_gb) and part 'modes' (resident_fraction, mode, ms_per_token, tau, "
+        json_help="rows: part 'forward' (resident_fraction, held_gb, rows_ms, bytes_per_forward, "
+        "overlap_1row, peak_rss_gb) and part 'modes' (resident_fraction, mode, ms_per_token, tau, "
         "bytes_read_per_token, speedup_vs_ar, peak_rss_gb)",
         tokens=32,
         prompt_file=True,
@@ -259,6 +259,9 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
         "resident_fraction": fraction,
         "resident_gb": round(fraction * layer_bytes / GB, 3),
         "layers_resident": len(stream.resident),
+        # the weights' share of memory (resident layers, buffers, the head): above resident_gb only
+        # when the budget is below what streaming needs
+        "held_gb": round(stream.held_bytes / GB, 3),
         "layers": len(stream),
         "head_streamed": stream.head is not None,
         "rows_ms": rows_ms,

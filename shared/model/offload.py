@@ -354,6 +354,9 @@ class StreamedLayers:
     read_threads: int = 1
     table: TableRows | None = None  # the token table left on disk (float weights on the CPU)
     head: Any = None  # the head when it streams too (offload_head.StreamedRows)
+    # what the weights hold: resident layers, stream buffers and a head of its own (held or its
+    # stream's buffers); above budget_bytes only when the budget is below what streaming needs
+    held_bytes: int = 0
     _pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="offload")
     )
@@ -626,7 +629,8 @@ def attach(
     head_file = None
     if model.weights != "quantized":
         entry = layout.path.parent
-        head, budget, head_file = _float_head(model, gemm, entry, budget, sidecar, direct, progress)
+        need = buffers_needed(layout, packed_copy)
+        head, budget, head_file = _float_head(model, gemm, entry, budget, need, sidecar, direct, progress)
     # the token table goes back to disk before the resident layers and buffers are filled: the
     # peak holds the table and the head's packed copy, or the head and the layers, never all three
     table = (
@@ -650,11 +654,22 @@ def attach(
         assert isinstance(layer, DecoderLayer)
         for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
             p.data = p.data.new_empty(0)
-    streamed.budget_bytes = int(resident_gb * 1e9)  # the head's share included
+    full = streamed.budget_bytes = int(resident_gb * 1e9)  # the head's share included
+    head_share = full - budget
     if head_file is not None:
         from shared.model.offload_head import StreamedRows
 
         head = streamed.head = StreamedRows(head_file, gemm.pack, lambda: streamed.stats, streamed._lock)
+        head_share = head_file.stream_bytes
+    streamed.held_bytes = streamed.resident_bytes + head_share + sum(int(b.numel()) for b in streamed.buffers)
+    if streamed.held_bytes > full:
+        log.warning(
+            "--resident-gb %.3f is below what streaming needs (the stream buffers%s): the weights hold "
+            "%.3f GB",
+            resident_gb,
+            " and the head's" if head_file is not None else "",
+            streamed.held_bytes / 1e9,
+        )
     model._prepared = _Prepared(gemm, streamed, head)
     model.released = True
     model.offload = streamed
@@ -663,16 +678,26 @@ def attach(
     return streamed
 
 
+def buffers_needed(layout: Layout, packed_copy: bool) -> Callable[[int], int]:
+    """The bytes the layers' stream buffers take when `left` bytes are left for the layers: none when
+    every layer fits, else two of the largest span (each with its packed copy: `packed_copy`)."""
+    each = layout.max_span * (2 if packed_copy else 1)
+    return lambda left: 0 if left >= layout.layer_bytes else 2 * each
+
+
 def _float_head(
-    model: Any, gemm: Any, entry: Path, budget: int, sidecar: Path | None, direct: bool, progress: bool
-) -> tuple[Any, int, Any]:
+    model: Any, gemm: Any, entry: Path, budget: int, need: Callable[[int], int], sidecar: Path | None,
+    direct: bool, progress: bool,
+) -> tuple[Any, int, Any]:  # fmt: skip
     """The head as the streamed model runs it, the budget left for the layers, and the head's file
     when the head streams (offload_head.StreamedRows, made once the layers' stream exists).
 
     A head of its own on oneDNN is read from the cache file a chunk at a time (offload_head): packed
-    into memory when it fits the budget, which it then takes first (it is read every forward, like a
-    layer), else streamed every forward, its buffers taken from the budget. A tied head is the token
-    table, which the token lookup needs anyway: packed from memory, outside the budget."""
+    into memory when it fits the budget together with the layers' stream buffers (`need(left)`: what
+    they take when `left` bytes are left for the layers), which it then takes first (it is read every
+    forward, like a layer), else streamed every forward, its buffers taken from the budget. A tied
+    head is the token table, which the token lookup needs anyway: packed from memory, outside the
+    budget."""
     from shared.model import offload_head
 
     own = model.lm_head is not model.embed and model.device.type == "cpu"
@@ -687,7 +712,7 @@ def _float_head(
         weight = torch.cat([source.read(c, source.buffer()).clone() for c in range(source.count)])
         source.close()
         return gemm.pack_rows(weight), budget, None
-    if source.nbytes <= budget:
+    if source.nbytes + need(budget - source.nbytes) <= budget:
         head = offload_head.resident_head(source, gemm.pack)
         source.close()
         return head, budget - source.nbytes, None

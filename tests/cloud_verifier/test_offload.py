@@ -195,6 +195,13 @@ def test_a_head_of_its_own_is_held_within_the_budget_else_streamed_bit_for_bit(t
     head = model.prepare().lm_head
     assert isinstance(head, RowChunks) and not isinstance(head, StreamedRows) and len(head.parts) == chunks
     assert not st.resident and abs(st.budget_bytes - head_bytes - 4 * span) <= 1  # the head came first
+    assert st.held_bytes <= st.budget_bytes
+    assert torch.equal(_logits(model, _tokens()), want)
+    st.close()
+    # a byte short of the head and the layers' stream buffers: holding the head would overrun the
+    # budget, so it streams and the budget holds
+    model, st = _streamed_start(entry, head_bytes + 4 * span - 1, tmp_path / "c.json")
+    assert isinstance(model.prepare().lm_head, StreamedRows) and st.held_bytes <= st.budget_bytes
     assert torch.equal(_logits(model, _tokens()), want)
     st.close()
     model, st = _streamed_start(entry, 4 * span + head_bytes * 3 // 4, tmp_path / "c.json")
@@ -316,7 +323,7 @@ def test_the_resident_budget_is_respected(tmp_path: Path) -> None:
             assert keep == set(range(len(keep)))  # the first layers stay
     model, st = _streamed(layout.path.parent, tmp_path, 2)
     held = sum(int(b.numel()) for b in st.buffers) + st.resident_bytes
-    assert held <= st.budget_bytes
+    assert held <= st.budget_bytes and st.held_bytes >= held
     non_layer = sum(p.numel() * p.element_size() for p in model.parameters())
     # the layers held and the non-layer state, plus at most the head's packed copy (oneDNN; the
     # token table itself may be left on disk: offload.TableRows)
@@ -503,3 +510,16 @@ def test_the_first_streamed_start_writes_the_cache_a_parameter_at_a_time(tmp_pat
     # every parameter was handed over once, then freed
     assert sorted(written) == sorted(n for n, _ in shell.named_parameters(remove_duplicate=True))
     assert all(p.numel() == 0 for p in shell.parameters())
+
+
+def test_a_budget_below_the_stream_buffers_is_named_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Streaming needs its buffers whatever the budget: below them the weights hold the buffers, a
+    warning says so, and held_bytes shows what is held."""
+    layout = offload.float_layout(_entry(tmp_path, _tiny_model()))
+    with caplog.at_level("WARNING", logger="shared.model.offload"):
+        st = offload.attach(_tiny_model(), layout, layout.max_span / 1e9, sidecar=tmp_path / "checksums.json")
+    assert st.held_bytes > st.budget_bytes and not st.resident
+    assert "below what streaming needs" in caplog.text
+    st.close()
