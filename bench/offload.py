@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--device", default="cpu", help="forward part: cpu or cuda")
     ap.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write the plot here")
+    ap.add_argument(
+        "--merge",
+        default=None,
+        metavar="A.json,B.json",
+        help="run nothing: put together earlier --json files of one model and weights (a budget's rows "
+        "from the last file that has them, e.g. a budget measured again), print the tables, write "
+        "--json and --plot",
+    )
     # internal: one budget's forward run in a child process, "FRACTION:LAYER_BYTES:ENTRY"
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     add_common_args(
@@ -506,6 +514,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child:
         forward_child(args)
         return 0
+    if args.merge:
+        try:
+            return merge(args, [Path(p) for p in args.merge.split(",") if p])
+        except ValueError as exc:
+            ap.error(f"--merge: {exc}")
     parts = {p for p in args.parts.split(",") if p}
     if not parts or parts - {"forward", "modes"}:
         ap.error(f"--parts: choose from forward, modes; got {args.parts!r}")
@@ -525,14 +538,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows += run_modes_part(args, layer_bytes, bpf)
     print_tables(rows, args.rows)
     write_result(args.json, args, rows, True, layer_bytes=layer_bytes)
+    _plot(args, rows, layer_bytes)
+    return 0
+
+
+def _plot(args: argparse.Namespace, rows: list[dict[str, Any]], layer_bytes: int) -> None:
     if args.plot:
         what = args.shape or args.model
-        plot(
-            rows,
-            args.plot,
-            f"{what} ({args.weights}), --offload {args.offload}, layers {layer_bytes / GB:.2f} GB",
-        )
+        title = f"{what} ({args.weights}), --offload {args.offload}, layers {layer_bytes / GB:.2f} GB"
+        plot(rows, args.plot, title)
         print(f"wrote {args.plot}")
+
+
+def merge(args: argparse.Namespace, paths: Sequence[Path]) -> int:
+    """--merge: the rows of earlier runs by budget (the last file with a budget's rows of a part
+    gives them), with the first file's settings; refuses files of another model, weights or offload."""
+    docs = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
+    if len(docs) < 2:
+        raise ValueError("give two or more files")
+    keys = ("model", "weights", "offload", "shape")
+    first = {k: docs[0]["config"].get(k) for k in keys}
+    by: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for path, doc in zip(paths, docs, strict=True):
+        other = {k: doc["config"].get(k) for k in keys}
+        if other != first:
+            raise ValueError(f"{path} is of {other}, the first file of {first}")
+        here: dict[tuple[str, float], list[dict[str, Any]]] = {}
+        for r in doc["rows"]:
+            here.setdefault((r["part"], r["resident_fraction"]), []).append(r)
+        by.update(here)
+    rows = [r for key in sorted(by, key=lambda k: (k[0], -k[1])) for r in by[key]]
+    for k, v in first.items():
+        setattr(args, k, v)
+    cfg = {**docs[0]["config"], "merged_from": [str(p) for p in paths]}
+    print_tables(rows, sorted({int(n) for r in rows if r["part"] == "forward" for n in r["rows_ms"]}))
+    write_result(args.json, cfg, rows, True, layer_bytes=docs[0]["layer_bytes"])
+    _plot(args, rows, docs[0]["layer_bytes"])
     return 0
 
 

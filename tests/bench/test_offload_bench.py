@@ -58,6 +58,22 @@ def test_the_forward_part_streams_what_the_budget_leaves_out(tmp_path: Path) -> 
     assert 0 <= none["overlap_1row"] <= 1 and none["peak_rss_gb"] > 0
     assert png.is_file() and png.stat().st_size > 1000
     assert "overlap@1" in r.stdout
+    assert full["held_gb"] > 0 and none["held_gb"] > 0  # the buffers, at least
+    # --merge: a budget measured again replaces the first run's rows of that budget
+    again = json.loads(out.read_text())
+    again["rows"] = [dict(none, rows_ms={"1": 1.0, "4": 2.0})]
+    second = tmp_path / "again.json"
+    second.write_text(json.dumps(again))
+    merged, mpng = tmp_path / "merged.json", tmp_path / "merged.png"
+    assert bench_offload.main(["--merge", f"{out},{second}", "--json", str(merged), "--plot", str(mpng)]) == 0
+    doc = json.loads(merged.read_text())
+    assert [r["resident_fraction"] for r in doc["rows"]] == [1.0, 0.0]
+    assert doc["rows"][1]["rows_ms"] == {"1": 1.0, "4": 2.0} and doc["rows"][0] == full
+    assert doc["config"]["merged_from"] == [str(out), str(second)] and mpng.is_file()
+    again["config"]["model"] = "another-model"
+    second.write_text(json.dumps(again))
+    with pytest.raises(SystemExit):
+        bench_offload.main(["--merge", f"{out},{second}"])
 
 
 def test_modes_rows_carry_the_speedup_over_ar_and_bytes_per_token() -> None:
