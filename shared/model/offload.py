@@ -661,7 +661,8 @@ def attach(
 
         head = streamed.head = StreamedRows(head_file, gemm.pack, lambda: streamed.stats, streamed._lock)
         head_share = head_file.stream_bytes
-    streamed.held_bytes = streamed.resident_bytes + head_share + sum(int(b.numel()) for b in streamed.buffers)
+    buffers = sum(int(b.numel()) for b in streamed.buffers) * (2 if packed_copy else 1)  # + packed copies
+    streamed.held_bytes = streamed.resident_bytes + head_share + buffers
     if streamed.held_bytes > full:
         log.warning(
             "--resident-gb %.3f is below what streaming needs (the stream buffers%s): the weights hold "
