@@ -268,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         e2e = e2e_part(RECIPES[a.recipe].teacher, drafts, prompts, modes, a)
     curve = learning_curve(a.curve) if a.curve else []
-    _print(rows, comparisons, curve)
+    if rows or curve:
+        _print(rows, comparisons, curve)
     if e2e:
         _print_e2e(e2e)
     write_result(a.json, a, rows, True, comparisons=comparisons, learning_curve=curve, e2e=e2e)
