@@ -655,28 +655,32 @@ def attach(
         for p in (layer.qkv, layer.o, layer.gate_up, layer.down):
             p.data = p.data.new_empty(0)
     full = streamed.budget_bytes = int(resident_gb * 1e9)  # the head's share included
-    head_share = full - budget
     if head_file is not None:
         from shared.model.offload_head import StreamedRows
 
         head = streamed.head = StreamedRows(head_file, gemm.pack, lambda: streamed.stats, streamed._lock)
-        head_share = head_file.stream_bytes
-    buffers = sum(int(b.numel()) for b in streamed.buffers) * (2 if packed_copy else 1)  # + packed copies
-    streamed.held_bytes = streamed.resident_bytes + head_share + buffers
-    if streamed.held_bytes > full:
-        log.warning(
-            "--resident-gb %.3f is below what streaming needs (the stream buffers%s): the weights hold "
-            "%.3f GB",
-            resident_gb,
-            " and the head's" if head_file is not None else "",
-            streamed.held_bytes / 1e9,
-        )
+    _account(streamed, head_file.stream_bytes if head_file is not None else full - budget, packed_copy)
     model._prepared = _Prepared(gemm, streamed, head)
     model.released = True
     model.offload = streamed
     streamed.table = table
     model.embed_rows = table
     return streamed
+
+
+def _account(streamed: StreamedLayers, head_share: int, packed_copy: bool) -> None:
+    """Set what the weights hold (held_bytes); a warning when that is above the budget (a budget
+    below what streaming needs: its buffers, and the head's when it streams)."""
+    buffers = sum(int(b.numel()) for b in streamed.buffers) * (2 if packed_copy else 1)  # + packed copies
+    streamed.held_bytes = streamed.resident_bytes + head_share + buffers
+    if streamed.held_bytes > streamed.budget_bytes:
+        log.warning(
+            "--resident-gb %.3f is below what streaming needs (the stream buffers%s): the weights hold "
+            "%.3f GB",
+            streamed.budget_bytes / 1e9,
+            " and the head's" if streamed.head is not None else "",
+            streamed.held_bytes / 1e9,
+        )
 
 
 def buffers_needed(layout: Layout, packed_copy: bool) -> Callable[[int], int]:

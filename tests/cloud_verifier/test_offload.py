@@ -201,11 +201,12 @@ def test_a_head_of_its_own_is_held_within_the_budget_else_streamed_bit_for_bit(t
     # a byte short of the head and the layers' stream buffers: holding the head would overrun the
     # budget, so it streams and the budget holds
     model, st = _streamed_start(entry, head_bytes + 4 * span - 1, tmp_path / "c.json")
-    assert isinstance(model.prepare().lm_head, StreamedRows) and st.held_bytes <= st.budget_bytes
+    head = model.prepare().lm_head
+    assert isinstance(head, StreamedRows) and st.held_bytes <= st.budget_bytes
     # the layers held (here all of them: the head's stream takes less than the head), the layers'
     # buffers with their packed copies (none then), and the head's stream
     buffers = 2 * sum(int(b.numel()) for b in st.buffers)
-    assert st.held_bytes == st.resident_bytes + buffers + model.prepare().lm_head.buffer_bytes
+    assert st.held_bytes == st.resident_bytes + buffers + head.buffer_bytes
     assert torch.equal(_logits(model, _tokens()), want)
     st.close()
     model, st = _streamed_start(entry, 4 * span + head_bytes * 3 // 4, tmp_path / "c.json")
