@@ -208,8 +208,8 @@ def _save(out: Path, student: Student, opt: torch.optim.Optimizer, step: int, ev
     tmp = out / f".{CHECKPOINT}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    _save_trainable(student, tmp, step)
     params = dict(student.trainable())
-    save_file({n: p.detach().contiguous() for n, p in params.items()}, tmp / "trainable.safetensors")
     state: dict[str, torch.Tensor] = {}
     steps: dict[str, int] = {}
     by_id = {id(p): n for n, p in params.items()}

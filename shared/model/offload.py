@@ -684,10 +684,10 @@ def _account(streamed: StreamedLayers, head_share: int, packed_copy: bool) -> No
 
 
 def buffers_needed(layout: Layout, packed_copy: bool) -> Callable[[int], int]:
-    """The bytes the layers' stream buffers take when `left` bytes are left for the layers: none when
-    every layer fits, else two of the largest span (each with its packed copy: `packed_copy`)."""
-    each = layout.max_span * (2 if packed_copy else 1)
-    return lambda left: 0 if left >= layout.layer_bytes else 2 * each
+    """The bytes the layers' stream buffers take when `left` bytes are left for the layers, as
+    plan_resident sizes them (each with its packed copy: `packed_copy`)."""
+    extra = layout.max_span if packed_copy else 0
+    return lambda left: plan_resident(layout, left, extra)[1]
 
 
 def _float_head(
