@@ -1,8 +1,10 @@
 """`python -m bench.offload`: a target larger than memory (issue 36), SpecInfer's Figure 8 analog.
 
 For each resident budget (a fraction of the layers' bytes: 1, 0.5, 0.25, 0.1) the verifier keeps
-that much of its layers in memory and streams the rest for every forward (`serve --offload`). Two
-parts, each in its own process so peak RSS is the budget's own:
+that much of the target in memory and streams the rest of its layers for every forward (`serve
+--offload --resident-gb`; its KV pool comes out of the budget first, and at 1 the budget is raised
+by the pool so that every layer stays). Two parts, each in its own process so peak RSS is the
+budget's own (the forward part's weights get what the service's would):
 
   forward   ms per verify forward vs rows (1..64) after a 64-token prefix, with the stream's
             figures: bytes read per forward, the reader's time, the time a forward waited, the
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--resident",
         type=fractions,
         default=[1.0, 0.5, 0.25, 0.1],
-        help="resident budgets, as fractions of the layers' bytes (the stream buffers come out of them)",
+        help="resident budgets, as fractions of the layers' bytes: the verifier's --resident-gb, its KV "
+        "pool and the stream buffers coming out of it (at 1 raised by the pool: every layer stays)",
     )
     ap.add_argument("--modes", default=",".join(MODES), help="edge modes, as bench.network names them")
     ap.add_argument("--parts", default="forward,modes", help="forward, modes, or both")
@@ -116,6 +120,33 @@ def build_parser() -> argparse.ArgumentParser:
         no_progress=True,
     )
     return ap
+
+
+def budgets(args: argparse.Namespace, layer_bytes: int) -> dict[float, tuple[float, float]]:
+    """Per resident fraction: the --resident-gb a verifier is given and the GB of it its KV pool
+    takes (serve --offload makes the pool out of the budget first; the weights get the rest). Below
+    1 the budget is the fraction of the layers' bytes; at 1 it is raised by the pool, so that every
+    layer stays resident. Random weights (--shape) make no pool."""
+    if args.shape:
+        return {f: (f * layer_bytes / GB, 0.0) for f in args.resident}
+    from cloud_verifier.kv_pool import kv_reserve_bytes
+    from cloud_verifier.server_config import ServerConfig
+    from shared.model.target import streamed_config
+
+    c = streamed_config(args.model)
+    base = ServerConfig(model=args.model, weights=args.weights, offload=args.offload, device=args.device)
+
+    def pool(budget: float) -> float:
+        return kv_reserve_bytes(replace(base, resident_gb=budget), c) / GB
+
+    out = {}
+    for f in args.resident:
+        budget = f * layer_bytes / GB
+        if f >= 1:  # the automatic pool grows with the budget (a share of it): rise to where it fits
+            while pool(budget) > budget - layer_bytes / GB + 1e-9:
+                budget = layer_bytes / GB + pool(budget)
+        out[f] = (budget, pool(budget))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -222,10 +253,11 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
     from bench.target_step import bench_tree
     from shared.model import decode_step, offload, prefill_chunk, tree_round
 
-    f_text, bytes_text, entry_text = args.child.split(":", 2)  # fraction:layer bytes:entry (or empty)
-    fraction, layer_bytes = float(f_text), int(bytes_text)
+    # fraction:the verifier's --resident-gb:the KV pool's GB out of it:entry (or empty)
+    f_text, budget_text, pool_text, entry_text = args.child.split(":", 3)
+    fraction, budget_gb, pool_gb = float(f_text), float(budget_text), float(pool_text)
     t0 = time.perf_counter()
-    model, stream = _child_model(args, fraction * layer_bytes / GB, entry_text)
+    model, stream = _child_model(args, max(0.0, budget_gb - pool_gb), entry_text)
     load_s = time.perf_counter() - t0
     dev, vocab = model.device, model.config.vocab_size
     prefix = 64
@@ -265,7 +297,11 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
     row = {
         "part": "forward",
         "resident_fraction": fraction,
-        "resident_gb": round(fraction * layer_bytes / GB, 3),
+        # the service's --resident-gb at this budget, its KV pool's share (this part makes no pool:
+        # its weights get what the service's would) and what is left for the weights
+        "resident_gb": round(budget_gb, 3),
+        "kv_pool_gb": round(pool_gb, 3),
+        "weights_gb": round(max(0.0, budget_gb - pool_gb), 3),
         "layers_resident": len(stream.resident),
         # the weights' share of memory (resident layers, buffers, the head): above resident_gb only
         # when the budget is below what streaming needs
@@ -289,10 +325,12 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def run_forward_part(args: argparse.Namespace, layer_bytes: int, entry: str | None) -> list[dict[str, Any]]:
+def run_forward_part(
+    args: argparse.Namespace, budgets: dict[float, tuple[float, float]], entry: str | None
+) -> list[dict[str, Any]]:
     rows = []
     for f in args.resident:
-        spec = f"{f!r}:{layer_bytes}:{entry or ''}"
+        spec = f"{f!r}:{budgets[f][0]!r}:{budgets[f][1]!r}:{entry or ''}"
         cmd = [sys.executable, "-m", "bench.offload", "--child", spec, *_child_flags(args)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if out.returncode != 0:
@@ -343,7 +381,7 @@ def peak_rss_of(pid: int) -> float | None:
 
 
 def run_modes_part(
-    args: argparse.Namespace, layer_bytes: int, bytes_per_forward: dict[float, int]
+    args: argparse.Namespace, budgets: dict[float, tuple[float, float]], bytes_per_forward: dict[float, int]
 ) -> list[dict[str, Any]]:
     from bench.network import run_link
     from edge_client.defaults import recommended_tree
@@ -364,7 +402,7 @@ def run_modes_part(
             "--offload",
             args.offload,
             "--resident-gb",
-            f"{f * layer_bytes / GB:.6f}",
+            f"{budgets[f][0]:.6f}",
             "--offload-threads",
             str(args.offload_threads),
         ]
@@ -395,7 +433,7 @@ def run_modes_part(
                 drafter.close()
             assert verifier.proc is not None
             rss = peak_rss_of(verifier.proc.pid)
-        rows += mode_rows(block, f, layer_bytes, bytes_per_forward, rss)
+        rows += mode_rows(block, f, budgets[f], bytes_per_forward, rss)
         print(f"modes, resident {f:g}: done (verifier peak RSS {rss} GB)", flush=True)
     return rows
 
@@ -403,7 +441,7 @@ def run_modes_part(
 def mode_rows(
     block: Sequence[dict[str, Any]],
     fraction: float,
-    layer_bytes: int,
+    budget: tuple[float, float],
     bytes_per_forward: dict[float, int],
     rss: float | None,
 ) -> list[dict[str, Any]]:
@@ -426,7 +464,8 @@ def mode_rows(
                 "speedup_vs_ar": None if not ar else round(ar / r["ms_per_token"], 3),
                 "ratio_to_ar": None if not ar else round(r["ms_per_token"] / ar, 3),
                 "peak_rss_gb": rss,
-                "budget_gb": round(fraction * layer_bytes / GB, 3),
+                "budget_gb": round(budget[0], 3),  # the verifier's --resident-gb
+                "kv_pool_gb": round(budget[1], 3),  # the share of it its KV pool takes
             }
         )
     return out
@@ -527,15 +566,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1 or args.offload_threads < 1:
         ap.error("--repeats and --offload-threads must be >= 1")
     layer_bytes, entry = _layer_bytes(args.model, args.weights, args.shape, args.device)
-    print(f"layers (and a head of its own): {layer_bytes / GB:.3f} GB streamable; budgets {args.resident}",
-          flush=True)  # fmt: skip
+    plan = budgets(args, layer_bytes)
+    print(f"layers (and a head of its own): {layer_bytes / GB:.3f} GB streamable; --resident-gb and the "
+          f"KV pool's share by budget: {plan}", flush=True)  # fmt: skip
     rows: list[dict[str, Any]] = []
     if "forward" in parts:
-        rows += run_forward_part(args, layer_bytes, entry)
+        rows += run_forward_part(args, plan, entry)
         write_result(args.json, args, rows, False, layer_bytes=layer_bytes)
     if "modes" in parts:
         bpf = {r["resident_fraction"]: r["bytes_per_forward"] for r in rows if r["part"] == "forward"}
-        rows += run_modes_part(args, layer_bytes, bpf)
+        rows += run_modes_part(args, plan, bpf)
     print_tables(rows, args.rows)
     write_result(args.json, args, rows, True, layer_bytes=layer_bytes)
     _plot(args, rows, layer_bytes)

@@ -47,7 +47,7 @@ def rss_bytes() -> int:
 
 
 def measure(args: argparse.Namespace) -> dict[str, object]:
-    from cloud_verifier.server import kv_blocks_for
+    from cloud_verifier.kv_pool import kv_blocks_for
     from cloud_verifier.server_config import ServerConfig
     from shared.model import decode_step, load_target, prefill
 

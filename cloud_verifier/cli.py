@@ -176,10 +176,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         type=float,
         default=d.resident_gb,
         dest="resident_gb",
-        help="with --offload: GB kept in memory for layers (from the first one on) and the stream "
-        "buffers; on a CPU with float weights also for a head of its own (held first when it fits, else "
-        "streamed in chunks every forward) while the token table stays on disk; norms are not counted "
-        "(0: stream every layer)",
+        help="with --offload: GB the target holds in memory. The KV pool (--kv-blocks, or its automatic "
+        "size: one full context at least) comes out of it first; the rest keeps layers (from the first "
+        "one on) and the stream buffers; on a CPU with float weights also a head of its own (held first "
+        "when it fits, else streamed in chunks every forward) while the token table stays on disk; "
+        "norms are not counted (0: stream every layer)",
     )
     p.add_argument(
         "--offload-threads",

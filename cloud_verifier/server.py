@@ -52,46 +52,35 @@ from cloud_verifier.auth import AuthError, KeyStore
 from cloud_verifier.cost import cached_verify_cost
 from cloud_verifier.engine import Engine
 from cloud_verifier.http_protocol import with_header_timeout
+from cloud_verifier.kv_pool import kv_blocks_for, layers_budget_gb
 from cloud_verifier.server_config import ServerConfig
 from cloud_verifier.session import ModelInfo, serve_session
 from cloud_verifier.step import EngineConfig
 from shared.errors import CloseCode
 from shared.messages import SessionLimits
 from shared.model import Target, load_target
+from shared.model.target import streamed_config
 from shared.openai_compat import SSE_DONE, ApiError
 
 log = logging.getLogger("cloud_verifier")
-
-# the automatic KV pool takes at most this share of the weights' bytes (the 1.5B in fp32: ~0.85 GB,
-# ~9,900 tokens with the CPU kernel's tiled keys), which keeps the process within 1.3x its weights
-KV_WEIGHT_SHARE = 0.12
 
 # loads the target a config names, in place of `load_target` (--tensor-parallel N:
 # cloud_verifier.parallel.load_for_service, which serve_parallel hands to `serve`)
 TargetLoader = Callable[[ServerConfig], Target]
 
 
-def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = 2 << 30) -> int:
-    """Blocks for max_sessions full contexts, capped at `memory_cap` bytes of cache and at
-    KV_WEIGHT_SHARE of the model's weight bytes (so a large target's pool does not outgrow it), but
-    never fewer than one full context holds (small weights: the 1.5B's GGUF blocks are 1.1 GB)."""
-    if config.kv_blocks:
-        return config.kv_blocks
-    c = target.config
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * torch.finfo(target.dtype).bits // 8
-    if target.model.attention_kernel == "cpu-invariant" and config.block_size % 16 == 0:
-        per_token = per_token * 3 // 2  # the CPU kernel's transposed copy of K
-    weight_bytes = target.model.weight_bytes()  # (quantized: the blocks' bytes)
-    one = config.max_context + config.max_nodes + 1  # a session at its longest, with a tree
-    cap = min(memory_cap, max(256 << 20, int(KV_WEIGHT_SHARE * weight_bytes), one * per_token))
-    tokens = min(config.max_sessions * one, cap // per_token)
-    floor = min(one, memory_cap // per_token)  # whole blocks for one session, within memory_cap
-    return max(tokens // config.block_size, -(-floor // config.block_size), 8)
-
-
 def load_configured(cfg: ServerConfig) -> Target:
     """The target a config names, with its dtype, device, attention, weights and offload."""
     offload = None if cfg.offload == "none" else cfg.offload
+    resident_gb = cfg.resident_gb
+    if offload is not None:  # the KV pool comes out of the budget first
+        resident_gb, reserve = layers_budget_gb(cfg, streamed_config(cfg.model))
+        log.info(
+            "--resident-gb %.3f: the KV pool takes %.3f GB, the weights get %.3f GB",
+            cfg.resident_gb,
+            reserve / 1e9,
+            resident_gb,
+        )
     return load_target(
         cfg.model,
         cfg.dtype,
@@ -100,7 +89,7 @@ def load_configured(cfg: ServerConfig) -> Target:
         cfg.attention,
         cfg.weights,
         offload,
-        cfg.resident_gb,
+        resident_gb,
         cfg.offload_threads,
     )
 

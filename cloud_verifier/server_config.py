@@ -20,7 +20,7 @@ class ServerConfig:
     # "auto": quantized for a GGUF on a CPU in float32, else fp32 (shared.model.target.resolve_weights)
     device: str = "auto"  # auto: cuda if available, else cpu
     offload: str = "none"  # "none", or stream the layers that do not fit: "disk" / "host" (offload.py)
-    resident_gb: float = 0.0  # with offload: GB of layers (and stream buffers) kept in memory
+    resident_gb: float = 0.0  # with offload: GB for the KV pool, then layers and stream buffers
     offload_threads: int = 2  # with offload disk: threads that split each layer's read
     api_key_file: str | None = None  # one key per line: "KEY [trusted]"
     trust_anonymous: bool = False  # development: treat key-less clients as trusted (mss/rrs allowed)

@@ -235,6 +235,15 @@ def _gguf_file(name_or_path: str, progress: bool) -> tuple[Path, str]:
     return path, path.stem
 
 
+def streamed_config(name_or_path: str, progress: bool = False) -> ModelConfig:
+    """The configuration of a target that can stream (tiny, a store alias or a .gguf path), read
+    from the GGUF's header without loading its weights."""
+    if name_or_path == "tiny":
+        return make_tiny_config()
+    path, _ = _gguf_file(name_or_path, progress)
+    return gguf_loader.config_from_gguf(gguf_loader.open_gguf(path))
+
+
 def _is_projection(name: str) -> bool:
     parts = name.split(".")
     return len(parts) == 3 and parts[0] == "layers" and parts[2] in ("qkv", "o", "gate_up", "down")

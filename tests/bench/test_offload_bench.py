@@ -81,11 +81,11 @@ def test_modes_rows_carry_the_speedup_over_ar_and_bytes_per_token() -> None:
         {"mode": "ar", "ms_per_token": 900.0, "tau": 1.0, "target_forwards_per_token": 1.0},
         {"mode": "tree", "ms_per_token": 300.0, "tau": 4.0, "target_forwards_per_token": 0.25},
     ]
-    rows = bench_offload.mode_rows(block, 0.25, 2_000_000_000, {0.25: 800_000_000}, 1.2)
+    rows = bench_offload.mode_rows(block, 0.25, (0.5, 0.1), {0.25: 800_000_000}, 1.2)
     ar, tree = rows
     assert tree["speedup_vs_ar"] == 3.0 and tree["ratio_to_ar"] == pytest.approx(1 / 3, abs=1e-3)
     assert tree["bytes_read_per_token"] == 200_000_000 and ar["bytes_read_per_token"] == 800_000_000
-    assert tree["peak_rss_gb"] == 1.2 and tree["budget_gb"] == 0.5
+    assert tree["peak_rss_gb"] == 1.2 and (tree["budget_gb"], tree["kv_pool_gb"]) == (0.5, 0.1)
     assert {"resident_fraction", "mode", "ms_per_token", "tau", "peak_rss_gb"} <= set(tree)
 
 
@@ -103,3 +103,26 @@ def test_bad_arguments_exit_2(argv: list[str], says: str, capsys: pytest.Capture
         bench_offload.main(argv)
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_budgets_take_the_kv_pool_out_and_keep_every_layer_at_one() -> None:
+    """Below 1 the verifier's --resident-gb is the fraction of the layers and its KV pool comes out
+    of it; at 1 the budget is raised by the pool (which grows with the budget) so no layer streams."""
+    import argparse
+
+    from cloud_verifier.kv_pool import kv_reserve_bytes
+    from cloud_verifier.server_config import ServerConfig
+    from shared.model.target import streamed_config
+
+    args = argparse.Namespace(
+        shape=None, model="tiny", weights="fp32", offload="disk", device="cpu", resident=[1.0, 0.25]
+    )
+    layers = 1_122_304
+    plan = bench_offload.budgets(args, layers)
+    c = streamed_config("tiny")
+    for budget, pool in plan.values():
+        cfg = ServerConfig(model="tiny", weights="fp32", offload="disk", device="cpu", resident_gb=budget)
+        assert pool == kv_reserve_bytes(cfg, c) / 1e9 > 0
+    assert plan[0.25][0] == 0.25 * layers / 1e9
+    budget, pool = plan[1.0]
+    assert budget - pool >= layers / 1e9 - 1e-9 and budget > layers / 1e9

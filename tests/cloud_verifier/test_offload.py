@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -528,3 +529,33 @@ def test_a_budget_below_the_stream_buffers_is_named_in_a_warning(
     assert st.held_bytes > st.budget_bytes and not st.resident
     assert "below what streaming needs" in caplog.text
     st.close()
+
+
+def test_the_services_kv_pool_comes_out_of_the_resident_budget() -> None:
+    """serve --offload: --resident-gb N holds the KV pool first and the weights get what it leaves
+    (tiny: 2 layers of 0.56 MB, a pool of 64 blocks 0.79 MB). The pool reserved before the weights
+    load is never smaller than the one the service then makes, automatic or set."""
+    from cloud_verifier.kv_pool import kv_blocks_for, kv_reserve_bytes, token_bytes
+    from cloud_verifier.server import load_configured
+    from cloud_verifier.server_config import ServerConfig
+    from shared.model.target import streamed_config
+
+    base = ServerConfig(model="tiny", offload="disk", kv_blocks=64)
+    reserve = kv_reserve_bytes(base, streamed_config("tiny"))
+    assert reserve == 64 * base.block_size * 768  # K, V and the CPU kernel's copy of K: 2 layers x 2 x 16
+    layer_bytes = 2 * 561_152
+    # 1.5 MB holds both layers alone, but not once the pool is out; 2.0 MB holds the pool and both
+    tight_gb = (layer_bytes + reserve) / 1e9 - 0.0005
+    assert tight_gb * 1e9 > layer_bytes
+    tight = load_configured(replace(base, resident_gb=tight_gb))
+    roomy = load_configured(replace(base, resident_gb=(layer_bytes + reserve) / 1e9 + 0.0001))
+    assert tight.model.offload is not None and roomy.model.offload is not None
+    assert tight.model.offload.budget_bytes == int((tight_gb - reserve / 1e9) * 1e9)
+    assert tight.model.offload.streamed == [0, 1] and roomy.model.offload.streamed == []
+    tokens = _tokens(9, seed=4)
+    assert torch.equal(_logits(tight.model, tokens), _logits(roomy.model, tokens))
+    for cfg in (base, replace(base, kv_blocks=0)):
+        made = kv_blocks_for(cfg, roomy) * cfg.block_size
+        kernel_copy = roomy.model.attention_kernel == "cpu-invariant"
+        per_token = token_bytes(roomy.config, roomy.dtype, kernel_copy)
+        assert 0 < made * per_token <= kv_reserve_bytes(cfg, roomy.config)

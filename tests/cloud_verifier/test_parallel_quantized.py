@@ -173,7 +173,7 @@ def test_the_automatic_kv_pool_holds_one_full_context_even_beside_small_weights(
     """The pool is capped at a share of the weights' bytes; GGUF blocks are small (the 1.5B's
     1.1 GB gave ~3,100 tokens, less than one 4,096-token context), so the floor is one session at
     its longest (max_context + max_nodes + 1 rows)."""
-    from cloud_verifier.server import kv_blocks_for
+    from cloud_verifier.kv_pool import kv_blocks_for
     from cloud_verifier.server_config import ServerConfig
 
     target = load_target(str(qgguf), device="cpu", progress=False, weights="quantized")
