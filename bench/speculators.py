@@ -142,19 +142,56 @@ def compare(
 
 
 def learning_curve(path: Path) -> list[dict[str, Any]]:
-    """Held-out top-1 and simulated tau by step and training tokens, from a distill run's train.json
-    or a trained draft's .json."""
+    """Held-out top-1 and simulated tau by step and the teacher tokens trained on, from a distill
+    run's train.json or a trained draft's .json. The tokens are counted (`train_tokens_counted`):
+    from the evaluations (runs since 2026-12-06), else from the run's records and seed when they are
+    on this machine; otherwise estimated as steps x batch x the recipe's tokens a record (an upper
+    bound: records that end at EOS are shorter)."""
     doc_path = path / "train.json" if path.is_dir() else path
     doc = json.loads(doc_path.read_text(encoding="utf-8"))
     evals = doc.get("evals", [])
     if "recipe" in doc:  # make drafts' summary
         batch, tokens = doc["recipe"]["batch"], doc["recipe"]["tokens"]
+        run = _recipe_run(doc["recipe"]["alias"])
     else:
         batch, tokens = doc["distill"]["batch"], doc["records_manifest"]["tokens"]
-    return [
-        {"step": e["step"], "train_tokens": e["step"] * batch * tokens, "top1": e["top1"], "tau": e["tau"]}
-        for e in evals
-    ]
+        run = doc
+    steps = [e["step"] for e in evals]
+    counted = None if all("train_positions" in e for e in evals) else _counted_positions(run, steps)
+    rows = []
+    for e in evals:
+        n = e.get("train_positions", None if counted is None else counted[e["step"]])
+        rows.append(
+            {
+                "step": e["step"],
+                "train_tokens": e["step"] * batch * tokens if n is None else n,
+                "train_tokens_counted": n is not None,
+                "top1": e["top1"],
+                "tau": e["tau"],
+            }
+        )
+    return rows
+
+
+def _recipe_run(alias: str) -> dict[str, Any] | None:
+    """The train.json of the distill run `make drafts` made for `alias`, when it is on this machine."""
+    from draft_training.drafts import work_dir
+
+    path = work_dir(alias) / "run" / "train.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def _counted_positions(run: dict[str, Any] | None, steps: list[int]) -> dict[int, int] | None:
+    """Teacher positions trained on before each step, replayed from a run's records and settings
+    (None when the records are not here, or the run trained on boosting's weighted records)."""
+    from draft_training.distill import load_examples, positions_by_step, split_validation
+
+    if run is None or "weights_sha256" in run or not Path(run.get("records") or "-").is_dir():
+        return None
+    d = run["distill"]
+    train = load_examples(Path(run["records"]), d.get("max_positions", 0))
+    train, _ = split_validation(train, d.get("validation", 0.0))
+    return positions_by_step(train, steps, d["batch"], d["seed"])
 
 
 def default_records(recipe: str = DEFAULT_RECIPE) -> list[Path]:
@@ -451,10 +488,14 @@ def _print(
         print("\nlearning curve (held-out, teacher-forced):")
         print(
             table(
-                [[c["step"], c["train_tokens"], c["top1"], c["tau"]] for c in curve],
-                ["step", "train tokens", "top-1", "tau"],
+                [[c["step"], _tokens_cell(c), c["top1"], c["tau"]] for c in curve],
+                ["step", "train tokens (~: estimated)", "top-1", "tau"],
             )
         )
+
+
+def _tokens_cell(c: dict[str, Any]) -> str:
+    return str(c["train_tokens"]) if c.get("train_tokens_counted") else f"~{c['train_tokens']}"
 
 
 def _print_e2e(rows: list[dict[str, Any]]) -> None:

@@ -152,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="output GGUF (default: RUN/draft.gguf, with --lora RUN/lora.gguf)",
     )
     ep.add_argument(
+        "--name",
+        default=None,
+        help="also give the draft a name: written to <cache>/models/trained/NAME.gguf (with NAME.gguf.json: "
+        "the run and base it came from), so `--draft NAME` runs it in every drafter backend (instead of "
+        "--out; a-z 0-9 . _ -, not an alias)",
+    )
+    ep.add_argument(
         "--lora",
         action="store_true",
         help="write the LoRA run's adapters alone as a llama.cpp adapter GGUF (from RUN/checkpoint), applied "
@@ -220,14 +227,21 @@ def _export(a: argparse.Namespace) -> int:
     from draft_training.export import export_gguf
     from edge_client.models import resolve_draft
     from shared.model import load_target
+    from shared.model_store.trained import trained_path
 
+    if a.name is not None and (a.out is not None or a.lora):
+        raise ValueError("--name writes the named draft in the cache: give it without --out and --lora")
+    named = None if a.name is None else trained_path(a.name)  # the name checked before any work
     base = Path(resolve_draft(a.draft, progress=False))
     draft = load_target(str(base), progress=False)
     if a.lora:
         return _export_lora(a, base, draft.model.config)
     load_draft_weights(draft.model, a.run / "draft.safetensors")
-    out = a.out or a.run / "draft.gguf"
+    out = named or a.out or a.run / "draft.gguf"
     info = export_gguf(draft.model, base, out, a.gguf_type)
+    if named is not None:
+        about = {"name": a.name, "run": str(a.run.resolve()), "draft": a.draft, "gguf_type": a.gguf_type}
+        named.with_name(named.name + ".json").write_text(json.dumps(about, indent=1) + "\n", encoding="utf-8")
     print(json.dumps({"path": info["path"], "rewritten": len(info["rewritten"]), "copied": info["copied"]}))
     return 0
 

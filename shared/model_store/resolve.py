@@ -9,6 +9,7 @@ from shared.model_store.catalog import ALIASES, FILES, ModelFile, ModelNotFoundE
 from shared.model_store.derive import truncated_gguf
 from shared.model_store.fetch import fetch as fetch_file
 from shared.model_store.paths import cached_path, installed_copy
+from shared.model_store.trained import find_trained, trained_names
 from shared.model_store.verify import check_file, locked, stamp_ok
 
 
@@ -44,9 +45,14 @@ def resolve(
     path = Path(name).expanduser()
     if path.is_file():
         return path
+    trained = find_trained(name) if role in (None, "draft") else None
+    if trained is not None:
+        return trained
     known = ", ".join(aliases(role))
     what = f"{role} model" if role else "model"
-    raise ModelNotFoundError(f"{what} {name!r} is neither an alias ({known}) nor an existing file")
+    names = trained_names() if role in (None, "draft") else []
+    own = f", nor a trained draft's name ({', '.join(names)})" if names else ""
+    raise ModelNotFoundError(f"{what} {name!r} is neither an alias ({known}){own} nor an existing file")
 
 
 def ensure(alias: str, *, fetch: bool = True, progress: bool = True) -> Path:

@@ -55,7 +55,19 @@ def test_a_run_on_tiny_records(tmp_path: Path, capsys: pytest.CaptureFixture[str
         json.dumps({"distill": {"batch": 4}, "records_manifest": {"tokens": 8},
                     "evals": [{"step": 0, "top1": 0.1, "tau": 1.1}, {"step": 10, "top1": 0.3, "tau": 1.4}]})
     )  # fmt: skip
-    assert learning_curve(run)[1] == {"step": 10, "train_tokens": 320, "top1": 0.3, "tau": 1.4}
+    # no records to count from: estimated as steps x batch x tokens a record
+    assert learning_curve(run)[1] == {
+        "step": 10, "train_tokens": 320, "train_tokens_counted": False, "top1": 0.3, "tau": 1.4
+    }  # fmt: skip
+    counted = tmp_path / "counted.json"
+    evals = [
+        {"step": 0, "top1": 0.1, "tau": 1.1, "train_positions": 0},
+        {"step": 10, "top1": 0.3, "tau": 1.4, "train_positions": 301},
+    ]
+    doc = {"distill": {"batch": 4}, "records_manifest": {"tokens": 8}, "evals": evals}
+    counted.write_text(json.dumps(doc))
+    curve = learning_curve(counted)
+    assert [(c["train_tokens"], c["train_tokens_counted"]) for c in curve] == [(0, True), (301, True)]
     out = tmp_path / "s.json"
     args = ["--records", str(tmp_path / "held"), "--drafts", "tiny,tiny", "--backends", "torch"]
     assert main([*args, "--curve", str(run), "--json", str(out), "--no-progress"]) == 0

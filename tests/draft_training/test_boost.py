@@ -75,10 +75,23 @@ def test_boosting_trains_ssm2_on_what_ssm1_misses(tmp_path: Path) -> None:
     hits = top1_hits(make_student(tmp_path / "run1" / "draft.safetensors"), train)
     miss = 1 - sum(int(h.sum()) for h in hits) / sum(h.size for h in hits)
     assert rows[1]["weighted_share"] == pytest.approx(miss, abs=1e-4) and 0 < miss < 1
-    assert rows[1]["union_top1"] >= rows[0]["union_top1"] and "indep_union_top1" in rows[1]
+    # the union is of the two drafts' held-out hits, as saved (SSM_1's and the boosted SSM_2's)
+    held = load_examples(tmp_path / "held")
+    h1 = top1_hits(make_student(tmp_path / "run1" / "draft.safetensors"), held)
+    h2 = top1_hits(make_student(tmp_path / "boost" / "ssm2" / "draft.safetensors"), held)
+    both = [a | b for a, b in zip(h1, h2, strict=True)]
+    assert rows[1]["union_top1"] == round(sum(int(u.sum()) for u in both) / sum(u.size for u in both), 4)
+    assert rows[0]["union_top1"] == round(sum(int(u.sum()) for u in h1) / sum(u.size for u in h1), 4)
+    assert "indep_union_top1" in rows[1]
     doc = json.loads((tmp_path / "boost" / "ssm2" / "train.json").read_text())
     assert "weights_sha256" in doc  # SSM_2 trained on the weighted records, the control not
     assert "weights_sha256" not in json.loads((tmp_path / "boost" / "indep2" / "train.json").read_text())
+    # an SSM that adds less than min_gain of union top-1 ends the run before m (no gain reaches 1.0)
+    stopped = boost(
+        tmp_path / "b3", tmp_path / "train", tmp_path / "held", tmp_path / "run1" / "draft.safetensors",
+        make_student, cfg, m=3, criterion="window:4", control=False, min_gain=1.0, progress=False,
+    )  # fmt: skip
+    assert [r["ssm"] for r in stopped["rows"]] == [1, 2] and not (tmp_path / "b3" / "ssm3").exists()
     with pytest.raises(ValueError, match="at least 2"):
         boost(tmp_path / "b2", tmp_path / "train", tmp_path / "held", tmp_path / "run1" / "draft.safetensors",
               make_student, cfg, m=1)  # fmt: skip

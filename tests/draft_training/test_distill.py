@@ -21,6 +21,7 @@ from draft_training.distill import (
     evaluate,
     example_loss,
     load_examples,
+    positions_by_step,
     save_draft,
 )
 from draft_training.student import Student, TrainSpec, distill_loss, simulated_tau
@@ -93,6 +94,12 @@ def test_simulated_tau_counts_runs_of_matches() -> None:
     assert simulated_tau([[True, True, False, True]], depth=2) == pytest.approx(2.0)
 
 
+def _mean_loss(student: Student, records: Path, config: DistillConfig) -> float:
+    examples = load_examples(records)
+    with torch.no_grad():
+        return sum(float(example_loss(student, ex, config)) for ex in examples) / len(examples)
+
+
 def test_distillation_lowers_the_loss_and_raises_heldout_agreement(
     records: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -100,11 +107,19 @@ def test_distillation_lowers_the_loss_and_raises_heldout_agreement(
     student = Student(_student_model(), TrainSpec())
     before = evaluate(student, load_examples(held))
     config = DistillConfig("tiny", steps=30, batch=4, lr=3e-3, eval_every=30, checkpoint_every=0)
+    loss_before = _mean_loss(student, train, config)
     summary = distill(tmp_path, train, student, config, held, progress=False)
     after = summary["evals"][-1]
     assert summary["evals"][0]["top1"] == before["top1"] and after["step"] == 30
     assert after["top1"] > before["top1"] + 0.2 and after["tau"] > before["tau"]
-    assert summary["loss"] is not None
+    # the training loss (KL + 0.1 x CE over every train record) falls by more than half
+    assert _mean_loss(student, train, config) < 0.5 * loss_before
+    # the teacher positions trained on: whole epochs of one record a step count every record once
+    examples = load_examples(train)
+    lengths = sum(len(ex.target) for ex in examples)
+    n = len(examples)
+    assert positions_by_step(examples, [n, 3 * n, 0], 1, 7) == {0: 0, n: lengths, 3 * n: 3 * lengths}
+    assert 0 < after["train_positions"] <= 30 * 4 * max(len(ex.target) for ex in examples)
     doc = json.loads((tmp_path / "train.json").read_text())
     assert doc["distill"]["steps"] == 30 and len(doc["evals"]) == 2
     save_draft(student, tmp_path / "draft.safetensors")
@@ -197,7 +212,9 @@ def test_bf16_autocast_trains_in_float32_weights_and_is_refused_by_name_when_unk
     assert a.dtype == b.dtype == torch.float32 and not torch.equal(a, b)
     assert abs(float(a) - float(b)) < 0.05 * float(a)  # the same loss, to bf16's precision
     before = evaluate(student, load_examples(held))
+    loss_before = _mean_loss(student, train, plain)
     summary = distill(tmp_path / "bf16", train, student, bf16, held, progress=False)
+    assert _mean_loss(student, train, plain) < 0.5 * loss_before
     after = summary["evals"][-1]
     assert after["top1"] > before["top1"] + 0.2 and after["tau"] > before["tau"]
     assert all(p.dtype == torch.float32 for _, p in student.trainable())

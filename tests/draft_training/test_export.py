@@ -188,3 +188,54 @@ def test_an_exported_draft_runs_in_every_drafter_backend(l8_path: Path, tmp_path
         tvd = 0.5 * float(np.abs(dist(backend, model) - ref).sum())
         assert tvd < 0.06, (backend, tvd)
     assert 0.5 * float(np.abs(dist("llama_cpp", l8_path) - ref).sum()) > 0.1
+
+
+def test_a_draft_exported_by_name_runs_by_that_name(
+    l8_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`draft-training export --run RUN --name NAME` writes <cache>/models/trained/NAME.gguf, which
+    `--draft NAME` finds (the store's resolve, so every drafter backend); a name that is an alias,
+    is not a name, or comes with --out is refused before any work, and an unknown name's error lists
+    the trained drafts there are."""
+    from draft_training.cli import main
+    from draft_training.distill import save_draft
+    from draft_training.student import Student, TrainSpec
+    from edge_client.drafters.registry import create_drafter
+    from edge_client.models import resolve_draft
+    from edge_client.onnx.export import source_path
+    from shared.model_store import ModelNotFoundError, resolve
+
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    draft = load_target(str(l8_path), progress=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    save_draft(Student(draft.model, TrainSpec()), run / "draft.safetensors")
+    args = ["export", "--run", str(run), "--draft", str(l8_path)]
+    assert main([*args, "--name", "my-l8.v1"]) == 0
+    path = tmp_path / "cache" / "models" / "trained" / "my-l8.v1.gguf"
+    assert resolve_draft("my-l8.v1") == path and resolve("my-l8.v1", "draft") == path
+    about = json.loads(path.with_name("my-l8.v1.gguf.json").read_text())
+    assert about["run"] == str(run.resolve()) and about["draft"] == str(l8_path)
+    logits = []
+    for backend in ("llama_cpp", "torch"):
+        d = create_drafter(backend, "my-l8.v1", n_threads=1, max_context=64, max_nodes=8)
+        try:
+            logits.append(d.sync(PROMPT))
+        finally:
+            d.close()
+    assert all(x.shape == (draft.config.vocab_size,) for x in logits)
+    assert int(logits[0].argmax()) == int(logits[1].argmax())
+    assert source_path("my-l8.v1") == path  # what `edge-client export-onnx --draft my-l8.v1` reads
+    from shared.model_store.__main__ import main as store_main
+
+    capsys.readouterr()
+    assert store_main(["list"]) == 0 and f"{path}\n" in capsys.readouterr().out
+    assert store_main(["path", "my-l8.v1"]) == 0 and capsys.readouterr().out == f"{path}\n"
+    out = ["--out", str(tmp_path / "o")]
+    refused = (["--name", "smollm2-135m-q4"], ["--name", "Has/Slash"], ["--name", "a", *out])
+    for bad in refused:
+        assert main([*args, *bad]) == 2
+    with pytest.raises(ModelNotFoundError, match=r"my-l8\.v1"):
+        resolve("my-l9", "draft")
+    with pytest.raises(ModelNotFoundError, match="neither an alias"):
+        resolve("my-l8.v1", "target")  # a trained draft is a draft only
