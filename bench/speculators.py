@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from bench import speculators_merged
 from bench.agreement import TOP_K, draft_ranks
 from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
 
@@ -202,7 +203,7 @@ def default_records(recipe: str = DEFAULT_RECIPE) -> list[Path]:
     return [p for p in (work / "heldout", work / "heldout_t1") if p.is_dir()]
 
 
-PARTS = ("table1", "e2e")
+PARTS = ("table1", "e2e", "merged")
 E2E_MODES = "ar,tree,budget"
 
 
@@ -248,8 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--parts",
         default="table1",
-        help="comma-separated: table1 (coverage from the records, with the curve) and e2e (tau and ms/token "
-        "of each draft against a verifier of the recipe's teacher)",
+        help="comma-separated: table1 (coverage from the records, with the curve), e2e (tau and ms/token "
+        "of each draft against a verifier of the recipe's teacher) and merged (SSM_1 alone and merged with "
+        "the boosted or the independent SSM_2 at equal nodes, in turn and in parallel: --boost, --nodes)",
     )
     ap.add_argument(
         "--e2e-modes", default=E2E_MODES, help="e2e: the modes, as bench.e2e names them (ar among them)"
@@ -269,10 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--tree", default=None, help="e2e: the tree modes' expansion (default: the first draft's recommended)"
     )
+    speculators_merged.add_args(ap)
     add_common_args(
         ap, json=True, json_help="rows: coverage per draft, backend, T and category; comparisons; "
-        "learning_curve; e2e (per draft and mode: tau, ms_per_token, speedup_vs_ar, identical_to_ar)",
-        tokens=64, tokens_help="e2e: new tokens per prompt", prompt_file=True, no_progress=True,
+        "learning_curve; e2e (per draft and mode: tau, ms_per_token, speedup_vs_ar, identical_to_ar); "
+        "merged (per SSM_2 and variant: tau, ms_per_token, nodes_per_round, identical_to_ar, union_top1)",
+        tokens=64, tokens_help="e2e and merged: new tokens per prompt", prompt_file=True, no_progress=True,
     )  # fmt: skip
     return ap
 
@@ -304,13 +308,34 @@ def main(argv: Sequence[str] | None = None) -> int:
             suite_from_args(ap, 0, 0, a.prompt_file) if a.prompt_file else heldout_prompts(a.per_category)
         )
         e2e = e2e_part(RECIPES[a.recipe].teacher, drafts, prompts, modes, a)
+    merged = _merged(ap, a, parts)
     curve = learning_curve(a.curve) if a.curve else []
     if rows or curve:
         _print(rows, comparisons, curve)
     if e2e:
         _print_e2e(e2e)
-    write_result(a.json, a, rows, True, comparisons=comparisons, learning_curve=curve, e2e=e2e)
+    if merged:
+        speculators_merged.print_merged(merged, a.nodes)
+    write_result(a.json, a, rows, True, comparisons=comparisons, learning_curve=curve, e2e=e2e, merged=merged)
     return 0
+
+
+def _merged(ap: argparse.ArgumentParser, a: argparse.Namespace, parts: list[str]) -> list[dict[str, Any]]:
+    from draft_training.drafts import RECIPES, work_dir
+
+    if "merged" not in parts:
+        return []
+    if a.nodes < 2:
+        ap.error(f"--nodes: at least 2 (one per merged draft), got {a.nodes}")
+    recipe = RECIPES[a.recipe]
+    boost_dir = a.boost or work_dir(a.recipe) / "boost"
+    try:
+        return speculators_merged.merged_part(
+            boost_dir, recipe.teacher, a.recipe, recipe.draft,
+            a.prompt_file, a.per_category, a.nodes, a.tokens,
+        )  # fmt: skip
+    except (FileNotFoundError, ValueError) as exc:
+        ap.error(f"--parts merged: {exc}")
 
 
 def coverage_part(

@@ -5,6 +5,7 @@ one draft twice finds no difference (p = 1)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -128,3 +129,59 @@ def test_the_heldout_prompts_are_the_splits_first_per_category() -> None:
     assert sorted(p.category for p in one) == sorted(cats)
     two = heldout_prompts(2)
     assert all(p in two for p in one) and len(two) <= 2 * len(cats) and len(heldout_prompts(0)) >= len(two)
+
+
+def test_the_merged_part_runs_each_pair_through_bench_merged(tmp_path: Path) -> None:
+    """--parts merged: bench.merged runs SSM_1 with the boosted and with the independent SSM_2 (at
+    --nodes, in turn and in parallel, on the held-out prompts); the rows add boost.json's union
+    top-1 (SSM_1's own for `one`) and leave out `other` (SSM_2 alone)."""
+    from bench import speculators_merged as sm
+
+    boost_dir = tmp_path / "boost"
+    rows = [
+        {"ssm": 1, "single_top1": 0.27, "union_top1": 0.27},
+        {"ssm": 2, "single_top1": 0.2, "union_top1": 0.34, "indep_union_top1": 0.33},
+    ]
+    for folder in ("ssm2", "indep2"):
+        (boost_dir / folder).mkdir(parents=True)
+        (boost_dir / folder / "draft.gguf").write_bytes(b"GGUF")  # exported already: used as it is
+    calls: list[list[str]] = []
+
+    def fake_merged(argv: Sequence[str]) -> int:
+        argv = list(argv)
+        calls.append(argv)
+        prompts = Path(argv[argv.index("--prompt-file") + 1]).read_text().splitlines()
+        assert len(prompts) == 14  # one held-out prompt of each category of the committed split
+        variants = ["ar", "one", "other", "merged", "merged_parallel"]
+        out = {
+            "rows": [{"variant": v, "tau_pooled": 1.0 + k, "ms_per_token": 50.0 - k, "nodes_per_round": 8 - k}
+                     for k, v in enumerate(variants)],
+            "identical_to_ar": {v: True for v in variants[1:]},
+        }  # fmt: skip
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(out))
+        return 0
+
+    with pytest.raises(FileNotFoundError, match=r"boost\.json"):
+        sm.merged_part(boost_dir, "tiny", "ssm1", "base", None, 1, 8, 16, run_merged=fake_merged)
+    (boost_dir / "boost.json").write_text(json.dumps({"rows": rows}))
+    got = sm.merged_part(boost_dir, "tiny", "ssm1", "base", None, 1, 8, 16, run_merged=fake_merged)
+    assert [c[c.index("--draft", 4) + 1] for c in calls] == [
+        str(boost_dir / "ssm2" / "draft.gguf"),
+        str(boost_dir / "indep2" / "draft.gguf"),
+    ]
+    assert all("--parallel" in c and c[c.index("--nodes") + 1] == "8" and c[c.index("--draft") + 1] == "ssm1"
+               for c in calls)  # fmt: skip
+    assert [(r["pair"], r["variant"]) for r in got] == [
+        (p, v) for p in ("boosted", "independent") for v in ("ar", "one", "merged", "merged_parallel")
+    ]
+    union = {(r["pair"], r["variant"]): r["union_top1"] for r in got}
+    assert union[("boosted", "merged")] == 0.34 and union[("independent", "merged_parallel")] == 0.33
+    assert union[("boosted", "one")] == 0.27 and union[("boosted", "ar")] is None
+    assert got[3]["tau"] == 5.0 and got[3]["nodes_per_round"] == 4 and got[3]["identical_to_ar"] is True
+    # an SSM_2 with neither a GGUF nor trained weights: a clear error, through the bench's exit 2
+    (boost_dir / "indep2" / "draft.gguf").unlink()
+    with pytest.raises(FileNotFoundError, match=r"draft\.safetensors"):
+        sm.merged_part(boost_dir, "tiny", "ssm1", "base", None, 1, 8, 16, run_merged=fake_merged)
+    with pytest.raises(SystemExit) as exc:
+        main(["--parts", "merged", "--boost", str(tmp_path / "none")])
+    assert exc.value.code == 2
