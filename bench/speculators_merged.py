@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -79,7 +80,13 @@ def merged_part(
                 *("--model", teacher, "--draft", ssm1, "--draft", str(gguf), "--nodes", str(nodes)),
                 *("--parallel", "--prompt-file", str(prompts), "--tokens", str(tokens), "--json", str(out)),
             ]
-            if run(argv) != 0:
+            saved = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+            try:
+                code = run(argv)  # pins this process to the edge's cores
+            finally:
+                if saved is not None:  # the next pair's verifier gets its own core again
+                    os.sched_setaffinity(0, saved)
+            if code != 0:
                 raise RuntimeError(f"bench.merged failed on the {pair} pair ({' '.join(argv)})")
             doc_rows = json.loads(out.read_text(encoding="utf-8"))
             rows += _pair_rows(doc_rows, pair, second.get(union_key), first.get("single_top1"))

@@ -5,6 +5,7 @@ one draft twice finds no difference (p = 1)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -147,9 +148,13 @@ def test_the_merged_part_runs_each_pair_through_bench_merged(tmp_path: Path) -> 
         (boost_dir / folder / "draft.gguf").write_bytes(b"GGUF")  # exported already: used as it is
     calls: list[list[str]] = []
 
+    cores = os.sched_getaffinity(0)
+
     def fake_merged(argv: Sequence[str]) -> int:
         argv = list(argv)
         calls.append(argv)
+        assert os.sched_getaffinity(0) == cores  # every pair starts with the cores the bench had
+        os.sched_setaffinity(0, {min(cores)})  # as bench.merged pins the edge
         prompts = Path(argv[argv.index("--prompt-file") + 1]).read_text().splitlines()
         assert len(prompts) == 14  # one held-out prompt of each category of the committed split
         variants = ["ar", "one", "other", "merged", "merged_parallel"]
@@ -177,6 +182,7 @@ def test_the_merged_part_runs_each_pair_through_bench_merged(tmp_path: Path) -> 
     union = {(r["pair"], r["variant"]): r["union_top1"] for r in got}
     assert union[("boosted", "merged")] == 0.34 and union[("independent", "merged_parallel")] == 0.33
     assert union[("boosted", "one")] == 0.27 and union[("boosted", "ar")] is None
+    assert os.sched_getaffinity(0) == cores
     assert got[3]["tau"] == 5.0 and got[3]["nodes_per_round"] == 4 and got[3]["identical_to_ar"] is True
     # an SSM_2 with neither a GGUF nor trained weights: a clear error, through the bench's exit 2
     (boost_dir / "indep2" / "draft.gguf").unlink()
