@@ -44,7 +44,8 @@ def trained_names() -> list[str]:
 
 def find_trained(name: str) -> Path | None:
     """The file of the trained draft `name`, or None when there is none (or it is not a name)."""
-    if not _NAME.fullmatch(name) or name in ALIASES:
+    try:
+        path = trained_path(name)  # check_name's rule, the one the export applies
+    except ValueError:
         return None
-    path = trained_dir() / f"{name}.gguf"
     return path if path.is_file() else None
