@@ -8,6 +8,15 @@ same for LLaMA-7B / 68M drafts: at greedy decoding top-1 agreement of 68-79% acr
 top-5 of 87-97%. Per category (HumanEval raw, Spec-Bench categories) and overall.
 
     python -m bench.agreement --humaneval 4 --prompts 12 --tokens 64 --json bench/out/agreement.json
+
+The target's outputs cached once (`--records DIR`, repeatable): `draft-training collect` folders
+(records of the target's tokens, greedy and at T 1; `make drafts` leaves its held-out ones in
+`<cache>/draft_training/<alias>/heldout*`) are read instead of running the target, so every later
+draft is measured on the same positions in seconds; the target is not loaded, and the records'
+vocabulary must be the draft's.
+
+    python -m bench.agreement --records ~/.cache/treespec/draft_training/qwen2.5-coder-0.5b-kd/heldout \
+        --records ~/.cache/treespec/draft_training/qwen2.5-coder-0.5b-kd/heldout_t1
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -76,7 +86,7 @@ def summarise(ranks: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m bench.agreement",
         description="Top-1..5 agreement of the draft with the target's own tokens (teacher-forced).",
@@ -85,8 +95,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=13, help="Spec-Bench dev prompts (one per category at 13)")
     ap.add_argument("--model", default=DEFAULT_TARGET, help="target alias or path")
     ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (llama.cpp)")
+    ap.add_argument(
+        "--backend",
+        choices=("llama_cpp", "onnx", "torch"),
+        default="llama_cpp",
+        help="the drafter backend that reads the output (torch also takes a target name such as tiny)",
+    )
     ap.add_argument("--temperatures", default="0,1", help="target decoding: 0 greedy, else sampled")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for the target (0: default)")
+    ap.add_argument(
+        "--records",
+        type=Path,
+        action="append",
+        default=[],
+        help="a `draft-training collect` folder (repeatable): the target's outputs cached once, read "
+        "instead of running the target (--model, --humaneval, --prompts, --prompt-file and --tokens "
+        "are then unused; --temperatures still selects)",
+    )
     add_common_args(
         ap,
         json=True,
@@ -96,37 +121,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompt_file=True,
         no_progress=True,
     )
-    a = ap.parse_args(argv)
-    prompts: list[BenchPrompt] = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
-    from edge_client.drafters.registry import create_drafter
-    from shared.model import load_target
+    return ap
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    temps = [float(t) for t in a.temperatures.split(",") if t]
     if a.threads:
         torch.set_num_threads(a.threads)
-    target = load_target(a.model, progress=not a.no_progress)
-    target.model.prepare(release=True)
-    drafter = create_drafter("llama_cpp", a.draft, n_threads=a.threads or 2, max_nodes=max(256, a.tokens + 8))
-    temps = [float(t) for t in a.temperatures.split(",") if t]
-    result: dict[str, Any] = {"config": vars(a), "temperatures": {}}
-    bar = tqdm(total=len(prompts) * len(temps), desc="agreement", file=sys.stderr, disable=a.no_progress)
-    for temp in temps:
-        ranks: dict[str, list[int]] = {}
-        for i, p in enumerate(prompts):
-            text = (
-                p.text
-                if p.raw
-                else target.tokenizer.apply_chat_template([{"role": "user", "content": p.text}])
-            )
-            ids = target.tokenizer.encode(text)
-            out = target_output(target, ids, a.tokens, temp, seed=1000 + i)
-            ranks.setdefault(p.category, []).extend(draft_ranks(drafter, ids, out))
-            bar.update()
+    if a.records:
+        by_temp = cached_ranks(ap, a, temps)
+    else:
+        by_temp = generated_ranks(ap, a, temps)
+    result: dict[str, Any] = {
+        "config": vars(a) | {"records": [str(r) for r in a.records]},
+        "temperatures": {},
+    }
+    for temp, ranks in by_temp.items():
         result["temperatures"][f"{temp:g}"] = summarise(ranks)
-    bar.close()
-    drafter.close()
+    source = ", ".join(str(r) for r in a.records) if a.records else a.model
     for t, cats in result["temperatures"].items():
         print(f"\ntarget {'greedy' if t == '0' else f'sampled at T {t}'}: share of positions where its token "
-              f"is in the draft's top-k ({a.model} / {a.draft})")  # fmt: skip
+              f"is in the draft's top-k ({source} / {a.draft})")  # fmt: skip
         print(
             table(
                 [[c, *(f"{v[f'top{k}']:.3f}" for k in TOP_K), v["positions"]] for c, v in cats.items()],
@@ -140,6 +157,85 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     write_result(a.json, result.pop("config"), rows, True, **result)
     return 0
+
+
+def _drafter(a: argparse.Namespace, longest: int) -> Any:
+    from edge_client.drafters.registry import create_drafter
+
+    nodes = max(256, a.tokens + 8, longest + 8)
+    return create_drafter(
+        a.backend, a.draft, n_threads=a.threads or 2, max_nodes=nodes, max_context=max(4096, longest + 16)
+    )
+
+
+def generated_ranks(
+    ap: argparse.ArgumentParser, a: argparse.Namespace, temps: list[float]
+) -> dict[float, dict[str, list[int]]]:
+    """Ranks per temperature and category on the target's outputs, generated here."""
+    from shared.model import load_target
+
+    prompts: list[BenchPrompt] = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+    target = load_target(a.model, progress=not a.no_progress)
+    target.model.prepare(release=True)
+    drafter = _drafter(a, 0)
+    out: dict[float, dict[str, list[int]]] = {}
+    bar = tqdm(total=len(prompts) * len(temps), desc="agreement", file=sys.stderr, disable=a.no_progress)
+    try:
+        for temp in temps:
+            ranks = out.setdefault(temp, {})
+            for i, p in enumerate(prompts):
+                text = (
+                    p.text
+                    if p.raw
+                    else target.tokenizer.apply_chat_template([{"role": "user", "content": p.text}])
+                )
+                ids = target.tokenizer.encode(text)
+                tokens = target_output(target, ids, a.tokens, temp, seed=1000 + i)
+                ranks.setdefault(p.category, []).extend(draft_ranks(drafter, ids, tokens))
+                bar.update()
+    finally:
+        bar.close()
+        drafter.close()
+    return out
+
+
+def cached_ranks(
+    ap: argparse.ArgumentParser, a: argparse.Namespace, temps: list[float]
+) -> dict[float, dict[str, list[int]]]:
+    """Ranks per temperature and category on the target's outputs cached in collect folders."""
+    import json
+
+    from bench.speculators import load_positions
+    from draft_training.collect import MANIFEST
+
+    fingerprints = {}
+    for folder in a.records:
+        path = folder / MANIFEST
+        if not path.is_file():
+            ap.error(f"--records {folder}: no {MANIFEST}; give a `draft-training collect --out` folder")
+        fingerprints[folder] = json.loads(path.read_text(encoding="utf-8")).get("vocab_fingerprint")
+    try:
+        records = [r for r in load_positions(a.records) if r["temperature"] in temps]
+    except (FileNotFoundError, ValueError) as exc:
+        ap.error(f"--records: {exc}")
+    if not records:
+        ap.error(f"--records: no record at --temperatures {a.temperatures}")
+    drafter = _drafter(a, max(len(r["prompt"]) + len(r["tokens"]) for r in records))
+    out: dict[float, dict[str, list[int]]] = {}
+    try:
+        mine = drafter.vocab_fingerprint()
+        for folder, theirs in fingerprints.items():
+            if theirs != mine:
+                ap.error(
+                    f"--records {folder}: its target's vocabulary (fingerprint {theirs}) is not the "
+                    f"draft's ({a.draft}: {mine}); agreement needs the same token ids"
+                )
+        for r in tqdm(records, desc="agreement", file=sys.stderr, disable=a.no_progress):
+            ranks = out.setdefault(r["temperature"], {})
+            ranks.setdefault(r["category"], []).extend(draft_ranks(drafter, r["prompt"], r["tokens"]))
+    finally:
+        drafter.close()
+    return dict(sorted(out.items()))
 
 
 if __name__ == "__main__":
