@@ -205,8 +205,7 @@ def cached_ranks(
     """Ranks per temperature and category on the target's outputs cached in collect folders."""
     import json
 
-    from bench.speculators import load_positions
-    from draft_training.collect import MANIFEST
+    from draft_training.collect import MANIFEST, load_positions
 
     fingerprints = {}
     for folder in a.records:

@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 from collections.abc import Sequence
 from fractions import Fraction
@@ -44,7 +43,6 @@ from bench.agreement import TOP_K, draft_ranks
 from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
 
 DEFAULT_RECIPE = "smollm2-135m-l8-kd"
-_NAME = re.compile(r"^(?P<category>.+?)__(?P<id>.+)__t(?P<t>[0-9.]+)$")
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -64,34 +62,6 @@ def mcnemar(b: int, c: int) -> float:
         return 1.0
     tail = sum(math.comb(n, i) for i in range(min(b, c) + 1))
     return min(1.0, float(Fraction(2 * tail, 2**n)))  # exact: 2**n overflows a float past n = 1023
-
-
-def load_positions(folders: Sequence[Path]) -> list[dict[str, Any]]:
-    """Every record of the collect folders: name, category, temperature, prompt and tokens."""
-    from draft_training.collect import RECORDS, read_record
-
-    out = []
-    for folder in folders:
-        paths = sorted(p for p in (folder / RECORDS).glob("*.npz") if not p.name.startswith("."))
-        if not paths:
-            raise FileNotFoundError(
-                f"no records in {folder / RECORDS}: run `make drafts` or `draft-training collect`"
-            )
-        for path in paths:
-            m = _NAME.match(path.stem)
-            if m is None:
-                raise ValueError(f"{path}: not a collect record name (<category>__<id>__t<T>)")
-            r = read_record(path)
-            out.append(
-                {
-                    "name": path.stem,
-                    "category": m["category"],
-                    "temperature": float(m["t"]),
-                    "prompt": r["prompt"].tolist(),
-                    "tokens": r["tokens"].tolist(),
-                }
-            )
-    return out
 
 
 def coverage(ranks: np.ndarray) -> dict[str, Any]:
@@ -284,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     a = ap.parse_args(argv)
+    from draft_training.collect import load_positions
     from draft_training.drafts import RECIPES
 
     if a.recipe not in RECIPES:

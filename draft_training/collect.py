@@ -128,6 +128,36 @@ def read_record(path: Path) -> dict[str, np.ndarray]:
         return {k: z[k] for k in ("prompt", "tokens", "top_ids", "top_probs", "rest")}
 
 
+RECORD_NAME = re.compile(r"^(?P<category>.+?)__(?P<id>.+)__t(?P<t>[0-9.]+)$")  # Job.name
+
+
+def load_positions(folders: Sequence[Path]) -> list[dict[str, Any]]:
+    """Every record of the collect folders: name, category, temperature, prompt and tokens (what
+    bench.agreement --records and bench.speculators measure drafts on)."""
+    out = []
+    for folder in folders:
+        paths = sorted(p for p in (folder / RECORDS).glob("*.npz") if not p.name.startswith("."))
+        if not paths:
+            raise FileNotFoundError(
+                f"no records in {folder / RECORDS}: run `make drafts` or `draft-training collect`"
+            )
+        for path in paths:
+            m = RECORD_NAME.match(path.stem)
+            if m is None:
+                raise ValueError(f"{path}: not a collect record name (<category>__<id>__t<T>)")
+            r = read_record(path)
+            out.append(
+                {
+                    "name": path.stem,
+                    "category": m["category"],
+                    "temperature": float(m["t"]),
+                    "prompt": r["prompt"].tolist(),
+                    "tokens": r["tokens"].tolist(),
+                }
+            )
+    return out
+
+
 def _write(records: Path, name: str, arrays: dict[str, np.ndarray]) -> None:
     tmp = records / f".{name}.tmp.npz"
     np.savez(tmp, **arrays)  # type: ignore[arg-type]
