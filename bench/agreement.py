@@ -159,12 +159,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _drafter(a: argparse.Namespace, longest: int) -> Any:
+def _drafter(a: argparse.Namespace, context: int, output: int) -> Any:
+    """The draft on --backend: `context` tokens of prompt at most, an output of `output` read as one chain."""
     from edge_client.drafters.registry import create_drafter
 
-    nodes = max(256, a.tokens + 8, longest + 8)
     return create_drafter(
-        a.backend, a.draft, n_threads=a.threads or 2, max_nodes=nodes, max_context=max(4096, longest + 16)
+        a.backend,
+        a.draft,
+        n_threads=a.threads or 2,
+        max_nodes=max(256, output + 8),
+        max_context=max(4096, context),
     )
 
 
@@ -177,7 +181,7 @@ def generated_ranks(
     prompts: list[BenchPrompt] = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
     target = load_target(a.model, progress=not a.no_progress)
     target.model.prepare(release=True)
-    drafter = _drafter(a, 0)
+    drafter = _drafter(a, 0, a.tokens)
     out: dict[float, dict[str, list[int]]] = {}
     bar = tqdm(total=len(prompts) * len(temps), desc="agreement", file=sys.stderr, disable=a.no_progress)
     try:
@@ -219,7 +223,7 @@ def cached_ranks(
         ap.error(f"--records: {exc}")
     if not records:
         ap.error(f"--records: no record at --temperatures {a.temperatures}")
-    drafter = _drafter(a, max(len(r["prompt"]) + len(r["tokens"]) for r in records))
+    drafter = _drafter(a, max(len(r["prompt"]) for r in records), max(len(r["tokens"]) for r in records))
     out: dict[float, dict[str, list[int]]] = {}
     try:
         mine = drafter.vocab_fingerprint()
