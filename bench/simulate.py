@@ -49,6 +49,18 @@ What a replay can honestly change, and what not:
 - the miss path's cost (--backup-ms): the synchronous draft after a miss takes this long; the
   tokens of the round it starts stay as logged (a cheaper backup tree also accepts fewer tokens,
   which the replay cannot know: pair it with bench.outcomes / bench.network's measured tau);
+- the outcome cache's chain depth (--depth D): conditional chains deeper than D are drafted D deep
+  (the evaluations past the deepest chain left are not run; a tree verified in their place is
+  smaller: V(D), co-located its logged ms scaled along the generation's own verifier fit). A chain
+  that accepted a <= D nodes gives the same round (the same outcome and bonus token); one that
+  accepted more gives a - D tokens fewer and another outcome: all D accepted, and as the bonus the
+  chain's own next node (the target had accepted it), the outcome the edge pre-speculates first.
+  Each cap is replayed twice: the next round keeps its logged hit and timing (the upper bound),
+  and "then a miss": the tree pre-speculated for the logged outcome is useless and a hit on it
+  becomes a miss (the lower bound). Later rounds stay as logged and the lost tokens are not made
+  up: ms/token is over the tokens left, rows say `tokens_lost`;
+- not Saguaro's C (mss/rrs): scaling the draft's probabilities changes which trees are sampled
+  and verified, hence the verdicts, which a replay keeps; measure it with bench.network --saguaro-c;
 - timing-driven decisions of the core (the cost gate, the backup shape chosen, which drafts a
   verdict cut short) stay as logged, and so do the verdicts (hit or miss, tokens).
 
@@ -315,17 +327,15 @@ class Policy:
     rtt_ms: float | None = None
     n: int | None = None
     backup_ms: float | None = None
+    depth: int | None = None  # the deepest a conditional chain is drafted (_capped)
+    depth_miss: bool = False  # the lower bound: a round a cap truncated is followed by a miss
 
     def label(self) -> str:
-        return (
-            "logged"
-            if self == Policy()
-            else ", ".join(
-                f"{k} {v:g}"
-                for k, v in (("rtt", self.rtt_ms), ("N", self.n), ("T_b", self.backup_ms))
-                if v is not None
-            )
-        )
+        knobs = (("rtt", self.rtt_ms), ("N", self.n), ("T_b", self.backup_ms), ("depth", self.depth))
+        text = ", ".join(f"{k} {v:g}" for k, v in knobs if v is not None)
+        if self.depth is not None and self.depth_miss:
+            text += " (then a miss)"
+        return "logged" if self == Policy() else text
 
 
 @dataclass(frozen=True)
@@ -343,6 +353,7 @@ class Replay:
     miss_draft_ms: float  # synchronous drafting after misses (the critical path's)
     verify_ms: float  # the verifier's busy time
     prespec_ms: float  # drafting off the critical path
+    tokens_lost: int = 0  # tokens a chain depth cap took from the rounds it truncated (_capped)
 
     @property
     def ms_per_token(self) -> float:
@@ -362,14 +373,67 @@ def _dropped_rounds(sends: Sequence[SendEvent], n: int | None) -> set[int]:
     for kids in by_parent.values():
         kids.sort(key=lambda s: (-s.prob, s.round))
         dropped.update(s.round for s in kids[n:])
+    return _with_descendants(sends, dropped)
+
+
+def _with_descendants(sends: Sequence[SendEvent], rounds: set[int]) -> set[int]:
+    """`rounds` and every conditional tree below them (trees of outcomes of trees never drafted
+    were never drafted either)."""
+    out = set(rounds)
     changed = True
-    while changed:  # descendants of dropped trees were never drafted either
+    while changed:
         changed = False
         for s in sends:
-            if s.parent in dropped and s.round not in dropped:
-                dropped.add(s.round)
+            if s.parent in out and s.round not in out:
+                out.add(s.round)
                 changed = True
-    return dropped
+    return out
+
+
+@dataclass(frozen=True)
+class Capped:
+    """A chain depth cap D applied to a log (Policy.depth): the conditional chains deeper than D
+    (round -> D), the verdicts whose round it truncates (index -> tokens lost: the chain accepted
+    more than D nodes), and, for the lower bound (Policy.depth_miss), the rounds no longer drafted
+    because of it (the trees pre-speculated for a truncated round's logged outcome, which did not
+    happen, and those below them)."""
+
+    depth: dict[int, int]
+    lost: dict[int, int]
+    dropped: set[int]
+
+
+def _capped(
+    sends: Sequence[SendEvent],
+    vs: Sequence[VerdictEvent],
+    cap: int | None,
+    dropped: set[int],
+    next_miss: bool = False,
+) -> Capped:
+    """The depth cap's effect (Capped). A chain verified with a nodes accepted gives min(a, D) + 1
+    tokens under the cap: the same round when a <= D (the same outcome, the same bonus token),
+    else a - D tokens fewer and another outcome: every node accepted, and as the bonus the target's
+    token after node D, which is the chain's own node D + 1 (the target accepted it). That is the
+    outcome the edge pre-speculates first for any tree (all accepted, the draft's top-1 next), so by
+    default the round that follows keeps its logged hit and timing (the upper bound); with
+    `next_miss` the tree the log pre-speculated for the logged outcome is useless and a hit on it
+    becomes a miss (the lower bound). Later rounds stay as logged either way: their tokens are the
+    log's, the lost ones are not made up."""
+    if cap is None:
+        return Capped({}, {}, set())
+    depth = {
+        s.round: cap
+        for s in sends
+        if s.parent is not None and s.nodes == s.depth and s.depth > cap and s.round not in dropped
+    }
+    lost = {j: v.accepted - cap for j, v in enumerate(vs) if v.round in depth and v.accepted > cap}
+    if not next_miss:
+        return Capped(depth, lost, set())
+    wrong = _with_descendants(sends, {r for j in lost if (r := vs[j].next) is not None and not vs[j].done})
+    # a chain no longer drafted (a miss path's tree verified in its place, as logged) is not capped
+    depth = {r: d for r, d in depth.items() if r not in wrong}
+    lost = {j: n for j, n in lost.items() if vs[j].round in depth}
+    return Capped(depth, lost, wrong)
 
 
 def logged_outcomes(trace: RoundTrace) -> int:
@@ -391,12 +455,19 @@ def _draft_ms(costs: Costs, d: _Draft) -> float:
     return sum(_eval_ms(costs, r, ms) for r, ms in d.evals) + d.other_ms
 
 
-def _verify_ms(costs: Costs, vs: Sequence[VerdictEvent], nodes: Mapping[int, int], j: int) -> float:
+def _verify_ms(
+    costs: Costs,
+    vs: Sequence[VerdictEvent],
+    nodes: Mapping[int, int],
+    j: int,
+    scale: Mapping[int, float] | None = None,
+) -> float:
     """Verdict j's verification: at the verifier curve for its tree's nodes, else (and for the
-    prompt's round 0 with a logged prefill) its logged ms."""
+    prompt's round 0 with a logged prefill) its logged ms (times `scale`'s factor for its round:
+    a tree the policy made smaller)."""
     v = vs[j]
     if costs.verifier is None or (j == 0 and costs.prefill == "logged"):
-        return v.verify_ms
+        return v.verify_ms * (scale or {}).get(v.round, 1.0)
     return costs.verifier(nodes.get(v.round, 0))
 
 
@@ -425,10 +496,12 @@ def _miss_path(drafts: Sequence[_Draft], costs: Costs, backup_ms: float | None) 
     return template, slack_plain, gap_plain
 
 
-def _thinned(d: _Draft, dropped: set[int], own: Curve) -> _Draft | None:
+def _thinned(d: _Draft, dropped: set[int], own: Curve, cap: Mapping[int, int] | None = None) -> _Draft | None:
     """A draft action of the log under the policy: None when every tree it drafted is one the
     policy does not draft (`dropped`), else without those trees' sends and with fewer rows in each
-    evaluation (their logged ms scaled along the generation's own drafter curve `own`)."""
+    evaluation (their logged ms scaled along the generation's own drafter curve `own`), and
+    without the evaluations past a depth cap (`cap`: round -> D, chains only, _cut_levels)."""
+    d = _cut_levels(d, cap or {})
     kept = [s for s in d.sends if s.round not in dropped]
     if d.kind in CUT_KINDS and d.sends and not kept and len(d.sends) >= d.trees:
         return None  # every tree it drafted is one the policy does not draft
@@ -447,6 +520,22 @@ def _thinned(d: _Draft, dropped: set[int], own: Curve) -> _Draft | None:
     return d
 
 
+def _cut_levels(d: _Draft, cap: Mapping[int, int]) -> _Draft:
+    """A draft of chains (one, or several together: evaluation l holds a row for every chain
+    deeper than l) whose deepest chains a depth cap shortens: the evaluations past the deepest
+    chain left are not run. Drafts of trees, or whose evaluations do not match their chains'
+    depths, stay as logged (at their logged cost)."""
+    if not d.sends or not any(s.round in cap for s in d.sends) or d.fixed_ms is not None:
+        return d
+    if not all(s.parent is not None and s.nodes == s.depth for s in d.sends) or len(d.sends) < d.trees:
+        return d
+    old = max(s.depth for s in d.sends)
+    new = max(min(s.depth, cap.get(s.round, s.depth)) for s in d.sends)
+    if new >= old or len(d.evals) < old:
+        return d
+    return replace(d, evals=d.evals[: len(d.evals) - (old - new)])
+
+
 def _plan(
     vs: Sequence[VerdictEvent],
     hit: Sequence[bool],
@@ -455,10 +544,12 @@ def _plan(
     nodes: Mapping[int, int],
     own: Curve,
     miss: tuple[float, float, float],
+    cap: Mapping[int, int] | None = None,
 ) -> list[tuple[int, int, int, _Draft]]:
     """The draft actions of the replayed thread as (epoch, miss path first, log order, draft),
     sorted: a miss path of the policy's (`miss`: _miss_path's time, slack and gap) after each
-    logged hit it turns into a miss, and the log's drafts under the policy (_thinned)."""
+    logged hit it turns into a miss, and the log's drafts under the policy (_thinned; `cap`: the
+    depth cap's chains)."""
     template, slack_plain, gap_plain = miss
     plan: list[tuple[int, int, int, _Draft]] = []
     for j, v in enumerate(vs):
@@ -469,7 +560,7 @@ def _plan(
             syn = _Draft(j + 1, "plain", [], 0.0, slack_plain, 1, [s], {nxt: gap_plain}, template, True)
             plan.append((j + 1, 0, -1, syn))
     for i, logged in enumerate(drafts):
-        d = _thinned(logged, dropped, own)
+        d = _thinned(logged, dropped, own, cap)
         if d is not None:
             plan.append((d.epoch, 1, i, d))
     plan.sort(key=lambda x: x[:3])
@@ -490,6 +581,7 @@ class _Clock:
     up: float  # a tree's way to the verifier
     down: float  # a verdict's way to the edge
     server_ms: float  # the server's per-round overhead between verifications back to back
+    scale: Mapping[int, float] = field(default_factory=dict)  # logged verify ms x this, by round
     arrive: dict[int, float] = field(default_factory=dict)
     verdict_at: list[float] = field(default_factory=list)
     verify_end: float = 0.0
@@ -512,7 +604,7 @@ class _Clock:
                 self.stall += max(0.0, a - free)
                 start = max(a, free)
             start = max(start, self.verify_end)
-            v = _verify_ms(self.costs, self.vs, self.nodes, j)
+            v = _verify_ms(self.costs, self.vs, self.nodes, j, self.scale)
             self.busy += v
             self.verify_end = start + v
             self.verdict_at.append(self.verify_end + self.down)
@@ -576,13 +668,17 @@ def replay(
     samples = [(r, ms) for d in drafts for r, ms in d.evals]
     own = Curve.fit(samples) if samples else Curve.flat(0.0)
     dropped = _dropped_rounds(tr.sends, policy.n)
+    capped = _capped(tr.sends, vs, policy.depth, dropped, policy.depth_miss)
+    dropped |= capped.dropped
+    scale = _verify_scale(gen, capped.depth)
+    nodes.update(capped.depth)
     miss = _miss_path(drafts, costs, policy.backup_ms)
     # the policy: the conditional trees it does not draft; a hit on one of them becomes a miss
     hit = [v.hit and not (v.next is not None and v.next in dropped) for v in vs]
-    plan = _plan(vs, hit, drafts, dropped, nodes, own, miss)
+    plan = _plan(vs, hit, drafts, dropped, nodes, own, miss, capped.depth)
 
     t_origin = min(e.t0 for e in tr.drafts) if tr.drafts else vs[0].t
-    clock = _Clock(vs, hit, costs, nodes, up, down, over.server)
+    clock = _Clock(vs, hit, costs, nodes, up, down, over.server, scale)
     for _, _, _, d in plan:
         clock.run(d)
     clock.settle_verdicts()
@@ -591,8 +687,9 @@ def replay(
 
     outside = max(0.0, gen.wall_ms - (vs[-1].t - t_origin) * 1e3)
     span = clock.verdict_at[-1]
+    lost = sum(capped.lost.values())
     return Replay(
-        tokens=gen.tokens,
+        tokens=gen.tokens - lost,
         ms=span + outside,
         span_ms=span,
         outside_ms=outside,
@@ -603,7 +700,18 @@ def replay(
         miss_draft_ms=clock.miss_draft,
         verify_ms=clock.busy,
         prespec_ms=clock.prespec,
+        tokens_lost=lost,
     )
+
+
+def _verify_scale(gen: TracedGeneration, depth: Mapping[int, int]) -> dict[int, float]:
+    """For the logged verify ms of chains a depth cap shortens (round -> D): the ratio of the
+    generation's own verifier fit (fit_verifier) at D nodes to its logged nodes."""
+    if not depth:
+        return {}
+    curve = fit_verifier([gen])
+    nodes = {s.round: s.nodes for s in gen.trace.sends}
+    return {r: curve(d) / max(curve(nodes[r]), 1e-9) for r, d in depth.items()}
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -662,6 +770,9 @@ class Row:
             "rtt_ms": self.policy.rtt_ms,
             "n": self.policy.n,
             "backup_ms": self.policy.backup_ms,
+            "depth": self.policy.depth,
+            "depth_then_miss": self.policy.depth_miss,
+            "tokens_lost": sum(r.tokens_lost for r in rs),
             "ms_per_token": round(self.ms_per_token, 3),
             "measured_ms_per_token": None
             if self.measured_ms_per_token is None
@@ -729,16 +840,20 @@ def _floats(ap: argparse.ArgumentParser, flag: str, text: str | None) -> list[fl
         ap.error(f"{flag} takes comma-separated numbers, got {text!r}")
 
 
-def policies_of(rtts: Sequence[float], ns: Sequence[int], backups: Sequence[float]) -> list[Policy]:
+def policies_of(
+    rtts: Sequence[float], ns: Sequence[int], backups: Sequence[float], depths: Sequence[int] = ()
+) -> list[Policy]:
     """The logged policy first, then every combination of the values given (a knob not given
     stays as logged)."""
     out = [Policy()]
     for rtt in [None, *rtts]:
         for n in [None, *ns]:
             for b in [None, *backups]:
-                p = Policy(rtt, n, b)
-                if p not in out:
-                    out.append(p)
+                for depth in [None, *depths]:
+                    # a depth cap: its upper bound, then its lower (_capped)
+                    for p in [Policy(rtt, n, b, depth)] + ([Policy(rtt, n, b, depth, True)] if depth else []):
+                        if p not in out:
+                            out.append(p)
     return out
 
 
@@ -746,9 +861,12 @@ EPILOG = """\
 what a replay can change: the RTT (any value), N (at most the outcomes the log drafted per tree:
 the others' conditional trees are not drafted and a hit on one becomes a miss; N at or beyond
 the log's replays the log, rows say n_as_logged; larger N needs the prediction ceiling of
-bench.outcomes), the miss path's drafting time (the round's tokens stay as logged), and the
-costs (scenarios). What it cannot: the verdicts (hit or miss, tokens), the core's timing-driven
-choices (cost gate, backup shape, which drafts a verdict cut short): they stay as logged.
+bench.outcomes), the miss path's drafting time (the round's tokens stay as logged), the depth of
+the outcome cache's chains (a chain that accepted more than the cap loses those tokens; the next
+round keeps its hit, or, the lower bound, "then a miss"), and the costs (scenarios).
+What it cannot: the verdicts (hit or miss, tokens), the core's timing-driven choices (cost gate,
+backup shape, which drafts a verdict cut short): they stay as logged; nor Saguaro's C, which
+changes the draft's distribution, hence the verdicts (measure it with bench.network --saguaro-c).
 columns: ms/tok (replayed), measured (co-located, logged policy), err % (the validation),
 x ar (against mode ar in the same scenario), tau, hit (hit rate), V/round (verification),
 stall/round (the verifier waiting for a late hit's tree), T_b/miss (synchronous drafting after
@@ -819,6 +937,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated drafting times (ms) of the miss path's synchronous tree to replay instead "
         "of the logged ones (the round's tokens stay as logged)",
     )
+    ap.add_argument(
+        "--depth",
+        default=None,
+        help="comma-separated depth caps of the outcome cache's conditional chains to replay: a chain "
+        "deeper than D is drafted D deep (fewer evaluations, a smaller tree to verify); when it had "
+        "accepted more than D nodes the round loses those tokens; each cap is replayed with the next round's "
+        "hit kept (upper bound) and turned into a miss (lower bound, 'then a miss')",
+    )
     add_common_args(ap, json=True, json_help="groups: each group's curves and overheads", no_progress=True)
     return ap
 
@@ -837,7 +963,10 @@ def parse_knobs(ap: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[lis
     backups = _floats(ap, "--backup-ms", a.backup_ms)
     if any(x < 0 for x in (*rtts, *backups)):
         ap.error("--rtt-ms and --backup-ms take values of 0 or more")
-    return scen_names, policies_of(rtts, ns, backups)
+    depths = [int(x) for x in _floats(ap, "--depth", a.depth)]
+    if any(d < 1 for d in depths):
+        ap.error("--depth takes depths of 1 or more")
+    return scen_names, policies_of(rtts, ns, backups, depths)
 
 
 def load_inputs(
@@ -948,6 +1077,8 @@ def _policy_cell(r: dict[str, Any]) -> str:
         return f"logged (rtt {r['logged_rtt_ms']:g})"
     if r["n_as_logged"]:
         return f"{r['policy']} (N: as logged, {r['logged_outcomes_per_tree']})"
+    if r.get("tokens_lost"):
+        return f"{r['policy']} ({r['tokens_lost']} tokens lost)"
     return str(r["policy"])
 
 

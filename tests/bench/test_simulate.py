@@ -220,6 +220,54 @@ def test_backup_ms_prices_the_logs_own_miss_paths() -> None:
     assert base.span_ms - cheap.span_ms == pytest.approx(3 * (D - 2.0))  # the first tree is no miss path
 
 
+def chained_rounds() -> RoundTrace:
+    """Round 0 (a plain tree) hits round 1, a conditional chain 4 deep that accepts 2 nodes (3
+    tokens) and hits round 2, a chain 2 deep that accepts 2 (3 tokens): 10 tokens."""
+    return RoundTrace(
+        [send(0.02, 0), send(0.06, 1, 0, 0.8, 4, 4), send(0.24, 2, 1, 0.8, 2, 2)],
+        [
+            VerdictEvent(0.2, 0, 3, 4, V, True, 1, False),
+            VerdictEvent(0.3, 1, 2, 3, V, True, 2, False),
+            VerdictEvent(0.4, 2, 2, 3, V, False, None, True),
+        ],
+        [
+            draft(0.0, 0.02, "plain", (5, D), (1, D)),
+            draft(0.02, 0.06, "conditional", (1, D), (1, D), (1, D), (1, D)),
+            draft(0.22, 0.24, "conditional", (1, D), (1, D)),
+        ],
+    )
+
+
+def test_a_chain_depth_cap_drafts_less_and_loses_what_the_chain_had_accepted_beyond_it() -> None:
+    logged = replay(gen(chained_rounds()), FLAT)
+    assert (logged.tokens, logged.hits, logged.tokens_lost) == (10, 2, 0)
+    # cap 3: round 1's chain is drafted 3 deep (an evaluation fewer); it accepted 2, so the same round
+    three = replay(gen(chained_rounds()), FLAT, Policy(depth=3))
+    assert (three.tokens, three.hits, three.tokens_lost) == (10, 2, 0)
+    assert three.prespec_ms == pytest.approx(logged.prespec_ms - D)
+    assert three.span_ms == pytest.approx(logged.span_ms)  # the chain was ready long before its round
+    # cap 1: round 1 gives 2 tokens, not 3, and another outcome (all accepted, the chain's own next
+    # node as the bonus). Upper bound: round 2 keeps its hit and timing, only the token is lost
+    upper = replay(gen(chained_rounds()), FLAT, Policy(depth=1))
+    assert (upper.tokens, upper.hits, upper.tokens_lost) == (8, 2, 2)  # round 2 (2 deep) lost one too
+    assert upper.span_ms == pytest.approx(logged.span_ms)
+    assert upper.prespec_ms == pytest.approx(logged.prespec_ms - 4 * D)  # 3 evaluations fewer, then 1
+    # lower bound: round 2's tree (pre-speculated for the logged outcome) is useless, so its hit is a
+    # miss with a synchronous draft (as long as the first tree's drafting without its sync: 2
+    # evaluations) and the round trip on the path
+    one = replay(gen(chained_rounds()), FLAT, Policy(depth=1, depth_miss=True))
+    assert (one.tokens, one.hits, one.tokens_lost) == (9, 1, 1)  # round 2 is a miss path's tree: not capped
+    assert one.miss_draft_ms == pytest.approx(2 * D)
+    assert one.span_ms - logged.span_ms == pytest.approx(RTT + 2 * D)
+    # a cap at or beyond every chain's depth is the log
+    assert replay(gen(chained_rounds()), FLAT, Policy(depth=4)).span_ms == pytest.approx(logged.span_ms)
+    # co-located, the shortened chain's logged verification is scaled along the generation's own fit
+    colocated = Costs("colocated")
+    assert replay(gen(chained_rounds()), colocated, Policy(depth=3)).verify_ms == pytest.approx(
+        replay(gen(chained_rounds()), colocated).verify_ms
+    )  # every logged verification took V: a flat fit, nothing to scale
+
+
 def test_the_colocated_replay_of_its_own_timeline_is_exact() -> None:
     """A log whose times follow the model (verify, RTT, drafting) replays to its own span."""
     drafts = [draft(0.0, 0.01, "plain", (5, 10.0))]
@@ -337,6 +385,20 @@ def test_cli_prints_and_writes_every_scenario_and_policy(
         main([str(f), "--scenarios", "gpu"])
 
 
+def test_cli_replays_each_depth_cap_with_both_bounds(tmp_path: Path) -> None:
+    f = trace_file(tmp_path / "t.json", [gen(chained_rounds())])
+    out = tmp_path / "sim.json"
+    assert main([str(f), "--depth", "1", "--scenarios", "flat", "--json", str(out), "--no-progress"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["policy"], r["depth"], r["tokens_lost"]) for r in rows] == [
+        ("logged", None, 0),
+        ("depth 1", 1, 2),
+        ("depth 1 (then a miss)", 1, 1),
+    ]
+    with pytest.raises(SystemExit):
+        main([str(f), "--depth", "0"])
+
+
 def test_separate_machines_take_the_given_verifier_curve(tmp_path: Path) -> None:
     f = trace_file(tmp_path / "t.json", [gen(all_hits(4))])
     curve = tmp_path / "v.json"
@@ -366,7 +428,16 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     text = capsys.readouterr().out
-    for flag in ("--drafter-curve", "--verifier-curve", "--flat-verifier", "--rtt-ms", "--n", "--backup-ms"):
+    flags = (
+        "--drafter-curve",
+        "--verifier-curve",
+        "--flat-verifier",
+        "--rtt-ms",
+        "--n",
+        "--backup-ms",
+        "--depth",
+    )
+    for flag in flags:
         assert flag in text
     assert "--json" in text and "--scenarios" in text
 
