@@ -55,10 +55,12 @@ What a replay can honestly change, and what not:
   that accepted a <= D nodes gives the same round (the same outcome and bonus token); one that
   accepted more gives a - D tokens fewer and another outcome: all D accepted, and as the bonus the
   chain's own next node (the target had accepted it), the outcome the edge pre-speculates first.
-  Each cap is replayed twice: the next round keeps its logged hit and timing (the upper bound),
-  and "then a miss": the tree pre-speculated for the logged outcome is useless and a hit on it
-  becomes a miss (the lower bound). Later rounds stay as logged and the lost tokens are not made
-  up: ms/token is over the tokens left, rows say `tokens_lost`;
+  Each cap is replayed in two readings: the next round keeps its logged hit and timing, and
+  "then a miss": the tree pre-speculated for the logged outcome is useless and a hit on it becomes
+  a miss, whose tree and those after it (miss paths) keep their logged tokens uncapped. Neither
+  bounds the other (the first caps more chains, so loses more tokens); read them together. Later
+  rounds stay as logged and the lost tokens are not made up: ms/token is over the tokens left,
+  rows say `tokens_lost`;
 - not Saguaro's C (mss/rrs): scaling the draft's probabilities changes which trees are sampled
   and verified, hence the verdicts, which a replay keeps; measure it with bench.network --saguaro-c;
 - timing-driven decisions of the core (the cost gate, the backup shape chosen, which drafts a
@@ -328,7 +330,7 @@ class Policy:
     n: int | None = None
     backup_ms: float | None = None
     depth: int | None = None  # the deepest a conditional chain is drafted (_capped)
-    depth_miss: bool = False  # the lower bound: a round a cap truncated is followed by a miss
+    depth_miss: bool = False  # the "then a miss" reading: a round a cap truncated is followed by a miss
 
     def label(self) -> str:
         knobs = (("rtt", self.rtt_ms), ("N", self.n), ("T_b", self.backup_ms), ("depth", self.depth))
@@ -394,7 +396,7 @@ def _with_descendants(sends: Sequence[SendEvent], rounds: set[int]) -> set[int]:
 class Capped:
     """A chain depth cap D applied to a log (Policy.depth): the conditional chains deeper than D
     (round -> D), the verdicts whose round it truncates (index -> tokens lost: the chain accepted
-    more than D nodes), and, for the lower bound (Policy.depth_miss), the rounds no longer drafted
+    more than D nodes), and, in the "then a miss" reading (Policy.depth_miss), the rounds no longer drafted
     because of it (the trees pre-speculated for a truncated round's logged outcome, which did not
     happen, and those below them)."""
 
@@ -415,9 +417,9 @@ def _capped(
     else a - D tokens fewer and another outcome: every node accepted, and as the bonus the target's
     token after node D, which is the chain's own node D + 1 (the target accepted it). That is the
     outcome the edge pre-speculates first for any tree (all accepted, the draft's top-1 next), so by
-    default the round that follows keeps its logged hit and timing (the upper bound); with
-    `next_miss` the tree the log pre-speculated for the logged outcome is useless and a hit on it
-    becomes a miss (the lower bound). Later rounds stay as logged either way: their tokens are the
+    default the round that follows keeps its logged hit and timing; with `next_miss` (the "then a
+    miss" reading) the tree the log pre-speculated for the logged outcome is useless and a hit on it
+    becomes a miss. Later rounds stay as logged either way: their tokens are the
     log's, the lost ones are not made up."""
     if cap is None:
         return Capped({}, {}, set())
@@ -850,7 +852,7 @@ def policies_of(
         for n in [None, *ns]:
             for b in [None, *backups]:
                 for depth in [None, *depths]:
-                    # a depth cap: its upper bound, then its lower (_capped)
+                    # a depth cap: the next hit kept, then the "then a miss" reading (_capped)
                     for p in [Policy(rtt, n, b, depth)] + ([Policy(rtt, n, b, depth, True)] if depth else []):
                         if p not in out:
                             out.append(p)
@@ -863,7 +865,7 @@ the others' conditional trees are not drafted and a hit on one becomes a miss; N
 the log's replays the log, rows say n_as_logged; larger N needs the prediction ceiling of
 bench.outcomes), the miss path's drafting time (the round's tokens stay as logged), the depth of
 the outcome cache's chains (a chain that accepted more than the cap loses those tokens; the next
-round keeps its hit, or, the lower bound, "then a miss"), and the costs (scenarios).
+round keeps its hit, or, the other reading, "then a miss"), and the costs (scenarios).
 What it cannot: the verdicts (hit or miss, tokens), the core's timing-driven choices (cost gate,
 backup shape, which drafts a verdict cut short): they stay as logged; nor Saguaro's C, which
 changes the draft's distribution, hence the verdicts (measure it with bench.network --saguaro-c).
@@ -943,7 +945,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated depth caps of the outcome cache's conditional chains to replay: a chain "
         "deeper than D is drafted D deep (fewer evaluations, a smaller tree to verify); when it had "
         "accepted more than D nodes the round loses those tokens; each cap is replayed with the next round's "
-        "hit kept (upper bound) and turned into a miss (lower bound, 'then a miss')",
+        "hit kept, and turned into a miss ('then a miss')",
     )
     add_common_args(ap, json=True, json_help="groups: each group's curves and overheads", no_progress=True)
     return ap

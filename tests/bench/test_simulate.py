@@ -247,12 +247,12 @@ def test_a_chain_depth_cap_drafts_less_and_loses_what_the_chain_had_accepted_bey
     assert three.prespec_ms == pytest.approx(logged.prespec_ms - D)
     assert three.span_ms == pytest.approx(logged.span_ms)  # the chain was ready long before its round
     # cap 1: round 1 gives 2 tokens, not 3, and another outcome (all accepted, the chain's own next
-    # node as the bonus). Upper bound: round 2 keeps its hit and timing, only the token is lost
+    # node as the bonus). Round 2 keeps its hit and timing, only the token is lost
     upper = replay(gen(chained_rounds()), FLAT, Policy(depth=1))
     assert (upper.tokens, upper.hits, upper.tokens_lost) == (8, 2, 2)  # round 2 (2 deep) lost one too
     assert upper.span_ms == pytest.approx(logged.span_ms)
     assert upper.prespec_ms == pytest.approx(logged.prespec_ms - 4 * D)  # 3 evaluations fewer, then 1
-    # lower bound: round 2's tree (pre-speculated for the logged outcome) is useless, so its hit is a
+    # "then a miss": round 2's tree (pre-speculated for the logged outcome) is useless, so its hit is a
     # miss with a synchronous draft (as long as the first tree's drafting without its sync: 2
     # evaluations) and the round trip on the path
     one = replay(gen(chained_rounds()), FLAT, Policy(depth=1, depth_miss=True))
@@ -385,7 +385,7 @@ def test_cli_prints_and_writes_every_scenario_and_policy(
         main([str(f), "--scenarios", "gpu"])
 
 
-def test_cli_replays_each_depth_cap_with_both_bounds(tmp_path: Path) -> None:
+def test_cli_replays_each_depth_cap_in_both_readings(tmp_path: Path) -> None:
     f = trace_file(tmp_path / "t.json", [gen(chained_rounds())])
     out = tmp_path / "sim.json"
     assert main([str(f), "--depth", "1", "--scenarios", "flat", "--json", str(out), "--no-progress"]) == 0
