@@ -33,7 +33,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -46,7 +45,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from draft_training.collect import MANIFEST, RECORDS, read_record
+from draft_training.collect import MANIFEST, RECORD_NAME, RECORDS, read_record
 from draft_training.student import Student, TrainSpec, distill_loss, simulated_tau
 
 CHECKPOINT = "checkpoint"
@@ -171,7 +170,8 @@ def split_validation(train: list[Example], share: float) -> tuple[list[Example],
     keep: list[Example] = []
     val: list[Example] = []
     for ex in train:
-        prompt = re.sub(r"__t[0-9.]+$", "", ex.name)
+        m = RECORD_NAME.match(ex.name)
+        prompt = f"{m['category']}__{m['id']}" if m else ex.name
         h = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") / 2**64
         (val if h < share else keep).append(ex)
     if not keep or not val:
