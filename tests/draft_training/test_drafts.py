@@ -67,10 +67,15 @@ def test_a_lora_recipe_writes_the_merged_draft_and_its_adapters_for_llama_cpp(ca
     micro = Recipe(
         ALIAS, "tiny", "smollm2-135m-q4-l8", tokens=6, train_prompts=3, heldout_prompts=2,
         collect_batch=4, steps=2, batch=2, lr=1e-2, eval_every=1, gguf_type="q8_0", lora_rank=2,
-        autocast="bf16",
+        autocast="bf16", heldout_tokens=4,
     )  # fmt: skip
     info = build(micro, progress=False)
     path = Path(info["path"])
+    work = cache / "draft_training" / ALIAS
+    manifests = {
+        side: json.loads((work / side / "manifest.json").read_text()) for side in ("train", "heldout")
+    }
+    assert (manifests["train"]["tokens"], manifests["heldout"]["tokens"]) == (6, 4)  # heldout_tokens
     adapter = lora_file(path)
     assert adapter.is_file() and adapter.name.endswith(".lora.gguf")
     run = json.loads((cache / "draft_training" / ALIAS / "run" / "train.json").read_text())
