@@ -78,7 +78,7 @@ def test_a_lora_recipe_writes_the_merged_draft_and_its_adapters_for_llama_cpp(ca
     assert (manifests["train"]["tokens"], manifests["heldout"]["tokens"]) == (6, 4)  # heldout_tokens
     adapter = lora_file(path)
     assert adapter.is_file() and adapter.name.endswith(".lora.gguf")
-    run = json.loads((cache / "draft_training" / ALIAS / "run" / "train.json").read_text())
+    run = json.loads((work / "run" / "train.json").read_text())
     assert run["distill"]["autocast"] == "bf16" and run["train_spec"]["lora_rank"] == 2
     base = resolve_draft("smollm2-135m-q4-l8", progress=False)
     prompt = [1, 504, 3458, 282, 4649, 314]
