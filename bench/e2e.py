@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,10 @@ def _variants(tree: ExpansionConfig) -> dict[str, Variant]:
         # the outcome cache (the likeliest outcome's budget tree, then chains planned to the verdict)
         "budget_prespec_single": Variant(tree=TreeSpec("budget"), prespec=PrespecConfig(batch=1)),
         "budget_prespec_cache": Variant(tree=TreeSpec("budget"), prespec=PrespecConfig(cache=True)),
-        # recursive rejection sampling (a trusted key; sampled rows only)
+        # SpecInfer's multi-step speculative sampling (children drawn with replacement) and recursive
+        # rejection sampling (without): a trusted key; sampled rows only
+        "tree_mss": Variant(tree=TreeSpec("static", tree), mode=Mode.MSS),
+        "tree_prespec_mss": Variant(tree=TreeSpec("static", tree), prespec=True, mode=Mode.MSS),
         "tree_rrs": Variant(tree=TreeSpec("static", tree), mode=Mode.RRS),
         "tree_prespec_rrs": Variant(tree=TreeSpec("static", tree), prespec=True, mode=Mode.RRS),
         "tree_prespec_rrs_single": Variant(
@@ -110,6 +113,10 @@ def _variants(tree: ExpansionConfig) -> dict[str, Variant]:
 
 
 ALL_MODES = tuple(_variants(ExpansionConfig()))
+# modes with a stochastic verification of their own (mss / rrs): a trusted key, sampled rows only
+STOCHASTIC_MODES = tuple(
+    name for name, v in _variants(ExpansionConfig()).items() if v.mode is not None and v.mode.stochastic
+)
 
 
 async def run_modes(
@@ -131,11 +138,13 @@ async def run_modes(
     trace: bool = False,
     on_generation: Callable[[str, int, GenerationResult], None] | None = None,
     saguaro_c: float = 1.0,
+    transports: Callable[[str], Callable[[], Awaitable[Any]]] | None = None,
 ) -> tuple[dict[str, ModeRuns], dict[str, list[float]]]:
     """Each prompt in each mode (interleaved prompt by prompt); per-mode runs and the tree mode's
     tau per category. One session per mode, all through the same link. `couple`: coupled
     sample-and-match drafting (EdgeClient's `couple`); `trace`: record each generation's rounds
-    (EdgeClient's `trace`); `on_generation(mode, prompt index, result)` after each generation."""
+    (EdgeClient's `trace`); `on_generation(mode, prompt index, result)` after each generation;
+    `transports(mode)`: the mode's EdgeClient transport factory (e.g. bench.replay.Recorders)."""
     runs = {m: ModeRuns() for m in modes}
     by_cat: dict[str, list[float]] = {}
     vs = variants(modes, tree, saguaro_c)
@@ -149,6 +158,7 @@ async def run_modes(
             api_key=api_key,
             couple=couple,
             trace=trace,
+            transport=transports(m) if transports is not None else None,
         )
         for m, v in vs.items()
     }
@@ -274,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     api_key = None
     if a.url is None:
         extra: list[str] = []
-        if mode.stochastic or any(m.endswith("_rrs") for m in modes):
+        if mode.stochastic or any(m in STOCHASTIC_MODES for m in modes):
             key_file, api_key = trusted_key_file()
             extra = ["--api-key-file", str(key_file)]
         verifier = Verifier(a.model, cores=split.verifier, threads=len(split.verifier), args=extra).start()

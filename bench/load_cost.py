@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import heapq
 import json
 import math
@@ -44,7 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,97 +62,15 @@ from bench.harness import (
     write_json,
     write_result,
 )
+from bench.replay import RecordingTransport, Script, Step, Tally, play, renumbered, script_from_log
 from edge_client.drafters.registry import backend_choices
-from shared.messages import Cancel, Error, Mode, Prompt, Tree, Verdict, decode, encode
+from shared.messages import Error, Mode, Prompt, Tree, decode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
-from shared.wire import DEFAULT_WIRE_LIMITS
 
 KINDS = ("ar", "edge")
 
 
-# ----------------------------------------------------------------------------------- scripts
-@dataclass(frozen=True)
-class Step:
-    """One frame a client sends: once `after` verdicts of the generation have arrived, `delay_s`
-    after the last of them (after = 0: after the generation's prompt left)."""
-
-    frame: bytes
-    after: int
-    delay_s: float
-
-
-@dataclass
-class Script:
-    """One recorded generation: what the client sent, and the tokens the verifier answered."""
-
-    prompt_index: int
-    steps: list[Step]
-    tokens: list[int]  # every verdict's tokens, in order
-    verdicts: list[tuple[int, int]] = field(default_factory=list)  # (round, tokens) of each verdict
-    ms_per_token: float = 0.0  # as recorded (one client, the edge drafting)
-
-    def as_ar(self) -> Script:
-        """The same prompt for a cloud-only client: mode ar, no tree, nothing sent after it."""
-        first = decode(self.steps[0].frame)
-        if not isinstance(first, Prompt):
-            raise ValueError("a script starts with its prompt frame")
-        prompt = dataclasses.replace(first, mode=Mode.AR, tree=None)
-        return Script(
-            self.prompt_index, [Step(encode(prompt), 0, 0.0)], list(self.tokens), [(0, 1)] * len(self.tokens)
-        )
-
-
-class RecordingTransport:
-    """A transport that logs every frame with its time (out: as it leaves, in: as it arrives),
-    under the link shaper, so the delays between frames include the round trip."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.log: list[tuple[str, float, bytes]] = []
-
-    async def send(self, data: bytes) -> None:
-        self.log.append(("out", time.monotonic(), data))
-        await self.inner.send(data)
-
-    async def recv(self) -> bytes:
-        data: bytes = await self.inner.recv()
-        self.log.append(("in", time.monotonic(), data))
-        return data
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
-def script_from_log(log: Sequence[tuple[str, float, bytes]], prompt_index: int) -> Script:
-    """The script of the one generation in `log` (frames before its prompt are ignored)."""
-    steps: list[Step] = []
-    tokens: list[int] = []
-    rounds: list[tuple[int, int]] = []
-    verdicts = 0
-    last = 0.0
-    started = False
-    for direction, t, data in log:
-        msg = decode(data, DEFAULT_WIRE_LIMITS)
-        if direction == "out":
-            if isinstance(msg, Prompt):
-                if started:
-                    raise ValueError("two prompts in one generation's log")
-                started, last = True, t
-            if not started or not isinstance(msg, Prompt | Tree):
-                continue
-            steps.append(Step(data, verdicts, max(0.0, t - last)))
-        elif started and isinstance(msg, Verdict):
-            tokens += [int(x) for x in msg.tokens]
-            rounds.append((msg.round, len(msg.tokens)))
-            verdicts += 1
-            last = t
-            if msg.done:
-                break
-    if not steps:
-        raise ValueError("no prompt in the generation's log")
-    return Script(prompt_index, steps, tokens, rounds)
-
-
+# ----------------------------------------------------------------------------------- record
 async def record(
     url: str,
     drafter: Any,
@@ -213,91 +130,6 @@ async def record(
 
 
 # ----------------------------------------------------------------------------------- replay
-@dataclass
-class Tally:
-    """What the clients of one run received inside the measured window."""
-
-    start: float = 0.0
-    end: float = 0.0
-    tokens: list[int] = field(default_factory=list)  # per client
-    generations: int = 0
-    diverged: int = 0
-    errors: list[str] = field(default_factory=list)
-    verify_ms: list[float] = field(default_factory=list)  # rounds after each generation's first
-
-    def count(self, client: int, n: int) -> bool:
-        if self.start <= time.monotonic() <= self.end:
-            self.tokens[client] += n
-            return True
-        return False
-
-
-def renumbered(script: Script, base: int) -> tuple[list[bytes], int]:
-    """The script's frames with its tree rounds moved above `base` (a session's rounds only grow,
-    and a replay client plays many generations on one session); and the last round used."""
-    rounds = [m.round for m in map(decode, (st.frame for st in script.steps)) if isinstance(m, Tree)]
-    shift = base + 1 - min(rounds) if rounds else 0
-    frames = []
-    for st in script.steps:
-        msg = decode(st.frame)
-        frames.append(
-            encode(dataclasses.replace(msg, round=msg.round + shift)) if isinstance(msg, Tree) else st.frame
-        )
-    return frames, max(rounds) + shift if rounds else base
-
-
-async def play(
-    ws: Any, script: Script, frames: Sequence[bytes], client: int, tally: Tally, deadline: float
-) -> None:
-    """One generation: send the script's frames on their cue, take the verdicts, check them."""
-    arrived: list[float] = [time.monotonic()]  # the prompt's send, then each verdict's arrival
-    cue = asyncio.Event()
-
-    async def sender() -> None:
-        for step, frame in zip(script.steps, frames, strict=True):
-            while len(arrived) <= step.after:
-                cue.clear()
-                await cue.wait()
-            wait = arrived[step.after] + step.delay_s - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            await ws.send(frame)
-
-    task = asyncio.create_task(sender())
-    got = 0
-    cancelled = False
-    try:
-        while time.monotonic() < deadline:
-            try:
-                msg = decode(await asyncio.wait_for(ws.recv(), max(0.01, deadline - time.monotonic())))
-            except TimeoutError:
-                return
-            if isinstance(msg, Error):
-                tally.errors.append(f"{msg.code.value}: {msg.message}")
-                if msg.fatal:
-                    raise RuntimeError(f"the verifier closed a replay session: {msg.message}")
-                continue
-            if not isinstance(msg, Verdict):
-                continue  # stale notices: a pre-speculated tree the outcome ruled out
-            new = [int(x) for x in msg.tokens]
-            if not cancelled and new != script.tokens[got : got + len(new)]:
-                tally.diverged += 1
-                cancelled = True
-                task.cancel()
-                await ws.send(encode(Cancel()))
-            got += len(new)
-            if tally.count(client, len(new)) and len(arrived) > 1:  # the first round holds the prefill
-                tally.verify_ms.append(msg.verify_ms)
-            arrived.append(time.monotonic())
-            cue.set()
-            if msg.done:
-                if not cancelled:
-                    tally.generations += 1
-                return
-    finally:
-        task.cancel()
-
-
 async def client_loop(
     url: str, hello: bytes, scripts: Sequence[Script], client: int, offset: int, tally: Tally
 ) -> None:

@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.e2e import run_modes, trusted_key_file
+from bench.e2e import STOCHASTIC_MODES, run_modes, trusted_key_file
 from bench.e2e_results import ModeRuns
 from bench.harness import (
     BenchPrompt,
@@ -38,7 +39,16 @@ from bench.harness import (
     suite_from_args,
     write_result,
 )
-from bench.network_report import MODES, OPTIONAL, decomposition, merge, report, write_trace
+from bench.network_report import (
+    MODES,
+    OPTIONAL,
+    decomposition,
+    identical_to_ar,
+    merge,
+    report,
+    write_trace,
+)
+from bench.replay import Recorders, replay_idle
 from edge_client.client import GenerationResult
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.base import Drafter
@@ -142,6 +152,9 @@ def mode_row(
         {
             "V_ms": d["V_ms"],
             "V_idle_ms": d["V_idle_ms"],
+            "identical_to_ar": None,  # main fills it in (network_report.identical_to_ar)
+            "V_idle_replay_ms": None,  # run_block's idle replay fills these (--idle-replay)
+            "idle_replay_diverged": None,
             "T_b_ms": d["T_b_ms"],
             "p": row["hit_rate"],
             "stall_ms_per_round": d["stall_ms_per_round"],
@@ -153,9 +166,15 @@ def mode_row(
 
 
 def trace_entry(
-    mode: str, rtt_ms: float, temperature: float, prompt_index: int, stats: GenerationStats
+    mode: str,
+    rtt_ms: float,
+    temperature: float,
+    prompt_index: int,
+    stats: GenerationStats,
+    tokens: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """One generation of the --trace file: its rounds (edge_client.stats.RoundTrace) and stats."""
+    """One generation of the --trace file: its rounds (edge_client.stats.RoundTrace), stats and
+    tokens (what network_report.identical_to_ar compares)."""
     return {
         "mode": mode,
         "rtt_ms": rtt_ms,
@@ -163,6 +182,7 @@ def trace_entry(
         "prompt_index": prompt_index,
         "trace": stats.trace.as_dict() if stats.trace is not None else None,
         "stats": stats.as_dict(),
+        "tokens": None if tokens is None else [int(t) for t in tokens],
     }
 
 
@@ -181,16 +201,22 @@ async def run_block(
     couple: bool = True,
     progress: bool = True,
     saguaro_c: float = 1.0,
+    idle_replay: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every mode on every prompt at one RTT and temperature (bench.e2e.run_modes, traced): the
-    rows, and the generations as --trace entries."""
+    rows, and the generations as --trace entries. `idle_replay`: every frame the tree modes sent is
+    recorded, and after the block each mode's generations are replayed once with nothing drafting
+    (bench.replay.replay_idle): the rows' V_idle_replay_ms and idle_replay_diverged."""
     spec = Mode.GREEDY if temperature == 0 else Mode.MATCH
     gens: dict[str, list[GenerationStats]] = {m: [] for m in modes}
     entries: list[dict[str, Any]] = []
+    rec = Recorders(url, api_key) if idle_replay else None
 
     def taken(mode: str, index: int, gen: GenerationResult) -> None:
         gens[mode].append(gen.stats)
-        entries.append(trace_entry(mode, rtt_ms, temperature, index, gen.stats))
+        entries.append(trace_entry(mode, rtt_ms, temperature, index, gen.stats, gen.tokens))
+        if rec is not None:
+            rec.cut(mode, index)
 
     runs, _ = await run_modes(
         url,
@@ -209,8 +235,16 @@ async def run_block(
         trace=True,
         on_generation=taken,
         saguaro_c=saguaro_c,
+        transports=rec.factory if rec is not None else None,
     )
     rows = [mode_row(m, rtt_ms, temperature, r, gens[m]) for m, r in runs.items()]
+    if rec is not None:
+        tallies = await replay_idle(rec, [m for m in modes if m != "ar"])
+        for row in rows:
+            t = tallies.get(row["mode"])
+            if t is not None:
+                row["V_idle_replay_ms"] = round(statistics.median(t.verify_ms), 4) if t.verify_ms else None
+                row["idle_replay_diverged"] = t.diverged + rec.lost.get(row["mode"], 0)
     return rows, entries
 
 
@@ -233,7 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
         "idle), T_b_ms (median synchronous draft ms after a miss), p (hit rate), stall_ms_per_round (a "
         "hit's wait for its next verdict beyond one verify, per round), prefill_share_ms_per_token "
         "(the prompt's round 0 over the tokens) and gap_ms (median ms the verifier waited for the "
-        "edge's next tree); bench.network_report.decomposition defines each",
+        "edge's next tree); bench.network_report.decomposition defines each; identical_to_ar (every "
+        "generation's tokens equal mode ar's for the prompt at that temperature, ar run at any RTT of "
+        "the run; null for mss / rrs and without ar); with --idle-replay also V_idle_replay_ms and "
+        "idle_replay_diverged",
         tokens=64,
         prompt_file=True,
         no_progress=True,
@@ -308,6 +345,16 @@ def build_parser() -> argparse.ArgumentParser:
         "the JSON config: a C sweep is a run per C",
     )
     ap.add_argument(
+        "--idle-replay",
+        action="store_true",
+        help="after each RTT x temperature block, replay every tree mode's generations once (each frame "
+        "the edge sent, as soon as the verdicts it waited on are in) with nothing drafting: the rows "
+        "gain V_idle_replay_ms (the median verify ms a round of the same rounds, measured with the edge "
+        "idle, beside V_ms with it drafting and V_idle_ms from the start-up cost curve) and "
+        "idle_replay_diverged (generations whose replayed verdicts differed from the run's: 0 when the "
+        "replay is faithful); each block takes about as long again as its tree modes' verify time",
+    )
+    ap.add_argument(
         "--merge",
         default=None,
         metavar="A.json,B.json",
@@ -345,7 +392,7 @@ def verifier_args(
     args = [] if max_pending is None else ["--max-pending", str(max_pending)]
     args += ["--weights", weights]
     api_key = None
-    if any("_rrs" in m for m in modes):
+    if any(m in STOCHASTIC_MODES for m in modes):
         key_file, api_key = trusted_key_file()
         args += ["--api-key-file", str(key_file)]
     return args, api_key
@@ -369,6 +416,7 @@ def run_link(
     couple: bool,
     progress: bool,
     saguaro_c: float,
+    idle_replay: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One block (run_block) over a link emulated at `rtt` (with `jitter_ms` and a cap of `mbps`):
     through a delay proxy process on the edge's cores with `proxy`, else the in-process shaper."""
@@ -394,6 +442,7 @@ def run_link(
                 couple=couple,
                 progress=progress,
                 saguaro_c=saguaro_c,
+                idle_replay=idle_replay,
             )
         )
 
@@ -427,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for rtt in rtts:
                 for temp in temps:
-                    run = [m for m in modes if temp > 0 or "_rrs" not in m]  # rrs samples
+                    run = [m for m in modes if temp > 0 or m not in STOCHASTIC_MODES]  # mss / rrs sample
                     if not run:
                         continue
                     block, entries = run_link(
@@ -447,9 +496,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         couple=not a.no_couple,
                         progress=not a.no_progress,
                         saguaro_c=a.saguaro_c,
+                        idle_replay=a.idle_replay,
                     )
                     rows += block
                     generations += entries
+                    same = identical_to_ar(generations, STOCHASTIC_MODES)
+                    for r in rows:
+                        r["identical_to_ar"] = same.get((r["mode"], r["rtt_ms"], r["temperature"]))
                     print(f"rtt {rtt:g} ms, T={temp:g}: done", flush=True)
                     # a crash later keeps what is measured
                     write_result(a.json, a, rows, False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from bench.harness import read_runs, save_figure, table, write_json, write_result
@@ -31,6 +31,8 @@ OPTIONAL = (
     "budget_prespec",
     "budget_prespec_single",
     "budget_prespec_cache",
+    "tree_mss",
+    "tree_prespec_mss",
     "tree_rrs",
     "tree_prespec_rrs",
     "tree_prespec_rrs_single",
@@ -54,7 +56,10 @@ ROW_KEYS = (
     "rtt_ms_per_round",
 )
 # where the time goes (decomposition), in rows of this release; rows of older files lack them
-TIME_KEYS = ("V_ms", "V_idle_ms", "T_b_ms", "p", "stall_ms_per_round", "prefill_share_ms_per_token", "gap_ms")
+TIME_KEYS = (
+    *("V_ms", "V_idle_ms", "V_idle_replay_ms", "T_b_ms", "p", "stall_ms_per_round"),
+    *("prefill_share_ms_per_token", "gap_ms"),
+)
 
 
 def _median(xs: Sequence[float]) -> float | None:
@@ -239,6 +244,7 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, 
                     "tau",
                     "V ms",
                     "V idle ms",
+                    "V idle replay",
                     "T_b ms",
                     "p",
                     "stall ms/rnd",
@@ -248,6 +254,9 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, 
             )
         )
     _goals(rows)
+    line = _identity_line(rows)
+    if line:
+        print(line)
     write_result(a.json, config, rows, True)
     if a.plot:
         plot(rows, a.plot)
@@ -260,6 +269,46 @@ def write_trace(path: str | None, config: dict[str, Any], generations: list[dict
     stats}]} (bench.simulate reads it), rewritten after every RTT x temperature block."""
     if path:  # bench.simulate's input, not a result: its own format
         write_json(path, {"config": config, "generations": generations})
+
+
+def identical_to_ar(
+    entries: Sequence[dict[str, Any]], skip: Collection[str] = ()
+) -> dict[tuple[str, float, float], bool | None]:
+    """For each (mode, rtt_ms, temperature) of the --trace entries but mode ar's: whether every
+    generation's tokens equal mode ar's for the same prompt at the same temperature (at any RTT: ar's
+    tokens do not depend on it; greedy, or sample-and-match seeded as ar is). None for the modes in
+    `skip` (mss / rrs: their promise is ar's distribution, not its tokens) and where some prompt has
+    no ar generation at that temperature to compare with."""
+    ar = {
+        (e["temperature"], e["prompt_index"]): e["tokens"]
+        for e in entries
+        if e["mode"] == "ar" and e.get("tokens") is not None
+    }
+    out: dict[tuple[str, float, float], bool | None] = {}
+    for e in entries:
+        key = (e["mode"], e["rtt_ms"], e["temperature"])
+        if e["mode"] == "ar":
+            continue
+        ref = ar.get((e["temperature"], e["prompt_index"]))
+        if e["mode"] in skip or ref is None or e.get("tokens") is None:
+            out[key] = None
+        elif out.get(key, True) is not None:
+            out[key] = out.get(key, True) and e["tokens"] == ref
+    return out
+
+
+def _identity_line(rows: Sequence[dict[str, Any]]) -> str | None:
+    checked = [r for r in rows if r.get("identical_to_ar") is not None]
+    if not checked:
+        return None
+    differ = [
+        f"{r['mode']} (rtt {r['rtt_ms']:g}, T {r['temperature']:g})"
+        for r in checked
+        if not r["identical_to_ar"]
+    ]
+    if differ:
+        return "NOT identical to ar's tokens: " + ", ".join(differ)
+    return f"identical to ar's tokens, prompt for prompt: all {len(checked)} rows checked"
 
 
 def _goals(rows: list[dict[str, Any]]) -> None:

@@ -14,7 +14,7 @@ import pytest
 from bench.e2e_results import ModeRuns
 from bench.harness import BenchPrompt
 from bench.network import main, mode_row, run_block, trace_entry
-from bench.network_report import decomposition, report, write_trace
+from bench.network_report import _identity_line, decomposition, identical_to_ar, report, write_trace
 from edge_client.client import GenerationResult
 from edge_client.stats import GenerationStats, RoundTrace, SendEvent, VerdictEvent
 from shared.tree import ExpansionConfig
@@ -25,7 +25,10 @@ OLD_KEYS = (
     *("draft_ms_per_round", "verify_ms_per_round", "rtt_ms_per_round", "prespec_draft_ms_per_round"),
     *("prespec_trees_per_round", "prespec_cancelled_per_round", "prespec_refused_per_round"),
 )
-NEW_KEYS = ("V_ms", "V_idle_ms", "T_b_ms", "p", "stall_ms_per_round", "prefill_share_ms_per_token", "gap_ms")
+NEW_KEYS = (
+    *("V_ms", "V_idle_ms", "V_idle_replay_ms", "idle_replay_diverged", "identical_to_ar", "T_b_ms", "p"),
+    *("stall_ms_per_round", "prefill_share_ms_per_token", "gap_ms"),
+)
 
 
 def _verdict(t: float, rnd: int, verify_ms: float, hit: bool, done: bool = False) -> VerdictEvent:
@@ -115,8 +118,15 @@ def test_the_report_shows_where_the_time_goes(capsys: pytest.CaptureFixture[str]
     text = capsys.readouterr().out
     table = text[text.index("where the time goes") :]
     header, _, line = table.splitlines()[1:4]
-    assert "stall ms/rnd" in header and "gap ms" in header and "V idle ms" in header
-    assert [float(x) for x in line.split()[-7:]] == [20.0, 15.0, 7.0, 0.667, 5.0, 15.0, 0.2]
+    assert (
+        "stall ms/rnd" in header
+        and "gap ms" in header
+        and "V idle ms" in header
+        and "V idle replay" in header
+    )
+    cells = line.split()[-8:]
+    assert cells[2] == "-"  # no idle replay in this run
+    assert [float(x) for x in cells[:2] + cells[3:]] == [20.0, 15.0, 7.0, 0.667, 5.0, 15.0, 0.2]
     assert json.loads(out.read_text())["rows"][0]["stall_ms_per_round"] == 5.0
 
 
@@ -132,7 +142,8 @@ def test_help_explains_every_new_flag_and_key(capsys: pytest.CaptureFixture[str]
 
 def test_a_traced_block_on_the_tiny_pair(tmp_path: Path) -> None:
     """The row and trace code on a real run: the tiny verifier in this process, the same weights
-    drafting with torch; one short prompt in ar, tree and tree + pre-speculation."""
+    drafting with torch; one short prompt in ar, tree and tree + pre-speculation, then the tree
+    modes' idle replay."""
     from bench.simulate import load_generations
     from edge_client.drafters.registry import create_drafter
     from tests.cloud_verifier.service import LiveServer
@@ -153,6 +164,7 @@ def test_a_traced_block_on_the_tiny_pair(tmp_path: Path) -> None:
                     lambda: 0.0,
                     ["ar", "tree", "tree_prespec"],
                     progress=False,
+                    idle_replay=True,
                 )
             )
     finally:
@@ -173,6 +185,13 @@ def test_a_traced_block_on_the_tiny_pair(tmp_path: Path) -> None:
     for m in ("tree", "tree_prespec"):
         assert by_mode[m]["V_idle_ms"] is not None and by_mode[m]["V_idle_ms"] > 0
     assert by_mode["tree"]["T_b_ms"] is not None and by_mode["tree"]["T_b_ms"] > 0  # every round misses
+    # the idle replay: every tree mode's rounds verified again with nothing drafting, verdict for verdict
+    assert by_mode["ar"]["V_idle_replay_ms"] is None and by_mode["ar"]["idle_replay_diverged"] is None
+    for m in ("tree", "tree_prespec"):
+        assert by_mode[m]["V_idle_replay_ms"] is not None and by_mode[m]["V_idle_replay_ms"] > 0
+        assert by_mode[m]["idle_replay_diverged"] == 0
+    # greedy: every mode's tokens are ar's
+    assert identical_to_ar(entries) == {("tree", 0.0, 0.0): True, ("tree_prespec", 0.0, 0.0): True}
     # one trace entry per generation, and bench.simulate reads the file
     assert sorted(e["mode"] for e in entries) == ["ar", "tree", "tree_prespec"]
     for e in entries:
@@ -201,3 +220,57 @@ def test_saguaro_c_reaches_every_pre_speculating_variant(capsys: pytest.CaptureF
     with pytest.raises(SystemExit):
         main(["--saguaro-c", "0"])
     assert "--saguaro-c must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_mss_and_rrs_modes_verify_their_own_way() -> None:
+    """tree_mss / tree_prespec_mss (children with replacement) and the rrs modes carry their own
+    verification mode; any of them in --modes gives the verifier a trusted key file."""
+    from bench.e2e import STOCHASTIC_MODES, variants
+    from bench.network import verifier_args
+    from shared.messages import Mode
+
+    expected = {"tree_mss", "tree_prespec_mss", "tree_rrs", "tree_prespec_rrs", "tree_prespec_rrs_single"}
+    assert set(STOCHASTIC_MODES) == expected
+    vs = variants(sorted(expected | {"tree_prespec"}), ExpansionConfig.parse("2,1,1"), 0.5)
+    assert vs["tree_mss"].mode is Mode.MSS and vs["tree_prespec_mss"].mode is Mode.MSS
+    assert vs["tree_rrs"].mode is Mode.RRS and vs["tree_prespec"].mode is None
+    assert vs["tree_mss"].prespec is False
+    prespec = vs["tree_prespec_mss"].prespec
+    assert not isinstance(prespec, bool) and prespec.saguaro_c == 0.5  # C reaches mss too
+    for m in ("tree_mss", "tree_prespec_rrs"):
+        args, key = verifier_args(None, ["ar", m])
+        key_file = Path(args[args.index("--api-key-file") + 1])
+        assert key and key_file.read_text() == f"{key} trusted\n"
+        key_file.unlink()
+    args, key = verifier_args(None, ["ar", "tree_prespec"])
+    assert key is None and "--api-key-file" not in args
+
+
+def test_identity_with_ar_is_checked_prompt_by_prompt_at_any_rtt() -> None:
+    def e(mode: str, rtt: float, t: float, i: int, tokens: list[int] | None) -> dict[str, object]:
+        return {"mode": mode, "rtt_ms": rtt, "temperature": t, "prompt_index": i, "tokens": tokens}
+
+    entries = [
+        *(e("ar", 0.0, 0.0, i, [i, 7]) for i in (0, 1)),
+        *(e("tree", 0.0, 0.0, i, [i, 7]) for i in (0, 1)),
+        e("tree_prespec", 25.0, 0.0, 0, [0, 7]),  # ar ran at another RTT: still compared
+        e("tree_prespec", 25.0, 0.0, 1, [1, 8]),  # one token differs
+        e("tree_mss", 0.0, 0.0, 0, [5]),  # skipped: its promise is the distribution
+        e("tree", 0.0, 0.7, 0, [0, 7]),  # no ar at T 0.7
+        e("budget", 0.0, 0.0, 0, None),  # an older trace without tokens
+    ]
+    same = identical_to_ar(entries, skip=("tree_mss",))
+    assert same == {
+        ("tree", 0.0, 0.0): True,
+        ("tree_prespec", 25.0, 0.0): False,
+        ("tree_mss", 0.0, 0.0): None,
+        ("tree", 0.0, 0.7): None,
+        ("budget", 0.0, 0.0): None,
+    }
+    rows = [
+        {"mode": m, "rtt_ms": rtt, "temperature": t, "identical_to_ar": v} for (m, rtt, t), v in same.items()
+    ]
+    line = _identity_line(rows)
+    assert line == "NOT identical to ar's tokens: tree_prespec (rtt 25, T 0)"
+    assert _identity_line(rows[:1]) == "identical to ar's tokens, prompt for prompt: all 1 rows checked"
+    assert _identity_line(rows[2:]) is None
