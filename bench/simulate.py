@@ -140,7 +140,9 @@ class Curve:
     def load(cls, path: Path) -> Curve:
         """A curve file: CSV of `rows,ms` lines (a header line is skipped), or JSON as
         {"rows": [...], "ms": [...]}, [[rows, ms], ...], {"<rows>": ms, ...} or the verifier's
-        cost file {"verify_cost_ms": {"<nodes>": ms, ...}}."""
+        cost file {"verify_cost_ms": {"<nodes>": ms, ...}}, or a GPU check's forward file
+        (`bench.gpu_forward --json`: its first attention mode's forward ms by rows, i.e. the
+        product's own attention, `model`, by default)."""
         text = path.read_text(encoding="utf-8")
         pts: list[tuple[float, float]] = []
         if path.suffix.lower() == ".csv":
@@ -155,6 +157,9 @@ class Curve:
             doc = json.loads(text)
             if isinstance(doc, dict) and isinstance(doc.get("verify_cost_ms"), dict):
                 doc = doc["verify_cost_ms"]  # the verifier's measured curve (cloud_verifier.cost)
+            rows = doc.get("rows") if isinstance(doc, dict) else None
+            if isinstance(rows, list) and rows and isinstance(rows[0], dict) and "forward_ms" in rows[0]:
+                doc = rows[0]["forward_ms"]  # bench.gpu_forward: the forward of n rows on the GPU
             if isinstance(doc, dict) and "rows" in doc and "ms" in doc:
                 pts = [(float(x), float(y)) for x, y in zip(doc["rows"], doc["ms"], strict=True)]
             elif isinstance(doc, dict):
@@ -925,6 +930,15 @@ def build_parser() -> argparse.ArgumentParser:
         "else the verifier curve's cheapest point",
     )
     ap.add_argument(
+        "--flat-curve",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the flat scenario's verifier as a measured curve instead of one number (any --verifier-curve "
+        "format, or a GPU check's forward file, `bench.gpu_forward --json`: the target's forward ms at "
+        "1..64 rows on the GPU, nearly flat); overrides --flat-verifier",
+    )
+    ap.add_argument(
         "--rtt-ms", default=None, help="comma-separated round-trip times to replay besides the logged one"
     )
     ap.add_argument(
@@ -1010,25 +1024,28 @@ def group_costs(
     ar: Sequence[TracedGeneration],
     drafter: Curve | None,
     verifier: Curve | None,
-    flat_verifier: float | None,
+    flat_verifier: float | Curve | None,
 ) -> GroupCosts:
     """The costs of a group of generations at temperature `temp` and logged RTT `rtt`: the
-    drafter and verifier curves given, else fit from the group's traces; the flat verifier's ms:
-    `flat_verifier`, else mode ar's measured ms/token at the same temperature and RTT less the
-    server's overhead, else the verifier curve's cheapest point."""
+    drafter and verifier curves given, else fit from the group's traces; the flat scenario's
+    verifier: `flat_verifier` (ms per forward, or a measured curve such as a GPU check's), else
+    mode ar's measured ms/token at the same temperature and RTT less the server's overhead, else
+    the verifier curve's cheapest point."""
     d_curve = drafter or fit_drafter(gs)
     v_curve = verifier or fit_verifier(gs)
     ar_same = [g for g in ar if g.temperature == temp and g.rtt_ms == rtt]
     ar_ms = sum(g.wall_ms for g in ar_same) / max(1, sum(g.tokens for g in ar_same)) if ar_same else None
     over = Overheads.measure(gs)
     one_row = min(ms for _, ms in v_curve.points)  # the fit's cheapest forward (few rows)
-    if flat_verifier is not None:
+    if isinstance(flat_verifier, Curve):
+        flat_ms = flat_verifier(1)  # ar's one-row step on that verifier
+    elif flat_verifier is not None:
         flat_ms = flat_verifier
     elif ar_ms is not None:
         flat_ms = max(0.0, ar_ms - over.server)  # ar's one-row step, the edge idle
     else:
         flat_ms = one_row
-    flat = Curve.flat(flat_ms)
+    flat = flat_verifier if isinstance(flat_verifier, Curve) else Curve.flat(flat_ms)
     ar_by = {
         "colocated": ar_ms,
         # ar runs with the edge idle: its measured step is already the verifier's own
@@ -1048,13 +1065,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     scen_names, policies = parse_knobs(ap, a)
     gens, ar, drafter, verifier = load_inputs(ap, a)
+    try:
+        flat_curve = Curve.load(a.flat_curve) if a.flat_curve else None
+    except (OSError, ValueError) as exc:
+        ap.error(f"--flat-curve: {exc}")
+    flat_source = "--flat-verifier" if a.flat_verifier is not None else "ar's step"
+    flat_source = str(a.flat_curve) if flat_curve else flat_source
     groups: dict[tuple[str, float, float], list[TracedGeneration]] = {}
     for g in gens:
         groups.setdefault((g.mode, g.temperature, g.rtt_ms), []).append(g)
     out_rows: list[dict[str, Any]] = []
     curves: dict[str, Any] = {}
     for (mode, temp, rtt), gs in groups.items():
-        gc = group_costs(gs, temp, rtt, ar, drafter, verifier, a.flat_verifier)
+        gc = group_costs(gs, temp, rtt, ar, drafter, verifier, flat_curve or a.flat_verifier)
         scen = {k: gc.scenarios[k] for k in scen_names}
         rows, over = simulate(gs, scen, policies, gc.ar_ms_per_token, progress=not a.no_progress)
         key = f"{mode} T={temp:g} rtt={rtt:g}"
@@ -1064,6 +1087,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "verifier": gc.verifier.as_dict(),
             "verifier_source": str(a.verifier_curve or "fit from the traces"),
             "flat_verifier_ms": gc.flat(1),
+            "flat_verifier": gc.flat.as_dict(),
+            "flat_source": flat_source,
             "overheads_ms": {"link": round(over.link, 3), "server": round(over.server, 3)},
             "generations": len(gs),
         }
@@ -1093,7 +1118,8 @@ def _report(rows: Sequence[dict[str, Any]], groups: dict[str, Any]) -> str:
         o = g["overheads_ms"]
         lines.append(
             f"{key}: {g['generations']} generations; drafter curve {g['drafter_source']}, verifier curve "
-            f"{g['verifier_source']}, flat verifier {g['flat_verifier_ms']:.1f} ms; measured overheads: "
+            f"{g['verifier_source']}, flat verifier {g['flat_verifier_ms']:.1f} ms at 1 row "
+            f"({g['flat_source']}); measured overheads: "
             f"link {o['link']:.1f} ms a round trip, server {o['server']:.1f} ms a round"
         )
     header = [

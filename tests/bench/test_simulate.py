@@ -424,6 +424,38 @@ def test_separate_machines_take_the_given_verifier_curve(tmp_path: Path) -> None
     assert rows["flat"]["ms_per_token"] < rows["separate"]["ms_per_token"] < rows["colocated"]["ms_per_token"]
 
 
+def test_the_flat_scenario_takes_a_gpu_checks_measured_forward_curve(tmp_path: Path) -> None:
+    """--flat-curve with a `bench.gpu_forward --json` file: the first attention mode's forward ms by
+    rows is the flat scenario's verifier (a 3-node tree costs V(3), not the one-row step)."""
+    f = trace_file(tmp_path / "t.json", [gen(all_hits(4))])
+    gpu = tmp_path / "gpu_forward.json"
+    rows_ms = {"1": 10.0, "3": 16.0, "1000": 16.0}
+    gpu.write_text(
+        json.dumps(
+            {
+                "config": {"device": "cuda"},
+                "rows": [
+                    {"attention": "model", "forward_ms": rows_ms, "decode_tok_s": 60.0},
+                    {"attention": "sdpa", "forward_ms": {"1": 1.0, "64": 1.0}},
+                ],
+            }
+        )
+    )
+    assert Curve.load(gpu) == Curve(((1.0, 10.0), (3.0, 16.0), (1000.0, 16.0)))
+    out = tmp_path / "sim.json"
+    args = [str(f), "--flat-curve", str(gpu), "--flat-verifier", "99", "--scenarios", "flat"]
+    assert main([*args, "--json", str(out), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["scenario"] == "flat" and row["verify_ms_per_round"] == pytest.approx(16.0)
+    (group,) = doc["groups"].values()
+    assert group["flat_verifier_ms"] == 10.0 and group["flat_source"] == str(gpu)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit):
+        main([str(f), "--flat-curve", str(bad)])
+
+
 def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -432,6 +464,7 @@ def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--drafter-curve",
         "--verifier-curve",
         "--flat-verifier",
+        "--flat-curve",
         "--rtt-ms",
         "--n",
         "--backup-ms",
