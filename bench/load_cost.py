@@ -381,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
         "else record and write them there",
     )
     p.add_argument("--plot", type=Path, default=None, help="draw verifier-seconds per token against clients")
+    p.add_argument(
+        "--flat-only",
+        action="store_true",
+        help="run nothing on this machine: read the --scripts file of an earlier run and print the flat "
+        "verifier's prediction alone, at --flat-ms (e.g. the forward ms a GPU check measured) for each "
+        "--clients",
+    )
     return p
 
 
@@ -495,19 +502,68 @@ def replay_rows(
                 seconds,
             )
         )
-        games = [flat_rounds(s, kind == "ar") for s in (ar_scripts if kind == "ar" else scripts)]
-        flat = predict_flat(games, m, flat_ms / 1e3, max(600.0, 50 * seconds))
-        rows.append(
-            {
-                "kind": kind,
-                **row,
-                "flat_verifier_s_per_token": round(flat["verifier_s_per_token"], 5),
-                "flat_tokens_per_forward": round(flat["tokens_per_forward"], 3),
-            }
-        )
+        rows.append({"kind": kind, **row, **flat_prediction(scripts, kind, m, flat_ms, seconds)})
         bar.update(1)
     bar.close()
     return rows
+
+
+def flat_prediction(
+    scripts: Sequence[Script], kind: str, clients: int, flat_ms: float, seconds: float
+) -> dict[str, float]:
+    """The flat verifier's prediction (predict_flat) for `clients` of `kind` (ar clients replay the
+    scripts as mode ar)."""
+    games = [flat_rounds(s.as_ar() if kind == "ar" else s, kind == "ar") for s in scripts]
+    flat = predict_flat(games, clients, flat_ms / 1e3, max(600.0, 50 * seconds))
+    return {
+        "flat_verifier_s_per_token": round(flat["verifier_s_per_token"], 5),
+        "flat_tokens_per_forward": round(flat["tokens_per_forward"], 3),
+    }
+
+
+def flat_only(ap: argparse.ArgumentParser, a: argparse.Namespace, config: dict[str, Any]) -> int:
+    """--flat-only: the flat verifier's prediction from the --scripts file, nothing run here."""
+    if a.scripts is None or not a.scripts.exists():
+        ap.error(
+            "--flat-only reads the scripts an earlier run recorded: give --scripts FILE (an existing file)"
+        )
+    try:
+        _, scripts, recorded_config = load_scripts(a.scripts)
+    except ValueError as exc:
+        ap.error(str(exc))
+    config["recorded_config"] = recorded_config
+    rows = [
+        {"kind": kind, "clients": m, **flat_prediction(scripts, kind, m, a.flat_ms, a.seconds)}
+        for m in a.clients
+        for kind in KINDS
+    ]
+    print(
+        table(
+            [
+                [
+                    r["clients"],
+                    r["kind"],
+                    f"{r['flat_verifier_s_per_token'] * 1e3:.2f}",
+                    r["flat_tokens_per_forward"],
+                ]
+                for r in rows
+            ],
+            ["clients", "kind", f"flat {a.flat_ms:g} ms: verifier ms/token", "flat tokens/forward"],
+        )
+    )
+    flat_ratio = ratios(rows, "flat_verifier_s_per_token")
+    for m in sorted(flat_ratio):
+        print(
+            f"{m} clients: edge / ar verifier-s a token {flat_ratio[m]} predicted flat "
+            f"({len(scripts)} scripts)"
+        )
+    flat16 = flat_ratio.get(16)
+    if flat16 is not None:
+        print(
+            f"goal: <= 0.2 predicted flat with 16 clients: {'met' if flat16 <= 0.2 else 'not met'} ({flat16})"
+        )
+    write_result(a.json, config, rows, True, edge_over_ar={"flat": flat_ratio})
+    return 0
 
 
 def print_table(rows: Sequence[dict[str, Any]], flat_ms: float) -> None:
@@ -578,6 +634,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "prompt_file"}
     config["prompt_files"] = [str(f) for f in a.prompt_file or []]
+    if a.flat_only:
+        return flat_only(ap, a, config)
     prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
     sessions = 2 * max(a.clients) + 4
     verifier = Verifier(

@@ -1,20 +1,23 @@
-"""bench.load --cloud-cost (bench.load_cost): scripts cut from frame logs, their replay against the
-real service on the tiny model (every verdict checked, cloud-only ar reproducing the edge's tokens),
-and the flat verifier model."""
+"""bench.load --cloud-cost (bench.load_cost, with bench.replay): scripts cut from frame logs,
+their replay against the real service on the tiny model (every verdict checked, cloud-only ar
+reproducing the edge's tokens), and the flat verifier model (--flat-only: from a scripts file)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench import load_cost
 from bench.harness import load_suite
-from bench.load_cost import FlatRound, Script, Step, predict_flat, renumbered, script_from_log
+from bench.load_cost import FlatRound, predict_flat
+from bench.replay import Script, Step, renumbered, script_from_log
 from edge_client.drafters.registry import create_drafter
-from shared.messages import Mode, Prompt, Tree, Verdict, decode, encode
+from shared.messages import Hello, Mode, Prompt, Tree, Verdict, decode, encode
 from shared.tree import TokenTree
 from tests.cloud_verifier.service import LiveServer
 
@@ -106,3 +109,23 @@ def test_recorded_generations_replay_exactly_and_cloud_only_ar_reproduces_them()
         wrong = [dataclasses.replace(s, tokens=[t + 1 for t in s.tokens]) for s in ar_scripts]
         bad = asyncio.run(load_cost.measure(srv.url, srv.http, hello, wrong, 1, 0.0, 2.0))
         assert bad["diverged"] > 0 and bad["generations"] == 0
+
+
+def test_flat_only_predicts_from_a_scripts_file_without_a_verifier(tmp_path: Path) -> None:
+    """--flat-only: the saved scripts, the flat verifier alone (no model, no service). One game of
+    three rounds for five tokens, every tree ready at once: 3 forwards against ar's 5."""
+    steps = [Step(PROMPT, 0, 0.0), Step(_tree(1), 1, 0.0), Step(_tree(2), 2, 0.0)]
+    script = Script(0, steps, [5, 6, 7, 8, 9], [(0, 1), (1, 2), (2, 2)])
+    path = tmp_path / "scripts.json"
+    load_cost.save_scripts(path, encode(Hello(vocab_fingerprint="f00d")), [script], {"mode": "tree_prespec"})
+    out = tmp_path / "flat.json"
+    args = ["--flat-only", "--scripts", str(path), "--clients", "1,2", "--flat-ms", "10", "--json", str(out)]
+    assert load_cost.main(args) == 0
+    doc = json.loads(out.read_text())
+    rows = {(r["kind"], r["clients"]): r for r in doc["rows"]}
+    assert rows[("ar", 1)]["flat_verifier_s_per_token"] == pytest.approx(0.010)
+    assert rows[("edge", 1)]["flat_verifier_s_per_token"] == pytest.approx(0.006)
+    assert rows[("edge", 2)]["flat_tokens_per_forward"] == pytest.approx(10 / 3, abs=1e-3)
+    assert doc["edge_over_ar"]["flat"] == {"1": 0.6, "2": 0.6}
+    with pytest.raises(SystemExit):
+        load_cost.main(["--flat-only", "--scripts", str(tmp_path / "missing.json")])
