@@ -45,21 +45,23 @@ _MASKED = np.float32(np.finfo(np.float32).min)
 
 
 def resolve_export(model: str | Path, int8: bool | None, *, export: bool, progress: bool) -> Path:
-    """The export folder for `model`: the folder itself, or the cached export of an alias/path."""
+    """The export folder for `model`: the folder itself, or the cached export of an alias/path
+    (int8 unless `int8` is False: the fast export, the one `--drafter auto` measures and picks)."""
     path = Path(model)
     if path.is_dir():
         return path
+    want = int8 is not False
     if not export:
         from edge_client.onnx.export import cache_folder
 
-        folder = cache_folder(str(model), bool(int8))
+        folder = cache_folder(str(model), want)
         if not (folder / MANIFEST).is_file():
             raise ExportError(
                 f"no ONNX export of {model} in {folder}; run `edge-client export-onnx --draft {model} "
-                f"--out DIR{' --int8' if int8 else ''}` and pass DIR, or allow exporting on first use"
+                f"--out DIR{' --int8' if want else ''}` and pass DIR, or allow exporting on first use"
             )
         return folder
-    return ensure_export(str(model), int8=bool(int8), progress=progress)
+    return ensure_export(str(model), int8=want, progress=progress)
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -72,7 +74,9 @@ class OnnxDrafter(Drafter):
 
     model:       an export folder (edge-client export-onnx), or a draft alias / GGUF path / `tiny`
                  (exported into the model cache on first use, with a progress message)
-    int8:        None: whatever the folder holds; True/False: require (and export) that precision
+    int8:        None: whatever an export folder holds, and for an alias / GGUF path its int8
+                 export (the fast one, as `--drafter auto` picks); True/False: require (and
+                 export) that precision, False for the fp32 export of an alias
     n_threads:   onnxruntime intra-op threads, 1 by default (the edge drafts on one core)
     max_context, max_nodes, max_leaves: as for every drafter (see base.Drafter); the KV buffer
                  holds max_context + max_nodes rows

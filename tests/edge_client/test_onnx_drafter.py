@@ -240,8 +240,14 @@ def test_manifest_mismatches_are_refused(onnx_tiny: Path, tmp_path: Path) -> Non
 
 
 def test_first_use_exports_into_the_cache(
-    onnx_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    onnx_tiny: Path,
+    onnx_tiny_int8: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """An alias is exported on first use: to int8 unless int8=False (the backend's fast export,
+    the one `--drafter auto` picks), each precision into its own cache folder, once."""
     from edge_client.onnx import export as onnx_export
 
     monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path))
@@ -249,17 +255,22 @@ def test_first_use_exports_into_the_cache(
 
     def fake_export(source: str, out: Path, **kw: object) -> object:
         exported.append(out)
-        shutil.copytree(onnx_tiny, out)
+        shutil.copytree(onnx_tiny_int8 if kw.get("int8") else onnx_tiny, out)
         return read_manifest(out)
 
     monkeypatch.setattr(onnx_export, "export", fake_export)
-    with pytest.raises(ExportError, match="export-onnx --draft tiny"):
+    with pytest.raises(ExportError, match="export-onnx --draft tiny --out DIR --int8"):
         create_drafter("onnx", "tiny", export=False)
-    create_drafter("onnx", "tiny", **LIMITS).close()
-    assert exported == [tmp_path / "onnx" / f"tiny-fp32-f{onnx_export.FORMAT}"]
+    with create_drafter("onnx", "tiny", **LIMITS) as d:
+        assert d.manifest.int8
+    int8_folder = tmp_path / "onnx" / f"tiny-int8-{onnx_export.INT8_LAYOUT}-f{onnx_export.FORMAT}"
+    assert exported == [int8_folder]
     assert "exporting tiny to ONNX" in capsys.readouterr().err
     create_drafter("onnx", "tiny", export=False, **LIMITS).close()  # cached: no second export
     assert len(exported) == 1
+    with create_drafter("onnx", "tiny", int8=False, **LIMITS) as d:  # fp32 when asked for
+        assert not d.manifest.int8
+    assert exported == [int8_folder, tmp_path / "onnx" / f"tiny-fp32-f{onnx_export.FORMAT}"]
 
 
 def test_cli_export_onnx_errors_and_help(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
