@@ -104,6 +104,18 @@ def manifest(config: CollectConfig, target: Any) -> dict[str, Any]:
     }
 
 
+def set_aside_if_stale(out: Path, want: dict[str, Any]) -> Path | None:
+    """A folder collected with other settings than `want` (a recipe changed since) is renamed to
+    `<out>.stale-<UTC time>` beside it, so that a resumed build collects afresh instead of
+    stopping on open_output's check; where it went (None: nothing to set aside)."""
+    path = out / MANIFEST
+    if not path.exists() or json.loads(path.read_text(encoding="utf-8")) == want:
+        return None
+    aside = out.with_name(f"{out.name}.stale-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    out.rename(aside)
+    return aside
+
+
 def open_output(out: Path, want: dict[str, Any]) -> Path:
     """Create the folder or check that a resumed one was made with the same settings."""
     records = out / RECORDS

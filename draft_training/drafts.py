@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from draft_training.collect import CollectConfig, collect
+from draft_training.collect import CollectConfig, collect, manifest, set_aside_if_stale
 from draft_training.distill import DistillConfig, distill, save_draft
 from draft_training.split import Split, load_split
 from draft_training.student import Student, TrainSpec
@@ -196,6 +196,9 @@ def _collect(recipe: Recipe, work: Path, split: Split, progress: bool) -> None:
         ("heldout_t1", "heldout", held_t1, recipe.heldout_prompts),
     )
     for name, side, want, limit in sides:
+        aside = set_aside_if_stale(work / name, manifest(want, teacher))
+        if aside is not None:  # said even without progress: minutes of collecting start over
+            print(f"{recipe.alias}: {name} holds records of other settings, kept as {aside}", file=sys.stderr)
         collect(work / name, _prompts(split, side, limit), want, recipe.collect_batch, teacher, progress)
 
 

@@ -1,10 +1,12 @@
 """`make drafts` (draft_training.drafts) on a micro recipe: the trained alias says to run `make drafts`
 until it is built, the build collects, distills and exports into the model cache, the alias then
-resolves to a GGUF that loads with the trained weights, and a second build keeps what is built."""
+resolves to a GGUF that loads with the trained weights, a second build keeps what is built, and a
+rebuild after a recipe change collects the changed side afresh."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,14 @@ def test_the_trained_alias_is_built_by_make_drafts(cache: Path) -> None:
     mtime = path.stat().st_mtime_ns
     again = build(micro, progress=False)  # built: kept as it is
     assert path.stat().st_mtime_ns == mtime and again["evals"] == info["evals"]
+    # the recipe changed since (longer held-out records): --rebuild sets the stale side aside and
+    # collects it again, instead of stopping on the folder's manifest
+    changed = replace(micro, heldout_tokens=8)
+    build(changed, rebuild=True, progress=False)
+    (aside,) = work.glob("heldout.stale-*")
+    assert json.loads((aside / "manifest.json").read_text())["tokens"] == 6
+    assert json.loads((work / "heldout" / "manifest.json").read_text())["tokens"] == 8
+    assert not list(work.glob("train.stale-*"))  # the train side's settings did not change
 
 
 def test_a_lora_recipe_writes_the_merged_draft_and_its_adapters_for_llama_cpp(cache: Path) -> None:

@@ -143,3 +143,16 @@ def test_the_cli_collects_train_prompts_only(tmp_path: Path) -> None:
         cat, pid, _ = n.split("__")
         assert pid not in {str(i).replace("/", "_") for i in held.get(cat, [])}
     assert main(["split", "--check"]) == 0
+
+
+def test_a_folder_of_other_settings_is_set_aside_and_one_of_the_same_kept(tmp_path: Path) -> None:
+    from draft_training.collect import MANIFEST, set_aside_if_stale
+
+    out = tmp_path / "heldout"
+    assert set_aside_if_stale(out, {"tokens": 64}) is None  # nothing there yet
+    out.mkdir()
+    (out / MANIFEST).write_text(json.dumps({"tokens": 64}))
+    assert set_aside_if_stale(out, {"tokens": 64}) is None and out.is_dir()
+    aside = set_aside_if_stale(out, {"tokens": 48})
+    assert aside is not None and aside.name.startswith("heldout.stale-") and not out.exists()
+    assert json.loads((aside / MANIFEST).read_text()) == {"tokens": 64}
