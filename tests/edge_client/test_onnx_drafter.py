@@ -262,14 +262,14 @@ def test_first_use_exports_into_the_cache(
     with pytest.raises(ExportError, match="export-onnx --draft tiny --out DIR --int8"):
         create_drafter("onnx", "tiny", export=False)
     with create_drafter("onnx", "tiny", **LIMITS) as d:
-        assert d.manifest.int8
+        assert cast("OnnxDrafter", d).manifest.int8
     int8_folder = tmp_path / "onnx" / f"tiny-int8-{onnx_export.INT8_LAYOUT}-f{onnx_export.FORMAT}"
     assert exported == [int8_folder]
     assert "exporting tiny to ONNX" in capsys.readouterr().err
     create_drafter("onnx", "tiny", export=False, **LIMITS).close()  # cached: no second export
     assert len(exported) == 1
     with create_drafter("onnx", "tiny", int8=False, **LIMITS) as d:  # fp32 when asked for
-        assert not d.manifest.int8
+        assert not cast("OnnxDrafter", d).manifest.int8
     assert exported == [int8_folder, tmp_path / "onnx" / f"tiny-fp32-f{onnx_export.FORMAT}"]
 
 
