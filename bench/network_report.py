@@ -220,39 +220,7 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, 
             ],
         )
     )
-    timed = [r for r in rows if any(r.get(k) is not None for k in TIME_KEYS)]
-    if timed:
-        print("\nwhere the time goes (ms/token x tau ~= V + (1 - p)(RTT + T_b) + stall + prefill share)")
-        print(
-            table(
-                [
-                    [
-                        r["rtt_ms"],
-                        r["temperature"],
-                        r["mode"],
-                        r["ms_per_token"],
-                        r["tau"],
-                        *("-" if r.get(k) is None else r[k] for k in TIME_KEYS),
-                    ]
-                    for r in timed
-                ],
-                [
-                    "rtt",
-                    "T",
-                    "mode",
-                    "ms/token",
-                    "tau",
-                    "V ms",
-                    "V idle ms",
-                    "V idle replay",
-                    "T_b ms",
-                    "p",
-                    "stall ms/rnd",
-                    "prefill ms/tok",
-                    "gap ms",
-                ],
-            )
-        )
+    _print_where_time_goes(rows)
     _goals(rows)
     line = _identity_line(rows)
     if line:
@@ -262,6 +230,22 @@ def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, 
         plot(rows, a.plot)
         print(f"plot: {a.plot}")
     return 0
+
+
+def _print_where_time_goes(rows: Sequence[dict[str, Any]]) -> None:
+    """The decomposition's table (TIME_KEYS) for the rows that have any of it."""
+    timed = [r for r in rows if any(r.get(k) is not None for k in TIME_KEYS)]
+    if not timed:
+        return
+    print("\nwhere the time goes (ms/token x tau ~= V + (1 - p)(RTT + T_b) + stall + prefill share)")
+    head = ["rtt", "T", "mode", "ms/token", "tau", "V ms", "V idle ms", "V idle replay", "T_b ms", "p"]
+    head += ["stall ms/rnd", "prefill ms/tok", "gap ms"]
+    cells = [
+        [r["rtt_ms"], r["temperature"], r["mode"], r["ms_per_token"], r["tau"]]
+        + ["-" if r.get(k) is None else r[k] for k in TIME_KEYS]
+        for r in timed
+    ]
+    print(table(cells, head))
 
 
 def write_trace(path: str | None, config: dict[str, Any], generations: list[dict[str, Any]]) -> None:
