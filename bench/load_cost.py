@@ -62,7 +62,7 @@ from bench.harness import (
     write_json,
     write_result,
 )
-from bench.replay import RecordingTransport, Script, Step, Tally, play, renumbered, script_from_log
+from bench.replay import Recorders, Script, Step, Tally, play, renumbered
 from edge_client.drafters.registry import backend_choices
 from shared.messages import Error, Mode, Prompt, Tree, decode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -86,47 +86,42 @@ async def record(
     generations' scripts."""
     from bench.e2e import variants
     from edge_client.client import EdgeClient
-    from edge_client.session import LinkShape, WebSocketTransport
+    from edge_client.session import LinkShape
     from shared.tree import ExpansionConfig
 
     v = variants([mode_name], ExpansionConfig.parse(tree_text))[mode_name]
-    recorder: list[RecordingTransport] = []
-
-    async def factory() -> RecordingTransport:
-        r = RecordingTransport(await WebSocketTransport.connect(url))
-        recorder.append(r)
-        return r
-
+    rec = Recorders(url)
     client = EdgeClient(
-        url, drafter, tree=v.tree, prespec=v.prespec, link=LinkShape.rtt(rtt_ms), transport=factory
+        url,
+        drafter,
+        tree=v.tree,
+        prespec=v.prespec,
+        link=LinkShape.rtt(rtt_ms),
+        transport=rec.factory(mode_name),
     )
     await client.connect()
-    scripts: list[Script] = []
     mode = v.mode or (Mode.MATCH if temperature > 0 else Mode.GREEDY)
     try:
         async for _ in client.generate("Hello", max_new_tokens=4, mode=mode, temperature=temperature):
             pass  # warm both sides up
         bar = tqdm(total=len(prompts), desc=f"record {mode_name}", disable=not progress, file=sys.stderr)
         for i, p in enumerate(prompts):
-            r = recorder[-1]
-            start = len(r.log)
             async for _ in client.generate(
                 p.text, raw=p.raw, max_new_tokens=tokens, temperature=temperature, seed=i, mode=mode
             ):
                 pass
-            if recorder[-1] is not r:
+            rec.cut(mode_name, i)
+            if rec.lost:
                 raise RuntimeError("the edge reconnected while recording; rerun the bench")
-            script = script_from_log(r.log[start:], i)
             gen = client.last
             assert gen is not None
-            script.ms_per_token = gen.stats.ms_per_token
-            scripts.append(script)
+            rec.scripts[mode_name][-1].ms_per_token = gen.stats.ms_per_token
             bar.update(1)
         bar.close()
-        hello = next(d for direction, _, d in recorder[0].log if direction == "out")
+        hello = rec.hello(mode_name)
     finally:
         await client.close()
-    return hello, scripts
+    return hello, rec.scripts.get(mode_name, [])
 
 
 # ----------------------------------------------------------------------------------- replay
