@@ -459,7 +459,9 @@ async def _reader(ws: WebSocket, session: ServerSession, config: ServerConfig) -
         else:
             timeout = max(session.last_activity + config.idle_timeout_s - now, 0.05)
         try:
-            msg = await asyncio.wait_for(ws.receive(), timeout=timeout)
+            # asyncio.timeout: under Python 3.11 wait_for drops a cancel that meets an arriving frame
+            async with asyncio.timeout(timeout):
+                msg = await ws.receive()
         except TimeoutError:
             if session.admitted and (
                 session.working or time.monotonic() - session.last_activity < config.idle_timeout_s

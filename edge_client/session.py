@@ -305,7 +305,8 @@ class Session:
                 )
             )
             try:
-                msg = await asyncio.wait_for(self.recv(), self.timeouts.welcome_s)
+                async with asyncio.timeout(self.timeouts.welcome_s):  # (a cancel is never lost)
+                    msg = await self.recv()
             except TimeoutError:
                 raise VerifierTimeout(
                     f"no welcome from the verifier at {self.server} within {self.timeouts.welcome_s:g} s "

@@ -353,7 +353,11 @@ class RoundExecutor:
         while True:
             try:
                 try:
-                    msg = await asyncio.wait_for(self._recv(), self.verdict_timeout_s)
+                    # asyncio.timeout, not wait_for: under Python 3.11 wait_for returns a frame that
+                    # arrives as the pump is cancelled and drops the cancel, and the pump would read on
+                    # until the verifier closed the idle session (tests/edge_client/test_frame_pump.py)
+                    async with asyncio.timeout(self.verdict_timeout_s):
+                        msg = await self._recv()
                 except TimeoutError:
                     if not self._awaiting_verdict():
                         continue
