@@ -62,6 +62,10 @@ TIME_KEYS = (
 )
 
 
+# issue 31's goals at RTT 50, co-located: a pre-speculating mode's ms/token against ar's, by T
+GOAL_X_AR = {0.0: 0.35, 0.7: 0.45}
+
+
 def _median(xs: Sequence[float]) -> float | None:
     return round(statistics.median(xs), 4) if xs else None
 
@@ -295,36 +299,53 @@ def _identity_line(rows: Sequence[dict[str, Any]]) -> str | None:
     return f"identical to ar's tokens, prompt for prompt: all {len(checked)} rows checked"
 
 
-def _goals(rows: list[dict[str, Any]]) -> None:
-    """Print the issue's goals as measured (benchmark figures, not tests)."""
-
-    def get(rtt: float, mode: str, t: float) -> float | None:
-        for r in rows:
-            if r["rtt_ms"] == rtt and r["mode"] == mode and r["temperature"] == t:
-                return float(r["ms_per_token"])
+def prespec_base(mode: str) -> str | None:
+    """The mode whose tree a pre-speculating mode drafts without pre-speculation (tree_prespec_mss:
+    tree_mss, budget_prespec: budget, tree_prespec_cache: tree); None for a mode that does not."""
+    if "_prespec" not in mode:
         return None
+    head, _, tail = mode.partition("_prespec")
+    return head + tail if tail in ("", "_mss", "_rrs") else head
 
+
+def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The issue's goals as measured (benchmark figures, not tests): each pre-speculating mode against
+    the same tree without it at every RTT, and against ar at RTT 50 (GOAL_X_AR)."""
+    ms = {(r["rtt_ms"], r["mode"], r["temperature"]): float(r["ms_per_token"]) for r in rows}
+    lines = []
     for t in sorted({r["temperature"] for r in rows}):
-        tree50, pre50, ar50 = get(50, "tree", t), get(50, "tree_prespec", t), get(50, "ar", t)
-        if tree50 and pre50:
-            print(f"T={t:g}: at RTT 50 tree_prespec/tree = {pre50 / tree50:.3f}")
-        if ar50 and pre50:
-            goal = 0.30 if t == 0 else 0.45
-            verdict = "met" if pre50 / ar50 <= goal else "not met"
-            print(f"T={t:g}: at RTT 50 tree_prespec/ar = {pre50 / ar50:.3f} (goal <= {goal:.2f}: {verdict})")
-        slower = [
-            r
-            for r in sorted({r["rtt_ms"] for r in rows})
-            if (get(r, "tree_prespec", t) or 0) > (get(r, "tree", t) or float("inf"))
-        ]
-        print(f"T={t:g}: RTTs where tree_prespec is slower than tree: {slower or 'none'}")
-        t0, t50 = get(0, "tree", t), get(50, "tree", t)
-        tau = next(
-            (r["tau"] for r in rows if r["rtt_ms"] == 50 and r["mode"] == "tree" and r["temperature"] == t),
-            None,
-        )
-        if t0 and t50 and tau:
+        ar50 = ms.get((50, "ar", t))
+        for m in sorted({m for (_, m, tt) in ms if tt == t and prespec_base(m)}):
+            base = prespec_base(m)
+            pairs = [
+                (rtt, ms[(rtt, m, t)] / ms[(rtt, base, t)])
+                for rtt in sorted({k[0] for k in ms})
+                if (rtt, m, t) in ms and (rtt, base, t) in ms
+            ]
+            if pairs:
+                ratios = ", ".join(f"RTT {rtt:g}: {x:.3f}" for rtt, x in pairs)
+                slower = ", ".join(f"{rtt:g}" for rtt, x in pairs if x > 1) or "none"
+                lines.append(f"T={t:g}: {m}/{base} {ratios}; slower at RTT {slower}")
+            if ar50 and (50, m, t) in ms:
+                x = ms[(50, m, t)] / ar50
+                goal = GOAL_X_AR.get(t)
+                verdict = (
+                    "" if goal is None else f" (goal <= {goal:.2f}: {'met' if x <= goal else 'not met'})"
+                )
+                lines.append(f"T={t:g}: at RTT 50 {m}/ar = {x:.3f}{verdict}")
+    return lines
+
+
+def _goals(rows: list[dict[str, Any]]) -> None:
+    """Print goal_lines, then what the round trip costs the static tree (RTT 50 against RTT 0)."""
+    for line in goal_lines(rows):
+        print(line)
+    for t in sorted({r["temperature"] for r in rows}):
+        by = {(r["rtt_ms"], r["mode"]): r for r in rows if r["temperature"] == t}
+        t0, t50 = by.get((0, "tree")), by.get((50, "tree"))
+        if t0 and t50:
             print(
-                f"T={t:g}: tree ms/token at RTT 50 - at RTT 0 = {t50 - t0:.1f} "
-                f"(expected ~50/tau = {50 / tau:.1f})"
+                f"T={t:g}: tree ms/token at RTT 50 - at RTT 0 = "
+                f"{t50['ms_per_token'] - t0['ms_per_token']:.1f} "
+                f"(expected ~50/tau = {50 / t50['tau']:.1f})"
             )

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from bench.network import main
-from bench.network_report import merge
+from bench.network_report import goal_lines, merge, prespec_base
 
 CONFIG = {"draft": "d", "model": "m", "prompts": 2, "tokens": 8, "tree": "1,1", "proxy": True}
 
@@ -72,3 +72,27 @@ def test_files_of_other_setups_or_shapes_are_refused(tmp_path: Path) -> None:
 def test_unknown_modes_are_refused_before_anything_starts() -> None:
     with pytest.raises(SystemExit):
         main(["--modes", "tree,warp_speed"])
+
+
+def test_each_prespec_mode_is_set_against_its_own_tree_and_ar() -> None:
+    assert [prespec_base(m) for m in ("tree_prespec", "budget_prespec", "tree_prespec_mss", "tree")] == [
+        "tree",
+        "budget",
+        "tree_mss",
+        None,
+    ]
+    assert prespec_base("tree_prespec_cache") == "tree"
+    rows = [
+        _row(50, "ar", 0, 100.0),
+        _row(0, "budget", 0, 50.0),
+        _row(0, "budget_prespec", 0, 55.0),
+        _row(50, "budget", 0, 40.0),
+        _row(50, "budget_prespec", 0, 30.0),
+        _row(50, "tree_prespec_mss", 0.7, 30.0),  # no tree_mss row and no ar at 0.7: nothing to say
+    ]
+    assert goal_lines(rows) == [
+        "T=0: budget_prespec/budget RTT 0: 1.100, RTT 50: 0.750; slower at RTT 0",
+        "T=0: at RTT 50 budget_prespec/ar = 0.300 (goal <= 0.35: met)",
+    ]
+    rows[4] = _row(50, "budget_prespec", 0, 36.0)
+    assert goal_lines(rows)[1] == "T=0: at RTT 50 budget_prespec/ar = 0.360 (goal <= 0.35: not met)"
