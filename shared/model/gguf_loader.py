@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from shared.gguf_check import GGUFHeader, check_gguf
 from shared.model.archs import Architecture, by_name
 from shared.model.llama import LlamaModel
 from shared.model.model_config import ModelConfig, RopeScaling
@@ -29,9 +30,29 @@ from treespec_kernels.quant_matmul import QTYPES
 
 
 def open_gguf(path: str | Path) -> Any:
+    """gguf-py's reader of `path`, once the file has passed `shared.gguf_check` (its header against
+    its tensors and size) and holds every tensor this runtime's model of its architecture reads:
+    nothing is allocated from a header that the file does not back (GGUFError, one line)."""
     from gguf import GGUFReader
 
+    check_model_file(check_gguf(path))
     return GGUFReader(str(path))
+
+
+def check_model_file(header: GGUFHeader) -> None:
+    """Refuse a checked GGUF whose architecture the model code does not run, that gives no
+    vocabulary size, or that lacks a tensor the model reads: every tensor of the architecture's
+    table but the untied head, the q/k/v biases only when the first block has one."""
+    try:
+        arch = by_name(header.architecture, "GGUF general.architecture")
+    except ValueError as exc:
+        raise header.error(str(exc)) from None
+    meta = header.metadata
+    if f"{arch.name}.vocab_size" not in meta and "tokenizer.ggml.tokens" not in meta:
+        raise header.error(f"neither {arch.name}.vocab_size nor tokenizer.ggml.tokens is present")
+    biases = "blk.0.attn_q.bias" in header.tensors
+    block = [n for n in arch.gguf_block if n.endswith(".weight") or biases]
+    header.require([n for n, hf in arch.gguf_top.items() if hf != "lm_head.weight"], block)
 
 
 def field(reader: Any, key: str, default: Any = None) -> Any:

@@ -4,14 +4,17 @@ tokenizer, chat template, EOS ids and the vocabulary fingerprint come through.""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from shared.gguf_check import GGUFError
 from shared.model import build_model, load_target, smollm2_gguf_path
 from shared.model.gguf_loader import config_from_gguf, open_gguf, unpermute_rows
+from shared.model.target import streamed_config
 from shared.vocab import vocab_fingerprint
 from tests.cloud_verifier.checkpoints import (
     MERGES,
@@ -22,6 +25,7 @@ from tests.cloud_verifier.checkpoints import (
     write_gguf,
     write_hf_dir,
 )
+from tests.shared.gguf_files import MALFORMED, write_tiny_gguf
 
 KINDS = ["llama", "llama3-untied", "qwen2"]
 TOKENS = [1, 40, 77, 3, 200, 9, 260, 2, 100, 55, 61, 30, 29, 150, 151]
@@ -129,3 +133,69 @@ def test_smollm2_metadata_tokenizer_and_fingerprint() -> None:
 def test_unknown_names_are_refused(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not an alias"):
         load_target(str(tmp_path / "nothing-here"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Malformed GGUF files: refused by shared.gguf_check before a model is built from the header
+
+
+@pytest.mark.parametrize("weights", ["fp32", "quantized", "auto"])
+@pytest.mark.parametrize("name", MALFORMED)
+def test_a_malformed_gguf_is_refused_before_the_model_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, weights: str, name: str
+) -> None:
+    """Every verifier loader (fp32, quantized, auto's choice between them, the streamed config)
+    refuses in one line naming the file and what is wrong, and builds nothing: a 5 MB file that
+    declares 2^32-1 blocks used to allocate without bound."""
+    from shared.model import target as target_module
+    from treespec_kernels import quant_matmul
+
+    make, want = MALFORMED[name]
+    path = make(tmp_path)
+
+    def built(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was built from a header the file does not back")
+
+    monkeypatch.setattr(target_module, "build_model", built)
+    monkeypatch.setattr(quant_matmul, "load", lambda: object())  # refusing needs no kernel
+    with pytest.raises(GGUFError, match=re.escape(want)) as info:
+        load_target(str(path), weights=weights, progress=False)
+    assert str(info.value).startswith(f"{path}: ") and "\n" not in str(info.value)
+    with pytest.raises(GGUFError, match=re.escape(want)):
+        streamed_config(str(path))
+
+
+def test_a_gguf_missing_a_tensor_the_model_reads_is_refused(tmp_path: Path) -> None:
+    """A header that is consistent with its tensors but lacks one the model needs (here the second
+    block's q projection, dropped by renaming it to an unused name) is refused before loading."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", blocks=2)
+    raw = path.read_bytes()
+    path.write_bytes(raw.replace(b"blk.1.attn_q.weight", b"blk.1.attn_x.weight"))
+    with pytest.raises(GGUFError, match=r"tensor 'blk\.1\.attn_q\.weight' missing"):
+        load_target(str(path), weights="fp32", progress=False)
+    with pytest.raises(GGUFError, match="architecture 'mamba' is not supported"):
+        open_gguf(write_tiny_gguf(tmp_path / "g.gguf", arch="mamba"))
+
+
+def test_the_verifier_says_what_is_wrong_with_a_gguf_in_one_line(tmp_path: Path) -> None:
+    """`cloud-verifier serve --model <a GGUF declaring 2^32-1 blocks>`: exit 1 and one line that
+    names the file and the field, no traceback (it used to allocate gigabytes first)."""
+    import socket
+    import subprocess
+    import sys
+
+    make, want = MALFORMED["2^32-1 blocks"]
+    path = make(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    cmd = [sys.executable, "-m", "cloud_verifier.cli", "serve", "--model", str(path), "--port", port]
+    r = subprocess.run(
+        [*cmd, "--weights", "fp32", "--no-measure-cost"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"cloud-verifier: cannot load model {str(path)!r}: GGUFError: {path}: {want}"), (
+        r.stderr
+    )
+    assert "Traceback" not in r.stderr
