@@ -17,6 +17,8 @@ from typing import Any
 
 import llama_cpp as llama
 
+from shared.gguf_check import check_gguf
+
 log = logging.getLogger("edge_client.llama")
 
 _GGML_LOG_LEVEL_WARN = 3
@@ -75,7 +77,8 @@ def extra_buffers_default() -> bool:
 
 
 class NativeModel:
-    """One loaded GGUF model (weights, or only the vocabulary with `vocab_only`).
+    """One loaded GGUF model (weights, or only the vocabulary with `vocab_only`). The file is
+    validated first (`shared.gguf_check`: a `GGUFError` for a header its tensors do not back).
 
     extra_buffers: let llama.cpp repack weights into its extra CPU buffer types (None: see
     `extra_buffers_default`).
@@ -88,6 +91,7 @@ class NativeModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        check_gguf(self.path)  # llama.cpp aborts the process on some headers: refuse them first
         params = llama.llama_model_default_params()
         params.vocab_only = vocab_only
         params.n_gpu_layers = 0  # the edge runs on the CPU; a GPU build would otherwise grab layers

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from edge_client.drafters.base import Drafter
+from shared.gguf_check import GGUFError
 from shared.model_store.verify import locked
 
 log = logging.getLogger(__name__)
@@ -275,6 +276,8 @@ def choose_backend(
         return _choice(cached["backend"], str(cached["reason"]), threads, figures, cached=True)
     try:
         folder = export(model)
+    except GGUFError:  # the file itself is malformed: no backend can draft with it, nothing to remember
+        raise
     except ImportError as exc:  # torch or onnx missing: nothing to remember, installing fixes it
         reason = f"the ONNX export needs torch and onnx ({exc}): pip install 'treespec[cloud,onnx]'"
         say(f"drafting with llama.cpp: {reason}")

@@ -31,6 +31,7 @@ from edge_client.drafters.choice import (
 )
 from edge_client.drafters.registry import backend_choices, create_drafter
 from shared import model_store
+from shared.gguf_check import GGUFError
 from tests.edge_client.fake_drafter import FakeDrafter
 
 # bench/results/2026-12-02/onnx_qwen.json on a quiet machine: decode 25.4 vs 25.1 tok/s, a level of
@@ -246,6 +247,24 @@ def test_an_export_that_cannot_be_run_falls_back_and_is_remembered(steps: _Steps
     assert got.backend == LLAMA_CPP and "MatMulNBits" in got.reason
     assert steps.lines[-1].startswith("drafting with llama.cpp") and "MatMulNBits" in steps.lines[-1]
     assert steps.choose().cached and steps.measures == 1
+
+
+def test_a_malformed_gguf_is_refused_not_remembered(steps: _Steps) -> None:
+    """The export refuses a malformed draft GGUF (shared.gguf_check): auto raises that one-line
+    error for the CLI to print, and neither falls back to llama.cpp (which would refuse the same
+    file) nor remembers a decision."""
+
+    def malformed(model: str) -> Path:
+        steps.exports += 1
+        raise GGUFError(f"{model}: llama.block_count is 0, must be >= 1")
+
+    steps.export = malformed  # type: ignore[method-assign]
+    with pytest.raises(GGUFError, match="block_count is 0"):
+        steps.choose()
+    assert steps.lines == [] and not list(steps.folder.parent.glob("*.auto-*.json"))
+    with pytest.raises(GGUFError):
+        steps.choose()
+    assert steps.exports == 2
 
 
 def test_an_export_that_needs_a_missing_package_is_not_remembered(steps: _Steps) -> None:

@@ -32,6 +32,7 @@ from edge_client.drafters import (
     create_drafter,
 )
 from tests.edge_client.fake_drafter import FakeDrafter
+from tests.shared.gguf_files import MALFORMED, write_tiny_gguf
 
 LLAMA_SELF_TV = 0.15
 TORCH_ATOL = 1e-4
@@ -314,3 +315,78 @@ def test_torch_tokenizer_matches_llama_cpp(smollm2_path: Path) -> None:
         assert [theirs.token_bytes(i) for i in sample] == [ours.token_bytes(i) for i in sample]
     finally:
         d.close()
+
+
+# ------------------------------------------------------------------------------------ malformed GGUFs
+_LOAD_EACH = """
+import sys
+from edge_client.drafters.registry import create_drafter
+from shared.gguf_check import GGUFError
+for path in sys.argv[1:]:
+    for backend in ("llama_cpp", "auto"):
+        try:
+            create_drafter(backend, path, max_context=64, max_nodes=8, max_leaves=4).close()
+            print("loaded", backend, path, flush=True)
+        except GGUFError as exc:
+            print("refused", backend, exc, flush=True)
+"""
+
+
+def test_llama_cpp_refuses_a_malformed_gguf_with_an_exception_not_an_abort(tmp_path: Path) -> None:
+    """A GGUF declaring 0, 100000 or 2^32-1 blocks (or any other malformed header) used to abort
+    the process inside llama.cpp (SIGABRT and a debugger backtrace), through `--drafter llama_cpp`
+    and `auto` alike: now the load raises GGUFError, one line naming the file and the field. In a
+    subprocess, so an abort fails the test instead of ending the test run."""
+    import subprocess
+    import sys
+
+    paths, wants = [], []
+    for make, want in MALFORMED.values():
+        paths.append(str(make(tmp_path)))
+        wants.append(want)
+    paths.append(str(write_tiny_gguf(tmp_path / "valid.gguf")))
+    r = subprocess.run(
+        [sys.executable, "-c", _LOAD_EACH, *paths], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    expected = [f"refused {b} {p}: " for p in paths[:-1] for b in ("llama_cpp", "auto")]
+    assert [line[: len(e)] for line, e in zip(lines, expected, strict=False)] == expected
+    for i, want in enumerate(wants):
+        assert want in lines[2 * i] and want in lines[2 * i + 1], lines[2 * i]
+    assert lines[-2:] == [f"loaded llama_cpp {paths[-1]}", f"loaded auto {paths[-1]}"]
+
+
+@pytest.mark.parametrize("command", ["generate"])
+def test_the_edge_cli_says_what_is_wrong_with_a_draft_gguf_in_one_line(tmp_path: Path, command: str) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    make, want = MALFORMED["2^32-1 blocks"]
+    path = make(tmp_path)
+    server = ["--server", "ws://127.0.0.1:9/v1/session", "--draft", str(path)]
+    if command == "generate":
+        args = ["generate", *server, "--drafter", "llama_cpp", "hi"]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            args = ["serve", *server, "--port", str(s.getsockname()[1])]  # --drafter auto
+    cmd = [sys.executable, "-m", "edge_client", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr[-2000:]
+    assert lines[0].startswith(
+        f"edge-client: error: cannot load the draft model {str(path)!r}: {path}: {want}"
+    )
+
+
+def test_the_torch_drafter_refuses_a_malformed_gguf(tmp_path: Path) -> None:
+    if not _torch_available():
+        pytest.skip("shared.model (the torch runtime) is not available")
+    from shared.gguf_check import GGUFError
+
+    make, want = MALFORMED["no KV heads"]
+    with pytest.raises(GGUFError, match=want):
+        create_drafter("torch", str(make(tmp_path)))
