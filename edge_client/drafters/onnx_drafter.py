@@ -134,9 +134,16 @@ class OnnxDrafter(Drafter):
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self._session = ort.InferenceSession(
-            str(folder / MODEL_FILE), sess_options=opts, providers=["CPUExecutionProvider"]
-        )
+        try:
+            self._session = ort.InferenceSession(
+                str(folder / MODEL_FILE), sess_options=opts, providers=["CPUExecutionProvider"]
+            )
+        except Exception as exc:  # onnxruntime's errors (InvalidGraph, ...) are not one type
+            why = " ".join(str(exc).split())[:300]
+            raise ExportError(
+                f"{folder}: onnxruntime cannot load {MODEL_FILE} ({type(exc).__name__}: {why}); the "
+                "export is damaged or was made from a malformed model: delete the folder and export again"
+            ) from None
         names = [o.name for o in self._session.get_outputs()]
         if names[:3] != ["logits", "present_key", "present_value"]:
             raise ExportError(f"{folder / MODEL_FILE}: unexpected outputs {names}; export it again")

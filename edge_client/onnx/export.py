@@ -193,6 +193,7 @@ def export(
     label a progress bar."""
     if int8_method not in INT8_METHODS:
         raise ValueError(f"int8_method {int8_method!r}: one of {', '.join(INT8_METHODS)}")
+    _check_source(source)
     dynamic = int8 and int8_method == "dynamic"
     stage: Callable[[str], None] = on_stage or (lambda what: None)
     stage("importing torch and onnx")
@@ -323,10 +324,20 @@ def _quantize_dynamic(src: Path, dst: Path) -> None:
         )
 
 
+def _check_source(source: str) -> None:
+    """Refuse a malformed source GGUF (shared.gguf_check.GGUFError, one line) before anything loads."""
+    from shared.gguf_check import check_gguf
+
+    path = source_path(source)
+    if path is not None:
+        check_gguf(path)
+
+
 def ensure_export(source: str, *, int8: bool = False, progress: bool = True) -> Path:
     """The cached export of `source` (an alias or GGUF path), made on first use; checked."""
     from shared.model_store.verify import locked
 
+    _check_source(source)  # also before a cached export of it is used
     folder = cache_folder(source, int8)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with locked(folder):  # two processes asking at once: one exports, the other waits and reads
