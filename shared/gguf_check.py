@@ -100,6 +100,12 @@ TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
+def _q(value: object) -> str:
+    """A name or value read from the file, quoted for a message (cut: a key may be 64 KiB long)."""
+    text = repr(value)
+    return text if len(text) <= 100 else text[:100] + "..."
+
+
 class GGUFError(ValueError):
     """A GGUF file that no loader may read; the message is one line naming the file and what is wrong."""
 
@@ -194,11 +200,21 @@ class _Cursor:
         at = self.take(n, what)
         return bytes(self.buf[at : at + n]).decode("utf-8", "replace")
 
-    def skip_string(self, what: str) -> None:
-        n = int(self.scalar("<Q", f"the length of {what}"))
-        if n > self.left():
-            raise self.fail(f"{what} is {n} bytes long, the file has {self.left()} bytes left")
-        self.pos += n
+    def skip_strings(self, count: int, what: str) -> None:
+        """Advance over `count` strings (an array's elements: a loop kept lean for 150k tokens)."""
+        buf, pos, size = self.buf, self.pos, self.size
+        for j in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                raise self.fail(f"element {j} of {what} is cut off by the end of the file")
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            pos += 8
+            if n > size - pos:
+                raise self.fail(
+                    f"element {j} of {what} is {n} bytes long, the file has {size - pos} bytes left"
+                )
+            pos += n
+        self.pos = pos
 
 
 def read_header(path: str | Path) -> GGUFHeader:
@@ -229,7 +245,7 @@ def _parse(c: _Cursor) -> GGUFHeader:
     for i in range(n_kv):
         key = c.string(f"metadata key {i}", MAX_KEY)
         if key in metadata:
-            raise c.fail(f"metadata key {key!r} appears twice")
+            raise c.fail(f"metadata key {_q(key)} appears twice")
         metadata[key] = _value(c, key)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if (
@@ -238,35 +254,34 @@ def _parse(c: _Cursor) -> GGUFHeader:
         or alignment & (alignment - 1)
         or alignment < 1
     ):
-        raise c.fail(f"general.alignment {alignment!r} is not a power of two")
+        raise c.fail(f"general.alignment {_q(alignment)} is not a power of two")
     raw = [_tensor_entry(c, i) for i in range(n_tensors)]
     data_start = -(-c.pos // alignment) * alignment
     tensors: dict[str, TensorInfo] = {}
     for name, dims, type_id, offset in raw:
         if name in tensors:
-            raise c.fail(f"tensor {name!r} appears twice")
+            raise c.fail(f"tensor {_q(name)} appears twice")
         tensors[name] = _tensor(c, name, dims, type_id, offset, alignment, data_start)
     return GGUFHeader(c.path, version, metadata, tensors, alignment, data_start, c.size)
 
 
 def _value(c: _Cursor, key: str) -> Any:
-    type_id = int(c.scalar("<I", f"the type of {key!r}"))
+    type_id = int(c.scalar("<I", f"the type of {_q(key)}"))
     if type_id not in VALUE_TYPES:
-        raise c.fail(f"metadata {key!r} has unknown value type {type_id}")
+        raise c.fail(f"metadata {_q(key)} has unknown value type {type_id}")
     if type_id == _STRING:
-        return c.string(f"the string {key!r}")
+        return c.string(f"the string {_q(key)}")
     if type_id != _ARRAY:
-        return c.scalar(VALUE_TYPES[type_id][1], f"the value of {key!r}")
-    item = int(c.scalar("<I", f"the element type of {key!r}"))
-    length = int(c.scalar("<Q", f"the length of {key!r}"))
+        return c.scalar(VALUE_TYPES[type_id][1], f"the value of {_q(key)}")
+    item = int(c.scalar("<I", f"the element type of {_q(key)}"))
+    length = int(c.scalar("<Q", f"the length of {_q(key)}"))
     if item not in VALUE_TYPES or item == _ARRAY:
-        raise c.fail(f"metadata {key!r} is an array of unknown or nested type {item}")
+        raise c.fail(f"metadata {_q(key)} is an array of unknown or nested type {item}")
     each = 8 if item == _STRING else struct.calcsize(VALUE_TYPES[item][1])
     if length * each > c.left():
-        raise c.fail(f"array {key!r} of {length} elements cannot fit in the {c.left()} bytes left")
+        raise c.fail(f"array {_q(key)} of {length} elements cannot fit in the {c.left()} bytes left")
     if item == _STRING:
-        for j in range(length):
-            c.skip_string(f"element {j} of {key!r}")
+        c.skip_strings(length, _q(key))
     else:
         c.pos += length * each
     return ArrayValue(item, length)
@@ -274,12 +289,12 @@ def _value(c: _Cursor, key: str) -> Any:
 
 def _tensor_entry(c: _Cursor, i: int) -> tuple[str, tuple[int, ...], int, int]:
     name = c.string(f"the name of tensor {i}", MAX_NAME - 1)
-    n_dims = int(c.scalar("<I", f"the dimension count of {name!r}"))
+    n_dims = int(c.scalar("<I", f"the dimension count of {_q(name)}"))
     if not 1 <= n_dims <= MAX_DIMS:
-        raise c.fail(f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS})")
-    dims = tuple(int(c.scalar("<Q", f"a dimension of {name!r}")) for _ in range(n_dims))
-    type_id = int(c.scalar("<I", f"the type of {name!r}"))
-    offset = int(c.scalar("<Q", f"the offset of {name!r}"))
+        raise c.fail(f"tensor {_q(name)} has {n_dims} dimensions (1 to {MAX_DIMS})")
+    dims = tuple(int(c.scalar("<Q", f"a dimension of {_q(name)}")) for _ in range(n_dims))
+    type_id = int(c.scalar("<I", f"the type of {_q(name)}"))
+    offset = int(c.scalar("<Q", f"the offset of {_q(name)}"))
     return name, dims, type_id, offset
 
 
@@ -287,21 +302,21 @@ def _tensor(
     c: _Cursor, name: str, dims: tuple[int, ...], type_id: int, offset: int, alignment: int, start: int
 ) -> TensorInfo:
     if any(d < 1 for d in dims):
-        raise c.fail(f"tensor {name!r} has shape {list(dims)}: every dimension must be >= 1")
+        raise c.fail(f"tensor {_q(name)} has shape {list(dims)}: every dimension must be >= 1")
     if type_id not in TENSOR_TYPES:
-        raise c.fail(f"tensor {name!r} has unknown type {type_id}")
+        raise c.fail(f"tensor {_q(name)} has unknown type {type_id}")
     type_name, values, size = TENSOR_TYPES[type_id]
     if dims[0] % values:
         raise c.fail(
-            f"tensor {name!r} of type {type_name}: rows of {dims[0]} are not whole {values}-value blocks"
+            f"tensor {_q(name)} of type {type_name}: rows of {dims[0]} are not whole {values}-value blocks"
         )
     nbytes = math.prod(dims) // values * size
     if offset % alignment:
-        raise c.fail(f"tensor {name!r} at offset {offset} breaks general.alignment {alignment}")
+        raise c.fail(f"tensor {_q(name)} at offset {offset} breaks general.alignment {alignment}")
     end = start + offset + nbytes
     if end > c.size:
         raise c.fail(
-            f"tensor {name!r} ({type_name} {list(dims)}) ends at byte {end}, past the end of the file "
+            f"tensor {_q(name)} ({type_name} {list(dims)}) ends at byte {end}, past the end of the file "
             f"({c.size} bytes): truncated, or a wrong offset or shape"
         )
     return TensorInfo(name, dims, type_name, offset, nbytes)
@@ -314,8 +329,10 @@ def _tensor(
 def check_model(h: GGUFHeader) -> None:
     """Refuse hyperparameters that are missing, absurd, or disagree with the tensors present."""
     arch = h.metadata.get("general.architecture")
-    if not isinstance(arch, str) or not arch:
-        raise h.error("general.architecture is missing (or not a string)")
+    if arch is None:
+        raise h.error("general.architecture is missing")
+    if not isinstance(arch, str) or not re.fullmatch(r"[\w.-]{1,64}", arch):
+        raise h.error(f"general.architecture {_q(arch)} is not an architecture's name")
     blocks = _count(h, arch, "block_count")
     _check_blocks(h, arch, blocks)
     _count(h, arch, "context_length")
@@ -335,7 +352,7 @@ def check_model(h: GGUFHeader) -> None:
     for key in ("attention.layer_norm_rms_epsilon", "rope.freq_base"):
         v = h.metadata.get(f"{arch}.{key}")
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
-            raise h.error(f"{arch}.{key} is {v!r}, must be a positive finite number")
+            raise h.error(f"{arch}.{key} is {_q(v)}, must be a positive finite number")
 
     def times(a: int | None, b: int | None) -> int | None:
         return a * b if a and b else None
@@ -374,7 +391,7 @@ def _count(h: GGUFHeader, arch: str, key: str, *, need: bool = True) -> int:
             raise h.error(f"{arch}.{key} is missing")
         return 0
     if isinstance(v, bool) or not isinstance(v, int):
-        raise h.error(f"{arch}.{key} is {v!r}, not a whole number")
+        raise h.error(f"{arch}.{key} is {_q(v)}, not a whole number")
     if v < 1:
         raise h.error(f"{arch}.{key} is {v}, must be >= 1")
     return v
@@ -391,7 +408,7 @@ def _check_shapes(h: GGUFHeader, shapes: dict[str, tuple[int | None, ...]]) -> N
         ):
             shown = ["?" if w is None else w for w in want]
             raise h.error(
-                f"tensor {name!r} has shape {list(t.dims)}, the header's hyperparameters give {shown}"
+                f"tensor {_q(name)} has shape {list(t.dims)}, the header's hyperparameters give {shown}"
             )
 
 
@@ -429,7 +446,7 @@ def _vocab(h: GGUFHeader, arch: str) -> int | None:
         raise h.error("tokenizer.ggml.merges is not an array of strings")
     size = h.metadata.get(f"{arch}.vocab_size")
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise h.error(f"{arch}.vocab_size is {size!r}, must be a whole number >= 1")
+        raise h.error(f"{arch}.vocab_size is {_q(size)}, must be a whole number >= 1")
     if n_tokens is not None and n_tokens < 1:
         raise h.error("tokenizer.ggml.tokens is empty")
     if size is not None and n_tokens is not None and size != n_tokens:

@@ -120,6 +120,14 @@ def _cut(path: Path, drop: int) -> Path:
     return path
 
 
+def _rename(path: Path, old: bytes, new: bytes) -> Path:
+    """Replace the one occurrence of `old` in the file's header by `new` (of the same length)."""
+    raw = path.read_bytes()
+    assert raw.count(old) == 1 and len(old) == len(new)
+    path.write_bytes(raw.replace(old, new))
+    return path
+
+
 Edit = Callable[[Path], Path]
 TOKENS = "tokenizer.ggml.tokens"
 NORM = "output_norm.weight"
@@ -154,6 +162,18 @@ EDITS: dict[str, tuple[Edit, str]] = {
     "dimension count": (
         lambda p: put(p, tensor_dims_at(p, NORM) - 4, 2**31, "<I"),
         "tensor 'output_norm.weight' has 2147483648 dimensions (1 to 4)",
+    ),
+    "duplicate tensor": (
+        lambda p: _rename(p, b"blk.0.attn_k.weight", b"blk.0.attn_q.weight"),
+        "tensor 'blk.0.attn_q.weight' appears twice",
+    ),
+    "no architecture": (
+        lambda p: _rename(p, b"general.architecture", b"general.architectur_"),
+        "general.architecture is missing",
+    ),
+    "a long architecture": (
+        lambda p: _rename(p, b"\x05\0\0\0\0\0\0\0llama", b"\x05\0\0\0\0\0\0\0ll\nma"),
+        "general.architecture 'll\\nma' is not an architecture's name",
     ),
     "tensor type": (
         lambda p: put(p, tensor_type_at(p, NORM), 99, "<I"),
