@@ -32,6 +32,18 @@ class RopeScaling:
     freq_factors: tuple[float, ...] | None = None
 
 
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position",
+)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -50,6 +62,9 @@ class ModelConfig:
     architecture: str = "llama"
 
     def __post_init__(self) -> None:
+        for name in _SIZES:  # a zero here divides by zero or builds an empty model further on
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

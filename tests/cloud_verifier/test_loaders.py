@@ -199,3 +199,13 @@ def test_the_verifier_says_what_is_wrong_with_a_gguf_in_one_line(tmp_path: Path)
         r.stderr
     )
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("field", ["num_layers", "num_heads", "num_kv_heads", "head_dim", "vocab_size"])
+def test_a_config_with_a_zero_size_is_refused_by_name(field: str) -> None:
+    """Whatever it is read from (a GGUF, a config.json, the weight cache's header), a zero size is
+    a ValueError naming the field, not a ZeroDivisionError further on or an empty model."""
+    from shared.model import make_tiny_config
+
+    with pytest.raises(ValueError, match=f"^{field} must be >= 1, got 0$"):
+        make_tiny_config(**{field: 0})
