@@ -501,7 +501,10 @@ class EdgeClient(Session):
             shapes = self.trees if len(self.trees) == len(self.drafters) else (req.tree,) * len(self.drafters)
             if req.mode.stochastic:  # draw counts must be fixed before drawing (see _request)
                 shapes = tuple(TreeSpec("static", t.expansion) if t.kind == "budget" else t for t in shapes)
-            step = DraftStep(self.drafters, req, self.welcome.limits, (req.tree, *shapes[1:]), self.parallel)
+            costs = self.learned.drafter_costs(len(self.drafters))
+            step = DraftStep(
+                self.drafters, req, self.welcome.limits, (req.tree, *shapes[1:]), self.parallel, costs
+            )
             profile = DrafterProfile(step.max_nodes, step.ms_per_node, step.eval_ms)
         core = SpeculationCore(
             self.proto, self.welcome, req, self.prespec, self.learned, st, profile, msg.temperature

@@ -64,17 +64,46 @@ class DrafterStats:
     extend_calls: int = 0  # = batched evaluations of draft nodes
     extend_nodes: int = 0
     extend_ms: float = 0.0
-    # each evaluation as (kind, rows, ms), kind "sync" or "extend"; None: not logged (DraftStep
-    # logs them for a round trace, stats.RoundTrace)
+    # each evaluation as (kind, rows, ms), kind "sync" or "extend"; None: not logged (a tracing
+    # client's own DrafterStats logs them for its round trace, stats.RoundTrace)
     log: list[tuple[str, int, float]] | None = None
     # the running cost of one evaluation by its rows (an exponential average per row count)
     by_rows: dict[int, float] = field(default_factory=dict)
     # the tree builders' own ms per row evaluated, outside the forward (ranking the row's logits,
     # coupling, bookkeeping; an exponential average, trees.builder.HostClock); None: not measured
     host_ms_per_row: float | None = None
+    # while one client drafts, its own DrafterStats, told of the same evaluations
+    # (speculation.executor.DraftStep sets it for each draft action): a client prices its plans by
+    # what it measured itself, never by what another client of this drafter measured (in another
+    # mode, under another load)
+    mirror: DrafterStats | None = field(default=None, repr=False, compare=False)
 
     def reset(self) -> None:
         self.__init__()  # type: ignore[misc]
+
+    def note_sync(self, tokens: int, ms: float) -> None:
+        """A sync that evaluated `tokens` committed tokens (0: all were cached) took `ms`."""
+        for st in self._told():
+            st.sync_calls += 1
+            st.sync_tokens += tokens
+            st.sync_ms += ms
+            if tokens:
+                st.observe(tokens, ms)
+                if st.log is not None:
+                    st.log.append(("sync", tokens, ms))
+
+    def note_extend(self, nodes: int, ms: float) -> None:
+        """One batched evaluation of `nodes` draft nodes took `ms`."""
+        for st in self._told():
+            st.extend_calls += 1
+            st.extend_nodes += nodes
+            st.extend_ms += ms
+            st.observe(nodes, ms)
+            if st.log is not None:
+                st.log.append(("extend", nodes, ms))
+
+    def _told(self) -> tuple[DrafterStats, ...]:
+        return (self,) if self.mirror is None else (self, self.mirror)
 
     def observe(self, rows: int, ms: float) -> None:
         """One evaluation of `rows` rows took `ms`."""
@@ -85,8 +114,13 @@ class DrafterStats:
         """A tree level's own work outside the forward took `ms` for `rows` rows."""
         if rows > 0:
             per = max(0.0, ms) / rows
-            old = self.host_ms_per_row
-            self.host_ms_per_row = per if old is None else 0.8 * old + 0.2 * per
+            for st in self._told():
+                old = st.host_ms_per_row
+                st.host_ms_per_row = per if old is None else 0.8 * old + 0.2 * per
+
+    def ms_per_node(self) -> float:
+        """The mean ms of a draft node over every extend (0 before any)."""
+        return self.extend_ms / self.extend_nodes if self.extend_nodes else 0.0
 
     def eval_ms(self, rows: int) -> float | None:
         """The expected ms of one evaluation of `rows` rows, the builders' own work on those rows
@@ -193,14 +227,7 @@ class Drafter(abc.ABC):
             tail = new[keep:]
         t0 = time.perf_counter()
         out = self._commit(keep, path, tail)
-        self.stats.sync_calls += 1
-        self.stats.sync_tokens += len(tail)
-        ms = (time.perf_counter() - t0) * 1e3
-        self.stats.sync_ms += ms
-        if tail:
-            self.stats.observe(len(tail), ms)
-        if self.stats.log is not None and tail:
-            self.stats.log.append(("sync", len(tail), ms))
+        self.stats.note_sync(len(tail), (time.perf_counter() - t0) * 1e3)
         if tail:
             if out is None:
                 raise AssertionError("backend returned no logits for evaluated tokens")
@@ -270,13 +297,7 @@ class Drafter(abc.ABC):
             raise DrafterError(
                 f"draft evaluation failed ({exc}); the draft workspace was dropped, call sync() to continue"
             ) from exc
-        self.stats.extend_calls += 1
-        self.stats.extend_nodes += n
-        ms = (time.perf_counter() - t0) * 1e3
-        self.stats.extend_ms += ms
-        self.stats.observe(n, ms)
-        if self.stats.log is not None:
-            self.stats.log.append(("extend", n, ms))
+        self.stats.note_extend(n, (time.perf_counter() - t0) * 1e3)
         if out.shape != (n, self.vocab_size):
             raise AssertionError(
                 f"backend returned logits of shape {out.shape}, expected {(n, self.vocab_size)}"

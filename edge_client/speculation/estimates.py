@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edge_client.drafters.base import DrafterStats
 from edge_client.trees import DraftResult
 from edge_client.trees.sampling import Landing
 
@@ -240,6 +241,7 @@ class Learned:
     last_draft:  the last tree sent (its reach and frontier size the next dynamic budget)
     cache_overrun: how much longer the outcome cache's chains took to draft than their priced
                  time (>= 1, an exponential average): the cache divides its time by it
+    costs:       what each drafter's evaluations cost while this client drafted (drafter_costs)
     """
 
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
@@ -247,6 +249,15 @@ class Learned:
     rtt_ms: float = 0.0
     last_draft: DraftResult | None = None
     cache_overrun: float = 1.0
+    costs: list[DrafterStats] = field(default_factory=list)
+
+    def drafter_costs(self, n: int) -> tuple[DrafterStats, ...]:
+        """This client's measurements of its `n` drafters' evaluations (speculation.executor
+        .DraftStep feeds and reads them): its plans are priced by what it measured, never by what
+        another client of a shared drafter measured (in another mode, under another load)."""
+        while len(self.costs) < n:
+            self.costs.append(DrafterStats())
+        return tuple(self.costs[:n])
 
     def choice_model(self, temperature: float, coupled: bool = False) -> ChoiceModel:
         """The outcome model for this temperature (its acceptance estimate carries over). Coupled

@@ -20,7 +20,7 @@ import concurrent.futures
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from edge_client.drafters.base import Drafter, WorkspaceFullError
+from edge_client.drafters.base import Drafter, DrafterStats, WorkspaceFullError
 from edge_client.session import VerifierTimeout
 from edge_client.speculation.actions import (
     DRAFT_ACTIONS,
@@ -75,6 +75,11 @@ class DraftStep:
     round costs the slowest drafter's time instead of the sum. Stochastic draws then come from a
     generator spawned per drafter from the request's (reproducible for a seed; not the same draws
     as in turn).
+
+    `costs[i]`: what the client measured of drafter i's evaluations (speculation.estimates.Learned
+    .drafter_costs; default: this step's own). Each drafter reports its evaluations there while
+    `run` drafts, and `ms_per_node` / `eval_ms` read them there: a drafter shared by several
+    clients carries no client's measurements into another's plans.
     """
 
     def __init__(
@@ -84,9 +89,15 @@ class DraftStep:
         limits: SessionLimits,
         shapes: Sequence[TreeSpec] | None = None,
         parallel: concurrent.futures.Executor | None = None,
+        costs: Sequence[DrafterStats] | None = None,
     ) -> None:
         if not drafters:
             raise ValueError("the draft step needs at least one drafter")
+        self.costs = tuple(costs) if costs is not None else tuple(DrafterStats() for _ in drafters)
+        if len(self.costs) != len(drafters):
+            raise ValueError(
+                f"{len(drafters)} drafters but {len(self.costs)} cost records: give one per drafter"
+            )
         shapes = tuple(shapes) if shapes is not None else (req.tree,) * len(drafters)
         if len(shapes) != len(drafters):
             raise ValueError(f"{len(drafters)} drafters but {len(shapes)} tree shapes: give one per drafter")
@@ -109,19 +120,28 @@ class DraftStep:
         return self.drafter.max_nodes
 
     def ms_per_node(self) -> float:
-        st = self.drafter.stats
-        return st.extend_ms / st.extend_nodes if st.extend_nodes else 0.0
+        return self.costs[0].ms_per_node()
 
     def eval_ms(self, rows: int) -> float | None:
         """The drafters' ms for one evaluation of `rows` rows (merged: the slowest if in parallel,
-        else their sum); None before every drafter measured one."""
-        each = [d.stats.eval_ms(rows) for d in self.drafters]
+        else their sum); None before every drafter measured one for this client."""
+        each = [c.eval_ms(rows) for c in self.costs]
         known = [x for x in each if x is not None]
         if len(known) < len(each):
             return None
         return max(known) if self.parallel is not None else sum(known)
 
     def run(self, action: DraftAction) -> DraftResult | Drafted | Reanchored:
+        """Draft what `action` asks, every drafter reporting its evaluations to `costs` meanwhile."""
+        for d, c in zip(self.drafters, self.costs, strict=True):
+            d.stats.mirror = c
+        try:
+            return self._run(action)
+        finally:
+            for d in self.drafters:
+                d.stats.mirror = None
+
+    def _run(self, action: DraftAction) -> DraftResult | Drafted | Reanchored:
         if isinstance(action, DraftPlain):
             return self._each(action.committed, self.options, action.budget, action.shape)
         if isinstance(action, DraftConditional):
@@ -272,7 +292,7 @@ class RoundExecutor:
         self.verdict_timeout_s = verdict_timeout_s
         self._out: list[Verdict] = []
         if step is not None and core.stats.trace is not None:
-            step.drafter.stats.log = []  # the trace's draft events carry each evaluation
+            step.costs[0].log = []  # the trace's draft events carry each evaluation
 
     @property
     def cancelled(self) -> bool:
@@ -303,7 +323,7 @@ class RoundExecutor:
             trace = self.core.stats.trace
             if trace is not None:
                 kind, trees = _DRAFT_KINDS[type(action)], _trees_asked(action)
-                log = self.step.drafter.stats.take_log()
+                log = self.step.costs[0].take_log()
                 trace.drafts.append(DraftEvent(t0, self.core.clock(), kind, trees, log))
             return result
         if isinstance(action, Send):

@@ -93,7 +93,7 @@ class Scripted:
         )
         self.proto.receive(encode(welcome))
         self.stats = GenerationStats()
-        self.step = DraftStep([self.drafter], self.req, self.limits)
+        self.step = DraftStep([self.drafter], self.req, self.limits, costs=self.learned.drafter_costs(1))
         self.core = SpeculationCore(
             self.proto,
             welcome,

@@ -348,6 +348,37 @@ def test_prespec_config_names_the_bad_field(field: str, value: Any) -> None:
     PrespecConfig(min_gain=0.1, leaf_min_reach=0.0, allocation="top")  # in range: accepted
 
 
+def test_clients_sharing_a_drafter_each_plan_with_their_own_measurements() -> None:
+    """Two clients of one drafter, one after the other (as bench.e2e runs its modes): each prices
+    its plans with what it measured itself (its Learned's drafter costs count exactly its own
+    evaluations; the drafter's counters count both), and the first one's round trace leaves
+    nothing switched on in the drafter (its log stays off for the next client)."""
+    drafter = create_drafter("torch", "tiny")
+    prompt = load_prompts(1)[0].text
+
+    async def one(url: str, trace: bool) -> EdgeClient:
+        cfg = PrespecConfig(fanout=3, gate=False)
+        async with EdgeClient(
+            url, drafter, prespec=cfg, link=LinkShape.rtt(20.0), tree=TreeSpec(), trace=trace
+        ) as c:
+            async for _ in c.generate(prompt, max_new_tokens=16):
+                pass
+        return c
+
+    with LiveServer(max_pending=6) as srv:
+        first = asyncio.run(one(srv.ws, True))
+        assert drafter.stats.log is None
+        second = asyncio.run(one(srv.ws, False))
+    drafter.close()
+    a, b = first.learned.drafter_costs(1)[0], second.learned.drafter_costs(1)[0]
+    assert a.extend_calls > 0 and b.extend_calls > 0
+    assert a.extend_calls + b.extend_calls == drafter.stats.extend_calls
+    assert a.sync_calls + b.sync_calls == drafter.stats.sync_calls
+    assert first.last is not None and first.last.stats.trace is not None
+    assert any(e.evaluations for e in first.last.stats.trace.drafts)  # the trace still has them
+    assert drafter.stats.log is None
+
+
 def test_the_outcome_cache_and_the_priced_miss_path_keep_the_output(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the outcome cache on (chains for the further outcomes, planned to reach the server before
     its verdict) and the miss path forced to chains, greedy and seeded match give exactly the output

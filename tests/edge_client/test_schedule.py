@@ -177,3 +177,44 @@ def test_chains_that_took_longer_than_priced_shorten_the_next_plans() -> None:
     for _ in range(60):
         learned.observe_cache_plan(10.0, 1000.0)
     assert learned.cache_overrun == pytest.approx(4.0)
+
+
+def _chains_planned(s: Scripted, steps: int = 6) -> list[DraftConditional]:
+    """The lockstep chains the session's outcome cache drafts in its first `steps` idle steps."""
+    for _ in range(steps):
+        work = s.core.idle(quiet=True)
+        if work is None:
+            break
+        s._run(work)
+    return [a for a in s.draft_actions(DraftConditional) if a.shapes is not None]
+
+
+def test_a_client_plans_with_its_own_measurements_never_another_clients() -> None:
+    """Two clients (each its own Learned) share one drafter. What the drafter went through before
+    the second client came (here its evaluations at 1e9 ms each and as much again per row of a
+    builder's own work, as an earlier client on a machine stalled by other work would have
+    measured them) never prices the second client's plans: before it drafts, it knows no cost (as
+    with a new drafter); afterwards, only its own evaluations. With a verification of 270 s to
+    draft in, its outcome cache plans chains; priced by the earlier figures none would fit."""
+    drafter = FakeDrafter(64)
+    cfg = PrespecConfig(fanout=3, max_chain=1, gate=True, cache=True, outcomes=12)
+    req = Request(Mode.GREEDY, TreeSpec("static", ExpansionConfig((2, 1, 1, 1))))
+    slow_verify = {1: 2e5, 8: 2.7e5, 32: 4e5}  # the verification above, a thousand times slower
+    first = Scripted(drafter, req, cfg, verify_cost_ms=slow_verify)
+    first.start([3, 14, 15, 9, 26, 5])
+    first_evals = drafter.stats.extend_calls
+    assert first_evals > 0 and first.step.eval_ms(1) is not None
+    for rows in range(1, 65):
+        drafter.stats.observe(rows, 1e9)
+    drafter.stats.host_ms_per_row = 1e9
+
+    second = Scripted(drafter, req, cfg, verify_cost_ms=slow_verify)
+    assert second.step.eval_ms(1) is None and second.step.ms_per_node() == 0.0
+    second.start([3, 14, 15, 9, 26, 5])
+    chains = _chains_planned(second)
+    assert chains, "the second client's own costs leave time for chains"
+    own = second.learned.drafter_costs(1)[0]
+    assert own is not first.learned.drafter_costs(1)[0]
+    assert own.by_rows and max(own.by_rows.values()) < 1e9 and (own.host_ms_per_row or 0.0) < 1e9
+    # the drafter's own counters (benches read them) still count both clients' evaluations
+    assert drafter.stats.extend_calls == first_evals + own.extend_calls
