@@ -81,8 +81,11 @@ class Engine:
         return self.runner.open(on_result)
 
     def close(self, s: SeqState) -> None:
-        """Forget a session; its KV blocks are freed now, or right after the step it is part of."""
+        """Forget a session; its KV blocks are freed now, or right after the step it is part of.
+        Generations waiting for KV room that now fit become ready."""
+        self._note_pending()
         self.runner.close(s)
+        self._wake_if_ready()
 
     def start(self, s: SeqState, prompt: Prompt, committed: np.ndarray) -> None:
         """Begin a generation: committed = cached context (if continuing) + the new prompt tokens."""
@@ -92,7 +95,13 @@ class Engine:
 
     def end(self, s: SeqState) -> None:
         """The session's generation ended outside the engine (a cancel with no round in flight)."""
+        self._note_pending()
         self.runner.end(s)
+        self._wake_if_ready()
+
+    def _wake_if_ready(self) -> None:
+        if self.pending_work:
+            self._wake.set()
 
     def submit(self, s: SeqState, round_id: int, tree: TokenTree | None) -> None:
         self._note_pending()
@@ -111,6 +120,16 @@ class Engine:
     def waiting(self) -> int:
         """Rounds ready and not in the step now running."""
         return self.runner.ready
+
+    @property
+    def queued(self) -> int:
+        """Generations waiting for room in the KV pool before their prefill."""
+        return self.runner.queued
+
+    @property
+    def preemptions(self) -> int:
+        """Sessions whose KV blocks were freed for another's round (recomputed later), so far."""
+        return self.runner.room.preemptions
 
     def healthy(self) -> bool:
         """False when the loop died, a step has run far past its expected time, or ready work has

@@ -8,7 +8,8 @@ Which thread touches what (docs/architecture.md §5):
 
 - The event loop's thread owns every `SeqState`: its status, job, committed sequence and
   generation settings change only there (`open`, `start`, `submit`, `end`, `close`, `plan`,
-  `finish`). It adds and frees KV sequences of sessions that are not in the running step.
+  `finish`). It adds and frees KV sequences of sessions that are not in the running step, and,
+  in `plan` (between steps), frees the blocks `KVRoom.fit` reclaims or preempts.
 - The worker thread runs `execute`: the target's forward, and the KV rows of the planned sessions
   (reserve, write, commit, discard). It reads the planned sessions' committed tokens, job and
   sampling settings, which nothing changes while a session is RUNNING, and writes only their
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cloud_verifier.kv_room import KVRoom, worst_positions
 from cloud_verifier.sampling import SamplingParams, sample_next_async
 from cloud_verifier.verify import (
     Algorithm,
@@ -85,6 +87,7 @@ class SeqStatus(enum.Enum):
     """Where a session stands with the engine. Only the event loop's thread moves it (step.py)."""
 
     IDLE = "idle"  # no generation running
+    QUEUED = "queued"  # a generation waiting for room in the KV pool before its prefill (kv_room.py)
     WAITING = "waiting"  # a generation between rounds: the client is drafting its next tree
     READY = "ready"  # a round queued for the next step
     RUNNING = "running"  # its round is in the step now running
@@ -92,13 +95,15 @@ class SeqStatus(enum.Enum):
     CLOSED = "closed"  # forgotten, KV freed
 
 
-# what each status may become: start/submit queue a round (IDLE, WAITING -> READY), a step takes it
+# what each status may become: start/submit queue a round (IDLE, WAITING -> READY), or start finds no
+# room in the KV pool and the generation waits until it is admitted (-> QUEUED -> READY); a step takes it
 # (-> RUNNING) and hands back a prefill chunk or a deferred round (-> READY) or a verdict (-> WAITING,
 # or IDLE when the generation ended); a cancel between rounds ends it (WAITING -> IDLE); a close
 # during a step waits for the step (RUNNING -> CLOSING -> CLOSED)
 TRANSITIONS: dict[SeqStatus, frozenset[SeqStatus]] = {
-    SeqStatus.IDLE: frozenset({SeqStatus.READY, SeqStatus.CLOSED}),
-    SeqStatus.WAITING: frozenset({SeqStatus.READY, SeqStatus.IDLE, SeqStatus.CLOSED}),
+    SeqStatus.IDLE: frozenset({SeqStatus.READY, SeqStatus.QUEUED, SeqStatus.CLOSED}),
+    SeqStatus.QUEUED: frozenset({SeqStatus.READY, SeqStatus.CLOSED}),
+    SeqStatus.WAITING: frozenset({SeqStatus.READY, SeqStatus.QUEUED, SeqStatus.IDLE, SeqStatus.CLOSED}),
     SeqStatus.READY: frozenset({SeqStatus.RUNNING, SeqStatus.CLOSED}),
     SeqStatus.RUNNING: frozenset({SeqStatus.READY, SeqStatus.WAITING, SeqStatus.IDLE, SeqStatus.CLOSING}),
     SeqStatus.CLOSING: frozenset({SeqStatus.CLOSED}),
@@ -126,7 +131,7 @@ class SeqState:
     generator: torch.Generator | None = None
     max_new_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()
-    job: Job | None = None  # the queued or running round (READY, RUNNING)
+    job: Job | None = None  # the round waiting for KV room, queued or running (QUEUED, READY, RUNNING)
     status: SeqStatus = SeqStatus.IDLE
     cancelled: bool = False  # a cancel came with a round queued or running: IDLE after that round
 
@@ -138,8 +143,8 @@ class SeqState:
 
     @property
     def working(self) -> bool:
-        """The engine holds a round of this session (queued or in a step)."""
-        return self.status in (SeqStatus.READY, SeqStatus.RUNNING, SeqStatus.CLOSING)
+        """The engine holds a round of this session (waiting for KV room, queued or in a step)."""
+        return self.status in (SeqStatus.QUEUED, SeqStatus.READY, SeqStatus.RUNNING, SeqStatus.CLOSING)
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,9 @@ class EngineConfig:
     # whose verdict just went out: their next tree is usually a loopback round trip away, and
     # without the wait the clients settle into two groups that take turns (half-size batches).
     gather_ms: float = 3.0
+    # tree nodes a round may carry (the sessions' limit): a tree-mode generation reserves room for
+    # this many rows past its longest committed sequence when it is admitted (kv_room.py)
+    max_nodes: int = 64
 
 
 @dataclass
@@ -232,6 +240,7 @@ class StepRunner:
         self.config = config
         self.eos_ids = frozenset(target.eos_ids)
         self.seqs: dict[int, SeqState] = {}
+        self.room = KVRoom(kv)  # which generations hold room in the pool, which wait for it
         self.forwards = 0  # packed forwards run (a KV-full retry with fewer sessions counts once)
         # off the CPU, verdicts stay on the device until one copy per step (verify.read_verdicts)
         self.sync_free = target.device.type != "cpu"
@@ -249,8 +258,14 @@ class StepRunner:
         return self.finish(done, time.perf_counter() - t0)
 
     def plan(self) -> list[Planned]:
-        """Loop thread: the step's rounds (`plan_step`); their sessions become RUNNING."""
+        """Loop thread: the step's rounds (`plan_step`) that the KV pool holds (`KVRoom.fit` frees
+        reclaimable blocks, or preempts, for them; a round left out waits for a later step); their
+        sessions become RUNNING."""
         plan = plan_step(self.seqs.values(), self.kv, self.config, self._rr)
+        runs, preempted = self.room.fit([(p.seq.sid, p.rows) for p in plan])
+        if preempted:
+            log.info("KV pool full: sessions %s preempted (to be recomputed from their tokens)", preempted)
+        plan = [p for p in plan if p.seq.sid in runs]
         self._rr += 1 if plan else 0
         for p in plan:
             p.seq.move(SeqStatus.RUNNING)
@@ -452,9 +467,23 @@ class StepRunner:
         assert result is not None
         result.round_s = time.perf_counter() - p.job.ready_at
         s.committed.extend(result.tokens)
-        s.move(SeqStatus.IDLE if result.done or s.cancelled else SeqStatus.WAITING)
+        if result.done or s.cancelled:
+            s.move(SeqStatus.IDLE)
+            self._settle(s)
+        else:
+            s.move(SeqStatus.WAITING)
         s.on_result(result)
         return result
+
+    def _settle(self, s: SeqState) -> None:
+        """`s`'s generation is over: its KV reservation goes, and the generations waiting for room
+        that now fit are admitted (their prompt round becomes READY)."""
+        self.room.release(s.sid)
+        for sid in self.room.admit_waiting():
+            q = self.seqs[sid]
+            assert q.job is not None
+            q.job = Job(q.job.round, q.job.tree)  # ready from now (round_s counts from here)
+            q.move(SeqStatus.READY)
 
     def _unrun(self, s: SeqState) -> None:
         if s.status is SeqStatus.CLOSING:
@@ -484,6 +513,7 @@ class StepRunner:
             s.move(SeqStatus.CLOSED)
         if self.seqs.pop(s.sid, None) is not None:
             self.kv.free(s.sid)
+            self._settle(s)
 
     def start(self, s: SeqState, prompt: Prompt, committed: np.ndarray) -> None:
         """Begin a generation: committed = cached context (if continuing) + the new prompt tokens."""
@@ -504,13 +534,21 @@ class StepRunner:
         s.max_new_tokens = prompt.max_new_tokens
         s.stop_ids = self.eos_ids | frozenset(prompt.stop_ids)
         s.cancelled = False
-        self.submit(s, 0, prompt.tree)
+        nodes = prompt.tree.num_nodes if prompt.tree is not None else 0
+        rows = 0 if mode is Mode.AR else max(self.config.max_nodes, nodes)
+        worst = worst_positions(len(new), s.max_new_tokens, self.config.max_context, rows)
+        if self.room.request(s.sid, worst, first=len(new) + nodes):
+            self.submit(s, 0, prompt.tree)
+        else:  # no room in the pool yet: the prompt waits, unprefilled, until _settle admits it
+            s.move(SeqStatus.QUEUED)
+            s.job = Job(0, prompt.tree)
 
     def end(self, s: SeqState) -> None:
         """The session's generation ended outside the engine (a cancel with no round in flight)."""
         if s.status is SeqStatus.WAITING:
             s.move(SeqStatus.IDLE)
-        elif s.status in (SeqStatus.READY, SeqStatus.RUNNING):
+            self._settle(s)
+        elif s.status in (SeqStatus.QUEUED, SeqStatus.READY, SeqStatus.RUNNING):
             s.cancelled = True  # the queued round still runs; the session is IDLE after it
 
     def submit(self, s: SeqState, round_id: int, tree: TokenTree | None) -> bool:
@@ -525,6 +563,11 @@ class StepRunner:
     def ready(self) -> int:
         """Rounds queued and not in the step now running."""
         return sum(1 for s in self.seqs.values() if s.status is SeqStatus.READY)
+
+    @property
+    def queued(self) -> int:
+        """Generations waiting for room in the KV pool."""
+        return self.room.queued
 
 
 # ---------------------------------------------------------------------------- what a step packs

@@ -203,6 +203,17 @@ class PagedKVCache:
     def can_fit(self, seq_id: int, n_rows: int) -> bool:
         return self._extra_blocks(self._seq(seq_id), n_rows) <= self._num_free
 
+    def blocks_needed(self, seq_id: int, n_rows: int) -> int:
+        """Free blocks a forward of `n_rows` new rows of this sequence would take."""
+        return self._extra_blocks(self._seq(seq_id), n_rows)
+
+    def blocks_held(self, seq_id: int) -> int:
+        return len(self._seq(seq_id).blocks)
+
+    def blocks_for(self, length: int) -> int:
+        """Blocks that hold `length` positions."""
+        return self._blocks_for(length)
+
     def _seq(self, seq_id: int) -> _Seq:
         try:
             return self._seqs[seq_id]

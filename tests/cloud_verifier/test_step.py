@@ -129,10 +129,12 @@ def test_a_session_closed_during_its_step_is_released_after_it() -> None:
 
 
 def test_a_kv_full_step_defers_rounds_on_the_loop_thread() -> None:
-    r = _runner(blocks=3, prefill_chunk=512)  # 48 slots: two whole 30-row prompts do not fit together
+    # 48 slots: a 30-row prompt fits; a 60-row one never does, so it is admitted at once (its step
+    # refuses it) and packed beside the first, and that forward does not fit
+    r = _runner(blocks=3, prefill_chunk=512)
     seqs = [r.open(lambda res: None) for _ in range(2)]
-    for s, seed in zip(seqs, (67, 68), strict=True):
-        p = prompt_tokens(seed, 30)
+    for s, (seed, n) in zip(seqs, ((67, 30), (68, 60)), strict=True):
+        p = prompt_tokens(seed, n)
         r.start(s, _prompt(p, 2), np.asarray(p, dtype=np.int32))
     plan = r.plan()
     assert len(plan) == 2
