@@ -17,7 +17,6 @@ types, no duplicate or unknown keys and no non-string keys, and never unpickles 
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
@@ -27,6 +26,7 @@ import numpy as np
 from shared.errors import ErrorCode, ProtocolError
 from shared.sparse import Q_TOTAL, SparseRows
 from shared.tree import DrawLimits, Draws, TokenTree
+from shared.verify_cost import cost_curve_error
 from shared.wire import (
     DEFAULT_WIRE_LIMITS,
     MAX_U31,
@@ -143,6 +143,32 @@ class SessionLimits:
     max_q_row: int = DrawLimits.max_q_row
     max_pending_bytes: int | None = None
 
+    # The limits a client can work with, (least, most) per field: the one rule `from_wire` reads
+    # a welcome by and `check` states for a verifier's own settings, so that no verifier starts
+    # with limits every client refuses. A tree needs a node and a depth; a frame must hold a
+    # hello and a short prompt; max_pending 0: no conditional trees.
+    RANGES: ClassVar[dict[str, tuple[int, int]]] = {
+        "max_nodes": (1, MAX_U31),
+        "max_depth": (1, MAX_U31),
+        "max_pending": (0, MAX_U31),
+        "max_bytes": (4096, MAX_U31),
+        "max_context": (1, MAX_U31),
+        "max_draws": (1, MAX_U31),
+        "max_row_draws": (1, MAX_U31),
+        "max_q_ids": (1, MAX_U31),
+        "max_q_row": (1, MAX_U31),
+        "max_pending_bytes": (1, MAX_U31),  # or None: not sent
+    }
+
+    def check(self) -> None:
+        """Raise ValueError naming the first field outside RANGES."""
+        for name, (lo, hi) in self.RANGES.items():
+            v = getattr(self, name)
+            if v is None and name == "max_pending_bytes":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+
     @property
     def draws(self) -> DrawLimits:
         return DrawLimits(self.max_draws, self.max_row_draws, self.max_q_ids, self.max_q_row)
@@ -165,19 +191,22 @@ class SessionLimits:
 
     @classmethod
     def from_wire(cls, r: Reader) -> SessionLimits:
+        def read(name: str, default: Any = ...) -> Any:
+            return r.integer(name, *cls.RANGES[name], default=default)
+
         out = cls(
-            max_nodes=r.integer("max_nodes", 0),
-            max_depth=r.integer("max_depth", 0),
-            max_pending=r.integer("max_pending", 0),
-            max_bytes=r.integer("max_bytes", 1),
-            max_context=r.integer("max_context", 1),
+            max_nodes=read("max_nodes"),
+            max_depth=read("max_depth"),
+            max_pending=read("max_pending"),
+            max_bytes=read("max_bytes"),
+            max_context=read("max_context"),
             # optional: a server of an earlier release does not send them
-            max_draws=r.integer("max_draws", 1, default=DrawLimits.max_draws),
-            max_row_draws=r.integer("max_row_draws", 1, default=DrawLimits.max_row_draws),
-            max_q_ids=r.integer("max_q_ids", 1, default=DrawLimits.max_q_ids),
-            max_q_row=r.integer("max_q_row", 1, default=DrawLimits.max_q_row),
+            max_draws=read("max_draws", DrawLimits.max_draws),
+            max_row_draws=read("max_row_draws", DrawLimits.max_row_draws),
+            max_q_ids=read("max_q_ids", DrawLimits.max_q_ids),
+            max_q_row=read("max_q_row", DrawLimits.max_q_row),
             # optional: sent only to a client that asked for it (hello.features)
-            max_pending_bytes=r.integer("max_pending_bytes", 1, default=None),
+            max_pending_bytes=read("max_pending_bytes", None),
         )
         r.finish()
         return out
@@ -226,14 +255,14 @@ class Welcome:
         cost: dict[int, float] = {}
         for k, v in cost_raw.items():
             if (
-                not (isinstance(k, str) and k.isdigit())
+                not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10)
                 or isinstance(v, bool)
                 or not isinstance(v, (int, float))
             ):
                 raise r.bad("verify_cost_ms", "must map decimal node counts to numbers")
-            if not math.isfinite(v) or v < 0:
-                raise r.bad("verify_cost_ms", "milliseconds must be finite and >= 0")
             cost[int(k)] = float(v)
+        if (why := cost_curve_error(cost)) is not None:
+            raise r.bad("verify_cost_ms", why)
         return cls(
             version=r.integer("version", 0, 1 << 16),
             session_id=r.text("session_id"),

@@ -788,19 +788,26 @@ def test_verdicts_that_never_end_stop_at_max_new_tokens() -> None:
 # ------------------------------------------------------------------------ 5, 6: the welcome
 
 
+UNUSABLE = "unusable welcome"
+NO_FORWARD = "is not a forward time"  # shared.verify_cost's rule, applied as the welcome is read
+
+
 @pytest.mark.parametrize(
-    ("change", "fld"),
+    ("change", "fld", "said"),
     [
-        ({"vocab_fingerprint": ""}, "welcome.vocab_fingerprint"),
-        ({"vocab_fingerprint": "not-hex"}, "welcome.vocab_fingerprint"),
-        ({"vocab_fingerprint": "A" * 64}, "welcome.vocab_fingerprint"),
-        ({"version": 7}, "welcome.version"),
-        ({"allowed_modes": ()}, "welcome.allowed_modes"),
-        ({"eos_ids": (V,)}, "welcome.eos_ids"),
-        ({"limits": SessionLimits(max_nodes=0)}, "welcome.limits"),
+        ({"vocab_fingerprint": ""}, "welcome.vocab_fingerprint", UNUSABLE),
+        ({"vocab_fingerprint": "not-hex"}, "welcome.vocab_fingerprint", UNUSABLE),
+        ({"vocab_fingerprint": "A" * 64}, "welcome.vocab_fingerprint", UNUSABLE),
+        ({"version": 7}, "welcome.version", UNUSABLE),
+        ({"allowed_modes": ()}, "welcome.allowed_modes", UNUSABLE),
+        ({"eos_ids": (V,)}, "welcome.eos_ids", UNUSABLE),
+        # limits outside SessionLimits.RANGES are refused as the welcome is read
+        ({"limits": SessionLimits(max_nodes=0)}, "limits.max_nodes", r"must be in \[1, "),
+        ({"verify_cost_ms": {1: 0.0, 32: 2.0}}, "verify_cost_ms", NO_FORWARD),
+        ({"verify_cost_ms": {1: 1.0, 32: 1e308}}, "verify_cost_ms", NO_FORWARD),
     ],
 )
-def test_an_unusable_welcome_is_refused(change: dict[str, Any], fld: str) -> None:
+def test_an_unusable_welcome_is_refused(change: dict[str, Any], fld: str, said: str) -> None:
     d = FakeDrafter(V)
 
     async def script(s: Honest) -> None:
@@ -811,7 +818,7 @@ def test_an_unusable_welcome_is_refused(change: dict[str, Any], fld: str) -> Non
     async def main() -> Liar:
         async with liar(script, d.vocab_fingerprint()) as lv:
             c = _client(lv.url, d)
-            with pytest.raises(ProtocolViolation, match="unusable welcome") as info:
+            with pytest.raises(ProtocolViolation, match=said) as info:
                 await _tokens(c, 4)
             assert info.value.field == fld
             return lv
