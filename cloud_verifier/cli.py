@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from cloud_verifier.server_config import ServerConfig
+from shared.cli_args import fraction
 
 
 def _port(text: str) -> int:
@@ -126,6 +127,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "(the unbatched baseline, for measurements)",
     )
     p.add_argument("--kv-blocks", type=int, default=d.kv_blocks, help="KV blocks in the pool (0: automatic)")
+    p.add_argument(
+        "--kv-memory-fraction",
+        type=fraction(zero=False),
+        default=d.kv_memory_fraction,
+        help="with --kv-blocks 0: the KV pool's share of the memory available once the weights are "
+        "loaded (free device memory on a GPU, MemAvailable on a CPU), at most every session at its "
+        "longest; the start-up log's 'KV pool:' line gives the size",
+    )
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument(
         "--dtype",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import platform
 import time
@@ -22,9 +23,11 @@ from shared import model_store
 from shared.model import SeqInput, Target
 from shared.model.kv_cache import PagedKVCache
 from shared.tree import TokenTree
+from shared.verify_cost import cost_curve_error
 
 DEFAULT_NODES = (1, 2, 4, 8, 16, 32, 64)
 _PROBE_SEQ = -7  # a sequence id no session uses
+log = logging.getLogger("cloud_verifier")
 
 
 def probe_tree(n: int, base: int, vocab: int) -> TokenTree:
@@ -83,7 +86,8 @@ def measure_verify_cost(
                         torch.cuda.synchronize(dev)
                     times.append((time.perf_counter() - t0) * 1e3)
                     kv.discard(_PROBE_SEQ)
-                out[n] = round(min(times[1:]), 3)  # the first run warms up
+                # the first run warms up; a forward is never free (a curve of 0 ms is refused)
+                out[n] = max(round(min(times[1:]), 3), 0.001)
     finally:
         kv.free(_PROBE_SEQ)
     return monotone(out)
@@ -145,6 +149,32 @@ def cost_cache_key(target: Target, threads: int, nodes: Sequence[int], prefix: i
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
+def read_cached_cost(path: Path, nodes: Sequence[int]) -> dict[int, float] | str:
+    """The curve a cost-cache file holds, or why it cannot be used: missing, unreadable, not a
+    usable curve (shared.verify_cost: the rule the client reads the welcome by) or measured at other
+    sizes than `nodes`."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return "not cached"
+    except (OSError, ValueError) as exc:
+        return f"unreadable ({exc})"
+    entries = raw.get("verify_cost_ms") if isinstance(raw, dict) else None
+    if not isinstance(entries, dict):
+        return "no verify_cost_ms map"
+    curve: dict[int, float] = {}
+    for k, v in entries.items():
+        if not (k.isascii() and k.isdigit() and len(k) <= 10):
+            return f"{k!r} is not a decimal node count"
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            return f"{k} nodes: {v!r} is not a number"
+        curve[int(k)] = float(v)
+    why = cost_curve_error(curve)
+    if why is None and sorted(curve) != sorted(nodes):
+        why = f"measured at {sorted(curve)} nodes, not {sorted(nodes)}"
+    return curve if why is None else why
+
+
 def cached_verify_cost(
     target: Target,
     kv: PagedKVCache,
@@ -157,21 +187,25 @@ def cached_verify_cost(
 
     Measuring takes ~30 forwards: a few seconds for SmolLM2, ~25 s for a 1.5B model in fp32 on one
     core, which would double a cached start. The curve is kept in `<treespec cache>/cost/`;
-    `remeasure` measures again and replaces it.
+    `remeasure` measures again and replaces it, and so does a cached curve no client could use
+    (`read_cached_cost`). A measured curve is checked by the same rule before it is kept or
+    advertised (ValueError if it fails).
     """
     path = model_store.cache_dir() / "cost" / f"{cost_cache_key(target, threads, nodes, prefix)}.json"
     if not remeasure:
-        with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-            raw = json.loads(path.read_text())
-            curve = {int(k): float(v) for k, v in raw["verify_cost_ms"].items()}
-            if sorted(curve) == sorted(nodes):
-                return curve
+        cached = read_cached_cost(path, nodes)
+        if not isinstance(cached, str):
+            return cached
+        if cached != "not cached":
+            log.warning("the cached verify cost curve %s is not usable: %s; measuring it again", path, cached)
     # streamed layers: a forward's cost is mostly the transfer, steady from one run to the next
     repeats = 1 if getattr(target.model, "offload", None) is not None else 3
     curve = measure_verify_cost(target, kv, nodes, prefix, repeats)
+    if (why := cost_curve_error(curve)) is not None:
+        raise ValueError(f"the measured verify cost curve {curve} is not usable: {why}")
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model": target.model_id, "verify_cost_ms": curve}))
+        tmp.write_text(json.dumps({"model": target.model_id, "verify_cost_ms": curve}), encoding="utf-8")
         os.replace(tmp, path)
     return curve

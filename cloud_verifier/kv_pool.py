@@ -1,5 +1,11 @@
 """The size of the service's paged KV pool, and its share of a streamed target's resident budget.
 
+A resident target's automatic pool is sized from the memory the machine has once the weights are
+loaded, as GPU servers size theirs from free device memory (vLLM's gpu_memory_utilization):
+`kv_memory_fraction` of what is available (free device memory on a GPU; MemAvailable on a CPU,
+from psutil when installed, else /proc/meminfo), at most what max_sessions sessions at their longest
+can use, and at least one full context where memory holds it. `--kv-blocks` sets it outright.
+
 With `--offload`, `--resident-gb N` bounds what the target holds in memory: the KV pool is made
 first out of N (it is read every forward, like a resident layer) and the layers get what it
 leaves. The pool's bytes are known before the weights load, from the model's configuration, so
@@ -8,6 +14,8 @@ the budget the layers are planned against already has the pool taken out.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from cloud_verifier.server_config import ServerConfig
@@ -15,10 +23,9 @@ from shared.model.model_config import ModelConfig
 from shared.model.target import Target
 from shared.model.weights import resolve_device, resolve_dtype
 
-# the automatic KV pool takes at most this share of the weights' bytes (the 1.5B in fp32: ~0.85 GB,
-# ~9,900 tokens with the CPU kernel's tiled keys), which keeps the process within 1.3x its weights
+# a streamed target's automatic KV pool takes at most this share of its resident budget
 KV_WEIGHT_SHARE = 0.12
-MEMORY_CAP = 2 << 30  # the automatic pool's bytes at most (unless one full context needs more)
+MEMORY_CAP = 2 << 30  # a streamed target's automatic pool's bytes at most (unless one context needs more)
 TILE = 16  # the CPU kernel keeps a transposed copy of K when the block size is a multiple of this
 
 
@@ -30,9 +37,9 @@ def token_bytes(c: ModelConfig, dtype: torch.dtype, tiled: bool) -> int:
 
 
 def pool_blocks(config: ServerConfig, per_token: int, weight_bytes: int, memory_cap: int = MEMORY_CAP) -> int:
-    """`--kv-blocks` when set; else blocks for max_sessions full contexts, capped at `memory_cap`
-    bytes and at KV_WEIGHT_SHARE of `weight_bytes` (so a large target's pool does not outgrow it),
-    but never fewer than one full context holds (small weights: the 1.5B's GGUF blocks are 1.1 GB)."""
+    """A streamed target's pool: `--kv-blocks` when set; else blocks for max_sessions full contexts,
+    capped at `memory_cap` bytes and at KV_WEIGHT_SHARE of `weight_bytes` (its resident budget), but
+    never fewer than one full context holds."""
     if config.kv_blocks:
         return config.kv_blocks
     one = config.max_context + config.max_nodes + 1  # a session at its longest, with a tree
@@ -46,14 +53,91 @@ def _budget_bytes(config: ServerConfig) -> int:
     return int(config.resident_gb * 1e9)
 
 
-def kv_blocks_for(config: ServerConfig, target: Target, memory_cap: int = MEMORY_CAP) -> int:
-    """The pool the service makes for `target` (see pool_blocks). A streamed target's share cap is
-    of its resident budget, as kv_reserve_bytes planned it before the weights loaded."""
+def meminfo_available(path: str = "/proc/meminfo") -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where the file or the line is missing)."""
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """The memory a pool on `device` may come out of now: free device memory on a GPU, the
+    machine's available memory on a CPU (psutil when installed, else /proc/meminfo); None where
+    nothing says."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        import psutil
+    except ImportError:
+        return meminfo_available()
+    return int(psutil.virtual_memory().available)
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """The automatic pool: its blocks and how they were chosen (`line` logs it)."""
+
+    blocks: int
+    block_size: int
+    token_bytes: int
+    how: str  # "memory", "--kv-blocks", "resident budget"
+    fraction: float = 0.0
+    available: int | None = None  # bytes available when it was sized ("memory")
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+    def line(self) -> str:
+        size = f"KV pool: {self.blocks} blocks of {self.block_size} tokens ({self.tokens} tokens, "
+        size += f"{self.tokens * self.token_bytes / 1e9:.3f} GB)"
+        if self.how != "memory":
+            return f"{size}, from {self.how}"
+        if self.available is None:
+            return f"{size}, {FALLBACK_BYTES / 1e9:.1f} GB (the available memory could not be read)"
+        return f"{size}: kv_memory_fraction {self.fraction:g} of {self.available / 1e9:.2f} GB available"
+
+
+FALLBACK_BYTES = 2 << 30  # the pool's bytes where the available memory cannot be read
+
+
+def memory_blocks(config: ServerConfig, per_token: int, available: int | None) -> int:
+    """Blocks for `kv_memory_fraction` of `available` bytes, at most max_sessions sessions at their
+    longest (a pool past that is never used), at least one session at its longest where `available`
+    holds it (whole blocks, and never under 8)."""
+    one = config.max_context + config.max_nodes + 1  # a session at its longest, with a tree
+    budget = FALLBACK_BYTES if available is None else int(config.kv_memory_fraction * available)
+    floor = one if available is None else min(one, available // per_token)
+    tokens = min(config.max_sessions * one, max(budget // per_token, floor))
+    return max(tokens // config.block_size, -(-floor // config.block_size), 8)
+
+
+def pool_size(config: ServerConfig, target: Target, available: int | None = None) -> PoolSize:
+    """The pool the service makes for `target`: `--kv-blocks` when set; a streamed target's out of
+    its resident budget (pool_blocks), as kv_reserve_bytes planned it before the weights loaded;
+    else from memory (memory_blocks), `available` bytes or what `available_bytes` measures now."""
     tiled = target.model.attention_kernel == "cpu-invariant" and config.block_size % TILE == 0
     per_token = token_bytes(target.config, target.dtype, tiled)
-    streamed = config.offload != "none"
-    weight_bytes = _budget_bytes(config) if streamed else target.model.weight_bytes()
-    return pool_blocks(config, per_token, weight_bytes, memory_cap)
+    if config.kv_blocks:
+        return PoolSize(config.kv_blocks, config.block_size, per_token, "--kv-blocks")
+    if config.offload != "none":
+        blocks = pool_blocks(config, per_token, _budget_bytes(config))
+        return PoolSize(blocks, config.block_size, per_token, "resident budget")
+    if available is None:
+        available = available_bytes(target.device)
+    blocks = memory_blocks(config, per_token, available)
+    return PoolSize(blocks, config.block_size, per_token, "memory", config.kv_memory_fraction, available)
+
+
+def kv_blocks_for(config: ServerConfig, target: Target, available: int | None = None) -> int:
+    """The blocks of `pool_size`."""
+    return pool_size(config, target, available).blocks
 
 
 def kv_reserve_bytes(config: ServerConfig, c: ModelConfig) -> int:

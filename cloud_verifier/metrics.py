@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from cloud_verifier.engine import Engine
+
 _NODE_BUCKETS = (0, 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 _LEN_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 _TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -21,6 +23,7 @@ class Metrics:
             "specdec_admission_waiting", "HTTP requests waiting for a generation slot", registry=r
         )
         self.model_name = ""
+        self._preemptions = 0  # the engine's count already added to the counters
 
     def _declare_rounds(self, r: CollectorRegistry) -> None:
         """What the verified trees were and how much of them was accepted."""
@@ -71,6 +74,22 @@ class Metrics:
         self.sessions = Gauge("specdec_sessions", "Open sessions", registry=r)
         self.kv_blocks_used = Gauge("specdec_kv_blocks_in_use", "KV blocks in use", registry=r)
         self.kv_blocks_total = Gauge("specdec_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.kv_blocks_reserved = Gauge(
+            "cloud_verifier_kv_blocks_reserved",
+            "KV blocks reserved for the generations admitted (each the most it can grow to)",
+            registry=r,
+        )
+        self.kv_queued = Gauge(
+            "cloud_verifier_kv_queued_generations",
+            "Generations waiting for room in the KV pool before their prefill",
+            registry=r,
+        )
+        self.preemptions = Counter(
+            "cloud_verifier_preemptions",
+            "Sessions whose KV blocks were freed for an earlier-admitted session's round (recomputed "
+            "later from their committed tokens)",
+            registry=r,
+        )
         self.cond_hits = Counter(
             "specdec_conditional_tree_hits", "Pending trees verified with no round trip", registry=r
         )
@@ -111,6 +130,9 @@ class Metrics:
             buckets=_SECONDS, registry=r,
         )  # fmt: skip
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1", m, registry=r)
+        self.vllm_preemptions = Counter(
+            "vllm:num_preemptions", "Sessions preempted (KV freed, recomputed later)", m, registry=r
+        )
 
     def record_round(self, nodes: int, accepted_depths: list[int]) -> None:
         self.num_drafts.inc()
@@ -126,6 +148,20 @@ class Metrics:
         self.vllm_accepted.labels(name).inc(len(accepted_depths))
         for d in accepted_depths:
             self.vllm_accepted_per_pos.labels(name, str(d - 1)).inc()
+
+    def record_pool(self, engine: Engine) -> None:
+        """The KV pool's usage, reservations and queue now, and the preemptions since the last call."""
+        kv, name = engine.kv, self.model_name
+        self.kv_blocks_used.set(kv.blocks_in_use)
+        self.kv_blocks_total.set(kv.num_blocks)
+        self.vllm_kv_usage.labels(name).set(kv.blocks_in_use / max(kv.num_blocks, 1))
+        self.kv_blocks_reserved.set(engine.runner.room.reserved_blocks)
+        self.kv_queued.set(engine.queued)
+        new = engine.preemptions - self._preemptions
+        if new > 0:
+            self.preemptions.inc(new)
+            self.vllm_preemptions.labels(name).inc(new)
+            self._preemptions = engine.preemptions
 
     def record_generation(self, ttft_s: float, tokens: int, seconds: float) -> None:
         """One generation ended: its time to first token, and the time per token after it."""

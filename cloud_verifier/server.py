@@ -52,7 +52,7 @@ from cloud_verifier.auth import AuthError, KeyStore
 from cloud_verifier.cost import cached_verify_cost
 from cloud_verifier.engine import Engine
 from cloud_verifier.http_protocol import with_header_timeout
-from cloud_verifier.kv_pool import kv_blocks_for, layers_budget_gb
+from cloud_verifier.kv_pool import layers_budget_gb, pool_size
 from cloud_verifier.server_config import ServerConfig
 from cloud_verifier.session import ModelInfo, serve_session
 from cloud_verifier.step import EngineConfig
@@ -111,7 +111,9 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
             target.model.set_attention(cfg.attention)
         # one copy of the weights: the packed projections replace the loaded ones
         await asyncio.to_thread(target.model.prepare, own, own)
-        kv = target.new_kv_cache(kv_blocks_for(cfg, target), cfg.block_size)
+        size = pool_size(cfg, target)  # after the weights: what memory they leave
+        log.info("%s", size.line())
+        kv = target.new_kv_cache(size.blocks, cfg.block_size)
         cost = {1: 1.0}
         if cfg.measure_cost:
             cost = await asyncio.to_thread(cached_verify_cost, target, kv, cfg.threads, cfg.remeasure_cost)
@@ -124,6 +126,7 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
                 max_context=cfg.max_context,
                 batching=cfg.batching,
                 prefill_chunk=cfg.prefill_chunk,
+                max_nodes=cfg.max_nodes,
             ),
         )
         m = state.metrics
@@ -132,7 +135,7 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
             m.forward_seconds.observe(seconds)
             m.step_rows.observe(rows)
             m.step_sessions.observe(sessions)
-            m.kv_blocks_used.set(kv.blocks_in_use)
+            m.record_pool(engine)
 
         engine.on_step = on_step
         group = getattr(target.model, "group", None)  # tensor parallelism: every rank must be alive
@@ -195,10 +198,8 @@ def _refresh_gauges(state: AppState, http_running: int) -> None:
     m.vllm_running.labels(name).set(sum(1 for s in state.sessions if s.generating) + http_running)
     m.admission_waiting.set(state.admission.waiting)
     if state.engine is not None:
-        kv = state.engine.kv
-        m.kv_blocks_used.set(kv.blocks_in_use)
-        m.vllm_kv_usage.labels(name).set(kv.blocks_in_use / max(kv.num_blocks, 1))
-        m.vllm_waiting.labels(name).set(state.engine.waiting)
+        m.record_pool(state.engine)
+        m.vllm_waiting.labels(name).set(state.engine.waiting + state.engine.queued)
 
 
 def create_app(

@@ -40,7 +40,8 @@ class ServerConfig:
     token_budget: int = 512  # rows packed into one engine step (chunked prefill beyond it)
     prefill_chunk: int = 16  # prompt rows a step for one session while others have work (bench.prefill_share)
     batching: bool = True  # False: one session per engine forward (the baseline bench.load compares)
-    kv_blocks: int = 0  # 0: size the pool for max_sessions * max_context / 4
+    kv_blocks: int = 0  # 0: automatic (kv_memory_fraction of the memory left once the weights load)
+    kv_memory_fraction: float = 0.5  # the automatic KV pool's share of available memory (kv_pool.py)
     block_size: int = 16
     idle_timeout_s: float = 300.0  # no frame from the client and no round of its in the engine
     header_timeout_s: float = 10.0  # an HTTP request's line and headers must arrive within this
