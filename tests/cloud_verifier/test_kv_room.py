@@ -154,3 +154,38 @@ def test_rounds_that_outgrow_their_reservation_preempt_and_recompute_exactly() -
     assert [res.error for res in results if res.error is not None] == []
     assert tokens == [ref[len(p) :] for p, ref in zip(prompts, refs, strict=True)]
     assert r.room.preemptions >= 1 and SeqStatus.QUEUED in seen
+
+
+def _status(s: SeqState) -> SeqStatus:
+    """Read through a call, so the type checker does not carry an earlier assert's narrowing."""
+    return s.status
+
+
+def test_a_queued_generation_closed_or_cancelled_leaves_the_queue_as_the_protocol_expects() -> None:
+    """Closed while waiting, a generation's place goes to the next; cancelled while waiting, its
+    prompt round still runs once admitted (the client waits for that verdict), and it ends IDLE."""
+    prompts = [prompt_tokens(110 + i, 20) for i in range(4)]
+    t = tiny()
+    r = StepRunner(t, t.new_kv_cache(9, 16), EngineConfig(gather_ms=0, max_nodes=0))
+    got: list[list[RoundResult]] = [[] for _ in prompts]
+    seqs = [r.open(got[i].append) for i in range(4)]
+    for s, p in zip(seqs, prompts, strict=True):
+        r.start(s, Prompt(np.asarray(p, np.int32), Mode.GREEDY, max_new_tokens=30), np.asarray(p, np.int32))
+    a, b, c, d = seqs
+    assert [s.status for s in seqs] == [SeqStatus.READY] * 2 + [SeqStatus.QUEUED] * 2
+    assert c.working and d.working  # not idle: the reader keeps waiting for them
+    r.close(c)
+    assert _status(c) is SeqStatus.CLOSED and [sid for sid, _ in r.room.queue] == [d.sid]
+    r.end(d)
+    assert _status(d) is SeqStatus.QUEUED and d.cancelled
+    for _ in range(10):  # a's and b's prompt rounds (no next round is asked for)
+        if _status(a) is SeqStatus.WAITING and _status(b) is SeqStatus.WAITING:
+            break
+        r.step()
+    assert _status(d) is SeqStatus.QUEUED  # a and b still hold their reservations
+    r.end(a)  # a's generation is cancelled between rounds: its room goes to d
+    assert _status(d) is SeqStatus.READY
+    r.step()
+    assert _status(d) is SeqStatus.IDLE and [len(x) for x in got] == [1, 1, 0, 1]
+    assert got[3][0].tokens == reference(tuple(prompts[3]), 1)
+    assert r.room.queued == 0 and set(r.room.reserved) == {b.sid}
