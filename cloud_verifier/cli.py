@@ -39,7 +39,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     d = ServerConfig.from_env()
     p = sub.add_parser(
         "serve",
-        help="run the verifier service (WebSocket /v1/session, /healthz, /readyz, /metrics)",
+        help="run the verifier service (WebSocket /v1/session, the OpenAI API, /healthz, /readyz, "
+        "/health, /metrics)",
         description="Load the target model, measure its verify cost curve and serve edge clients. "
         "Defaults come from ServerConfig and CLOUD_VERIFIER_<FLAG> environment variables.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -60,8 +61,8 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         default=d.api_key_file,
         help="file with one API key per line, optionally followed by 'trusted', 'sessions=N', "
         "'tokens_per_min=M' (a word beginning with '#' starts a comment); reloaded on SIGHUP; every "
-        "HTTP path but /healthz, /readyz and /metrics then needs a key; without it access is open and "
-        "every client is untrusted",
+        "HTTP path but /healthz, /readyz, /health and /metrics then needs a key; without it access is "
+        "open and every client is untrusted",
     )
     p.add_argument(
         "--trust-anonymous",

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API on the verifier: /v1/completions, /v1/chat/completions, /v1/models.
+"""OpenAI-compatible HTTP API on the verifier: /v1/completions, /v1/chat/completions, /v1/models,
+and vLLM's /tokenize, /detokenize and /version (vllm_api).
 
 Each request is one target-only generation (mode `ar`) in the same engine as the speculative
 sessions, so it is batched with them step by step. Sampling is the verifier's: temperature 0 is
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from cloud_verifier import vllm_api
 from cloud_verifier.admission import Admission, AdmissionRefused, Ticket
 from cloud_verifier.auth import AuthError, KeyStore, Principal
 from cloud_verifier.engine import Engine
@@ -309,9 +311,42 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
     async def chat_completions(request: Request) -> Response:
         return await _handle(ctx, request, chat=True)
 
+    # vLLM's utility routes (vllm_api), for tools written for vLLM
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _utility(ctx, request, lambda b, t: vllm_api.tokenize(b, t, ctx.max_context, _encode))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _utility(ctx, request, vllm_api.detokenize)
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        try:
+            _authorize(ctx, request)
+        except ApiError as exc:
+            return _respond(exc)
+        return JSONResponse(vllm_api.version())
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
         return _respond(exc)
+
+
+async def _utility(
+    ctx: ApiContext, request: Request, work: Callable[[dict[str, Any], Target], dict[str, Any]]
+) -> Response:
+    """POST /tokenize and /detokenize: a key, a loaded target and a body as the generation routes
+    take them, then `work` on a tokenize worker (a 4 MiB prompt never holds up the event loop)."""
+    try:
+        _authorize(ctx, request)
+        _, target, model = _ready(ctx)
+        body = await _read_body(ctx, request)
+        vllm_api.check_model(body, model)
+        answer = await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, work, body, target)
+    except ApiError as exc:
+        return _respond(exc)
+    return JSONResponse(answer)
 
 
 def _authorize(ctx: ApiContext, request: Request) -> Principal:

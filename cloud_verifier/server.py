@@ -1,4 +1,5 @@
-"""The FastAPI service: WS /v1/session, GET /healthz, /readyz, /metrics (docs/architecture.md §2, §7).
+"""The FastAPI service: WS /v1/session, GET /healthz, /readyz, /health (vLLM's), /metrics
+(docs/architecture.md §2, §7).
 
 `create_app(config)` loads the target in the background (/readyz answers 503 until it is ready),
 measures the verify cost curve, starts the engine loop and serves sessions (each WebSocket:
@@ -217,13 +218,19 @@ def create_app(
 
     app = FastAPI(title="cloud-verifier", lifespan=lifespan)
     app.state.verifier = state
-    # with a key file, every HTTP route but /healthz, /readyz and /metrics needs a key (FastAPI's
+    # with a key file, every HTTP route but OPEN_PATHS (the probes and /metrics) needs a key (FastAPI's
     # /docs, /redoc and /openapi.json included); the drain counts and ends HTTP requests there
     app.add_middleware(HttpGate, state=state)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "alive"}
+
+    @app.get("/health")
+    async def health() -> Response:
+        """vLLM's probe, which load tools validate a backend with: 200 with an empty body while
+        serving (as /readyz), else 503."""
+        return Response(status_code=200 if state.ready else 503)
 
     @app.get("/readyz")
     async def readyz() -> Response:
@@ -459,7 +466,7 @@ class ThreadedServer:
 
 
 # answered without a key and during a drain: health probes and metrics scrapes
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/metrics"})
 
 
 HTTP_SLACK = 16  # requests beyond the generations' slots and queue: reading bodies, /v1/models
