@@ -24,12 +24,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import httpx
+import numpy as np
 import pytest
 import torch
 
 from cloud_verifier import parallel
 from cloud_verifier.server import ThreadedServer
 from cloud_verifier.server_config import ServerConfig
+from cloud_verifier.step import EngineConfig, RoundResult, SeqState, SeqStatus, StepRunner
+from shared.messages import Mode, Prompt
 from shared.model import (
     Target,
     decode_step,
@@ -39,8 +42,10 @@ from shared.model import (
     round_keep,
     tree_round,
 )
+from shared.model.kv_cache import PagedKVCache
 from shared.model.llama import onednn_available
 from shared.model.model_config import make_tiny_config
+from shared.tree import TokenTree
 from tests.cloud_verifier.helpers import incremental_logits, max_diff, random_tree
 
 TOL = 1e-4  # |logit(TP=2) - logit(TP=1)| in float32, tiny (measured 1.1e-5)
@@ -319,6 +324,48 @@ def test_packed_sessions_with_frees_during_the_forward_match_tp1(tp2: Target) ->
             assert kv.consistent()
     for a, b in zip(*results, strict=True):
         assert max_diff(a, b) <= TOL
+
+
+def _generate_past_the_pool(t: Target, blocks: int) -> tuple[list[list[int]], int, PagedKVCache]:
+    """Three 44-token prompts that may add 4 tokens each, on an engine that reserves no tree rows,
+    with 12-node trees (wrong after the first node): on 9 blocks the first trees do not fit and the
+    latest-admitted session is preempted. Each session's tokens, the preemptions, the pool."""
+    prompts = [[(29 * i + 7 * j) % 4000 + 3 for j in range(44)] for i in range(3)]
+    kv = t.new_kv_cache(blocks, 16)
+    r = StepRunner(t, kv, EngineConfig(gather_ms=0, max_nodes=0))
+    tokens: list[list[int]] = [[] for _ in prompts]
+    seqs: list[SeqState] = []
+
+    def on_result(i: int) -> Callable[[RoundResult], None]:
+        def cb(res: RoundResult) -> None:
+            tokens[i].extend(res.tokens)
+            if not res.done:
+                s = seqs[i]
+                tree = TokenTree.from_sequences([[5, *range(100, 111)]], base=len(s.committed))
+                r.submit(s, res.round + 1, tree)
+
+        return cb
+
+    for i, p in enumerate(prompts):
+        seqs.append(r.open(on_result(i)))
+        r.start(
+            seqs[i], Prompt(np.asarray(p, np.int32), Mode.GREEDY, max_new_tokens=4), np.asarray(p, np.int32)
+        )
+    for _ in range(100):
+        if all(s.status is SeqStatus.IDLE for s in seqs):
+            break
+        r.step()
+    return tokens, r.room.preemptions, kv
+
+
+def test_a_preemption_under_tp2_frees_the_blocks_on_every_rank_and_keeps_the_tokens(tp2: Target) -> None:
+    """KVRoom.fit frees a preempted session's blocks through the sharded cache, so every rank's
+    bookkeeping stays rank 0's; the recomputed session's tokens equal a run with room to spare."""
+    roomy, none, _ = _generate_past_the_pool(tp2, 64)
+    tight, preempted, kv = _generate_past_the_pool(tp2, 9)
+    assert none == 0 and preempted >= 1
+    assert tight == roomy
+    assert isinstance(kv, parallel.ShardedKVCache) and kv.consistent()
 
 
 # ------------------------------------------------------------------------------ the service
