@@ -16,19 +16,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from shared.cli_args import integer, nonempty, number, positive_int
 from shared.model_store import DEFAULT_TARGET
+
+COUNT = integer(0)  # a count where 0 means "all" or "none"
+SEED = integer(0, (1 << 31) - 1)
+RATE = number(0.0, lo_open=True)  # a learning rate: finite and > 0
+WEIGHT = number(0.0)  # a finite weight >= 0
+MODEL = nonempty("the model")
 
 
 def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    """Comma-separated temperatures, each finite and >= 0 (CollectConfig.check bounds them above)."""
+    one = number(0.0)
+    return tuple(one(x) for x in text.split(",") if x.strip())
+
+
+def _blocks(text: str) -> str:
+    """Comma-separated block indices (>= 0); empty: every block."""
+    for b in text.split(","):
+        if b.strip():
+            integer(0)(b)
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sp.add_argument(
         "--per-category",
-        type=int,
+        type=COUNT,
         default=0,
         help="with --prompts-out: the first N prompts of each category (0: all)",
     )
@@ -68,18 +83,22 @@ def build_parser() -> argparse.ArgumentParser:
         "position's token, the teacher's top-k probabilities and the remaining mass; resumable.",
     )
     cp.add_argument("--out", type=Path, required=True, help="output folder (created; resumed if it exists)")
-    cp.add_argument("--model", default=DEFAULT_TARGET, help="the target (teacher): alias or GGUF path")
-    cp.add_argument("--tokens", type=int, default=128, help="new tokens per record at most")
+    cp.add_argument(
+        "--model", type=MODEL, default=DEFAULT_TARGET, help="the target (teacher): alias or GGUF path"
+    )
+    cp.add_argument("--tokens", type=positive_int(), default=128, help="new tokens per record at most")
     cp.add_argument(
         "--temperatures",
         type=_floats,
         default=(0.0, 1.0),
         help="decoding temperatures, one record per prompt each (0: greedy)",
     )
-    cp.add_argument("--batch", type=int, default=4, help="sequences per forward")
-    cp.add_argument("--top-k", type=int, default=32, help="teacher probabilities kept per position")
-    cp.add_argument("--seed", type=int, default=0, help="seeds the sampled records (each from its name)")
-    cp.add_argument("--limit", type=int, default=0, help="only the first N train prompts (0: all)")
+    cp.add_argument("--batch", type=positive_int(), default=4, help="sequences per forward")
+    cp.add_argument(
+        "--top-k", type=positive_int(), default=32, help="teacher probabilities kept per position"
+    )
+    cp.add_argument("--seed", type=SEED, default=0, help="seeds the sampled records (each from its name)")
+    cp.add_argument("--limit", type=COUNT, default=0, help="only the first N train prompts (0: all)")
     cp.add_argument("--split", type=Path, default=None, help="split file (default: the committed one)")
     cp.add_argument(
         "--side",
@@ -106,23 +125,25 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--records", type=Path, required=True, help="a collect folder of train records")
     dp.add_argument("--heldout", type=Path, default=None, help="a collect folder of held-out records")
     dp.add_argument("--out", type=Path, required=True, help="run folder (checkpoints; resumed if it exists)")
-    dp.add_argument("--draft", default="smollm2-135m-q4-l8", help="the draft to train: alias or GGUF path")
-    dp.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    dp.add_argument("--batch", type=int, default=4, help="records per step")
-    dp.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
+    dp.add_argument(
+        "--draft", type=MODEL, default="smollm2-135m-q4-l8", help="the draft to train: alias or GGUF path"
+    )
+    dp.add_argument("--steps", type=positive_int(), default=200, help="optimizer steps")
+    dp.add_argument("--batch", type=positive_int(), default=4, help="records per step")
+    dp.add_argument("--lr", type=RATE, default=1e-4, help="AdamW learning rate")
     dp.add_argument("--loss", choices=("kl", "tvd"), default="kl", help="divergence from the teacher")
-    dp.add_argument("--ce-weight", type=float, default=0.1, help="weight of the cross-entropy term")
-    dp.add_argument("--blocks", default="", help="blocks to train, e.g. 4,5,6,7 (default: all)")
-    dp.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (0: full fine-tuning of --blocks)")
-    dp.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scale numerator (alpha / rank)")
+    dp.add_argument("--ce-weight", type=WEIGHT, default=0.1, help="weight of the cross-entropy term")
+    dp.add_argument("--blocks", type=_blocks, default="", help="blocks to train, e.g. 4,5,6,7 (default: all)")
+    dp.add_argument("--lora-rank", type=COUNT, default=0, help="LoRA rank (0: full fine-tuning of --blocks)")
+    dp.add_argument("--lora-alpha", type=RATE, default=16.0, help="LoRA scale numerator (alpha / rank)")
     dp.add_argument("--lora-targets", default="qkv,o,gate_up,down", help="projections LoRA adapts")
-    dp.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
-    dp.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
-    dp.add_argument("--max-positions", type=int, default=0, help="teacher positions per record (0: all)")
-    dp.add_argument("--seed", type=int, default=0, help="seeds the record order and the LoRA init")
+    dp.add_argument("--eval-every", type=COUNT, default=50, help="steps between held-out evaluations")
+    dp.add_argument("--checkpoint-every", type=COUNT, default=50, help="steps between checkpoints")
+    dp.add_argument("--max-positions", type=COUNT, default=0, help="teacher positions per record (0: all)")
+    dp.add_argument("--seed", type=SEED, default=0, help="seeds the record order and the LoRA init")
     dp.add_argument(
         "--validation",
-        type=float,
+        type=number(0.0, 1.0),
         default=0.0,
         help="the share of train prompts set apart (never trained on) and evaluated at --eval-every, to "
         "choose the kept step with --keep best (0: none)",
@@ -143,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
         "every tensor training changed rewritten (F32, or Q8_0) and the rest copied byte for byte.",
     )
     ep.add_argument("--run", type=Path, required=True, help="a distill run folder (holds draft.safetensors)")
-    ep.add_argument("--draft", default="smollm2-135m-q4-l8", help="the draft the run trained: alias or GGUF")
+    ep.add_argument(
+        "--draft", type=MODEL, default="smollm2-135m-q4-l8", help="the draft the run trained: alias or GGUF"
+    )
     ep.add_argument("--gguf-type", choices=("f32", "q8_0"), default="f32", help="type of rewritten tensors")
     ep.add_argument(
         "--out",
@@ -153,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ep.add_argument(
         "--name",
+        type=nonempty("the name"),
         default=None,
         help="also give the draft a name: written to <cache>/models/trained/NAME.gguf (with NAME.gguf.json: "
         "the run and base it came from), so `--draft NAME` runs it in every drafter backend (instead of "
@@ -179,19 +203,25 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument(
         "--out", type=Path, required=True, help="output folder (each SSM's run; resumed if it exists)"
     )
-    op.add_argument("--draft", default="smollm2-135m-q4-l8", help="the base draft every SSM starts from")
-    op.add_argument("--m", type=int, default=3, help="SSMs at most, SSM_1 included")
+    op.add_argument(
+        "--draft", type=MODEL, default="smollm2-135m-q4-l8", help="the base draft every SSM starts from"
+    )
+    op.add_argument("--m", type=integer(2), default=3, help="SSMs at most, SSM_1 included")
     op.add_argument(
         "--criterion", default="token", help="token (default), window:N, or sequence (the paper's rule)"
     )
     op.add_argument("--no-control", action="store_true", help="skip the independently trained SSMs")
-    op.add_argument("--min-gain", type=float, default=0.01, help="stop when union top-1 grows less than this")
-    op.add_argument("--steps", type=int, default=200, help="optimizer steps per SSM")
-    op.add_argument("--batch", type=int, default=4, help="records per step")
+    op.add_argument(
+        "--min-gain", type=WEIGHT, default=0.01, help="stop when union top-1 grows less than this"
+    )
+    op.add_argument("--steps", type=positive_int(), default=200, help="optimizer steps per SSM")
+    op.add_argument("--batch", type=positive_int(), default=4, help="records per step")
     _autocast_arg(op)
-    op.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
-    op.add_argument("--max-positions", type=int, default=0, help="teacher positions per record (0: all)")
-    op.add_argument("--seed", type=int, default=0, help="SSM_j trains with seed + j - 1 (control: + 100 + j)")
+    op.add_argument("--lr", type=RATE, default=3e-4, help="AdamW learning rate")
+    op.add_argument("--max-positions", type=COUNT, default=0, help="teacher positions per record (0: all)")
+    op.add_argument(
+        "--seed", type=SEED, default=0, help="SSM_j trains with seed + j - 1 (control: + 100 + j)"
+    )
     op.add_argument("--no-progress", action="store_true", help="no progress bar")
     bp = sub.add_parser(
         "drafts",
@@ -329,9 +359,68 @@ def _distill(a: argparse.Namespace) -> int:
     return 0
 
 
+# the output each command writes: (flag, its namespace name, a folder (True) or a file)
+OUTPUTS = {
+    "split": ("--prompts-out", "prompts_out", False),
+    "collect": ("--out", "out", True),
+    "distill": ("--out", "out", True),
+    "boost": ("--out", "out", True),
+    "export": ("--out", "out", False),
+}
+
+
+def output_error(a: argparse.Namespace) -> str | None:
+    """Why the output the command's flag names cannot be written (the flag, the path, why), or
+    None; a folder is made here, as the command would make it. Checked before any work."""
+    flag, name, folder = OUTPUTS.get(a.command, ("", "", False))
+    path: Path | None = getattr(a, name, None)
+    if path is None:
+        return None
+    if not folder and path.is_dir():
+        return f"{flag} {path}: is a folder, not a file"
+    where = path if folder else path.parent
+    for above in (where, *where.parents):
+        if above.exists():
+            if not above.is_dir():
+                return f"{flag} {path}: cannot be written ({above} is a file, not a folder)"
+            break
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{flag} {path}: cannot be written ({exc.strerror or exc})"
+    if not os.access(where, os.W_OK | os.X_OK):
+        return f"{flag} {path}: cannot be written (no write permission in {where})"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+    """Run one command; the exit status: 0 done, 2 a usage error (a flag's value, an input a flag
+    names that is missing or not what it should be, an output that cannot be written), 1 another
+    known error while working (a file that cannot be read or written), 130 interrupted. Each error
+    is one line on stderr."""
+    try:
+        try:
+            a = build_parser().parse_args(argv)
+        except SystemExit as exc:  # argparse printed the usage and what was wrong (or the help)
+            return exc.code if isinstance(exc.code, int) else 2
+        wrong = output_error(a)
+        if wrong is not None:
+            print(f"draft-training {a.command}: {wrong}", file=sys.stderr)
+            return 2
+        try:
+            return _run(a)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"draft-training {a.command}: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"draft-training {a.command}: {exc}", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        print("draft-training: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(a: argparse.Namespace) -> int:
     from draft_training import split as splits
 
     if a.command == "split":
@@ -349,30 +438,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.command in ("distill", "export", "drafts", "boost"):
         run = {"distill": _distill, "export": _export, "drafts": _drafts, "boost": _boost}[a.command]
-        try:
-            return run(a)
-        except (ValueError, FileNotFoundError) as exc:
-            print(f"draft-training {a.command}: {exc}", file=sys.stderr)
-            return 2
+        return run(a)
     from draft_training.collect import CollectConfig, collect, collect_traces
 
     config = CollectConfig(a.model, a.tokens, a.temperatures, a.top_k, a.seed)
-    try:
-        config.check()
-        if a.from_traces is not None:
-            print(json.dumps(collect_traces(a.out, a.from_traces, config, progress=not a.no_progress)))
-            return 0
-        if a.batch < 1 or a.limit < 0:
-            raise ValueError("--batch must be >= 1 and --limit >= 0")
-        split = splits.load_split(a.split) if a.split else splits.load_split()
-        prompts = split.prompts(a.side)
-        if a.limit:
-            prompts = prompts[: a.limit]
-        summary = collect(a.out, prompts, config, batch=a.batch, progress=not a.no_progress)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"draft-training collect: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary))
+    config.check()
+    if a.from_traces is not None:
+        print(json.dumps(collect_traces(a.out, a.from_traces, config, progress=not a.no_progress)))
+        return 0
+    split = splits.load_split(a.split) if a.split else splits.load_split()
+    prompts = split.prompts(a.side)
+    if a.limit:
+        prompts = prompts[: a.limit]
+    print(json.dumps(collect(a.out, prompts, config, batch=a.batch, progress=not a.no_progress)))
     return 0
 
 
