@@ -52,7 +52,7 @@ from shared.model_store.catalog import (
 from shared.model_store.derive import truncated_gguf
 from shared.model_store.paths import cache_dir, cached_path, installed_copy, models_dir, pip_extra_args
 from shared.model_store.resolve import ensure, ensure_file, local_path, resolve
-from shared.model_store.verify import check_file, content_id, file_sha256
+from shared.model_store.verify import check_file, content_id, content_sha256, file_sha256
 
 __all__ = [
     "ALIASES",
@@ -72,6 +72,7 @@ __all__ = [
     "cached_path",
     "check_file",
     "content_id",
+    "content_sha256",
     "ensure",
     "ensure_file",
     "file_sha256",

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from shared.model_store.catalog import FILES, ModelFile, ModelStoreError
-from shared.model_store.paths import installed_copy, models_dir
+from shared.model_store.paths import cache_dir, installed_copy, models_dir
 
 _CHUNK = 8 << 20  # bytes per read while hashing
 
@@ -92,6 +92,40 @@ def content_id(path: Path) -> str:
     st = path.stat()
     key = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
     return "p" + hashlib.sha256(key.encode()).hexdigest()[:15]
+
+
+def content_sha256(path: Path, progress: bool = False) -> str:
+    """The sha256 of a model file's content, for caches that must never serve another file's data:
+    the recorded one of a verified store file, else hashed once and kept in `<cache>/sha256/` under
+    the file's (path, size, mtime_ns, ctime_ns, inode). A file replaced or rewritten since changes
+    one of those (its ctime even when its mtime is set back) and is hashed again; what a stale key
+    could still miss, the derived cache's own checksum of its data catches."""
+    for mf in FILES.values():
+        if mf.filename == path.name and mf.verifiable and path.stat().st_size == mf.size:
+            if installed_copy(mf) == path or stamp_ok(mf, path):
+                return mf.sha256
+    st = path.stat()
+    where = str(path.resolve())
+    key = {
+        "path": where,
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+    }
+    memo = cache_dir() / "sha256" / f"{hashlib.sha256(where.encode()).hexdigest()[:32]}.json"
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        saved = json.loads(memo.read_text(encoding="utf-8"))
+        sha = saved.get("sha256")
+        if {k: saved.get(k) for k in key} == key and isinstance(sha, str) and len(sha) == 64:
+            return sha
+    sha = file_sha256(path, progress, "hashing")
+    with contextlib.suppress(OSError):  # unwritable: the file is hashed again next time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**key, "sha256": sha}), encoding="utf-8")
+        os.replace(tmp, memo)
+    return sha
 
 
 @contextlib.contextmanager

@@ -121,6 +121,45 @@ def test_a_changed_file_is_hashed_again_and_refused(store: tuple[Path, Path]) ->
         ms.ensure_file(mf, progress=False)
 
 
+def _after_a_timestamp_tick(path: Path) -> None:
+    """Return once the file system's clock has moved past `path`'s ctime (file timestamps come
+    from a coarse clock: a write within the same tick would leave the ctime as it was)."""
+    probe = path.with_name(path.name + ".tick")
+    probe.write_bytes(b"")
+    while probe.stat().st_ctime_ns <= path.stat().st_ctime_ns:
+        os.utime(probe)
+    probe.unlink()
+
+
+def test_a_files_content_sha256_is_hashed_once_and_again_when_the_file_changes(
+    store: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """content_sha256 of a file outside the store: hashed once, then read back while the file is
+    unchanged; rewritten in place with its old size and mtime set back (what a key of path, size
+    and mtime cannot see), it is hashed again and gives the new content's sha256."""
+    path = tmp_path / "user.gguf"
+    path.write_bytes(b"a" * 4096)
+    hashed: list[Path] = []
+    real = ms.verify.file_sha256
+
+    def counted(p: Path, progress: bool = False, desc: str = "checking") -> str:
+        hashed.append(p)
+        return real(p, progress, desc)
+
+    monkeypatch.setattr(ms.verify, "file_sha256", counted)
+    assert ms.content_sha256(path) == hashlib.sha256(b"a" * 4096).hexdigest()
+    assert ms.content_sha256(path) == hashlib.sha256(b"a" * 4096).hexdigest()
+    assert len(hashed) == 1
+    before = path.stat()
+    _after_a_timestamp_tick(path)
+    with path.open("r+b") as f:
+        f.write(b"b" * 4096)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert ms.content_sha256(path) == hashlib.sha256(b"b" * 4096).hexdigest()
+    assert len(hashed) == 2
+
+
 def test_fetch_disabled_says_how_to_fetch(store: tuple[Path, Path]) -> None:
     index, _ = store
     mf = _chunked(index, [b"z"])
