@@ -205,7 +205,8 @@ def _random_entry(shape: str, device: str) -> Path:
 
     dev = resolve_device(device)
     dtype = resolve_dtype("auto", dev)
-    entry = model_store.cache_dir() / "weights" / f"random-{shape}-{str(dtype).removeprefix('torch.')}"
+    name = f"random-{shape}-{str(dtype).removeprefix('torch.')}-f{weight_cache.FORMAT}"
+    entry = model_store.cache_dir() / "weights" / name
     if not (entry / "header.json").is_file():
         model = random_model(SHAPES[shape], dtype, dev, 0)
         if not weight_cache.save(entry, model, placeholder_tokenizer(), progress=True):

@@ -39,6 +39,31 @@ def _hasher() -> tuple[str, Callable[[memoryview], int]]:
 
 HASH, _digest = _hasher()
 
+# A float-weight cache entry's checksum unit: each parameter's bytes, from its start, in chunks of
+# this many (the last one shorter), each with its digest in the entry's header
+CHECK_BYTES = 1 << 18
+
+
+def chunk_digests(data: memoryview) -> list[int]:
+    """The digest of every CHECK_BYTES chunk of `data` (a parameter's bytes from its start)."""
+    return [_digest(data[a : a + CHECK_BYTES]) for a in range(0, len(data), CHECK_BYTES)]
+
+
+def first_bad_chunk(data: memoryview, digests: Sequence[int], first: int = 0) -> int | None:
+    """The first chunk of `data` (chunks first, first + 1, ... of a parameter, whole) whose digest is
+    not its entry in `digests`; None when all match."""
+    for k, a in enumerate(range(0, len(data), CHECK_BYTES)):
+        if first + k >= len(digests) or _digest(data[a : a + CHECK_BYTES]) != digests[first + k]:
+            return first + k
+    return None
+
+
+def chunk_window(start: int, end: int, nbytes: int) -> tuple[int, int, int]:
+    """The whole chunks covering bytes [start, end) of a parameter of `nbytes` bytes: (the first
+    chunk, the window's first byte, its end), the bytes to read so that each chunk can be checked."""
+    first = start // CHECK_BYTES
+    return first, first * CHECK_BYTES, min(-(-end // CHECK_BYTES) * CHECK_BYTES, nbytes)
+
 
 class OffloadError(RuntimeError):
     """A streamed weight file is missing, truncated or corrupt (the message names which layer)."""

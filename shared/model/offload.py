@@ -22,11 +22,14 @@ cost is the storage's, not RAM's; several reader threads split a span when `read
 working buffer (on a GPU, on a side CUDA stream with an event the compute stream waits on; on a
 CPU a memcpy, the same interface).
 
-Integrity: every span's checksum (xxh3-64, or CRC-32 without xxhash) is recorded the first time a
-file streams (a sidecar keyed by the file's content id), every span is checked against it at each
-later start, and on every read on the reader thread: a truncated file is refused at start, a
-corrupt span (at start or later) raises `OffloadError` naming the layer, never a wrong token.
-On the CPU, float weights' token table stays in the file too (TableRows: a forward reads its
+Integrity (xxh3-64, or CRC-32 without xxhash): a float-weight cache entry carries the checksums of
+its parameters' chunks, written with it when it is made (weight_cache), so a file rewritten or
+damaged since is never taken for the truth: its spans are checked against those at start (by
+weight_cache.load when it has just read them: `float_layout(entry, checked=True)`, else here) and
+on every read on the reader thread. A GGUF's spans are checksummed the first time it streams (a
+sidecar keyed by the file's content id) and checked the same way. A truncated file is refused at
+start, a corrupt span (at start or later) raises `OffloadError` naming the layer, never a wrong
+token. On the CPU, float weights' token table stays in the file too (TableRows: a forward reads its
 tokens' rows), and so does a head of its own (offload_head): packed into memory a chunk at a time
 when it fits the budget, else streamed every forward in chunks like a layer. Norms and biases stay
 resident.
@@ -39,7 +42,6 @@ one on.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
@@ -58,6 +60,7 @@ import torch
 from shared.model.disk_io import (
     _DTYPE_BYTES,
     ALIGN,
+    CHECK_BYTES,
     CHECKSUM_FORMAT,
     HASH,
     DiskReader,
@@ -67,6 +70,7 @@ from shared.model.disk_io import (
     _save_sidecar,
     _view,
     aligned_buffer,
+    first_bad_chunk,
 )
 from shared.model.quantized import QuantMatrix, QuantPart
 from treespec_kernels import quant_matmul as qm
@@ -93,6 +97,7 @@ class Slot:
     nbytes: int
     dtype: str = "float32"
     permute_heads: int = 0
+    digests: tuple[int, ...] = ()  # float: its CHECK_BYTES chunks' checksums, from the cache entry
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,7 @@ class LayerSpan:
     offset: int  # in the file, a multiple of ALIGN
     nbytes: int  # a multiple of ALIGN (may run past the file's end by less than ALIGN)
     slots: tuple[Slot, ...]
-    digest: int = 0  # of the span's bytes (HASH), 0 until with_checksums
+    digest: int = 0  # GGUF: of the span's bytes (HASH), 0 until with_checksums (float: per slot)
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class Layout:
     kind: str  # "float" or "gguf"
     file_bytes: int
     layers: tuple[LayerSpan, ...]
+    checked: bool = False  # float: every byte was checked against the entry's checksums at load
 
     @property
     def max_span(self) -> int:
@@ -139,14 +145,21 @@ def _span(index: int, tensors: Sequence[tuple[int, int, Slot]]) -> LayerSpan:
 _FLOAT_PROJ = {"qkv": 0, "o": 1, "gate_up": 2, "down": 3}
 
 
-def float_layout(entry: Path) -> Layout:
-    """The layout of a float-weight cache entry (its header.json and weights.bin)."""
+def float_layout(entry: Path, checked: bool = False) -> Layout:
+    """The layout of a float-weight cache entry (its header.json and weights.bin), each projection
+    with its checksums from the header. `checked`: weight_cache.load has just checked every byte
+    of the file, which the start then reads no second time."""
     try:
         header = json.loads((entry / "header.json").read_text(encoding="utf-8"))
         data = entry / "weights.bin"
         size = data.stat().st_size
     except (OSError, ValueError) as exc:
         raise OffloadError(f"cannot read the float-weight cache entry {entry}: {exc}") from exc
+    if (header.get("hash"), header.get("chunk_bytes")) != (HASH, CHECK_BYTES):
+        raise OffloadError(
+            f"{entry} carries no {HASH} checksums of {CHECK_BYTES}-byte chunks (an older entry, or one "
+            "made with another checksum): delete it and start again to rebuild it"
+        )
     if size != header.get("data_bytes"):
         raise OffloadError(
             f"{data} is {size} bytes, its header says {header.get('data_bytes')}: truncated or replaced; "
@@ -159,11 +172,12 @@ def float_layout(entry: Path) -> Layout:
             continue
         rows, cols = (int(n) for n in p["shape"])
         nbytes = rows * cols * _DTYPE_BYTES[p["dtype"]]
-        slot = Slot(_FLOAT_PROJ[parts[2]], 0, "float", rows, cols, 0, nbytes, p["dtype"])
+        digests = tuple(int(d) for d in p.get("digests", ()))  # (none: every read of it fails)
+        slot = Slot(_FLOAT_PROJ[parts[2]], 0, "float", rows, cols, 0, nbytes, p["dtype"], 0, digests)
         per_layer.setdefault(int(parts[1]), []).append((int(p["offset"]), nbytes, slot))
     layers = tuple(_span(i, per_layer[i]) for i in sorted(per_layer))
     _check_layers(layers, data)
-    return Layout(data, "float", size, layers)
+    return Layout(data, "float", size, layers, checked)
 
 
 def gguf_layout(path: Path, reader: Any, num_layers: int, num_heads: int, num_kv_heads: int) -> Layout:
@@ -209,7 +223,7 @@ def _check_layers(layers: Sequence[LayerSpan], path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Checksum sidecar
+# Checksums
 
 
 def _checksum_path(layout: Layout) -> Path:
@@ -221,9 +235,14 @@ def _checksum_path(layout: Layout) -> Path:
 def with_checksums(
     layout: Layout, reader: DiskReader, progress: bool = False, sidecar: Path | None = None
 ) -> Layout:
-    """`layout` with every span's checksum (HASH): read from the sidecar when one matches (and every
-    span then checked against it once: a file damaged since is refused here), else computed by
-    reading the spans once (and saved). Spans are checked against these on every later read."""
+    """`layout` with every span's checksum (HASH), every span checked against it once here (a file
+    damaged since is refused) unless `layout.checked`. A float-weight cache entry's come with it;
+    a GGUF's are read from the sidecar when one matches, else computed by reading the spans once
+    (and saved). Spans are checked against these on every later read."""
+    if layout.kind == "float":
+        if not layout.checked:
+            verify_all(layout, reader, progress)
+        return layout
     path = sidecar or _checksum_path(layout)
     want = {
         "format": CHECKSUM_FORMAT,
@@ -270,12 +289,30 @@ def check_span(layout: Layout, span: LayerSpan, buf: torch.Tensor, got: int) -> 
             f"{layout.path}: layer {span.index} read {got} of {span.nbytes} bytes: the file is truncated; "
             "fetch or rebuild it"
         )
+    if span.slots and span.slots[0].digests:
+        _check_slots(layout, span, buf, got)
+        return
     digest = _digest(_view(buf[: span.nbytes])[: min(got, span.nbytes)])
     if digest != span.digest:
         raise OffloadError(
             f"{layout.path}: layer {span.index}'s weights fail their checksum ({HASH} {digest:x}, "
             f"expected {span.digest:x}): the file is corrupt; fetch or rebuild it"
         )
+
+
+def _check_slots(layout: Layout, span: LayerSpan, buf: torch.Tensor, got: int) -> None:
+    """check_span for a float span: each projection against its chunks' checksums."""
+    for sl in span.slots:
+        if got < sl.offset + sl.nbytes:
+            raise OffloadError(f"{layout.path}: layer {span.index} read {got} of {sl.offset + sl.nbytes} "
+                               "bytes: the file is truncated; start again to rebuild it")  # fmt: skip
+        bad = first_bad_chunk(_view(buf[sl.offset : sl.offset + sl.nbytes]), sl.digests)
+        if bad is not None:
+            at = span.offset + sl.offset + bad * CHECK_BYTES
+            raise OffloadError(
+                f"{layout.path}: layer {span.index}'s weights fail their checksum ({HASH}, the chunk at "
+                f"byte {at}): the file is corrupt; start again to rebuild it"
+            )
 
 
 def _set_digests(layout: Layout, digests: Sequence[int]) -> Layout:
@@ -630,11 +667,15 @@ def attach(
     if model.weights != "quantized":
         entry = layout.path.parent
         need = buffers_needed(layout, packed_copy)
-        head, budget, head_file = _float_head(model, gemm, entry, budget, need, sidecar, direct, progress)
+        head, budget, head_file = _float_head(
+            model, gemm, entry, budget, need, layout.checked, direct, progress
+        )
     # the token table goes back to disk before the resident layers and buffers are filled: the
     # peak holds the table and the head's packed copy, or the head and the layers, never all three
     table = (
-        table_on_disk(model, head, layout.path.parent, sidecar, progress) if layout.kind == "float" else None
+        table_on_disk(model, head, layout.path.parent, layout.checked, progress)
+        if layout.kind == "float"
+        else None
     )
     streamed = stream(
         layout,
@@ -691,7 +732,7 @@ def buffers_needed(layout: Layout, packed_copy: bool) -> Callable[[int], int]:
 
 
 def _float_head(
-    model: Any, gemm: Any, entry: Path, budget: int, need: Callable[[int], int], sidecar: Path | None,
+    model: Any, gemm: Any, entry: Path, budget: int, need: Callable[[int], int], checked: bool,
     direct: bool, progress: bool,
 ) -> tuple[Any, int, Any]:  # fmt: skip
     """The head as the streamed model runs it, the budget left for the layers, and the head's file
@@ -706,7 +747,7 @@ def _float_head(
     from shared.model import offload_head
 
     own = model.lm_head is not model.embed and model.device.type == "cpu"
-    source = offload_head.open_head(entry, sidecar, direct, progress) if own else None
+    source = offload_head.open_head(entry, checked, direct, progress) if own else None
     if source is None:
         head = gemm.pack_rows(model.lm_head)
         if gemm.kind == "onednn" and model.lm_head is not model.embed:  # one copy, as prepare(release)
@@ -728,74 +769,67 @@ def _float_head(
 # The token table, left on disk
 
 
-TABLE_CHUNK_BYTES = 1 << 18  # rows are checked in chunks of about this many bytes
-
-
 class TableRows:
     """A float token table left in the float-weight cache file: a forward reads the rows of its
     tokens (6 KB each for the 1.5B; the page cache keeps the frequent ones, outside this process's
-    memory) instead of holding the table (0.93 GB for the 1.5B in fp32). The rows are checked in
-    chunks of about TABLE_CHUNK_BYTES against checksums (computed the first time, kept in a sidecar
-    beside the layers'): every chunk a forward reads is checked, so a damaged table is an error
-    naming the rows, never a wrong token."""
+    memory) instead of holding the table (0.93 GB for the 1.5B in fp32). The rows are read and
+    checked in the entry's CHECK_BYTES chunks against the checksums the entry was written with
+    (`digests`): every chunk a forward reads is checked, so a damaged table is an error naming the
+    rows, never a wrong token. At start every chunk is checked once, unless weight_cache.load has
+    just done so (`checked`)."""
 
     def __init__(self, path: Path, offset: int, shape: tuple[int, int], dtype: torch.dtype,
-                 sidecar: Path, progress: bool = False) -> None:  # fmt: skip
-        self.path, self.offset, self.shape, self.dtype = path, offset, shape, dtype
-        self.row_bytes = shape[1] * torch.empty(0, dtype=dtype).element_size()
-        self.chunk_rows = max(1, TABLE_CHUNK_BYTES // self.row_bytes)
-        self.fd = os.open(path, os.O_RDONLY)
-        self.digests = self._checksums(sidecar, progress)
-
-    def _chunk(self, c: int) -> bytes:
-        first = c * self.chunk_rows
-        n = min(self.chunk_rows, self.shape[0] - first)
-        data = os.pread(self.fd, n * self.row_bytes, self.offset + first * self.row_bytes)
-        if len(data) != n * self.row_bytes:
-            raise OffloadError(f"{self.path}: the token table is truncated (rows {first}..{first + n - 1}); "
-                               "fetch or rebuild it")  # fmt: skip
-        return data
-
-    def _checksums(self, sidecar: Path, progress: bool) -> list[int]:
+                 digests: Sequence[int], checked: bool = False, progress: bool = False) -> None:  # fmt: skip
         from tqdm import tqdm
 
-        chunks = -(-self.shape[0] // self.chunk_rows)
-        want = {"format": CHECKSUM_FORMAT, "hash": HASH, "offset": self.offset, "shape": list(self.shape),
-                "chunk_rows": self.chunk_rows}  # fmt: skip
-        with contextlib.suppress(OSError, ValueError):
-            saved = json.loads(sidecar.read_text(encoding="utf-8"))
-            if {k: saved.get(k) for k in want} == want and len(saved.get("digests", [])) == chunks:
-                self.digests = [int(d) for d in saved["digests"]]
-                for c in tqdm(range(chunks), desc="checking the token table", disable=not progress):
-                    self._checked(c)  # a table damaged since is refused at start
-                return self.digests
-        digests = [_digest(memoryview(self._chunk(c))) for c in range(chunks)]
-        _save_sidecar(sidecar, {**want, "digests": digests}, "the token table's checksums")
-        return digests
+        self.path, self.offset, self.shape, self.dtype = path, offset, shape, dtype
+        self.row_bytes = shape[1] * torch.empty(0, dtype=dtype).element_size()
+        self.nbytes = shape[0] * self.row_bytes
+        if len(digests) != -(-self.nbytes // CHECK_BYTES):
+            raise OffloadError(f"{path}: the token table has {len(digests)} checksums; rebuild the entry")
+        self.digests = [int(d) for d in digests]
+        self.fd = os.open(path, os.O_RDONLY)
+        if not checked:  # a table damaged since the entry was made is refused at start
+            try:
+                for c in tqdm(
+                    range(len(self.digests)), desc="checking the token table", disable=not progress
+                ):
+                    self._checked(c)
+            except OffloadError:
+                self.close()
+                raise
 
     def _checked(self, c: int) -> bytes:
-        data = self._chunk(c)
+        """Chunk c's bytes, read and checked."""
+        at = c * CHECK_BYTES
+        n = min(CHECK_BYTES, self.nbytes - at)
+        data = os.pread(self.fd, n, self.offset + at)
+        rows = f"rows {at // self.row_bytes}..{(at + n - 1) // self.row_bytes}"
+        if len(data) != n:
+            raise OffloadError(
+                f"{self.path}: the token table is truncated ({rows}); start again to rebuild it"
+            )
         if _digest(memoryview(data)) != self.digests[c]:
-            first = c * self.chunk_rows
-            last = first + self.chunk_rows - 1
-            raise OffloadError(f"{self.path}: the token table's rows {first}..{last} fail their checksum: "
-                               "the file is corrupt; fetch or rebuild it")  # fmt: skip
+            raise OffloadError(f"{self.path}: the token table's {rows} fail their checksum: the file is "
+                               "corrupt; start again to rebuild it")  # fmt: skip
         return data
 
     def rows(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [T] -> [T, hidden]: the table's rows, read and checked."""
         ids = tokens.reshape(-1).tolist()
         out = torch.empty(len(ids), self.shape[1], dtype=self.dtype)
-        chunks: dict[int, torch.Tensor] = {}
+        chunks: dict[int, bytes] = {}
         for i, t in enumerate(ids):
             if not 0 <= t < self.shape[0]:
                 raise IndexError(f"token {t} is outside the table of {self.shape[0]} rows")
-            c = t // self.chunk_rows
-            if c not in chunks:
-                chunks[c] = torch.frombuffer(bytearray(self._checked(c)), dtype=self.dtype).view(
-                    -1, self.shape[1]
-                )
-            out[i] = chunks[c][t - c * self.chunk_rows]
+            start, end = t * self.row_bytes, (t + 1) * self.row_bytes
+            first, last = start // CHECK_BYTES, (end - 1) // CHECK_BYTES  # a row may span two chunks
+            for c in range(first, last + 1):
+                if c not in chunks:
+                    chunks[c] = self._checked(c)
+            raw = chunks[first] if first == last else b"".join(chunks[c] for c in range(first, last + 1))
+            skip = start - first * CHECK_BYTES
+            out[i] = torch.frombuffer(bytearray(raw[skip : skip + self.row_bytes]), dtype=self.dtype)
         return out.to(tokens.device)
 
     def close(self) -> None:
@@ -804,12 +838,10 @@ class TableRows:
             self.fd = -1
 
 
-def table_on_disk(
-    model: Any, head: Any, entry: Path, sidecar: Path | None, progress: bool
-) -> TableRows | None:
+def table_on_disk(model: Any, head: Any, entry: Path, checked: bool, progress: bool) -> TableRows | None:
     """Leave the float token table of `model` in its cache entry (TableRows) and free it, where
     nothing else uses it (`head`, the head as the model will run it, is a packed copy or another
-    matrix); None otherwise."""
+    matrix); None otherwise. `checked`: as float_layout's."""
     if model.weights == "quantized" or head is model.embed or model.device.type != "cpu":
         return None
     header = json.loads((entry / "header.json").read_text(encoding="utf-8"))
@@ -819,16 +851,15 @@ def table_on_disk(
         if model.embed.numel() == 0:
             raise OffloadError(f"{entry}: no token table of shape {shape} to read rows from; rebuild it")
         return None
-    from shared import model_store
-
-    if sidecar is not None:
-        where = sidecar.with_suffix(".table.json")
-    else:
-        cid = model_store.content_id(entry / "weights.bin")
-        where = model_store.cache_dir() / "offload" / f"{cid}.table.json"
     dtype = getattr(torch, spec["dtype"])
     table = TableRows(
-        entry / "weights.bin", int(spec["offset"]), tuple(spec["shape"]), dtype, where, progress
+        entry / "weights.bin",
+        int(spec["offset"]),
+        (shape[0], shape[1]),
+        dtype,
+        spec["digests"],
+        checked,
+        progress,
     )
     model.embed.data = model.embed.data.new_empty(0)
     return table

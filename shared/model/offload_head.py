@@ -1,8 +1,8 @@
 """The output head of a streamed float model (offload.attach): read from the float-weight cache file
 in chunks of HEAD_CHUNK_ROWS vocabulary rows (48 MB of the 1.5B's 0.93 GB fp32 head), each checked
-against its checksum, and either packed once into memory (a head that fits the resident budget) or
-streamed for every forward like a layer: two read buffers, the next chunk read and packed on a
-background thread while this one is multiplied (`StreamedRows`).
+against the checksums the cache entry was written with, and either packed once into memory (a head
+that fits the resident budget) or streamed for every forward like a layer: two read buffers, the
+next chunk read and packed on a background thread while this one is multiplied (`StreamedRows`).
 
 Either way the head runs as `RowChunks` (shared/model/llama.py), chunk by chunk, as a resident
 model's oneDNN head does, so the logits are the same bits. The head's full matrix is never held:
@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,40 +27,58 @@ from shared.model import llama
 from shared.model.disk_io import (
     _DTYPE_BYTES,
     ALIGN,
-    CHECKSUM_FORMAT,
-    HASH,
+    CHECK_BYTES,
     DiskReader,
     OffloadError,
     StreamStats,
-    _digest,
-    _save_sidecar,
     _view,
     aligned_buffer,
+    chunk_window,
+    first_bad_chunk,
 )
 
 
 class HeadFile:
     """The head [vocab, hidden] in the float-weight cache file `path` at `offset`, read a chunk of
-    `rows` rows at a time (O_DIRECT where `direct`) and checked against per-chunk checksums: computed
-    the first time and kept in `sidecar`, every chunk checked against them at each later start (a
-    file damaged since is refused there), and on every read."""
+    `rows` rows at a time (O_DIRECT where `direct`) and checked against the checksums the cache
+    entry was written with (`digests`, one per CHECK_BYTES of the head's bytes): on every read, and
+    every chunk once at start unless weight_cache.load has just checked them (`checked`)."""
 
-    def __init__(self, path: Path, offset: int, shape: tuple[int, int], dtype: str, sidecar: Path,
-                 direct: bool = True, progress: bool = False) -> None:  # fmt: skip
+    def __init__(self, path: Path, offset: int, shape: tuple[int, int], dtype: str, digests: Sequence[int],
+                 direct: bool = True, progress: bool = False, checked: bool = False) -> None:  # fmt: skip
+        from tqdm import tqdm
+
         self.path, self.offset, self.shape = path, offset, shape
         self.dtype = getattr(torch, dtype)
         self.row_bytes = shape[1] * _DTYPE_BYTES[dtype]
         self.rows = llama.HEAD_CHUNK_ROWS
         self.count = -(-shape[0] // self.rows)
+        if len(digests) != -(-self.nbytes // CHECK_BYTES):
+            raise OffloadError(f"{path}: the head has {len(digests)} checksums; rebuild the cache entry")
+        self.digests = [int(d) for d in digests]
         self.reader = DiskReader(path, 1, direct=direct)
-        # an aligned span around any chunk: the chunk's bytes plus up to ALIGN on each side
-        self.span_bytes = self.rows * self.row_bytes + 2 * ALIGN
-        self.digests: list[int] = []
-        self.digests = self._checksums(sidecar, progress)
+        # the longest read: a chunk's rows widened to the whole checksum chunks they touch
+        self.span_bytes = max(self._window(c)[3] for c in range(self.count))
+        if not checked:  # a head damaged since the entry was made is refused at start
+            buf = self.buffer()
+            try:
+                for c in tqdm(range(self.count), desc="checking the head", disable=not progress):
+                    self.read(c, buf)
+            except OffloadError:
+                self.reader.close()
+                raise
 
     @property
     def nbytes(self) -> int:
         return self.shape[0] * self.row_bytes
+
+    def _window(self, c: int) -> tuple[int, int, int, int]:
+        """Chunk c's read: its first checksum chunk, the checked bytes [start, end) of the head, and
+        the read's length (end - start up to ALIGN, for O_DIRECT; start is a page boundary)."""
+        first = c * self.rows
+        n = min(self.rows, self.shape[0] - first)
+        k, start, end = chunk_window(first * self.row_bytes, (first + n) * self.row_bytes, self.nbytes)
+        return k, start, end, -(-(end - start) // ALIGN) * ALIGN
 
     @property
     def stream_bytes(self) -> int:
@@ -73,41 +91,19 @@ class HeadFile:
         return aligned_buffer(self.span_bytes)
 
     def read(self, c: int, buf: torch.Tensor) -> torch.Tensor:
-        """Chunk c [rows, hidden] (a view of `buf`), checked against its checksum when known."""
+        """Chunk c [rows, hidden] (a view of `buf`), checked against its checksums."""
         first = c * self.rows
         n = min(self.rows, self.shape[0] - first)
-        start = self.offset + first * self.row_bytes
-        aligned = start // ALIGN * ALIGN
-        length = -(-(start + n * self.row_bytes - aligned) // ALIGN) * ALIGN
-        got = self.reader.read(buf, aligned, length)
-        lo, hi = start - aligned, start - aligned + n * self.row_bytes
-        if got < hi:
+        k, start, end, length = self._window(c)
+        got = self.reader.read(buf, self.offset + start, length)
+        if got < end - start:
             raise OffloadError(f"{self.path}: the head is truncated (rows {first}..{first + n - 1}); "
-                               "delete the cache entry and start again to rebuild it")  # fmt: skip
-        data = buf[lo:hi]
-        if self.digests and _digest(_view(data)) != self.digests[c]:
+                               "start again to rebuild the cache entry")  # fmt: skip
+        if first_bad_chunk(_view(buf[: end - start]), self.digests, k) is not None:
             raise OffloadError(f"{self.path}: the head's rows {first}..{first + n - 1} fail their checksum: "
-                               "the file is corrupt; delete the cache entry and start again")  # fmt: skip
-        return data.view(self.dtype).view(n, self.shape[1])
-
-    def _checksums(self, sidecar: Path, progress: bool) -> list[int]:
-        from tqdm import tqdm
-
-        want = {"format": CHECKSUM_FORMAT, "hash": HASH, "offset": self.offset, "shape": list(self.shape),
-                "chunk_rows": self.rows}  # fmt: skip
-        buf = self.buffer()
-        with contextlib.suppress(OSError, ValueError):
-            saved = json.loads(sidecar.read_text(encoding="utf-8"))
-            if {k: saved.get(k) for k in want} == want and len(saved.get("digests", [])) == self.count:
-                self.digests = [int(d) for d in saved["digests"]]
-                for c in tqdm(range(self.count), desc="checking the head", disable=not progress):
-                    self.read(c, buf)
-                return self.digests
-        digests = []
-        for c in tqdm(range(self.count), desc="checksumming the head", disable=not progress):
-            digests.append(_digest(_view(self.read(c, buf))))  # (self.digests is empty: not checked)
-        _save_sidecar(sidecar, {**want, "digests": digests}, "the head's checksums")
-        return digests
+                               "the file is corrupt; start again to rebuild the cache entry")  # fmt: skip
+        lo = first * self.row_bytes - start
+        return buf[lo : lo + n * self.row_bytes].view(self.dtype).view(n, self.shape[1])
 
     def close(self) -> None:
         self.reader.close()
@@ -193,17 +189,9 @@ def head_entry(entry: Path) -> dict[str, Any] | None:
     return dict(spec)
 
 
-def head_sidecar(layer_sidecar: Path | None, weights: Path) -> Path:
-    """Where the head's checksums are kept: beside the layers' (a `.head.json` of their sidecar)."""
-    if layer_sidecar is not None:
-        return layer_sidecar.with_suffix(".head.json")
-    from shared import model_store
-
-    return model_store.cache_dir() / "offload" / f"{model_store.content_id(weights)}.head.json"
-
-
-def open_head(entry: Path, sidecar: Path | None, direct: bool, progress: bool) -> HeadFile | None:
-    """The untied float head of a cache entry, ready to read (None when the head is the token table)."""
+def open_head(entry: Path, checked: bool, direct: bool, progress: bool) -> HeadFile | None:
+    """The untied float head of a cache entry, ready to read (None when the head is the token table).
+    `checked`: as offload.float_layout's."""
     spec = head_entry(entry)
     if spec is None:
         return None
@@ -211,5 +199,5 @@ def open_head(entry: Path, sidecar: Path | None, direct: bool, progress: bool) -
     if not os.path.exists(weights):
         raise OffloadError(f"{weights} is missing: delete the cache entry {entry} and start again")
     shape = (int(spec["shape"][0]), int(spec["shape"][1]))
-    return HeadFile(weights, int(spec["offset"]), shape, spec["dtype"], head_sidecar(sidecar, weights),
-                    direct, progress)  # fmt: skip
+    return HeadFile(weights, int(spec["offset"]), shape, spec["dtype"], spec["digests"], direct, progress,
+                    checked)  # fmt: skip

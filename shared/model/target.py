@@ -30,6 +30,7 @@ ALIASES = (*model_store.aliases("target"), "tiny")
 WEIGHTS = ("fp32", "quantized")  # and "auto", which resolve_weights turns into one of them
 # smaller models dequantize in a few seconds: not worth their disk space in the weight cache
 CACHE_MIN_PARAMETERS = 300_000_000
+TINY_SOURCE = "tiny-seed0"  # what tiny's float-weight cache entry is made from (weight_cache source)
 
 
 @dataclass
@@ -181,9 +182,10 @@ def _load(name_or_path: str, dtype: str, device: str, progress: bool) -> Target:
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, progress: bool, model_id: str) -> Target:
     """Dequantize a GGUF, or read its dequantized weights back from the weight cache."""
-    entry = weight_cache.entry_dir(path, dtype) if weight_cache.enabled() else None
+    source = weight_cache.source_id(path, progress) if weight_cache.enabled() else None
+    entry = weight_cache.entry_dir(path, dtype) if source is not None else None
     if entry is not None:
-        hit = weight_cache.load(entry, dtype, device, progress)
+        hit = weight_cache.load(entry, dtype, device, progress, source=source)
         if hit is not None:
             return _finish(hit[0], hit[1], model_id, device)
     reader = gguf_loader.open_gguf(path)
@@ -193,7 +195,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: torch.device, progress: b
     gguf_loader.load_gguf_weights(reader, model, progress)
     del reader  # its memory map of the file
     if entry is not None and config.num_parameters() >= CACHE_MIN_PARAMETERS:
-        weight_cache.save(entry, model, tokenizer, progress)
+        weight_cache.save(entry, model, tokenizer, progress, source=source)
     return _finish(model, tokenizer, model_id, device)
 
 
@@ -305,14 +307,17 @@ def _load_streamed(
         )
         tokenizer = _gguf_tokenizer(str(smollm2_gguf_path()))
         model = build_model(make_tiny_config(), 0, dt, dev)
-        if not (entry / "header.json").is_file() and not weight_cache.save(entry, model, tokenizer, progress):
-            raise RuntimeError(f"could not write the float-weight cache entry {entry} to stream from")
+        # the entry is only checked (the model comes from its seed): rebuilt when damaged
+        if weight_cache.load(entry, dt, dev, False, lambda name: True, TINY_SOURCE) is None:
+            if not weight_cache.save(entry, model, tokenizer, progress, source=TINY_SOURCE):
+                raise RuntimeError(f"could not write the float-weight cache entry {entry} to stream from")
         target = _finish(model, tokenizer, "tiny", dev)
     else:
         path, model_id = _gguf_file(name_or_path, progress)
+        source = weight_cache.source_id(path, progress)  # (hashed once for a file outside the store)
         entry = weight_cache.entry_dir(path, dt)
         skip = _streamed_skip(entry, dev)
-        hit = weight_cache.load(entry, dt, dev, progress, skip=skip)
+        hit = weight_cache.load(entry, dt, dev, progress, skip=skip, source=source)
         if hit is None:  # first start: dequantize into the cache a parameter at a time, read back
             reader = gguf_loader.open_gguf(path)
             shell = build_model(gguf_loader.config_from_gguf(reader), None, dt, "cpu")  # untouched
@@ -320,13 +325,14 @@ def _load_streamed(
             def fill(write: Callable[[str, torch.Tensor], None]) -> None:
                 gguf_loader.fill_from_gguf(reader, shell, write)
 
-            if not weight_cache.save(entry, shell, _gguf_tokenizer(str(path), reader), progress, fill):
+            tok = _gguf_tokenizer(str(path), reader)
+            if not weight_cache.save(entry, shell, tok, progress, fill, source=source):
                 raise RuntimeError(f"could not write the float-weight cache entry {entry} to stream from")
             del shell, reader
-            hit = weight_cache.load(entry, dt, dev, progress, skip=_streamed_skip(entry, dev))
+            hit = weight_cache.load(entry, dt, dev, progress, skip=_streamed_skip(entry, dev), source=source)
             if hit is None:
                 raise RuntimeError(f"the float-weight cache entry {entry} cannot be read back")
         target = _finish(hit[0], hit[1], model_id, dev)
-    layout = offload.float_layout(entry)
+    layout = offload.float_layout(entry, checked=True)  # (weight_cache.load has just checked it all)
     offload.attach(target.model, layout, resident_gb, mode, read_threads, progress=progress)
     return target

@@ -6,6 +6,8 @@ slower."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import shutil
 import subprocess
@@ -30,6 +32,7 @@ from shared.model import (
 from shared.model.generate import greedy_generate
 from shared.model.llama import DecoderLayer, choose_gemm
 from shared.model.tokenizer import placeholder_tokenizer
+from tests.cloud_verifier.checkpoints import config_for, small_vocab, write_gguf
 from tests.cloud_verifier.service import prompt_tokens
 from tests.cloud_verifier.test_quantized_model import _target, tree_generation, write_llama_gguf
 from tests.cloud_verifier.test_tree_forward import check_round
@@ -147,7 +150,8 @@ def _streamed_start(entry: Path, budget: int, sidecar: Path) -> tuple[LlamaModel
     hit = weight_cache.load(entry, torch.float32, torch.device("cpu"), False, skip=_streamed_skip(entry, CPU))
     assert hit is not None
     model = hit[0]
-    return model, offload.attach(model, offload.float_layout(entry), budget / 1e9, sidecar=sidecar)
+    layout = offload.float_layout(entry, checked=True)  # (the load has just checked every byte)
+    return model, offload.attach(model, layout, budget / 1e9, sidecar=sidecar)
 
 
 def _onednn_only() -> None:
@@ -223,9 +227,12 @@ def test_a_head_of_its_own_is_held_within_the_budget_else_streamed_bit_for_bit(t
     st.close()
 
 
-def test_a_corrupt_head_is_refused_and_never_gives_a_wrong_token(tmp_path: Path) -> None:
+def test_a_corrupt_head_is_refused_and_never_gives_a_wrong_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A flipped byte in a streamed head: the next forward that reads its chunk fails naming the
-    head's rows, and the next start refuses the file; repaired, the same logits again."""
+    head's rows; at the next start the load finds it (and the entry is rebuilt), and a stream
+    attached without that load refuses the file; repaired, the same logits again."""
     from shared.model.offload_head import head_entry
 
     _onednn_only()
@@ -246,12 +253,81 @@ def test_a_corrupt_head_is_refused_and_never_gives_a_wrong_token(tmp_path: Path)
         for _ in range(3):  # (a chunk read ahead before the flip may still pass once)
             _logits(model, _tokens())
     st.close()
+    with caplog.at_level("WARNING", logger="shared.model.weights"):
+        assert weight_cache.load(entry, torch.float32, CPU, False, skip=lambda name: True) is None
+    assert "fails its checksum in lm_head" in caplog.text
+    fresh = build_model(resident.config, 5, "float32", "cpu")
     with pytest.raises(offload.OffloadError, match=r"head's rows 8192.*corrupt"):
-        _streamed_start(entry, 4 * span, tmp_path / "c.json")
+        offload.attach(fresh, offload.float_layout(entry), 4 * span / 1e9)
     flip()
     model, st = _streamed_start(entry, 4 * span, tmp_path / "c.json")
     assert torch.equal(_logits(model, _tokens()), want)
     st.close()
+
+
+def test_the_checksums_come_with_the_entry_not_with_the_first_stream(tmp_path: Path) -> None:
+    """Bytes changed after the entry was made and before any stream ever read it (no sidecar
+    anywhere) are refused at the first start: the layers, the token table and the head are checked
+    against the checksums the entry was written with, not against checksums of what is there now.
+    Repaired, the resident logits."""
+    resident, entry = _untied(tmp_path)
+    want = _logits(resident, _tokens())
+    layout = offload.float_layout(entry)
+    layer = layout.layers[2]
+    table_at = _offset(entry, "embed") + _tokens()[3] * resident.config.hidden_size * 4
+    places = [(layer.offset + layer.slots[1].offset + 64, r"layer 2's weights.*corrupt")]
+    places.append((table_at + 4, r"token table's rows.*corrupt"))
+    if choose_gemm("auto", CPU, torch.float32) == "onednn":  # the head is read from the file too
+        places.append((_offset(entry, "lm_head") + 100, r"head's rows 0\.\..*corrupt"))
+    data = entry / "weights.bin"
+    for at, says in places:
+        _flip_byte(data, at, 0x20)
+        fresh = build_model(resident.config, 5, "float32", "cpu")
+        with pytest.raises(offload.OffloadError, match=says):
+            offload.attach(fresh, offload.float_layout(entry), 0.0, sidecar=tmp_path / f"{at}.json")
+        _flip_byte(data, at, 0x20)
+    fresh = build_model(resident.config, 5, "float32", "cpu")
+    st = offload.attach(fresh, offload.float_layout(entry), 0.0, sidecar=tmp_path / "c.json")
+    assert torch.equal(_logits(fresh, _tokens()), want)
+    st.close()
+
+
+def _offset(entry: Path, name: str) -> int:
+    """Where parameter `name` starts in the entry's weights.bin."""
+    header = json.loads((entry / "header.json").read_text(encoding="utf-8"))
+    return int(next(p["offset"] for p in header["params"] if p["name"] == name))
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-untied"])
+def test_a_stream_file_rewritten_between_two_starts_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """`--offload disk` from a GGUF's float-weight cache entry: weights.bin rewritten between two
+    starts (same size, a new mtime, one streamed projection changed) is found by the second start,
+    which says so in one line and rebuilds the entry; its output is the resident model's."""
+    monkeypatch.setenv("TREESPEC_CACHE", str(tmp_path / "cache"))
+    tokens, _ = small_vocab()
+    path = tmp_path / "m.gguf"
+    write_gguf(path, build_model(config_for(kind, len(tokens)), 4, "float32", "cpu"))
+    ids = [1, 40, 100, 7, 200, 3, 150, 9, 260]
+    want = _logits(load_target(str(path), progress=False).model, ids)
+    first = load_target(str(path), progress=False, offload="disk", resident_gb=0.0)
+    assert first.model.offload is not None and len(first.model.offload.streamed) == first.config.num_layers
+    assert torch.equal(_logits(first.model, ids), want)
+    first.model.offload.close()
+    data = weight_cache.entry_dir(path, torch.float32) / "weights.bin"
+    raw = bytearray(data.read_bytes())
+    raw[_offset(data.parent, "layers.1.down") + 303] ^= 0x01  # a weight's exponent: x4 or /4
+    mtime = data.stat().st_mtime_ns
+    data.write_bytes(raw)  # rewritten in place: the same size
+    os.utime(data, ns=(mtime + 10**9, mtime + 10**9))
+    with caplog.at_level("WARNING", logger="shared.model.weights"):
+        second = load_target(str(path), progress=False, offload="disk", resident_gb=0.0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "shared.model.weights"]
+    assert len(lines) == 1 and "fails its checksum in layers.1.down" in lines[0] and "rebuilding" in lines[0]
+    assert second.model.offload is not None
+    assert torch.equal(_logits(second.model, ids), want)
+    second.model.offload.close()
 
 
 @pytest.mark.parametrize("seed", range(4))
