@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -133,9 +134,11 @@ class Engine:
 
     def healthy(self) -> bool:
         """False when the loop died, a step has run far past its expected time, or ready work has
-        waited stall_s with no step running. The wait counts from the later of the last step's end
-        and the moment work became ready in an idle engine: measured from the last step alone, the
-        first round after stall_s of idling looked stalled until its step began."""
+        waited stall_s with no step running (a round that waits for room in the KV pool is not
+        stalled: it runs when a session that holds the room ends or submits). The wait counts from
+        the later of the last step's end and the moment work became ready in an idle engine:
+        measured from the last step alone, the first round after stall_s of idling looked stalled
+        until its step began."""
         if self._task is None or self._task.done() or not all(check() for check in self.checks):
             return False
         now = time.monotonic()
@@ -143,7 +146,8 @@ class Engine:
             limit = max(self.config.stall_s, self.config.stall_factor * self._step_expected_s)
             return now - self._step_started <= limit
         waiting_since = max(self.last_step_end, self._pending_since)
-        return not (self.pending_work and now - waiting_since > self.config.stall_s)
+        stalled = self.pending_work and not self.runner.waiting_for_room
+        return not (stalled and now - waiting_since > self.config.stall_s)
 
     def _expected_s(self, rows: int) -> float:
         """What a forward of `rows` rows should take: the measured verify cost curve at the first
@@ -179,8 +183,11 @@ class Engine:
                 continue
             await self._gather()
             plan = self.runner.plan()
-            if not plan:
-                await asyncio.sleep(0.001)
+            if not plan:  # (the ready rounds wait for KV room: until a session submits, ends or closes)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.05):
+                        await self._wake.wait()
                 continue
             rows = sum(p.rows for p in plan)
             self._step_expected_s = self._expected_s(rows)

@@ -246,6 +246,9 @@ class StepRunner:
         self.sync_free = target.device.type != "cpu"
         self._next_sid = 1
         self._rr = 0  # round-robin start among ready sessions
+        # the last plan left every ready round out for want of KV room: the engine waits for a
+        # session to submit, end or close (not a stalled loop)
+        self.waiting_for_room = False
 
     # ------------------------------------------------------------------ the step, top to bottom
     def step(self) -> list[RoundResult]:
@@ -261,11 +264,12 @@ class StepRunner:
         """Loop thread: the step's rounds (`plan_step`) that the KV pool holds (`KVRoom.fit` frees
         reclaimable blocks, or preempts, for them; a round left out waits for a later step); their
         sessions become RUNNING."""
-        plan = plan_step(self.seqs.values(), self.kv, self.config, self._rr)
-        runs, preempted = self.room.fit([(p.seq.sid, p.rows) for p in plan])
+        planned = plan_step(self.seqs.values(), self.kv, self.config, self._rr)
+        runs, preempted = self.room.fit([(p.seq.sid, p.rows) for p in planned])
         if preempted:
             log.info("KV pool full: sessions %s preempted (to be recomputed from their tokens)", preempted)
-        plan = [p for p in plan if p.seq.sid in runs]
+        plan = [p for p in planned if p.seq.sid in runs]
+        self.waiting_for_room = bool(planned) and not plan
         self._rr += 1 if plan else 0
         for p in plan:
             p.seq.move(SeqStatus.RUNNING)

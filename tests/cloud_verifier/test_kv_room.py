@@ -5,11 +5,13 @@ holds at once: every one completes with the target's own tokens, waiting or pree
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Callable
 
 import numpy as np
 
+from cloud_verifier.engine import Engine
 from cloud_verifier.kv_room import KVRoom, worst_positions
 from cloud_verifier.step import EngineConfig, RoundResult, SeqState, SeqStatus, StepRunner
 from shared.messages import Mode, Prompt
@@ -189,3 +191,40 @@ def test_a_queued_generation_closed_or_cancelled_leaves_the_queue_as_the_protoco
     assert _status(d) is SeqStatus.IDLE and [len(x) for x in got] == [1, 1, 0, 1]
     assert got[3][0].tokens == reference(tuple(prompts[3]), 1)
     assert r.room.queued == 0 and set(r.room.reserved) == {b.sid}
+
+
+def test_an_engine_whose_ready_round_waits_for_room_is_healthy_and_runs_it_when_room_frees() -> None:
+    """Two sessions fill the pool; the later-admitted one's tree outgrows its reservation (an
+    engine that reserves no tree rows) while the earlier one's client drafts: its round waits for
+    room, which is not a stalled loop, past stall_s. The earlier session's next tree preempts it,
+    and both end with the target's tokens."""
+    prompts = [prompt_tokens(120 + i, 44) for i in range(2)]
+    refs = [reference(tuple(p), 4) for p in prompts]
+    t = tiny()
+    e = Engine(t, t.new_kv_cache(6, 16), EngineConfig(gather_ms=0, max_nodes=0, stall_s=0.2))
+    tree = TokenTree.from_sequences([[5, *range(100, 111)]], base=45)  # 12 nodes; 5 is wrong
+
+    async def main() -> tuple[bool, list[list[int]]]:
+        got: list[asyncio.Queue[RoundResult]] = [asyncio.Queue(), asyncio.Queue()]
+        seqs = [e.open(got[i].put_nowait) for i in range(2)]
+        e.start_loop()
+        for s, p in zip(seqs, prompts, strict=True):
+            toks = np.asarray(p, np.int32)
+            e.start(s, Prompt(toks, Mode.GREEDY, max_new_tokens=4), toks)
+        out = [(await asyncio.wait_for(q.get(), 30)).tokens for q in got]  # both prefilled: pool full
+        e.submit(seqs[1], 1, tree)
+        await asyncio.sleep(0.5)  # past stall_s with the round waiting for room, no step running
+        healthy = e.healthy() and e.runner.waiting_for_room
+        e.submit(seqs[0], 1, tree)
+        for i, s in enumerate(seqs):
+            while True:
+                r = await asyncio.wait_for(got[i].get(), 30)
+                out[i] = out[i] + r.tokens
+                if r.done:
+                    break
+                e.submit(s, r.round + 1, TokenTree.from_sequences([[5]], base=len(s.committed)))
+        await e.stop()
+        return healthy, out
+
+    healthy, out = asyncio.run(main())
+    assert healthy and out == refs and e.preemptions == 1
