@@ -32,12 +32,20 @@ def _parse_float(text: str, allow_inf: bool) -> float:
     return x
 
 
+def _show(x: float) -> str:
+    """A bound as a person writes it: 0, 0.5, 1e+15 (not 1000000000000000.0)."""
+    return f"{x:g}"
+
+
 def _range_text(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
     if lo is not None and hi is not None:
-        return f"between {lo} and {hi}"
+        if lo_open:
+            return f"> {_show(lo)} and <= {_show(hi)}"
+        return f"between {_show(lo)} and {_show(hi)}"
     if lo is not None:
-        return f"{'>' if lo_open else '>='} {lo}"
-    return f"<= {hi}"
+        return f"{'>' if lo_open else '>='} {_show(lo)}"
+    assert hi is not None
+    return f"<= {_show(hi)}"
 
 
 def integer(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:

@@ -54,3 +54,9 @@ def test_values_in_range_parse() -> None:
         ["--n", "100", "--k", "0", "--t", "2.5", "--z", "0", "--f", "1", "--x", "1e-9", "--m", "a"]
     )
     assert (a.n, a.k, a.t, a.z, a.f, a.x, a.m) == (100, 0, 2.5, 0.0, 1.0, 1e-9, "a")
+
+
+def test_a_range_error_writes_its_bounds_as_a_person_would() -> None:
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        number(0.0, 1e15)("1e16")
+    assert str(err.value) == "1e16 is out of range: expected between 0 and 1e+15"
