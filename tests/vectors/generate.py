@@ -227,8 +227,27 @@ def frames() -> list[dict[str, Any]]:
         invalid("features not a list", _with(Hello(FP), features="verdict.gap_ms")),
         invalid("gap_ms negative", _with(Verdict(1, np.array([4]), np.array([0]), True, 5), gap_ms=-1.0)),
         invalid("frame over max_bytes", _with(Prompt(np.array([1])), tokens=b"\x01\x00\x00\x00" * 1100)),
+        *_unusable_welcomes(welcome),
     ]
     return out
+
+
+def _unusable_welcomes(welcome: Welcome) -> list[dict[str, Any]]:
+    """Welcomes a client refuses: a cost curve that is no forward time (shared.verify_cost) or a
+    limit outside SessionLimits.RANGES, so no client sizes trees by a server it cannot use."""
+    limits = welcome.limits.to_wire()
+    return [
+        invalid("verify cost 0 ms", _with(welcome, verify_cost_ms={"1": 0.0})),
+        invalid("verify cost negative", _with(welcome, verify_cost_ms={"1": -3.5})),
+        invalid("verify cost not finite", _with(welcome, verify_cost_ms={"1": float("nan")})),
+        invalid("verify cost past 1e9 ms", _with(welcome, verify_cost_ms={"1": 1e308})),
+        invalid("verify cost for 0 nodes", _with(welcome, verify_cost_ms={"0": 3.5})),
+        invalid("limits max_nodes 0", _with(welcome, limits={**limits, "max_nodes": 0})),
+        invalid("limits max_depth 0", _with(welcome, limits={**limits, "max_depth": 0})),
+        invalid("limits max_bytes under 4096", _with(welcome, limits={**limits, "max_bytes": 100})),
+        invalid("limits max_context 0", _with(welcome, limits={**limits, "max_context": 0})),
+        invalid("limits max_pending negative", _with(welcome, limits={**limits, "max_pending": -1})),
+    ]
 
 
 LIMITS_WIRE = ServerProtocol(vocab_size=VOCAB, limits=LIMITS).wire

@@ -205,6 +205,39 @@ export function decodeMessage(frame: Uint8Array, maxBytes = 1 << 20): Message {
   return msg;
 }
 
+// What a usable welcome holds, the same rule as the Python side's (SessionLimits.RANGES in
+// shared/messages.py, shared/verify_cost.py); the protocol's vectors check that both refuse alike.
+const LIMIT_RANGES = {
+  max_nodes: [1, MAX_U31], max_depth: [1, MAX_U31], max_pending: [0, MAX_U31],
+  max_bytes: [4096, MAX_U31], max_context: [1, MAX_U31],
+} as const satisfies Record<string, readonly [number, number]>;  // prettier-ignore
+/** The slowest forward a cost curve may state, in ms. */
+export const MAX_VERIFY_MS = 1e9;
+
+/** welcome.verify_cost_ms: node counts (decimal strings, >= 1) to forward ms (finite, > 0, <= 1e9). */
+function readCostCurve(r: Reader): Record<string, number> {
+  const cost = r.raw("verify_cost_ms");
+  if (typeof cost !== "object" || cost === null || Array.isArray(cost) || cost instanceof Uint8Array
+      || cost instanceof F64 || Object.keys(cost).length > MAX_LIST) {
+    throw r.bad("verify_cost_ms", "must be a map of node count (string) to milliseconds");
+  }  // prettier-ignore
+  const out: Record<string, number> = {};
+  for (const [k, v] of Object.entries(cost as Record<string, Value>)) {
+    const x = v instanceof F64 ? v.v : v;
+    if (!/^[0-9]+$/.test(k) || typeof x === "boolean" || (typeof x !== "number" && typeof x !== "bigint")) {
+      throw r.bad("verify_cost_ms", "must map decimal node counts to numbers");
+    }
+    const n = Number(k);
+    const ms = Number(x);
+    if (n < 1 || n > MAX_U31) throw r.bad("verify_cost_ms", `node count ${k} is not an integer in [1, ${MAX_U31}]`);
+    if (!Number.isFinite(ms) || ms <= 0 || ms > MAX_VERIFY_MS) {
+      throw r.bad("verify_cost_ms", `${k} nodes: ${ms} ms is not a forward time (finite, > 0 and <= 1e9)`);
+    }
+    out[k] = ms;
+  }
+  return out;
+}
+
 const DECODERS: Record<string, (r: Reader) => Message> = {
   hello: (r) => ({
     type: "hello",
@@ -219,13 +252,12 @@ const DECODERS: Record<string, (r: Reader) => Message> = {
     if (!Array.isArray(modes) || modes.length > MAX_LIST || !modes.every((x) => MODES.includes(x as Mode))) {
       throw r.bad("allowed_modes", "must be a list of modes");
     }
-    const cost = r.raw("verify_cost_ms") as Record<string, Value>;
-    const costOut: Record<string, number> = {};
-    for (const [k, v] of Object.entries(cost ?? {})) costOut[k] = Number(v instanceof F64 ? v.v : v);
+    const costOut = readCostCurve(r);
     const l = r.sub("limits");
+    const lim = (k: keyof typeof LIMIT_RANGES) => l.int(k, ...LIMIT_RANGES[k]);
     const limits: Limits = {
-      max_nodes: l.int("max_nodes"), max_depth: l.int("max_depth"), max_pending: l.int("max_pending"),
-      max_bytes: l.int("max_bytes", 1), max_context: l.int("max_context", 1),
+      max_nodes: lim("max_nodes"), max_depth: lim("max_depth"), max_pending: lim("max_pending"),
+      max_bytes: lim("max_bytes"), max_context: lim("max_context"),
     };  // prettier-ignore
     for (const k of ["max_draws", "max_row_draws", "max_q_ids", "max_q_row", "max_pending_bytes"] as const) {
       const v = l.integer(k, 1, MAX_U31, true);
