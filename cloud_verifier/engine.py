@@ -88,10 +88,11 @@ class Engine:
         self.runner.close(s)
         self._wake_if_ready()
 
-    def start(self, s: SeqState, prompt: Prompt, committed: np.ndarray) -> None:
-        """Begin a generation: committed = cached context (if continuing) + the new prompt tokens."""
+    def start(self, s: SeqState, prompt: Prompt, committed: np.ndarray, *, ignore_eos: bool = False) -> None:
+        """Begin a generation: committed = cached context (if continuing) + the new prompt tokens.
+        `ignore_eos`: end-of-text ids do not end it (the prompt's own stop ids still do)."""
         self._note_pending()
-        self.runner.start(s, prompt, committed)
+        self.runner.start(s, prompt, committed, ignore_eos=ignore_eos)
         self._wake.set()
 
     def end(self, s: SeqState) -> None:

@@ -240,7 +240,7 @@ class CompletionRun:
             max_new_tokens=r.max_tokens,
         )
         self.seq = self.engine.open(self._on_result)
-        self.engine.start(self.seq, prompt, prompt.tokens)
+        self.engine.start(self.seq, prompt, prompt.tokens, ignore_eos=r.ignore_eos)
 
     def _on_result(self, res: RoundResult) -> None:
         self.results.put_nowait(res)
@@ -451,7 +451,7 @@ async def _answer(
     whole answer, collected here."""
     try:
         ids = await _prompt_ids(ctx, body, target, chat)
-        req = _charge(who, parse_common(body, ids, ctx.max_context, chat), body, chat)
+        req = _charge(who, parse_common(body, ids, ctx.max_context, chat, ignore_eos=True), body, chat)
         try:
             ticket = await ctx.admission.acquire(who, len(req.prompt_ids) + req.max_tokens)
         except AdmissionRefused as exc:

@@ -519,8 +519,9 @@ class StepRunner:
             self.kv.free(s.sid)
             self._settle(s)
 
-    def start(self, s: SeqState, prompt: Prompt, committed: np.ndarray) -> None:
-        """Begin a generation: committed = cached context (if continuing) + the new prompt tokens."""
+    def start(self, s: SeqState, prompt: Prompt, committed: np.ndarray, *, ignore_eos: bool = False) -> None:
+        """Begin a generation: committed = cached context (if continuing) + the new prompt tokens.
+        `ignore_eos`: end-of-text ids do not end it (the prompt's own stop ids still do)."""
         mode = prompt.mode
         temp = 0.0 if mode is Mode.GREEDY else prompt.temperature
         s.params = SamplingParams(temperature=temp, top_k=prompt.top_k, top_p=prompt.top_p)
@@ -536,7 +537,7 @@ class StepRunner:
         s.committed = new
         s.prompt_len = len(new)
         s.max_new_tokens = prompt.max_new_tokens
-        s.stop_ids = self.eos_ids | frozenset(prompt.stop_ids)
+        s.stop_ids = (frozenset() if ignore_eos else self.eos_ids) | frozenset(prompt.stop_ids)
         s.cancelled = False
         nodes = prompt.tree.num_nodes if prompt.tree is not None else 0
         rows = 0 if mode is Mode.AR else max(self.config.max_nodes, nodes)

@@ -123,6 +123,7 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    ignore_eos: bool = False  # vLLM's extension: end-of-text ids do not end the generation
 
 
 # ------------------------------------------------------------------------------------- parsing
@@ -166,12 +167,15 @@ def _bool(body: dict[str, Any], key: str, where: str | None = None) -> bool:
 
 
 def parse_common(
-    body: dict[str, Any], prompt_ids: list[int], max_context: int, chat: bool
+    body: dict[str, Any], prompt_ids: list[int], max_context: int, chat: bool, *, ignore_eos: bool = False
 ) -> CompletionRequest:
     """The request's sampling and output parameters, checked (ApiError naming the parameter).
     `max_tokens` (chat also `max_completion_tokens`) defaults to 16 on /v1/completions (OpenAI's
-    default) and to the context's room but at most DEFAULT_CHAT_TOKENS on chat."""
+    default) and to the context's room but at most DEFAULT_CHAT_TOKENS on chat. `ignore_eos`: the
+    caller implements vLLM's `ignore_eos` field (a boolean), otherwise it is refused unless false."""
     for key, is_noop in UNSUPPORTED.items():
+        if key == "ignore_eos" and ignore_eos:
+            continue
         if key in body and not is_noop(body[key]):
             raise ApiError(400, f"'{key}' is not supported by this server", key, "unsupported_parameter")
     n = _int(body, "n", 1, 1, 1 << 30)
@@ -230,6 +234,7 @@ def parse_common(
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_bool(body, "return_token_ids"),
+        ignore_eos=_bool(body, "ignore_eos") if ignore_eos else False,
     )
 
 

@@ -5,6 +5,7 @@ request equals a seeded `ar` session; refused parameters name themselves."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -13,6 +14,7 @@ import pytest
 
 from cloud_verifier.openai_api import TextStream
 from shared.messages import Mode, Prompt, Verdict, Welcome
+from shared.model import greedy_generate
 from tests.cloud_verifier.service import AsyncSession, LiveServer, prompt_tokens, reference, tiny
 
 openai = pytest.importorskip("openai")
@@ -147,6 +149,45 @@ def test_refused_parameters_and_auth(tmp_path: Any) -> None:
             srv.http + "/v1/chat/completions", content=b"{not json", headers={"authorization": "Bearer k-1"}
         )
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+# a prompt whose greedy continuation is end-of-text at once (tiny's eos id 0 repeats itself)
+EOS_PROMPT = [36213, 31264, 29015, 34170, 17074, 4084, 0]
+
+
+def test_ignore_eos_generates_exactly_max_tokens() -> None:
+    """vLLM's ignore_eos: an end-of-text token does not end the generation, so a request gets
+    max_tokens tokens, streamed or not: the target's greedy continuation with no stop ids."""
+    t = tiny()
+    want = greedy_generate(t.model, t.new_kv_cache(256, 16), EOS_PROMPT, 12, eos_ids=())
+    assert want[0] in t.eos_ids  # without ignore_eos it ends at once
+    with LiveServer() as srv:
+        body: dict[str, Any] = {
+            "prompt": EOS_PROMPT,
+            "max_tokens": 12,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
+        plain = httpx.post(srv.http + "/v1/completions", json=body, timeout=60).json()
+        assert plain["usage"]["completion_tokens"] == 1 and plain["choices"][0]["finish_reason"] == "stop"
+        r = httpx.post(srv.http + "/v1/completions", json={**body, "ignore_eos": True}, timeout=60).json()
+        assert r["choices"][0]["token_ids"] == want and r["usage"]["completion_tokens"] == 12
+        assert r["choices"][0]["finish_reason"] == "length"
+        stream = {**body, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream(
+            "POST",
+            srv.http + "/v1/chat/completions",
+            json={
+                **{k: v for k, v in stream.items() if k != "prompt"},
+                "messages": MESSAGES,
+            },
+            timeout=60,
+        ) as resp:
+            lines = [ln for ln in resp.iter_lines() if ln.startswith("data: {")]
+        usage = json.loads(lines[-1][6:])["usage"]
+        assert usage["completion_tokens"] == 12
+        bad = httpx.post(srv.http + "/v1/completions", json={**body, "ignore_eos": "yes"}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "ignore_eos"
 
 
 def test_text_stream_cuts_at_stop_strings_across_tokens() -> None:

@@ -392,7 +392,7 @@ BAD_REQUESTS: list[tuple[str, str, str | None]] = [
     ("/v1/completions", '{"prompt": "Hi", "n": 2}', "n"),
     ("/v1/completions", '{"prompt": "Hi", "best_of": 3}', "best_of"),
     ("/v1/completions", '{"prompt": "Hi", "presence_penalty": 0.5}', "presence_penalty"),
-    ("/v1/completions", '{"prompt": "Hi", "ignore_eos": true}', "ignore_eos"),
+    ("/v1/completions", '{"prompt": "Hi", "ignore_eos": "yes"}', "ignore_eos"),
     ("/v1/completions", '{"prompt": "Hi", "stop": [1]}', "stop"),
     ("/v1/completions", '{"prompt": "Hi", "stream": "yes"}', "stream"),
     ("/v1/completions", '{"prompt": "Hi", "model": ["tiny"]}', "model"),

@@ -4,6 +4,7 @@ and no parameter that changes the output is silently ignored."""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -148,6 +149,20 @@ NEUTRAL_VALUES: list[tuple[str, Any]] = [
 @pytest.mark.parametrize(("key", "value"), NEUTRAL_VALUES)
 def test_a_parameter_at_its_neutral_value_is_accepted(key: str, value: Any) -> None:
     assert _common({key: value}).max_tokens == DEFAULT_COMPLETION_TOKENS
+
+
+def test_ignore_eos_is_parsed_only_where_the_caller_implements_it() -> None:
+    """The verifier implements vLLM's ignore_eos (parse_common(ignore_eos=True)); the edge's
+    endpoint does not, and refuses it rather than ignore it."""
+    assert parse_common({"ignore_eos": True}, [1, 2], CONTEXT, False, ignore_eos=True).ignore_eos
+    assert not parse_common({"ignore_eos": False}, [1, 2], CONTEXT, True, ignore_eos=True).ignore_eos
+    assert not parse_common({}, [1, 2], CONTEXT, False, ignore_eos=True).ignore_eos
+    for value in ("yes", 1, [True]):
+        err = _error(
+            functools.partial(parse_common, ignore_eos=True), {"ignore_eos": value}, [1, 2], CONTEXT, False
+        )
+        assert (err.status, err.param) == (400, "ignore_eos") and "boolean" in err.message
+    assert _error(_common, {"ignore_eos": True}).param == "ignore_eos"
 
 
 def test_a_boolean_that_is_not_a_boolean_is_a_400_naming_it() -> None:
