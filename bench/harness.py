@@ -162,6 +162,7 @@ def add_common_args(
       prefill_share     --json --seed --tokens --no-progress
       quant_matmul      --json --no-progress
       round_files       --json
+      serve             --json --seed --prompt-file --no-progress
       simulate          --json --no-progress
       soak              --json --seed --no-progress
       speculators       --json --tokens --prompt-file --no-progress
@@ -172,13 +173,12 @@ def add_common_args(
       verify_exactness  --json --seed --no-progress
       weights_agreement --json --tokens --prompt-file --no-progress
 
-    Left out where it would mean nothing: --prompt-file where no prompt suite runs (kernel and
-    forward micro-benchmarks, fuzz, soak, chaos and prefill_share on made-up tokens, load's own
-    --prompt-dir, drafter_cost's one prompt, simulate's traces); --seed where nothing is drawn at
-    random or seeds follow the prompt index (agreement, network, outcomes, load_cost); --no-progress
-    where no bar is drawn. Not benches: gpu_check (its report goes through write_result), netproxy
-    and the libraries (e2e_results, network_report, peers_report, load_clients, load_figures,
-    llama_tools, proposer)."""
+    Left out where it would mean nothing: --prompt-file where no prompt suite runs (kernel and forward
+    micro-benchmarks, fuzz, soak, chaos and prefill_share on made-up tokens, load's own --prompt-dir,
+    drafter_cost's one prompt, simulate's traces); --seed where nothing is drawn at random or seeds follow
+    the prompt index (agreement, network, outcomes, load_cost); --no-progress where no bar is drawn. Not
+    benches: gpu_check (its report goes through write_result), netproxy and the libraries (e2e_results,
+    network_report, peers_report, load_clients, load_figures, llama_tools, proposer, serve_metrics)."""
     if json:
         what = "write the result to this JSON file ({config, rows, complete} and the bench's own keys)"
         help_ = f"{what}: {json_help}" if json_help else what

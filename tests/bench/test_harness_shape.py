@@ -199,6 +199,7 @@ DEFAULTS = {
     "outcomes": {"tokens": 64},
     "peers": {"tokens": 64},
     "prefill_share": {"tokens": 64, "seed": 0},
+    "serve": {"seed": 0},
     "soak": {"seed": 0},
     "speculators": {"tokens": 64},
     "tree_attention": {"seed": 0},

@@ -1,0 +1,186 @@
+"""bench.serve: vLLM's serving metrics as pure functions on made-up timestamps, the seeded arrival
+schedule, the long-prompt builder, the flags, and one short run against the tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench import serve
+from bench.serve_metrics import (
+    RequestResult,
+    arrival_times,
+    build_long_prompts,
+    meets,
+    stats_ms,
+    summarize,
+    timing,
+)
+
+
+# ------------------------------------------------------------------------------- metrics
+def test_timing_is_ttft_gaps_and_e2el_from_the_send() -> None:
+    ttft, itl, e2el = timing(10.0, [10.5, 10.7, 11.0, 11.6], 12.0)
+    assert ttft == pytest.approx(0.5) and e2el == pytest.approx(2.0)
+    assert itl == pytest.approx([0.2, 0.3, 0.6])
+    assert timing(1.0, [], 3.0) == (2.0, [], 2.0)  # no text: TTFT is the whole latency
+
+
+def test_tpot_is_the_time_after_the_first_token_per_later_token() -> None:
+    r = RequestResult(True, 10, output_tokens=5, ttft=0.5, latency=2.5)
+    assert r.tpot == pytest.approx(0.5)  # (2.5 - 0.5) / 4
+    assert RequestResult(True, 10, output_tokens=1, ttft=0.5, latency=0.5).tpot is None
+
+
+def test_percentiles_and_mean_in_ms() -> None:
+    s = stats_ms([0.001 * v for v in range(1, 101)])  # 1..100 ms
+    assert s["mean"] == pytest.approx(50.5)
+    assert s["p50"] == pytest.approx(50.5) and s["p90"] == pytest.approx(90.1)
+    assert s["p99"] == pytest.approx(99.01)
+    assert all(math.isnan(v) for v in stats_ms([]).values())
+
+
+def _results() -> list[RequestResult]:
+    return [
+        RequestResult(True, 100, 11, ttft=0.2, latency=1.2, itl=[0.1] * 10),  # tpot 0.1
+        RequestResult(True, 200, 5, ttft=1.5, latency=2.3, itl=[0.2] * 4),  # tpot 0.2
+        RequestResult(True, 50, 1, ttft=0.3, latency=0.3),  # one token: tpot none (0 for goodput)
+        RequestResult(False, 70, error="HTTP 400: too long"),
+        RequestResult(False, 70, error="HTTP 400: too long"),
+    ]
+
+
+def test_a_runs_figures_count_completed_requests_only() -> None:
+    row = summarize(_results(), duration=2.0, slos_ms={"ttft": 1000, "tpot": 150})
+    assert (row["completed"], row["failed"], row["errors"]) == (3, 2, ["HTTP 400: too long"])
+    assert (row["total_input_tokens"], row["total_output_tokens"]) == (350, 17)
+    assert row["request_throughput"] == pytest.approx(1.5)
+    assert row["output_throughput"] == pytest.approx(8.5)
+    # the first and the one-token request meet ttft <= 1 s and tpot <= 150 ms; the second does not
+    assert row["goodput"] == pytest.approx(1.0)
+    assert row["ttft_ms_p50"] == pytest.approx(300.0)
+    assert row["tpot_ms_mean"] == pytest.approx(150.0)  # of the two multi-token requests
+    assert row["itl_ms_mean"] == pytest.approx((10 * 100 + 4 * 200) / 14)
+    assert row["e2el_ms_p50"] == pytest.approx(1200.0)
+    assert summarize(_results(), 2.0)["goodput"] is None
+
+
+def test_goodput_needs_every_slo_met() -> None:
+    r = RequestResult(True, 1, 3, ttft=0.1, latency=0.5)  # tpot 0.2 s
+    assert meets(r, {"ttft": 100, "tpot": 200, "e2el": 500})
+    assert not meets(r, {"ttft": 100, "tpot": 199})
+    assert not meets(r, {"e2el": 499})
+    assert not meets(RequestResult(False, 1), {})
+
+
+# ------------------------------------------------------------------------------- arrivals
+def test_arrivals_are_seeded_and_start_at_zero() -> None:
+    a = arrival_times(50, 4.0, 1.0, seed=3)
+    assert a == arrival_times(50, 4.0, 1.0, seed=3) and a != arrival_times(50, 4.0, 1.0, seed=4)
+    assert a[0] == 0.0 and bool(np.all(np.diff(a) >= 0)) and len(a) == 50
+    assert arrival_times(5, math.inf, 1.0, 0) == [0.0] * 5
+    assert arrival_times(0, 1.0, 1.0, 0) == []
+
+
+def test_arrival_gaps_have_mean_one_over_rate_and_burstiness_sets_their_spread() -> None:
+    """Gamma gaps of shape b, scale 1/(rate*b): mean 1/rate, coefficient of variation 1/sqrt(b)."""
+    for b in (0.25, 1.0, 4.0):
+        gaps = np.diff(arrival_times(20_001, 8.0, b, seed=0))
+        assert gaps.mean() == pytest.approx(1 / 8.0, rel=0.05)
+        assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(b), rel=0.08)
+    with pytest.raises(ValueError):
+        arrival_times(3, 0.0, 1.0, 0)
+    with pytest.raises(ValueError):
+        arrival_times(3, 1.0, 0.0, 0)
+
+
+# ------------------------------------------------------------------------------- long prompts
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+PIECES = [f"piece{i} " + " ".join(f"w{i}_{j}" for j in range(5 + 3 * i)) for i in range(12)]
+
+
+def test_long_prompts_land_in_the_range_and_are_seeded() -> None:
+    out = build_long_prompts(PIECES, 6, 40, 55, seed=1, count=_words)
+    assert len(out) == 6 and all(40 <= _words(p) <= 55 for p in out)
+    assert out == build_long_prompts(PIECES, 6, 40, 55, seed=1, count=_words)
+    assert out != build_long_prompts(PIECES, 6, 40, 55, seed=2, count=_words)
+    assert all(p.split()[0].startswith("piece") for p in out)  # whole pieces first
+
+
+def test_a_piece_that_would_pass_max_is_cut_at_a_word() -> None:
+    big = ["a " * 500]
+    (p,) = build_long_prompts(big, 1, 10, 12, seed=0, count=_words)
+    assert 10 <= _words(p) <= 12
+    # exactly one length allowed and pieces far longer than it: still hit
+    assert [_words(p) for p in build_long_prompts(PIECES, 3, 17, 17, 5, _words)] == [17] * 3
+
+
+def test_long_prompts_refuse_what_cannot_be_built() -> None:
+    with pytest.raises(ValueError, match="MIN <= MAX"):
+        build_long_prompts(PIECES, 1, 20, 10, 0, _words)
+    with pytest.raises(ValueError, match="MIN <= MAX"):
+        build_long_prompts(["", "  "], 1, 1, 10, 0, _words)
+    with pytest.raises(ValueError, match="not within"):  # a counter that never grows
+        build_long_prompts(PIECES, 1, 5, 10, 0, lambda t: 1)
+
+
+# ------------------------------------------------------------------------------- flags
+def test_flag_types() -> None:
+    assert serve.rates("1, 2.5,inf") == [1.0, 2.5, math.inf]
+    assert serve.token_range("500:1500") == (500, 1500)
+    assert serve.slo("tpot:50") == ("tpot", 50.0)
+    for parse, bad in (
+        (serve.rates, "0"),
+        (serve.rates, "x"),
+        (serve.token_range, "10:5"),
+        (serve.token_range, "10"),
+        (serve.slo, "itl:5"),
+        (serve.slo, "ttft:-1"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(bad)
+
+
+def test_an_unknown_client_kind_is_a_usage_error_listing_the_kinds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serve.main(["--clients", "ar,edge9", "--model", "tiny"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "unknown kind edge9" in err and "available: ar" in err
+
+
+def test_help_explains_every_flag() -> None:
+    p = serve.build_parser()
+    for action in p._actions:
+        assert action.help, action.option_strings
+
+
+# ------------------------------------------------------------------------------- end to end
+def test_a_short_run_on_tiny_completes_every_request(tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    argv = ["--model", "tiny", "--in-process", "--num-prompts", "4", "--max-tokens", "6", "--ignore-eos"]
+    argv += ["--prompt-tokens", "60:80", "--max-concurrency", "2", "--goodput", "ttft:600000"]
+    assert serve.main([*argv, "--no-progress", "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    doc = json.loads(out.read_text())
+    assert {"config", "rows", "complete"} <= set(doc) and doc["complete"] is True
+    assert doc["config"]["num_prompts"] == 4 and doc["config"]["goodput"] == {"ttft": 600000.0}
+    assert all(60 <= n <= 80 for n in doc["prompt_lengths"])
+    (row,) = doc["rows"]
+    assert (row["client"], row["request_rate"]) == ("ar", math.inf)
+    assert (row["completed"], row["failed"], row["errors"]) == (4, 0, [])
+    assert row["total_output_tokens"] == 4 * 6  # ignore_eos: every request runs to max_tokens
+    assert row["goodput"] == pytest.approx(row["request_throughput"])
+    assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["tpot_ms_p50"] > 0
+    assert row["verifier_busy_s"] > 0 and row["verifier_busy_s_per_token"] > 0
+    assert row["preemptions"] == 0
+    assert (tmp_path / "p.png").stat().st_size > 0
