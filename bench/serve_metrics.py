@@ -125,17 +125,17 @@ def summarize(
 def build_long_prompts(
     pieces: Sequence[str], n: int, lo: int, hi: int, seed: int, count: Callable[[str], int]
 ) -> list[str]:
-    """n prompts of between lo and hi tokens (`count` gives a text's tokens), each made by joining
-    `pieces` in a seeded random order until it reaches a length drawn uniformly from [lo, hi]; a
-    piece that would pass hi is cut at a word so the prompt ends within [lo, hi]. Deterministic
-    for the same pieces, seed and counter. ValueError when no prompt in [lo, hi] can be made."""
+    """n prompts of between lo and hi tokens (`count` gives a text's tokens). Their lengths are
+    drawn uniformly from [lo, hi] (`prompt_targets`); each prompt joins `pieces` in a seeded random
+    order up to its length, the piece that would pass it cut at a word, so it ends at most a word
+    short. Deterministic for the same pieces, seed and counter. ValueError when a prompt cannot
+    end within [lo, hi]."""
     usable = [p for p in pieces if p.strip()]
     if not usable or not 1 <= lo <= hi:
         raise ValueError(f"need some text and 1 <= MIN <= MAX; got {len(usable)} pieces, {lo}:{hi}")
-    rng = random.Random(seed)
+    rng = random.Random(seed + 1)
     out = []
-    for i in range(n):
-        want = rng.randint(lo, hi)
+    for i, want in enumerate(prompt_targets(n, lo, hi, seed)):
         order = rng.sample(usable, len(usable))
         text, tokens, k = "", 0, 0
         while tokens < want:
@@ -143,8 +143,8 @@ def build_long_prompts(
             k += 1
             longer = f"{text}{PIECE_SEPARATOR}{piece}" if text else piece
             got = count(longer)
-            if got > hi:
-                text, tokens = _cut(text, piece, hi, count)
+            if got > want:
+                text, tokens = _cut(text, piece, want, count)
                 break
             if got <= tokens and k > len(order):  # the pieces add nothing (a counter of 0s)
                 break
@@ -155,8 +155,14 @@ def build_long_prompts(
     return out
 
 
+def prompt_targets(n: int, lo: int, hi: int, seed: int) -> list[int]:
+    """The lengths build_long_prompts aims at: n seeded uniform draws from [lo, hi]."""
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
 def _cut(text: str, piece: str, hi: int, count: Callable[[str], int]) -> tuple[str, int]:
-    """`text` with the longest word prefix of `piece` that keeps it within hi tokens (binary
+    """`text` with the longest word prefix of `piece` that keeps it within `hi` tokens (binary
     search: a text's count grows with its words), and its count."""
     words = piece.split(" ")
     best, best_n = text, count(text) if text else 0

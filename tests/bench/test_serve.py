@@ -17,6 +17,7 @@ from bench.serve_metrics import (
     arrival_times,
     build_long_prompts,
     meets,
+    prompt_targets,
     stats_ms,
     summarize,
     timing,
@@ -113,6 +114,15 @@ def test_long_prompts_land_in_the_range_and_are_seeded() -> None:
     assert out == build_long_prompts(PIECES, 6, 40, 55, seed=1, count=_words)
     assert out != build_long_prompts(PIECES, 6, 40, 55, seed=2, count=_words)
     assert all(p.split()[0].startswith("piece") for p in out)  # whole pieces first
+
+
+def test_long_prompts_end_at_their_drawn_length_not_piled_at_max() -> None:
+    """A prompt stops at its own drawn length (the piece that passes it is cut), so the lengths
+    spread over [MIN, MAX] instead of the overshooting ones being cut to MAX."""
+    lo, hi = 40, 400
+    out = build_long_prompts(PIECES, 10, lo, hi, seed=3, count=_words)
+    assert [_words(p) for p in out] == prompt_targets(10, lo, hi, 3)
+    assert len(set(prompt_targets(10, lo, hi, 3))) > 5
 
 
 def test_a_piece_that_would_pass_max_is_cut_at_a_word() -> None:
