@@ -194,3 +194,13 @@ def test_a_short_run_on_tiny_completes_every_request(tmp_path: Path) -> None:
     assert row["verifier_busy_s"] > 0 and row["verifier_busy_s_per_token"] > 0
     assert row["preemptions"] == 0
     assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_a_server_that_is_not_there_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.harness import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    assert serve.main(["--url", url, "--num-prompts", "2", "--no-progress"]) == 1
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench.serve: ") and "Traceback" not in captured.err
