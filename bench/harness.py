@@ -470,7 +470,9 @@ class Verifier:
 
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"verifier-{self.port}.log"
         log = self.log_path.open("wb")
-        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
+        env = dict(os.environ)
+        if self.threads > 0:  # 0: the verifier's own default (OpenMP refuses OMP_NUM_THREADS=0)
+            env["OMP_NUM_THREADS"] = str(self.threads)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         out = subprocess.PIPE if self.echo else log
         self.proc = subprocess.Popen(
