@@ -29,9 +29,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import secrets
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +56,10 @@ INT8_METHODS = {"blocks": INT8_LAYOUT, "dynamic": DYNAMIC_LAYOUT}  # export-onnx
 
 class ExportError(RuntimeError):
     """An export folder is missing, damaged or does not match what was asked; the message says what to do."""
+
+
+class OutFolderError(ExportError):
+    """The folder to export into may not be replaced (it holds something that is not an export)."""
 
 
 @dataclass(frozen=True)
@@ -98,17 +102,16 @@ def read_manifest(folder: Path) -> Manifest:
             f"{folder} is not an ONNX export (no {MANIFEST}); make one with "
             f"`edge-client export-onnx --draft ALIAS|PATH --out {folder}`"
         )
-    if path.stat().st_size > MAX_MANIFEST_BYTES:
-        raise ExportError(f"{path}: {path.stat().st_size} bytes, more than a manifest can be; re-export")
+    raw = _manifest_doc(path)
+    if raw.get("format") != FORMAT:
+        raise ExportError(
+            f"{path}: export format {raw.get('format')!r}, this version reads {FORMAT}; "
+            f"re-export with `edge-client export-onnx --out {folder}`"
+        )
+    _check_fields(raw, path)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        if raw.get("format") != FORMAT:
-            raise ExportError(
-                f"{path}: export format {raw.get('format')!r}, this version reads {FORMAT}; "
-                f"re-export with `edge-client export-onnx --out {folder}`"
-            )
         manifest = Manifest(**raw)
-    except (ValueError, TypeError) as exc:
+    except TypeError as exc:  # a field missing or unknown
         raise ExportError(f"{path} is not a valid manifest ({exc}); re-export the folder") from exc
     for name, size in manifest.files.items():
         f = folder / name
@@ -118,6 +121,67 @@ def read_manifest(folder: Path) -> Manifest:
                 f"{f}: {got}, the manifest says {size} bytes (an interrupted copy?); re-export the folder"
             )
     return manifest
+
+
+def plain_name(name: object) -> bool:
+    """Whether `name` may be a file of an export folder: a plain file name in the folder itself
+    (no separator, not `.`, `..` or hidden, not the manifest)."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\0")
+        and name != MANIFEST
+    )
+
+
+def _manifest_doc(path: Path) -> dict[str, Any]:
+    """manifest.json read as a JSON object whose `files` maps plain names to sizes (ExportError)."""
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ExportError(f"{path}: {path.stat().st_size} bytes, more than a manifest can be; re-export")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ExportError(f"{path} is not a valid manifest ({exc}); re-export the folder") from None
+    if not isinstance(raw, dict):
+        raise ExportError(f"{path} is not a valid manifest (not a JSON object); re-export the folder")
+    files = raw.get("files")
+    if not isinstance(files, dict) or MODEL_FILE not in files:
+        raise ExportError(f"{path}: 'files' must map the export's file names to their sizes; re-export")
+    for name, size in files.items():
+        if not plain_name(name) or isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ExportError(
+                f"{path}: 'files' names {name[:100]!r} ({size!r}): not a plain file name of the "
+                "folder and its size; re-export the folder"
+            )
+    return raw
+
+
+def _check_fields(raw: dict[str, Any], path: Path) -> None:
+    """Refuse a manifest field of the wrong type (the fields `files` and `format` are checked already)."""
+
+    def count(v: object, lo: int) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+    checks: dict[str, Callable[[object], bool]] = {
+        "source": lambda v: isinstance(v, str),
+        "source_id": lambda v: isinstance(v, str),
+        "source_sha256": lambda v: v is None or isinstance(v, str),
+        "fingerprint": lambda v: isinstance(v, str),
+        "int8": lambda v: isinstance(v, bool),
+        "architecture": lambda v: isinstance(v, str),
+        "bos_id": lambda v: v is None or count(v, 0),
+        "eos_ids": lambda v: isinstance(v, list) and all(count(i, 0) for i in v),
+        "chat_template": lambda v: v is None or isinstance(v, str),
+        "int8_layout": lambda v: v is None or isinstance(v, str),
+        **{k: lambda v: count(v, 1) for k in _POSITIVE_FIELDS},
+    }
+    for key, ok in checks.items():
+        if key in raw and not ok(raw[key]):
+            raise ExportError(f"{path}: {key!r} is {raw[key]!r:.100}, not what an export writes; re-export")
+
+
+_POSITIVE_FIELDS = ("vocab_size", "num_layers", "num_kv_heads", "head_dim", "hidden_size", "opset")
 
 
 def check_manifest(
@@ -183,7 +247,8 @@ def export(
     int8_method: str = "blocks",
     on_stage: Callable[[str], None] | None = None,
 ) -> Manifest:
-    """Export `source` into the folder `out` (replaced if it exists); returns its manifest.
+    """Export `source` into the folder `out`; returns its manifest. `out` may be missing, empty or
+    an earlier export, which is replaced; anything else is refused (check_out_folder).
 
     target: the already loaded fp32 `shared.model.Target` of `source` (saves loading it
     again, e.g. when the torch drafter holds it); by default it is loaded here.
@@ -194,6 +259,7 @@ def export(
     if int8_method not in INT8_METHODS:
         raise ValueError(f"int8_method {int8_method!r}: one of {', '.join(INT8_METHODS)}")
     _check_source(source)
+    check_out_folder(Path(out))  # before the work, and again before the swap
     dynamic = int8 and int8_method == "dynamic"
     stage: Callable[[str], None] = on_stage or (lambda what: None)
     stage("importing torch and onnx")
@@ -216,7 +282,7 @@ def export(
         raise ValueError(f"export needs the fp32 model, got {target.dtype}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = _scratch_folder(out)
     try:
         from edge_client.onnx.graph import write_model
 
@@ -243,13 +309,83 @@ def export(
             source, gguf, config, tok, fingerprint, int8, int8_method, tmp, versions, progress
         )
         (tmp / MANIFEST).write_text(json.dumps(asdict(manifest), indent=1), encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _swap_in(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"export-onnx: wrote {out} ({sum(manifest.files.values()) / 1e6:.0f} MB)")
     return manifest
+
+
+def check_out_folder(out: Path) -> None:
+    """Refuse (OutFolderError) an `out` that an export may not replace: `.`, `..`, the working
+    folder or one above it, a link, a file, or a folder holding anything but an earlier export
+    (its manifest and the files that names). A missing or empty folder is fine."""
+    here = Path.cwd().resolve()
+    if out.name in ("", ".", "..") or out.resolve() in (here, *here.parents):
+        raise OutFolderError(f"{str(out)!r} is the working folder or above it: name a new folder")
+    if out.is_symlink():
+        raise OutFolderError(f"{out} is a link: name a folder that is not one")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise OutFolderError(f"{out} is a file, not a folder; nothing was written: name a new folder")
+    try:
+        entries = {p.name: p for p in out.iterdir()}
+    except OSError as exc:
+        raise OutFolderError(f"{out} cannot be read ({exc.strerror}): name another folder") from None
+    if not entries:
+        return
+    if MANIFEST not in entries:
+        raise OutFolderError(
+            f"{out} is not empty and not an ONNX export (no {MANIFEST}); nothing was written or "
+            "removed: name a new or empty folder"
+        )
+    try:
+        named = set(_manifest_doc(out / MANIFEST)["files"])
+    except (ExportError, OSError):
+        raise OutFolderError(
+            f"{out}/{MANIFEST} is not an export's manifest; nothing was written or removed: name a new or "
+            "empty folder"
+        ) from None
+    others = sorted(n for n, p in entries.items() if n != MANIFEST and (n not in named or not _plain_file(p)))
+    if others:
+        raise OutFolderError(
+            f"{out} holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''} besides an export; "
+            "nothing was written or removed: move them, or name another folder"
+        )
+
+
+def _plain_file(p: Path) -> bool:
+    return p.is_file() and not p.is_symlink()
+
+
+def _scratch_folder(out: Path) -> Path:
+    """A new hidden folder beside `out` to write the export in (made as mkdir makes folders, so the
+    export gets the permissions any new folder gets here)."""
+    while True:
+        tmp = out.with_name(f".{out.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename the written export `tmp` to `out`, replacing an earlier export there (checked again:
+    the folder may have changed while the export ran)."""
+    check_out_folder(out)
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    old = out.with_name(f"{tmp.name}.old")
+    os.replace(out, old)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _manifest(
