@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,13 +45,44 @@ class SessionRecord:
     tokens: list[int]
 
 
+class RecordError(Exception):
+    """A session record cannot be written into the folder asked for; the message names it and why."""
+
+
+def check_folder(folder: Path) -> None:
+    """Make `folder` if it is missing and check that a record can be written in it (RecordError),
+    so that a generation is not run for a record that cannot be kept."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        raise _error(folder, exc) from None
+
+
+def _error(folder: Path, exc: OSError) -> RecordError:
+    why = "it is a file, not a folder" if folder.exists() and not folder.is_dir() else exc.strerror or exc
+    return RecordError(f"cannot write session records into {folder}: {why}")
+
+
 def write_record(
     folder: Path, gen: GenerationResult, model_id: str, fingerprint: str, mode: str, temperature: float
 ) -> Path:
-    """Write one generation's record into `folder` (created); its path."""
+    """Write one generation's record into `folder` (created); its path. RecordError when it cannot."""
+    try:
+        return _write(folder, gen, model_id, fingerprint, mode, temperature)
+    except OSError as exc:
+        raise _error(folder, exc) from None
+
+
+def _write(
+    folder: Path, gen: GenerationResult, model_id: str, fingerprint: str, mode: str, temperature: float
+) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     path = folder / f"{stamp}-{os.getpid()}-{next(_counter)}.json"
+    while path.exists():  # an earlier process of the same id, in the same second: keep its record
+        path = folder / f"{stamp}-{os.getpid()}-{next(_counter)}.json"
     doc = {
         "format": FORMAT,
         "model_id": model_id,
@@ -62,8 +94,11 @@ def write_record(
         "reason": gen.reason,
     }
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(doc) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
