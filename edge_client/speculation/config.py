@@ -12,6 +12,9 @@ import numpy as np
 from edge_client.trees import Coupling, Saguaro, Sampling
 from shared.messages import Error, Mode
 from shared.tree import ExpansionConfig
+from shared.wire import DEFAULT_WIRE_LIMITS
+
+MAX_TREE_NODES = DEFAULT_WIRE_LIMITS.max_nodes  # the most nodes one tree frame may hold
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,24 @@ class TreeSpec:
     expansion: ExpansionConfig = field(default_factory=ExpansionConfig)
     budget: int = 0
     depth: int = 0
+
+    def __post_init__(self) -> None:
+        nodes, level = 0, 1
+        for k in self.expansion.ks:  # the static tree's nodes, stopping once past the limit
+            level *= k
+            nodes += level
+            if nodes > MAX_TREE_NODES:
+                break
+        for what, n in (
+            ("an expansion tree of", nodes),
+            ("a budget of", self.budget),
+            ("a depth of", self.depth),
+        ):
+            if not 0 <= n <= MAX_TREE_NODES:
+                raise ValueError(
+                    f"{what} {n}{'+' if n > MAX_TREE_NODES else ''} nodes: a tree holds at most "
+                    f"{MAX_TREE_NODES} (the protocol's limit)"
+                )
 
     @property
     def chain_depth(self) -> int:

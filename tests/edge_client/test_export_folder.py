@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from edge_client.cli import main as cli_main
 from edge_client.onnx.export import (
     MANIFEST,
     ExportError,
@@ -61,7 +62,7 @@ def test_a_folder_whose_manifest_is_not_an_exports_is_refused(tmp_path: Path) ->
 
 @pytest.mark.parametrize("name", [".", "..", "", "./", "sub/.."])
 def test_the_working_folder_and_above_are_refused(
-    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     here = tmp_path / "a" / "b"
     (here / "sub").mkdir(parents=True)
@@ -73,6 +74,11 @@ def test_the_working_folder_and_above_are_refused(
         check_out_folder(here.resolve())
     with pytest.raises(OutFolderError):
         check_out_folder(tmp_path)
+    if name:
+        assert cli_main(["export-onnx", "--draft", "tiny", "--out", name]) == 2
+        err = capsys.readouterr().err
+        lines = err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("edge-client: export-onnx: --out: "), err
     assert (here / "notes.txt").read_text() == "mine" and (here / "sub").is_dir()
 
 
@@ -156,3 +162,24 @@ def test_a_manifest_field_of_the_wrong_type_is_refused(
     (bad / MANIFEST).write_text("[1, 2]")
     with pytest.raises(ExportError, match="not a JSON object"):
         read_manifest(bad)
+
+
+def test_an_interrupted_export_is_130_in_one_line_and_leaves_the_earlier_export(
+    onnx_tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edge_client.onnx import graph
+
+    def ctrl_c(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(graph, "write_model", ctrl_c)
+    earlier = _copy(onnx_tiny, tmp_path / "earlier")
+    before = {p.name: p.stat().st_size for p in earlier.iterdir()}
+    try:
+        rc = cli_main(["export-onnx", "--draft", "tiny", "--out", str(earlier)])
+    except KeyboardInterrupt:
+        pytest.fail("the interrupt escaped main() (a traceback for the user)")
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("export-onnx: ")]
+    assert rc == 130 and err == ["edge-client: interrupted"], err
+    assert {p.name: p.stat().st_size for p in earlier.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["earlier"]  # no scratch folder left

@@ -139,9 +139,9 @@ def test_draws_follow_the_shipped_row_not_q() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--prespec", "--mode", "mss", "--temperature", "0.7", "--saguaro-c", "0"], "in (0, 1]"),
-        (["--prespec", "--mode", "rrs", "--temperature", "0.7", "--saguaro-c", "1.5"], "in (0, 1]"),
-        (["--prespec", "--mode", "mss", "--temperature", "0.7", "--saguaro-c", "nan"], "in (0, 1]"),
+        (["--prespec", "--mode", "mss", "--temperature", "0.7", "--saguaro-c", "0"], "> 0 and <= 1"),
+        (["--prespec", "--mode", "rrs", "--temperature", "0.7", "--saguaro-c", "1.5"], "> 0 and <= 1"),
+        (["--prespec", "--mode", "mss", "--temperature", "0.7", "--saguaro-c", "nan"], "not a finite number"),
         (["--mode", "mss", "--temperature", "0.7", "--saguaro-c", "0.5"], "add --prespec"),
         (["--prespec", "--saguaro-c", "0.5"], "--mode mss or --mode rrs"),
     ],
@@ -149,21 +149,27 @@ def test_draws_follow_the_shipped_row_not_q() -> None:
 def test_edge_refuses_a_bad_saguaro_c_before_connecting(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from edge_client.cli import main
-
     # port 9 on localhost has no verifier: a refusal that came after connecting would fail differently
-    rc = main(["generate", "--server", "ws://127.0.0.1:9/v1/session", "--draft", "tiny", *flags, "hi"])
+    rc = _edge_rc(["generate", "--server", "ws://127.0.0.1:9/v1/session", "--draft", "tiny", *flags, "hi"])
     assert rc == 2
     err = capsys.readouterr().err
     assert "--saguaro-c" in err and message in err
 
 
-def test_serve_refuses_a_bad_saguaro_c(capsys: pytest.CaptureFixture[str]) -> None:
+def _edge_rc(argv: list[str]) -> int:
+    """edge-client's exit status for argv (argparse's usage errors exit with 2 while parsing)."""
     from edge_client.cli import main
 
-    assert main(["serve", "--saguaro-c", "2"]) == 2
-    assert "in (0, 1]" in capsys.readouterr().err
-    assert main(["serve", "--no-prespec", "--saguaro-c", "0.5"]) == 2
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+
+
+def test_serve_refuses_a_bad_saguaro_c(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _edge_rc(["serve", "--saguaro-c", "2"]) == 2
+    assert "argument --saguaro-c: 2 is out of range" in capsys.readouterr().err
+    assert _edge_rc(["serve", "--no-prespec", "--saguaro-c", "0.5"]) == 2
     assert "drop --no-prespec" in capsys.readouterr().err
 
 

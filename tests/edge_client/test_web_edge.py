@@ -142,3 +142,20 @@ def test_a_manifest_naming_anything_but_its_own_files_is_refused_at_start(tmp_pa
     (export / MANIFEST).write_text(json.dumps(_manifest(choices[kind])))
     with pytest.raises(WebEdgeError, match="'files'"):
         WebEdge(export, SERVER, bundle)
+
+
+@pytest.mark.parametrize("files", ["[]", '"model.onnx"', "null", '{"../../../../etc/passwd": 1}'])
+def test_serve_names_a_bad_web_draft_in_one_line(
+    tmp_path: Path, files: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edge_client.cli import main
+
+    export, bundle = _export(tmp_path / "export"), _bundle(tmp_path / "web")
+    raw = json.loads((export / MANIFEST).read_text())
+    (export / MANIFEST).write_text(json.dumps({**raw, "files": json.loads(files)}))
+    argv = ["serve", "--web-draft", str(export), "--web-bundle", str(bundle), "--draft", "/no/such.gguf"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert err.splitlines() == [err.strip()] and err.startswith("edge-client: --web-draft: "), err

