@@ -224,8 +224,21 @@ def _settings(config: DistillConfig, spec: TrainSpec, records: Path, heldout: Pa
     return dict(json.loads(json.dumps(doc)))  # as it reads back from train.json (tuples as lists)
 
 
+def _check_checkpoint(out: Path) -> None:
+    """A checkpoint is replaced at every save: refuse a `checkpoint` that this trainer did not write
+    (a user's own folder of that name inside --out), so that nothing the user made is removed."""
+    ck = out / CHECKPOINT
+    if (ck.exists() or ck.is_symlink()) and (ck.is_symlink() or not (ck / "state.json").is_file()):
+        raise ValueError(
+            f"{ck} is not a checkpoint of `draft-training distill` (no state.json): "
+            "give --out a folder of its own or an earlier run's"
+        )
+
+
 def _save(out: Path, student: Student, opt: torch.optim.Optimizer, step: int, evals: list[Any]) -> None:
     from safetensors.torch import save_file
+
+    _check_checkpoint(out)
 
     tmp = out / f".{CHECKPOINT}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -291,6 +304,7 @@ def distill(
     vocab = student.model.config.vocab_size
     train = load_examples(records, config.max_positions, vocab)
     held = load_examples(heldout, config.max_positions, vocab) if heldout else []
+    _check_checkpoint(out)
     out.mkdir(parents=True, exist_ok=True)
     want = _settings(config, student.spec, records, heldout)
     if weights is not None:

@@ -292,3 +292,19 @@ def test_runs_without_a_validation_share_keep_their_settings(
     assert not {"validation", "keep", "autocast"} & set(doc["distill"])
     doc = _settings(DistillConfig("tiny", validation=0.2, keep="best"), TrainSpec(), train, held)
     assert doc["distill"]["validation"] == 0.2 and doc["distill"]["keep"] == "best"
+
+
+def test_a_checkpoint_folder_the_trainer_did_not_write_is_refused_and_kept(
+    records: tuple[Path, Path], tmp_path: Path
+) -> None:
+    train, _ = records
+    out = tmp_path / "mine"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "notes.txt").write_text("a user's file\n")
+    config = DistillConfig("tiny", steps=2, batch=2, checkpoint_every=1, seed=1)
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        distill(out, train, Student(_student_model(), TrainSpec(blocks=(0, 1))), config, progress=False)
+    assert (out / "checkpoint" / "notes.txt").read_text() == "a user's file\n"
+    args = ["distill", "--records", str(train), "--out", str(out), "--draft", "tiny", "--no-progress"]
+    assert main([*args, "--steps", "1", "--batch", "2"]) == 2
+    assert (out / "checkpoint" / "notes.txt").exists()
