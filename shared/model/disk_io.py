@@ -9,8 +9,7 @@ import json
 import logging
 import os
 import time
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,44 +17,19 @@ from typing import Any
 
 import torch
 
+# the checksums (torch-free, shared with the edge's exports), imported from here by the weight caches
+from shared.checksum import CHECK_BYTES as CHECK_BYTES
+from shared.checksum import HASH as HASH
+from shared.checksum import _digest as _digest
+from shared.checksum import chunk_digests as chunk_digests
+from shared.checksum import first_bad_chunk as first_bad_chunk
+
 log = logging.getLogger("shared.model.offload")
 
 ALIGN = 4096  # O_DIRECT: offsets, lengths and buffers on page boundaries
 CHUNK = 16 << 20  # bytes per read call within a span (split over the reader threads)
 CHECKSUM_FORMAT = 1
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _hasher() -> tuple[str, Callable[[memoryview], int]]:
-    """The spans' checksum: xxh3-64 (~14 GB/s on one core here, releasing the GIL) when xxhash is
-    installed, else CRC-32 (~3 GB/s): it runs on every read, beside the forward."""
-    try:
-        import xxhash
-
-        return "xxh3_64", xxhash.xxh3_64_intdigest
-    except ImportError:
-        return "crc32", zlib.crc32
-
-
-HASH, _digest = _hasher()
-
-# A float-weight cache entry's checksum unit: each parameter's bytes, from its start, in chunks of
-# this many (the last one shorter), each with its digest in the entry's header
-CHECK_BYTES = 1 << 18
-
-
-def chunk_digests(data: memoryview) -> list[int]:
-    """The digest of every CHECK_BYTES chunk of `data` (a parameter's bytes from its start)."""
-    return [_digest(data[a : a + CHECK_BYTES]) for a in range(0, len(data), CHECK_BYTES)]
-
-
-def first_bad_chunk(data: memoryview, digests: Sequence[int], first: int = 0) -> int | None:
-    """The first chunk of `data` (chunks first, first + 1, ... of a parameter, whole) whose digest is
-    not its entry in `digests`; None when all match."""
-    for k, a in enumerate(range(0, len(data), CHECK_BYTES)):
-        if first + k >= len(digests) or _digest(data[a : a + CHECK_BYTES]) != digests[first + k]:
-            return first + k
-    return None
 
 
 def chunk_window(start: int, end: int, nbytes: int) -> tuple[int, int, int]:
