@@ -16,7 +16,8 @@ still to be read) and evaluates only the rest, causally, in chunks.
 
 Runtime needs only numpy, onnxruntime and tokenizers (no torch): the tokenizer is the export's.
 Models: an export folder, or a draft alias / GGUF path / `tiny`, exported into the model cache on
-first use (needs torch and onnx then, once).
+first use (needs torch and onnx then, once). Either way every file is checked against the
+manifest's checksums before it is loaded (edge_client.onnx.export.read_manifest, ensure_export).
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ CHUNK = 256  # committed tokens per run when a sync evaluates a long tail (bound
 _MASKED = np.float32(np.finfo(np.float32).min)
 
 
-def resolve_export(model: str | Path, int8: bool | None, *, export: bool, progress: bool) -> Path:
-    """The export folder for `model`: the folder itself, or the cached export of an alias/path
-    (int8 unless `int8` is False: the fast export, the one `--drafter auto` measures and picks)."""
+def resolve_export(
+    model: str | Path, int8: bool | None, *, export: bool, progress: bool
+) -> tuple[Path, bool]:
+    """The export folder for `model` and whether its files are checked already: the folder itself,
+    or the cached export of an alias/path (int8 unless `int8` is False: the fast export, the one
+    `--drafter auto` measures and picks), checked (and made again when it fails) by ensure_export."""
     path = Path(model)
     if path.is_dir():
-        return path
+        return path, False
     want = int8 is not False
     if not export:
         from edge_client.onnx.export import cache_folder
@@ -60,8 +64,9 @@ def resolve_export(model: str | Path, int8: bool | None, *, export: bool, progre
                 f"no ONNX export of {model} in {folder}; run `edge-client export-onnx --draft {model} "
                 f"--out DIR{' --int8' if want else ''}` and pass DIR, or allow exporting on first use"
             )
-        return folder
-    return ensure_export(str(model), int8=want, progress=progress)
+        check_manifest(read_manifest(folder), folder, source=str(model))
+        return folder, True
+    return ensure_export(str(model), int8=want, progress=progress), True
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -103,8 +108,8 @@ class OnnxDrafter(Drafter):
 
         super().__init__()
         self._session: Any = None
-        folder = resolve_export(model, int8, export=export, progress=progress)
-        manifest = read_manifest(folder)
+        folder, checked = resolve_export(model, int8, export=export, progress=progress)
+        manifest = read_manifest(folder, verify=not checked)  # every file against its checksum
         check_manifest(manifest, folder, int8=int8)
         self.manifest: Manifest = manifest
         self.folder = folder

@@ -19,26 +19,28 @@ from fastapi.testclient import TestClient
 from edge_client.onnx.export import MANIFEST, Manifest
 from edge_client.serve import create_app
 from edge_client.web_edge import WebEdge, WebEdgeError
+from shared.checksum import file_checksum
 
 SERVER = "ws://127.0.0.1:9/v1/session"
 BUNDLE_FILES = ("index.html", "edge-page.js", "treespec-edge.js", "ort/ort-wasm-simd-threaded.wasm")
 EXPORT_FILES = {"model.onnx": b"graph", "model.onnx.data": b"weights" * 10, "tokenizer.json": b"{}"}
 
 
-def _manifest(files: object) -> dict[str, object]:
+def _manifest(files: object, checksums: object = None) -> dict[str, object]:
     m = Manifest(
         source="tiny", source_id="tiny", source_sha256=None, vocab_size=8, fingerprint="ab" * 16,
         int8=False, num_layers=1, num_kv_heads=1, head_dim=4, hidden_size=4, architecture="llama",
         bos_id=None, eos_ids=[0], chat_template=None, files={}, opset=17,
     )  # fmt: skip
-    return {**asdict(m), "files": files}
+    return {**asdict(m), "files": files, "checksums": checksums if checksums is not None else {}}
 
 
 def _export(root: Path, files: dict[str, bytes] = EXPORT_FILES) -> Path:
     root.mkdir(parents=True)
     for name, data in files.items():
         (root / name).write_bytes(data)
-    (root / MANIFEST).write_text(json.dumps(_manifest({n: len(d) for n, d in files.items()})))
+    sums = {n: file_checksum(root / n) for n in files}
+    (root / MANIFEST).write_text(json.dumps(_manifest({n: len(d) for n, d in files.items()}, sums)))
     return root
 
 
@@ -159,3 +161,22 @@ def test_serve_names_a_bad_web_draft_in_one_line(
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "Traceback" not in err
     assert err.splitlines() == [err.strip()] and err.startswith("edge-client: --web-draft: "), err
+
+
+def test_an_export_whose_files_fail_their_checksums_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Same-size garbage in the weights (or a manifest from before checksums) never reaches a
+    browser: `serve --web-draft` names the file in one line and says to export again."""
+    from edge_client.cli import main
+
+    export, bundle = _export(tmp_path / "export"), _bundle(tmp_path / "web")
+    (export / "model.onnx.data").write_bytes(b"WEIGHTS" * 10)  # the size the manifest names
+    with pytest.raises(WebEdgeError, match=r"model\.onnx\.data fails its checksum"):
+        WebEdge(export, SERVER, bundle)
+    argv = ["serve", "--web-draft", str(export), "--web-bundle", str(bundle), "--draft", "/no/such.gguf"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.splitlines() == [err.strip()], err
+    assert f"{export / 'model.onnx.data'} fails its checksum" in err and "export again" in err
