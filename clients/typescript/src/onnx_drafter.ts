@@ -12,7 +12,7 @@
 import { type Coupling, coupledToken } from "./coupling.js";
 import type { Tree } from "./protocol.js";
 
-export const EXPORT_FORMAT = 1;
+export const EXPORT_FORMAT = 2; // edge_client/onnx/export.py FORMAT (2: every file's checksum)
 const MASKED = -3.4028234663852886e38; // float32's lowest: "do not attend"
 const CHUNK = 256; // committed tokens per run when a sync evaluates a long tail
 
@@ -31,6 +31,7 @@ export interface Manifest {
   eos_ids: number[];
   chat_template: string | null;
   files: Record<string, number>;
+  checksums: Record<string, string>; // file name -> "xxh3_64:<16 hex digits>" (keys the browser's cache)
   opset: number;
 }
 
@@ -94,6 +95,10 @@ export async function readManifest(reader: ExportReader, where: string): Promise
           "(an interrupted copy?); re-export the folder",
       );
     }
+  }
+  const sums = (m.checksums ?? {}) as Record<string, unknown>;
+  for (const name of Object.keys(m.files)) {
+    if (typeof sums[name] !== "string") throw new ExportError(`${where}/manifest.json: no checksum for ${name}; re-export`);
   }
   return { eos_ids: [], bos_id: null, chat_template: null, int8_layout: null, source: "", ...m } as Manifest;
 }

@@ -20,8 +20,10 @@ export interface WebReader extends ExportReader {
 
 /**
  * Read an export folder served at `base`. manifest.json is always asked of the server (no-cache);
- * every other file is kept in Cache Storage under its URL, the manifest's fingerprint and its size,
- * so a re-exported folder is fetched again.
+ * every other file is kept in Cache Storage under its URL and the manifest's checksum of it, so a
+ * file that changed (a re-export, retrained weights of the same sizes) is fetched again, and the
+ * copies kept under its URL's earlier checksums are dropped. A file the manifest gives no checksum
+ * is never cached.
  */
 export function webReader(base: string, o: WebReaderOptions = {}): WebReader {
   const root = new URL(base, globalThis.location?.href);
@@ -31,13 +33,29 @@ export function webReader(base: string, o: WebReaderOptions = {}): WebReader {
   const fetched: string[] = [];
   const cached: string[] = [];
   let sizes: Record<string, number> = {};
-  let version = "";
+  let checksums: Record<string, string> = {};
   const url = (name: string) => new URL(encodeURIComponent(name), root).href;
-  const key = (name: string) => `${url(name)}?v=${version}-${sizes[name] ?? 0}`;
+  // null: not cached (no checksum for it in the manifest)
+  const key = (name: string) => {
+    const sum = checksums[name];
+    return typeof sum === "string" && sum ? `${url(name)}?checksum=${encodeURIComponent(sum)}` : null;
+  };
 
   async function fromCache(name: string): Promise<Response | undefined> {
-    if (!storage || !version) return undefined;
-    return (await storage).match(key(name));
+    const k = key(name);
+    if (!storage || k === null) return undefined;
+    return (await storage).match(k);
+  }
+
+  async function keep(name: string, data: Uint8Array<ArrayBuffer>): Promise<void> {
+    const k = key(name);
+    if (!storage || k === null) return;
+    const cache = await storage;
+    for (const old of await cache.keys()) {
+      if (old.url !== k && old.url.split("?")[0] === url(name)) await cache.delete(old); // an earlier export's
+    }
+    const copy = new Response(data, { headers: { "content-type": "application/octet-stream" } });
+    await cache.put(k, copy);
   }
 
   async function fetchOk(name: string, init?: RequestInit): Promise<Response> {
@@ -60,10 +78,7 @@ export function webReader(base: string, o: WebReaderOptions = {}): WebReader {
     const r = await fetchOk(name);
     const data = new Uint8Array(await r.arrayBuffer());
     fetched.push(name);
-    if (storage && version) {
-      const copy = new Response(data, { headers: { "content-type": "application/octet-stream" } });
-      await (await storage).put(key(name), copy).catch(() => undefined); // a full quota only costs a refetch
-    }
+    await keep(name, data).catch(() => undefined); // a full quota only costs a refetch
     return data;
   }
 
@@ -76,9 +91,9 @@ export function webReader(base: string, o: WebReaderOptions = {}): WebReader {
       const body = await r.text();
       fetched.push(name);
       try {
-        const m = JSON.parse(body) as { files?: Record<string, number>; fingerprint?: string };
+        const m = JSON.parse(body) as { files?: Record<string, number>; checksums?: Record<string, string> };
         sizes = m.files ?? {};
-        version = String(m.fingerprint ?? "").slice(0, 16);
+        checksums = m.checksums ?? {};
       } catch {
         // readManifest names what is wrong with it
       }
