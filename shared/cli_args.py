@@ -33,8 +33,9 @@ def _parse_float(text: str, allow_inf: bool) -> float:
 
 
 def _show(x: float) -> str:
-    """A bound as a person writes it: 0, 0.5, 1e+15 (not 1000000000000000.0)."""
-    return f"{x:g}"
+    """A bound as a person writes it: an integer whole (2147483647), a float short (0, 0.5,
+    1e+15, not 1000000000000000.0)."""
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def _range_text(lo: float | None, hi: float | None, lo_open: bool = False) -> str:

@@ -60,3 +60,6 @@ def test_a_range_error_writes_its_bounds_as_a_person_would() -> None:
     with pytest.raises(argparse.ArgumentTypeError) as err:
         number(0.0, 1e15)("1e16")
     assert str(err.value) == "1e16 is out of range: expected between 0 and 1e+15"
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        integer(0, 2147483647)("-1")
+    assert str(err.value) == "-1 is out of range: expected between 0 and 2147483647"
