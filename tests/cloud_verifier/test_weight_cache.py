@@ -17,6 +17,7 @@ from shared.model import build_model, gguf_loader, load_target, weight_cache
 from shared.model import target as target_mod
 from shared.model.llama import DecoderLayer
 from shared.model.weights import hf_state_dict
+from tests.fs_faults import after_a_timestamp_tick
 
 from .checkpoints import config_for, logits_of, small_vocab, write_gguf
 
@@ -210,16 +211,6 @@ def test_another_models_weights_in_the_entry_are_found_and_the_entry_rebuilt(
     assert len(gguf_opens) == 4  # a, b, and a rebuilt twice
 
 
-def _after_a_timestamp_tick(path: Path) -> None:
-    """Return once the file system's clock has moved past `path`'s ctime (file timestamps come
-    from a coarse clock: a write within the same tick would leave the ctime as it was)."""
-    probe = path.with_name(path.name + ".tick")
-    probe.write_bytes(b"")
-    while probe.stat().st_ctime_ns <= path.stat().st_ctime_ns:
-        os.utime(probe)
-    probe.unlink()
-
-
 def test_a_model_file_rewritten_with_its_old_mtime_gets_its_own_entry(
     tmp_path: Path, gguf_opens: list[object]
 ) -> None:
@@ -229,7 +220,7 @@ def test_a_model_file_rewritten_with_its_old_mtime_gets_its_own_entry(
     a, b = _small_gguf(tmp_path, "a.gguf", 1), _small_gguf(tmp_path, "b.gguf", 2)
     want_a, want_b = _small_logits(a), _small_logits(b)
     before = a.stat()
-    _after_a_timestamp_tick(a)
+    after_a_timestamp_tick(a)
     with a.open("r+b") as f:
         f.write(b.read_bytes())
     os.utime(a, ns=(before.st_atime_ns, before.st_mtime_ns))

@@ -6,8 +6,6 @@ is a --record folder that cannot be written."""
 from __future__ import annotations
 
 import argparse
-import errno
-import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from edge_client.cli import main
 from edge_client.cli_parser import build_parser
 from edge_client.speculation.config import MAX_TREE_NODES, TreeSpec
 from shared.tree import ExpansionConfig
+from tests.fs_faults import FullDiskOS
 
 NOWHERE = "ws://127.0.0.1:9/v1/session"  # no verifier: a refusal after connecting would read differently
 POSITIONAL = {"generate": ["hi"], "serve": [], "export-onnx": ["--draft", "tiny", "--out", "x"]}
@@ -188,16 +187,7 @@ def test_a_record_that_fails_after_the_generation_blames_the_record_not_the_veri
     from edge_client import record
     from tests.cloud_verifier.service import LiveServer
 
-    class FullDisk:
-        """The os module, but renaming a file into place fails as on a full disk."""
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(os, name)
-
-        def replace(self, *args: object) -> None:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(record, "os", FullDisk())
+    monkeypatch.setattr(record, "os", FullDiskOS())
     with LiveServer() as srv:
         argv = ["generate", "--server", srv.ws, "--draft", "tiny", "--drafter", "torch", "--max-tokens", "4"]
         rc = main([*argv, "--record", str(tmp_path / "records"), "hi"])

@@ -4,7 +4,6 @@ file that is already there."""
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +13,7 @@ import pytest
 from edge_client import record
 from edge_client.record import RecordError, check_folder, write_record
 from edge_client.stats import GenerationResult
+from tests.fs_faults import FullDiskOS
 
 GEN = GenerationResult([1, 2, 3], [4, 5])
 
@@ -33,14 +33,7 @@ def test_a_folder_that_cannot_hold_records_is_a_record_error(tmp_path: Path) -> 
 
 
 def test_a_failed_write_leaves_no_half_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    class FullDisk:
-        def __getattr__(self, name: str) -> object:
-            return getattr(os, name)
-
-        def replace(self, *args: object) -> None:
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(record, "os", FullDisk())
+    monkeypatch.setattr(record, "os", FullDiskOS())
     with pytest.raises(RecordError, match="No space left on device"):
         write_record(tmp_path, GEN, "tiny", "ff" * 16, "greedy", 0.0)
     assert list(tmp_path.iterdir()) == []

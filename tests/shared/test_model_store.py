@@ -16,6 +16,7 @@ import pytest
 
 from shared import model_store as ms
 from shared.model_store.__main__ import main as ms_main
+from tests.fs_faults import after_a_timestamp_tick
 
 # an independent record of the pair's files (package names, size, sha256, shapes), kept beside the test
 MODELS_RECORD = Path(__file__).resolve().parent / "models_record.json"
@@ -121,16 +122,6 @@ def test_a_changed_file_is_hashed_again_and_refused(store: tuple[Path, Path]) ->
         ms.ensure_file(mf, progress=False)
 
 
-def _after_a_timestamp_tick(path: Path) -> None:
-    """Return once the file system's clock has moved past `path`'s ctime (file timestamps come
-    from a coarse clock: a write within the same tick would leave the ctime as it was)."""
-    probe = path.with_name(path.name + ".tick")
-    probe.write_bytes(b"")
-    while probe.stat().st_ctime_ns <= path.stat().st_ctime_ns:
-        os.utime(probe)
-    probe.unlink()
-
-
 def test_a_files_content_sha256_is_hashed_once_and_again_when_the_file_changes(
     store: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -151,7 +142,7 @@ def test_a_files_content_sha256_is_hashed_once_and_again_when_the_file_changes(
     assert ms.content_sha256(path) == hashlib.sha256(b"a" * 4096).hexdigest()
     assert len(hashed) == 1
     before = path.stat()
-    _after_a_timestamp_tick(path)
+    after_a_timestamp_tick(path)
     with path.open("r+b") as f:
         f.write(b"b" * 4096)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
