@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
+import mmap
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +115,20 @@ def _locked(
     return run
 
 
+def zeros_on_use(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor whose memory is taken as it is written. On a CPU the pool is sized from the
+    memory available (kv_memory_fraction), so `torch.zeros` would take all of it at once and
+    every verifier in a process would hold its whole pool; an anonymous mapping reads as zeros and
+    the kernel gives it pages only where a block is written, so the process holds what its
+    sessions use. Other devices allocate as usual."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    size = count * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(size, 1))  # anonymous: zero-filled, committed page by page
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -136,14 +152,14 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, kv_heads, slots, head_dim]
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)  # [layers, kv_heads, slots, head_dim]
+        self.k = zeros_on_use(shape, dtype, self.device)  # [layers, kv_heads, slots, head_dim]
+        self.v = zeros_on_use(shape, dtype, self.device)  # [layers, kv_heads, slots, head_dim]
         # [layers, kv_heads, slots // TILE, head_dim, TILE]: the keys again, transposed per tile
         self.kt = (
-            torch.zeros(
+            zeros_on_use(
                 (num_layers, num_kv_heads, num_blocks * block_size // TILE, head_dim, TILE),
-                dtype=dtype,
-                device=self.device,
+                dtype,
+                self.device,
             )
             if tiled_keys
             else None

@@ -6,6 +6,7 @@ where every row ended up.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -174,3 +175,25 @@ def test_reused_blocks_do_not_leak_old_rows() -> None:
     write_rows(kv, 1, [2.0, 3.0])
     kv.commit_rows(1, [1])
     assert cached_tags(kv, 1) == [3.0]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident size from /proc")
+def test_a_pool_takes_memory_as_its_blocks_are_written_not_when_made() -> None:
+    """A pool sized from the machine's memory must not hold it all from the start: a 1.5 GB pool
+    costs the process only the pages its written blocks touch, and reads as zeros elsewhere."""
+    before = _rss_bytes()
+    kv = PagedKVCache(
+        num_layers=4, num_kv_heads=2, head_dim=64, num_blocks=12288, block_size=16, tiled_keys=True
+    )
+    assert 3 * kv.k.numel() * 4 >= 1 << 30  # k, v and the tiled k
+    made = _rss_bytes()
+    assert made - before < 64 << 20, (made - before) / 2**20
+    kv.k[:, :, :32] = 1.0  # two blocks written in every layer and head
+    assert _rss_bytes() - before < 64 << 20
+    assert not bool(kv.k[:, :, 32:].any()) and not bool(kv.v.any()) and bool(kv.k[:, :, :32].all())
+    assert kv.kt is not None and not bool(kv.kt.any())
