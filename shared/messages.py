@@ -56,6 +56,7 @@ class MsgType(str, enum.Enum):
     ERROR = "error"
     CANCEL = "cancel"
     CLOSE = "close"
+    STREAM = "stream"
 
 
 class Mode(str, enum.Enum):
@@ -81,7 +82,11 @@ class Mode(str, enum.Enum):
 # `hello.features` (a decoder of an earlier release refuses unknown fields; PROTOCOL.md section 10).
 FEATURE_GAP_MS = "verdict.gap_ms"  # verdict.gap_ms: the server's wait before the round it answers
 FEATURE_PENDING_BYTES = "limits.max_pending_bytes"  # welcome.limits.max_pending_bytes
-FEATURES = (FEATURE_GAP_MS, FEATURE_PENDING_BYTES)  # every feature this release knows, in order
+FEATURE_WELCOME_FEATURES = "welcome.features"  # welcome.features: the features the server honours
+FEATURE_STREAM = "round.stream"  # the client may send `stream` rounds (and prompt.stream)
+FEATURE_COST = "verdict.cost_ms"  # verdict.forward_ms and verdict.marginal_ms
+# every feature this release knows, in order
+FEATURES = (FEATURE_GAP_MS, FEATURE_PENDING_BYTES, FEATURE_WELCOME_FEATURES, FEATURE_STREAM, FEATURE_COST)
 
 
 @dataclass(frozen=True)
@@ -226,9 +231,12 @@ class Welcome:
     verify_cost_ms: dict[int, float]  # forward ms for N tree nodes, measured at start-up
     vocab_fingerprint: str = ""
     version: int = PROTOCOL_VERSION
+    # the client's features the server honours; None: not sent (a client that did not ask, or a
+    # server of an earlier release)
+    features: tuple[str, ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        d = {
             "version": self.version,
             "session_id": self.session_id,
             "model_id": self.model_id,
@@ -240,6 +248,9 @@ class Welcome:
             # msgpack map keys must be strings (strict_map_key)
             "verify_cost_ms": {str(k): float(v) for k, v in sorted(self.verify_cost_ms.items())},
         }
+        if self.features is not None:
+            d["features"] = list(self.features)
+        return d
 
     @classmethod
     def from_wire(cls, r: Reader) -> Welcome:
@@ -249,20 +260,8 @@ class Welcome:
                 modes.append(Mode(m))
             except ValueError as exc:
                 raise r.bad("allowed_modes", f"unknown mode {m!r}") from exc
-        cost_raw = r.raw("verify_cost_ms")
-        if not isinstance(cost_raw, dict) or len(cost_raw) > r.limits.max_list:
-            raise r.bad("verify_cost_ms", "must be a map of node count (string) to milliseconds")
-        cost: dict[int, float] = {}
-        for k, v in cost_raw.items():
-            if (
-                not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10)
-                or isinstance(v, bool)
-                or not isinstance(v, (int, float))
-            ):
-                raise r.bad("verify_cost_ms", "must map decimal node counts to numbers")
-            cost[int(k)] = float(v)
-        if (why := cost_curve_error(cost)) is not None:
-            raise r.bad("verify_cost_ms", why)
+        cost = read_cost_map(r, "verify_cost_ms")
+        features = r.str_list("features", None)
         return cls(
             version=r.integer("version", 0, 1 << 16),
             session_id=r.text("session_id"),
@@ -273,7 +272,35 @@ class Welcome:
             allowed_modes=tuple(modes),
             limits=SessionLimits.from_wire(r.sub("limits")),
             verify_cost_ms=cost,
+            features=None if features is None else tuple(features),
         )
+
+
+def read_cost_map(r: Reader, key: str, default: Any = ..., streams: bool = False) -> Any:
+    """A map of node count (decimal string) to forward milliseconds, checked by the rule of
+    shared.verify_cost; `streams`: node count 0 (a stream step, row 0 alone) is allowed too."""
+    raw = r.raw(key, default)
+    if raw is None and default is None:
+        return None
+    if not isinstance(raw, dict) or len(raw) > r.limits.max_list:
+        raise r.bad(key, "must be a map of node count (string) to milliseconds")
+    cost: dict[int, float] = {}
+    for k, v in raw.items():
+        if (
+            not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10)
+            or isinstance(v, bool)
+            or not isinstance(v, (int, float))
+        ):
+            raise r.bad(key, "must map decimal node counts to numbers")
+        cost[int(k)] = float(v)
+    if (why := cost_curve_error(cost, allow_zero=streams)) is not None:
+        raise r.bad(key, why)
+    return cost
+
+
+def cost_map_to_wire(cost: dict[int, float]) -> dict[str, float]:
+    """msgpack map keys must be strings (strict_map_key)."""
+    return {str(k): float(v) for k, v in sorted(cost.items())}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -343,6 +370,9 @@ class Prompt:
     stop_ids: tuple[int, ...] = ()
     continue_: bool = False
     tree: TokenTree | None = None  # optional first tree, verified right after prefill
+    # the prompt's answer streams: the prefill's token, then up to stream - 1 more, one forward
+    # each, as round 0 (PROTOCOL.md `stream`); 0: not sent. Only with the round.stream feature
+    stream: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", as_ints(self.tokens))
@@ -363,6 +393,8 @@ class Prompt:
         }
         if self.tree is not None:
             d["tree"] = tree_to_wire(self.tree, {})
+        if self.stream:
+            d["stream"] = self.stream
         return d
 
     @classmethod
@@ -390,6 +422,7 @@ class Prompt:
             stop_ids=tuple(r.array("stop_ids", "<i4", r.limits.max_list, ()).tolist()),
             continue_=r.flag("continue", False),
             tree=tree,
+            stream=r.integer("stream", 1, MAX_U31, 0),
         )
 
 
@@ -407,6 +440,24 @@ class Tree:
     @classmethod
     def from_wire(cls, r: Reader) -> Tree:
         return cls(round=r.integer("round", 1), tree=tree_from_wire(r))
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Client -> server: round `round` streams up to `k` tokens from the target, one forward each,
+    at whatever the committed sequence is when it starts (PROTOCOL.md `stream`). Only with the
+    round.stream feature."""
+
+    TYPE: ClassVar[MsgType] = MsgType.STREAM
+    round: int
+    k: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"round": self.round, "k": self.k}
+
+    @classmethod
+    def from_wire(cls, r: Reader) -> Stream:
+        return cls(round=r.integer("round", 1), k=r.integer("k", 1, MAX_U31))
 
 
 @dataclass(frozen=True)
@@ -432,6 +483,12 @@ class Verdict:
     done: bool = False
     reason: str | None = None  # when done: "stop", "length", "context", "cancelled"
     gap_ms: float | None = None
+    streaming: bool = False  # a stream round goes on: more verdicts of this round follow
+    # what the server expects a next round of this session with N nodes (0: a stream step) to cost:
+    # the forward it would run in (forward_ms) and what its rows add to it (marginal_ms); only for
+    # a client that asked (hello.features verdict.cost_ms)
+    forward_ms: dict[int, float] | None = None
+    marginal_ms: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokens", as_ints(self.tokens))
@@ -453,6 +510,12 @@ class Verdict:
             d["reason"] = self.reason
         if self.gap_ms is not None:
             d["gap_ms"] = float(self.gap_ms)
+        if self.streaming:
+            d["streaming"] = True
+        if self.forward_ms is not None:
+            d["forward_ms"] = cost_map_to_wire(self.forward_ms)
+        if self.marginal_ms is not None:
+            d["marginal_ms"] = cost_map_to_wire(self.marginal_ms)
         return d
 
     @classmethod
@@ -468,6 +531,9 @@ class Verdict:
             done=r.flag("done"),
             reason=r.text("reason", None),
             gap_ms=r.number("gap_ms", 0.0, 1e9, None),
+            streaming=r.flag("streaming", False),
+            forward_ms=read_cost_map(r, "forward_ms", None, streams=True),
+            marginal_ms=read_cost_map(r, "marginal_ms", None, streams=True),
         )
 
 
@@ -558,7 +624,7 @@ class Close:
 # ---------------------------------------------------------------------------------------------------
 # The codec
 
-Message = Hello | Welcome | Prompt | Tree | Verdict | Stale | Error | Cancel | Close
+Message = Hello | Welcome | Prompt | Tree | Stream | Verdict | Stale | Error | Cancel | Close
 M = TypeVar("M", bound=Message)
 
 _DECODERS: dict[str, Callable[[Reader], Message]] = {
@@ -566,6 +632,7 @@ _DECODERS: dict[str, Callable[[Reader], Message]] = {
     MsgType.WELCOME.value: Welcome.from_wire,
     MsgType.PROMPT.value: Prompt.from_wire,
     MsgType.TREE.value: Tree.from_wire,
+    MsgType.STREAM.value: Stream.from_wire,
     MsgType.VERDICT.value: Verdict.from_wire,
     MsgType.STALE.value: Stale.from_wire,
     MsgType.ERROR.value: Error.from_wire,
@@ -612,6 +679,7 @@ __all__ = [
     "Prompt",
     "SessionLimits",
     "Stale",
+    "Stream",
     "Tree",
     "Verdict",
     "Welcome",

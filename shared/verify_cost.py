@@ -21,13 +21,15 @@ from shared.wire import MAX_U31
 MAX_VERIFY_MS = 1e9
 
 
-def cost_curve_error(curve: Mapping[int, float]) -> str | None:
+def cost_curve_error(curve: Mapping[int, float], allow_zero: bool = False) -> str | None:
     """Why `curve` is not a usable verify cost curve, or None. Node counts are integers in
-    [1, 2^31 - 1]; milliseconds are finite, > 0 and at most MAX_VERIFY_MS. An empty curve is
+    [1, 2^31 - 1] ([0, ...] with `allow_zero`: a verdict's maps price a stream step, row 0 alone,
+    as 0 nodes); milliseconds are finite, > 0 and at most MAX_VERIFY_MS. An empty curve is
     usable: the verifier measured nothing, and the client sizes its trees without it."""
+    lo = 0 if allow_zero else 1
     for n, ms in curve.items():
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_U31:
-            return f"node count {n!r} is not an integer in [1, {MAX_U31}]"
+        if isinstance(n, bool) or not isinstance(n, int) or not lo <= n <= MAX_U31:
+            return f"node count {n!r} is not an integer in [{lo}, {MAX_U31}]"
         if isinstance(ms, bool) or not isinstance(ms, int | float):
             return f"{n} nodes: {ms!r} is not a number of milliseconds"
         if not (math.isfinite(ms) and 0 < ms <= MAX_VERIFY_MS):
