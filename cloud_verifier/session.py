@@ -114,6 +114,7 @@ class ServerSession:
         self.closed = False
         self._stale_seen = 0
         self._ar_paused = False
+        self._stream_round = 0  # the round of the ar or stream token queued next (0: ar's)
         self._gen_start = 0.0  # the generation in progress: start, time to its first token, tokens
         self._gen_first: float | None = None
         self._gen_tokens = 0
@@ -231,9 +232,13 @@ class ServerSession:
         self.engine.submit(self.seq, ev.round, ev.tree)
 
     def _gap_ms(self, round_: int) -> float | None:
-        """The gap before round `round_` (None: round 0, or not measured)."""
+        """The gap before round `round_` (None: round 0, not measured, or a stream round's verdicts
+        after its first): read once."""
         gap = self._gap
-        return gap[1] if gap is not None and gap[0] == round_ and round_ != 0 else None
+        if gap is None or gap[0] != round_ or round_ == 0:
+            return None
+        self._gap = None
+        return gap[1]
 
     def _on_hello(self, ev: HelloReceived) -> None:
         hello = ev.hello
@@ -326,15 +331,26 @@ class ServerSession:
         self._verdict_at = time.perf_counter() if self.generating else None
         if not self.generating:  # done, or the in-flight round of a cancelled generation
             self._settle_reservation()
-        if nxt is not None:
-            m.cond_hits.inc()
+        if nxt is not None and nxt.continues:  # a stream round's next token
+            self._stream_round = nxt.round
+            self._next_token()
+        elif nxt is not None:
+            if nxt.tree is not None:
+                m.cond_hits.inc()
             self._submit(nxt)
         elif self.generating and self.seq.mode is Mode.AR:
-            if self.writable.is_set():
-                self.engine.submit(self.seq, 0, None)
-            else:  # the client is not reading: resume when the writer has drained (sent())
-                self._ar_paused = True
+            self._stream_round = 0
+            self._next_token()
         self._flush()
+
+    def _next_token(self) -> None:
+        """Queue the next token of an `ar` generation or a stream round (`_stream_round`), or, while
+        the client is not reading, pause until the writer has drained (sent())."""
+        assert self.seq is not None
+        if self.writable.is_set():
+            self.engine.submit(self.seq, self._stream_round, None)
+        else:
+            self._ar_paused = True
 
     def sent(self) -> None:
         """The writer put one frame on the socket."""
@@ -342,7 +358,7 @@ class ServerSession:
             self.writable.set()
             if self._ar_paused and not self.closed and self.generating and self.seq is not None:
                 self._ar_paused = False
-                self.engine.submit(self.seq, 0, None)
+                self.engine.submit(self.seq, self._stream_round, None)
 
     # ------------------------------------------------------------------ frames out
     def _flush(self) -> None:

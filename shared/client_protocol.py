@@ -21,6 +21,7 @@ from shared.messages import (
     Mode,
     Prompt,
     Stale,
+    Stream,
     Tree,
     Verdict,
     Welcome,
@@ -81,6 +82,8 @@ class ClientProtocol:
         self.last_verdict_round = 0
         self.in_flight: int | None = None  # the round the server is verifying (class docstring)
         self._trees: dict[int, TokenTree] = {}  # the trees of the outstanding rounds
+        self._streams: set[int] = set()  # the outstanding rounds that are streams (0: the prompt's)
+        self.streaming: int | None = None  # the stream round whose verdicts are coming, one a token
         self._prompt_tree: TokenTree | None = None  # the tree the prompt carried (round 0)
         self._max_new_tokens = 0  # of the generation running
         self._generated = 0  # tokens the verdicts of the generation running committed
@@ -126,6 +129,8 @@ class ClientProtocol:
         self.committed = self.committed_for(msg)
         self.awaiting_prompt = True
         self._prompt_tree = msg.tree
+        self._streams = {0} if msg.stream else set()
+        self.streaming = None
         self._max_new_tokens = msg.max_new_tokens
         self._generated = 0
         self.in_flight = 0
@@ -158,6 +163,29 @@ class ClientProtocol:
             self.in_flight = msg.round
         return frame
 
+    def stream(self, msg: Stream) -> bytes:
+        """A stream round (PROTOCOL.md `stream`): in flight at once when nothing is, else it waits
+        at the server for a miss (replacing a waiting one, which the server answers stale)."""
+        self._require(ClientState.GENERATING)
+        if self.mode is Mode.AR:
+            raise ProtocolError(ErrorCode.BAD_ORDER, "mode ar takes no streams", "round")
+        if msg.round <= self.last_round:
+            raise ProtocolError(
+                ErrorCode.BAD_ORDER, f"round {msg.round} is not after {self.last_round}", "round"
+            )
+        frame = self._send(msg)
+        self.last_round = msg.round
+        self.outstanding.add(msg.round)
+        self._streams.add(msg.round)
+        if self.in_flight is None:
+            self.in_flight = msg.round
+        return frame
+
+    def waiting_stream(self) -> int | None:
+        """The outstanding stream round not yet started (the server's fallback for a miss)."""
+        waiting = [r for r in self._streams if r in self.outstanding and r != self.streaming]
+        return max(waiting) if waiting else None
+
     def cancel(self) -> bytes:
         self._require(ClientState.GENERATING)
         frame = self._send(Cancel())
@@ -189,7 +217,9 @@ class ClientProtocol:
         """Move `in_flight` past a frame `receive` decoded (call once per frame, in order)."""
         if isinstance(msg, Verdict):
             nxt = msg.next_round
-            if nxt is None and not msg.done:
+            if msg.streaming:
+                nxt = msg.round
+            elif nxt is None and not msg.done:
                 nxt = self.matching_outstanding()
             self.in_flight = None if msg.done else 0 if self.mode is Mode.AR else nxt
         elif isinstance(msg, Stale):
@@ -238,6 +268,8 @@ class ClientProtocol:
             self.awaiting_prompt = False
             self.outstanding.clear()
             self._trees.clear()
+            self._streams.clear()
+            self.streaming = None
             self.state = ClientState.IDLE
         elif e.round == 0 and self.awaiting_prompt:
             self.awaiting_prompt = False
@@ -249,13 +281,24 @@ class ClientProtocol:
         """Round `rnd` was answered (verdict, stale or error): no longer outstanding."""
         self.outstanding.discard(rnd)
         self._trees.pop(rnd, None)
+        self._streams.discard(rnd)
 
     def _on_verdict(self, v: Verdict) -> None:
         """Check a verdict against what the client sent before anything of it is committed: a
         verifier that breaks the protocol must not leave a token in the client's output."""
         self._require(ClientState.GENERATING, ClientState.CANCELLING)
         tree: TokenTree | None = None
-        if v.round == 0:
+        stream = v.round in self._streams and (v.round == 0 or v.round in self.outstanding)
+        if v.streaming and (v.done or not stream):
+            why = "a verdict that ends the generation" if v.done else f"round {v.round}, not a stream"
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"streaming on {why}", "streaming")
+        if stream and (len(v.accepted_nodes) or (len(v.tokens) != 1 and not v.done)):
+            raise ProtocolError(
+                ErrorCode.BAD_MESSAGE, "a stream's verdict holds one token and no nodes", "tokens"
+            )
+        if v.round != 0 and v.round == self.streaming:
+            pass  # the next token of the stream in progress
+        elif v.round == 0:
             legal = self.awaiting_prompt or self.mode is Mode.AR or self.state is ClientState.CANCELLING
             if not legal:
                 raise ProtocolError(ErrorCode.BAD_ORDER, "unexpected round-0 verdict", "round")
@@ -286,8 +329,12 @@ class ClientProtocol:
                 ErrorCode.BAD_ORDER, f"next_round {v.next_round} was never sent", "next_round"
             )
         # the verdict is consistent with what was sent: commit it
-        if v.round == 0:
+        self.streaming = v.round if v.streaming else None
+        if v.streaming:
+            pass  # the round goes on
+        elif v.round == 0:
             self.awaiting_prompt = False
+            self._streams.discard(0)
         else:
             self._settle(v.round)
             self.last_verdict_round = v.round

@@ -38,10 +38,13 @@ class PromptReceived:
 
 @dataclass(frozen=True)
 class VerifyTree:
-    """Verify this tree now (it matches the committed sequence and nothing else is in flight)."""
+    """Verify this tree now (it matches the committed sequence and nothing else is in flight);
+    tree None: the next step of a stream round (one token from row 0 alone), `continues` when an
+    earlier verdict of the same round went out."""
 
     round: int
-    tree: TokenTree
+    tree: TokenTree | None
+    continues: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,11 @@ import numpy as np
 
 from shared.errors import ErrorCode, ProtocolError
 from shared.messages import (
+    FEATURE_COST,
     FEATURE_GAP_MS,
     FEATURE_PENDING_BYTES,
+    FEATURE_WELCOME_FEATURES,
+    FEATURES,
     PROTOCOL_VERSION,
     Cancel,
     Close,
@@ -25,6 +28,7 @@ from shared.messages import (
     Prompt,
     SessionLimits,
     Stale,
+    Stream,
     Tree,
     Verdict,
     Welcome,
@@ -58,6 +62,9 @@ class ServerGeneration:
     pending_bytes: dict[int, int] = field(default_factory=dict)  # each pending tree's frame bytes
     cancelled: bool = False
     owned: list[int] | None = None  # the protocol's own sequence while no verifier shares one
+    stream_wait: tuple[int, int] | None = None  # a stream round waiting for a miss: (round, k)
+    streaming: int | None = None  # the round in flight is this stream round ...
+    stream_left: int = 0  # ... which may send this many tokens after the one being decoded
 
     def unpend(self, r: int) -> TokenTree:
         """Take pending tree `r` out (verified next, or gone stale)."""
@@ -110,6 +117,10 @@ class ServerProtocol:
             raise RuntimeError(f"welcome in state {self.state.value}")
         if msg.limits.max_pending_bytes is not None and FEATURE_PENDING_BYTES not in self.features:
             msg = dataclasses.replace(msg, limits=dataclasses.replace(msg.limits, max_pending_bytes=None))
+        honoured = None
+        if FEATURE_WELCOME_FEATURES in self.features:
+            honoured = tuple(f for f in FEATURES if f in self.features)
+        msg = dataclasses.replace(msg, features=honoured)
         self.allowed_modes = frozenset(msg.allowed_modes)
         self.state = ServerState.IDLE
         self._send(msg)
@@ -169,6 +180,7 @@ class ServerProtocol:
         if gen.cancelled and not done:
             done, reason = True, "cancelled"
         nxt: VerifyTree | None = None
+        streaming = False
         if done:
             self._stale_all(gen, "done")
         elif gen.prompt.mode is Mode.AR:
@@ -178,14 +190,25 @@ class ServerProtocol:
             if matching:
                 best = max(matching)
                 nxt = VerifyTree(best, gen.unpend(best))
+            elif gen.streaming == v.round and gen.stream_left > 0:
+                streaming = True  # the stream goes on: the same round, one more token
+                gen.stream_left -= 1
+                nxt = VerifyTree(v.round, None, continues=True)
+            elif gen.stream_wait is not None:  # a miss: the waiting stream starts
+                sr, k = gen.stream_wait
+                gen.stream_wait = None
+                gen.stream_left = k - 1
+                nxt = VerifyTree(sr, None)
             for r in sorted(gen.pending):
                 if not can_still_match(gen.pending[r], gen.committed, growing=nxt is not None):
                     gen.unpend(r)
                     self._send(Stale(r, "superseded" if r in matching else "mismatch"))
+        gen.streaming = nxt.round if nxt is not None and nxt.tree is None else None
         in_flight = None if nxt is None else nxt.round
         if gen.prompt.mode is Mode.AR and not done:
             in_flight = 0
         gen.in_flight = in_flight
+        cost = FEATURE_COST in self.features
         self._send(
             Verdict(
                 round=v.round,
@@ -193,11 +216,14 @@ class ServerProtocol:
                 accepted_nodes=v.accepted_nodes,
                 has_bonus=v.has_bonus,
                 committed_len=v.committed_len,
-                next_round=nxt.round if nxt is not None else None,
+                next_round=nxt.round if nxt is not None and not streaming else None,
                 verify_ms=v.verify_ms,
                 done=done,
                 reason=reason,
                 gap_ms=v.gap_ms if FEATURE_GAP_MS in self.features and v.round != 0 else None,
+                streaming=streaming,
+                forward_ms=v.forward_ms if cost else None,
+                marginal_ms=v.marginal_ms if cost else None,
             )
         )
         if done:
@@ -207,10 +233,12 @@ class ServerProtocol:
         return nxt
 
     def _stale_all(self, gen: ServerGeneration, reason: str) -> None:
-        for r in sorted(gen.pending):
+        waiting = {} if gen.stream_wait is None else {gen.stream_wait[0]: None}
+        for r in sorted({**gen.pending, **waiting}):
             self._send(Stale(r, reason))
         gen.pending.clear()
         gen.pending_bytes.clear()
+        gen.stream_wait = None
 
     # -- incoming
     def receive(self, data: bytes) -> list[ServerEvent]:
@@ -246,6 +274,8 @@ class ServerProtocol:
             return [self._on_prompt(msg)]
         if isinstance(msg, Tree):
             return self._on_tree(msg, size)
+        if isinstance(msg, Stream):
+            return self._on_stream(msg)
         if isinstance(msg, Cancel):
             return self._on_cancel()
         raise ProtocolError(
@@ -288,6 +318,9 @@ class ServerProtocol:
                 "tokens",
                 round=0,
             )
+        if p.stream and (p.tree is not None or p.mode is Mode.AR):
+            why = "a tree" if p.tree is not None else "mode ar (it streams anyway)"
+            raise ProtocolError(ErrorCode.BAD_MESSAGE, f"stream does not go with {why}", "stream", round=0)
         if p.tree is not None:
             self._check_tree(p.tree, p.mode, "tree", 0)
             if not tree_matches(p.tree, committed):
@@ -298,6 +331,8 @@ class ServerProtocol:
                     round=0,
                 )
         self.gen = ServerGeneration(p, committed, owned=committed)
+        if p.stream:
+            self.gen.streaming, self.gen.stream_left = 0, p.stream - 1
         self.state = ServerState.GENERATING
         return PromptReceived(p, np.asarray(committed, dtype=np.int32))
 
@@ -353,7 +388,7 @@ class ServerProtocol:
         if not can_still_match(msg.tree, committed, growing=gen.in_flight is not None):
             self._send(Stale(r, "mismatch"))
             return []
-        if len(gen.pending) >= self.limits.max_pending:
+        if len(gen.pending) + (gen.stream_wait is not None) >= self.limits.max_pending:
             raise ProtocolError(
                 ErrorCode.TOO_MANY_PENDING,
                 f"already {len(gen.pending)} pending trees (max_pending {self.limits.max_pending})",
@@ -371,6 +406,41 @@ class ServerProtocol:
             )
         gen.pending[r] = msg.tree
         gen.pending_bytes[r] = size
+        return []
+
+    def _on_stream(self, msg: Stream) -> list[ServerEvent]:
+        """A stream round: started at once when nothing is in flight, else the one waiting for a
+        miss (a later one replaces it)."""
+        r = msg.round
+        if r <= self.last_round:
+            raise ProtocolError(
+                ErrorCode.BAD_ORDER, f"round {r} is not after round {self.last_round}", "round", round=r
+            )
+        self.last_round = r
+        gen = self.gen
+        if gen is None:
+            if self.state is ServerState.IDLE and self.context:
+                self._send(Stale(r, "no generation"))  # sent before the client saw the done verdict
+                return []
+            raise ProtocolError(ErrorCode.BAD_ORDER, "a stream needs a prompt first", "type", round=r)
+        if gen.prompt.mode is Mode.AR:
+            raise ProtocolError(ErrorCode.BAD_ORDER, "mode ar takes no streams: it streams", "type", round=r)
+        if gen.cancelled:
+            self._send(Stale(r, "cancelled"))
+            return []
+        if gen.in_flight is None:
+            gen.in_flight, gen.streaming, gen.stream_left = r, r, msg.k - 1
+            return [VerifyTree(r, None)]
+        if gen.stream_wait is not None:
+            self._send(Stale(gen.stream_wait[0], "superseded"))
+        elif len(gen.pending) >= self.limits.max_pending:
+            raise ProtocolError(
+                ErrorCode.TOO_MANY_PENDING,
+                f"already {len(gen.pending)} pending trees (max_pending {self.limits.max_pending})",
+                "round",
+                round=r,
+            )
+        gen.stream_wait = (r, msg.k)
         return []
 
     def _on_cancel(self) -> list[ServerEvent]:

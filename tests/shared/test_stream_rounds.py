@@ -1,0 +1,157 @@
+"""Stream rounds (PROTOCOL.md `stream`): the target streams tokens one forward each, as the fallback
+for a miss or as the round the client chose, and a pending tree that matches ends the stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared import ErrorCode, ProtocolError, TokenTree
+from shared.messages import (
+    FEATURE_COST,
+    FEATURE_STREAM,
+    FEATURE_WELCOME_FEATURES,
+    Hello,
+    Mode,
+    Prompt,
+    Stale,
+    Stream,
+    Tree,
+    Verdict,
+    Welcome,
+    decode,
+    encode,
+)
+from shared.protocol import ClientProtocol, ClientState, ServerProtocol, VerifyTree
+from tests.shared.test_protocol import LIMITS, V, _deliver, _pair
+
+NONE = np.zeros(0, np.int32)
+
+
+def _token(srv: ServerProtocol, rnd: int, tok: int, length: int, **kw: object) -> VerifyTree | None:
+    """The server's verifier produced one stream token."""
+    return srv.verdict(Verdict(rnd, np.array([tok]), NONE, has_bonus=True, committed_len=length, **kw))  # type: ignore[arg-type]
+
+
+def test_a_stream_round_sends_a_verdict_per_token_and_ends_after_k() -> None:
+    srv, cli = _pair()
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), max_new_tokens=16)))
+    srv.verdict(Verdict(0, np.array([3]), NONE, has_bonus=True, committed_len=3))
+    _deliver(srv, cli)
+    (ev,) = srv.receive(cli.stream(Stream(1, 3)))
+    assert isinstance(ev, VerifyTree) and ev.round == 1 and ev.tree is None and cli.in_flight == 1
+    for i, tok in enumerate((4, 5, 6)):
+        nxt = _token(srv, 1, tok, 4 + i)
+        (v,) = _deliver(srv, cli)
+        assert isinstance(v, Verdict) and v.round == 1
+        last = i == 2
+        assert v.streaming is not last
+        assert (nxt is None) is last and (last or (nxt is not None and nxt.continues and nxt.tree is None))
+        assert cli.in_flight == (None if last else 1)
+    assert cli.committed == [1, 2, 3, 4, 5, 6] and cli.outstanding == set()
+
+
+def test_a_matching_tree_ends_the_stream_without_a_round_trip() -> None:
+    srv, cli = _pair()
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), max_new_tokens=16)))
+    srv.verdict(Verdict(0, np.array([3]), NONE, has_bonus=True, committed_len=3))
+    _deliver(srv, cli)
+    srv.receive(cli.stream(Stream(1, 100)))
+    # while token 4 is decoded the client drafts below its prediction of it
+    right = TokenTree.build([7, 8], [-1, 0], base=3, cond=[4])
+    wrong = TokenTree.build([9], [-1], base=3, cond=[5])
+    assert srv.receive(cli.tree(Tree(2, right))) == []
+    assert srv.receive(cli.tree(Tree(3, wrong))) == []
+    nxt = _token(srv, 1, 4, 4)
+    assert nxt is not None and nxt.round == 2 and nxt.tree is not None and nxt.tree.tokens.tolist() == [7, 8]
+    stale, v = _deliver(srv, cli)
+    assert isinstance(stale, Stale) and stale.round == 3
+    assert isinstance(v, Verdict) and not v.streaming and v.next_round == 2
+    assert cli.in_flight == 2 and cli.outstanding == {2}
+
+
+def test_a_waiting_stream_is_the_fallback_for_a_miss() -> None:
+    srv, cli = _pair()
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), max_new_tokens=16)))
+    srv.verdict(Verdict(0, np.array([3]), NONE, has_bonus=True, committed_len=3))
+    _deliver(srv, cli)
+    srv.receive(cli.tree(Tree(1, TokenTree.build([4, 5], [-1, 0], base=3))))
+    hit = TokenTree.build([9], [-1], base=3, cond=[4, 5, 6])
+    assert srv.receive(cli.tree(Tree(2, hit))) == []
+    assert srv.receive(cli.stream(Stream(3, 4))) == []  # waits: a round is in flight
+    assert cli.waiting_stream() == 3
+    assert srv.receive(cli.stream(Stream(4, 2))) == []  # replaces round 3
+    (stale,) = _deliver(srv, cli)
+    assert isinstance(stale, Stale) and stale.round == 3 and stale.reason == "superseded"
+    # round 1 accepts one node and the bonus differs from the prediction: a miss, the stream runs
+    nxt = srv.verdict(Verdict(1, np.array([4, 7]), np.array([0]), has_bonus=True, committed_len=5))
+    assert nxt is not None and nxt.round == 4 and nxt.tree is None and not nxt.continues
+    msgs = _deliver(srv, cli)
+    assert isinstance(msgs[-1], Verdict) and msgs[-1].next_round == 4 and cli.in_flight == 4
+    assert _token(srv, 4, 8, 6) is not None
+    assert _token(srv, 4, 9, 7) is None  # k = 2
+    _deliver(srv, cli)
+    assert cli.committed == [1, 2, 3, 4, 7, 8, 9] and cli.in_flight is None and cli.outstanding == set()
+
+
+def test_the_prompt_can_stream_and_done_ends_the_stream() -> None:
+    srv, cli = _pair()
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), max_new_tokens=3, stream=10)))
+    assert _token(srv, 0, 3, 3) is not None
+    assert _token(srv, 0, 4, 4) is not None
+    assert _token(srv, 0, 5, 5, done=True, reason="length") is None
+    msgs = _deliver(srv, cli)
+    assert [m.streaming for m in msgs if isinstance(m, Verdict)] == [True, True, False]
+    assert cli.committed == [1, 2, 3, 4, 5] and cli.state is ClientState.IDLE
+
+
+def test_illegal_streams_are_refused() -> None:
+    srv, cli = _pair()
+    with pytest.raises(ProtocolError):
+        cli.stream(Stream(1, 2))  # no generation
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1]), mode=Mode.AR, max_new_tokens=4)))
+    with pytest.raises(ProtocolError):
+        cli.stream(Stream(1, 2))
+    (err,) = srv.receive(encode(Stream(1, 2)))
+    assert err.error.code is ErrorCode.BAD_ORDER  # type: ignore[union-attr]
+    bad = Prompt(tokens=np.array([1]), stream=4, tree=TokenTree.build([2], [-1], base=1))
+    srv3, _ = _pair()
+    (ev,) = srv3.receive(encode(bad))
+    assert ev.error.field == "stream"  # type: ignore[union-attr]
+
+
+def test_a_client_refuses_a_stream_verdict_that_breaks_the_rules() -> None:
+    _, cli = _pair()
+    cli.prompt(Prompt(tokens=np.array([1, 2]), max_new_tokens=16))
+    cli.receive(encode(Verdict(0, np.array([3]), NONE, has_bonus=True, committed_len=3)))
+    cli.tree(Tree(1, TokenTree.build([4], [-1], base=3)))
+    with pytest.raises(ProtocolError, match="not a stream"):  # streaming on a tree's round
+        cli.receive(encode(Verdict(1, np.array([4]), np.array([0]), True, 4, streaming=True)))
+    _, cli = _pair()
+    cli.prompt(Prompt(tokens=np.array([1, 2]), max_new_tokens=16))
+    cli.receive(encode(Verdict(0, np.array([3]), NONE, has_bonus=True, committed_len=3)))
+    cli.stream(Stream(1, 5))
+    with pytest.raises(ProtocolError, match="one token"):
+        cli.receive(encode(Verdict(1, np.array([4, 5]), NONE, True, 5, streaming=True)))
+
+
+def test_features_are_honoured_only_when_asked() -> None:
+    cli = ClientProtocol()
+    srv = ServerProtocol(vocab_size=V, limits=LIMITS)
+    srv.receive(cli.hello(Hello("f" * 64, features=(FEATURE_WELCOME_FEATURES, FEATURE_STREAM, "x.unknown"))))
+    srv.welcome(Welcome("s", "m", V, (0,), (Mode.GREEDY,), LIMITS, {1: 1.0}))
+    (w,) = srv.data_to_send()
+    welcome = decode(w)
+    assert isinstance(welcome, Welcome) and welcome.features == (FEATURE_WELCOME_FEATURES, FEATURE_STREAM)
+    # cost maps go out only to a client that asked for them
+    cli.receive(w)
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1]), max_new_tokens=4)))
+    srv.verdict(Verdict(0, np.array([2]), NONE, True, 2, forward_ms={0: 5.0, 1: 6.0}, marginal_ms={0: 5.0}))
+    (v,) = _deliver(srv, cli)
+    assert isinstance(v, Verdict) and v.forward_ms is None
+    srv2, cli2 = _pair()
+    srv2.features = frozenset({FEATURE_COST})
+    srv2.receive(cli2.prompt(Prompt(tokens=np.array([1]), max_new_tokens=4)))
+    srv2.verdict(Verdict(0, np.array([2]), NONE, True, 2, forward_ms={0: 5.0, 1: 6.0}, marginal_ms={0: 5.0}))
+    (v2,) = _deliver(srv2, cli2)
+    assert isinstance(v2, Verdict) and v2.forward_ms == {0: 5.0, 1: 6.0} and v2.marginal_ms == {0: 5.0}
