@@ -19,11 +19,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 
-from cloud_verifier.step import EngineConfig, RoundResult, SeqState, SeqStatus, StepRunner
+from cloud_verifier.batch_wait import ArrivalPredictor, plan_wait, wait_bound_ms
+from cloud_verifier.live_cost import LiveCost
+from cloud_verifier.step import EngineConfig, Planned, RoundResult, SeqState, SeqStatus, StepRunner
 from shared.messages import Prompt
 from shared.model import Target
 from shared.model.kv_cache import PagedKVCache
@@ -45,13 +48,20 @@ class Engine:
         self.steps = 0
         self.last_step_end = time.monotonic()
         self._pending_since = self.last_step_end  # when ready work last appeared in an idle engine
-        self._last_step_s = 0.0
         self.on_step: Callable[[int, int, float], None] | None = None  # (rows, sessions, seconds)
         self.cost_ms: dict[int, float] = {}  # the measured verify cost curve (rows: ms), for stall checks
         self._step_started: float | None = None
         self._step_expected_s = 0.0
         self._slowest_s = 0.0
         self.checks: list[Callable[[], bool]] = []  # more readiness conditions (parallel: ranks alive)
+        # the live verify cost curve (live_cost.py): fed every step, cost_ms refreshed from it
+        self.live_cost: LiveCost | None = None
+        self._next_rows: dict[int, int] = {}  # sid: the rows its next round is expected to feed
+        # the batch wait (_gather): each session's next round predicted from its gaps, and each
+        # forward's wait in seconds, drained by Metrics.record_pool (bounded if nobody drains it)
+        self.arrivals = ArrivalPredictor()
+        self.batch_waits: deque[float] = deque(maxlen=4096)
+        self.waited_forwards = 0
 
     @property
     def config(self) -> EngineConfig:
@@ -85,6 +95,8 @@ class Engine:
         """Forget a session; its KV blocks are freed now, or right after the step it is part of.
         Generations waiting for KV room that now fit become ready."""
         self._note_pending()
+        self.arrivals.forget(s.sid)
+        self._next_rows.pop(s.sid, None)
         self.runner.close(s)
         self._wake_if_ready()
 
@@ -92,12 +104,14 @@ class Engine:
         """Begin a generation: committed = cached context (if continuing) + the new prompt tokens.
         `ignore_eos`: end-of-text ids do not end it (the prompt's own stop ids still do)."""
         self._note_pending()
+        self.arrivals.idle(s.sid)
         self.runner.start(s, prompt, committed, ignore_eos=ignore_eos)
         self._wake.set()
 
     def end(self, s: SeqState) -> None:
         """The session's generation ended outside the engine (a cancel with no round in flight)."""
         self._note_pending()
+        self.arrivals.idle(s.sid)
         self.runner.end(s)
         self._wake_if_ready()
 
@@ -107,6 +121,7 @@ class Engine:
 
     def submit(self, s: SeqState, round_id: int, tree: TokenTree | None) -> None:
         self._note_pending()
+        self.arrivals.submitted(s.sid, time.perf_counter())
         if self.runner.submit(s, round_id, tree):
             self._wake.set()
 
@@ -153,7 +168,9 @@ class Engine:
     def _expected_s(self, rows: int) -> float:
         """What a forward of `rows` rows should take: the measured verify cost curve at the first
         measured N >= rows, linear past its end (long prefills); without a curve, the slowest step
-        seen so far."""
+        seen so far. With a live curve: its forward of `rows` rows."""
+        if self.live_cost is not None:
+            return self.live_cost.forward_ms(rows - 1) / 1e3
         curve = self.cost_ms
         if not curve:
             return self._slowest_s
@@ -161,6 +178,25 @@ class Engine:
         if rows > top:
             return curve[top] * rows / top / 1e3
         return curve[min(n for n in curve if n >= rows)] / 1e3
+
+    def _note_rows(self, plan: list[Planned]) -> None:
+        """Each planned session's next round: row 0 + this round's nodes (a prefill chunk: another
+        chunk as large)."""
+        for p in plan:
+            tree = p.job.tree
+            nodes = tree.num_nodes if tree is not None else 0
+            self._next_rows[p.seq.sid] = 1 + nodes if p.final else len(p.pre)
+
+    def other_rows(self, sid: int) -> int:
+        """The rows the next forward is expected to hold from sessions other than `sid`: each other
+        session with a generation running (between rounds, queued for a step or in one) feeds as many
+        rows as its last round (row 0 + its tree's nodes; 1 before its first), none without batching.
+        The last round is the best guess of the next: trees drafted by the same edge."""
+        if not self.config.batching:
+            return 0
+        running = (SeqStatus.WAITING, SeqStatus.READY, SeqStatus.RUNNING)
+        others = (s.sid for s in self.seqs.values() if s.sid != sid and s.status in running)
+        return sum(self._next_rows.get(o, 1) for o in others)
 
     # ------------------------------------------------------------------ the loop
     def start_loop(self) -> None:
@@ -182,7 +218,7 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._gather()
+            waited = await self._gather()
             plan = self.runner.plan()
             if not plan:  # (the ready rounds wait for KV room: until a session submits, ends or closes)
                 self._wake.clear()
@@ -190,7 +226,10 @@ class Engine:
                     async with asyncio.timeout(0.05):
                         await self._wake.wait()
                 continue
+            self.batch_waits.append(waited)
+            self.waited_forwards += 1 if waited > 0 else 0
             rows = sum(p.rows for p in plan)
+            self._note_rows(plan)
             self._step_expected_s = self._expected_s(rows)
             self._step_started = time.monotonic()
             t0 = time.perf_counter()
@@ -198,27 +237,59 @@ class Engine:
             dt = time.perf_counter() - t0
             self._step_started = None
             self._slowest_s = max(self._slowest_s, dt)
-            self._last_step_s = dt
             self.steps += 1
             self.last_step_end = time.monotonic()
+            if self.live_cost is not None:  # before the verdicts: they carry the refreshed curve
+                self.live_cost.observe(rows, dt, sum(len(p.seq.committed) for p in plan))
+                if self.cost_ms:  # (none measured: it stays empty, as without a live curve)
+                    self.cost_ms = self.live_cost.curve()
             if self.on_step is not None:
                 self.on_step(rows, len(plan), dt)
             self.runner.finish(done, dt)
+            now = time.perf_counter()
+            for o in done.outcomes:  # left between rounds (no pending tree): its next round is a gap away
+                s, tree = o.planned.seq, o.planned.job.tree
+                if s.status is SeqStatus.WAITING:
+                    self.arrivals.verdict(s.sid, now, 1 + (tree.num_nodes if tree is not None else 0))
             await asyncio.sleep(0)  # let sessions' I/O run between steps
 
-    async def _gather(self) -> None:
-        """Give sessions that are between rounds a moment to join this step (see gather_ms)."""
+    async def _gather(self) -> float:
+        """Before a step, wait for sessions between rounds whose next round is about to arrive,
+        only as long as the cost curve says it pays (batch_wait.py: the rule, from `cost_ms` read
+        afresh each time), never past gather_ms nor half the ready rows' forward; re-decided at
+        every submit while it waits, and going when an expected round is late. Returns the seconds
+        it waited (0: none), which the loop puts in `batch_waits` (drained into
+        cloud_verifier_batch_wait_seconds) and `waited_forwards`."""
         cfg = self.config
         if not cfg.batching or cfg.gather_ms <= 0:
-            return
-        deadline = time.perf_counter() + min(cfg.gather_ms / 1e3, self._last_step_s / 4)
+            return 0.0
+        t0 = time.perf_counter()
+        waited = False
+        bound_ms = wait_bound_ms(self.cost_ms, self._ready_rows()[0], cfg.gather_ms)  # by the rows ready now
         while True:
-            between = any(s.status is SeqStatus.WAITING for s in self.seqs.values())
-            left = deadline - time.perf_counter()
-            if not between or left <= 0:
-                return
+            now = time.perf_counter()
+            rows, sessions = self._ready_rows()
+            left_ms = bound_ms - (now - t0) * 1e3
+            arrivals = [
+                a
+                for s in self.seqs.values()
+                if s.status is SeqStatus.WAITING and (a := self.arrivals.expected(s.sid, now)) is not None
+            ]
+            w_ms = plan_wait(self.cost_ms, rows, sessions, arrivals, left_ms) if arrivals else 0.0
+            if w_ms <= 0:
+                return time.perf_counter() - t0 if waited else 0.0
+            waited = True
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), left)
-            except TimeoutError:
-                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), w_ms / 1e3)
+
+    def _ready_rows(self) -> tuple[int, int]:
+        """The rows the next step would feed (each ready session's uncached committed tokens and
+        tree nodes, at most the token budget) and the ready sessions."""
+        rows = sessions = 0
+        for s in self.seqs.values():
+            if s.status is SeqStatus.READY and s.job is not None:
+                nodes = s.job.tree.num_nodes if s.job.tree is not None else 0
+                rows += len(s.committed) - self.kv.cached_len(s.sid) + nodes
+                sessions += 1
+        return min(rows, self.config.token_budget), sessions

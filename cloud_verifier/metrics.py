@@ -9,6 +9,7 @@ from cloud_verifier.engine import Engine
 _NODE_BUCKETS = (0, 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256)
 _LEN_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 _TTFT = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_WAIT = (0.0, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05)
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -67,6 +68,25 @@ class Metrics:
         )
         self.step_sessions = Histogram(
             "specdec_engine_step_sessions", "Sessions per engine forward", buckets=_LEN_BUCKETS, registry=r
+        )
+        self.verify_cost_ms = Gauge(
+            "cloud_verifier_verify_cost_ms",
+            "The live verify cost curve: ms of a forward of N tree nodes (row 0 + N rows), as the "
+            "welcome advertises it (cloud_verifier/live_cost.py)",
+            ["nodes"],
+            registry=r,
+        )
+        self.batch_wait_seconds = Histogram(
+            "cloud_verifier_batch_wait_seconds",
+            "Seconds each engine forward waited for rounds about to arrive (0: none; the cost curve's "
+            "rule, cloud_verifier/batch_wait.py)",
+            buckets=_WAIT,
+            registry=r,
+        )
+        self.batch_waited_forwards = Counter(
+            "cloud_verifier_batch_waited_forwards",
+            "Engine forwards that waited for rounds about to arrive",
+            registry=r,
         )
 
     def _declare_sessions(self, r: CollectorRegistry) -> None:
@@ -157,11 +177,26 @@ class Metrics:
         self.vllm_kv_usage.labels(name).set(kv.blocks_in_use / max(kv.num_blocks, 1))
         self.kv_blocks_reserved.set(engine.runner.room.reserved_blocks)
         self.kv_queued.set(engine.queued)
+        self.record_batch_waits(engine)
         new = engine.preemptions - self._preemptions
         if new > 0:
             self.preemptions.inc(new)
             self.vllm_preemptions.labels(name).inc(new)
             self._preemptions = engine.preemptions
+
+    def record_batch_waits(self, engine: Engine) -> None:
+        """The engine's batch waits since the last call (each forward's, 0 included)."""
+        waits = engine.batch_waits
+        while waits:
+            w = waits.popleft()
+            self.batch_wait_seconds.observe(w)
+            if w > 0:
+                self.batch_waited_forwards.inc()
+
+    def record_cost(self, curve: dict[int, float]) -> None:
+        """The live verify cost curve now ({N nodes: ms})."""
+        for n, ms in curve.items():
+            self.verify_cost_ms.labels(nodes=str(n)).set(ms)
 
     def record_generation(self, ttft_s: float, tokens: int, seconds: float) -> None:
         """One generation ended: its time to first token, and the time per token after it."""
