@@ -54,6 +54,7 @@ from cloud_verifier.cost import cached_verify_cost
 from cloud_verifier.engine import Engine
 from cloud_verifier.http_protocol import with_header_timeout
 from cloud_verifier.kv_pool import layers_budget_gb, pool_size
+from cloud_verifier.live_cost import LiveCost
 from cloud_verifier.server_config import ServerConfig
 from cloud_verifier.session import ModelInfo, serve_session
 from cloud_verifier.step import EngineConfig
@@ -132,7 +133,9 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
         m = state.metrics
 
         def on_step(rows: int, sessions: int, seconds: float) -> None:
+            # (the engine has fed the forward to its live cost curve: engine.live_cost)
             m.forward_seconds.observe(seconds)
+            m.record_cost(live.curve())
             m.step_rows.observe(rows)
             m.step_sessions.observe(sessions)
             m.record_pool(engine)
@@ -142,6 +145,11 @@ async def _load(state: AppState, target: Target | None, loader: TargetLoader | N
         if group is not None:
             engine.checks.append(group.alive)
         engine.cost_ms = {int(k): float(v) for k, v in cost.items()} if cfg.measure_cost else {}
+        # the curve the welcome and verdicts advertise, refreshed from every step (live_cost.py);
+        # without a measurement it starts from the {1: 1 ms} placeholder, and engine.cost_ms stays
+        # empty (no curve: no batch wait)
+        live = engine.live_cost = LiveCost(cost)
+        m.record_cost(live.curve())
         m.kv_blocks_total.set(kv.num_blocks)
         state.limits = cfg.limits  # ServerConfig holds them to the rule clients read them by
         state.info = ModelInfo(

@@ -240,6 +240,21 @@ class ServerSession:
         self._gap = None
         return gap[1]
 
+    def _cost_curve(self) -> dict[int, float]:
+        """The welcome's verify cost curve: the live one (live_cost.py), else the start-up one."""
+        live = self.engine.live_cost
+        return live.curve() if live is not None else self.info.verify_cost_ms
+
+    def _cost_maps(self) -> tuple[dict[int, float] | None, dict[int, float] | None]:
+        """A verdict's forward_ms and marginal_ms (filled always; the protocol sends them only to a
+        client that asked, hello.features verdict.cost_ms): this session's next round with N nodes
+        beside the rows the engine expects from the other sessions (`Engine.other_rows`: each other
+        running generation's last round again)."""
+        live = self.engine.live_cost
+        if live is None or self.seq is None:
+            return None, None
+        return live.verdict_maps(self.engine.other_rows(self.seq.sid))
+
     def _on_hello(self, ev: HelloReceived) -> None:
         hello = ev.hello
         if hello.vocab_fingerprint != self.info.vocab_fingerprint:
@@ -274,7 +289,7 @@ class ServerSession:
                 eos_ids=self.info.eos_ids,
                 allowed_modes=self.principal.allowed_modes,
                 limits=self.proto.limits,
-                verify_cost_ms=self.info.verify_cost_ms,
+                verify_cost_ms=self._cost_curve(),
                 vocab_fingerprint=self.info.vocab_fingerprint,
             )
         )
@@ -315,6 +330,7 @@ class ServerSession:
                 extra={"session": self.sid, "tokens": self._gen_tokens, "reason": r.reason},
             )
         m.round_seconds.observe(r.round_s)
+        forward_ms, marginal_ms = self._cost_maps()
         nxt = self.proto.verdict(
             Verdict(
                 round=r.round,
@@ -326,6 +342,8 @@ class ServerSession:
                 done=r.done,
                 reason=r.reason,
                 gap_ms=self._gap_ms(r.round),
+                forward_ms=forward_ms,
+                marginal_ms=marginal_ms,
             )
         )
         self._verdict_at = time.perf_counter() if self.generating else None
