@@ -24,180 +24,50 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import sys
-import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-from tqdm import tqdm
 
+from bench.e2e import trusted_key_file
 from bench.harness import (
     BenchPrompt,
     Verifier,
     add_common_args,
     load_prompts,
-    read_metrics,
     suite_from_args,
     table,
     write_result,
 )
+from bench.serve_clients import (
+    RequestSpec,
+    Run,
+    ServeBenchError,
+    ar_request,
+    auth_headers,
+    endpoints,
+    kinds,
+    message,
+    run_all,
+    stochastic,
+)
 from bench.serve_metrics import (
     SLO_METRICS,
     RequestResult,
-    arrival_times,
     build_long_prompts,
-    summarize,
-    timing,
 )
+from edge_client.defaults import recommended_tree
+from edge_client.drafters.base import DrafterError
+from edge_client.drafters.registry import backend_choices
+from shared.cli_args import number
+from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
+from shared.tree import ExpansionConfig
 
-BUSY = "specdec_verify_forward_seconds_sum"  # seconds of engine forwards, every session's
-PREEMPTIONS = "cloud_verifier_preemptions_total"
 SPEC_BENCH_ALL = 240  # every Spec-Bench dev prompt (the pieces of --prompt-tokens)
-
-
-class ServeBenchError(RuntimeError):
-    """A run that cannot go on (a server that refuses, a prompt that cannot be built): one line."""
-
-
-# --------------------------------------------------------------------------------------- clients
-@dataclass(frozen=True)
-class RequestSpec:
-    """What every client kind sends for one request."""
-
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    ignore_eos: bool
-
-
-ClientKind = Callable[[httpx.AsyncClient, str, RequestSpec], Awaitable[RequestResult]]
-
-
-async def ar_request(http: httpx.AsyncClient, base: str, spec: RequestSpec) -> RequestResult:
-    """Kind `ar`: one streaming /v1/completions request (cloud-only decoding). Output tokens are
-    the final chunk's usage (stream_options.include_usage), else the text's count by /tokenize."""
-    body = {
-        "prompt": spec.prompt_ids,
-        "max_tokens": spec.max_tokens,
-        "temperature": spec.temperature,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "ignore_eos": spec.ignore_eos,
-    }
-    chunks: list[float] = []
-    text: list[str] = []
-    used: dict[str, Any] | None = None
-    failed = RequestResult(False, len(spec.prompt_ids))
-    send = time.perf_counter()
-    try:
-        async with http.stream("POST", base + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                failed.error = f"HTTP {r.status_code}: {_message(await r.aread())}"
-                return failed
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                doc = json.loads(line[6:])
-                if "error" in doc:
-                    failed.error = f"mid-stream: {_message(line[6:].encode())}"
-                    return failed
-                piece = (doc.get("choices") or [{}])[0].get("text") or ""
-                if piece:
-                    chunks.append(time.perf_counter())
-                    text.append(piece)
-                used = doc.get("usage") or used
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        failed.error = f"{type(exc).__name__}: {exc}"
-        return failed
-    end = time.perf_counter()
-    ttft, itl, latency = timing(send, chunks, end)
-    if used is not None:
-        n = int(used["completion_tokens"])
-    else:
-        r2 = await http.post(base + "/tokenize", json={"prompt": "".join(text), "add_special_tokens": False})
-        n = int(r2.json()["count"])
-    return RequestResult(True, len(spec.prompt_ids), n, ttft, latency, itl)
-
-
-CLIENTS: dict[str, ClientKind] = {"ar": ar_request}
-
-
-def _message(raw: bytes) -> str:
-    """An error body's message (OpenAI's {"error": {"message"}}), else its text, on one line."""
-    try:
-        doc = json.loads(raw)
-        msg = str(doc["error"]["message"])
-    except (ValueError, KeyError, TypeError):
-        msg = raw.decode("utf-8", "replace")
-    return " ".join(msg.split())[:300]
-
-
-# --------------------------------------------------------------------------------------- a run
-async def run_load(
-    kind: ClientKind,
-    base: str,
-    specs: Sequence[RequestSpec],
-    arrivals: Sequence[float],
-    max_concurrency: int | None,
-    headers: dict[str, str],
-    bar: tqdm[Any],
-) -> tuple[list[RequestResult], float]:
-    """Send specs[i] at arrivals[i] seconds from the start (open loop: whether or not earlier ones
-    have answered), at most max_concurrency in flight; the results and the run's seconds."""
-    limit = max_concurrency or len(specs)
-    gate = asyncio.Semaphore(limit)
-    timeout = httpx.Timeout(None, connect=30.0)
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as http:
-        start = time.perf_counter()
-
-        async def one(i: int) -> RequestResult:
-            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
-            async with gate:
-                r = await kind(http, base, specs[i])
-            bar.update(1)
-            return r
-
-        results = await asyncio.gather(*(one(i) for i in range(len(specs))))
-        return list(results), time.perf_counter() - start
-
-
-def measure(
-    args: argparse.Namespace, base: str, client: str, rate: float, specs: Sequence[RequestSpec]
-) -> dict[str, object]:
-    """One (client, rate) run and its row, with the verifier's cost read from /metrics around it."""
-    arrivals = arrival_times(len(specs), rate, args.burstiness, args.seed)
-    before = read_metrics(base)
-    bar = tqdm(total=len(specs), desc=f"{client} @ {rate:g} req/s", file=sys.stderr, disable=args.no_progress)
-    with bar:
-        results, duration = asyncio.run(
-            run_load(CLIENTS[client], base, specs, arrivals, args.max_concurrency, _headers(args), bar)
-        )
-    after = read_metrics(base)
-    row: dict[str, object] = {
-        "client": client,
-        "request_rate": rate,
-        "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency,
-    }
-    row.update(summarize(results, duration, args.goodput))
-    busy = after.get(BUSY, 0.0) - before.get(BUSY, 0.0)
-    tokens = row["total_output_tokens"]
-    assert isinstance(tokens, int)
-    row["verifier_busy_s"] = busy
-    row["verifier_busy_s_per_token"] = busy / tokens if tokens else math.nan
-    row["preemptions"] = int(after.get(PREEMPTIONS, 0.0) - before.get(PREEMPTIONS, 0.0))
-    return row
-
-
-def _headers(args: argparse.Namespace) -> dict[str, str]:
-    return {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
 
 # --------------------------------------------------------------------------------------- prompts
@@ -205,13 +75,13 @@ def prompt_ids(ap: argparse.ArgumentParser, args: argparse.Namespace, base: str)
     """The run's --num-prompts prompts as token ids, by the verifier's /tokenize: a chat turn
     through its chat template, a raw prompt (HumanEval's, --prompt-tokens') as it is. Fewer
     prompts than requests are used again in order."""
-    with httpx.Client(timeout=60.0, headers=_headers(args)) as http:
+    with httpx.Client(timeout=60.0, headers=auth_headers(args.api_key)) as http:
 
         def tokenize(body: dict[str, Any]) -> list[int]:
             r = http.post(base + "/tokenize", json=body)
             if r.status_code != 200:
                 raise ServeBenchError(
-                    f"/tokenize refused a prompt: HTTP {r.status_code}: {_message(r.content)}"
+                    f"/tokenize refused a prompt: HTTP {r.status_code}: {message(r.content)}"
                 )
             ids: list[int] = r.json()["tokens"]
             return ids
@@ -251,6 +121,10 @@ def verifier(args: argparse.Namespace) -> Iterator[str]:
     extra = ["--no-measure-cost", "--max-context", str(args.max_context)]
     if args.kv_blocks:
         extra += ["--kv-blocks", str(args.kv_blocks)]
+    key_file = None
+    if any(stochastic(c) for c in args.clients):  # mss / rrs: a trusted key, sent by every request
+        key_file, args.api_key = trusted_key_file()
+        extra += ["--api-key-file", str(key_file)]
     if not args.in_process:
         with Verifier(args.model, threads=args.threads, args=extra, echo=not args.no_progress) as v:
             yield v.http
@@ -268,6 +142,7 @@ def verifier(args: argparse.Namespace) -> Iterator[str]:
         max_context=args.max_context,
         measure_cost=False,
         log_level="warning",
+        api_key_file=None if key_file is None else str(key_file),
     )
     server = ThreadedServer(config)
     try:
@@ -285,7 +160,9 @@ def warm_up(args: argparse.Namespace, base: str, ids: list[int]) -> None:
     spec = RequestSpec(ids, min(8, args.max_tokens), args.temperature, False)
 
     async def go() -> RequestResult:
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=_headers(args)) as http:
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(600.0), headers=auth_headers(args.api_key)
+        ) as http:
             return await ar_request(http, base, spec)
 
     r = asyncio.run(go())
@@ -357,8 +234,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--clients",
         default="ar",
-        help=f"client kinds, a comma list (available: {', '.join(CLIENTS)}); "
-        "ar: streaming /v1/completions to the verifier (cloud-only decoding)",
+        metavar="KIND[,KIND...]",
+        help="client kinds, a comma list, each run on the same prompts and arrivals: ar (streaming "
+        "POST /v1/completions, cloud-only decoding) or an edge mode (an EdgeClient session over the "
+        "verifier's WebSocket /v1/session drafting with --draft: bench.network's modes, e.g. "
+        "sequence, tree, tree_prespec, budget, budget_prespec, and the SDK's own verification modes, "
+        "e.g. auto once it exists); a wrong name lists them all. Each in-flight edge request has a "
+        "session and a drafter of its own (a drafter serves one session at a time); the drafters are "
+        "made once and lent to each edge kind in turn",
+    )
+    p.add_argument(
+        "--rtt-ms",
+        type=number(0.0),
+        default=0.0,
+        metavar="MS",
+        help="round-trip time of the link: the measured requests of every kind (ar's HTTP and the "
+        "edge sessions) go through a TCP delay proxy process (bench.netproxy) adding MS/2 each way; "
+        "0: straight to the verifier, no proxy. /metrics, /tokenize and warm-ups never go through it",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="the edge kinds' draft (alias, GGUF path, or `tiny` with --drafter torch); default: the "
+        f"draft paired with --model ({', '.join(f'{t} -> {d}' for t, d in PAIRED_DRAFT.items())})",
+    )
+    p.add_argument(
+        "--drafter",
+        default=None,
+        choices=backend_choices(),
+        help="the edge kinds' draft backend, one thread per drafter (auto: llama.cpp or ONNX, "
+        "whichever is faster here, measured once and cached); default: torch for the draft tiny, "
+        "else llama_cpp",
+    )
+    p.add_argument(
+        "--tree",
+        default=None,
+        metavar="K1,K2,...",
+        help="the static tree (expansion per depth) of the tree and sequence edge modes; default: the "
+        "draft's recommended tree (edge_client.defaults)",
     )
     p.add_argument(
         "--request-rate",
@@ -417,7 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(
         p,
         json=True,
-        json_help="rows: one per (client, request_rate)",
+        json_help="rows: one per (client, request_rate), with the table's figures in full (each "
+        "latency's mean, p50, p90, p99), identical_to_ar (every request's output token ids equal ar's "
+        "for the same prompt: at the same rate, else ar's first; null without ar or at temperature > "
+        "0), the verifier's spec-decode counter deltas (spec_decode_num_drafts, _draft_tokens, "
+        "_accepted_tokens, _accepted_tokens_per_pos) and what vLLM's benchmark makes of them "
+        "(acceptance_rate, mean_acceptance_length, acceptance_rate_per_pos; null where nothing was "
+        "drafted); besides the rows, output_ids: every run's output token ids by request",
         seed=0,
         seed_help="the arrival times and --prompt-tokens' prompts",
         prompt_file=True,
@@ -428,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="PATH",
-        help="a PNG of the latency percentiles and the verifier's cost per token against the rate",
+        help="a PNG of the latency percentiles (left) and the verifier's forward seconds per generated "
+        "token (right) against the rate, a line per client kind",
     )
     p.add_argument(
         "--url", default=None, help="drive a running verifier (http://host:port) instead of starting one"
@@ -472,13 +392,16 @@ HEADER = (
     "E2EL p50",
     "E2EL p99",
     "busy s/tok",
+    "acc len",
+    "same as ar",
     "preempt",
     "goodput",
 )
 
 
 def print_rows(rows: Sequence[dict[str, Any]]) -> None:
-    """The rows as a table (latencies in ms), then each run's first errors."""
+    """The rows as a table (latencies in ms; acc len: vLLM's mean acceptance length, tokens a
+    verified round commits; same as ar: identical_to_ar), then each run's first errors."""
     cells = [
         [
             r["client"],
@@ -496,6 +419,8 @@ def print_rows(rows: Sequence[dict[str, Any]]) -> None:
             r["e2el_ms_p50"],
             r["e2el_ms_p99"],
             f"{r['verifier_busy_s_per_token']:.5f}",
+            "-" if r["mean_acceptance_length"] is None else f"{r['mean_acceptance_length']:.2f}",
+            {True: "yes", False: "NO", None: "-"}[r["identical_to_ar"]],
             r["preemptions"],
             "-" if r["goodput"] is None else r["goodput"],
         ]
@@ -538,29 +463,73 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------- main
+PAIRED_DRAFT = {DEFAULT_TARGET: DEFAULT_DRAFT, "smollm2-135m": "smollm2-135m-q4", "tiny": "tiny"}
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--clients as a list, the edge kinds' draft and tree resolved; a usage error (exit 2, one
+    line) for an unknown kind or a combination the edge sessions cannot run."""
+    clients = [c.strip() for c in args.clients.split(",") if c.strip()]
+    every = kinds()
+    unknown = [c for c in clients if c not in every]
+    if unknown or not clients:
+        ap.error(f"--clients: unknown kind {', '.join(unknown) or '(none)'}; available: {', '.join(every)}")
+    args.clients = list(dict.fromkeys(clients))
+    edge = [c for c in args.clients if c != "ar"]
+    if edge and args.ignore_eos:
+        ap.error(f"--ignore-eos: the edge kinds ({', '.join(edge)}) cannot ignore end-of-text (the session "
+                 "protocol has no such field); leave it out or run ar alone")  # fmt: skip
+    sampled = [c for c in edge if stochastic(c)]
+    if sampled and args.temperature <= 0:
+        ap.error(f"--clients {', '.join(sampled)}: stochastic verification needs --temperature > 0")
+    if edge and args.draft is None:
+        if args.model not in PAIRED_DRAFT:
+            ap.error(f"--draft: no draft is paired with --model {args.model}; name one for the edge kinds")
+        args.draft = PAIRED_DRAFT[args.model]
+    args.drafter = args.drafter or ("torch" if args.draft == "tiny" else "llama_cpp")
+    if edge:
+        args.tree = args.tree or recommended_tree(args.draft)
+        try:
+            ExpansionConfig.parse(args.tree)
+        except ValueError as exc:
+            ap.error(f"--tree: {exc}")
+    args.goodput = dict(args.goodput) if args.goodput else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    clients = [c.strip() for c in args.clients.split(",") if c.strip()]
-    unknown = [c for c in clients if c not in CLIENTS]
-    if unknown or not clients:
-        ap.error(f"--clients: unknown kind {', '.join(unknown) or '(none)'}; available: {', '.join(CLIENTS)}")
-    args.goodput = dict(args.goodput) if args.goodput else None
-    rows: list[dict[str, Any]] = []
+    check_args(ap, args)
+    runs: list[Run] = []
+    lengths: list[int] = []
+
+    def save(done: list[Run], complete: bool = False) -> Path | None:
+        config = {k: v for k, v in vars(args).items() if k != "api_key"}
+        outputs = [
+            {
+                "client": r.row["client"],
+                "request_rate": r.row["request_rate"],
+                "ids": [x.output_ids for x in r.results],
+            }
+            for r in done
+        ]
+        rows = [r.row for r in done]
+        return write_result(args.json, config, rows, complete, prompt_lengths=lengths, output_ids=outputs)
+
     try:
         with verifier(args) as base:
             ids = prompt_ids(ap, args, base)
+            lengths = [len(p) for p in ids]
             specs = [RequestSpec(p, args.max_tokens, args.temperature, args.ignore_eos) for p in ids]
             warm_up(args, base, ids[0])
-            for client in clients:
-                for rate in args.request_rate:
-                    rows.append(measure(args, base, client, rate, specs))
-                    write_result(args.json, args, rows, False, prompt_lengths=[len(p) for p in ids])
-    except (ServeBenchError, OSError, httpx.HTTPError) as exc:
+            with endpoints(args, base) as ends:
+                runs = run_all(args, ends, specs, save)
+    except (ServeBenchError, OSError, httpx.HTTPError, DrafterError) as exc:
         print(f"bench.serve: {exc}", file=sys.stderr)
         return 1
+    rows = [r.row for r in runs]
     print_rows(rows)
-    if write_result(args.json, args, rows, True, prompt_lengths=[len(p) for p in ids]) is not None:
+    if save(runs, True) is not None:
         print(f"wrote {args.json}")
     if args.plot is not None:
         plot(rows, args.plot)

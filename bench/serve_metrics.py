@@ -1,13 +1,17 @@
 """The pure parts of `python -m bench.serve`, in vLLM's `benchmark_serving` definitions: when each
 request is sent (`arrival_times`), what one streamed request measured (`RequestResult`, from its
 send time and chunk times: `timing`), the run's figures (`summarize`: TTFT, TPOT, ITL, E2EL,
-throughputs, goodput) and the long prompts built from shorter ones (`build_long_prompts`).
+throughputs, goodput), the long prompts built from shorter ones (`build_long_prompts`), the
+verifier's spec-decode counters as vLLM's benchmark reads them (`SpecDecode`, `spec_decode_figures`)
+and whether a client kind's outputs are the target-only ones (`identical_outputs`).
 
 Definitions (per request, times from the request's send):
   TTFT  the first streamed chunk that carries text
   TPOT  (E2EL - TTFT) / (output tokens - 1), for requests of more than one output token
   ITL   each gap between consecutive chunks that carry text (every gap of every request)
   E2EL  the last byte of the response
+A chunk is one SSE event for `ar`, one piece of text the edge SDK's generate() yields for an edge
+client (one verdict: a verdict that commits several tokens is one chunk).
 A run's goodput is the requests that completed and met every SLO given, per second of the run."""
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +56,7 @@ class RequestResult:
     latency: float = 0.0  # E2EL
     itl: list[float] = field(default_factory=list)  # gaps between chunks with text
     error: str = ""
+    output_ids: list[int] | None = None  # the generated token ids, when the client kind reports them
 
     @property
     def tpot(self) -> float | None:
@@ -177,3 +183,86 @@ def _cut(text: str, piece: str, hi: int, count: Callable[[str], int]) -> tuple[s
         else:
             b = m - 1
     return best, best_n
+
+
+# ------------------------------------------------------------------------------- spec decode
+SPEC_DECODE = "vllm:spec_decode_num_"  # the counters' prefix (cloud_verifier.metrics record_round)
+_SPEC_SAMPLE = re.compile(
+    r"^vllm:spec_decode_num_(drafts|draft_tokens|accepted_tokens|accepted_tokens_per_pos)_total"
+    r"(?:\{([^}]*)\})? ([0-9.eE+-]+)$",
+    re.M,
+)
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+@dataclass(frozen=True)
+class SpecDecode:
+    """The verifier's spec-decode counters at one moment, summed over their model label: rounds
+    verified with a draft (`drafts`), draft tokens (tree nodes) verified, draft tokens accepted, and
+    accepted tokens by draft position (0: the first token after the committed end)."""
+
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    per_pos: tuple[float, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> SpecDecode:
+        """From a Prometheus text exposition (the counters' `_total` samples; none: all 0)."""
+        got = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
+        pos: dict[int, float] = {}
+        for m in _SPEC_SAMPLE.finditer(text):
+            name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+            if name == "accepted_tokens_per_pos":
+                p = _POSITION.search(labels)
+                if p is not None:
+                    pos[int(p.group(1))] = pos.get(int(p.group(1)), 0.0) + value
+            else:
+                got[name] += value
+        per_pos = tuple(pos.get(i, 0.0) for i in range(max(pos) + 1)) if pos else ()
+        return cls(got["drafts"], got["draft_tokens"], got["accepted_tokens"], per_pos)
+
+    def __sub__(self, before: SpecDecode) -> SpecDecode:
+        n = max(len(self.per_pos), len(before.per_pos))
+        a = self.per_pos + (0.0,) * (n - len(self.per_pos))
+        b = before.per_pos + (0.0,) * (n - len(before.per_pos))
+        return SpecDecode(
+            self.drafts - before.drafts,
+            self.draft_tokens - before.draft_tokens,
+            self.accepted - before.accepted,
+            tuple(x - y for x, y in zip(a, b, strict=True)),
+        )
+
+
+def spec_decode_figures(d: SpecDecode) -> dict[str, object]:
+    """A run's counter deltas and what vLLM's benchmark prints of them: the acceptance rate
+    (accepted / draft tokens: for a tree, of every node verified), the mean acceptance length
+    (1 + accepted / drafts: tokens a round commits, its bonus token included) and the acceptance
+    rate per position (accepted there / drafts). None where nothing was drafted (ar)."""
+    return {
+        "spec_decode_num_drafts": int(d.drafts),
+        "spec_decode_num_draft_tokens": int(d.draft_tokens),
+        "spec_decode_num_accepted_tokens": int(d.accepted),
+        "spec_decode_num_accepted_tokens_per_pos": [int(x) for x in d.per_pos],
+        "acceptance_rate": d.accepted / d.draft_tokens if d.draft_tokens > 0 else None,
+        "mean_acceptance_length": 1.0 + d.accepted / d.drafts if d.drafts > 0 else None,
+        "acceptance_rate_per_pos": [x / d.drafts for x in d.per_pos] if d.drafts > 0 else None,
+    }
+
+
+# ------------------------------------------------------------------------------- exactness
+def identical_outputs(
+    results: Sequence[RequestResult], reference: Sequence[RequestResult] | None, deterministic: bool
+) -> bool | None:
+    """Whether every request's output ids equal the reference run's for the same prompt (request
+    i against reference i). None when there is no reference, the sampling is not deterministic, or
+    the reference has no output for some request (it failed, or its kind reports no ids); False when
+    a request of `results` failed or reports no ids."""
+    if reference is None or not deterministic or len(reference) != len(results):
+        return None
+    if any(not r.ok or r.output_ids is None for r in reference):
+        return None
+    return all(
+        r.ok and r.output_ids is not None and r.output_ids == ref.output_ids
+        for r, ref in zip(results, reference, strict=True)
+    )

@@ -1,5 +1,6 @@
 """bench.serve: vLLM's serving metrics as pure functions on made-up timestamps, the seeded arrival
-schedule, the long-prompt builder, the flags, and one short run against the tiny model."""
+schedule, the long-prompt builder, the spec-decode counters, the exactness check, the flags, and
+short runs against the tiny model (ar alone; ar and edge kinds on the same arrivals)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import pytest
 from bench import serve
 from bench.serve_metrics import (
     RequestResult,
+    SpecDecode,
     arrival_times,
     build_long_prompts,
+    identical_outputs,
     meets,
     prompt_targets,
+    spec_decode_figures,
     stats_ms,
     summarize,
     timing,
@@ -77,6 +81,49 @@ def test_goodput_needs_every_slo_met() -> None:
     assert not meets(r, {"ttft": 100, "tpot": 199})
     assert not meets(r, {"e2el": 499})
     assert not meets(RequestResult(False, 1), {})
+
+
+# ------------------------------------------------------------------------------- spec decode
+EXPOSITION = """# HELP vllm:spec_decode_num_drafts_total Tree rounds verified
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{model_name="tiny"} 10.0
+vllm:spec_decode_num_drafts_created{model_name="tiny"} 1.7e+09
+vllm:spec_decode_num_draft_tokens_total{model_name="tiny"} 80.0
+vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"} 25.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 10.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="1"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="2"} 6.0
+specdec_verify_forward_seconds_sum 1.5
+"""
+
+
+def test_spec_decode_counters_are_read_by_label_and_differenced() -> None:
+    now = SpecDecode.parse(EXPOSITION)
+    assert now == SpecDecode(10.0, 80.0, 25.0, (10.0, 9.0, 6.0))
+    assert SpecDecode.parse("") == SpecDecode()
+    before = SpecDecode(4.0, 30.0, 10.0, (4.0, 4.0))
+    f = spec_decode_figures(now - before)
+    assert (f["spec_decode_num_drafts"], f["spec_decode_num_draft_tokens"]) == (6, 50)
+    assert f["spec_decode_num_accepted_tokens"] == 15
+    assert f["spec_decode_num_accepted_tokens_per_pos"] == [6, 5, 6]
+    assert f["acceptance_rate"] == pytest.approx(15 / 50)
+    assert f["mean_acceptance_length"] == pytest.approx(1 + 15 / 6)  # vLLM's: the bonus token too
+    assert f["acceptance_rate_per_pos"] == pytest.approx([1.0, 5 / 6, 1.0])
+    nothing = spec_decode_figures(SpecDecode())  # ar drafts nothing
+    assert nothing["acceptance_rate"] is None and nothing["mean_acceptance_length"] is None
+
+
+def test_identical_outputs_compares_request_by_request() -> None:
+    def ok(ids: list[int]) -> RequestResult:
+        return RequestResult(True, 3, len(ids), output_ids=ids)
+
+    ref = [ok([1, 2]), ok([3])]
+    assert identical_outputs([ok([1, 2]), ok([3])], ref, True) is True
+    assert identical_outputs([ok([1, 2]), ok([4])], ref, True) is False
+    assert identical_outputs([ok([1, 2]), RequestResult(False, 3, error="x")], ref, True) is False
+    assert identical_outputs([ok([1, 2]), ok([3])], None, True) is None  # no ar run
+    assert identical_outputs([ok([1, 2]), ok([3])], ref, False) is None  # sampled
+    assert identical_outputs([ok([1, 2]), ok([3])], [ok([1, 2]), RequestResult(False, 3)], True) is None
 
 
 # ------------------------------------------------------------------------------- arrivals
@@ -167,6 +214,41 @@ def test_an_unknown_client_kind_is_a_usage_error_listing_the_kinds(
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "unknown kind edge9" in err and "available: ar" in err
+    assert "budget_prespec" in err and "tree_prespec" in err  # every edge mode bench.network runs
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--rtt-ms", "-5"], "--rtt-ms"),
+        (["--rtt-ms", "x"], "--rtt-ms"),
+        (["--clients", "ar,tree", "--ignore-eos"], "--ignore-eos"),
+        (["--clients", "tree_rrs"], "--temperature > 0"),
+        (["--clients", "tree", "--model", "/no/such/target"], "--draft"),
+        (["--clients", "tree", "--tree", "a,b"], "--tree"),
+    ],
+)
+def test_bad_input_is_one_usage_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serve.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m bench.serve: error: ") and says in err
+
+
+def test_every_edge_kind_maps_to_an_sdk_configuration() -> None:
+    from bench.serve_clients import edge_kinds, edge_variant
+    from shared.tree import ExpansionConfig
+
+    tree = ExpansionConfig.parse("2,1")
+    assert {"sequence", "tree", "tree_prespec", "budget", "budget_prespec"} <= set(edge_kinds())
+    assert "ar" not in edge_kinds()  # ar is the HTTP kind
+    for name in edge_kinds():
+        v = edge_variant(name, tree)
+        assert not v.ar and (v.tree is not None or v.mode is not None)
+    assert edge_variant("budget_prespec", tree).prespec
+    with pytest.raises(ValueError, match="available: ar, "):
+        edge_variant("nope", tree)
 
 
 def test_help_explains_every_flag() -> None:
@@ -193,6 +275,38 @@ def test_a_short_run_on_tiny_completes_every_request(tmp_path: Path) -> None:
     assert 0 < row["ttft_ms_p50"] <= row["ttft_ms_p99"] and row["tpot_ms_p50"] > 0
     assert row["verifier_busy_s"] > 0 and row["verifier_busy_s_per_token"] > 0
     assert row["preemptions"] == 0
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_edge_kinds_and_ar_on_the_same_arrivals_through_the_delay_proxy(tmp_path: Path) -> None:
+    """ar and two edge kinds (the tiny verifier in this process, the same weights drafting with
+    torch), greedy, at two rates through a 10 ms delay proxy: every edge output is ar's, the
+    spec-decode counters moved for the edge kinds only."""
+    out = tmp_path / "serve.json"
+    argv = ["--model", "tiny", "--in-process", "--clients", "ar,tree,budget_prespec", "--rtt-ms", "10"]
+    argv += ["--num-prompts", "3", "--max-tokens", "10", "--request-rate", "inf,8", "--no-progress"]
+    assert serve.main([*argv, "--json", str(out), "--plot", str(tmp_path / "p.png")]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and doc["config"]["draft"] == "tiny" and doc["config"]["rtt_ms"] == 10
+    assert "api_key" not in doc["config"]
+    rows = {(r["client"], r["request_rate"]): r for r in doc["rows"]}
+    assert list(rows) == [(c, r) for c in ("ar", "tree", "budget_prespec") for r in (math.inf, 8.0)]
+    for (client, _), row in rows.items():
+        assert (row["completed"], row["failed"]) == (3, 0), row["errors"]
+        assert row["identical_to_ar"] is True, client
+        assert row["verifier_busy_s_per_token"] > 0 and row["rtt_ms"] == 10
+        assert row["ttft_ms_p50"] > 5  # at least one one-way delay each way
+        assert row["e2el_ms_p50"] >= row["ttft_ms_p50"] and row["itl_ms_p50"] > 0
+        for key in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "acceptance_rate_per_pos"):
+            assert key in row
+        if client == "ar":
+            assert row["spec_decode_num_drafts"] == 0 and row["mean_acceptance_length"] is None
+        else:
+            assert row["spec_decode_num_drafts"] > 0 and row["spec_decode_num_draft_tokens"] > 0
+            assert 0 < row["acceptance_rate"] <= 1 and row["mean_acceptance_length"] > 1
+            assert len(row["spec_decode_num_accepted_tokens_per_pos"]) >= 1
+    outputs = {(o["client"], o["request_rate"]): o["ids"] for o in doc["output_ids"]}
+    assert outputs[("tree", 8.0)] == outputs[("ar", 8.0)] and all(outputs[("ar", 8.0)])
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
