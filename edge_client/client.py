@@ -51,6 +51,7 @@ from edge_client.speculation import (
     SpeculationCore,
     TreeSpec,
 )
+from edge_client.speculation.auto import Plan
 from edge_client.stats import GenerationResult, GenerationStats, RoundTrace
 from edge_client.tokenizer import ChatMessage, EdgeTokenizer, IncrementalDetokenizer, as_messages, find_stop
 from edge_client.trees import Coupling, Sampling
@@ -280,6 +281,7 @@ class EdgeClient(Session):
         top_k: int = 0,
         seed: int = 0,
         mode: str | Mode = Mode.GREEDY,
+        objective: str = "latency",
         raw: bool = False,
         stop: Sequence[str] = (),
         stop_ids: Sequence[int] = (),
@@ -301,10 +303,22 @@ class EdgeClient(Session):
         early (closing the iterator, cancelling the task, an exception in the consumer, dropping
         the iterator) cancels the generation at the verifier; the next generate works on the same
         session, or on a new one if the connection was unusable.
+
+        mode "auto" verifies greedy (match at temperature > 0) and plans each round for the
+        `objective` ("latency": the user's ms per token; "cost": the verifier's, never slower than
+        `ar` by more than the plan's factor): it lets the target stream where speculation does not
+        pay, speculates with budgeted, pre-speculated trees where it does, and leaves a stream
+        waiting behind each tree so that a miss never idles the verifier (speculation.auto).
         """
         await self._settle()
+        plan: Plan | None = None
+        if mode == "auto":
+            plan = Plan(objective)
+            mode, tree = self._auto_mode(temperature), tree or TreeSpec("budget")
         mode = Mode(mode)
         req = self._request(mode, temperature, top_k, top_p, seed, tree or self.tree)
+        if plan is not None and mode is not Mode.AR:
+            req = dataclasses.replace(req, plan=plan)
         prompt_tokens = self._encode(prompt, raw)
         out = self._begin(prompt_tokens, stop, on_verdict)
         msg = self._prompt(prompt_tokens, mode, temperature, top_k, top_p, seed, max_new_tokens, stop_ids,
@@ -506,11 +520,21 @@ class EdgeClient(Session):
                 self.drafters, req, self.welcome.limits, (req.tree, *shapes[1:]), self.parallel, costs
             )
             profile = DrafterProfile(step.max_nodes, step.ms_per_node, step.eval_ms)
+        prespec = self.prespec or (PrespecConfig() if req.plan is not None else None)
         core = SpeculationCore(
-            self.proto, self.welcome, req, self.prespec, self.learned, st, profile, msg.temperature
+            self.proto, self.welcome, req, prespec, self.learned, st, profile, msg.temperature
         )
         timeout = self.timeouts.verdict_timeout(self.welcome)
         return RoundExecutor(core, step, self.send, self.recv, self.pool, timeout)
+
+    def _auto_mode(self, temperature: float) -> Mode:
+        """The verification mode auto runs: greedy at temperature 0, match above (each the target's
+        own output), or ar where the key allows neither or there is no drafter."""
+        assert self.welcome is not None
+        want = Mode.GREEDY if temperature <= 0 else Mode.MATCH
+        if want in self.welcome.allowed_modes and self.drafter is not None:
+            return want
+        return Mode.AR
 
     def _request(
         self, mode: Mode, temperature: float, top_k: int, top_p: float, seed: int, spec: TreeSpec

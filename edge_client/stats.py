@@ -104,6 +104,13 @@ class GenerationStats:
     trace: RoundTrace | None = None  # every send, verdict and draft (None: not traced)
     # the miss path's trees by shape (speculation.backup)
     backups: dict[str, int] = field(default_factory=dict)
+    # verdicts by the kind of round they answered: stream (one token the target streamed),
+    # prespec (a tree sent before the verdict it assumed), chain, tree
+    kinds: dict[str, int] = field(default_factory=dict)
+    plans: dict[str, int] = field(default_factory=dict)  # mode auto's choices after a miss
+
+    def count_round(self, kind: str) -> None:
+        self.kinds[kind] = self.kinds.get(kind, 0) + 1
 
     @property
     def tau(self) -> float:
@@ -170,6 +177,8 @@ class GenerationStats:
             ),
             "hit_rate_by_depth": {str(k): round(v, 4) for k, v in self.hit_rate_by_depth().items()},
             "backups": dict(self.backups),
+            "kinds": dict(self.kinds),
+            "plans": dict(self.plans),
         }
 
 

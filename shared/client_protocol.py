@@ -181,6 +181,10 @@ class ClientProtocol:
             self.in_flight = msg.round
         return frame
 
+    def is_stream(self, rnd: int | None) -> bool:
+        """Round `rnd` is a stream round (0: the prompt's, when it streams)."""
+        return rnd is not None and rnd in self._streams
+
     def waiting_stream(self) -> int | None:
         """The outstanding stream round not yet started (the server's fallback for a miss)."""
         waiting = [r for r in self._streams if r in self.outstanding and r != self.streaming]
@@ -305,7 +309,10 @@ class ClientProtocol:
             if self.awaiting_prompt:
                 tree = self._prompt_tree
         else:
-            if v.round not in self.outstanding or v.round <= self.last_verdict_round:
+            # a waiting stream starts after later trees (the fallback for a miss): rounds of trees
+            # are verified in order, a stream whenever a miss needs it
+            late = v.round <= self.last_verdict_round and not stream
+            if v.round not in self.outstanding or late:
                 raise ProtocolError(
                     ErrorCode.BAD_ORDER, f"verdict for round {v.round} not outstanding", "round"
                 )
@@ -337,7 +344,7 @@ class ClientProtocol:
             self._streams.discard(0)
         else:
             self._settle(v.round)
-            self.last_verdict_round = v.round
+            self.last_verdict_round = max(self.last_verdict_round, v.round)
         self.committed.extend(int(t) for t in v.tokens)
         self._generated += len(v.tokens)
         if v.done:

@@ -9,6 +9,7 @@ from typing import Literal
 
 import numpy as np
 
+from edge_client.speculation.auto import Plan
 from edge_client.trees import Coupling, Saguaro, Sampling
 from shared.messages import Error, Mode
 from shared.tree import ExpansionConfig
@@ -157,6 +158,7 @@ class Request:
     sampling: Sampling | None = None
     rng: np.random.Generator | None = None
     coupling: Coupling | None = None  # mode match at temperature > 0 (edge_client.trees.Coupling)
+    plan: Plan | None = None  # mode auto: streaming or speculating, round by round (speculation.auto)
 
 
 class Refused(Exception):

@@ -38,6 +38,7 @@ from collections.abc import Callable, Generator
 
 import numpy as np
 
+from edge_client.speculation import auto
 from edge_client.speculation.actions import (
     Ask,
     Deliver,
@@ -69,7 +70,18 @@ from edge_client.speculation.schedule import chain_gains, plan_chains
 from edge_client.stats import GenerationStats, SendEvent, VerdictEvent
 from edge_client.trees import DraftResult
 from shared.errors import ErrorCode
-from shared.messages import Error, Message, Mode, Prompt, Stale, Tree, Verdict, Welcome
+from shared.messages import (
+    FEATURE_STREAM,
+    Error,
+    Message,
+    Mode,
+    Prompt,
+    Stale,
+    Stream,
+    Tree,
+    Verdict,
+    Welcome,
+)
 from shared.protocol import ClientProtocol, ClientState
 from shared.tree import ExpansionConfig, rebase
 
@@ -122,6 +134,14 @@ class SpeculationCore:
         self._cache_first: int | None = None  # the round in flight whose likeliest outcome was drafted
         self._cache_idle: int | None = None  # the round in flight for which no more chains fit
         self._cache_planned_ms = 0.0  # the priced time of the last chains planned
+        # mode auto (speculation.auto): its plan, whether the verifier takes stream rounds, the
+        # latest verdict's cost maps, and the committed length the last chain ahead of a stream
+        # was drafted at
+        self.plan = req.plan if req.mode is not Mode.AR else None
+        self.streams = self.plan is not None and FEATURE_STREAM in (welcome.features or ())
+        self.forward: dict[int, float] | None = None
+        self.marginal: dict[int, float] | None = None
+        self._ahead_at = -1
 
     @property
     def in_flight(self) -> int | None:
@@ -146,13 +166,18 @@ class SpeculationCore:
     def _due(self, sent_at: float, nodes: int) -> float:
         """When the verdict on a tree of `nodes` nodes sent at `sent_at` is expected here: a round
         trip and a verification (as measured; before any was, the server's advertised cost)."""
-        v = self.est.verify_ms or float(advertised_ms(self.welcome.verify_cost_ms, np.asarray([nodes]))[0])
+        v = self.est.verify_ms or float(advertised_ms(self._curve(), np.asarray([nodes]))[0])
         return sent_at + (self.learned.rtt_ms + v) / 1e3
 
     def idle(self, quiet: bool) -> Steps | None:
         """Work while waiting: evaluate pending leaves, or draft the next conditional tree; only
         when `quiet` (no frame is waiting to be received), but the gate is asked (and counts a
         held-back tree) either way."""
+        if self.streams and quiet and not self.cancelled and self.proto.state is ClientState.GENERATING:
+            if self._want_fallback():
+                return self._send_stream(self.welcome.limits.max_context)
+            if self._want_ahead():
+                return self._draft_ahead()
         if self.ledger.has_pending_leaves() and quiet:
             return self._finish_leaves()
         if self._can_prespeculate() and quiet:
@@ -202,6 +227,10 @@ class SpeculationCore:
         committed = tuple(self.proto.committed)
         if self.prespec is not None:  # (without pre-speculation the planner never queues anything)
             self.planner.clear()
+        if self.streams and self._stream_pays():
+            assert self.plan is not None
+            yield from self._send_stream(self.plan.chunk)
+            return
         dr = yield from self._draft_plain(committed, self._backup())
         now = self.proto
         if now.state is not ClientState.GENERATING or tuple(now.committed) != committed:
@@ -276,9 +305,7 @@ class SpeculationCore:
             seen = (reach_probabilities(last, self.choice), last.frontier_probs, last.tree.max_depth)
         rtt_ms = self.learned.rtt_ms if rtt or self.prespec is None else 0.0
         per_node, gains = self.drafter.ms_per_node(), next_gains(alpha, cap, seen)
-        return choose_budget(
-            self.welcome.verify_cost_ms, gains, rtt_ms=rtt_ms, draft_ms_per_node=per_node, max_nodes=cap
-        )
+        return choose_budget(self._curve(), gains, rtt_ms=rtt_ms, draft_ms_per_node=per_node, max_nodes=cap)
 
     def _ruled_out(self, full: tuple[int, ...]) -> bool:
         """The verdicts decoded so far exclude `full`. Called from the drafting thread: it reads the
@@ -401,7 +428,7 @@ class SpeculationCore:
         best, _ = self._price_backups(eval_ms)
         miss = best.round_ms / max(best.tokens, 1e-9)  # what a token costs after a miss
         depth = min(self.req.tree.chain_depth, self.welcome.limits.max_depth)
-        gains = chain_gains(self.choice.alpha, depth, miss, self.welcome.verify_cost_ms)
+        gains = chain_gains(self.choice.alpha, depth, miss, self._curve())
         plan = plan_chains([c.prob for c in cands], gains, eval_ms, left_ms)
         self._cache_planned_ms = plan.ms
         chosen = [(c, d) for c, d in zip(cands, plan.depths, strict=True) if d > 0]
@@ -436,7 +463,7 @@ class SpeculationCore:
             nodes,
             self.choice.alpha,
             eval_ms,
-            self.welcome.verify_cost_ms,
+            self._curve(),
             self.learned.rtt_ms,
             self.welcome.limits.max_depth,
             full_draft_ms=full_ms,
@@ -509,6 +536,107 @@ class SpeculationCore:
             return False
         return True
 
+    # ------------------------------------------------------------------ mode auto
+    def _curve(self) -> dict[int, float]:
+        """The forward ms by tree nodes the plans price rounds with: the latest verdict's
+        (forward_ms: the verifier's live curve under its current load), else the welcome's."""
+        if self.forward:
+            return {n: ms for n, ms in self.forward.items() if n >= 1} or self.welcome.verify_cost_ms
+        return self.welcome.verify_cost_ms
+
+    def _maps(self) -> tuple[dict[int, float], dict[int, float]] | None:
+        """(forward_ms, marginal_ms) with a stream step's price (0 nodes), or None before any."""
+        fwd = self.forward or self.welcome.verify_cost_ms
+        if not fwd:
+            return None
+        if 0 not in fwd:  # the welcome prices trees only: a stream step costs at most a 1-node forward
+            fwd = {0: auto.at(fwd, 1), **fwd}
+        return fwd, self.marginal or fwd
+
+    def _kind(self, v: Verdict, spec: Speculation | None) -> str:
+        """The round's kind for the stats: stream, prespec (its tree was sent before the verdict
+        it assumed), chain, tree."""
+        if self.req.mode is Mode.AR:
+            return "ar"
+        if self.proto.is_stream(v.round) or (spec is None and v.round != 0 and not len(v.accepted_nodes)):
+            return "stream"
+        if spec is None:
+            return "tree"
+        if spec.parent is not None:
+            return "prespec"
+        return "chain" if spec.draft.tree.max_depth == spec.draft.tree.num_nodes else "tree"
+
+    def _stream_pays(self) -> bool:
+        """Mode auto's choice after a miss: let the target stream (True) or draft a tree."""
+        plan, maps, eval_ms = self.plan, self._maps(), self._eval_curve()
+        if plan is None or maps is None or eval_ms is None or self._full is None:
+            return False  # nothing measured yet: speculate, and measure
+        fwd, marg = maps
+        _, options = self._price_backups(eval_ms)
+        hit = self.stats.hit_rate if self.stats.hit_rate is not None else 0.5
+        rtt = self.learned.rtt_ms
+        specs = [auto.price_speculation(o.tokens, o.nodes, o.draft_ms, rtt, hit, fwd, marg) for o in options]
+        key = (lambda o: o.user_ms) if plan.objective == "latency" else (lambda o: o.cloud_ms)
+        best = auto.choose(plan, min(specs, key=key), auto.price_stream(fwd, marg))
+        self.stats.plans[best.kind] = self.stats.plans.get(best.kind, 0) + 1
+        return best.kind == "stream"
+
+    def _want_fallback(self) -> bool:
+        """A tree is in flight and no stream waits behind it as the fallback for a miss (objective
+        latency: on a miss the target streams instead of idling while the edge drafts)."""
+        plan, proto = self.plan, self.proto
+        if plan is None or plan.objective != "latency" or self.in_flight is None:
+            return False
+        if proto.is_stream(self.in_flight) or proto.waiting_stream() is not None:
+            return False
+        return self._room() > 0
+
+    def _want_ahead(self) -> bool:
+        """The target is streaming and no tree of ours can take over from it yet."""
+        proto = self.proto
+        if not proto.is_stream(self.in_flight) or self._ahead_at == len(proto.committed):
+            return False
+        if any(not proto.is_stream(r) for r in proto.outstanding):
+            return False  # a tree is on its way: it may still take over
+        return self._ahead_plan() is not None
+
+    def _ahead_plan(self) -> tuple[int, int] | None:
+        maps, eval_ms = self._maps(), self._eval_curve()
+        if maps is None or eval_ms is None:
+            return None
+        depth = min(self.req.tree.chain_depth or 4, self.welcome.limits.max_depth)
+        return auto.ahead(self.choice.alpha, eval_ms(1), self.learned.rtt_ms, maps[0], depth)
+
+    def _send_stream(self, k: int) -> Steps:
+        """A stream round of up to k tokens: in flight now, or waiting for a miss."""
+        proto = self.proto
+        rid = proto.last_round + 1
+        frame = proto.stream(Stream(rid, max(1, k)))
+        yield from ask(Send(frame, "stream", rid))
+
+    def _draft_ahead(self) -> Steps:
+        """While the target streams: predict the j tokens it will have produced when a tree gets
+        there, draft a chain of d below them and send it conditioned on them (speculation.auto)."""
+        plan = self._ahead_plan()
+        assert plan is not None
+        j, d = plan
+        committed = tuple(self.proto.committed)
+        self._ahead_at = len(committed)
+        lead = yield from self._draft_plain(
+            committed, TreeSpec("sequence", ExpansionConfig((1,) * j), depth=j)
+        )
+        full = committed + tuple(int(t) for t in lead.tree.tokens)
+        if self._ruled_out(full):
+            return
+        chain = TreeSpec("sequence", ExpansionConfig((1,) * d), depth=d)
+        stop = functools.partial(self._ruled_out, full)
+        out: Drafted = yield from ask(DraftConditional(self.anchor, (full,), (stop,), True, shapes=(chain,)))
+        dr = out.results[0]
+        now = tuple(self.proto.committed)
+        if dr is None or self.proto.state is not ClientState.GENERATING or not extends(full, now):
+            return
+        yield from self._send_tree(dr, full, self.choice.alpha**j, self.in_flight)
+
     # ------------------------------------------------------------------ frames
     def _refused_speculation(self, e: Error) -> bool:
         """A conditional tree the server had no room for (TOO_MANY_PENDING) is dropped like a stale
@@ -533,6 +661,9 @@ class SpeculationCore:
         st.rounds += 1
         st.tokens += len(v.tokens)
         st.verify_ms.append(v.verify_ms)
+        if v.forward_ms:
+            self.forward, self.marginal = v.forward_ms, v.marginal_ms or v.forward_ms
+        st.count_round(self._kind(v, spec))
         if v.gap_ms is not None:
             st.gap_ms.append(v.gap_ms)
         self.est.note_verify(v.verify_ms)

@@ -1,0 +1,136 @@
+"""Mode auto: each round, the action with the most expected tokens per millisecond of the user's
+time (objective `latency`), or the fewest verifier milliseconds per token no slower than `ar` by
+more than a stated factor (objective `cost`), among letting the target stream and speculating.
+
+Every price is measured where it is paid: the forward a next round would run in and what its rows
+add to it come with every verdict (`verdict.forward_ms` / `marginal_ms`: the verifier's live cost
+curve with the other sessions' rows it expects beside this one, so a loaded verifier looks dear);
+the drafter's evaluation costs and the round trip are measured on the edge.
+
+    stream:       the target decodes one token per forward, row 0 alone: forward_ms[0] a token for
+                  the user, marginal_ms[0] a token for the cloud, no drafting and no round trip
+                  after the first token;
+    speculation:  a round of N nodes yields `tokens` (1 + expected accepted) in forward_ms[N] of
+                  the verifier, plus, on a miss (odds 1 - hit rate), the drafting and the round
+                  trip of the fallback tree; the cloud pays marginal_ms[N] for it.
+
+While a tree is in flight the edge also leaves a stream waiting at the verifier (objective
+latency): on a miss the target streams instead of idling while the edge drafts, and the edge sends
+its next tree conditioned on the tokens it predicts the stream will have produced when the tree
+arrives (`ahead`), so the stream hands over to it without a round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+OBJECTIVES = ("latency", "cost")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What mode auto optimises.
+
+    objective:    "latency" (the user's ms per token) or "cost" (the verifier's ms per token)
+    max_slowdown: with "cost", a choice may be at most this factor slower per token than `ar`
+                  (the target streaming alone)
+    chunk:        tokens a stream chosen as the round asks for before the edge plans again
+    margin:       streaming replaces speculation only when it is this much faster (or cheaper):
+                  estimates are noisy, and flapping between the two loses both
+    """
+
+    objective: str = "latency"
+    max_slowdown: float = 1.25
+    chunk: int = 8
+    margin: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be 'latency' or 'cost', got {self.objective!r}")
+        if not self.max_slowdown >= 1.0:
+            raise ValueError(f"max_slowdown must be at least 1, got {self.max_slowdown!r}")
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be at least 1, got {self.chunk!r}")
+
+
+def at(curve: Mapping[int, float], nodes: int) -> float:
+    """ms at `nodes` from a cost map (linear between points, flat outside them)."""
+    xs = np.asarray(sorted(curve), dtype=np.float64)
+    ys = np.asarray([curve[int(x)] for x in xs], dtype=np.float64)
+    return float(np.interp(float(nodes), xs, ys))
+
+
+@dataclass(frozen=True)
+class Option:
+    """One action priced: the user's ms per token and the verifier's ms per token."""
+
+    kind: str  # "stream" or "speculate"
+    user_ms: float
+    cloud_ms: float
+
+
+def price_speculation(
+    tokens: float,
+    nodes: int,
+    draft_ms: float,
+    rtt_ms: float,
+    hit_rate: float,
+    forward: Mapping[int, float],
+    marginal: Mapping[int, float],
+) -> Option:
+    """A speculative round of `nodes` nodes expected to yield `tokens` (see the module docstring)."""
+    miss = (1.0 - min(max(hit_rate, 0.0), 1.0)) * (draft_ms + rtt_ms)
+    t = max(tokens, 1e-9)
+    return Option("speculate", (at(forward, nodes) + miss) / t, at(marginal, nodes) / t)
+
+
+def price_stream(forward: Mapping[int, float], marginal: Mapping[int, float]) -> Option:
+    return Option("stream", at(forward, 0), at(marginal, 0))
+
+
+def choose(plan: Plan, spec: Option, stream: Option) -> Option:
+    """The better of speculating and streaming under the plan's objective."""
+    keep = 1.0 - plan.margin
+    if plan.objective == "latency":
+        return stream if stream.user_ms < keep * spec.user_ms else spec
+    ar_ms = stream.user_ms  # `ar` is the target streaming: the slowdown is against it
+    allowed = [o for o in (spec, stream) if o.user_ms <= plan.max_slowdown * ar_ms]
+    if spec in allowed and stream in allowed:
+        return stream if stream.cloud_ms < keep * spec.cloud_ms else spec
+    return allowed[0] if allowed else min((spec, stream), key=lambda o: o.user_ms)
+
+
+def ahead(
+    alpha: float,
+    eval_ms: float,
+    rtt_ms: float,
+    forward: Mapping[int, float],
+    max_depth: int,
+) -> tuple[int, int] | None:
+    """While the target streams: (j, d), a chain of d nodes conditioned on the j tokens the edge
+    predicts the stream will have produced when it arrives, or None when no such chain pays.
+
+    The edge drafts j + d evaluations (j predicted tokens, then the chain) and the tree travels
+    half a round trip, while the stream started half a round trip before the verdict that
+    prompted this: the tree is at the server before the stream's j-th token iff
+    (j + d) * eval_ms + rtt_ms < j * forward[0]. It matches with odds alpha^j and then yields its
+    accepted nodes (alpha + ... + alpha^d) for the extra time of its forward over a stream step's."""
+    step = at(forward, 0)
+    best: tuple[float, tuple[int, int]] | None = None
+    for d in range(1, max_depth + 1):
+        if step <= eval_ms:
+            break
+        j = max(1, int(np.floor((d * eval_ms + rtt_ms) / (step - eval_ms))) + 1)
+        if j > 8:
+            continue
+        gain = sum(alpha**i for i in range(1, d + 1)) * step - (at(forward, d) - step)
+        value = alpha**j * gain
+        if value > 0 and (best is None or value > best[0]):
+            best = (value, (j, d))
+    return None if best is None else best[1]
+
+
+__all__ = ["OBJECTIVES", "Option", "Plan", "ahead", "at", "choose", "price_speculation", "price_stream"]

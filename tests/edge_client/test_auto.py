@@ -1,0 +1,111 @@
+"""Mode auto against the real service: streaming and speculation switch round by round, and the
+output stays exactly the target's (greedy: its own decoding; seeded match: seeded `ar`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from bench.harness import load_prompts
+from edge_client.client import EdgeClient
+from edge_client.drafters.base import Drafter
+from edge_client.drafters.registry import create_drafter
+from edge_client.speculation.auto import Option, Plan, ahead, choose, price_speculation, price_stream
+from edge_client.stats import GenerationStats
+from shared.model import load_target
+from tests.cloud_verifier.service import LiveServer, tiny
+from tests.edge_client.test_e2e import boundary_distance, greedy_with_gaps
+
+CPU = {0: 69.0, 1: 125.0, 2: 128.0, 4: 84.0, 8: 132.0, 16: 252.0}  # a 2-core CPU's forward, ms
+GPU = {0: 16.0, 1: 16.0, 4: 16.0, 16: 16.5, 64: 17.0}  # a GPU's: rows are nearly free
+
+
+async def _run(
+    url: str, drafter: Drafter | None, prompt: str, **kw: Any
+) -> tuple[list[int], GenerationStats]:
+    async with EdgeClient(url, drafter) as c:
+        async for _ in c.generate(prompt, **kw):
+            pass
+        assert c.last is not None
+        return c.last.tokens, c.last.stats
+
+
+def test_the_plan_streams_where_speculation_cannot_pay_and_speculates_where_it_does() -> None:
+    stream = price_stream(GPU, GPU)
+    # a GPU verifier and a slow edge: drafting a chain of 3 (3 x 19 ms) and a 50 ms round trip
+    spec = price_speculation(2.8, 3, 57.0, 50.0, 0.5, GPU, GPU)
+    assert choose(Plan(), spec, stream).kind == "stream"
+    # this CPU: a chain of 3 verifies in 84 ms for 2.8 tokens against 69 ms a streamed token
+    spec = price_speculation(2.8, 3, 57.0, 0.0, 0.5, CPU, CPU)
+    assert choose(Plan(), spec, price_stream(CPU, CPU)).kind == "speculate"
+    # cost: the cheapest per token that is not too slow against ar
+    slow = Option("speculate", user_ms=200.0, cloud_ms=10.0)
+    fast = Option("stream", user_ms=69.0, cloud_ms=69.0)
+    assert choose(Plan("cost", max_slowdown=1.25), slow, fast).kind == "stream"
+    assert choose(Plan("cost", max_slowdown=4.0), slow, fast).kind == "speculate"
+    with pytest.raises(ValueError, match="objective"):
+        Plan("speed")
+
+
+def test_a_chain_ahead_of_the_stream_is_sized_to_arrive_in_time() -> None:
+    j, d = ahead(0.75, 19.0, 0.0, CPU, 6) or (0, 0)
+    assert j >= 1 and d >= 2  # a chain of 1 does not pay for the 2-row forward on this CPU
+    assert (j + d) * 19.0 < j * 69.0  # at the server before the stream's j-th token
+    far_j, _ = ahead(0.75, 19.0, 100.0, CPU, 6) or (0, 0)
+    assert far_j > j  # a longer round trip: it predicts more of the stream
+    assert ahead(0.75, 30.0, 0.0, {0: 20.0, 4: 22.0}, 6) is None  # the target streams faster
+
+
+@pytest.mark.parametrize("objective", ["latency", "cost"])
+def test_greedy_auto_is_exactly_the_targets_decoding(objective: str) -> None:
+    """SmolLM2's quantized target (its tree rows are bit-identical to decoding): auto's tokens are
+    its one-token greedy decoding token for token, across the switches between streamed tokens and
+    verified trees."""
+    prompts = [p.text for p in load_prompts(2)]
+    target = load_target("smollm2-135m", progress=False, weights="quantized")
+    drafter = create_drafter("llama_cpp", "smollm2-135m-q4", n_threads=1)
+    kinds: dict[str, int] = {}
+    with LiveServer(target=target, max_context=4096, weights="quantized") as srv:
+        for p in prompts:
+            toks, st = asyncio.run(
+                _run(srv.ws, drafter, p, max_new_tokens=40, mode="auto", objective=objective)
+            )
+
+            async def _ptoks() -> list[int]:
+                async with EdgeClient(srv.ws, drafter) as c:
+                    return c.encode_prompt(p)
+
+            ref, _ = greedy_with_gaps(target, asyncio.run(_ptoks()), 40)
+            assert toks == ref, p[:30]
+            for k, n in st.kinds.items():
+                kinds[k] = kinds.get(k, 0) + n
+    drafter.close()
+    assert sum(kinds.values()) > 0 and set(kinds) <= {"stream", "prespec", "chain", "tree"}
+    if objective == "latency":
+        assert "stream" in kinds and len(kinds) > 1, kinds  # it switched between the kinds
+
+
+def test_seeded_auto_at_a_temperature_equals_seeded_ar() -> None:
+    prompts = [p.text for p in load_prompts(2)]
+    drafter = create_drafter("torch", "tiny")
+    temp = 2.0
+    with LiveServer() as srv:
+        for i, p in enumerate(prompts):
+            got, _ = asyncio.run(
+                _run(srv.ws, drafter, p, max_new_tokens=24, mode="auto", temperature=temp, seed=5 + i)
+            )
+            ar, _ = asyncio.run(
+                _run(srv.ws, drafter, p, max_new_tokens=24, mode="ar", temperature=temp, seed=5 + i)
+            )
+            if got != ar:  # a keyed uniform within 1e-5 of a CDF boundary (test_e2e's near-tie)
+                j = next(k for k, (a, b) in enumerate(zip(got, ar, strict=False)) if a != b)
+
+                async def _ptoks() -> list[int]:
+                    async with EdgeClient(srv.ws, drafter) as c:
+                        return c.encode_prompt(p)
+
+                gap = boundary_distance(tiny(), list(asyncio.run(_ptoks())) + ar[:j], 5 + i, temp)
+                assert gap < 1e-5, f"prompt {i}: diverged at {j}"
+    drafter.close()
