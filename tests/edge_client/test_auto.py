@@ -69,15 +69,10 @@ def test_greedy_auto_is_exactly_the_targets_decoding(objective: str) -> None:
     kinds: dict[str, int] = {}
     with LiveServer(target=target, max_context=4096, weights="quantized") as srv:
         for p in prompts:
-            toks, st = asyncio.run(
+            ptoks, toks, st = asyncio.run(
                 _run(srv.ws, drafter, p, max_new_tokens=40, mode="auto", objective=objective)
             )
-
-            async def _ptoks() -> list[int]:
-                async with EdgeClient(srv.ws, drafter) as c:
-                    return c.encode_prompt(p)
-
-            ref, _ = greedy_with_gaps(target, asyncio.run(_ptoks()), 40)
+            ref, _ = greedy_with_gaps(target, ptoks, 40)
             assert toks == ref, p[:30]
             for k, n in st.kinds.items():
                 kinds[k] = kinds.get(k, 0) + n
@@ -93,19 +88,14 @@ def test_seeded_auto_at_a_temperature_equals_seeded_ar() -> None:
     temp = 2.0
     with LiveServer() as srv:
         for i, p in enumerate(prompts):
-            got, _ = asyncio.run(
+            ptoks, got, _ = asyncio.run(
                 _run(srv.ws, drafter, p, max_new_tokens=24, mode="auto", temperature=temp, seed=5 + i)
             )
-            ar, _ = asyncio.run(
+            _, ar, _ = asyncio.run(
                 _run(srv.ws, drafter, p, max_new_tokens=24, mode="ar", temperature=temp, seed=5 + i)
             )
             if got != ar:  # a keyed uniform within 1e-5 of a CDF boundary (test_e2e's near-tie)
                 j = next(k for k, (a, b) in enumerate(zip(got, ar, strict=False)) if a != b)
-
-                async def _ptoks() -> list[int]:
-                    async with EdgeClient(srv.ws, drafter) as c:
-                        return c.encode_prompt(p)
-
-                gap = boundary_distance(tiny(), list(asyncio.run(_ptoks())) + ar[:j], 5 + i, temp)
+                gap = boundary_distance(tiny(), list(ptoks) + ar[:j], 5 + i, temp)
                 assert gap < 1e-5, f"prompt {i}: diverged at {j}"
     drafter.close()
