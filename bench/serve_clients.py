@@ -2,10 +2,10 @@
 
 `ar` is a streaming POST /v1/completions (cloud-only decoding). Every other kind is an edge mode:
 the names bench.e2e's variant table holds (the modes bench.network runs: sequence, tree,
-tree_prespec, budget_prespec, ...; `edge_variant` maps a name to its EdgeClient configuration
-through that table, `bench.e2e.variants`), and any verification mode the SDK itself accepts
-(`shared.messages.Mode`, e.g. a new `auto`), drafted with the run's tree. An edge request is one
-`EdgeClient.generate` over the verifier's WebSocket /v1/session.
+tree_prespec, budget_prespec, ...; `edge_kind` maps a name to its EdgeClient configuration
+through that table, `bench.e2e.variants`), and any mode the SDK's generate() itself takes
+(`sdk_modes`: shared.messages.Mode's, and `auto`, which plans its own rounds), on the run's static
+tree. An edge request is one `EdgeClient.generate` over the verifier's WebSocket /v1/session.
 
 What the edge side shares: nothing between concurrent requests but this process (its cores and
 its GIL). A drafter is not thread-safe and pre-speculation keeps its workspace from one draft step
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import sys
@@ -125,11 +126,20 @@ def message(raw: bytes) -> str:
 
 
 # --------------------------------------------------------------------------------------- edge kinds
+def sdk_modes() -> list[str]:
+    """The modes EdgeClient.generate takes besides ar: shared.messages.Mode's values, and `auto`
+    where the SDK plans its rounds itself (edge_client.speculation.auto: mode="auto")."""
+    names = [m.value for m in Mode if m is not Mode.AR]
+    if "auto" not in names and importlib.util.find_spec("edge_client.speculation.auto") is not None:
+        names.append("auto")
+    return names
+
+
 def edge_kinds() -> list[str]:
     """Every edge mode name: bench.e2e's variants (what bench.network runs), then the SDK's own
-    verification modes not among them (ar is the HTTP kind, not an edge one)."""
+    modes not among them (ar is the HTTP kind, not an edge one)."""
     names = [m for m in ALL_MODES if m != "ar"]
-    return names + [m.value for m in Mode if m.value not in names and m is not Mode.AR]
+    return names + [m for m in sdk_modes() if m not in names]
 
 
 def kinds() -> list[str]:
@@ -137,13 +147,17 @@ def kinds() -> list[str]:
     return ["ar", *edge_kinds()]
 
 
-def edge_variant(name: str, tree: ExpansionConfig) -> Variant:
-    """The EdgeClient configuration of edge kind `name`: bench.e2e's variant of that name, else the
-    SDK's verification mode `name` on the run's static tree. ValueError naming the kinds that exist."""
+def edge_kind(name: str, tree: ExpansionConfig, temperature: float) -> tuple[Variant, str | Mode]:
+    """The EdgeClient configuration of edge kind `name` and the mode its generations ask for:
+    bench.e2e's variant of that name (in the run's verification mode: greedy, or match at
+    temperature > 0, unless the variant has its own), else the SDK's mode `name` on the run's
+    static tree (`auto` picks its own trees). ValueError naming the kinds that exist."""
+    spec_mode = Mode.GREEDY if temperature == 0 else Mode.MATCH
     if name in ALL_MODES and name != "ar":
-        return variants([name], tree)[name]
-    if name in {m.value for m in Mode} and name != Mode.AR.value:
-        return Variant(tree=TreeSpec("static", tree), mode=Mode(name))
+        v = variants([name], tree)[name]
+        return v, Mode.AR if v.ar else (v.mode or spec_mode)
+    if name in sdk_modes():
+        return Variant(tree=TreeSpec("static", tree)), name
     raise ValueError(f"unknown kind {name}; available: {', '.join(kinds())}")
 
 
@@ -189,14 +203,12 @@ class EdgeFleet:
         url: str,
         pool: DrafterPool,
         variant: Variant,
+        mode: str | Mode,
         size: int,
-        temperature: float,
         api_key: str | None,
     ) -> None:
-        self.url, self.pool, self.variant, self.size = url, pool, variant, size
+        self.url, self.pool, self.variant, self.mode, self.size = url, pool, variant, mode, size
         self.api_key = api_key
-        spec_mode = Mode.GREEDY if temperature == 0 else Mode.MATCH
-        self.mode = Mode.AR if variant.ar else (variant.mode or spec_mode)
         self.idle: asyncio.Queue[EdgeClient] = asyncio.Queue()
         self.clients: list[EdgeClient] = []
         self.drafters: list[Drafter] = []
@@ -239,7 +251,7 @@ class EdgeFleet:
         self.drafters = []
 
 
-async def edge_request(client: EdgeClient, spec: RequestSpec, mode: Mode) -> RequestResult:
+async def edge_request(client: EdgeClient, spec: RequestSpec, mode: str | Mode) -> RequestResult:
     """One generation on an EdgeClient: a chunk is each piece of text generate() yields (one per
     verdict that adds text), the output ids its GenerationResult's tokens."""
     chunks: list[float] = []
@@ -376,8 +388,8 @@ async def run_kind(
             for rate in args.request_rate:
                 done(await measure(args, ends, client, rate, specs, send_ar))
         return
-    variant = edge_variant(client, ExpansionConfig.parse(args.tree))
-    fleet = EdgeFleet(ends.ws, pool, variant, min(limit, len(specs)), args.temperature, ends.api_key)
+    variant, mode = edge_kind(client, ExpansionConfig.parse(args.tree), args.temperature)
+    fleet = EdgeFleet(ends.ws, pool, variant, mode, min(limit, len(specs)), ends.api_key)
     try:
         await fleet.__aenter__()
     except ServeBenchError:

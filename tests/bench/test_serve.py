@@ -237,18 +237,22 @@ def test_bad_input_is_one_usage_line(argv: list[str], says: str, capsys: pytest.
 
 
 def test_every_edge_kind_maps_to_an_sdk_configuration() -> None:
-    from bench.serve_clients import edge_kinds, edge_variant
+    from bench.serve_clients import edge_kind, edge_kinds
+    from shared.messages import Mode
     from shared.tree import ExpansionConfig
 
     tree = ExpansionConfig.parse("2,1")
     assert {"sequence", "tree", "tree_prespec", "budget", "budget_prespec"} <= set(edge_kinds())
     assert "ar" not in edge_kinds()  # ar is the HTTP kind
     for name in edge_kinds():
-        v = edge_variant(name, tree)
-        assert not v.ar and (v.tree is not None or v.mode is not None)
-    assert edge_variant("budget_prespec", tree).prespec
+        v, mode = edge_kind(name, tree, 0.7)
+        assert not v.ar and v.tree is not None and mode != Mode.AR
+    v, mode = edge_kind("budget_prespec", tree, 0.0)
+    assert v.prespec and mode is Mode.GREEDY
+    assert edge_kind("tree", tree, 0.7)[1] is Mode.MATCH
+    assert edge_kind("tree_rrs", tree, 0.7)[1] is Mode.RRS
     with pytest.raises(ValueError, match="available: ar, "):
-        edge_variant("nope", tree)
+        edge_kind("nope", tree, 0.0)
 
 
 def test_help_explains_every_flag() -> None:
