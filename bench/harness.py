@@ -142,6 +142,7 @@ def add_common_args(
 
       agreement         --json --tokens --prompt-file --no-progress
       chaos             --json --seed --tokens --no-progress
+      cost_curve        --json --no-progress
       demo              --json --tokens
       draft_parallel    --json --prompt-file --no-progress
       drafter_cost      --json --no-progress
