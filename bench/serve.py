@@ -1,11 +1,23 @@
-"""`python -m bench.serve`: an open-loop serving benchmark over the verifier's OpenAI HTTP API,
-with vLLM's `benchmark_serving` definitions (bench.serve_metrics).
+"""`python -m bench.serve`: an open-loop serving benchmark of the verifier, cloud-only over its
+OpenAI HTTP API and edge clients over its session WebSocket, with vLLM's `benchmark_serving`
+definitions (bench.serve_metrics).
 
 Requests arrive on a seeded schedule (`--request-rate`, `--burstiness`; `inf` sends all at once),
 at most `--max-concurrency` in flight, whatever the server's pace (open loop). Each client kind of
 `--clients` runs the same prompts on the same arrivals, at each rate:
 
-  ar   streaming POST /v1/completions to the verifier: cloud-only decoding
+  ar         streaming POST /v1/completions to the verifier: cloud-only decoding
+  any other  an edge mode (bench.network's: sequence, tree, tree_prespec, budget_prespec, ...; or
+             the SDK's own, e.g. auto): EdgeClient.generate over /v1/session, drafting with
+             --draft (bench.serve_clients.edge_kind maps the name through bench.e2e's variants)
+
+What the edge side shares: this process and its cores, nothing else. A drafter serves one session
+at a time (it is not thread-safe, and pre-speculation keeps its workspace between draft steps), so
+each request that may be in flight, min(--num-prompts, --max-concurrency), has an EdgeClient with
+a session and a drafter of its own (one drafting thread each); the drafters are loaded once and
+lent to each edge kind in turn, whose clients keep their session and what they learned across its
+requests and rates. `--rtt-ms` puts a TCP delay proxy process (bench.netproxy) between the measured
+requests of every kind and the verifier.
 
 Prompts are Spec-Bench's (a chat turn through the model's chat template) or `--prompt-file`'s, or
 with `--prompt-tokens MIN:MAX` long raw prompts made by joining them until the verifier's own
@@ -15,7 +27,10 @@ and sent as token ids, so every kind and rate sends the same tokens.
 Per (client, rate): completed and failed requests, TTFT, TPOT, ITL and E2EL (mean, p50, p90, p99),
 request and output throughput, goodput (`--goodput`), and from the verifier's /metrics before and
 after the run its forward seconds per generated token (`verifier_busy_s_per_token`, from
-`specdec_verify_forward_seconds_sum`) and its preemptions (`cloud_verifier_preemptions_total`).
+`specdec_verify_forward_seconds_sum`), its preemptions (`cloud_verifier_preemptions_total`) and
+its spec-decode counters (`vllm:spec_decode_num_*`: acceptance rate and mean acceptance length as
+vLLM's benchmark reports them); each request's output token ids, and `identical_to_ar`: whether
+every output equals ar's for the same prompt (greedy only).
 Without `--url` the bench starts a verifier, by default as a `cloud-verifier serve` child process
 (not pinned: it shares this machine's cores with the client).
 """
@@ -226,9 +241,11 @@ def positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m bench.serve",
-        description="Open-loop serving benchmark over the verifier's OpenAI HTTP API (vLLM's "
-        "benchmark_serving metrics): TTFT, TPOT, ITL, E2EL, throughput, goodput and the verifier's "
-        "forward seconds per generated token, per client kind and request rate.",
+        description="Open-loop serving benchmark of the verifier, cloud-only (ar, its OpenAI HTTP "
+        "API) and edge clients (its session WebSocket) on the same arrivals (vLLM's "
+        "benchmark_serving metrics): TTFT, TPOT, ITL, E2EL, throughput, goodput, the verifier's "
+        "forward seconds per generated token, its spec-decode acceptance and whether the outputs "
+        "are ar's, per client kind and request rate.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -238,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="client kinds, a comma list, each run on the same prompts and arrivals: ar (streaming "
         "POST /v1/completions, cloud-only decoding) or an edge mode (an EdgeClient session over the "
         "verifier's WebSocket /v1/session drafting with --draft: bench.network's modes, e.g. "
-        "sequence, tree, tree_prespec, budget, budget_prespec, and the SDK's own verification modes, "
-        "e.g. auto once it exists); a wrong name lists them all. Each in-flight edge request has a "
+        "sequence, tree, tree_prespec, budget, budget_prespec, and the SDK's own modes, e.g. greedy "
+        "or auto); a wrong name lists them all. Each in-flight edge request has a "
         "session and a drafter of its own (a drafter serves one session at a time); the drafters are "
         "made once and lent to each edge kind in turn",
     )
@@ -250,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="round-trip time of the link: the measured requests of every kind (ar's HTTP and the "
         "edge sessions) go through a TCP delay proxy process (bench.netproxy) adding MS/2 each way; "
-        "0: straight to the verifier, no proxy. /metrics, /tokenize and warm-ups never go through it",
+        "0: straight to the verifier, no proxy. /metrics, /tokenize and the first ar warm-up never "
+        "go through it",
     )
     p.add_argument(
         "--draft",
@@ -317,7 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="generate all --max-tokens tokens (vLLM's ignore_eos: end-of-text does not stop)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument(
+        "--temperature",
+        type=number(0.0),
+        default=0.0,
+        help="sampling temperature (0: greedy; the edge kinds verify greedy, above 0 sample-and-match, "
+        "and identical_to_ar is then null: ar's sampling is not seeded)",
+    )
     p.add_argument(
         "--goodput",
         type=slo,
