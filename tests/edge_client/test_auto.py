@@ -24,12 +24,13 @@ GPU = {0: 16.0, 1: 16.0, 4: 16.0, 16: 16.5, 64: 17.0}  # a GPU's: rows are nearl
 
 async def _run(
     url: str, drafter: Drafter | None, prompt: str, **kw: Any
-) -> tuple[list[int], GenerationStats]:
+) -> tuple[list[int], list[int], GenerationStats]:
+    """(prompt tokens, output tokens, stats) of one generation."""
     async with EdgeClient(url, drafter) as c:
         async for _ in c.generate(prompt, **kw):
             pass
         assert c.last is not None
-        return c.last.tokens, c.last.stats
+        return c.last.prompt_tokens, c.last.tokens, c.last.stats
 
 
 def test_the_plan_streams_where_speculation_cannot_pay_and_speculates_where_it_does() -> None:
