@@ -42,6 +42,13 @@ class Variant:
     tree: TreeSpec | None = None
     prespec: bool | PrespecConfig = False
     mode: Mode | None = None  # a verification mode of its own (e.g. rrs), else the run's
+    objective: str | None = None  # the SDK's mode auto with this objective (it picks its own trees)
+
+    def generate_args(self, spec_mode: Mode) -> dict[str, Any]:
+        """The mode (and objective) its generations ask EdgeClient.generate for."""
+        if self.objective is not None:
+            return {"mode": "auto", "objective": self.objective}
+        return {"mode": Mode.AR if self.ar else (self.mode or spec_mode)}
 
 
 FRUGAL_MIN_GAIN = 0.1
@@ -63,6 +70,10 @@ def variants(names: Sequence[str], tree: ExpansionConfig, saguaro_c: float = 1.0
 def _variants(tree: ExpansionConfig) -> dict[str, Variant]:
     return {
         "ar": Variant(ar=True),
+        # the SDK's default: each round streams or speculates, planned for the user's latency or
+        # for the verifier's cost (edge_client.speculation.auto)
+        "auto": Variant(objective="latency"),
+        "auto_cost": Variant(objective="cost"),
         "sequence": Variant(tree=TreeSpec("sequence", tree)),
         "tree": Variant(tree=TreeSpec("static", tree)),
         "tree_prespec": Variant(tree=TreeSpec("static", tree), prespec=True),
@@ -180,7 +191,7 @@ async def run_modes(
                     max_new_tokens=tokens,
                     temperature=temperature,
                     seed=seed + i,
-                    mode=Mode.AR if v.ar else (v.mode or spec_mode),
+                    **v.generate_args(spec_mode),
                 ):
                     if on_chunk is not None:
                         on_chunk(m, i, chunk)

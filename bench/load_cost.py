@@ -100,14 +100,14 @@ async def record(
         transport=rec.factory(mode_name),
     )
     await client.connect()
-    mode = v.mode or (Mode.MATCH if temperature > 0 else Mode.GREEDY)
+    args = v.generate_args(Mode.MATCH if temperature > 0 else Mode.GREEDY)
     try:
-        async for _ in client.generate("Hello", max_new_tokens=4, mode=mode, temperature=temperature):
+        async for _ in client.generate("Hello", max_new_tokens=4, temperature=temperature, **args):
             pass  # warm both sides up
         bar = tqdm(total=len(prompts), desc=f"record {mode_name}", disable=not progress, file=sys.stderr)
         for i, p in enumerate(prompts):
             async for _ in client.generate(
-                p.text, raw=p.raw, max_new_tokens=tokens, temperature=temperature, seed=i, mode=mode
+                p.text, raw=p.raw, max_new_tokens=tokens, temperature=temperature, seed=i, **args
             ):
                 pass
             rec.cut(mode_name, i)
