@@ -23,6 +23,9 @@ import numpy as np
 
 from shared.errors import ErrorCode, ProtocolError
 from shared.messages import (
+    FEATURE_COST,
+    FEATURE_STREAM,
+    FEATURE_WELCOME_FEATURES,
     FEATURES,
     Cancel,
     Close,
@@ -33,6 +36,7 @@ from shared.messages import (
     Prompt,
     SessionLimits,
     Stale,
+    Stream,
     Tree,
     Verdict,
     Welcome,
@@ -190,6 +194,50 @@ def frames() -> list[dict[str, Any]]:
             "the server waited 41.5 ms for this round's tree; sent only to a client whose hello names "
             "verdict.gap_ms",
         ),
+        valid(
+            "welcome with features",
+            dataclasses.replace(welcome, features=(FEATURE_WELCOME_FEATURES, FEATURE_STREAM, FEATURE_COST)),
+            "the features of hello.features the server honours; sent only to a client whose hello names "
+            "welcome.features",
+        ),
+        valid(
+            "prompt with stream",
+            Prompt(np.array([1, 2, 3]), Mode.GREEDY, max_new_tokens=16, stream=4),
+            "the prompt's answer streams: round 0 sends the prefill's token, then up to 3 more, one "
+            "verdict each; only where welcome.features names round.stream",
+        ),
+        valid(
+            "stream",
+            Stream(4, 8),
+            "round 4 streams up to 8 tokens, one forward each, from whatever the committed sequence is "
+            "when it starts (at once, or as the fallback for a miss)",
+        ),
+        valid(
+            "verdict of a stream, more to come",
+            Verdict(4, np.array([9]), np.array([], np.int32), True, 9, None, 2.5, streaming=True),
+            "one token, no accepted nodes, has_bonus true; streaming: more verdicts of round 4 follow",
+        ),
+        valid(
+            "verdict ending a stream for a matching tree",
+            Verdict(4, np.array([11]), np.array([], np.int32), True, 10, 5, 2.5),
+            "no streaming: round 4 ends here, and pending tree 5 (which assumed 11) is verified next",
+        ),
+        valid(
+            "verdict with cost maps",
+            Verdict(
+                2,
+                np.array([6]),
+                np.array([], np.int32),
+                True,
+                7,
+                None,
+                9.0,
+                forward_ms={0: 4.5, 1: 5.0, 8: 6.25},
+                marginal_ms={0: 1.5, 1: 2.0, 8: 3.25},
+            ),
+            "forward_ms / marginal_ms by node count (0: a stream step), keys in increasing order; sent "
+            "only to a client whose hello names verdict.cost_ms",
+        ),
         valid("stale", Stale(2, "mismatch")),
         valid(
             "error",
@@ -225,6 +273,37 @@ def frames() -> list[dict[str, Any]]:
         invalid("base negative", _with(Tree(1, TokenTree.chain([1], base=1)), base=-1)),
         invalid("string too long", _with(Hello(FP), client="x" * 5000)),
         invalid("features not a list", _with(Hello(FP), features="verdict.gap_ms")),
+        invalid("stream k zero", _with(Stream(1, 4), k=0)),
+        invalid("stream round zero", _with(Stream(1, 4), round=0)),
+        invalid("stream k missing", _with(Stream(1, 4), k=None)),
+        invalid("stream k not an integer", _with(Stream(1, 4), k=2.0)),
+        invalid("stream with a tree field", _with(Stream(1, 4), base=3), "a stream has no tree"),
+        invalid("prompt stream boolean", _with(Prompt(np.array([1])), stream=True)),
+        invalid(
+            "streaming not a boolean",
+            _with(Verdict(1, np.array([4]), np.array([], np.int32), True, 5), streaming=1),
+        ),
+        invalid(
+            "forward_ms not a map",
+            _with(Verdict(1, np.array([4]), np.array([0]), True, 5), forward_ms=[1.0]),
+        ),
+        invalid(
+            "forward_ms of 0 ms",
+            _with(Verdict(1, np.array([4]), np.array([0]), True, 5), forward_ms={"0": 0.0}),
+        ),
+        invalid(
+            "marginal_ms negative",
+            _with(Verdict(1, np.array([4]), np.array([0]), True, 5), marginal_ms={"1": -2.0}),
+        ),
+        invalid(
+            "marginal_ms key not a node count",
+            _with(Verdict(1, np.array([4]), np.array([0]), True, 5), marginal_ms={"-1": 2.0}),
+        ),
+        invalid(
+            "forward_ms not finite",
+            _with(Verdict(1, np.array([4]), np.array([0]), True, 5), forward_ms={"0": float("inf")}),
+        ),
+        invalid("welcome features not a list", _with(welcome, features="round.stream")),
         invalid("gap_ms negative", _with(Verdict(1, np.array([4]), np.array([0]), True, 5), gap_ms=-1.0)),
         invalid("frame over max_bytes", _with(Prompt(np.array([1])), tokens=b"\x01\x00\x00\x00" * 1100)),
         *_unusable_welcomes(welcome),
@@ -293,7 +372,74 @@ def sessions() -> list[dict[str, Any]]:
     bytes_limits = dataclasses.replace(LIMITS, max_pending_bytes=150)
     welcome_bytes = dataclasses.replace(welcome, limits=bytes_limits)
     v1_gap = Verdict(1, np.array([14, 15]), np.array([0]), True, 6, gap_ms=37.25)
+    streams = Hello(FP, features=FEATURES)
+    with_streams: list[tuple[str, Message | bytes]] = [
+        ("client", streams),
+        ("server_app", welcome),
+        ("client", prompt),
+        ("server_app", v0),
+    ]
+    none = np.array([], np.int32)
+    fwd, marg = {0: 4.0, 1: 4.5, 4: 5.5}, {0: 1.0, 1: 1.5, 4: 2.5}
+
+    def tok(rnd: int, t: int, length: int, **kw: Any) -> Verdict:
+        return Verdict(rnd, np.array([t]), none, True, length, None, 4.0, **kw)
+
     return [
+        _session(
+            "a stream round started at once",
+            [
+                *with_streams,
+                ("client", Stream(1, 3)),
+                ("server_app", tok(1, 14, 5, forward_ms=fwd, marginal_ms=marg)),
+                ("server_app", tok(1, 15, 6, forward_ms=fwd, marginal_ms=marg)),
+                ("server_app", tok(1, 16, 7, forward_ms=fwd, marginal_ms=marg)),
+            ],
+            "nothing in flight: stream 1 starts at once (events VerifyTree); one verdict a token, "
+            "streaming true on the first two (verify_next 1: the stream goes on), none on the third "
+            "(k = 3 reached); the welcome names the features honoured and every verdict carries "
+            "forward_ms and marginal_ms",
+        ),
+        _session(
+            "a waiting stream is the fallback for a miss",
+            [
+                *with_streams,
+                ("client", Tree(1, TokenTree.chain([14, 15], base=4))),
+                ("client", Tree(2, TokenTree.chain([17], base=4, cond=[14, 15, 16]))),
+                ("client", Stream(3, 2)),
+                ("server_app", Verdict(1, np.array([14, 20]), np.array([0]), True, 6)),
+                ("server_app", tok(3, 21, 7)),
+                ("server_app", tok(3, 22, 8)),
+            ],
+            "tree 1 in flight, tree 2 (assuming 14 15 16) and stream 3 wait; verdict 1 commits 14 20: "
+            "tree 2 goes stale and stream 3 starts (next_round 3), then streams its 2 tokens",
+        ),
+        _session(
+            "a matching pending tree ends the stream",
+            [
+                *with_streams,
+                ("client", Stream(1, 100)),
+                ("client", Tree(2, TokenTree.chain([15, 16], base=4, cond=[14]))),
+                ("client", Tree(3, TokenTree.chain([9], base=4, cond=[99]))),
+                ("server_app", tok(1, 14, 5)),
+            ],
+            "while stream 1 decodes its first token the client sends trees assuming it is 14 (tree 2) "
+            "or 99 (tree 3); the token is 14: tree 3 goes stale, the verdict has no streaming and names "
+            "tree 2 in next_round, which the server verifies next",
+        ),
+        _session(
+            "a prompt that streams",
+            [
+                ("client", streams),
+                ("server_app", welcome),
+                ("client", dataclasses.replace(prompt, stream=2)),
+                ("server_app", Verdict(0, np.array([13]), none, True, 4)),
+                ("server_app", Verdict(0, np.array([14]), none, True, 5)),
+                ("client", Tree(1, TokenTree.chain([15], base=5))),
+            ],
+            "prompt.stream 2: round 0 sends the prefill's token (streaming) and one more; then nothing "
+            "is in flight and the client's tree is verified at once",
+        ),
         _session(
             "a greedy round",
             [
