@@ -80,7 +80,9 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"edge-client: --tree: {exc}", file=sys.stderr)
         return 2
     try:
-        config = ServeConfig(host=args.host, allow_origins=tuple(args.allow_origin))
+        config = ServeConfig(
+            host=args.host, allow_origins=tuple(args.allow_origin), mode=args.mode, objective=args.objective
+        )
     except ValueError as exc:
         print(f"edge-client: --allow-origin: {exc}", file=sys.stderr)
         return 2
@@ -297,6 +299,7 @@ async def _stream(
             top_k=args.top_k,
             seed=args.seed,
             mode=args.mode,
+            objective=args.objective,
             raw=args.raw,
         ):
             echo.write(chunk)

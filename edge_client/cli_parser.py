@@ -34,6 +34,18 @@ def _path(text: str) -> Path:
 _path.__name__ = "path"
 THREADS = integer(0, MAX_THREADS)
 THREADS_HELP = "draft model threads (0: the backend's default)"
+MODE_CHOICES = ["auto", *(m.value for m in Mode)]
+MODE_HELP = (
+    "auto (the default): verified greedy (match at a temperature), each round planned to stream from "
+    "the target or to speculate, whichever the measured costs say is faster (--objective); or a fixed "
+    "verification: greedy, match (sample-and-match), mss (multi-step speculative sampling), rrs "
+    "(without-replacement recursive rejection), ar (target-only)"
+)
+OBJECTIVES = ["latency", "cost"]
+OBJECTIVE_HELP = (
+    "what mode auto plans for: latency (the user's ms per token) or cost (the verifier's ms per "
+    "token, never more than 1.25x slower than ar)"
+)
 SAGUARO_C = number(0.0, 1.0, lo_open=True)
 
 SAGUARO_HELP = (
@@ -141,11 +153,11 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     shape.add_argument("--sequence", action="store_true", help="draft a chain as deep as the tree")
     p.add_argument(
         "--mode",
-        default="greedy",
-        choices=[m.value for m in Mode],
-        help="verification: greedy, match (sample-and-match), mss (multi-step speculative "
-        "sampling), rrs (without-replacement recursive rejection), ar (target-only)",
+        default="auto",
+        choices=MODE_CHOICES,
+        help=MODE_HELP,
     )
+    p.add_argument("--objective", default="latency", choices=OBJECTIVES, help=OBJECTIVE_HELP)
     p.add_argument(
         "--temperature",
         type=number(0.0, MAX_TEMPERATURE),
@@ -330,6 +342,13 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--tree", type=NAME, default=None, help="expansion config, e.g. 2,1,1,1 (default: the draft's)"
     )
     p.add_argument("--no-prespec", action="store_true", help="no pre-speculation (conditional trees)")
+    p.add_argument(
+        "--mode",
+        default="auto",
+        choices=MODE_CHOICES,
+        help=f"for requests without a 'mode' field: {MODE_HELP}",
+    )
+    p.add_argument("--objective", default="latency", choices=OBJECTIVES, help=OBJECTIVE_HELP)
     p.add_argument(
         "--saguaro-c",
         type=SAGUARO_C,

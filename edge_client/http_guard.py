@@ -43,6 +43,8 @@ class ServeConfig:
     body_timeout_s: the whole body must arrive within this (408)
     max_waiting:    requests that may wait behind the running generation; one more gets 429
     wait_s:         the longest a request waits for the running generation (then 503)
+    mode:           the mode of a request without a `mode` field ("auto": the SDK's planner)
+    objective:      what mode auto plans for: "latency" or "cost"
     """
 
     host: str = "127.0.0.1"
@@ -51,6 +53,8 @@ class ServeConfig:
     body_timeout_s: float = BODY_TIMEOUT_S
     max_waiting: int = 8
     wait_s: float = 300.0
+    mode: str = "auto"
+    objective: str = "latency"
 
     def __post_init__(self) -> None:
         for o in self.allow_origins:

@@ -311,7 +311,7 @@ class _Routes:
         c: EdgeClient | None = None
         try:
             c = await edge.session()
-            req, mode, model = _parse(body, chat, c)
+            req, mode, model = _parse(body, chat, c, edge.config.mode)
             if gone.done():
                 raise _gone()
         except ApiError as exc:
@@ -322,7 +322,7 @@ class _Routes:
             edge.release(c, failed=True)
             return _respond(_internal("reading the request"))
         rid, created = new_id(chat), int(time.time())
-        stream = _generate(c, req, mode)
+        stream = _generate(c, req, mode, edge.config.objective)
         if req.stream:
             return _Stream(_sse(stream, edge, c, req, model, rid, created, chat))
         run = asyncio.create_task(_collect(stream))
@@ -417,7 +417,9 @@ def _live_request(body: dict[str, Any]) -> tuple[str, int]:
 LIVE_PAGE = Path(__file__).resolve().parent / "static" / "live.html"
 
 
-def _parse(body: dict[str, Any], chat: bool, c: EdgeClient) -> tuple[CompletionRequest, Mode, str]:
+def _parse(
+    body: dict[str, Any], chat: bool, c: EdgeClient, default: str = "auto"
+) -> tuple[CompletionRequest, Mode | str, str]:
     """The request, its mode and the model it names, checked against the session (ApiError)."""
     assert c.welcome is not None
     model = c.welcome.model_id
@@ -439,7 +441,7 @@ def _parse(body: dict[str, Any], chat: bool, c: EdgeClient) -> tuple[CompletionR
         if not ids:  # an empty prompt would become an empty chat turn (EdgeClient.generate)
             raise ApiError(400, "'prompt' is empty: give some text or at least one token id", "prompt")
     req = parse_common(body, ids, c.welcome.limits.max_context, chat)
-    return req, _mode(body, req, c), model
+    return req, _mode(body, req, c, default), model
 
 
 def _sse_error(message: str, kind: str, code: str | None = None) -> bytes:
@@ -505,15 +507,19 @@ async def _live(
         edge.release(c, stop=stop)
 
 
-def _mode(body: dict[str, Any], req: CompletionRequest, c: EdgeClient) -> Mode:
-    """temperature 0: greedy, else match; an extra `mode` field asks for another (if the key may)."""
-    asked = body.get("mode")
-    if asked is None:
+def _mode(body: dict[str, Any], req: CompletionRequest, c: EdgeClient, default: str = "auto") -> Mode | str:
+    """The served mode (`default`: auto, the SDK's planner, verified greedy at temperature 0 and
+    match above; greedy or match: by the temperature); an extra `mode` field asks for another (if
+    the key may)."""
+    asked = body.get("mode", default)
+    if asked == "auto":
+        return "auto"
+    if asked in ("greedy", "match") and "mode" not in body:
         return Mode.GREEDY if req.temperature == 0 else Mode.MATCH
     try:
         mode = Mode(asked)
     except (ValueError, TypeError):
-        raise ApiError(400, f"'mode' must be one of {[m.value for m in Mode]}", "mode") from None
+        raise ApiError(400, f"'mode' must be one of {['auto', *(m.value for m in Mode)]}", "mode") from None
     assert c.welcome is not None
     if mode not in c.welcome.allowed_modes:
         raise ApiError(
@@ -525,7 +531,7 @@ def _mode(body: dict[str, Any], req: CompletionRequest, c: EdgeClient) -> Mode:
 
 
 async def _generate(
-    c: EdgeClient, req: CompletionRequest, mode: Mode
+    c: EdgeClient, req: CompletionRequest, mode: Mode | str, objective: str = "latency"
 ) -> AsyncGenerator[tuple[str, str | None], None]:
     """(text piece, finish reason on the last one)."""
     gen = c.generate(
@@ -536,6 +542,7 @@ async def _generate(
         top_k=req.top_k,
         seed=req.seed,
         mode=mode,
+        objective=objective,
         stop=req.stop,
     )
     async with contextlib.aclosing(gen):  # closed here, not later by the garbage collector
