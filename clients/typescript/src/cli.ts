@@ -2,7 +2,7 @@
 // treespec-ts: generate against a verifier, drafting with an ONNX draft model or by prompt lookup.
 //   node dist/src/cli.js --server ws://127.0.0.1:8000/v1/session --fingerprint HEX --prompt-ids 1,2,3
 import { parseArgs } from "node:util";
-import { type GenerateOptions, GenerationError, TreespecClient, type TreeSource } from "./client.js";
+import { type GenerateOptions, GenerationError, type Objective, TreespecClient, type TreeSource } from "./client.js";
 import {
   chooseBudget,
   draftConditional,
@@ -37,13 +37,21 @@ const HELP = `treespec-ts: a TypeScript client of the treespec verifier (PROTOCO
   --fingerprint HEX     sha256 fingerprint of the target's vocabulary (PROTOCOL.md section 8)
   --prompt-ids A,B,...  the prompt as token ids (tokenize with the model the verifier names)
   --raw                 generate: send PROMPT as is, without the chat template
-  --mode M              greedy (default), match (sampled, exact) or ar (target only)
+  --mode M              auto (default), greedy, match (sampled, exact) or ar (target only). auto verifies
+                        greedy (match at --temperature > 0) and plans each round: it speculates (pre-
+                        speculating with a draft model), keeps a stream waiting behind each tree in
+                        flight so a miss never idles the verifier, and after a miss lets the target
+                        stream where that is faster than speculating (a verifier without round.stream:
+                        it speculates as greedy / match do)
+  --objective O         auto: latency (default: the fewest ms per token for the user) or cost (the
+                        fewest verifier ms per token, no slower than ar by more than 1.25x)
   --max-new-tokens N    default 64
   --temperature T       match: sampling temperature (> 0)
   --seed S              match: the seed of the keyed sampler
   --no-couple           match: draft the draft's likeliest tokens, not the keyed (coupled) token first
   --prespec             generate: while a tree is verified, draft the tree after its likeliest outcome
-                        and send it conditional on it (the server goes on without waiting when it holds)
+                        and send it conditional on it (the server goes on without waiting when it holds);
+                        always on in --mode auto
   --depth D --width W   prompt lookup: tokens per guess, guesses merged into the tree
   --api-key KEY         if the verifier needs one
   --json                print one JSON object (text, prompt_tokens, tokens, stats with tau) at the end
@@ -85,7 +93,8 @@ async function main(): Promise<number> {
       raw: { type: "boolean", default: false }, budget: { type: "string" }, "cancel-after": { type: "string", default: "0" },
       server: { type: "string", default: "ws://127.0.0.1:8000/v1/session" }, draft: { type: "string" },
       tree: { type: "string", default: "1,1,3,1,1,1,1,1" }, threads: { type: "string", default: "1" },
-      fingerprint: { type: "string" }, "prompt-ids": { type: "string" }, mode: { type: "string", default: "greedy" },
+      fingerprint: { type: "string" }, "prompt-ids": { type: "string" }, mode: { type: "string", default: "auto" },
+      objective: { type: "string", default: "latency" },
       "max-new-tokens": { type: "string", default: "64" }, temperature: { type: "string", default: "0" },
       seed: { type: "string", default: "0" }, depth: { type: "string", default: "8" }, width: { type: "string", default: "3" },
       "api-key": { type: "string" }, json: { type: "boolean", default: false }, help: { type: "boolean", default: false },
@@ -107,8 +116,10 @@ async function main(): Promise<number> {
   const text = positionals.join(" ");
   if (!a["prompt-ids"] && !text) return usage(generate ? "give a PROMPT (or --prompt-ids A,B,...)" : "--prompt-ids A,B,... is required");
   if (a["prompt-ids"] && text) return usage("give a PROMPT or --prompt-ids, not both");
-  const mode = a.mode as "greedy" | "match" | "ar";
-  if (!["greedy", "match", "ar"].includes(mode)) return usage(`--mode must be greedy, match or ar, got ${a.mode}`);
+  const mode = a.mode as "auto" | "greedy" | "match" | "ar";
+  if (!["auto", "greedy", "match", "ar"].includes(mode)) return usage(`--mode must be auto, greedy, match or ar, got ${a.mode}`);
+  const objective = a.objective as Objective;
+  if (!["latency", "cost"].includes(objective)) return usage(`--objective must be latency or cost, got ${a.objective}`);
   let ids = a["prompt-ids"] ? ints(a["prompt-ids"], "--prompt-ids") : [];
   const ks = ints(a.tree!, "--tree");
   if (typeof ids === "string") return usage(ids);
@@ -124,9 +135,11 @@ async function main(): Promise<number> {
       const reader = await folderReader(a.draft!);
       const drafter = await OnnxDrafter.load(reader, a.draft!, ort, { threads: Number(a.threads) });
       fingerprint = drafter.manifest.fingerprint;
-      const coupling = a["no-couple"] ? undefined : couplingOf({ mode, temperature: Number(a.temperature), seed: BigInt(a.seed!) });
+      // auto verifies match at temperature > 0 (greedy at 0): couple its drafting as match's
+      const verified = mode === "auto" ? (Number(a.temperature) > 0 ? "match" : "greedy") : mode;
+      const coupling = a["no-couple"] ? undefined : couplingOf({ mode: verified, temperature: Number(a.temperature), seed: BigInt(a.seed!) });
       draft = (ctx) => draftStatic(drafter, ctx, ks, coupling);
-      if (a.prespec) prespec = (ctx, t) => draftConditional(drafter, ctx, t, ks, coupling);
+      if (a.prespec || mode === "auto") prespec = (ctx, t) => draftConditional(drafter, ctx, t, ks, coupling);
       if (a.budget !== undefined) {
         const fixed = a.budget === "auto" ? 0 : Number(a.budget);
         if (!(a.budget === "auto" || (Number.isInteger(fixed) && fixed >= 1))) {
@@ -157,7 +170,7 @@ async function main(): Promise<number> {
     let cancelled = false;
     try {
     for await (const chunk of c.generate(ids as number[], {
-      mode, maxNewTokens: Number(a["max-new-tokens"]), temperature: Number(a.temperature), seed: BigInt(a.seed!),
+      mode, objective, maxNewTokens: Number(a["max-new-tokens"]), temperature: Number(a.temperature), seed: BigInt(a.seed!),
       lookup: { depth: Number(a.depth), width: Number(a.width) }, draft, prespec, signal: abort.signal,
     })) {  // prettier-ignore
       out.push(...chunk);

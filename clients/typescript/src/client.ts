@@ -2,7 +2,11 @@
 // verified by the server (greedy or match). Token ids in, token ids out: the caller tokenizes the
 // prompt and decodes the output with the tokenizer of the model the verifier names (welcome.model_id).
 import { DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
-import { decodeMessage, encodeMessage, type Message, PROTOCOL_VERSION, ProtocolError, type Tree } from "./protocol.js";
+import { ClientChecks } from "./checks.js";
+import {
+  decodeMessage, encodeMessage, FEATURE_COST, FEATURE_STREAM, FEATURE_WELCOME_FEATURES, type Message, PROTOCOL_VERSION, ProtocolError,
+  type Tree,
+} from "./protocol.js";  // prettier-ignore
 import { openSocket, type Socket } from "./socket.js";
 
 type Welcome = Extract<Message, { type: "welcome" }>;
@@ -36,8 +40,91 @@ const backoff = (r: ResumeOptions, retry: number) => Math.min(r.backoffMs * 2 **
 /** Drafts the next round's tree from the committed tokens (a model drafter, or prompt lookup). */
 export type TreeSource = (committed: readonly number[]) => Tree | Promise<Tree>;
 
+/** The features this client names in hello.features (PROTOCOL.md section 10). */
+export const CLIENT_FEATURES = [FEATURE_WELCOME_FEATURES, FEATURE_STREAM, FEATURE_COST];
+
+export type Objective = "latency" | "cost";
+
+/** Mode auto's plan (the Python edge's speculation.auto.Plan). */
+export interface AutoPlan {
+  objective: Objective; // latency: the user's ms per token; cost: the verifier's, no slower than ar by more than maxSlowdown
+  maxSlowdown: number;
+  chunk: number; // tokens a stream chosen after a miss asks for before the edge plans again
+  margin: number; // streaming replaces speculation only when this much faster (or cheaper)
+}
+export const DEFAULT_PLAN: AutoPlan = { objective: "latency", maxSlowdown: 1.25, chunk: 8, margin: 0.05 };
+
+/** ms at `nodes` from a cost map (linear between its points, flat outside them). */
+export function costAt(curve: Record<string, number>, nodes: number): number {
+  const xs = Object.keys(curve).map(Number).sort((a, b) => a - b);
+  if (!xs.length) return NaN;
+  if (nodes <= xs[0]) return curve[String(xs[0])];
+  for (let i = 1; i < xs.length; i++) {
+    if (nodes <= xs[i]) {
+      const [x0, x1] = [xs[i - 1], xs[i]];
+      const [y0, y1] = [curve[String(x0)], curve[String(x1)]];
+      return y0 + ((y1 - y0) * (nodes - x0)) / (x1 - x0);
+    }
+  }
+  return curve[String(xs[xs.length - 1])];
+}
+
+/** What mode auto weighs after a miss (the Python edge's auto.price_speculation / price_stream). */
+export interface Pricing {
+  forward: Record<string, number>; // the verdict's forward_ms (0: a stream step)
+  marginal: Record<string, number>; // its marginal_ms
+  tokens: number; // expected tokens of a speculative round (accepted + bonus)
+  nodes: number; // its tree's nodes
+  draftMs: number; // drafting a tree after a miss
+  rttMs: number;
+  hitRate: number; // odds the next tree is already at the server (pre-speculation)
+}
+
+/** "stream" when letting the target stream beats speculating under the plan, else "speculate". */
+export function choosePlan(plan: AutoPlan, p: Pricing): "stream" | "speculate" {
+  const miss = (1 - Math.min(Math.max(p.hitRate, 0), 1)) * (p.draftMs + p.rttMs);
+  const t = Math.max(p.tokens, 1e-9);
+  const spec = { user: (costAt(p.forward, p.nodes) + miss) / t, cloud: costAt(p.marginal, p.nodes) / t };
+  const stream = { user: costAt(p.forward, 0), cloud: costAt(p.marginal, 0) };
+  const keep = 1 - plan.margin;
+  if (plan.objective === "latency") return stream.user < keep * spec.user ? "stream" : "speculate";
+  // cost: the least verifier ms per token among the options no slower than ar (the stream) by more than maxSlowdown
+  if (spec.user <= plan.maxSlowdown * stream.user) return stream.cloud < keep * spec.cloud ? "stream" : "speculate";
+  return "stream";
+}
+
+/** Split `t` after its first-child path of `j` nodes: those tokens as a condition, the nodes below as the tree (null if none). */
+export function splitAhead(t: Tree, j: number): { cond: number[]; tree: Tree } | null {
+  const path: number[] = [];
+  let node = -1;
+  while (path.length < j) {
+    const child = t.parents.findIndex((p, i) => p === node && i > node);
+    if (child < 0) return null;
+    path.push(child);
+    node = child;
+  }
+  const index = new Map<number, number>();
+  const tokens: number[] = [];
+  const parents: number[] = [];
+  t.tokens.forEach((tok, i) => {
+    const p = t.parents[i];
+    if (p === node || index.has(p)) {
+      index.set(i, tokens.length);
+      tokens.push(tok);
+      parents.push(p === node ? -1 : index.get(p)!);
+    }
+  });
+  if (!tokens.length) return null;
+  const cond = [...t.cond, ...path.map((i) => t.tokens[i])];
+  return { cond, tree: { base: t.base, cond, tokens, parents } };
+}
+
 export interface GenerateOptions {
-  mode?: "greedy" | "match" | "ar";
+  // auto (the default): greedy (match at temperature > 0) planned each round: speculate, keep a stream
+  // waiting behind each tree in flight, stream after a miss where that is faster (or cheaper)
+  mode?: "auto" | "greedy" | "match" | "ar";
+  objective?: Objective; // auto: latency (default) or cost
+  plan?: Partial<AutoPlan>;
   draft?: TreeSource; // default: prompt lookup (`lookup`)
   signal?: AbortSignal; // abort: the server is told to cancel; the generation ends with signal.reason
   maxNewTokens?: number;
@@ -83,7 +170,18 @@ export interface Stats {
   hitRate: number; // hits / tree verdicts (0 without pre-speculation)
   lateHits: number; // outcomes predicted whose tree reached the server after its verdict (verified on arrival)
   cloudRounds: number; // verdicts of rounds sent without a drafted token (an empty tree, or a prompt without one)
+  mode: string; // the mode verified on the wire (auto runs greedy or match)
+  streams: number; // stream rounds sent (auto: a fallback waiting behind a tree, or chosen after a miss)
+  streamed: number; // tokens the target streamed (verdicts of stream rounds)
+  aheadTrees: number; // trees sent while the target streamed, conditioned on the tokens predicted
+  planStream: number; // auto's choices after a miss: stream ...
+  planSpeculate: number; // ... or draft a tree
 }
+
+const newStats = (mode: string): Stats => ({
+  rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0, hits: 0, hitRate: 0, lateHits: 0,
+  cloudRounds: 0, mode, streams: 0, streamed: 0, aheadTrees: 0, planStream: 0, planSpeculate: 0,
+});  // prettier-ignore
 
 const median = (xs: number[]) => {
   if (!xs.length) return 0;
@@ -100,8 +198,9 @@ export class TreespecClient {
   private sentAt = 0;
   /** The network's share of a round, learned from verdicts (wall time - the server's verify_ms). */
   rttMs = 0;
-  last: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0, hits: 0, hitRate: 0, lateHits: 0,
-    cloudRounds: 0 };
+  last: Stats = newStats("greedy");
+  /** Whether hello names CLIENT_FEATURES (off after a server of an earlier release refused them). */
+  private features = true;
 
   private ws!: Socket;
   private generation = 0;
@@ -186,8 +285,18 @@ export class TreespecClient {
       throw new ConnectionLost((e as Error).message);
     }
     const key = this.apiKey && !this.ws.keyInHeader ? { api_key: this.apiKey } : {}; // a browser sends no headers
-    this.send({ type: "hello", version: PROTOCOL_VERSION, vocab_fingerprint: this.fingerprint, client: "treespec-ts/0.1", ...key });
-    const w = await this.next();
+    const features = this.features ? { features: [...CLIENT_FEATURES] } : {};
+    this.send({ type: "hello", version: PROTOCOL_VERSION, vocab_fingerprint: this.fingerprint, client: "treespec-ts/0.1", ...key, ...features });
+    let w: Message;
+    try {
+      w = await this.next();
+    } catch (e) {
+      if (!(e instanceof GenerationError && e.field === "features" && this.features)) throw e;
+      // a server of an earlier release refuses hello.features: connect again without them
+      this.features = false;
+      this.ws.close(1000);
+      return this.open(url);
+    }
     if (w.type !== "welcome") throw new GenerationError(`expected welcome, got ${w.type}`);
     if (w.vocab_fingerprint && w.vocab_fingerprint !== this.fingerprint) {
       throw new GenerationError(`the vocabulary is not the target's (${w.model_id})`, "VOCAB_MISMATCH", "vocab_fingerprint");
@@ -225,49 +334,119 @@ export class TreespecClient {
    * with no token lost or repeated.
    */
   async *generate(prompt: number[], o: GenerateOptions = {}): AsyncGenerator<number[]> {
-    const mode = o.mode ?? "greedy";
+    const asked = o.mode ?? "auto";
+    const auto = asked === "auto";
+    const plan: AutoPlan = { ...DEFAULT_PLAN, ...o.plan, ...(o.objective ? { objective: o.objective } : {}) };
+    if (plan.objective !== "latency" && plan.objective !== "cost") {
+      throw new GenerationError(`objective must be latency or cost, got ${String(plan.objective)}`);
+    }
+    const mode = asked === "auto" ? this.autoMode(o.temperature ?? 0) : asked;
     const look: LookupOptions = { ...DEFAULT_LOOKUP, ...o.lookup };
     const source: TreeSource = o.draft ?? ((ctx) => lookupTree(ctx, { ...look, depth: Math.min(look.depth, this.welcome.limits.max_depth) }));
     const drafting: number[] = [];
+    let lastNodes = 1; // nodes of the last tree drafted below the committed sequence
     const draft = async (ctx: number[]) => {
       const t = performance.now();
       const tree = fitTree(await source(ctx), this.welcome.limits.max_nodes, this.welcome.limits.max_depth);
       drafting.push(performance.now() - t);
+      lastNodes = Math.max(1, tree.tokens.length);
       return tree;
     };
     const signal = o.signal;
     signal?.throwIfAborted();
+    // the protocol's client checks of this session's frames (a new session after a drop: new checks)
+    const ck: { c: ClientChecks } = { c: new ClientChecks(this.welcome) };
     let cancelled = false;
     const cancel = () => {
       if (!cancelled) {
         cancelled = true;
+        ck.c.cancel();
         if (this.ws.open) this.send({ type: "cancel" }); // the verdict of the round in flight comes back done
       }
     };
     const maxNew = o.maxNewTokens ?? 128;
     const t0 = performance.now();
     this.committed = [...prompt];
-    const st: Stats = { rounds: 0, tokens: 0, tau: 0, draftedNodes: 0, draftMs: 0, msPerToken: 0, resumes: 0, hits: 0, hitRate: 0, lateHits: 0,
-    cloudRounds: 0 };
+    const st: Stats = newStats(mode);
     this.last = st;
     // pre-speculation: the conditional tree sent for the round in flight, if any
     // (in an object: a closure assigns it, which TypeScript's narrowing of a `let` does not follow)
     const spec: { pending: { round: number; full: number[]; tree: Tree } | null } = { pending: null };
     let hitRound = -1; // the last pre-speculated round the server took
     const cloud = new Set<number>(); // rounds sent with no drafted token
+    // mode auto: whether the verifier takes stream rounds, the latest verdict's cost maps, the tokens
+    // a tree round yields (an average), and the committed length a tree ahead of a stream was drafted at
+    let streams = false;
+    const cost: { forward: Record<string, number> | null; marginal: Record<string, number> | null } = { forward: null, marginal: null };
+    let treeTokens: number | null = null;
+    let treeVerdicts = 0;
+    let aheadAt = -1;
+    // conditional trees and streams the server can still hold (max_pending besides the round in flight)
+    const room = () => this.welcome.limits.max_pending - [...ck.c.outstanding].filter((r) => r !== ck.c.inFlight).length;
+    const sendTree = (t: Tree): number => {
+      const round = ++this.round;
+      this.send({ type: "tree", round, base: t.base, cond: t.cond, tokens: t.tokens, parents: t.parents });
+      ck.c.tree(round, t);
+      return round;
+    };
+    const sendStream = (k: number) => {
+      const round = ++this.round;
+      const kk = Math.max(1, Math.min(k, maxNew - st.tokens));
+      this.send({ type: "stream", round, k: kk });
+      ck.c.stream(round);
+      st.streams++;
+    };
     const speculate = async (tree: Tree) => {
       spec.pending = null;
-      if (!o.prespec || cancelled || this.welcome.limits.max_pending < 1) return;
+      if (!o.prespec || cancelled || room() < 1) return;
       const c = await o.prespec(this.committed, tree);
-      if (!c || !this.ws.open || cancelled) return;
+      if (!c || !this.ws.open || cancelled || room() < 1) return;
       st.draftedNodes += c.tree.tokens.length;
-      const round = ++this.round;
-      this.send({ type: "tree", round, base: this.committed.length, cond: c.cond, tokens: c.tree.tokens, parents: c.tree.parents });
+      const round = sendTree({ base: this.committed.length, cond: c.cond, tokens: c.tree.tokens, parents: c.tree.parents });
       spec.pending = { round, full: [...this.committed, ...c.cond], tree: c.tree };
+    };
+    // auto, objective latency: a stream waits behind the tree in flight, so a miss never idles the verifier
+    const fallback = () => {
+      if (!streams || plan.objective !== "latency" || cancelled || !this.ws.open) return;
+      const c = ck.c;
+      if (c.inFlight === null || c.isStream(c.inFlight) || c.waitingStream() !== null || room() < 1) return;
+      sendStream(maxNew - st.tokens);
+    };
+    const withZero = (m: Record<string, number>) => ("0" in m || !Object.keys(m).length ? m : { "0": costAt(m, 1), ...m });
+    // auto after a miss: stream when that is faster (latency) or cheaper (cost) than speculating
+    const streamPays = (): boolean => {
+      const fwd = withZero(cost.forward ?? this.welcome.verify_cost_ms);
+      if (!Object.keys(fwd).length || treeTokens === null || !drafting.length) return false; // nothing measured yet
+      const hitRate = o.prespec ? (treeVerdicts ? st.hits / treeVerdicts : 0.5) : 0;
+      const p = { forward: fwd, marginal: withZero(cost.marginal ?? fwd), tokens: treeTokens, nodes: lastNodes,
+                  draftMs: median(drafting), rttMs: this.rttMs, hitRate };  // prettier-ignore
+      return choosePlan(plan, p) === "stream";
+    };
+    // while the target streams: a tree conditioned on the j tokens the stream will have produced
+    // when it gets there (the draft's first-child path), so the stream hands over without a round trip
+    const ahead = async () => {
+      const c = ck.c;
+      if (!streams || cancelled || !this.ws.open || aheadAt === this.committed.length) return;
+      if ([...c.outstanding].some((r) => !c.isStream(r)) || room() < 1) return; // a tree on its way may still take over
+      const step = costAt(withZero(cost.forward ?? this.welcome.verify_cost_ms), 0);
+      if (!(step > 0) || !drafting.length) return;
+      const j = Math.floor((median(drafting) + this.rttMs) / step) + 1;
+      if (j > 8) return; // it would arrive too late to pay
+      aheadAt = this.committed.length;
+      const split = splitAhead(await draft(this.committed), j);
+      if (!split || !this.ws.open || cancelled || room() < 1) return;
+      st.draftedNodes += split.tree.tokens.length;
+      st.aheadTrees++;
+      sendTree(split.tree);
     };
     const start = async () => {
       // the prompt, or after a drop every committed token as a new session's prompt
       cloud.clear(); // a new session numbers its rounds again
+      ck.c = new ClientChecks(this.welcome);
+      if (cancelled) ck.c.cancel();
+      streams = auto && mode !== "ar" && (this.welcome.features ?? []).includes(FEATURE_STREAM);
+      cost.forward = cost.marginal = null;
+      aheadAt = -1;
       let first = mode === "ar" ? undefined : await draft(this.committed);
       if (first && !first.tokens.length) {
         first = undefined; // the server answers a prompt without a tree with the target's first token
@@ -279,7 +458,34 @@ export class TreespecClient {
         top_k: o.topK ?? 0, top_p: o.topP ?? 1, seed: o.seed ?? 0, max_new_tokens: maxNew - st.tokens,
         stop_ids: o.stopIds ?? [], continue: false, ...(first ? { tree: first } : {}),
       });  // prettier-ignore
+      ck.c.prompt(this.committed, mode, maxNew - st.tokens, first);
       if (first) await speculate(first);
+      fallback();
+    };
+    // nothing in flight (a miss with no stream waiting, a stream that ended, a tree refused): the next round
+    const afterMiss = async () => {
+      if (streams && streamPays()) {
+        st.planStream++;
+        if (this.ws.open) sendStream(plan.chunk);
+        return;
+      }
+      if (streams) st.planSpeculate++;
+      const t = await draft(this.committed);
+      st.draftedNodes += t.tokens.length;
+      if (!t.tokens.length) cloud.add(this.round + 1);
+      if (!this.ws.open) return;
+      sendTree(t);
+      this.sentAt = performance.now();
+      await speculate(t);
+      fallback();
+    };
+    const checked = <T>(f: () => T): T => {
+      try {
+        return f();
+      } catch (e) {
+        if (e instanceof ProtocolError) throw new GenerationError(`the verifier broke the protocol: ${e.message}`, e.code, e.field ?? undefined);
+        throw e;
+      }
     };
     await start();
     let verdicts = 0;
@@ -307,32 +513,81 @@ export class TreespecClient {
           await start();
           continue;
         }
-        if (m.type === "stale") continue;
-        if (m.type === "error") throw new GenerationError(`verifier refused: ${m.code} (${m.field}): ${m.message}`, m.code, m.field);
+        if (m.type === "stale") {
+          const wasInFlight = ck.c.inFlight === m.round;
+          const round = m.round;
+          checked(() => ck.c.stale(round));
+          if (spec.pending?.round === m.round) spec.pending = null;
+          // auto: the tree taken for the one in flight (on its way when the verdict came) was refused after all
+          if (auto && wasInFlight && ck.c.generating && !cancelled && mode !== "ar") await afterMiss();
+          continue;
+        }
+        if (m.type === "error") {
+          const refused = auto && !m.fatal && m.code === "TOO_MANY_PENDING" && m.round !== undefined && m.round !== ck.c.inFlight
+            && ck.c.outstanding.has(m.round);  // prettier-ignore
+          if (refused) {
+            // auto: a conditional tree or a waiting stream the server had no room for is dropped, like a stale one
+            ck.c.error(m.code, m.round);
+            if (spec.pending?.round === m.round) spec.pending = null;
+            continue;
+          }
+          throw new GenerationError(`verifier refused: ${m.code} (${m.field}): ${m.message}`, m.code, m.field);
+        }
         if (m.type !== "verdict") throw new ProtocolError("BAD_ORDER", `unexpected ${m.type}`, "type", true);
         const v = m as Verdict;
+        const wasStream = ck.c.isStream(v.round);
+        const hadTree = !wasStream && (v.round > 0 || !cloud.has(0));
+        checked(() => ck.c.verdict(v)); // before anything of it is committed
         this.committed.push(...v.tokens);
         if (v.committed_len !== this.committed.length) {
           throw new GenerationError(`committed_len ${v.committed_len} but ${this.committed.length} tokens held`);
         }
+        if (v.forward_ms) {
+          cost.forward = v.forward_ms;
+          cost.marginal = v.marginal_ms ?? v.forward_ms;
+        }
         verdicts++;
-        if (v.round > 0) {
+        if (wasStream) st.streamed += v.tokens.length;
+        else if (v.round > 0) {
           st.rounds++;
           const net = Math.max(0, performance.now() - this.sentAt - v.verify_ms);
           this.rttMs = st.rounds === 1 ? net : 0.8 * this.rttMs + 0.2 * net;
         }
-        if (cloud.has(v.round)) st.cloudRounds++;
+        if (hadTree && mode !== "ar") {
+          treeVerdicts++;
+          treeTokens = treeTokens === null ? v.tokens.length : 0.8 * treeTokens + 0.2 * v.tokens.length;
+        }
+        if (cloud.has(v.round) && !wasStream) st.cloudRounds++;
         st.tokens += v.tokens.length;
         st.tau = st.tokens / verdicts;
         st.msPerToken = (performance.now() - t0) / Math.max(1, st.tokens);
         st.draftMs = median(drafting);
         o.onVerdict?.({ round: v.round, tokens: [...v.tokens], accepted: v.accepted_nodes.length, bonus: v.has_bonus,
                         verifyMs: v.verify_ms, prespeculated: v.round === hitRound,
-                        cloudOnly: cloud.has(v.round) });  // prettier-ignore
+                        cloudOnly: cloud.has(v.round) && !wasStream });  // prettier-ignore
         if (v.tokens.length) yield v.tokens;
         if (v.done) {
           if (cancelled && v.reason === "cancelled") throw signal?.reason ?? new DOMException("cancelled", "AbortError");
           return;
+        }
+        if (auto) {
+          if (mode === "ar" || cancelled) continue;
+          const nxt = ck.c.inFlight;
+          if (nxt !== null && ck.c.isStream(nxt)) {
+            await ahead(); // the target streams (a fallback started after a miss, or one going on)
+          } else if (nxt !== null) {
+            // a tree in flight: pre-speculated for this outcome, or sent ahead of the stream that just ended for it
+            if (v.next_round === nxt) {
+              st.hits++;
+              hitRound = nxt;
+            } else st.lateHits++;
+            st.hitRate = st.hits / verdicts;
+            this.sentAt = performance.now();
+            const t = spec.pending?.round === nxt ? spec.pending.tree : ck.c.treeOf(nxt);
+            if (t) await speculate(t);
+            fallback();
+          } else await afterMiss();
+          continue;
         }
         const hit = spec.pending;
         if (hit !== null && sameTokens(hit.full, this.committed)) {
@@ -351,7 +606,7 @@ export class TreespecClient {
           st.draftedNodes += t.tokens.length;
           if (!t.tokens.length) cloud.add(this.round + 1);
           // a socket that just closed: its close event is next in the inbox, and resumes
-          if (this.ws.open) this.send({ type: "tree", round: ++this.round, ...t });
+          if (this.ws.open) sendTree(t);
           this.sentAt = performance.now();
           st.hitRate = st.hits / verdicts;
           if (this.ws.open) await speculate(t);
@@ -360,6 +615,12 @@ export class TreespecClient {
     } finally {
       signal?.removeEventListener("abort", cancel);
     }
+  }
+
+  /** The mode auto verifies in: greedy at temperature 0, match above, ar where the key allows neither. */
+  private autoMode(temperature: number): "greedy" | "match" | "ar" {
+    const want = temperature > 0 ? "match" : "greedy";
+    return this.welcome.allowed_modes.includes(want) ? want : "ar";
   }
 
   close(): void {

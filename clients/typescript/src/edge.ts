@@ -13,9 +13,11 @@ import type { Coupling } from "./coupling.js";
 import type { Tree } from "./protocol.js";
 import { type ChatMessage, TextCodec } from "./text.js";
 
-/** Coupled drafting for a `match` generation (its seed and sampling settings); none otherwise. */
+/** Coupled drafting for a `match` generation (its seed and sampling settings; `auto`, the default
+ * mode, verifies match at temperature > 0); none otherwise. */
 export function couplingOf(o: { mode?: string; temperature?: number; seed?: bigint | number; topK?: number; topP?: number }): Coupling | undefined {
-  if (o.mode !== "match" || !((o.temperature ?? 0) > 0)) return undefined;
+  const mode = o.mode ?? "auto";
+  if (!(mode === "match" || mode === "auto") || !((o.temperature ?? 0) > 0)) return undefined;
   return { seed: o.seed ?? 0, temperature: o.temperature!, topK: o.topK ?? 0, topP: o.topP ?? 1 };
 }
 
@@ -24,7 +26,7 @@ export const DEFAULT_TREE = [1, 1, 3, 1, 1, 1, 1, 1]; // SpecInfer's default exp
 export interface EdgeOptions extends DrafterOptions {
   apiKey?: string;
   resume?: Partial<ResumeOptions> | false; // reconnect after a drop and go on (default: 10 attempts)
-  prespec?: boolean; // pre-speculate each round's likeliest outcome (default false)
+  prespec?: boolean; // pre-speculate each round's likeliest outcome (default false; mode auto always does)
   tree?: number[]; // the expansion tree drafted each round
   where?: string; // how errors name the export (default "the export")
   // open as soon as the verifier answers and load the draft model meanwhile: until it is loaded each
@@ -118,7 +120,7 @@ export class Edge {
       if (this.failed) throw this.failed;
       return this.loaded ? draftStatic(this.loaded, ctx, this.tree, coupling) : cloudRound(ctx);
     };
-    const prespec = (o.prespec ?? this.prespec)
+    const prespec = (o.prespec ?? ((o.mode ?? "auto") === "auto" || this.prespec))
       ? async (ctx: readonly number[], t: Tree) => (this.loaded ? draftConditional(this.loaded, ctx, t, this.tree, coupling) : null)
       : undefined;
     for await (const ids of this.client.generate(this.encode(prompt, o.raw), { ...o, draft, prespec })) {

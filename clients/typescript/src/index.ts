@@ -1,4 +1,12 @@
 export {
+  type AutoPlan,
+  choosePlan,
+  CLIENT_FEATURES,
+  costAt,
+  DEFAULT_PLAN,
+  type Objective,
+  type Pricing,
+  splitAhead,
   type Conditional,
   ConnectionLost,
   type ConnectOptions,
@@ -31,7 +39,11 @@ export {
   topK,
 } from "./onnx_drafter.js";
 export { continuations, DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
-export { decodeMessage, encodeMessage, type Message, ProtocolError, PROTOCOL_VERSION } from "./protocol.js";
+export {
+  decodeMessage, encodeMessage, FEATURE_COST, FEATURE_GAP_MS, FEATURE_PENDING_BYTES, FEATURE_STREAM, FEATURE_WELCOME_FEATURES,
+  type Message, ProtocolError, PROTOCOL_VERSION,
+} from "./protocol.js";  // prettier-ignore
+export { ClientChecks, treeMatches } from "./checks.js";
 export { type Coupling, coupledToken, keyedUniform } from "./coupling.js";
 export { couplingOf, DEFAULT_TREE, Edge, type EdgeOptions, type Prompt, type TextOptions } from "./edge.js";
 export { type ChatMessage, TextCodec } from "./text.js";

@@ -3,6 +3,12 @@
 import { decode as unpack, encode as pack, F64, FrameError, type Value } from "./msgpack.js";
 
 export const PROTOCOL_VERSION = 1;
+// the optional fields and frames a client names in hello.features (PROTOCOL.md section 10)
+export const FEATURE_GAP_MS = "verdict.gap_ms";
+export const FEATURE_PENDING_BYTES = "limits.max_pending_bytes";
+export const FEATURE_WELCOME_FEATURES = "welcome.features"; // welcome.features: what the server honours
+export const FEATURE_STREAM = "round.stream"; // stream frames and prompt.stream
+export const FEATURE_COST = "verdict.cost_ms"; // verdict.forward_ms and verdict.marginal_ms
 export const MODES = ["greedy", "match", "mss", "rrs", "ar"] as const;
 export type Mode = (typeof MODES)[number];
 const MAX_U31 = 2 ** 31 - 1;
@@ -39,13 +45,15 @@ export type Message =
       features?: string[] }
   | { type: "welcome"; version: number; session_id: string; model_id: string; vocab_size: number;
       vocab_fingerprint: string; eos_ids: number[]; allowed_modes: Mode[]; limits: Limits;
-      verify_cost_ms: Record<string, number> }
+      verify_cost_ms: Record<string, number>; features?: string[] }
   | { type: "prompt"; tokens: number[]; mode: Mode; temperature: number; top_k: number; top_p: number;
-      seed: bigint | number; max_new_tokens: number; stop_ids: number[]; continue: boolean; tree?: Tree }
+      seed: bigint | number; max_new_tokens: number; stop_ids: number[]; continue: boolean; tree?: Tree;
+      stream?: number }
   | ({ type: "tree"; round: number } & Tree)
+  | { type: "stream"; round: number; k: number }
   | { type: "verdict"; round: number; tokens: number[]; accepted_nodes: number[]; has_bonus: boolean;
       committed_len: number; verify_ms: number; done: boolean; next_round?: number; reason?: string;
-      gap_ms?: number }
+      gap_ms?: number; streaming?: boolean; forward_ms?: Record<string, number>; marginal_ms?: Record<string, number> }
   | { type: "stale"; round: number; reason: string }
   | { type: "error"; code: string; message: string; fatal: boolean; field?: string; round?: number }
   | { type: "cancel" }
@@ -214,27 +222,37 @@ const LIMIT_RANGES = {
 /** The slowest forward a cost curve may state, in ms. */
 export const MAX_VERIFY_MS = 1e9;
 
-/** welcome.verify_cost_ms: node counts (decimal strings, >= 1) to forward ms (finite, > 0, <= 1e9). */
-function readCostCurve(r: Reader): Record<string, number> {
-  const cost = r.raw("verify_cost_ms");
+/** A cost map: node counts (decimal strings, >= 1; >= 0 with `streams`, 0 pricing a stream step) to
+ * forward ms (finite, > 0, <= 1e9): welcome.verify_cost_ms, verdict.forward_ms / marginal_ms. */
+function readCostCurve(r: Reader, key = "verify_cost_ms", optional = false, streams = false): Record<string, number> | undefined {
+  const cost = r.raw(key, optional);
+  if (cost === undefined) return undefined;
   if (typeof cost !== "object" || cost === null || Array.isArray(cost) || cost instanceof Uint8Array
       || cost instanceof F64 || Object.keys(cost).length > MAX_LIST) {
-    throw r.bad("verify_cost_ms", "must be a map of node count (string) to milliseconds");
+    throw r.bad(key, "must be a map of node count (string) to milliseconds");
   }  // prettier-ignore
   const out: Record<string, number> = {};
+  const lo = streams ? 0 : 1;
   for (const [k, v] of Object.entries(cost as Record<string, Value>)) {
     const x = v instanceof F64 ? v.v : v;
-    if (!/^[0-9]+$/.test(k) || typeof x === "boolean" || (typeof x !== "number" && typeof x !== "bigint")) {
-      throw r.bad("verify_cost_ms", "must map decimal node counts to numbers");
+    if (!/^[0-9]{1,10}$/.test(k) || typeof x === "boolean" || (typeof x !== "number" && typeof x !== "bigint")) {
+      throw r.bad(key, "must map decimal node counts to numbers");
     }
     const n = Number(k);
     const ms = Number(x);
-    if (n < 1 || n > MAX_U31) throw r.bad("verify_cost_ms", `node count ${k} is not an integer in [1, ${MAX_U31}]`);
+    if (n < lo || n > MAX_U31) throw r.bad(key, `node count ${k} is not an integer in [${lo}, ${MAX_U31}]`);
     if (!Number.isFinite(ms) || ms <= 0 || ms > MAX_VERIFY_MS) {
-      throw r.bad("verify_cost_ms", `${k} nodes: ${ms} ms is not a forward time (finite, > 0 and <= 1e9)`);
+      throw r.bad(key, `${k} nodes: ${ms} ms is not a forward time (finite, > 0 and <= 1e9)`);
     }
-    out[k] = ms;
+    out[String(n)] = ms;
   }
+  return out;
+}
+
+/** A cost map's entries in increasing node count, as floats (the Python encoder's order). */
+function costToWire(cost: Record<string, number>): { [k: string]: Value } {
+  const out: { [k: string]: Value } = {};
+  for (const k of Object.keys(cost).sort((a, b) => Number(a) - Number(b))) out[k] = new F64(cost[k]);
   return out;
 }
 
@@ -252,7 +270,8 @@ const DECODERS: Record<string, (r: Reader) => Message> = {
     if (!Array.isArray(modes) || modes.length > MAX_LIST || !modes.every((x) => MODES.includes(x as Mode))) {
       throw r.bad("allowed_modes", "must be a list of modes");
     }
-    const costOut = readCostCurve(r);
+    const costOut = readCostCurve(r)!;
+    const features = r.strList("features", true);
     const l = r.sub("limits");
     const lim = (k: keyof typeof LIMIT_RANGES) => l.int(k, ...LIMIT_RANGES[k]);
     const limits: Limits = {
@@ -268,7 +287,7 @@ const DECODERS: Record<string, (r: Reader) => Message> = {
       type: "welcome", version: r.int("version", 0, 1 << 16), session_id: r.text("session_id")!,
       model_id: r.text("model_id")!, vocab_size: r.int("vocab_size", 1),
       vocab_fingerprint: r.text("vocab_fingerprint", true) ?? "", eos_ids: r.array("eos_ids", "<i4", MAX_LIST),
-      allowed_modes: modes as Mode[], limits, verify_cost_ms: costOut,
+      allowed_modes: modes as Mode[], limits, verify_cost_ms: costOut, ...(features ? { features: [...features] } : {}),
     };  // prettier-ignore
   },
   prompt: (r) => {
@@ -281,16 +300,19 @@ const DECODERS: Record<string, (r: Reader) => Message> = {
       top_p: r.number("top_p", 1e-9, 1) ?? 1, seed: r.integer("seed", 0, MAX_U63, true) ?? 0,
       max_new_tokens: Number(r.integer("max_new_tokens", 1, MAX_U31, true) ?? 128),
       stop_ids: r.array("stop_ids", "<i4", MAX_LIST, true), continue: r.flag("continue", true) ?? false,
-      ...(tree ? { tree } : {}),
+      ...(tree ? { tree } : {}), ...opt("stream", r.integer("stream", 1, MAX_U31, true)),
     };  // prettier-ignore
   },
   tree: (r) => ({ type: "tree", round: r.int("round", 1), ...readTree(r) }),
+  stream: (r) => ({ type: "stream", round: r.int("round", 1), k: r.int("k", 1, MAX_U31) }),
   verdict: (r) => ({
     type: "verdict", round: r.int("round", 0), tokens: r.array("tokens", "<i4", MAX_TOKENS),
     accepted_nodes: r.array("accepted_nodes", "<i4", MAX_NODES), has_bonus: r.flag("has_bonus")!,
     committed_len: r.int("committed_len", 0), ...opt("next_round", r.integer("next_round", 1, MAX_U31, true)),
     verify_ms: r.number("verify_ms", 0, 1e9) ?? 0, done: r.flag("done")!, ...opt("reason", r.text("reason", true)),
-    ...opt("gap_ms", r.number("gap_ms", 0, 1e9)),
+    ...opt("gap_ms", r.number("gap_ms", 0, 1e9)), ...(r.flag("streaming", true) ? { streaming: true } : {}),
+    ...opt("forward_ms", readCostCurve(r, "forward_ms", true, true)),
+    ...opt("marginal_ms", readCostCurve(r, "marginal_ms", true, true)),
   }),  // prettier-ignore
   stale: (r) => ({ type: "stale", round: r.int("round", 1), reason: r.text("reason")! }),
   error: (r) => ({
@@ -332,13 +354,13 @@ export function encodeMessage(m: Message): Uint8Array {
       break;
     case "welcome": {
       const limits: { [k: string]: Value } = { ...m.limits } as { [k: string]: Value };
-      const cost: { [k: string]: Value } = {};
-      for (const k of Object.keys(m.verify_cost_ms).sort((a, b) => Number(a) - Number(b))) cost[k] = new F64(m.verify_cost_ms[k]);
+      const cost = costToWire(m.verify_cost_ms);
       Object.assign(d, {
         version: m.version, session_id: m.session_id, model_id: m.model_id, vocab_size: m.vocab_size,
         vocab_fingerprint: m.vocab_fingerprint, eos_ids: packArray(m.eos_ids), allowed_modes: [...m.allowed_modes],
         limits, verify_cost_ms: cost,
       });  // prettier-ignore
+      if (m.features !== undefined) d.features = [...m.features];
       break;
     }
     case "prompt":
@@ -348,6 +370,10 @@ export function encodeMessage(m: Message): Uint8Array {
         stop_ids: packArray(m.stop_ids), continue: m.continue,
       });  // prettier-ignore
       if (m.tree) d.tree = treeFields(m.tree, {});
+      if (m.stream) d.stream = m.stream;
+      break;
+    case "stream":
+      Object.assign(d, { round: m.round, k: m.k });
       break;
     case "tree":
       d.round = m.round;
@@ -361,6 +387,9 @@ export function encodeMessage(m: Message): Uint8Array {
       if (m.next_round !== undefined) d.next_round = m.next_round;
       if (m.reason !== undefined) d.reason = m.reason;
       if (m.gap_ms !== undefined) d.gap_ms = new F64(m.gap_ms);
+      if (m.streaming) d.streaming = true;
+      if (m.forward_ms !== undefined) d.forward_ms = costToWire(m.forward_ms);
+      if (m.marginal_ms !== undefined) d.marginal_ms = costToWire(m.marginal_ms);
       break;
     case "stale":
       Object.assign(d, { round: m.round, reason: m.reason });
