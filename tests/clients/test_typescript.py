@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -91,6 +92,58 @@ def _seeded_ar(url: str) -> list[int]:
     return asyncio.run(ar())
 
 
+def _auto_cli(url: str, *args: str) -> dict[str, object]:
+    return _cli("--server", url, "--fingerprint", tiny().vocab_fingerprint,
+                "--prompt-ids", ",".join(map(str, PROMPT)), *args)  # fmt: skip
+
+
+def test_auto_through_the_typescript_client_equals_ar(built: None) -> None:
+    """Mode auto, the client's default (prompt lookup drafting): greedy output is the target's own
+    under both objectives, and at T 0.9 (auto verifies match) exactly seeded ar's; the verifier
+    honours round.stream, so the latency plan keeps a stream waiting behind its trees."""
+    with LiveServer() as srv:
+        for objective in ("latency", "cost"):
+            out = _auto_cli(srv.ws, "--max-new-tokens", "40", "--objective", objective)
+            assert out["tokens"] == reference(tuple(PROMPT), 40), objective
+            st = out["stats"]
+            assert isinstance(st, dict) and st["mode"] == "greedy" and st["tokens"] == 40, st
+            if objective == "latency":
+                assert st["streams"] >= 1, st
+        seeded = _auto_cli(srv.ws, "--temperature", "0.9", "--seed", "77", "--max-new-tokens", "30")
+        assert isinstance(seeded["stats"], dict) and seeded["stats"]["mode"] == "match"
+        assert seeded["tokens"] == _seeded_ar(srv.ws)
+
+
+def test_auto_speculates_as_before_against_a_verifier_without_streams(
+    built: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A verifier that does not honour round.stream (its welcome.features lacks it): auto sends no
+    stream and keeps the output; one of an earlier release, which refuses hello.features, is spoken
+    to again without them."""
+    import shared.messages
+    import shared.server_protocol
+    from shared.messages import FEATURE_STREAM, FEATURES
+
+    monkeypatch.setattr(shared.server_protocol, "FEATURES", tuple(f for f in FEATURES if f != FEATURE_STREAM))
+    with LiveServer() as srv:
+        out = _auto_cli(srv.ws, "--max-new-tokens", "40")
+    assert out["tokens"] == reference(tuple(PROMPT), 40)
+    assert isinstance(out["stats"], dict) and out["stats"]["streams"] == 0
+
+    hello = shared.messages._DECODERS["hello"]
+
+    def earlier(r: Any) -> Any:  # the decoder of a release before hello.features
+        if r.has("features"):
+            raise r.bad("features", "unknown field")
+        return hello(r)
+
+    monkeypatch.setitem(shared.messages._DECODERS, "hello", earlier)
+    with LiveServer() as srv:
+        old = _auto_cli(srv.ws, "--max-new-tokens", "40")
+    assert old["tokens"] == reference(tuple(PROMPT), 40)
+    assert isinstance(old["stats"], dict) and old["stats"]["streams"] == 0
+
+
 def test_seeded_match_through_the_typescript_client_equals_seeded_ar(built: None) -> None:
     with LiveServer() as srv:
         want = _seeded_ar(srv.ws)
@@ -120,12 +173,12 @@ def test_the_typescript_edge_drafts_with_an_onnx_model_and_keeps_the_output(
     prompt = ",".join(map(str, PROMPT))
     with LiveServer() as srv:
         out = _cli("generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids", prompt,
-                   "--max-new-tokens", "40", "--tree", "1,2,1,1")  # fmt: skip
+                   "--max-new-tokens", "40", "--tree", "1,2,1,1", "--mode", "greedy")  # fmt: skip
         assert out["tokens"] == reference(tuple(PROMPT), 40)
         stats = out["stats"]
         assert isinstance(stats, dict) and stats["tau"] > 3.0  # the model's own trees, not lookup's
         lookup = _cli("--server", srv.ws, "--fingerprint", tiny().vocab_fingerprint, "--prompt-ids", prompt,
-                      "--max-new-tokens", "40")  # fmt: skip
+                      "--max-new-tokens", "40", "--mode", "greedy")  # fmt: skip
         assert isinstance(lookup["stats"], dict) and stats["tau"] > lookup["stats"]["tau"]
         seeded = ["--mode", "match", "--temperature", "0.9", "--seed", "77", "--max-new-tokens", "30"]
         match = _cli("generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids", prompt,
@@ -163,7 +216,7 @@ def test_typescript_prespeculation_hides_the_wait_and_keeps_the_output(
     ]
     with LiveServer() as srv:
         gen[2] = srv.ws
-        pre = _cli(*gen, "--max-new-tokens", "40", "--prespec")
+        pre = _cli(*gen, "--max-new-tokens", "40", "--prespec", "--mode", "greedy")
         assert pre["tokens"] == reference(tuple(PROMPT), 40)
         st = pre["stats"]
         assert isinstance(st, dict) and st["hits"] >= 2 and st["hitRate"] > 0.5, st
@@ -171,6 +224,27 @@ def test_typescript_prespeculation_hides_the_wait_and_keeps_the_output(
         pre_match = _cli(*gen, *seeded, "--prespec")
         assert pre_match["tokens"] == _seeded_ar(srv.ws)
         assert isinstance(pre_match["stats"], dict) and pre_match["stats"]["hits"] >= 1
+
+
+def test_typescript_auto_with_a_draft_model_equals_ar(
+    built: None, tiny_export: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`treespec-ts generate` in mode auto (the default) against a verifier of 30 ms a forward:
+    greedy output exactly the target's own and seeded match (T 0.9) exactly seeded ar's, while it
+    pre-speculates, keeps streams waiting behind its trees and drafts ahead of a running stream."""
+    slow_forwards(monkeypatch, 0.03)
+    prompt = ",".join(map(str, PROMPT))
+    with LiveServer() as srv:
+        gen = ["generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids", prompt,
+               "--tree", "1,2,1,1"]  # fmt: skip
+        out = _cli(*gen, "--max-new-tokens", "40")
+        assert out["tokens"] == reference(tuple(PROMPT), 40)
+        st = out["stats"]
+        assert isinstance(st, dict) and st["mode"] == "greedy" and st["streams"] >= 1 and st["hits"] >= 1, st
+        cost = _cli(*gen, "--max-new-tokens", "40", "--objective", "cost")
+        assert cost["tokens"] == out["tokens"]
+        seeded = _cli(*gen, "--temperature", "0.9", "--seed", "77", "--max-new-tokens", "30")
+        assert seeded["tokens"] == _seeded_ar(srv.ws)
 
 
 def test_the_typescript_coupling_is_the_python_edges(built: None) -> None:
@@ -302,7 +376,7 @@ def test_the_edge_sdk_streams_the_targets_text(built: None, tiny_export: Path) -
     ids = tok.encode(chat, add_special=False, parse_special=True)
     assert doc["ids"] == ids
     want = tok.decode(reference(tuple(ids), 24)).decode("utf-8", "replace")
-    assert doc["text"] == want and doc["tau"] > 1.0
+    assert doc["text"] == want and doc["tau"] >= 1.0  # mode auto (the default) may let the target stream
 
 
 BACKGROUND_SCRIPT = """
@@ -326,7 +400,7 @@ const onVerdict = (v) => {
 };
 const opts = mode === "match"
   ? { mode, temperature: 0.9, seed: 77n, maxNewTokens: 30 }
-  : { maxNewTokens: 40 };
+  : { mode, maxNewTokens: 40 };
 const tokens = [];
 for await (const _ of edge.generate(ids.split(",").map(Number), { ...opts, onVerdict })) {}
 tokens.push(...edge.client.committed.slice(ids.split(",").length));
@@ -399,7 +473,8 @@ def test_budget_trees_in_typescript_are_the_python_edges_and_keep_the_output(
         # auto: this test server advertises a one-point cost curve ({1: 1 ms}), so auto sizes trees of 1
         for size, tau in (("12", 2.5), ("auto", 1.0)):
             out = _cli("generate", "--server", srv.ws, "--draft", str(tiny_export), "--prompt-ids",
-                       ",".join(map(str, PROMPT)), "--max-new-tokens", "40", "--budget", size)  # fmt: skip
+                       ",".join(map(str, PROMPT)), "--max-new-tokens", "40", "--budget", size,
+                       "--mode", "greedy")  # fmt: skip
             assert out["tokens"] == reference(tuple(PROMPT), 40), size
             assert isinstance(out["stats"], dict) and out["stats"]["tau"] > tau, size
 
