@@ -961,6 +961,23 @@ def build_parser() -> argparse.ArgumentParser:
         "accepted more than D nodes the round loses those tokens; each cap is replayed with the next round's "
         "hit kept, and turned into a miss ('then a miss')",
     )
+    ap.add_argument(
+        "--batch-wait",
+        default=None,
+        metavar="POLICIES",
+        help="instead of the replay: many clients on one batching verifier (bench/simulate_batch.py), "
+        "comma-separated waits before a forward: off, rule (cloud_verifier.batch_wait, bound 3 ms; rule:MS "
+        "another), fixed:MS (the wait before the rule); costs: --verifier-curve (default: this CPU's), "
+        "and --flat-curve / --flat-verifier when given",
+    )
+    ap.add_argument(
+        "--clients", default=None, help="with --batch-wait: comma-separated client counts (default 1,4,16)"
+    )
+    ap.add_argument(
+        "--regular-edges",
+        action="store_true",
+        help="with --batch-wait: also run each edge with every miss's drafting at its median (predictable)",
+    )
     add_common_args(ap, json=True, json_help="groups: each group's curves and overheads", no_progress=True)
     return ap
 
@@ -1065,6 +1082,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     scen_names, policies = parse_knobs(ap, a)
     gens, ar, drafter, verifier = load_inputs(ap, a)
+    if a.batch_wait:
+        from bench.simulate_batch import main_batch
+
+        return main_batch(ap, a, gens)
     try:
         flat_curve = Curve.load(a.flat_curve) if a.flat_curve else None
     except (OSError, ValueError) as exc:

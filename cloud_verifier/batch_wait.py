@@ -11,9 +11,13 @@ F(rows) = cost_ms at N = rows - 1; read afresh at every decision, it is refreshe
 - ready now: R rows of S_R sessions; each session between rounds (WAITING) whose arrival can be
   predicted from its own recent gaps between verdict and next round (`ArrivalPredictor`: the
   median of its last gaps, the next round's rows = its last round's) is expected w_j from now
-  with r_j rows. Sessions already overdue are not waited for (their edge is late: no estimate).
+  with r_j rows, give or take s_j (the median absolute deviation of its gaps): it is waited for
+  until w_j + s_j (`Arrival.by_ms`, the wait that takes it in even when it comes a usual amount
+  late; the engine goes as soon as it arrives); one later than that is not waited for (its edge
+  is late: no estimate).
 - waiting w for the set A of sessions expected by w (S_A sessions, r_A rows) against going now,
-  when those come in during the forward of R and run in a forward of their own right after it:
+  when those come in during the forward of R and run in a forward of their own right after it
+  (w: the wait that takes in the last of them):
     * the ready sessions' verdicts come later by  w + F(R + r_A) - F(R)  (the wait, and the rows
       the arrivals add to their forward);
     * the arrivals' verdicts come earlier by  F(R) + F(r_A) - F(R + r_A) - w = D_A - w, D_A the
@@ -44,6 +48,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 FORWARD_FRACTION = 0.5  # the longest wait, as a fraction of the ready rows' forward
+MIN_WAIT_MS = 0.05  # a shorter wait is none (the arrival it waits for is as good as here)
 GAP_HISTORY = 8  # a session's last gaps its next arrival is predicted from (their median)
 
 
@@ -66,10 +71,18 @@ def forward_ms(curve: Mapping[int, float], rows: int) -> float | None:
 
 @dataclass(frozen=True)
 class Arrival:
-    """A session between rounds: its next round expected `in_ms` from now, with `rows` rows."""
+    """A session between rounds: its next round expected `in_ms` from now (negative: late), give
+    or take `spread_ms` (how much its gaps vary), with `rows` rows."""
 
     in_ms: float
     rows: int
+    spread_ms: float = 0.0
+
+    @property
+    def by_ms(self) -> float:
+        """The wait that takes it in: its expected arrival plus its spread (a jittery edge is waited
+        for as long as it usually may take; one later than that is not waited for)."""
+        return self.in_ms + self.spread_ms
 
 
 def wait_bound_ms(curve: Mapping[int, float], ready_rows: int, gather_ms: float) -> float:
@@ -95,16 +108,17 @@ def plan_wait(
         return 0.0
     best_w, best_gain = 0.0, 0.0
     s_a = r_a = 0
-    for a in sorted((a for a in arrivals if 0 <= a.in_ms <= bound_ms), key=lambda a: a.in_ms):
+    for a in sorted((a for a in arrivals if 0 <= a.by_ms <= bound_ms), key=lambda a: a.by_ms):
+        w = a.by_ms
         s_a += 1
         r_a += max(1, a.rows)
         f_a, f_all = forward_ms(curve, r_a), forward_ms(curve, ready_rows + r_a)
         assert f_a is not None and f_all is not None
         saved = f_r + f_a - f_all
-        gain = s_a * (saved - a.in_ms) - max(1, ready_sessions) * (a.in_ms + f_all - f_r)
+        gain = s_a * (saved - w) - max(1, ready_sessions) * (w + f_all - f_r)
         if gain > best_gain:
-            best_w, best_gain = a.in_ms, gain
-    return best_w
+            best_w, best_gain = w, gain
+    return best_w if best_w > MIN_WAIT_MS else 0.0
 
 
 class ArrivalPredictor:
@@ -142,4 +156,6 @@ class ArrivalPredictor:
         since, gaps = self._since.get(sid), self._gaps.get(sid)
         if since is None or not gaps:
             return None
-        return Arrival((since[0] + statistics.median(gaps) - now) * 1e3, since[1])
+        mid = statistics.median(gaps)
+        spread = statistics.median(abs(g - mid) for g in gaps)  # the median absolute deviation
+        return Arrival((since[0] + mid - now) * 1e3, since[1], spread * 1e3)
