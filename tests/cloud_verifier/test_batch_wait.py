@@ -8,6 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
+from bench.simulate import Curve, TracedGeneration
+from bench.simulate_batch import CPU_CURVE, WaitPolicy, run_batch
 from cloud_verifier.batch_wait import (
     FORWARD_FRACTION,
     Arrival,
@@ -19,6 +21,7 @@ from cloud_verifier.batch_wait import (
 from cloud_verifier.engine import Engine
 from cloud_verifier.metrics import Metrics
 from cloud_verifier.step import EngineConfig, RoundResult, SeqState
+from edge_client.stats import RoundTrace, SendEvent, VerdictEvent
 from shared.messages import Mode, Prompt
 from tests.cloud_verifier.service import prompt_tokens, tiny
 
@@ -148,3 +151,64 @@ def test_the_engine_waits_on_a_flat_curve_and_metrics_record_it() -> None:
 def test_the_engine_does_not_wait_without_a_curve() -> None:
     e = _run_staggered({}, (0.001, 0.004), rounds=8)
     assert e.waited_forwards == 0 and len(e.batch_waits) == e.steps and not any(e.batch_waits)
+
+
+def test_an_arrival_is_waited_for_until_its_spread_and_not_once_later() -> None:
+    p = ArrivalPredictor()
+    for t, gap in ((0.0, 0.010), (1.0, 0.012), (2.0, 0.014)):
+        p.verdict(1, t, 9)
+        p.submitted(1, t + gap)
+    p.verdict(1, 3.0, 9)
+    a = p.expected(1, 3.011)
+    assert a is not None and a.in_ms == pytest.approx(1.0) and a.spread_ms == pytest.approx(2.0)
+    assert plan_wait(FLAT, 9, 1, [a], 3.0) == pytest.approx(3.0)  # until 2 ms past its median gap
+    late = p.expected(1, 3.0145)  # 1.5 ms past the median gap + its spread: not waited for
+    assert late is not None and plan_wait(FLAT, 9, 1, [late], 3.0) == 0.0
+    assert plan_wait(FLAT, 9, 1, [Arrival(0.01, 9)], 3.0) == 0.0  # as good as here
+
+
+# ----------------------------------------------------------------------------- the simulator
+def _misses(rounds: int, edge_s: float = 0.1, nodes: int = 8) -> TracedGeneration:
+    """A generation of tree rounds that all miss: the edge drafts edge_s after each verdict."""
+    sends, verdicts = [], []
+    t = 0.0
+    for j in range(rounds):
+        sends.append(SendEvent(t, j, None, nodes, nodes, 0, 1.0, 100))
+        t += 0.05
+        verdicts.append(VerdictEvent(t, j, 3, 4, 50.0, False, None, j == rounds - 1))
+        t += edge_s
+    return TracedGeneration(RoundTrace(sends, verdicts, []), 4 * rounds, 40.0, "tree", 0.0)
+
+
+def _edges() -> list[TracedGeneration]:
+    """Steady edges, each drafting a little longer than the last (an edge as regular as a clock,
+    arrivals predictable; all alike, the verifier's forwards would quantize them)."""
+    return [_misses(12, edge_s=0.1 + 0.0037 * k) for k in range(7)]
+
+
+def test_the_simulator_runs_the_rule_never_waiting_on_the_cpu_curve() -> None:
+    gens = _edges()
+    for clients in (1, 4, 16):
+        off = run_batch(gens, CPU_CURVE, clients, WaitPolicy.parse("off"), rtt_ms=20.0)
+        rule = run_batch(gens, CPU_CURVE, clients, WaitPolicy.parse("rule"), rtt_ms=20.0)
+        assert rule["waited_forwards"] == 0 and rule == {**off, "batch_wait": "rule:3"}
+        assert off["tokens"] == clients * 4 * 12 * 4  # 4 generations a client, 12 rounds of 4 tokens
+    fixed = run_batch(gens, CPU_CURVE, 16, WaitPolicy.parse("fixed:3"), rtt_ms=20.0)
+    assert fixed["waited_forwards"] > 0 and fixed["mean_wait_ms"] <= 3.0
+
+
+def test_the_simulator_runs_the_rule_waiting_briefly_on_a_flat_curve() -> None:
+    gens = _edges()
+    off = run_batch(gens, Curve.flat(16.0), 16, WaitPolicy.parse("off"), rtt_ms=20.0)
+    r = run_batch(gens, Curve.flat(16.0), 16, WaitPolicy.parse("rule"), rtt_ms=20.0)
+    assert r["waited_forwards"] > 0 and 0 < r["mean_wait_ms"] <= 3.0
+    # predictable edges: fuller forwards, the cloud's cost and the users' latency both lower
+    assert r["sessions_per_forward"] > off["sessions_per_forward"]
+    assert r["verifier_s_per_token"] < off["verifier_s_per_token"]
+    assert r["user_ms_per_token"] < off["user_ms_per_token"]
+    r8 = run_batch(gens, Curve.flat(16.0), 16, WaitPolicy.parse("rule:20"), rtt_ms=20.0)
+    assert 0 < r8["mean_wait_ms"] <= 8.0  # half a forward, whatever gather_ms
+    with pytest.raises(ValueError):
+        WaitPolicy.parse("fixed")
+    with pytest.raises(ValueError):
+        WaitPolicy.parse("sometimes:3")
