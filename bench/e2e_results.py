@@ -41,6 +41,9 @@ def generation_record(
         "prespec_sent": st.prespec_sent,
         "prespec_cancelled": st.prespec_cancelled,
         "prespec_refused": st.prespec_refused,
+        "ttft_ms": st.first_token_s * 1e3,
+        "wall_ms": st.wall_s * 1e3,
+        "kinds": dict(st.kinds),
     }
 
 

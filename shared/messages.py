@@ -422,7 +422,7 @@ class Prompt:
             stop_ids=tuple(r.array("stop_ids", "<i4", r.limits.max_list, ()).tolist()),
             continue_=r.flag("continue", False),
             tree=tree,
-            stream=r.integer("stream", 1, MAX_U31, 0),
+            stream=r.integer("stream", 1, MAX_U31, None) or 0,
         )
 
 

@@ -17,7 +17,9 @@ the drafter's evaluation costs and the round trip are measured on the edge.
 While a tree is in flight the edge also leaves a stream waiting at the verifier (objective
 latency): on a miss the target streams instead of idling while the edge drafts, and the edge sends
 its next tree conditioned on the tokens it predicts the stream will have produced when the tree
-arrives (`ahead`), so the stream hands over to it without a round trip.
+arrives (`ahead`), so the stream hands over to it without a round trip. A generation starts the
+same way: the prompt's answer streams (the prefill's token first) while the edge drafts its first
+chain ahead of it, so the time to the first token is the prefill's alone.
 """
 
 from __future__ import annotations
@@ -37,14 +39,12 @@ class Plan:
     objective:    "latency" (the user's ms per token) or "cost" (the verifier's ms per token)
     max_slowdown: with "cost", a choice may be at most this factor slower per token than `ar`
                   (the target streaming alone)
-    chunk:        tokens a stream chosen as the round asks for before the edge plans again
     margin:       streaming replaces speculation only when it is this much faster (or cheaper):
                   estimates are noisy, and flapping between the two loses both
     """
 
     objective: str = "latency"
     max_slowdown: float = 1.25
-    chunk: int = 8
     margin: float = 0.05
 
     def __post_init__(self) -> None:
@@ -52,8 +52,6 @@ class Plan:
             raise ValueError(f"objective must be 'latency' or 'cost', got {self.objective!r}")
         if not self.max_slowdown >= 1.0:
             raise ValueError(f"max_slowdown must be at least 1, got {self.max_slowdown!r}")
-        if self.chunk < 1:
-            raise ValueError(f"chunk must be at least 1, got {self.chunk!r}")
 
 
 def at(curve: Mapping[int, float], nodes: int) -> float:
@@ -109,6 +107,7 @@ def ahead(
     rtt_ms: float,
     forward: Mapping[int, float],
     max_depth: int,
+    price: Mapping[int, float] | None = None,
 ) -> tuple[int, int] | None:
     """While the target streams: (j, d), a chain of d nodes conditioned on the j tokens the edge
     predicts the stream will have produced when it arrives, or None when no such chain pays.
@@ -117,8 +116,12 @@ def ahead(
     half a round trip, while the stream started half a round trip before the verdict that
     prompted this: the tree is at the server before the stream's j-th token iff
     (j + d) * eval_ms + rtt_ms < j * forward[0]. It matches with odds alpha^j and then yields its
-    accepted nodes (alpha + ... + alpha^d) for the extra time of its forward over a stream step's."""
+    accepted nodes (alpha + ... + alpha^d) for the extra time of its forward over a stream step's
+    (`price`: the cost map that time is counted in, the forward's by default; the marginal one for
+    objective cost)."""
     step = at(forward, 0)
+    cost = forward if price is None else price
+    unit = at(cost, 0)
     best: tuple[float, tuple[int, int]] | None = None
     for d in range(1, max_depth + 1):
         if step <= eval_ms:
@@ -126,7 +129,7 @@ def ahead(
         j = max(1, int(np.floor((d * eval_ms + rtt_ms) / (step - eval_ms))) + 1)
         if j > 8:
             continue
-        gain = sum(alpha**i for i in range(1, d + 1)) * step - (at(forward, d) - step)
+        gain = sum(alpha**i for i in range(1, d + 1)) * unit - (at(cost, d) - unit)
         value = alpha**j * gain
         if value > 0 and (best is None or value > best[0]):
             best = (value, (j, d))

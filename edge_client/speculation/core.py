@@ -153,6 +153,10 @@ class SpeculationCore:
         """Draft the first tree (not in mode ar) and send the prompt with it."""
         full = tuple(self.proto.committed_for(prompt))
         first: DraftResult | None = None
+        if self.streams:  # mode auto: the prefill starts now, the first chain is drafted ahead of it
+            frame = self.proto.prompt(dataclasses.replace(prompt, stream=prompt.max_new_tokens))
+            yield from ask(Send(frame, "prompt", 0))
+            return
         if self.req.mode is not Mode.AR:
             first = yield from self._draft_plain(full)
         msg = prompt if first is None else dataclasses.replace(prompt, tree=first.tree)
@@ -229,7 +233,7 @@ class SpeculationCore:
             self.planner.clear()
         if self.streams and self._stream_pays():
             assert self.plan is not None
-            yield from self._send_stream(self.plan.chunk)
+            yield from self._send_stream(self.welcome.limits.max_context)
             return
         dr = yield from self._draft_plain(committed, self._backup())
         now = self.proto
@@ -601,11 +605,16 @@ class SpeculationCore:
         return self._ahead_plan() is not None
 
     def _ahead_plan(self) -> tuple[int, int] | None:
+        """(j, d) of the chain to draft ahead of the stream (speculation.auto.ahead); before the
+        drafter's costs are measured, a chain of 3 below the next token (it measures them)."""
         maps, eval_ms = self._maps(), self._eval_curve()
-        if maps is None or eval_ms is None:
-            return None
         depth = min(self.req.tree.chain_depth or 4, self.welcome.limits.max_depth)
-        return auto.ahead(self.choice.alpha, eval_ms(1), self.learned.rtt_ms, maps[0], depth)
+        if maps is None or eval_ms is None:
+            return (1, min(3, depth))
+        fwd, marg = maps
+        assert self.plan is not None
+        price = marg if self.plan.objective == "cost" else None
+        return auto.ahead(self.choice.alpha, eval_ms(1), self.learned.rtt_ms, fwd, depth, price)
 
     def _send_stream(self, k: int) -> Steps:
         """A stream round of up to k tokens: in flight now, or waiting for a miss."""

@@ -16,9 +16,10 @@ draft conditional trees below the anchor in theirs (a path they lack is evaluate
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from edge_client.drafters.base import Drafter, DrafterStats, WorkspaceFullError
 from edge_client.session import VerifierTimeout
@@ -291,6 +292,10 @@ class RoundExecutor:
         self.pool = pool
         self.verdict_timeout_s = verdict_timeout_s
         self._out: list[Verdict] = []
+        # the frame pump's queue (while a generation runs), and frames taken from it during a draft
+        # that wait for the core's loop, in order
+        self._queue: asyncio.Queue[tuple[Message | BaseException, float]] | None = None
+        self._held: collections.deque[tuple[Message | BaseException, float]] = collections.deque()
         if step is not None and core.stats.trace is not None:
             step.costs[0].log = []  # the trace's draft events carry each evaluation
 
@@ -303,16 +308,59 @@ class RoundExecutor:
 
     async def _drive(self, steps: Steps) -> AsyncGenerator[Verdict, None]:
         """Drive one core step to its end, executing each action it yields; a verdict is yielded
-        to the client the moment the core delivers it."""
+        to the client the moment the core delivers it. While a draft runs, the verdicts of a
+        stream that goes on are taken up as they come (`_take_streamed`): the target's tokens
+        reach the user without waiting for the edge's drafting."""
         result: object = None
         while True:
             try:
                 action = steps.send(result)
             except StopIteration:
                 return
-            result = await self._execute(action)
+            if isinstance(action, DRAFT_ACTIONS) and self._queue is not None:
+                running = asyncio.ensure_future(self._execute(action))
+                while await self._take_streamed(running):
+                    while self._out:
+                        yield self._out.pop(0)
+                result = running.result()
+            else:
+                result = await self._execute(action)
             while self._out:
                 yield self._out.pop(0)
+
+    async def _take_streamed(self, running: asyncio.Future[object]) -> bool:
+        """Wait for the draft `running` or the next frame, whichever comes first; a frame that is a
+        stream's verdict with more to come is taken up now (the core's `receive` only accounts it
+        and delivers it: the round in flight stays the stream), any other waits in `_held` for the
+        core's loop. True while the draft is still running and frames may be taken."""
+        queue = self._queue
+        if queue is None or self._held or running.done():
+            if not running.done():
+                await asyncio.wait({running})
+            return False
+        getter = asyncio.ensure_future(queue.get())
+        either: set[asyncio.Future[Any]] = {running, getter}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            getter.cancel()
+            await asyncio.wait({getter})
+            if getter.cancelled():
+                return False
+        msg, received = getter.result()
+        if not (isinstance(msg, Verdict) and msg.streaming and not msg.done):
+            self._held.append((msg, received))
+            return not running.done()
+        steps = self.core.receive(msg, received)
+        result: object = None
+        while True:
+            try:
+                action = steps.send(result)
+            except StopIteration:
+                break
+            if not isinstance(action, Deliver):
+                raise RuntimeError(f"a streamed verdict asked for {type(action).__name__}")
+            result = await self._execute(action)
+        return not running.done()
 
     async def _execute(self, action: Ask[object]) -> object:
         if isinstance(action, DRAFT_ACTIONS):
@@ -339,6 +387,8 @@ class RoundExecutor:
         steps: Steps | None = core.start(prompt)
         queue: asyncio.Queue[tuple[Message | BaseException, float]] = asyncio.Queue()
         pump: asyncio.Task[None] | None = None
+        if core.streams:  # mode auto: a stream's tokens are taken up while the edge drafts
+            self._queue = queue
         try:
             while steps is not None:
                 async for v in self._drive(steps):
@@ -347,9 +397,9 @@ class RoundExecutor:
                     pump = asyncio.create_task(self._pump(queue))
                 if core.finished:
                     break
-                steps = core.idle(quiet=queue.empty())
+                steps = core.idle(quiet=queue.empty() and not self._held)
                 if steps is None:
-                    msg, received = await queue.get()
+                    msg, received = self._held.popleft() if self._held else await queue.get()
                     if isinstance(msg, BaseException):
                         raise msg
                     steps = core.receive(msg, received)
