@@ -5,6 +5,7 @@ verdict carries is one a client takes."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import random
@@ -16,9 +17,12 @@ import pytest
 
 from cloud_verifier.app_state import AppState
 from cloud_verifier.cost import DEFAULT_NODES, cost_cache_key
+from cloud_verifier.engine import Engine
 from cloud_verifier.live_cost import MIN_MARGINAL_MS, PRIOR_WEIGHT, VERDICT_NODES, WINDOW, LiveCost
+from cloud_verifier.step import EngineConfig, SeqStatus
 from shared import model_store
-from shared.messages import FEATURE_COST, Hello, Prompt, Verdict, Welcome
+from shared.messages import FEATURE_COST, Hello, Mode, Prompt, Verdict, Welcome
+from shared.tree import TokenTree
 from shared.verify_cost import cost_curve_error
 from tests.cloud_verifier.service import WsSession, prompt_tokens, reference, scripted_tree, service, tiny
 
@@ -181,6 +185,43 @@ def test_readers_on_other_threads_always_see_a_whole_curve() -> None:
         t.join()
     assert not bad
     assert PRIOR_WEIGHT < WINDOW
+
+
+# ------------------------------------------------------------------------------ the engine
+def test_the_engine_expects_each_other_generation_to_feed_its_last_round_again() -> None:
+    """Engine.other_rows (a verdict's maps are priced beside them): two generations with trees
+    of 8 and 4 nodes after a packed step; each expects the other's row 0 + nodes; an idle session
+    adds nothing, a prefill chunk counts as another chunk, and without batching nothing is shared."""
+
+    async def main() -> None:
+        t = tiny()
+        e = Engine(t, t.new_kv_cache(256, 16), EngineConfig(gather_ms=0, prefill_chunk=16))
+        e.live_cost = LiveCost(POISONED)
+        seqs = []
+        for seed, nodes in ((1, 8), (2, 4)):
+            s = e.open(lambda r: None)
+            toks = np.asarray(prompt_tokens(seed, 1), dtype=np.int32)
+            tree = TokenTree.chain(list(range(100, 100 + nodes)), base=1)
+            e.start(s, Prompt(toks, Mode.GREEDY, max_new_tokens=20, tree=tree), toks)
+            seqs.append(s)
+        idle = e.open(lambda r: None)
+        long = e.open(lambda r: None)
+        toks = np.asarray(prompt_tokens(3, 100), dtype=np.int32)
+        e.start(long, Prompt(toks, Mode.GREEDY, max_new_tokens=4), toks)
+        plan = e.runner.plan()
+        e._note_rows(plan)
+        e.runner.finish(e.runner.execute(plan), 0.01)
+        a, b = seqs
+        assert (a.status, b.status) == (SeqStatus.WAITING, SeqStatus.WAITING)
+        assert long.status is SeqStatus.READY  # a prefill chunk ran: another follows
+        assert e.other_rows(a.sid) == 5 + 16 and e.other_rows(b.sid) == 9 + 16
+        assert e.other_rows(idle.sid) == 9 + 5 + 16
+        forward, marginal = e.live_cost.verdict_maps(e.other_rows(a.sid))
+        assert forward[8] == e.live_cost.forward_ms(8 + 21) and marginal[0] < forward[0]
+        e.config = EngineConfig(batching=False)
+        assert e.other_rows(a.sid) == 0
+
+    asyncio.run(main())
 
 
 # ------------------------------------------------------------------------------ the service
