@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
         json=True,
         json_help="rows: one per (client, request_rate), with the table's figures in full (each "
         "latency's mean, p50, p90, p99), identical_to_ar (every request's output token ids equal ar's "
-        "for the same prompt: at the same rate, else ar's first; null without ar or at temperature > "
+        "for the same prompt, over the requests both completed: at the same rate, else ar's first; "
+        "null without ar or at temperature > "
         "0), the verifier's spec-decode counter deltas (spec_decode_num_drafts, _draft_tokens, "
         "_accepted_tokens, _accepted_tokens_per_pos) and what vLLM's benchmark makes of them "
         "(acceptance_rate, mean_acceptance_length, acceptance_rate_per_pos; null where nothing was "

@@ -48,7 +48,7 @@ from bench.serve_metrics import (
     summarize,
     timing,
 )
-from edge_client.client import EdgeClient, GenerationError, TreeSpec
+from edge_client.client import EdgeClient, GenerationError, Timeouts, TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from shared.messages import Mode
@@ -66,6 +66,9 @@ class RequestSpec:
 
 
 Send = Callable[[RequestSpec], Awaitable[RequestResult]]
+# an edge session's wait for a verdict: as ar's HTTP requests (no read timeout), a loaded verifier's
+# slow answer is a measurement, not a failure (the SDK's default, 60 s, cut prefills off on a CPU)
+VERDICT_S = 1800.0
 BUSY = "specdec_verify_forward_seconds_sum"  # seconds of engine forwards, every session's
 PREEMPTIONS = "cloud_verifier_preemptions_total"
 
@@ -147,17 +150,17 @@ def kinds() -> list[str]:
     return ["ar", *edge_kinds()]
 
 
-def edge_kind(name: str, tree: ExpansionConfig, temperature: float) -> tuple[Variant, str | Mode]:
-    """The EdgeClient configuration of edge kind `name` and the mode its generations ask for:
-    bench.e2e's variant of that name (in the run's verification mode: greedy, or match at
-    temperature > 0, unless the variant has its own), else the SDK's mode `name` on the run's
-    static tree (`auto` picks its own trees). ValueError naming the kinds that exist."""
+def edge_kind(name: str, tree: ExpansionConfig, temperature: float) -> tuple[Variant, dict[str, Any]]:
+    """The EdgeClient configuration of edge kind `name` and what its generations ask generate()
+    for (mode, and objective for auto): bench.e2e's variant of that name (`Variant.generate_args`:
+    the run's verification mode, greedy or match at temperature > 0, unless the variant has its
+    own), else the SDK's mode `name` on the run's static tree. ValueError naming the kinds."""
     spec_mode = Mode.GREEDY if temperature == 0 else Mode.MATCH
     if name in ALL_MODES and name != "ar":
         v = variants([name], tree)[name]
-        return v, Mode.AR if v.ar else (v.mode or spec_mode)
+        return v, v.generate_args(spec_mode)
     if name in sdk_modes():
-        return Variant(tree=TreeSpec("static", tree)), name
+        return Variant(tree=TreeSpec("static", tree)), {"mode": name}
     raise ValueError(f"unknown kind {name}; available: {', '.join(kinds())}")
 
 
@@ -203,11 +206,12 @@ class EdgeFleet:
         url: str,
         pool: DrafterPool,
         variant: Variant,
-        mode: str | Mode,
+        generate_args: dict[str, Any],
         size: int,
         api_key: str | None,
     ) -> None:
-        self.url, self.pool, self.variant, self.mode, self.size = url, pool, variant, mode, size
+        self.url, self.pool, self.variant, self.size = url, pool, variant, size
+        self.generate_args = generate_args
         self.api_key = api_key
         self.idle: asyncio.Queue[EdgeClient] = asyncio.Queue()
         self.clients: list[EdgeClient] = []
@@ -218,7 +222,12 @@ class EdgeFleet:
         try:
             for d in self.drafters:
                 c = EdgeClient(
-                    self.url, d, tree=self.variant.tree, prespec=self.variant.prespec, api_key=self.api_key
+                    self.url,
+                    d,
+                    tree=self.variant.tree,
+                    prespec=self.variant.prespec,
+                    api_key=self.api_key,
+                    timeouts=Timeouts(verdict_s=VERDICT_S),
                 )
                 self.clients.append(c)
                 await c.connect()
@@ -236,7 +245,7 @@ class EdgeFleet:
     async def send(self, spec: RequestSpec) -> RequestResult:
         client = await self.idle.get()
         try:
-            return await edge_request(client, spec, self.mode)
+            return await edge_request(client, spec, self.generate_args)
         finally:
             self.idle.put_nowait(client)
 
@@ -251,7 +260,7 @@ class EdgeFleet:
         self.drafters = []
 
 
-async def edge_request(client: EdgeClient, spec: RequestSpec, mode: str | Mode) -> RequestResult:
+async def edge_request(client: EdgeClient, spec: RequestSpec, generate_args: dict[str, Any]) -> RequestResult:
     """One generation on an EdgeClient: a chunk is each piece of text generate() yields (one per
     verdict that adds text), the output ids its GenerationResult's tokens."""
     chunks: list[float] = []
@@ -259,7 +268,7 @@ async def edge_request(client: EdgeClient, spec: RequestSpec, mode: str | Mode) 
     send = time.perf_counter()
     try:
         async for _ in client.generate(
-            spec.prompt_ids, max_new_tokens=spec.max_tokens, temperature=spec.temperature, mode=mode
+            spec.prompt_ids, max_new_tokens=spec.max_tokens, temperature=spec.temperature, **generate_args
         ):
             chunks.append(time.perf_counter())
     except (GenerationError, OSError) as exc:
@@ -388,8 +397,8 @@ async def run_kind(
             for rate in args.request_rate:
                 done(await measure(args, ends, client, rate, specs, send_ar))
         return
-    variant, mode = edge_kind(client, ExpansionConfig.parse(args.tree), args.temperature)
-    fleet = EdgeFleet(ends.ws, pool, variant, mode, min(limit, len(specs)), ends.api_key)
+    variant, gen_args = edge_kind(client, ExpansionConfig.parse(args.tree), args.temperature)
+    fleet = EdgeFleet(ends.ws, pool, variant, gen_args, min(limit, len(specs)), ends.api_key)
     try:
         await fleet.__aenter__()
     except ServeBenchError:

@@ -255,14 +255,14 @@ def identical_outputs(
     results: Sequence[RequestResult], reference: Sequence[RequestResult] | None, deterministic: bool
 ) -> bool | None:
     """Whether every request's output ids equal the reference run's for the same prompt (request
-    i against reference i). None when there is no reference, the sampling is not deterministic, or
-    the reference has no output for some request (it failed, or its kind reports no ids); False when
-    a request of `results` failed or reports no ids."""
+    i against reference i), over the requests that completed in both runs with their ids (a failed
+    one is counted in `failed`, not here). None when there is no reference, the sampling is not
+    deterministic, or no request could be compared."""
     if reference is None or not deterministic or len(reference) != len(results):
         return None
-    if any(not r.ok or r.output_ids is None for r in reference):
-        return None
-    return all(
-        r.ok and r.output_ids is not None and r.output_ids == ref.output_ids
+    pairs = [
+        (r.output_ids, ref.output_ids)
         for r, ref in zip(results, reference, strict=True)
-    )
+        if r.ok and ref.ok and r.output_ids is not None and ref.output_ids is not None
+    ]
+    return all(a == b for a, b in pairs) if pairs else None

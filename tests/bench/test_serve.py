@@ -120,10 +120,13 @@ def test_identical_outputs_compares_request_by_request() -> None:
     ref = [ok([1, 2]), ok([3])]
     assert identical_outputs([ok([1, 2]), ok([3])], ref, True) is True
     assert identical_outputs([ok([1, 2]), ok([4])], ref, True) is False
-    assert identical_outputs([ok([1, 2]), RequestResult(False, 3, error="x")], ref, True) is False
+    # a failed request is the row's `failed`, not a difference: the completed ones are compared
+    assert identical_outputs([ok([1, 2]), RequestResult(False, 3, error="x")], ref, True) is True
+    assert identical_outputs([ok([1, 5]), RequestResult(False, 3, error="x")], ref, True) is False
+    assert identical_outputs([ok([1, 2]), ok([3])], [ok([1, 2]), RequestResult(False, 3)], True) is True
     assert identical_outputs([ok([1, 2]), ok([3])], None, True) is None  # no ar run
     assert identical_outputs([ok([1, 2]), ok([3])], ref, False) is None  # sampled
-    assert identical_outputs([ok([1, 2]), ok([3])], [ok([1, 2]), RequestResult(False, 3)], True) is None
+    assert identical_outputs([RequestResult(False, 3)] * 2, ref, True) is None  # nothing to compare
 
 
 # ------------------------------------------------------------------------------- arrivals
@@ -245,12 +248,13 @@ def test_every_edge_kind_maps_to_an_sdk_configuration() -> None:
     assert {"sequence", "tree", "tree_prespec", "budget", "budget_prespec"} <= set(edge_kinds())
     assert "ar" not in edge_kinds()  # ar is the HTTP kind
     for name in edge_kinds():
-        v, mode = edge_kind(name, tree, 0.7)
-        assert not v.ar and v.tree is not None and mode != Mode.AR
-    v, mode = edge_kind("budget_prespec", tree, 0.0)
-    assert v.prespec and mode is Mode.GREEDY
-    assert edge_kind("tree", tree, 0.7)[1] is Mode.MATCH
-    assert edge_kind("tree_rrs", tree, 0.7)[1] is Mode.RRS
+        v, gen_args = edge_kind(name, tree, 0.7)
+        assert not v.ar and gen_args["mode"] not in (Mode.AR, "ar")
+    v, gen_args = edge_kind("budget_prespec", tree, 0.0)
+    assert v.prespec and gen_args == {"mode": Mode.GREEDY}
+    assert edge_kind("tree", tree, 0.7)[1] == {"mode": Mode.MATCH}
+    assert edge_kind("tree_rrs", tree, 0.7)[1] == {"mode": Mode.RRS}
+    assert edge_kind("auto", tree, 0.0)[1]["mode"] == "auto"  # the SDK plans its own rounds
     with pytest.raises(ValueError, match="available: ar, "):
         edge_kind("nope", tree, 0.0)
 
