@@ -29,7 +29,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.tree import TokenTree, tree_matches
+from shared.tree import TokenTree, reroot, tree_matches
 
 # ---------------------------------------------------------------------------------------------------
 # Client side
@@ -159,9 +159,17 @@ class ClientProtocol:
         self.last_round = msg.round
         self.outstanding.add(msg.round)
         self._trees[msg.round] = msg.tree
-        if self.in_flight is None and tree_matches(msg.tree, self.committed):
+        if self.in_flight is None and self.usable(msg.tree) is not None:
             self.in_flight = msg.round
         return frame
+
+    def usable(self, tree: TokenTree) -> TokenTree | None:
+        """What the server verifies for `tree` against the committed sequence: the tree when it
+        matches; in greedy and match also its re-rooted subtree (shared.tree.reroot); else None."""
+        if self.mode in (Mode.GREEDY, Mode.MATCH):
+            rooted = reroot(tree, self.committed)
+            return None if rooted is None else rooted[0]
+        return tree if tree_matches(tree, self.committed) else None
 
     def stream(self, msg: Stream) -> bytes:
         """A stream round (PROTOCOL.md `stream`): in flight at once when nothing is, else it waits
@@ -235,9 +243,7 @@ class ClientProtocol:
 
     def matching_outstanding(self) -> int | None:
         """The latest outstanding tree that matches `committed` (shared.tree.tree_matches)."""
-        found = [
-            r for r in self.outstanding if r in self._trees and tree_matches(self._trees[r], self.committed)
-        ]
+        found = [r for r in self.outstanding if r in self._trees and self.usable(self._trees[r]) is not None]
         return max(found) if found else None
 
     def _apply(self, msg: Message) -> Message:
@@ -317,7 +323,7 @@ class ClientProtocol:
                     ErrorCode.BAD_ORDER, f"verdict for round {v.round} not outstanding", "round"
                 )
             tree = self._trees.get(v.round)
-            if tree is not None and not tree_matches(tree, self.committed):
+            if tree is not None and (tree := self.usable(tree)) is None:
                 raise ProtocolError(
                     ErrorCode.BAD_ORDER,
                     f"verdict for round {v.round}, whose tree does not match the committed sequence",

@@ -46,7 +46,7 @@ from shared.server_events import (
     ServerState,
     VerifyTree,
 )
-from shared.tree import TokenTree, can_still_match, tree_matches
+from shared.tree import TokenTree, can_grow_into, can_still_match, reroot, tree_matches
 
 
 @dataclass
@@ -186,10 +186,12 @@ class ServerProtocol:
         elif gen.prompt.mode is Mode.AR:
             pass  # ar: the server keeps streaming round-0 verdicts
         else:
-            matching = [r for r, t in gen.pending.items() if tree_matches(t, gen.committed)]
+            usable = {r: u for r, t in gen.pending.items() if (u := self._usable(gen, t)) is not None}
+            matching = list(usable)
             if matching:
                 best = max(matching)
-                nxt = VerifyTree(best, gen.unpend(best))
+                gen.unpend(best)
+                nxt = VerifyTree(best, usable[best])
             elif gen.streaming == v.round and gen.stream_left > 0:
                 streaming = True  # the stream goes on: the same round, one more token
                 gen.stream_left -= 1
@@ -200,7 +202,7 @@ class ServerProtocol:
                 gen.stream_left = k - 1
                 nxt = VerifyTree(sr, None)
             for r in sorted(gen.pending):
-                if not can_still_match(gen.pending[r], gen.committed, growing=nxt is not None):
+                if not self._alive(gen, gen.pending[r], growing=nxt is not None):
                     gen.unpend(r)
                     self._send(Stale(r, "superseded" if r in matching else "mismatch"))
         gen.streaming = nxt.round if nxt is not None and nxt.tree is None else None
@@ -231,6 +233,23 @@ class ServerProtocol:
             self.gen = None
             self.state = ServerState.IDLE
         return nxt
+
+    @staticmethod
+    def _usable(gen: ServerGeneration, tree: TokenTree) -> TokenTree | None:
+        """The tree to verify for `tree` now: itself when it matches; in greedy and match also its
+        subtree below the committed tokens past its assumption (shared.tree.reroot)."""
+        if gen.prompt.mode in (Mode.GREEDY, Mode.MATCH):
+            rooted = reroot(tree, gen.committed)
+            return None if rooted is None else rooted[0]
+        return tree if tree_matches(tree, gen.committed) else None
+
+    @staticmethod
+    def _alive(gen: ServerGeneration, tree: TokenTree, growing: bool) -> bool:
+        """Whether a pending tree may still be verified (else it goes stale)."""
+        if can_still_match(tree, gen.committed, growing):
+            return True
+        deterministic = gen.prompt.mode in (Mode.GREEDY, Mode.MATCH)
+        return deterministic and growing and can_grow_into(tree, gen.committed)
 
     def _stale_all(self, gen: ServerGeneration, reason: str) -> None:
         waiting = {} if gen.stream_wait is None else {gen.stream_wait[0]: None}
@@ -381,11 +400,11 @@ class ServerProtocol:
         if gen.cancelled:
             self._send(Stale(r, "cancelled"))
             return []
-        committed = gen.committed
-        if gen.in_flight is None and tree_matches(msg.tree, committed):
+        now = self._usable(gen, msg.tree) if gen.in_flight is None else None
+        if now is not None:
             gen.in_flight = r
-            return [VerifyTree(r, msg.tree)]
-        if not can_still_match(msg.tree, committed, growing=gen.in_flight is not None):
+            return [VerifyTree(r, now)]
+        if not self._alive(gen, msg.tree, growing=gen.in_flight is not None):
             self._send(Stale(r, "mismatch"))
             return []
         if len(gen.pending) + (gen.stream_wait is not None) >= self.limits.max_pending:

@@ -16,10 +16,11 @@ the drafter's evaluation costs and the round trip are measured on the edge.
 
 While a tree is in flight the edge also leaves a stream waiting at the verifier (objective
 latency): on a miss the target streams instead of idling while the edge drafts, and the edge sends
-its next tree conditioned on the tokens it predicts the stream will have produced when the tree
-arrives (`ahead`), so the stream hands over to it without a round trip. A generation starts the
-same way: the prompt's answer streams (the prefill's token first) while the edge drafts its first
-chain ahead of it, so the time to the first token is the prefill's alone.
+its next tree below the sequence it knows; the verifier re-roots that tree below the tokens it
+streamed meanwhile wherever they follow one of its paths (shared.tree.reroot) and verifies it
+instead of the next stream step, so the stream hands over to it without a round trip. A generation
+starts the same way: the prompt's answer streams (the prefill's token first) while the edge drafts
+its first tree, so the time to the first token is the prefill's alone.
 """
 
 from __future__ import annotations
@@ -101,39 +102,4 @@ def choose(plan: Plan, spec: Option, stream: Option) -> Option:
     return allowed[0] if allowed else min((spec, stream), key=lambda o: o.user_ms)
 
 
-def ahead(
-    alpha: float,
-    eval_ms: float,
-    rtt_ms: float,
-    forward: Mapping[int, float],
-    max_depth: int,
-    price: Mapping[int, float] | None = None,
-) -> tuple[int, int] | None:
-    """While the target streams: (j, d), a chain of d nodes conditioned on the j tokens the edge
-    predicts the stream will have produced when it arrives, or None when no such chain pays.
-
-    The edge drafts j + d evaluations (j predicted tokens, then the chain) and the tree travels
-    half a round trip, while the stream started half a round trip before the verdict that
-    prompted this: the tree is at the server before the stream's j-th token iff
-    (j + d) * eval_ms + rtt_ms < j * forward[0]. It matches with odds alpha^j and then yields its
-    accepted nodes (alpha + ... + alpha^d) for the extra time of its forward over a stream step's
-    (`price`: the cost map that time is counted in, the forward's by default; the marginal one for
-    objective cost)."""
-    step = at(forward, 0)
-    cost = forward if price is None else price
-    unit = at(cost, 0)
-    best: tuple[float, tuple[int, int]] | None = None
-    for d in range(1, max_depth + 1):
-        if step <= eval_ms:
-            break
-        j = max(1, int(np.floor((d * eval_ms + rtt_ms) / (step - eval_ms))) + 1)
-        if j > 8:
-            continue
-        gain = sum(alpha**i for i in range(1, d + 1)) * unit - (at(cost, d) - unit)
-        value = alpha**j * gain
-        if value > 0 and (best is None or value > best[0]):
-            best = (value, (j, d))
-    return None if best is None else best[1]
-
-
-__all__ = ["OBJECTIVES", "Option", "Plan", "ahead", "at", "choose", "price_speculation", "price_stream"]
+__all__ = ["OBJECTIVES", "Option", "Plan", "at", "choose", "price_speculation", "price_stream"]

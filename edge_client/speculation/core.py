@@ -83,7 +83,7 @@ from shared.messages import (
     Welcome,
 )
 from shared.protocol import ClientProtocol, ClientState
-from shared.tree import ExpansionConfig, rebase
+from shared.tree import ExpansionConfig, rebase, reroot
 
 Clock = Callable[[], float]
 
@@ -142,6 +142,7 @@ class SpeculationCore:
         self.forward: dict[int, float] | None = None
         self.marginal: dict[int, float] | None = None
         self._ahead_at = -1
+        self._ahead_rounds: set[int] = set()  # trees sent while the target streamed
 
     @property
     def in_flight(self) -> int | None:
@@ -480,7 +481,10 @@ class SpeculationCore:
         proto = self.proto
         rid = proto.last_round + 1
         ahead = len(full) - len(proto.committed)
-        frame = proto.tree(Tree(round=rid, tree=rebase(dr.tree, len(proto.committed))))
+        # (a tree drafted while the target streamed stays below the sequence it was drafted for:
+        # the verifier re-roots it)
+        known = min(len(proto.committed), dr.tree.committed_len)
+        frame = proto.tree(Tree(round=rid, tree=rebase(dr.tree, known)))
         sent = yield from ask(Send(frame, "tree", rid))
         self._trace_send(dr, rid, parent, ahead, prob, sent)
         self._bytes_since_verdict += sent.size
@@ -566,7 +570,7 @@ class SpeculationCore:
             return "stream"
         if spec is None:
             return "tree"
-        if spec.parent is not None:
+        if spec.parent is not None and v.round not in self._ahead_rounds:
             return "prespec"
         return "chain" if spec.draft.tree.max_depth == spec.draft.tree.num_nodes else "tree"
 
@@ -596,25 +600,14 @@ class SpeculationCore:
         return self._room() > 0
 
     def _want_ahead(self) -> bool:
-        """The target is streaming and no tree of ours can take over from it yet."""
+        """The target is streaming, no tree of ours can take over from it yet, and speculation
+        pays (else the stream goes on: `_stream_pays`, asked again at every streamed token)."""
         proto = self.proto
         if not proto.is_stream(self.in_flight) or self._ahead_at == len(proto.committed):
             return False
         if any(not proto.is_stream(r) for r in proto.outstanding):
             return False  # a tree is on its way: it may still take over
-        return self._ahead_plan() is not None
-
-    def _ahead_plan(self) -> tuple[int, int] | None:
-        """(j, d) of the chain to draft ahead of the stream (speculation.auto.ahead); before the
-        drafter's costs are measured, a chain of 3 below the next token (it measures them)."""
-        maps, eval_ms = self._maps(), self._eval_curve()
-        depth = min(self.req.tree.chain_depth or 4, self.welcome.limits.max_depth)
-        if maps is None or eval_ms is None:
-            return (1, min(3, depth))
-        fwd, marg = maps
-        assert self.plan is not None
-        price = marg if self.plan.objective == "cost" else None
-        return auto.ahead(self.choice.alpha, eval_ms(1), self.learned.rtt_ms, fwd, depth, price)
+        return not self._stream_pays()
 
     def _send_stream(self, k: int) -> Steps:
         """A stream round of up to k tokens: in flight now, or waiting for a miss."""
@@ -624,27 +617,21 @@ class SpeculationCore:
         yield from ask(Send(frame, "stream", rid))
 
     def _draft_ahead(self) -> Steps:
-        """While the target streams: predict the j tokens it will have produced when a tree gets
-        there, draft a chain of d below them and send it conditioned on them (speculation.auto)."""
-        plan = self._ahead_plan()
-        assert plan is not None
-        j, d = plan
+        """While the target streams: draft the miss path's tree below the committed sequence and
+        send it; the verifier re-roots it below the tokens streamed meanwhile where they follow one
+        of its paths (shared.tree.reroot) and verifies it instead of the next stream step."""
         committed = tuple(self.proto.committed)
         self._ahead_at = len(committed)
-        lead = yield from self._draft_plain(
-            committed, TreeSpec("sequence", ExpansionConfig((1,) * j), depth=j)
-        )
-        full = committed + tuple(int(t) for t in lead.tree.tokens)
-        if self._ruled_out(full):
-            return
-        chain = TreeSpec("sequence", ExpansionConfig((1,) * d), depth=d)
-        stop = functools.partial(self._ruled_out, full)
-        out: Drafted = yield from ask(DraftConditional(self.anchor, (full,), (stop,), True, shapes=(chain,)))
-        dr = out.results[0]
+        dr = yield from self._draft_plain(committed, self._backup())
         now = tuple(self.proto.committed)
-        if dr is None or self.proto.state is not ClientState.GENERATING or not extends(full, now):
+        if (
+            self.proto.state is not ClientState.GENERATING
+            or self.cancelled
+            or now[: len(committed)] != committed
+        ):
             return
-        yield from self._send_tree(dr, full, self.choice.alpha**j, self.in_flight)
+        rid = yield from self._send_tree(dr, committed, 1.0, self.in_flight)
+        self._ahead_rounds.add(rid)
 
     # ------------------------------------------------------------------ frames
     def _refused_speculation(self, e: Error) -> bool:
@@ -676,6 +663,14 @@ class SpeculationCore:
         if v.gap_ms is not None:
             st.gap_ms.append(v.gap_ms)
         self.est.note_verify(v.verify_ms)
+        before = tuple(proto.committed[: v.committed_len - len(v.tokens)])
+        if spec is not None and v.round != 0 and len(spec.full) < len(before):
+            # the verifier re-rooted this tree below tokens it streamed meanwhile (shared.tree.reroot):
+            # its accepted nodes index the subtree, and the outcome models learn nothing from it
+            rooted = reroot(rebase(spec.draft.tree, len(spec.full)), before)
+            if rooted is not None:
+                st.record_accepted([int(rooted[0].depth[i]) for i in v.accepted_nodes.tolist()])
+            spec = None
         if spec is not None:
             tree = spec.draft.tree
             st.tree_nodes.append(tree.num_nodes)

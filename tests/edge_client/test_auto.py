@@ -12,7 +12,7 @@ from bench.harness import load_prompts
 from edge_client.client import EdgeClient
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
-from edge_client.speculation.auto import Option, Plan, ahead, choose, price_speculation, price_stream
+from edge_client.speculation.auto import Option, Plan, choose, price_speculation, price_stream
 from edge_client.stats import GenerationStats
 from shared.model import load_target
 from tests.cloud_verifier.service import LiveServer, tiny
@@ -48,15 +48,6 @@ def test_the_plan_streams_where_speculation_cannot_pay_and_speculates_where_it_d
     assert choose(Plan("cost", max_slowdown=4.0), slow, fast).kind == "speculate"
     with pytest.raises(ValueError, match="objective"):
         Plan("speed")
-
-
-def test_a_chain_ahead_of_the_stream_is_sized_to_arrive_in_time() -> None:
-    j, d = ahead(0.75, 19.0, 0.0, CPU, 6) or (0, 0)
-    assert j >= 1 and d >= 2  # a chain of 1 does not pay for the 2-row forward on this CPU
-    assert (j + d) * 19.0 < j * 69.0  # at the server before the stream's j-th token
-    far_j, _ = ahead(0.75, 19.0, 100.0, CPU, 6) or (0, 0)
-    assert far_j > j  # a longer round trip: it predicts more of the stream
-    assert ahead(0.75, 30.0, 0.0, {0: 20.0, 4: 22.0}, 6) is None  # the target streams faster
 
 
 @pytest.mark.parametrize("objective", ["latency", "cost"])

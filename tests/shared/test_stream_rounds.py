@@ -23,6 +23,7 @@ from shared.messages import (
     encode,
 )
 from shared.protocol import ClientProtocol, ClientState, ServerProtocol, VerifyTree
+from shared.tree import can_grow_into, reroot
 from tests.shared.test_protocol import LIMITS, V, _deliver, _pair
 
 NONE = np.zeros(0, np.int32)
@@ -155,3 +156,90 @@ def test_features_are_honoured_only_when_asked() -> None:
     srv2.verdict(Verdict(0, np.array([2]), NONE, True, 2, forward_ms={0: 5.0, 1: 6.0}, marginal_ms={0: 5.0}))
     (v2,) = _deliver(srv2, cli2)
     assert isinstance(v2, Verdict) and v2.forward_ms == {0: 5.0, 1: 6.0} and v2.marginal_ms == {0: 5.0}
+
+
+def test_reroot_keeps_the_subtree_below_the_committed_tokens_with_their_positions() -> None:
+    #        row 0 (S = [1, 2, 3])
+    #       /        \
+    #     4 (0)      9 (1)
+    #    /    \         \
+    #  5 (2)  6 (3)     7 (4)
+    #  |
+    #  8 (5)
+    tree = TokenTree.build([4, 9, 5, 6, 7, 8], [-1, -1, 0, 0, 1, 2], base=3)
+    same = reroot(tree, [1, 2, 3])
+    assert same is not None and same[0] is tree
+    rooted = reroot(tree, [1, 2, 3, 4])
+    assert rooted is not None
+    sub, orig = rooted
+    assert sub.tokens.tolist() == [5, 6, 8] and sub.parents.tolist() == [-1, -1, 0]
+    assert orig.tolist() == [2, 3, 5] and sub.cond.tolist() == [4] and sub.base == 3
+    assert sub.positions.tolist() == tree.positions[orig].tolist()  # nodes keep their positions
+    assert reroot(tree, [1, 2, 3, 4, 6]) is None  # the path ends at a leaf: nothing to verify
+    assert reroot(tree, [1, 2, 3, 7]) is None  # no node spells the token
+    assumed = TokenTree.build([4, 5], [-1, 0], base=2, cond=[3])
+    assert reroot(assumed, [1, 2, 7, 4]) is None  # the sequence contradicts its cond
+    deeper = reroot(tree, [1, 2, 3, 4, 5])
+    assert deeper is not None and deeper[0].tokens.tolist() == [8] and deeper[1].tolist() == [5]
+    assert can_grow_into(tree, [1, 2, 3]) and can_grow_into(tree, [1, 2, 3, 4])
+    assert not can_grow_into(tree, [1, 2, 3, 9])  # 9 has the child 7, a leaf: one more token ends it
+
+
+def test_a_tree_sent_during_a_stream_is_re_rooted_below_the_streamed_token() -> None:
+    srv, cli = _pair()
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), max_new_tokens=16)))
+    srv.verdict(Verdict(0, np.array([3]), NONE, has_bonus=True, committed_len=3))
+    _deliver(srv, cli)
+    srv.receive(cli.stream(Stream(1, 100)))
+    # drafted below S = [1, 2, 3] while the target decodes the token after 3
+    tree = TokenTree.build([4, 9, 5, 6], [-1, -1, 0, 2], base=3)
+    assert srv.receive(cli.tree(Tree(2, tree))) == []  # pending: it may re-root
+    nxt = _token(srv, 1, 4, 4)
+    assert nxt is not None and nxt.round == 2 and nxt.tree is not None
+    assert nxt.tree.tokens.tolist() == [5, 6] and nxt.tree.cond.tolist() == [4]
+    (v,) = _deliver(srv, cli)
+    assert isinstance(v, Verdict) and v.next_round == 2 and cli.in_flight == 2
+    # its verdict's accepted nodes index the subtree: both accepted, then the bonus
+    srv.verdict(Verdict(2, np.array([5, 6, 7]), np.array([0, 1]), has_bonus=True, committed_len=7))
+    (v2,) = _deliver(srv, cli)
+    assert isinstance(v2, Verdict) and cli.committed == [1, 2, 3, 4, 5, 6, 7]
+    # a client refuses accepted nodes that are not a path of the re-rooted tree
+    srv, cli = _pair()
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), max_new_tokens=16)))
+    srv.verdict(Verdict(0, np.array([3]), NONE, has_bonus=True, committed_len=3))
+    _deliver(srv, cli)
+    srv.receive(cli.stream(Stream(1, 100)))
+    srv.receive(cli.tree(Tree(2, tree)))
+    _token(srv, 1, 4, 4)
+    _deliver(srv, cli)
+    with pytest.raises(ProtocolError, match="path"):
+        cli.receive(encode(Verdict(2, np.array([6, 7]), np.array([1]), True, 6)))
+
+
+def test_a_conditional_tree_for_a_shorter_outcome_re_roots_after_a_longer_one() -> None:
+    """Pre-speculation drafted for "one node accepted, bonus 5"; the round accepted more along the
+    conditional tree's own path: its subtree is verified at once instead of going stale."""
+    srv, cli = _pair()
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), max_new_tokens=16)))
+    srv.verdict(Verdict(0, np.array([3]), NONE, has_bonus=True, committed_len=3))
+    _deliver(srv, cli)
+    srv.receive(cli.tree(Tree(1, TokenTree.build([4, 5, 6], [-1, 0, 1], base=3))))
+    cond = TokenTree.build([6, 7, 8], [-1, 0, 1], base=3, cond=[4, 5])
+    assert srv.receive(cli.tree(Tree(2, cond))) == []
+    nxt = srv.verdict(
+        Verdict(1, np.array([4, 5, 6, 7]), np.array([0, 1, 2]), has_bonus=True, committed_len=7)
+    )
+    assert nxt is not None and nxt.round == 2 and nxt.tree is not None and nxt.tree.tokens.tolist() == [8]
+    _deliver(srv, cli)
+    assert cli.in_flight == 2
+
+
+def test_stochastic_trees_are_never_re_rooted() -> None:
+    draws = TokenTree.build([4, 5], [-1, 0], base=3)
+    assert reroot(draws, [1, 2, 3, 4]) is not None  # deterministic: re-rooted
+    srv, cli = _pair((Mode.GREEDY, Mode.MSS))
+    srv.receive(
+        cli.prompt(Prompt(tokens=np.array([1, 2]), mode=Mode.MSS, temperature=1.0, max_new_tokens=16))
+    )
+    assert srv.gen is not None
+    assert srv._usable(srv.gen, TokenTree.build([4, 5], [-1, 0], base=1, cond=[])) is None  # not for S
