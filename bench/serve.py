@@ -469,14 +469,15 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
     rate_list = sorted({float(r["request_rate"]) for r in rows})
     x = {rate: i for i, rate in enumerate(rate_list)}
     fig, (lat, cost) = plt.subplots(1, 2, figsize=(11, 4))
-    for client in dict.fromkeys(r["client"] for r in rows):
+    for i, client in enumerate(dict.fromkeys(r["client"] for r in rows)):
         mine = sorted((r for r in rows if r["client"] == client), key=lambda r: float(r["request_rate"]))
         xs = [x[float(r["request_rate"])] for r in mine]
+        color = f"C{i % 10}"  # a colour per client kind, a line style per metric
         for metric, style in (("ttft", "o-"), ("tpot", "s--"), ("e2el", "^-.")):
-            for pct, alpha in (("p50", 1.0), ("p99", 0.5)):
+            for pct, alpha in (("p50", 1.0), ("p99", 0.4)):
                 ys = [r[f"{metric}_ms_{pct}"] for r in mine]
-                lat.plot(xs, ys, style, alpha=alpha, label=f"{client} {metric.upper()} {pct}")
-        cost.plot(xs, [r["verifier_busy_s_per_token"] * 1000 for r in mine], "o-", label=client)
+                lat.plot(xs, ys, style, color=color, alpha=alpha, label=f"{client} {metric.upper()} {pct}")
+        cost.plot(xs, [r["verifier_busy_s_per_token"] * 1000 for r in mine], "o-", color=color, label=client)
     for ax in (lat, cost):
         ax.set_xticks(range(len(rate_list)), [f"{r:g}" for r in rate_list])
         ax.set_xlabel("request rate (req/s)")
