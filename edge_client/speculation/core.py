@@ -83,7 +83,7 @@ from shared.messages import (
     Welcome,
 )
 from shared.protocol import ClientProtocol, ClientState
-from shared.tree import ExpansionConfig, rebase, reroot
+from shared.tree import ExpansionConfig, TokenTree, rebase, reroot
 
 Clock = Callable[[], float]
 
@@ -142,7 +142,7 @@ class SpeculationCore:
         self.forward: dict[int, float] | None = None
         self.marginal: dict[int, float] | None = None
         self._ahead_at = -1
-        self._ahead_rounds: set[int] = set()  # trees sent while the target streamed
+        self._ahead_rounds: dict[int, str] = {}  # trees sent while the target streamed: their kind
 
     @property
     def in_flight(self) -> int | None:
@@ -563,16 +563,17 @@ class SpeculationCore:
 
     def _kind(self, v: Verdict, spec: Speculation | None) -> str:
         """The round's kind for the stats: stream, prespec (its tree was sent before the verdict
-        it assumed), chain, tree."""
+        it assumed), chain, tree (a tree sent while the target streamed: chain or tree)."""
         if self.req.mode is Mode.AR:
             return "ar"
-        if self.proto.is_stream(v.round) or (spec is None and v.round != 0 and not len(v.accepted_nodes)):
-            return "stream"
+        if v.round in self._ahead_rounds:
+            return self._ahead_rounds[v.round]
         if spec is None:
-            return "tree"
-        if spec.parent is not None and v.round not in self._ahead_rounds:
+            streamed = not len(v.accepted_nodes) and (v.round != 0 or self.streams)
+            return "stream" if streamed else "tree"
+        if spec.parent is not None:
             return "prespec"
-        return "chain" if spec.draft.tree.max_depth == spec.draft.tree.num_nodes else "tree"
+        return _shape_kind(spec.draft.tree)
 
     def _stream_pays(self) -> bool:
         """Mode auto's choice after a miss: let the target stream (True) or draft a tree."""
@@ -631,7 +632,7 @@ class SpeculationCore:
         ):
             return
         rid = yield from self._send_tree(dr, committed, 1.0, self.in_flight)
-        self._ahead_rounds.add(rid)
+        self._ahead_rounds[rid] = _shape_kind(dr.tree)
 
     # ------------------------------------------------------------------ frames
     def _refused_speculation(self, e: Error) -> bool:
@@ -659,7 +660,8 @@ class SpeculationCore:
         st.verify_ms.append(v.verify_ms)
         if v.forward_ms:
             self.forward, self.marginal = v.forward_ms, v.marginal_ms or v.forward_ms
-        st.count_round(self._kind(v, spec))
+        kind = self._kind(v, spec)
+        st.count_round(kind)
         if v.gap_ms is not None:
             st.gap_ms.append(v.gap_ms)
         self.est.note_verify(v.verify_ms)
@@ -696,8 +698,10 @@ class SpeculationCore:
         nxt = self.in_flight
         # a conditional tree that matched is verified right away: its verdict follows in one verify
         self.est.verdict_due = None if nxt is None else now + self.est.verify_ms / 1e3
-        if not v.done and not self.cancelled and self.req.mode is not Mode.AR:
-            st.record_outcome(len(v.accepted_nodes), nxt is not None, answered.predicted)
+        if not v.done and not self.cancelled and self.req.mode is not Mode.AR and kind != "stream":
+            # a hit: the next tree was at the server (a stream waiting for the miss is no hit)
+            hit = nxt is not None and not proto.is_stream(nxt)
+            st.record_outcome(len(v.accepted_nodes), hit, answered.predicted)
         if st.trace is not None:
             hit = nxt is not None and not v.done
             acc_n, n_tok = len(v.accepted_nodes), len(v.tokens)
@@ -710,6 +714,10 @@ class SpeculationCore:
             self.planner.clear()
             return live, committed
         return None
+
+
+def _shape_kind(tree: TokenTree) -> str:
+    return "chain" if tree.max_depth == tree.num_nodes else "tree"
 
 
 __all__ = ["Clock", "DrafterProfile", "Refused", "SpeculationCore", "Steps"]
