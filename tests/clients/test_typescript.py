@@ -144,6 +144,37 @@ def test_auto_speculates_as_before_against_a_verifier_without_streams(
     assert isinstance(old["stats"], dict) and old["stats"]["streams"] == 0
 
 
+def test_auto_trees_drafted_below_a_stream_are_re_rooted_and_keep_the_output(
+    built: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the target streams, auto sends a tree drafted below the sequence it knows (no
+    prediction of the streamed tokens); the verifier re-roots it below the tokens streamed meanwhile
+    (PROTOCOL.md section 5) and verifies it instead of the next stream step, and the client checks
+    the verdict's accepted nodes against the re-rooted tree it computes: greedy output stays the
+    target's own and seeded match seeded ar's. 30 ms a forward, so the tree arrives mid-stream."""
+    import shared.server_protocol
+
+    slow_forwards(monkeypatch, 0.03)
+    usable = shared.server_protocol.ServerProtocol._usable
+    rerooted = []
+
+    def counting(gen: Any, tree: Any) -> Any:
+        u = usable(gen, tree)
+        if u is not None and u is not tree:
+            rerooted.append(len(u.cond) - len(tree.cond))
+        return u
+
+    monkeypatch.setattr(shared.server_protocol.ServerProtocol, "_usable", staticmethod(counting))
+    with LiveServer() as srv:
+        out = _auto_cli(srv.ws, "--max-new-tokens", "40")
+        assert out["tokens"] == reference(tuple(PROMPT), 40)
+        st = out["stats"]
+        assert isinstance(st, dict) and st["aheadTrees"] >= 1 and st["hits"] >= 1, st
+        assert rerooted and min(rerooted) >= 1, rerooted
+        seeded = _auto_cli(srv.ws, "--temperature", "0.9", "--seed", "77", "--max-new-tokens", "30")
+        assert seeded["tokens"] == _seeded_ar(srv.ws)
+
+
 def test_seeded_match_through_the_typescript_client_equals_seeded_ar(built: None) -> None:
     with LiveServer() as srv:
         want = _seeded_ar(srv.ws)

@@ -43,7 +43,7 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.protocol import ServerProtocol
+from shared.protocol import ServerProtocol, VerifyTree
 from shared.sparse import SparseDist, SparseRows
 from shared.tree import Draws, TokenTree
 
@@ -336,14 +336,36 @@ LIMITS_WIRE = ServerProtocol(vocab_size=VOCAB, limits=LIMITS).wire
 def _session(
     name: str, steps: list[tuple[str, Message | bytes]], note: str = "", limits: SessionLimits = LIMITS
 ) -> dict[str, Any]:
-    """Run steps on a fresh ServerProtocol; record what it sends after each."""
+    """Run steps on a fresh ServerProtocol; record what it sends after each.
+
+    Where the server verifies a tree re-rooted below the committed sequence (PROTOCOL.md section 5:
+    greedy and match), the step also records that tree as `verify_tree` (base, cond, tokens,
+    parents), the tree a client computes to check the round's verdict."""
     proto = ServerProtocol(vocab_size=VOCAB, limits=limits)
     out = []
+    sent_trees: dict[int, TokenTree] = {}
+
+    def rerooted(v: VerifyTree | None) -> dict[str, Any] | None:
+        if v is None or v.tree is None or v.round not in sent_trees:
+            return None
+        t, orig = v.tree, sent_trees[v.round]
+        if np.array_equal(t.cond, orig.cond) and np.array_equal(t.tokens, orig.tokens):
+            return None
+        return {"base": t.base} | {
+            k: np.asarray(getattr(t, k)).tolist() for k in ("cond", "tokens", "parents")
+        }
+
     for who, item in steps:
         frame = item if isinstance(item, bytes) else encode(item)
         step: dict[str, Any] = {"from": who, "hex": frame.hex(), "decoded": meaning(msgpack.unpackb(frame))}
         if who == "client":
-            step["events"] = [type(e).__name__ for e in proto.receive(frame)]
+            if isinstance(item, Tree):
+                sent_trees[item.round] = item.tree
+            events = proto.receive(frame)
+            step["events"] = [type(e).__name__ for e in events]
+            verify = [rerooted(e) for e in events if isinstance(e, VerifyTree)]
+            if any(verify):
+                step["verify_tree"] = verify[0]
         else:  # the server application: welcome after hello, a verdict after verifying a round
             msg = decode(frame)
             if isinstance(msg, Welcome):
@@ -352,6 +374,8 @@ def _session(
                 assert isinstance(msg, Verdict)
                 nxt = proto.verdict(msg)
                 step["verify_next"] = nxt.round if nxt is not None else None
+                if (tree := rerooted(nxt)) is not None:
+                    step["verify_tree"] = tree
         sent = proto.data_to_send()
         step["sent"] = [meaning(msgpack.unpackb(f)) for f in sent]
         step["sent_hex"] = [f.hex() for f in sent]
@@ -460,6 +484,79 @@ def sessions() -> list[dict[str, Any]]:
             ],
             "after verdict 0 (S ends in 13) the server verifies round 1 at once (verify_next, next_round) "
             "and round 2, which assumed 99, goes stale",
+        ),
+        _session(
+            "a tree sent during a stream is re-rooted below the streamed token",
+            [
+                *with_streams,
+                ("client", Stream(1, 100)),
+                ("client", Tree(2, TokenTree.build([14, 9, 15, 16], [-1, -1, 0, 2], base=4))),
+                ("server_app", tok(1, 14, 5)),
+                ("server_app", Verdict(2, np.array([15, 16, 17]), np.array([0, 1]), True, 8)),
+            ],
+            "greedy and match re-root (PROTOCOL.md section 5): while stream 1 decodes the token after "
+            "S = 10 11 12 13 the client sends tree 2 drafted below that S (base 4, no cond: 14 -> 15 -> "
+            "16 and 9); it stays pending (events none), since a node below row 0 has a child. The "
+            "stream's token is 14, which a path of tree 2 spells: the verdict ends the stream and names "
+            "tree 2, which the server verifies re-rooted below 14 (cond [14], nodes 15 -> 16 as 0 -> 1, "
+            "positions unchanged); verdict 2's accepted_nodes [0, 1] index that subtree",
+        ),
+        _session(
+            "a conditional tree for a shorter outcome is re-rooted after a longer accept",
+            [
+                *start,
+                ("server_app", v0),
+                ("client", Tree(1, TokenTree.chain([14, 15, 16], base=4))),
+                ("client", Tree(2, TokenTree.chain([16, 17, 18], base=4, cond=[14, 15]))),
+                ("server_app", Verdict(1, np.array([14, 15, 16, 17]), np.array([0, 1, 2]), True, 8)),
+                ("server_app", Verdict(2, np.array([18, 19]), np.array([0]), True, 10)),
+            ],
+            "tree 2 was drafted for tree 1's outcome 14 15 (one node accepted, bonus 15); tree 1 accepts "
+            "all three and the bonus 17, so S has grown past tree 2's cond along its own path 16 -> 17: "
+            "the server verifies tree 2 at once (next_round 2) as its subtree below 17, the one node 18 "
+            "(cond [14, 15, 16, 17]); verdict 2's accepted_nodes [0] is that node",
+        ),
+        _session(
+            "a pending tree stays pending while it may re-root; another goes stale at a leaf",
+            [
+                *with_streams,
+                ("client", Stream(1, 100)),
+                ("client", Tree(2, TokenTree.chain([14, 15, 16, 17], base=4))),
+                ("client", Tree(3, TokenTree.chain([14, 15], base=4))),
+                ("server_app", tok(1, 14, 5)),
+                ("client", Tree(4, TokenTree.chain([14, 15, 20], base=4))),
+                ("server_app", Verdict(3, np.array([15, 20]), np.array([0]), True, 7)),
+            ],
+            "trees 2 and 3 are drafted below S = 10 11 12 13 during stream 1; its token 14 follows both: "
+            "the latest, tree 3, is verified re-rooted (the node 15) and tree 2 stays pending, since "
+            "below 14 it still has a node with a child. Tree 4, sent while round 3 is in flight, is "
+            "pending too (below 14 its node 15 has a child). Verdict 3 commits 15 20: tree 4's path "
+            "14 15 20 ends at a leaf and tree 2 has no node 20 below 15: both go stale (mismatch) and "
+            "nothing is in flight",
+        ),
+        _session(
+            "a tree that arrives after the stream ended is re-rooted at once",
+            [
+                *with_streams,
+                ("client", Stream(1, 1)),
+                ("server_app", tok(1, 14, 5)),
+                ("client", Tree(2, TokenTree.chain([14, 15, 16], base=4))),
+            ],
+            "stream 1 of one token ends with 14 before tree 2, drafted below S = 10 11 12 13, arrives: "
+            "nothing is in flight, and the tree is verified on arrival (events VerifyTree) re-rooted "
+            "below 14 (cond [14], nodes 15 -> 16)",
+        ),
+        _session(
+            "a tree of depth 1 sent during a stream is stale at once",
+            [
+                *with_streams,
+                ("client", Stream(1, 100)),
+                ("client", Tree(2, TokenTree.build([14, 20], [-1, -1], base=4))),
+                ("server_app", tok(1, 14, 5)),
+            ],
+            "a tree for S = 10 11 12 13 whose nodes have no children: whatever token the stream adds, "
+            "its path ends at a leaf, so it can never be verified (stale at once, mismatch) and the "
+            "stream goes on",
         ),
         _session(
             "a tree before any prompt",

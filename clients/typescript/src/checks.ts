@@ -3,7 +3,10 @@
 // the protocol must not leave a token in the output), and the round the server is verifying is
 // tracked: the prompt's, a tree sent with none in flight that matches, a verdict's next_round, a
 // stream round while its verdicts say `streaming`, or the latest outstanding tree that matches the
-// committed sequence (still on its way: the server verifies it on arrival).
+// committed sequence (still on its way: the server verifies it on arrival). In greedy and match a
+// tree the committed sequence has grown past along one of its own paths counts as its re-rooted
+// subtree (`reroot`, PROTOCOL.md section 5): the server verifies that, and its verdict's
+// accepted_nodes index it.
 import { type Message, ProtocolError, type Tree } from "./protocol.js";
 
 type Welcome = Extract<Message, { type: "welcome" }>;
@@ -14,6 +17,62 @@ export function treeMatches(tree: Pick<Tree, "base" | "cond">, committed: readon
   if (tree.base + tree.cond.length !== committed.length) return false;
   return tree.cond.every((t, i) => committed[tree.base + i] === t);
 }
+
+type Shape = Pick<Tree, "base" | "cond" | "tokens" | "parents" | "draws">;
+
+/**
+ * The node at which the committed tokens past the tree's assumption (base + cond) leave off, walking
+ * from row 0 (each the first child in node order with that token; -1: none are past it, the tree
+ * matches as sent), or null when the committed sequence contradicts the tree (shared.tree.reroot_path).
+ */
+export function rerootPath(tree: Shape, committed: readonly number[]): number | null {
+  const n = committed.length;
+  const k = tree.base + tree.cond.length;
+  if (tree.base > n || k > n) return null;
+  if (!tree.cond.every((t, i) => committed[tree.base + i] === t)) return null;
+  let node = -1;
+  for (let j = k; j < n; j++) {
+    const child = tree.parents.findIndex((p, i) => p === node && tree.tokens[i] === committed[j]);
+    if (child < 0) return null;
+    node = child;
+  }
+  return node;
+}
+
+/**
+ * A deterministic tree re-rooted where the committed sequence has grown along one of its paths
+ * (PROTOCOL.md section 5, shared.tree.reroot): the nodes below that path's end in their order, that
+ * node's children as the new depth-1 nodes, cond extended by the path's tokens, base unchanged (every
+ * node keeps its absolute position); `index`: each node's index in `tree`. The tree itself when it
+ * matches as sent; null when the sequence contradicts it, the path ends at a leaf, or the tree is
+ * stochastic (draws) and does not match as sent.
+ */
+export function reroot<T extends Shape>(tree: T, committed: readonly number[]): { tree: T | Tree; index: number[] } | null {
+  const node = rerootPath(tree, committed);
+  if (node === null) return null;
+  if (node === -1) return { tree, index: tree.tokens.map((_, i) => i) };
+  if (tree.draws !== undefined) return null; // stochastic trees are never re-rooted
+  const index: number[] = [];
+  const renumber = new Map<number, number>([[node, -1]]);
+  tree.parents.forEach((p, i) => {
+    if (renumber.has(p)) {
+      // parents precede their children: one pass finds the subtree
+      renumber.set(i, index.length);
+      index.push(i);
+    }
+  });
+  if (!index.length) return null;
+  const sub: Tree = {
+    base: tree.base,
+    cond: committed.slice(tree.base),
+    tokens: index.map((i) => tree.tokens[i]),
+    parents: index.map((i) => renumber.get(tree.parents[i])!),
+  };
+  return { tree: sub, index };
+}
+
+/** Whether a mode's trees are re-rooted (the deterministic ones). */
+export const rerooting = (mode: string) => mode === "greedy" || mode === "match";
 
 const bad = (code: string, msg: string, field: string) => new ProtocolError(code, msg, field, false);
 
@@ -68,7 +127,24 @@ export class ClientChecks {
   tree(round: number, tree: Tree): void {
     this.order(round);
     this.trees.set(round, tree);
-    if (this.inFlight === null && treeMatches(tree, this.committed)) this.inFlight = round;
+    if (this.inFlight === null && this.usable(tree) !== null) this.inFlight = round;
+  }
+
+  /**
+   * What the server verifies for `tree` against the committed sequence: the tree when it matches; in
+   * greedy and match also its re-rooted subtree (`reroot`); else null.
+   */
+  usable(tree: Tree): Tree | null {
+    if (rerooting(this.mode)) return reroot(tree, this.committed)?.tree ?? null;
+    return treeMatches(tree, this.committed) ? tree : null;
+  }
+
+  /** The tree the server verifies as the round in flight (re-rooted where it is), or null (none, or a stream). */
+  verifying(): Tree | null {
+    if (this.inFlight === null || this.streams.has(this.inFlight)) return null;
+    if (this.inFlight === 0) return this.awaitingPrompt ? this.promptTree : null;
+    const t = this.trees.get(this.inFlight);
+    return t === undefined ? null : this.usable(t);
   }
 
   /** A stream round sent: in flight at once when nothing is, else it waits at the server for a miss. */
@@ -98,9 +174,9 @@ export class ClientChecks {
     return this.trees.get(round);
   }
 
-  /** The latest outstanding tree that matches the committed sequence. */
+  /** The latest outstanding tree that matches the committed sequence (or, in greedy and match, re-roots on it). */
   matchingOutstanding(): number | null {
-    const found = [...this.outstanding].filter((r) => this.trees.has(r) && treeMatches(this.trees.get(r)!, this.committed));
+    const found = [...this.outstanding].filter((r) => this.trees.has(r) && this.usable(this.trees.get(r)!) !== null);
     return found.length ? Math.max(...found) : null;
   }
 
@@ -151,11 +227,15 @@ export class ClientChecks {
       if (this.awaitingPrompt) tree = this.promptTree;
     } else {
       // a waiting stream starts after later trees (the fallback for a miss): rounds of trees are
-      // verified in order, a stream whenever a miss needs it
-      const late = v.round <= this.lastVerdictRound && !stream;
+      // verified in order, a stream whenever a miss needs it, and an earlier tree only as the round
+      // the client knows in flight (one that stayed pending while a later one was verified, and
+      // matches or re-roots on what that one committed: the server takes it then)
+      const late = v.round <= this.lastVerdictRound && !stream && v.round !== this.inFlight;
       if (!this.outstanding.has(v.round) || late) throw bad("BAD_ORDER", `verdict for round ${v.round} not outstanding`, "round");
-      tree = this.trees.get(v.round) ?? null;
-      if (tree !== null && !treeMatches(tree, this.committed)) {
+      const sent = this.trees.get(v.round);
+      // the tree the server verified: the one sent, or its subtree re-rooted below the committed sequence
+      tree = sent === undefined ? null : this.usable(sent);
+      if (sent !== undefined && tree === null) {
         throw bad("BAD_ORDER", `verdict for round ${v.round}, whose tree does not match the committed sequence`, "round");
       }
     }

@@ -93,32 +93,6 @@ export function choosePlan(plan: AutoPlan, p: Pricing): "stream" | "speculate" {
   return "stream";
 }
 
-/** Split `t` after its first-child path of `j` nodes: those tokens as a condition, the nodes below as the tree (null if none). */
-export function splitAhead(t: Tree, j: number): { cond: number[]; tree: Tree } | null {
-  const path: number[] = [];
-  let node = -1;
-  while (path.length < j) {
-    const child = t.parents.findIndex((p, i) => p === node && i > node);
-    if (child < 0) return null;
-    path.push(child);
-    node = child;
-  }
-  const index = new Map<number, number>();
-  const tokens: number[] = [];
-  const parents: number[] = [];
-  t.tokens.forEach((tok, i) => {
-    const p = t.parents[i];
-    if (p === node || index.has(p)) {
-      index.set(i, tokens.length);
-      tokens.push(tok);
-      parents.push(p === node ? -1 : index.get(p)!);
-    }
-  });
-  if (!tokens.length) return null;
-  const cond = [...t.cond, ...path.map((i) => t.tokens[i])];
-  return { cond, tree: { base: t.base, cond, tokens, parents } };
-}
-
 export interface GenerateOptions {
   // auto (the default): greedy (match at temperature > 0) planned each round: speculate, keep a stream
   // waiting behind each tree in flight, stream after a miss where that is faster (or cheaper)
@@ -173,7 +147,7 @@ export interface Stats {
   mode: string; // the mode verified on the wire (auto runs greedy or match)
   streams: number; // stream rounds sent (auto: a fallback waiting behind a tree, or chosen after a miss)
   streamed: number; // tokens the target streamed (verdicts of stream rounds)
-  aheadTrees: number; // trees sent while the target streamed, conditioned on the tokens predicted
+  aheadTrees: number; // trees sent while the target streamed, below the committed sequence (re-rooted by the verifier)
   planStream: number; // auto's choices after a miss: stream ...
   planSpeculate: number; // ... or draft a tree
 }
@@ -369,9 +343,6 @@ export class TreespecClient {
     this.committed = [...prompt];
     const st: Stats = newStats(mode);
     this.last = st;
-    // pre-speculation: the conditional tree sent for the round in flight, if any
-    // (in an object: a closure assigns it, which TypeScript's narrowing of a `let` does not follow)
-    const spec: { pending: { round: number; full: number[]; tree: Tree } | null } = { pending: null };
     let hitRound = -1; // the last pre-speculated round the server took
     const cloud = new Set<number>(); // rounds sent with no drafted token
     // mode auto: whether the verifier takes stream rounds, the latest verdict's cost maps, the tokens
@@ -397,13 +368,11 @@ export class TreespecClient {
       st.streams++;
     };
     const speculate = async (tree: Tree) => {
-      spec.pending = null;
       if (!o.prespec || cancelled || room() < 1) return;
       const c = await o.prespec(this.committed, tree);
       if (!c || !this.ws.open || cancelled || room() < 1) return;
       st.draftedNodes += c.tree.tokens.length;
-      const round = sendTree({ base: this.committed.length, cond: c.cond, tokens: c.tree.tokens, parents: c.tree.parents });
-      spec.pending = { round, full: [...this.committed, ...c.cond], tree: c.tree };
+      sendTree({ base: this.committed.length, cond: c.cond, tokens: c.tree.tokens, parents: c.tree.parents });
     };
     // auto, objective latency: a stream waits behind the tree in flight, so a miss never idles the verifier
     const fallback = () => {
@@ -422,22 +391,25 @@ export class TreespecClient {
                   draftMs: median(drafting), rttMs: this.rttMs, hitRate };  // prettier-ignore
       return choosePlan(plan, p) === "stream";
     };
-    // while the target streams: a tree conditioned on the j tokens the stream will have produced
-    // when it gets there (the draft's first-child path), so the stream hands over without a round trip
+    // while the target streams: a tree drafted below the committed sequence the edge knows, sent as
+    // it is; the verifier re-roots it below the tokens streamed meanwhile where they follow one of
+    // its paths (PROTOCOL.md section 5, checks.ts `reroot`) and verifies it instead of the next
+    // stream step, so the stream hands over without a round trip (the Python edge's _draft_ahead)
     const ahead = async () => {
       const c = ck.c;
       if (!streams || cancelled || !this.ws.open || aheadAt === this.committed.length) return;
       if ([...c.outstanding].some((r) => !c.isStream(r)) || room() < 1) return; // a tree on its way may still take over
-      const step = costAt(withZero(cost.forward ?? this.welcome.verify_cost_ms), 0);
-      if (!(step > 0) || !drafting.length) return;
-      const j = Math.floor((median(drafting) + this.rttMs) / step) + 1;
-      if (j > 8) return; // it would arrive too late to pay
+      if (streamPays()) return; // the stream goes on (asked again at its next token)
       aheadAt = this.committed.length;
-      const split = splitAhead(await draft(this.committed), j);
-      if (!split || !this.ws.open || cancelled || room() < 1) return;
-      st.draftedNodes += split.tree.tokens.length;
+      const known = [...this.committed];
+      const t = await draft(known);
+      // a session resumed meanwhile numbers its rounds again: the tree is no use to it
+      // (a tree of depth 1 cannot re-root below a streamed token: the server would answer it stale)
+      if (ck.c !== c || !t.parents.some((p) => p >= 0) || !c.generating || !this.ws.open || cancelled || room() < 1) return;
+      if (!sameTokens(this.committed.slice(0, known.length), known)) return;
+      st.draftedNodes += t.tokens.length;
       st.aheadTrees++;
-      sendTree(split.tree);
+      sendTree({ base: known.length, cond: [], tokens: t.tokens, parents: t.parents });
     };
     const start = async () => {
       // the prompt, or after a drop every committed token as a new session's prompt
@@ -517,7 +489,6 @@ export class TreespecClient {
           const wasInFlight = ck.c.inFlight === m.round;
           const round = m.round;
           checked(() => ck.c.stale(round));
-          if (spec.pending?.round === m.round) spec.pending = null;
           // auto: the tree taken for the one in flight (on its way when the verdict came) was refused after all
           if (auto && wasInFlight && ck.c.generating && !cancelled && mode !== "ar") await afterMiss();
           continue;
@@ -528,7 +499,6 @@ export class TreespecClient {
           if (refused) {
             // auto: a conditional tree or a waiting stream the server had no room for is dropped, like a stale one
             ck.c.error(m.code, m.round);
-            if (spec.pending?.round === m.round) spec.pending = null;
             continue;
           }
           throw new GenerationError(`verifier refused: ${m.code} (${m.field}): ${m.message}`, m.code, m.field);
@@ -576,30 +546,33 @@ export class TreespecClient {
           if (nxt !== null && ck.c.isStream(nxt)) {
             await ahead(); // the target streams (a fallback started after a miss, or one going on)
           } else if (nxt !== null) {
-            // a tree in flight: pre-speculated for this outcome, or sent ahead of the stream that just ended for it
+            // a tree in flight: pre-speculated for this outcome, or sent ahead of the stream that just
+            // ended for it (re-rooted below the tokens it streamed)
             if (v.next_round === nxt) {
               st.hits++;
               hitRound = nxt;
             } else st.lateHits++;
             st.hitRate = st.hits / verdicts;
             this.sentAt = performance.now();
-            const t = spec.pending?.round === nxt ? spec.pending.tree : ck.c.treeOf(nxt);
+            const t = ck.c.verifying(); // the tree the server verifies, rooted at the committed sequence
             if (t) await speculate(t);
             fallback();
           } else await afterMiss();
           continue;
         }
-        const hit = spec.pending;
-        if (hit !== null && sameTokens(hit.full, this.committed)) {
-          // the outcome was predicted: the server goes on with the pre-speculated tree (at once, or
-          // as soon as it arrives when it came after the verdict was sent); draft the one after it
-          if (v.next_round === hit.round) {
+        const taken = mode === "ar" ? null : ck.c.verifying();
+        const nxt = ck.c.inFlight;
+        if (nxt !== null && taken !== null) {
+          // the outcome was predicted (or, in greedy and match, a longer one along the tree's own
+          // path: the server re-roots it): the server goes on with the pre-speculated tree (at once,
+          // or as soon as it arrives when it came after the verdict was sent); draft the one after it
+          if (v.next_round === nxt) {
             st.hits++;
-            hitRound = hit.round;
+            hitRound = nxt;
           } else st.lateHits++;
           st.hitRate = st.hits / verdicts;
           this.sentAt = performance.now();
-          await speculate(hit.tree);
+          await speculate(taken);
         } else if (mode !== "ar" && !cancelled) {
           // a miss (a pending tree is answered stale): draft from what was committed
           const t = await draft(this.committed);

@@ -6,7 +6,6 @@ export {
   DEFAULT_PLAN,
   type Objective,
   type Pricing,
-  splitAhead,
   type Conditional,
   ConnectionLost,
   type ConnectOptions,
@@ -43,7 +42,7 @@ export {
   decodeMessage, encodeMessage, FEATURE_COST, FEATURE_GAP_MS, FEATURE_PENDING_BYTES, FEATURE_STREAM, FEATURE_WELCOME_FEATURES,
   type Message, ProtocolError, PROTOCOL_VERSION,
 } from "./protocol.js";  // prettier-ignore
-export { ClientChecks, treeMatches } from "./checks.js";
+export { ClientChecks, reroot, rerootPath, treeMatches } from "./checks.js";
 export { type Coupling, coupledToken, keyedUniform } from "./coupling.js";
 export { couplingOf, DEFAULT_TREE, Edge, type EdgeOptions, type Prompt, type TextOptions } from "./edge.js";
 export { type ChatMessage, TextCodec } from "./text.js";

@@ -5,9 +5,9 @@ import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
-import { ClientChecks } from "../src/checks.js";
-import { choosePlan, costAt, DEFAULT_PLAN, splitAhead } from "../src/client.js";
-import { decodeMessage, encodeMessage, type Message, ProtocolError } from "../src/protocol.js";
+import { ClientChecks, reroot, rerootPath } from "../src/checks.js";
+import { choosePlan, costAt, DEFAULT_PLAN } from "../src/client.js";
+import { decodeMessage, encodeMessage, type Message, ProtocolError, type Tree } from "../src/protocol.js";
 
 type Welcome = Extract<Message, { type: "welcome" }>;
 type Verdict = Extract<Message, { type: "verdict" }>;
@@ -138,21 +138,32 @@ test("a prompt that streams: round 0 goes on while streaming", () => {
   assert.equal(c.inFlight, null);
 });
 
-// the sessions' server frames replayed into the client checks: every one passes, and the round in
-// flight is the one the server verifies next
+// the sessions' server frames replayed into the client checks: every one passes, the round in
+// flight is the one the server verifies next, and where the server verifies a tree re-rooted below
+// the committed sequence (verify_tree) the client computes the same tree
+const REROOTING = [
+  "a tree sent during a stream is re-rooted below the streamed token",
+  "a conditional tree for a shorter outcome is re-rooted after a longer accept",
+  "a pending tree stays pending while it may re-root; another goes stale at a leaf",
+  "a tree that arrives after the stream ended is re-rooted at once",
+  "a tree of depth 1 sent during a stream is stale at once",
+];
 for (const name of ["a stream round started at once", "a waiting stream is the fallback for a miss",
                     "a matching pending tree ends the stream", "a prompt that streams", "a greedy round",
-                    "a conditional tree is verified with no round trip"]) {  // prettier-ignore
+                    "a conditional tree is verified with no round trip", ...REROOTING]) {  // prettier-ignore
   test(`session replayed into the checks: ${name}`, () => {
     const s = sessions.find((x: { name: string }) => x.name === name);
     assert.ok(s, name);
     let c: ClientChecks | null = null;
+    let rerooted = 0;
     for (const step of s.steps) {
       if (step.from === "client") {
         const m = decodeMessage(hex(step.hex));
         if (m.type === "prompt") c!.prompt(m.tokens, m.mode, m.max_new_tokens, m.tree, m.stream ?? 0);
         else if (m.type === "tree") c!.tree(m.round, m);
         else if (m.type === "stream") c!.stream(m.round);
+        // a round the server verifies on arrival is the one in flight
+        if ((m.type === "tree" || m.type === "stream") && step.events.includes("VerifyTree")) assert.equal(c!.inFlight, m.round);
       }
       for (const f of step.sent_hex) {
         const m = decodeMessage(hex(f));
@@ -161,7 +172,14 @@ for (const name of ["a stream round started at once", "a waiting stream is the f
         else if (m.type === "stale") c!.stale(m.round);
       }
       if (step.from === "server_app" && "verify_next" in step) assert.equal(c!.inFlight, step.verify_next, JSON.stringify(step.decoded));
+      if ("verify_tree" in step) {
+        const t: Tree | null = c!.verifying();
+        assert.ok(t !== null, "a tree in flight");
+        assert.deepEqual({ base: t.base, cond: t.cond, tokens: t.tokens, parents: t.parents }, step.verify_tree);
+        rerooted++;
+      }
     }
+    if (REROOTING.slice(0, 4).includes(name)) assert.ok(rerooted > 0, "the session re-roots a tree");
   });
 }
 
@@ -186,10 +204,138 @@ test("auto streams after a miss only where that is faster (latency) or cheaper w
   assert.equal(choosePlan(cost, { ...base, tokens: 1.1 }), "stream");
 });
 
-test("splitAhead: the first-child path as the condition, the nodes below it as the tree", () => {
-  const t = { base: 5, cond: [], tokens: [20, 21, 22, 23, 24], parents: [-1, 0, 0, 1, 3] };
-  assert.deepEqual(splitAhead(t, 1), { cond: [20], tree: { base: 5, cond: [20], tokens: [21, 22, 23, 24], parents: [-1, -1, 0, 2] } });
-  assert.deepEqual(splitAhead(t, 2), { cond: [20, 21], tree: { base: 5, cond: [20, 21], tokens: [23, 24], parents: [-1, 0] } });
-  assert.equal(splitAhead(t, 4), null); // nothing below the path
-  assert.equal(splitAhead({ base: 5, cond: [], tokens: [], parents: [] }, 1), null);
+// ------------------------------------------------------------------------------------ re-rooting
+//        row 0 (S = [1, 2, 3])
+//       /        \
+//     4 (0)      9 (1)
+//    /    \         \
+//  5 (2)  6 (3)     7 (4)
+//  |
+//  8 (5)
+const TREE = { base: 3, cond: [] as number[], tokens: [4, 9, 5, 6, 7, 8], parents: [-1, -1, 0, 0, 1, 2] };
+
+test("reroot keeps the subtree below the committed tokens with their positions (shared.tree.reroot)", () => {
+  const same = reroot(TREE, [1, 2, 3]);
+  assert.ok(same !== null && same.tree === TREE);
+  assert.deepEqual(same.index, [0, 1, 2, 3, 4, 5]);
+  assert.deepEqual(reroot(TREE, [1, 2, 3, 4]), { tree: { base: 3, cond: [4], tokens: [5, 6, 8], parents: [-1, -1, 0] }, index: [2, 3, 5] });
+  assert.deepEqual(reroot(TREE, [1, 2, 3, 4, 5]), { tree: { base: 3, cond: [4, 5], tokens: [8], parents: [-1] }, index: [5] });
+  assert.equal(rerootPath(TREE, [1, 2, 3, 4, 5]), 2);
+  assert.equal(reroot(TREE, [1, 2, 3, 4, 6]), null); // the path ends at a leaf: nothing to verify
+  assert.equal(reroot(TREE, [1, 2, 3, 7]), null); // no node spells the token
+  assert.equal(reroot(TREE, [1, 2]), null); // S is shorter than the tree's assumption
+  const assumed = { base: 2, cond: [3], tokens: [4, 5], parents: [-1, 0] };
+  assert.equal(reroot(assumed, [1, 2, 7, 4]), null); // the sequence contradicts its cond
+  assert.deepEqual(reroot(assumed, [1, 2, 3, 4])?.tree, { base: 2, cond: [3, 4], tokens: [5], parents: [-1] });
+  // two children with the same token: the first in node order is the path
+  const twins = { base: 1, cond: [], tokens: [7, 7, 8, 9], parents: [-1, -1, 1, 0] };
+  assert.deepEqual(reroot(twins, [0, 7])?.index, [3]);
+  // a stochastic tree is never re-rooted (it is still itself where it matches as sent)
+  const draws = { node: [0], drafter: [0], qrow: [0], q_ptr: [0, 1], q_ids: [4], q_wm1: [65535] };
+  const stochastic = { base: 3, cond: [], tokens: [4, 5], parents: [-1, 0], draws };
+  assert.equal(reroot(stochastic, [1, 2, 3, 4]), null);
+  assert.equal(reroot(stochastic, [1, 2, 3])?.tree, stochastic);
+});
+
+/** A generation on [1, 2] whose prompt's verdict committed 3 (S = [1, 2, 3]). */
+function at3(mode = "greedy"): ClientChecks {
+  const c = new ClientChecks(WELCOME);
+  c.prompt([1, 2], mode, 16);
+  c.verdict(verdict(0, [3], 3));
+  return c;
+}
+
+test("a tree sent during a stream is in flight re-rooted below the streamed token, and its verdict indexes the subtree", () => {
+  const c = at3();
+  c.stream(1);
+  c.tree(2, TREE); // drafted below S = [1, 2, 3] while the target decodes the token after 3
+  assert.equal(c.inFlight, 1);
+  assert.equal(c.matchingOutstanding(), 2); // it matches as sent (the stream is in flight)
+  c.verdict(verdict(1, [4], 4, { next_round: 2 }));
+  assert.equal(c.inFlight, 2);
+  assert.deepEqual(c.verifying(), { base: 3, cond: [4], tokens: [5, 6, 8], parents: [-1, -1, 0] });
+  // the accepted nodes index the re-rooted tree: 5 -> 8 is [0, 2], then the bonus
+  c.verdict({ ...verdict(2, [5, 8, 11], 7), accepted_nodes: [0, 2] });
+  assert.deepEqual(c.committed, [1, 2, 3, 4, 5, 8, 11]);
+  assert.equal(c.inFlight, null);
+});
+
+test("the checks refuse accepted nodes of the tree as sent where the server re-rooted it", () => {
+  const sent = () => {
+    const c = at3();
+    c.stream(1);
+    c.tree(2, TREE);
+    c.verdict(verdict(1, [4], 4, { next_round: 2 }));
+    return c;
+  };
+  // [2, 5] are 5 -> 8 in the tree as sent: out of the re-rooted tree of 3 nodes
+  refuses(() => sent().verdict({ ...verdict(2, [5, 8, 11], 7), accepted_nodes: [2, 5] }), "BAD_MESSAGE", "accepted_nodes");
+  // [1] is 6 in the subtree, but not the token 5
+  refuses(() => sent().verdict({ ...verdict(2, [5, 11], 6), accepted_nodes: [1] }), "BAD_MESSAGE", "tokens");
+  // [2] (8) is not a child of row 0 in the subtree
+  refuses(() => sent().verdict({ ...verdict(2, [8, 11], 6), accepted_nodes: [2] }), "BAD_MESSAGE", "accepted_nodes");
+  // a tree the sequence contradicts cannot be the round verified
+  const c = at3();
+  c.stream(1);
+  c.tree(2, TREE);
+  c.verdict(verdict(1, [7], 4));
+  assert.equal(c.inFlight, null);
+  refuses(() => c.verdict(verdict(2, [5], 5)), "BAD_ORDER", "round");
+});
+
+test("a conditional tree for a shorter outcome is re-rooted after a longer accept", () => {
+  const c = at3();
+  c.tree(1, { base: 3, cond: [], tokens: [4, 5, 6], parents: [-1, 0, 1] });
+  c.tree(2, { base: 3, cond: [4, 5], tokens: [6, 7, 8], parents: [-1, 0, 1] }); // for "4 accepted, bonus 5"
+  c.verdict({ ...verdict(1, [4, 5, 6, 7], 7), accepted_nodes: [0, 1, 2] });
+  assert.equal(c.inFlight, 2); // matchingOutstanding: it re-roots below 6 7
+  assert.deepEqual(c.verifying(), { base: 3, cond: [4, 5, 6, 7], tokens: [8], parents: [-1] });
+  c.verdict({ ...verdict(2, [8, 9], 9), accepted_nodes: [0] });
+  assert.equal(c.committed.length, 9);
+});
+
+test("a tree sent with nothing in flight is in flight at once where it re-roots on the committed sequence", () => {
+  const c = at3();
+  c.stream(1);
+  c.verdict(verdict(1, [9], 4)); // the stream ended (k reached): nothing in flight, S = [1, 2, 3, 9]
+  assert.equal(c.inFlight, null);
+  c.tree(2, TREE); // drafted below [1, 2, 3]: it re-roots below 9, the node 7
+  assert.equal(c.inFlight, 2);
+  assert.deepEqual(c.verifying(), { base: 3, cond: [9], tokens: [7], parents: [-1] });
+  c.verdict({ ...verdict(2, [7, 12], 6), accepted_nodes: [0] });
+  c.tree(3, TREE); // S has grown past the leaf 7: nothing to verify
+  assert.equal(c.inFlight, null);
+  assert.equal(c.matchingOutstanding(), null);
+});
+
+test("an earlier tree that stayed pending while a later one was verified is verified after it, re-rooted", () => {
+  const c = at3();
+  c.stream(1);
+  c.tree(2, { base: 3, cond: [], tokens: [4, 5, 6, 7], parents: [-1, 0, 1, 2] });
+  c.tree(3, { base: 3, cond: [], tokens: [4, 5], parents: [-1, 0] });
+  c.verdict(verdict(1, [4], 4, { next_round: 3 })); // the server takes the latest; tree 2 may still re-root
+  c.verdict({ ...verdict(3, [5, 6], 6), accepted_nodes: [0], next_round: 2 });
+  assert.equal(c.inFlight, 2);
+  assert.deepEqual(c.verifying(), { base: 3, cond: [4, 5, 6], tokens: [7], parents: [-1] });
+  c.verdict({ ...verdict(2, [7, 8], 8), accepted_nodes: [0] });
+  assert.deepEqual(c.committed, [1, 2, 3, 4, 5, 6, 7, 8]);
+  // but not a verdict for an earlier round the client does not know in flight
+  const d = at3();
+  d.tree(1, { base: 3, cond: [], tokens: [4], parents: [-1] });
+  d.tree(2, { base: 3, cond: [4, 5], tokens: [6], parents: [-1] });
+  d.tree(3, { base: 3, cond: [4], tokens: [5], parents: [-1] });
+  d.verdict({ ...verdict(1, [4], 4), accepted_nodes: [0], has_bonus: false, next_round: 3 });
+  d.verdict({ ...verdict(3, [9], 5), next_round: undefined });
+  refuses(() => d.verdict(verdict(2, [6], 6)), "BAD_ORDER", "round");
+});
+
+test("only greedy and match re-root: a tree that does not match as sent is never in flight in other modes", () => {
+  for (const [mode, want] of [["greedy", 2], ["match", 2], ["mss", null], ["rrs", null]] as const) {
+    const c = at3(mode);
+    c.stream(1);
+    c.tree(2, TREE);
+    c.verdict(verdict(1, [4], 4));
+    assert.equal(c.inFlight, want, mode);
+    assert.equal(c.matchingOutstanding(), want, mode);
+  }
 });
