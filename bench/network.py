@@ -159,6 +159,13 @@ def mode_row(
             "p": row["hit_rate"],
             "stall_ms_per_round": d["stall_ms_per_round"],
             "prefill_share_ms_per_token": d["prefill_share_ms_per_token"],
+            # ms per token once the prompt is in the cache: where speculation acts
+            "decode_ms_per_token": (
+                None
+                if d["prefill_share_ms_per_token"] is None
+                else round(row["ms_per_token"] - d["prefill_share_ms_per_token"], 4)
+            ),
+            "ttft_ms": d["ttft_ms"],
             "gap_ms": d["gap_ms"],
         }
     )
@@ -266,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
         "it), V_idle_ms (the same rounds' trees at the verifier's cost curve measured with the edge "
         "idle), T_b_ms (median synchronous draft ms after a miss), p (hit rate), stall_ms_per_round (a "
         "hit's wait for its next verdict beyond one verify, per round), prefill_share_ms_per_token "
-        "(the prompt's round 0 over the tokens) and gap_ms (median ms the verifier waited for the "
+        "(the prompt's round 0 over the tokens), decode_ms_per_token (ms_per_token minus it: after "
+        "the prompt is in the cache), ttft_ms (median time to the first token) and gap_ms (median "
+        "ms the verifier waited for the "
         "edge's next tree); bench.network_report.decomposition defines each; identical_to_ar (every "
         "generation's tokens equal mode ar's for the prompt at that temperature, ar run at any RTT of "
         "the run; null for mss / rrs and without ar); with --idle-replay also V_idle_replay_ms and "

@@ -15,6 +15,8 @@ from edge_client.stats import GenerationStats
 
 MODES = ("ar", "sequence", "tree", "tree_prespec")
 OPTIONAL = (
+    "auto",
+    "auto_cost",
     "tree_prespec_ungated",
     "tree_prespec_frugal",
     "tree_prespec_single",
@@ -58,7 +60,7 @@ ROW_KEYS = (
 # where the time goes (decomposition), in rows of this release; rows of older files lack them
 TIME_KEYS = (
     *("V_ms", "V_idle_ms", "V_idle_replay_ms", "T_b_ms", "p", "stall_ms_per_round"),
-    *("prefill_share_ms_per_token", "gap_ms"),
+    *("prefill_share_ms_per_token", "decode_ms_per_token", "ttft_ms", "gap_ms"),
 )
 
 
@@ -93,6 +95,7 @@ def decomposition(gens: Sequence[GenerationStats]) -> dict[str, float | None]:
     prefill_share_ms_per_token: the median over generations of the prompt's round-0 time (from
     sending the prompt to its verdict; in mode ar, which drafts nothing, the time to the first
     verdict) over the generation's tokens.
+    ttft_ms: the median over generations of the time to the first token.
     gap_ms: the median over rounds of the verifier's wait for the edge (verdict.gap_ms: from its
     previous verdict to this round's tree reaching its engine); None when the verifier did not send
     it.
@@ -129,6 +132,7 @@ def decomposition(gens: Sequence[GenerationStats]) -> dict[str, float | None]:
         "stall_ms_per_round": round(stall / rounds, 4) if traced and rounds else None,
         "prefill_share_ms_per_token": _median(prefill),
         "gap_ms": _median(gaps),
+        "ttft_ms": _median([st.first_token_s * 1e3 for st in gens if st.first_token_s]),
     }
 
 
