@@ -47,6 +47,7 @@ from shared.tree import TokenTree
 
 SEED = 0  # the mix of forward sizes and the tokens: the same every run
 SHOWN = (0, 1, 4, 8)  # the N whose advertised ms is traced
+AFTER = (5, 10, 20)  # the advertised ms's error is reported after this many forwards
 # the forwards a verifier runs: (weight, what): N nodes of one session, "2x8" two sessions' 8-node
 # trees in one forward (18 rows: N = 17)
 MIX: tuple[tuple[float, str], ...] = (
@@ -176,6 +177,12 @@ def summarize(trace: list[dict[str, Any]], start: dict[int, float], tolerance: f
                 "start_error": round(start[n] / ref - 1, 3) if measured else None,
                 "end_error": round(end / ref - 1, 3) if measured else None,
                 "converged_at": converged_at(advertised, ref, tolerance) if measured else None,
+                **{
+                    f"error_after_{k}": round(advertised[k - 1] / ref - 1, 3)
+                    if measured and k <= len(trace)
+                    else None
+                    for k in AFTER
+                },
             }
         )
     return rows
@@ -246,7 +253,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--chunk", type=int, default=128, help="rows of a prefill chunk")
     p.add_argument(
-        "--tolerance", type=float, default=0.1, help="converged: within this fraction of the reference"
+        "--tolerance",
+        type=float,
+        default=0.2,
+        help="converged: within this fraction of the reference (forwards of one size vary by ~10-20%% "
+        "on a shared CPU)",
     )
     p.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write the PNG plot here")
     add_common_args(
@@ -292,12 +303,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = round(time.perf_counter() - t_start, 1)
     print(f"\n{target.model_id}, weights {args.weights}, {torch.get_num_threads()} threads; start-up curve "
           f"measured {measured} (busy {args.busy}), advertised x{args.poison:g}")  # fmt: skip
-    print(f"{'N':>3} {'start ms':>9} {'end ms':>8} {'ref ms':>8} {'forwards':>8} {'start err':>9} "
-          f"{'end err':>8} {'converged at':>12}")  # fmt: skip
+    errs = ("start_error", *(f"error_after_{k}" for k in AFTER), "end_error")
+    print(f"{'N':>3} {'start ms':>9} {'end ms':>8} {'ref ms':>8} {'forwards':>8} "
+          + " ".join(f"{e.replace('_error', '').replace('error_', ''):>9}" for e in errs)
+          + f" {'converged at':>12}")  # fmt: skip
     for r in rows:
-        err = [f"{r[k]:+.1%}" if r[k] is not None else "-" for k in ("start_error", "end_error")]
+        err = " ".join(f"{r[k]:>+9.1%}" if r[k] is not None else f"{'-':>9}" for k in errs)
         print(f"{r['nodes']:>3} {r['start_ms']:>9.1f} {r['end_ms']:>8.1f} {r['reference_ms']:>8.1f} "
-              f"{r['reference_forwards']:>8} {err[0]:>9} {err[1]:>8} {r['converged_at']!s:>12}")  # fmt: skip
+              f"{r['reference_forwards']:>8} {err} {r['converged_at']!s:>12}")  # fmt: skip
+    print(f"(errors: advertised / reference - 1; converged at: the forward after which it stays within "
+          f"{args.tolerance:.0%})")  # fmt: skip
     print(f"final curve {live.curve()}; wall {wall} s")
     write_result(
         args.json,
