@@ -84,6 +84,7 @@ class ClientProtocol:
         self._trees: dict[int, TokenTree] = {}  # the trees of the outstanding rounds
         self._streams: set[int] = set()  # the outstanding rounds that are streams (0: the prompt's)
         self.streaming: int | None = None  # the stream round whose verdicts are coming, one a token
+        self._named: int | None = None  # the round the last verdict named as verified next
         self._prompt_tree: TokenTree | None = None  # the tree the prompt carried (round 0)
         self._max_new_tokens = 0  # of the generation running
         self._generated = 0  # tokens the verdicts of the generation running committed
@@ -317,7 +318,9 @@ class ClientProtocol:
         else:
             # a waiting stream starts after later trees (the fallback for a miss): rounds of trees
             # are verified in order, a stream whenever a miss needs it
-            late = v.round <= self.last_verdict_round and not stream
+            # a pending tree that re-roots may be verified after a later one: the verdict before
+            # it names it (next_round)
+            late = v.round <= self.last_verdict_round and not stream and v.round != self._named
             if v.round not in self.outstanding or late:
                 raise ProtocolError(
                     ErrorCode.BAD_ORDER, f"verdict for round {v.round} not outstanding", "round"
@@ -343,6 +346,7 @@ class ClientProtocol:
             )
         # the verdict is consistent with what was sent: commit it
         self.streaming = v.round if v.streaming else None
+        self._named = v.next_round
         if v.streaming:
             pass  # the round goes on
         elif v.round == 0:

@@ -243,3 +243,27 @@ def test_stochastic_trees_are_never_re_rooted() -> None:
     )
     assert srv.gen is not None
     assert srv._usable(srv.gen, TokenTree.build([4, 5], [-1, 0], base=1, cond=[])) is None  # not for S
+
+
+def test_an_earlier_tree_that_still_re_roots_may_be_verified_after_a_later_one() -> None:
+    """Two trees drafted below S during a stream: the later one is verified first, the earlier
+    stays pending (it may still re-root) and is verified next when the later one's tokens follow
+    its path; the client takes its verdict (the verdict before named it)."""
+    srv, cli = _pair()
+    srv.receive(cli.prompt(Prompt(tokens=np.array([1, 2]), max_new_tokens=16)))
+    srv.verdict(Verdict(0, np.array([3]), NONE, has_bonus=True, committed_len=3))
+    _deliver(srv, cli)
+    srv.receive(cli.stream(Stream(1, 100)))
+    early = TokenTree.chain([4, 5, 6, 7], base=3)
+    late = TokenTree.chain([4, 5], base=3)
+    srv.receive(cli.tree(Tree(2, early)))
+    srv.receive(cli.tree(Tree(3, late)))
+    nxt = _token(srv, 1, 4, 4)
+    assert nxt is not None and nxt.round == 3
+    _deliver(srv, cli)
+    nxt = srv.verdict(Verdict(3, np.array([5, 6]), np.array([0]), has_bonus=True, committed_len=6))
+    assert nxt is not None and nxt.round == 2 and nxt.tree is not None and nxt.tree.tokens.tolist() == [7]
+    _deliver(srv, cli)
+    srv.verdict(Verdict(2, np.array([7, 9]), np.array([0]), has_bonus=True, committed_len=8))
+    (v,) = _deliver(srv, cli)
+    assert isinstance(v, Verdict) and cli.committed == [1, 2, 3, 4, 5, 6, 7, 9]
