@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from bench.simulate import Curve, Overheads, TracedGeneration
+from bench.simulate_trace import Curve, Overheads, TracedGeneration
 from cloud_verifier.batch_wait import MIN_WAIT_MS, ArrivalPredictor, plan_wait, wait_bound_ms
 
 # this machine's CPU verifier (forward ms by rows), the figures of the batch-wait task
@@ -183,23 +183,7 @@ def run_batch(
         busy += dur
         last_fwd = dur
         t += dur
-        for i in ready:
-            c = cs[i]
-            gen = c.plan[c.gen]
-            r = gen[c.j]
-            tokens += r.tokens
-            c.j += 1
-            if c.j >= len(gen):  # the generation ended: the next one's prompt an RTT later
-                gen_ms.append((t - c.gen_start + trip, sum(x.tokens for x in gen)))
-                c.gen, c.j, c.between = c.gen + 1, 0, False
-                c.arrive = c.gen_start = t + trip
-                pred.idle(i)
-                continue
-            nxt = gen[c.j]
-            c.between = not nxt.hit_before
-            c.arrive = t if nxt.hit_before else t + trip + nxt.edge_ms
-            if c.between:
-                pred.verdict(i, t / 1e3, 1 + r.nodes)
+        tokens += _advance(cs, ready, t, trip, pred, gen_ms)
     user_tokens = sum(n for _, n in gen_ms)
     return {
         "clients": clients,
@@ -215,6 +199,37 @@ def run_batch(
         "mean_wait_ms": round(waited_total / max(1, waited), 3),
         "span_s": round(t / 1e3, 3),
     }
+
+
+def _advance(
+    cs: Sequence[_Client],
+    ready: Sequence[int],
+    t: float,
+    trip: float,
+    pred: ArrivalPredictor,
+    gen_ms: list[tuple[float, int]],
+) -> int:
+    """The `ready` clients' rounds were verified by `t`: move each to its next round (or its next
+    generation, an RTT later), noting what the predictor learns; the tokens they got."""
+    tokens = 0
+    for i in ready:
+        c = cs[i]
+        gen = c.plan[c.gen]
+        r = gen[c.j]
+        tokens += r.tokens
+        c.j += 1
+        if c.j >= len(gen):  # the generation ended: the next one's prompt an RTT later
+            gen_ms.append((t - c.gen_start + trip, sum(x.tokens for x in gen)))
+            c.gen, c.j, c.between = c.gen + 1, 0, False
+            c.arrive = c.gen_start = t + trip
+            pred.idle(i)
+            continue
+        nxt = gen[c.j]
+        c.between = not nxt.hit_before
+        c.arrive = t if nxt.hit_before else t + trip + nxt.edge_ms
+        if c.between:
+            pred.verdict(i, t / 1e3, 1 + r.nodes)
+    return tokens
 
 
 def _wait(

@@ -299,26 +299,12 @@ class EdgeClient(Session):
         previous verdict came (a pre-speculation hit, no round trip).
 
         Every failure is a GenerationError (ConnectionLost, ProtocolViolation, VerifierTimeout, a
-        refusal with its code and field); `self.last` keeps the tokens committed before it. Stopping
-        early (closing the iterator, cancelling the task, an exception in the consumer, dropping
-        the iterator) cancels the generation at the verifier; the next generate works on the same
-        session, or on a new one if the connection was unusable.
-
-        mode "auto" verifies greedy (match at temperature > 0) and plans each round for the
-        `objective` ("latency": the user's ms per token; "cost": the verifier's, never slower than
-        `ar` by more than the plan's factor): it lets the target stream where speculation does not
-        pay, speculates with budgeted, pre-speculated trees where it does, and leaves a stream
-        waiting behind each tree so that a miss never idles the verifier (speculation.auto).
+        refusal); `self.last` keeps the tokens committed before it. Stopping early cancels the
+        generation at the verifier. mode "auto" streams or speculates round by round for the
+        `objective` ("latency" or "cost"), verified greedy (match at a temperature).
         """
         await self._settle()
-        plan: Plan | None = None
-        if mode == "auto":
-            plan = Plan(objective)
-            mode, tree = self._auto_mode(temperature), tree or TreeSpec("budget")
-        mode = Mode(mode)
-        req = self._request(mode, temperature, top_k, top_p, seed, tree or self.tree)
-        if plan is not None and mode is not Mode.AR:
-            req = dataclasses.replace(req, plan=plan)
+        mode, req = self._planned(mode, objective, temperature, top_k, top_p, seed, tree)
         prompt_tokens = self._encode(prompt, raw)
         out = self._begin(prompt_tokens, stop, on_verdict)
         msg = self._prompt(prompt_tokens, mode, temperature, top_k, top_p, seed, max_new_tokens, stop_ids,
@@ -526,6 +512,28 @@ class EdgeClient(Session):
         )
         timeout = self.timeouts.verdict_timeout(self.welcome)
         return RoundExecutor(core, step, self.send, self.recv, self.pool, timeout)
+
+    def _planned(
+        self,
+        mode: str | Mode,
+        objective: str,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        seed: int,
+        tree: TreeSpec | None,
+    ) -> tuple[Mode, Request]:
+        """The verification mode and the core's request of a generation; mode auto verifies as
+        `_auto_mode` says, drafts budgeted trees unless given a shape, and carries its plan."""
+        plan: Plan | None = None
+        if mode == "auto":
+            plan = Plan(objective)
+            mode, tree = self._auto_mode(temperature), tree or TreeSpec("budget")
+        mode = Mode(mode)
+        req = self._request(mode, temperature, top_k, top_p, seed, tree or self.tree)
+        if plan is not None and mode is not Mode.AR:
+            req = dataclasses.replace(req, plan=plan)
+        return mode, req
 
     def _auto_mode(self, temperature: float) -> Mode:
         """The verification mode auto runs: greedy at temperature 0, match above (each the target's
