@@ -247,7 +247,7 @@ def _print_where_time_goes(rows: Sequence[dict[str, Any]]) -> None:
         return
     print("\nwhere the time goes (ms/token x tau ~= V + (1 - p)(RTT + T_b) + stall + prefill share)")
     head = ["rtt", "T", "mode", "ms/token", "tau", "V ms", "V idle ms", "V idle replay", "T_b ms", "p"]
-    head += ["stall ms/rnd", "prefill ms/tok", "gap ms"]
+    head += ["stall ms/rnd", "prefill ms/tok", "decode ms/tok", "TTFT ms", "gap ms"]
     cells = [
         [r["rtt_ms"], r["temperature"], r["mode"], r["ms_per_token"], r["tau"]]
         + ["-" if r.get(k) is None else r[k] for k in TIME_KEYS]

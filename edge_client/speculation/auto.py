@@ -14,8 +14,9 @@ the drafter's evaluation costs and the round trip are measured on the edge.
                   the verifier, plus, on a miss (odds 1 - hit rate), the drafting and the round
                   trip of the fallback tree; the cloud pays marginal_ms[N] for it.
 
-While a tree is in flight the edge also leaves a stream waiting at the verifier (objective
-latency): on a miss the target streams instead of idling while the edge drafts, and the edge sends
+While a tree is in flight the edge also leaves a stream waiting at the verifier where that is
+priced faster than a verifier idle while the edge drafts (objective latency; `fallback_pays`): on a
+miss the target streams instead of idling while the edge drafts, and the edge sends
 its next tree below the sequence it knows; the verifier re-roots that tree below the tokens it
 streamed meanwhile wherever they follow one of its paths (shared.tree.reroot) and verifies it
 instead of the next stream step, so the stream hands over to it without a round trip. A generation
@@ -102,4 +103,36 @@ def choose(plan: Plan, spec: Option, stream: Option) -> Option:
     return allowed[0] if allowed else min((spec, stream), key=lambda o: o.user_ms)
 
 
-__all__ = ["OBJECTIVES", "Option", "Plan", "at", "choose", "price_speculation", "price_stream"]
+def fallback_pays(
+    step_ms: float,
+    draft_ms: float,
+    rtt_ms: float,
+    verify_ms: float,
+    tokens: float,
+    alpha: float,
+    margin: float,
+) -> bool:
+    """Whether a stream waiting behind the tree in flight beats an idle verifier on a miss (the
+    user's tokens per ms over the miss path; a renewal estimate).
+
+    Without it the miss path yields `tokens` in draft + round trip + verify. With it the target
+    streams a token every `step_ms` while the edge drafts; the edge's tree re-roots below the first
+    streamed token with odds alpha (it follows the tree) and is verified once both are done,
+    yielding the streamed token and the rest of the tree's; otherwise that token came alone and
+    the edge drafts again."""
+    idle = tokens / max(draft_ms + rtt_ms + verify_ms, 1e-9)
+    took = alpha * (max(step_ms, draft_ms + rtt_ms) + verify_ms) + (1.0 - alpha) * step_ms
+    streamed = (alpha * tokens + (1.0 - alpha)) / max(took, 1e-9)
+    return streamed > (1.0 + margin) * idle
+
+
+__all__ = [
+    "OBJECTIVES",
+    "Option",
+    "Plan",
+    "at",
+    "choose",
+    "fallback_pays",
+    "price_speculation",
+    "price_stream",
+]

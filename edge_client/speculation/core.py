@@ -596,9 +596,22 @@ class SpeculationCore:
         plan, proto = self.plan, self.proto
         if plan is None or plan.objective != "latency" or self.in_flight is None:
             return False
-        if proto.is_stream(self.in_flight) or proto.waiting_stream() is not None:
+        if proto.is_stream(self.in_flight) or proto.waiting_stream() is not None or self._room() <= 0:
             return False
-        return self._room() > 0
+        maps, eval_ms = self._maps(), self._eval_curve()
+        if maps is None or eval_ms is None or self._full is None:
+            return True  # nothing measured yet: the verifier streams rather than idles
+        best, _ = self._price_backups(eval_ms)
+        fwd = maps[0]
+        return auto.fallback_pays(
+            auto.at(fwd, 0),
+            best.draft_ms,
+            self.learned.rtt_ms,
+            auto.at(fwd, best.nodes),
+            best.tokens,
+            self.choice.alpha,
+            plan.margin,
+        )
 
     def _want_ahead(self) -> bool:
         """The target is streaming, no tree of ours can take over from it yet, and speculation

@@ -12,7 +12,7 @@ from bench.harness import load_prompts
 from edge_client.client import EdgeClient
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
-from edge_client.speculation.auto import Option, Plan, choose, price_speculation, price_stream
+from edge_client.speculation.auto import Option, Plan, choose, fallback_pays, price_speculation, price_stream
 from edge_client.stats import GenerationStats
 from shared.model import load_target
 from tests.cloud_verifier.service import LiveServer, tiny
@@ -48,6 +48,13 @@ def test_the_plan_streams_where_speculation_cannot_pay_and_speculates_where_it_d
     assert choose(Plan("cost", max_slowdown=4.0), slow, fast).kind == "speculate"
     with pytest.raises(ValueError, match="objective"):
         Plan("speed")
+
+
+def test_a_waiting_stream_is_kept_only_where_it_beats_an_idle_verifier() -> None:
+    # a GPU-fast target, a slow edge 50 ms away: streaming while the edge drafts pays
+    assert fallback_pays(16.0, 57.0, 50.0, 16.0, 2.8, 0.74, 0.05)
+    # this CPU: a stream step (113 ms) outlasts the drafting (100 ms); the tree would wait for it
+    assert not fallback_pays(113.0, 100.0, 0.0, 84.0, 2.8, 0.74, 0.05)
 
 
 @pytest.mark.parametrize("objective", ["latency", "cost"])
