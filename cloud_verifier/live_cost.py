@@ -24,10 +24,10 @@ The convergence rule:
 - A bucket's guess (what it would be without forwards of its own): the ratio of the nearest
   settled buckets of its region (PRIOR_WEIGHT + 1 = 3 forwards or more; between two, interpolated
   on the log-rows scale; past the last, the last's), the prefill region's from settled buckets of
-  either region; with none settled, the median of its region's pool. A settled bucket's guess is
-  its pool's median (settled buckets never feed each other).
-- A bucket's ratio: the median of its last forwards' ratios and PRIOR_WEIGHT copies of its guess
-  (the prior counts as two forwards, and leaves as later forwards fill its window of WINDOW).
+  either region; with none settled, the median of its region's pool.
+- A bucket's ratio: settled, the median of its own window (the prior is out: its own forwards
+  outnumber the two it counted as); with one or two forwards of its own, the median of them and
+  PRIOR_WEIGHT copies of its guess (the prior counts as two forwards); with none, its guess.
 - The curve: prior x ratio at each bucket, then non-decreasing in N (each bucket at most any larger
   bucket's ms, as `cost.monotone`: other work on the machine only ever adds time), linear in N
   between buckets and in proportion to rows past the last; never below MIN_MS.
@@ -36,9 +36,9 @@ What it gives: a start-up curve off by a factor, then forwards of any sizes of o
 true cost: after one the curve is still the prior; after THREE every bucket of the region reads
 the true cost, sizes never run included (three forwards of one size: exact, halfway after two).
 So a prefill (hundreds of rows) moves only the prefill region: the tree region's pool and buckets
-never see it. One forward in eight slowed by anything else on the machine does not move a
-bucket's median; the prior is out of a bucket's window after WINDOW - 1 = 7 of its forwards, and a
-lasting change in the machine's speed is followed within WINDOW // 2 + 1 = 5 forwards of a size.
+never see it. One forward in three slowed by anything else on the machine does not move a
+bucket's median (one in eight once its window is full); a lasting change in the machine's speed
+is followed within WINDOW // 2 + 1 = 5 forwards of a size.
 
 The forward time observed is the engine step's wall time (the packed forward, the verification and
 the commit: what a round waits for), as `Verdict.verify_ms` reports it.
@@ -163,10 +163,10 @@ class LiveCost:
         return lo if x - _lograte(lo) <= _lograte(hi) - x else hi
 
     def _ratio(self, b: int, guess: float) -> float:
-        """Bucket b's ratio: the median of its last forwards' and PRIOR_WEIGHT copies of `guess`
-        (fewer once its window fills)."""
+        """Bucket b's ratio: the median of its last forwards' and, until they outnumber it (not
+        settled), PRIOR_WEIGHT copies of `guess`."""
         own = list(self._windows[b])
-        priors = min(PRIOR_WEIGHT, max(0, WINDOW - self._seen.get(b, 0)))
+        priors = PRIOR_WEIGHT if self._seen.get(b, 0) <= PRIOR_WEIGHT else 0
         return statistics.median(own + [guess] * priors) if own else guess
 
     def _build(self) -> Snapshot:

@@ -95,6 +95,10 @@ def test_one_slow_forward_in_a_window_does_not_move_the_curve() -> None:
     live.observe(9, 5 * TRUE[8] / 1e3)  # a forward that shared the cores with something else
     assert live.curve() == steady
     assert steady[8] == TRUE[8]
+    fresh = LiveCost(POISONED)  # settled after three forwards, one of them slow: the other two's
+    for slow in (1, 5, 1):
+        fresh.observe(9, slow * TRUE[8] / 1e3)
+    assert fresh.curve()[8] == TRUE[8]
 
 
 def test_a_change_in_the_machines_speed_is_followed_within_five_forwards() -> None:
