@@ -127,9 +127,8 @@ def add_common_args(
     prompt_file: bool = False,
     no_progress: bool = False,
 ) -> None:
-    """Declare the flags the benches share, each with one name, metavar and help text everywhere.
-    A module passes its own defaults (`seed`, `tokens`; None leaves the flag out) and, where a flag
-    means something particular there, a few words saying what (`*_help`):
+    """Declare the flags the benches share, with one name, metavar and help text everywhere; a module
+    passes its defaults (`seed`, `tokens`; None: no flag) and what a flag means there (`*_help`):
 
       --json PATH         the result file, written with write_result (default: none written)
       --seed N            the run's seed (what it seeds: seed_help)
