@@ -126,7 +126,7 @@ def mode_row(
     """One JSON row: the mode's summary over its generations (`runs`) and where its time went
     (`decomposition` of the same generations' stats)."""
     s = runs.summary()
-    prespec = "prespec" in mode
+    prespec = "prespec" in mode or mode.startswith("auto")  # auto pre-speculates too
     row: dict[str, Any] = {
         "rtt_ms": rtt_ms,
         "mode": mode,
