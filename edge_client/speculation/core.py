@@ -630,13 +630,31 @@ class SpeculationCore:
         frame = proto.stream(Stream(rid, max(1, k)))
         yield from ask(Send(frame, "stream", rid))
 
+    def _ahead_shape(self) -> TreeSpec | None:
+        """The tree drafted while the target streams: the miss path's best chain made deeper by
+        the tokens the stream will have produced by the time the chain is at the verifier (they
+        are taken off its top when it re-roots): m = ceil((d + m) evals + round trip over a stream
+        step); the configured shape before the costs are measured."""
+        maps, eval_ms = self._maps(), self._eval_curve()
+        if maps is None or eval_ms is None or self._full is None:
+            return self._backup()
+        _, options = self._price_backups(eval_ms)
+        chains = [o for o in options if o.shape.kind == "sequence"]
+        if not chains:
+            return self._backup()
+        d = max(chains, key=lambda o: o.rate).shape.chain_depth
+        step, e1 = auto.at(maps[0], 0), eval_ms(1)
+        m = 1 if step <= e1 else int(np.ceil((d * e1 + self.learned.rtt_ms) / (step - e1)))
+        depth = max(1, min(d + m, self.welcome.limits.max_depth))
+        return TreeSpec("sequence", ExpansionConfig((1,) * depth), depth=depth)
+
     def _draft_ahead(self) -> Steps:
         """While the target streams: draft the miss path's tree below the committed sequence and
         send it; the verifier re-roots it below the tokens streamed meanwhile where they follow one
         of its paths (shared.tree.reroot) and verifies it instead of the next stream step."""
         committed = tuple(self.proto.committed)
         self._ahead_at = len(committed)
-        dr = yield from self._draft_plain(committed, self._backup())
+        dr = yield from self._draft_plain(committed, self._ahead_shape())
         now = tuple(self.proto.committed)
         if (
             self.proto.state is not ClientState.GENERATING
