@@ -43,15 +43,20 @@ class Plan:
                   (the target streaming alone)
     margin:       streaming replaces speculation only when it is this much faster (or cheaper):
                   estimates are noisy, and flapping between the two loses both
+    explore:      while the target streams by choice, a tree is drafted anyway every this many
+                  tokens: streaming teaches nothing of the drafts, and their odds may have changed
     """
 
     objective: str = "latency"
     max_slowdown: float = 1.25
     margin: float = 0.05
+    explore: int = 8
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be 'latency' or 'cost', got {self.objective!r}")
+        if self.explore < 1:
+            raise ValueError(f"explore must be at least 1, got {self.explore!r}")
         if not self.max_slowdown >= 1.0:
             raise ValueError(f"max_slowdown must be at least 1, got {self.max_slowdown!r}")
 

@@ -582,7 +582,7 @@ class SpeculationCore:
             return False  # nothing measured yet: speculate, and measure
         fwd, marg = maps
         _, options = self._price_backups(eval_ms)
-        hit = self.stats.hit_rate if self.stats.hit_rate is not None else 0.5
+        hit = (self.stats.hits + 1) / (self.stats.decided + 2)  # with one hit and one miss as a prior
         rtt = self.learned.rtt_ms
         specs = [auto.price_speculation(o.tokens, o.nodes, o.draft_ms, rtt, hit, fwd, marg) for o in options]
         key = (lambda o: o.user_ms) if plan.objective == "latency" else (lambda o: o.cloud_ms)
@@ -621,7 +621,10 @@ class SpeculationCore:
             return False
         if any(not proto.is_stream(r) for r in proto.outstanding):
             return False  # a tree is on its way: it may still take over
-        return not self._stream_pays()
+        assert self.plan is not None
+        # streaming teaches nothing of the drafts: every `explore` tokens a tree goes anyway
+        explore = len(proto.committed) - max(self._ahead_at, 0) >= self.plan.explore
+        return explore or not self._stream_pays()
 
     def _send_stream(self, k: int) -> Steps:
         """A stream round of up to k tokens: in flight now, or waiting for a miss."""
