@@ -6,7 +6,8 @@ against ours, on the same prompts, token count, machine and model pair (greedy).
 - llama.cpp: `llama-completion` (plain decoding) and `llama-speculative-simple` (its draft-model
   speculative decoding) with the same two GGUFs, built from the llama.cpp source vendored by the
   installed llama-cpp-python (bench.llama_tools, cached outside the repository), 2 threads;
-- ours: `ar`, `tree` and `tree_prespec` at RTT 0, the edge on one core and the verifier on the other
+- ours: `ar`, `tree`, `tree_prespec` and `auto` (the default mode) at RTT 0, the edge on one core
+  and the verifier on the other
   (`--weights quantized`: the verifier runs the target GGUF's own blocks, as llama.cpp does).
 
 Per system and mode: ms/token (median over prompts of wall time / new tokens, prompt prefill
@@ -80,7 +81,7 @@ def run_ours(
                     Mode.GREEDY,
                     ExpansionConfig.parse(tree),
                     verifier.forwards,
-                    modes=("ar", "tree", "tree_prespec"),
+                    modes=("ar", "tree", "tree_prespec", "auto"),
                 )
             )
         finally:
