@@ -9,11 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 from shared.errors import ProtocolError
 from shared.messages import SessionLimits, Verdict, Welcome, decode, encode
-from shared.protocol import ServerProtocol
+from shared.protocol import ServerProtocol, VerifyTree
 from shared.wire import Reader, WireLimits
 from tests.vectors.generate import meaning
 
@@ -46,8 +47,11 @@ def test_session_vector(vec: dict[str, Any]) -> None:
     proto = ServerProtocol(vocab_size=vec["vocab_size"], limits=_limits(vec["limits"]))
     for i, step in enumerate(vec["steps"]):
         frame = bytes.fromhex(step["hex"])
+        verified: list[VerifyTree | None] = []
         if step["from"] == "client":
-            assert [type(e).__name__ for e in proto.receive(frame)] == step["events"], i
+            events = proto.receive(frame)
+            assert [type(e).__name__ for e in events] == step["events"], i
+            verified = [e for e in events if isinstance(e, VerifyTree)]
         else:
             msg = decode(frame)
             if isinstance(msg, Welcome):
@@ -56,6 +60,14 @@ def test_session_vector(vec: dict[str, Any]) -> None:
                 assert isinstance(msg, Verdict)
                 nxt = proto.verdict(msg)
                 assert (nxt.round if nxt is not None else None) == step["verify_next"], i
+                verified = [nxt]
+        if "verify_tree" in step:  # the re-rooted tree the server verifies (PROTOCOL.md section 5)
+            t = verified[0].tree if verified and verified[0] is not None else None
+            assert t is not None, i
+            got = {"base": t.base} | {
+                k: np.asarray(getattr(t, k)).tolist() for k in ("cond", "tokens", "parents")
+            }
+            assert got == step["verify_tree"], i
         sent = proto.data_to_send()
         assert [meaning(msgpack.unpackb(f)) for f in sent] == step["sent"], i
         assert [f.hex() for f in sent] == step["sent_hex"], i
