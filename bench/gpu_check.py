@@ -12,6 +12,10 @@ minutes on an H200; a stage gets min(its own limit, what is left)):
   forward_bench python -m bench.gpu_forward: the 1.5B's shape (random weights) in bf16, ms per
                 verify forward at N = 1..64 (prefix 1024) and decode tokens/s, with the Triton
                 kernel and with SDPA (OUTDIR/gpu_forward.json)
+  serve_bench   python -m bench.serve on the GPU verifier: `ar` against `auto` on the same arrivals
+                (SmolLM2-135M and its q4 draft, 8 prompts x 48 tokens, all at once): latencies,
+                the verifier's busy seconds per token, identical_to_ar (OUTDIR/serve.json); skipped
+                when the model store holds no SmolLM2 files (the device has no network: carry them)
   tensor_parallel pytest tests/cloud_verifier/test_parallel_cuda.py: TP=2 over NCCL on cuda:0 and
                 cuda:1 against TP=1 (bf16 logits, greedy, a killed worker); only with >= 2 GPUs
                 visible, else recorded as "skipped: 1 GPU" (OUTDIR/pytest_tp.xml)
@@ -52,6 +56,7 @@ STAGES = (
     "kernel_bench",
     "forward_bench",
     "offload_bench",
+    "serve_bench",
     "tensor_parallel",
     "tensor_parallel_bench",
 )
@@ -61,6 +66,7 @@ LIMITS_S = {
     "kernel_bench": 150,
     "forward_bench": 150,
     "offload_bench": 150,
+    "serve_bench": 150,
     "tensor_parallel": 120,
     "tensor_parallel_bench": 120,
 }
@@ -283,6 +289,42 @@ def offload_bench_stage(out: Path, python: str, quick: bool) -> Stage:
     )
 
 
+SERVE_PAIR = ("smollm2-135m", "smollm2-135m-q4")  # small enough to carry to a device
+
+
+def serve_bench_stage(out: Path, python: str, quick: bool) -> Stage:
+    """bench.serve, `ar` against `auto`, with the verifier on the GPU (its default device)."""
+    return Stage(
+        "serve_bench",
+        [
+            python,
+            "-m",
+            "bench.serve",
+            "--model",
+            SERVE_PAIR[0],
+            "--clients",
+            "ar,auto",
+            "--num-prompts",
+            "4" if quick else "8",
+            "--request-rate",
+            "inf",
+            "--max-tokens",
+            "48",
+            "--no-progress",
+            "--json",
+            str(out / "serve.json"),
+        ],
+        LIMITS_S["serve_bench"],
+        out / "serve.json",
+    )
+
+
+def _models_stored() -> bool:
+    from shared import model_store
+
+    return all(model_store.local_path(alias) is not None for alias in SERVE_PAIR)
+
+
 def plan(out: Path, python: str, stages: Sequence[str], quick: bool, slow: bool = False) -> list[Stage]:
     """The stages to run, in order."""
     wheels = sorted((ROOT / ".whl").glob("*.whl"))
@@ -292,6 +334,7 @@ def plan(out: Path, python: str, stages: Sequence[str], quick: bool, slow: bool 
         "kernel_bench": kernel_bench_stage(out, python, quick),
         "forward_bench": forward_bench_stage(out, python, quick),
         "offload_bench": offload_bench_stage(out, python, quick),
+        "serve_bench": serve_bench_stage(out, python, quick),
         "tensor_parallel": tensor_parallel_stage(out, python),
         "tensor_parallel_bench": tensor_parallel_bench_stage(out, python, quick),
     }
@@ -299,6 +342,8 @@ def plan(out: Path, python: str, stages: Sequence[str], quick: bool, slow: bool 
     for st in chosen:
         if st.name == "wheels" and not wheels:
             st.status = "skipped"
+        if st.name == "serve_bench" and not _models_stored():
+            st.status, st.note = "skipped", f"the model store holds no {' / '.join(SERVE_PAIR)} files"
     return chosen
 
 

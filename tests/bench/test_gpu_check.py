@@ -38,6 +38,7 @@ def test_dry_run_writes_the_plan(tmp_path: Path) -> None:
         "kernel_bench",
         "forward_bench",
         "offload_bench",
+        "serve_bench",
         "tensor_parallel",
         "tensor_parallel_bench",
     ]
@@ -46,6 +47,7 @@ def test_dry_run_writes_the_plan(tmp_path: Path) -> None:
     assert "--dtype bf16" in cmd["kernel_bench"] and "--dtype bf16" in cmd["forward_bench"]
     assert "--rows 1,2,4,8,16,32,64 --prefix 1024" in cmd["forward_bench"]
     assert "-m cuda or gpu" in cmd["tests"]
+    assert "bench.serve" in cmd["serve_bench"] and "--clients ar,auto" in cmd["serve_bench"]
     assert (tmp_path / "out" / "gpu_check.log").is_file()
 
 
