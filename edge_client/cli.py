@@ -309,7 +309,9 @@ async def _stream(
             from edge_client.record import write_record
 
             w = client.welcome
-            write_record(args.record, gen, w.model_id, w.vocab_fingerprint, args.mode, args.temperature)
+            # the record names the verification the tokens came from (auto: greedy or match)
+            mode = client.auto_mode(args.temperature).value if args.mode == "auto" else args.mode
+            write_record(args.record, gen, w.model_id, w.vocab_fingerprint, mode, args.temperature)
     return gen
 
 

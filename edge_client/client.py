@@ -524,18 +524,18 @@ class EdgeClient(Session):
         tree: TreeSpec | None,
     ) -> tuple[Mode, Request]:
         """The verification mode and the core's request of a generation; mode auto verifies as
-        `_auto_mode` says, drafts budgeted trees unless given a shape, and carries its plan."""
+        `auto_mode` says, drafts budgeted trees unless given a shape, and carries its plan."""
         plan: Plan | None = None
         if mode == "auto":
             plan = Plan(objective)
-            mode, tree = self._auto_mode(temperature), tree or TreeSpec("budget")
+            mode, tree = self.auto_mode(temperature), tree or TreeSpec("budget")
         mode = Mode(mode)
         req = self._request(mode, temperature, top_k, top_p, seed, tree or self.tree)
         if plan is not None and mode is not Mode.AR:
             req = dataclasses.replace(req, plan=plan)
         return mode, req
 
-    def _auto_mode(self, temperature: float) -> Mode:
+    def auto_mode(self, temperature: float) -> Mode:
         """The verification mode auto runs: greedy at temperature 0, match above (each the target's
         own output), or ar where the key allows neither or there is no drafter."""
         assert self.welcome is not None
