@@ -44,7 +44,7 @@ The forward time observed is the engine step's wall time (the packed forward, th
 the commit: what a round waits for), as `Verdict.verify_ms` reports it.
 
 Threads: `observe` (the engine's loop) takes a lock, updates the windows and publishes a new
-immutable `Snapshot`; every reader (`curve`, `forward_ms`, ... on any thread) reads the snapshot
+immutable `CostSnapshot`; every reader (`curve`, `forward_ms`, ... on any thread) reads the snapshot
 published last, without the lock.
 """
 
@@ -71,7 +71,7 @@ VERDICT_NODES = (0, 1, 2, 4, 8, 16, 32, 64)  # the keys of a verdict's forward_m
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class CostSnapshot:
     """The curve at one moment: ms at each bucket N (ascending, non-decreasing)."""
 
     nodes: tuple[int, ...]
@@ -105,7 +105,7 @@ class LiveCost:
         shape = monotone({int(n): float(v) for n, v in prior.items() if n >= 0})
         if 0 not in shape:
             shape = {0: shape[min(shape)], **shape}
-        self._prior = Snapshot(tuple(shape), tuple(shape.values()))
+        self._prior = CostSnapshot(tuple(shape), tuple(shape.values()))
         self._keys = tuple(sorted(n for n in shape if n >= 1))
         self.reach = max(TREE_REACH, self._keys[-1] if self._keys else 0)
         nodes = {0, *shape, *(1 << k for k in range(self.reach.bit_length()) if 1 << k <= self.reach)}
@@ -169,7 +169,7 @@ class LiveCost:
         priors = PRIOR_WEIGHT if self._seen.get(b, 0) <= PRIOR_WEIGHT else 0
         return statistics.median(own + [guess] * priors) if own else guess
 
-    def _build(self) -> Snapshot:
+    def _build(self) -> CostSnapshot:
         """The snapshot of the windows now (under the lock, or before anyone else sees self)."""
         pools = statistics.median(self._tree_pool), statistics.median(self._all_pool)
 
@@ -188,11 +188,11 @@ class LiveCost:
                 r = self._ratio(b, _between(b, near, settled) if near else pool(b))
             ms[b] = min(max(self.prior_ms(b) * r, MIN_MS), MAX_VERIFY_MS)
         mono = monotone(ms)
-        return Snapshot(tuple(mono), tuple(mono.values()))
+        return CostSnapshot(tuple(mono), tuple(mono.values()))
 
     # ------------------------------------------------------------------ reads (any thread)
     @property
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> CostSnapshot:
         return self._snap
 
     def curve(self) -> dict[int, float]:
@@ -238,7 +238,7 @@ def _ms(v: float) -> float:
     return min(max(round(v, 3), MIN_MS), MAX_VERIFY_MS)
 
 
-def _marginal(snap: Snapshot, nodes: int, other_rows: int) -> float:
+def _marginal(snap: CostSnapshot, nodes: int, other_rows: int) -> float:
     nodes, other = max(nodes, 0), max(other_rows, 0)
     whole = snap.at(other + nodes)
     alone = snap.at(other - 1) if other > 0 else 0.0

@@ -84,4 +84,5 @@ def test_the_edge_drafts_every_tree_mode_and_the_clis_offer_every_mode() -> None
         assert draft_mode(mode.value) is mode
     with pytest.raises(ValueError):
         draft_mode(Mode.AR)
-    assert set(_choices(build_parser(), "generate", "--mode")) == {m.value for m in Mode}
+    # every verification mode, and auto (the default: it picks greedy or match round by round)
+    assert set(_choices(build_parser(), "generate", "--mode")) == {m.value for m in Mode} | {"auto"}

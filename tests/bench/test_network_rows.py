@@ -27,7 +27,7 @@ OLD_KEYS = (
 )
 NEW_KEYS = (
     *("V_ms", "V_idle_ms", "V_idle_replay_ms", "idle_replay_diverged", "identical_to_ar", "T_b_ms", "p"),
-    *("stall_ms_per_round", "prefill_share_ms_per_token", "gap_ms"),
+    *("stall_ms_per_round", "prefill_share_ms_per_token", "decode_ms_per_token", "ttft_ms", "gap_ms"),
 )
 
 
@@ -124,9 +124,13 @@ def test_the_report_shows_where_the_time_goes(capsys: pytest.CaptureFixture[str]
         and "V idle ms" in header
         and "V idle replay" in header
     )
-    cells = line.split()[-8:]
+    cells = line.split()[-10:]  # V, V idle, V idle replay, T_b, p, stall, prefill, decode, TTFT, gap
     assert cells[2] == "-"  # no idle replay in this run
-    assert [float(x) for x in cells[:2] + cells[3:]] == [20.0, 15.0, 7.0, 0.667, 5.0, 15.0, 0.2]
+    assert [float(x) for x in cells[:2] + cells[3:7] + cells[9:]] == [20.0, 15.0, 7.0, 0.667, 5.0, 15.0, 0.2]
+    row = rows[0]
+    assert float(cells[7]) == pytest.approx(row["ms_per_token"] - 15.0, abs=1e-3)  # decode: after the prefill
+    ttft = row["ttft_ms"]  # None: these hand-built stats record no first-token time
+    assert cells[8] == "-" if ttft is None else float(cells[8]) == pytest.approx(ttft, abs=1e-3)
     assert json.loads(out.read_text())["rows"][0]["stall_ms_per_round"] == 5.0
 
 
