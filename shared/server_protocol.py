@@ -381,21 +381,27 @@ class ServerProtocol:
                 round=rnd,
             )
 
-    def _on_tree(self, msg: Tree, size: int) -> list[ServerEvent]:
-        """A tree frame of `size` bytes: verified at once, kept pending, stale or refused."""
-        r = msg.round
+    def _round_of(self, r: int, kind: str) -> ServerGeneration | None:
+        """A tree or stream round `r`: after every earlier round, of the generation running (None:
+        answered stale, sent before the client saw the done verdict: a race, not an error)."""
         if r <= self.last_round:
             raise ProtocolError(
                 ErrorCode.BAD_ORDER, f"round {r} is not after round {self.last_round}", "round", round=r
             )
         self.last_round = r
-        gen = self.gen
-        if gen is None:
+        if self.gen is None:
             if self.state is ServerState.IDLE and self.context:
-                # a tree sent before the client saw the done verdict: a race, not an error
                 self._send(Stale(r, "no generation"))
-                return []
-            raise ProtocolError(ErrorCode.BAD_ORDER, "a tree needs a prompt first", "type", round=r)
+                return None
+            raise ProtocolError(ErrorCode.BAD_ORDER, f"a {kind} needs a prompt first", "type", round=r)
+        return self.gen
+
+    def _on_tree(self, msg: Tree, size: int) -> list[ServerEvent]:
+        """A tree frame of `size` bytes: verified at once, kept pending, stale or refused."""
+        r = msg.round
+        gen = self._round_of(r, "tree")
+        if gen is None:
+            return []
         self._check_tree(msg.tree, gen.prompt.mode, "tree", r)
         if gen.cancelled:
             self._send(Stale(r, "cancelled"))
@@ -431,17 +437,9 @@ class ServerProtocol:
         """A stream round: started at once when nothing is in flight, else the one waiting for a
         miss (a later one replaces it)."""
         r = msg.round
-        if r <= self.last_round:
-            raise ProtocolError(
-                ErrorCode.BAD_ORDER, f"round {r} is not after round {self.last_round}", "round", round=r
-            )
-        self.last_round = r
-        gen = self.gen
+        gen = self._round_of(r, "stream")
         if gen is None:
-            if self.state is ServerState.IDLE and self.context:
-                self._send(Stale(r, "no generation"))  # sent before the client saw the done verdict
-                return []
-            raise ProtocolError(ErrorCode.BAD_ORDER, "a stream needs a prompt first", "type", round=r)
+            return []
         if gen.prompt.mode is Mode.AR:
             raise ProtocolError(ErrorCode.BAD_ORDER, "mode ar takes no streams: it streams", "type", round=r)
         if gen.cancelled:
