@@ -56,8 +56,9 @@ from cloud_verifier.http_protocol import with_header_timeout
 from cloud_verifier.kv_pool import layers_budget_gb, pool_size
 from cloud_verifier.live_cost import LiveCost
 from cloud_verifier.server_config import ServerConfig
-from cloud_verifier.session import ModelInfo, serve_session
+from cloud_verifier.session import ModelInfo
 from cloud_verifier.step import EngineConfig
+from cloud_verifier.ws_endpoint import serve_session
 from shared.errors import CloseCode
 from shared.model import Target, load_target
 from shared.model.target import streamed_config
