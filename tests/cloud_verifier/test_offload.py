@@ -424,6 +424,7 @@ def test_a_truncated_file_is_refused_at_start(tmp_path: Path) -> None:
     path = tmp_path / "t.gguf"
     write_llama_gguf(path, _tiny_model(layers=3))
     from shared.model.gguf_loader import open_gguf
+    from shared.model.offload_layout import _check_layers
 
     reader = open_gguf(path)
     c = make_tiny_config(num_layers=3)
@@ -434,7 +435,7 @@ def test_a_truncated_file_is_refused_at_start(tmp_path: Path) -> None:
     with cut.open("r+b") as f:
         f.truncate(layout.layers[-1].offset + 100)
     with pytest.raises(offload.OffloadError, match="truncated"):
-        offload._check_layers(layout.layers, cut)
+        _check_layers(layout.layers, cut)
 
 
 def test_a_corrupt_file_is_refused_and_never_gives_a_wrong_token(tmp_path: Path) -> None:
