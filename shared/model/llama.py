@@ -162,7 +162,7 @@ class LlamaModel(nn.Module):
     def set_attention(self, mode: str) -> None:
         """One of ATTENTION_MODES (see the class doc). Caches made before the switch still
         work (converted per layer, or through SDPA when they lack the kernel's tiled keys), at a cost."""
-        attention.check_mode(self, mode)
+        attention.check_mode(self.attention_spec, mode)
         self.attn_dtype = torch.float64 if mode == "float64" else self.dtype
         self._mode = mode
         self._backend = None
@@ -174,10 +174,18 @@ class LlamaModel(nn.Module):
         return self._mode
 
     @property
+    def attention_spec(self) -> attention.AttentionSpec:
+        """What the attention backends are told of this model: its heads, dtypes and device."""
+        c = self.config
+        return attention.AttentionSpec(
+            c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, self.attn_dtype, self.device
+        )
+
+    @property
     def attention_backend(self) -> attention.AttentionBackend:
         """The backend the mode chose (attention.choose), chosen once."""
         if self._backend is None:
-            self._backend = attention.choose(self, self._mode)
+            self._backend = attention.choose(self.attention_spec, self._mode)
         return self._backend
 
     @property
@@ -358,7 +366,7 @@ class LlamaModel(nn.Module):
         cached = [kv.cached_len(x.seq_id) for x in inputs]
         bounds = row_bounds(inputs)
         rows = attention.ForwardRows(inputs, cached, plans, bounds)
-        attend = attention.for_pool(self.attention_backend, kv).prepare(self, rows, kv)
+        attend = attention.for_pool(self.attention_backend, kv).prepare(self.attention_spec, rows, kv)
         tokens = torch.cat([x.tokens for x in inputs]).to(self.device)  # [T]
         positions = torch.cat([x.positions for x in inputs]).to(self.device)  # [T]
         write_slots = torch.cat([p.write for p in plans])  # [T]

@@ -13,8 +13,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from shared.model.archs import config_from_hf
 from shared.model.llama import LlamaModel
-from shared.model.model_config import ModelConfig, config_from_hf
+from shared.model.model_config import ModelConfig
 from shared.model.tokenizer import TargetTokenizer
 from shared.model.weights import WeightAssigner
 

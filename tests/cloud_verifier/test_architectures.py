@@ -6,9 +6,15 @@ from __future__ import annotations
 import pytest
 
 from shared.model import archs
-from shared.model.archs import ARCHITECTURES, Architecture, by_hf_model_type, by_name, register
+from shared.model.archs import (
+    ARCHITECTURES,
+    Architecture,
+    by_hf_model_type,
+    by_name,
+    config_from_hf,
+    register,
+)
 from shared.model.archs.llama import shard_llama_block
-from shared.model.model_config import config_from_hf
 
 HF = {
     "vocab_size": 64,

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from shared.model import attention, build_model, decode_step, make_tiny_config, prefill, triton_launch
-from shared.model.attention import AUTO_ORDER, BACKENDS, Attend, AttentionBackend, ForwardRows, Sdpa
+from shared.model.attention import (
+    AUTO_ORDER,
+    BACKENDS,
+    Attend,
+    AttentionBackend,
+    AttentionSpec,
+    ForwardRows,
+    Sdpa,
+)
 from shared.model.kv_cache import PagedKVCache
 from shared.model.llama import LlamaModel
 from treespec_kernels import cpu_attention
@@ -54,11 +62,11 @@ class Counting(AttentionBackend):
     def __init__(self) -> None:
         self.layers: list[int] = []
 
-    def usable(self, model: LlamaModel) -> bool:
+    def usable(self, spec: AttentionSpec) -> bool:
         return True
 
-    def prepare(self, model: LlamaModel, rows: ForwardRows, kv: PagedKVCache) -> Attend:
-        inner = BACKENDS["sdpa"].prepare(model, rows, kv)
+    def prepare(self, spec: AttentionSpec, rows: ForwardRows, kv: PagedKVCache) -> Attend:
+        inner = BACKENDS["sdpa"].prepare(spec, rows, kv)
 
         def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
             self.layers.append(layer)
