@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.harness import BenchPrompt
+from shared.prompts import BenchPrompt
 
 MANIFEST = "manifest.json"
 RECORDS = "records"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness import HUMANEVAL, PROMPTS, BenchPrompt, load_humaneval
+from shared.prompts import HUMANEVAL, PROMPTS, BenchPrompt, load_humaneval
 
 SPLIT_FILE = Path(__file__).resolve().parent / "data" / "split.json"
 HELDOUT = 1 / 3  # share of each category held out
@@ -137,7 +137,7 @@ def first_per_category(prompts: Sequence[BenchPrompt], per_category: int = 0) ->
 
 
 def write_prompts(path: Path, split: Split, which: str = "heldout", per_category: int = 0) -> int:
-    """One side of `split` as a JSONL prompt file (bench.harness.load_prompt_file's forms: a chat
+    """One side of `split` as a JSONL prompt file (shared.prompts.load_prompt_file's forms: a chat
     prompt as Spec-Bench's {question_id, category, turns}, a raw one as HumanEval's {task_id,
     category, prompt}), the first `per_category` of each category (0: all); the number written."""
     lines = []
