@@ -1,11 +1,17 @@
-"""No import cycle in the project's packages, counting imports at module level and inside functions.
+"""No import cycle in the project's packages, and no import up the layers.
 
 The graph: a node per module (`pkg/__init__.py` is `pkg`); `import a.b` adds an edge to `a.b`;
 `from a import b` adds one to `a.b` when that is a module of the project, else to `a` (a name
-defined or re-exported by `a`); relative imports are resolved. The implicit import of a parent
-package by its submodules is not an edge: a package's `__init__` re-exporting its submodules is
-fine, a submodule taking a name from its own package's `__init__` is not. Imports under
-`if TYPE_CHECKING:` are not edges (they never run).
+defined or re-exported by `a`); relative imports are resolved. Every import statement counts:
+at module level, inside functions, and under `if TYPE_CHECKING:` (a name a module's annotations
+need is a dependency of its design even when it is never imported at run time). The implicit
+import of a parent package by its submodules is not an edge: a package's `__init__` re-exporting
+its submodules is fine, a submodule taking a name from its own package's `__init__` is not.
+
+The layers, bottom-up (docs/architecture.md §1): `treespec_kernels`, `shared`, then
+`edge_client` and `cloud_verifier` side by side (neither imports the other), `draft_training`,
+`bench`. A module imports its own package and the packages of lower layers only. `tests/` and
+`scripts/` sit above all of them and are not checked.
 """
 
 from __future__ import annotations
@@ -15,6 +21,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("edge_client", "cloud_verifier", "shared", "treespec_kernels", "bench", "draft_training")
+# bottom-up; packages in one layer may not import each other
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("treespec_kernels",),
+    ("shared",),
+    ("edge_client", "cloud_verifier"),
+    ("draft_training",),
+    ("bench",),
+)
 
 
 def module_name(path: Path) -> str:
@@ -43,25 +57,12 @@ def _resolve(module: str, is_package: bool, level: int, target: str | None) -> s
     return ".".join([*base, target] if target else base)
 
 
-def _type_checking_only(tree: ast.Module) -> set[ast.AST]:
-    """The import statements inside `if TYPE_CHECKING:` blocks."""
-    skip: set[ast.AST] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for stmt in node.body:
-                skip.update(ast.walk(stmt))
-    return skip
-
-
 def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the project modules it imports (anywhere in its body)."""
+    """module -> the project modules it imports (anywhere in its body, TYPE_CHECKING blocks too)."""
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        skip = _type_checking_only(tree)
         for node in ast.walk(tree):
-            if node in skip:
-                continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -155,29 +156,56 @@ def reaches(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def _layer_violations(graph: dict[str, set[str]], package: str, forbidden: tuple[str, ...]) -> list[str]:
-    return sorted(
-        f"{m} -> {w}"
-        for m in graph
-        if m.split(".")[0] == package
-        for w in graph[m]
-        if w.split(".")[0] in forbidden
-    )
+def layer_violations(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...] = LAYERS) -> list[str]:
+    """Every edge from a package to one of a higher layer or to another package of its own layer."""
+    rank = {pkg: i for i, layer in enumerate(layers) for pkg in layer}
+    out = []
+    for m in graph:
+        src = m.split(".")[0]
+        for w in graph[m]:
+            dst = w.split(".")[0]
+            if dst != src and rank[dst] >= rank[src]:
+                out.append(f"{m} -> {w}")
+    return sorted(out)
 
 
-def test_the_layer_check_sees_a_violation() -> None:
-    graph = {"edge_client.a": {"shared.x"}, "shared.x": set(), "edge_client.b": {"cloud_verifier.y"}}
-    assert _layer_violations(graph, "edge_client", ("cloud_verifier",)) == [
-        "edge_client.b -> cloud_verifier.y"
+def test_the_layer_check_sees_upward_and_sideways_imports() -> None:
+    graph = {
+        "shared.x": {"treespec_kernels.k", "shared.y"},
+        "shared.y": set(),
+        "treespec_kernels.k": set(),
+        "edge_client.a": {"shared.x"},
+        "edge_client.b": {"cloud_verifier.v"},
+        "cloud_verifier.v": {"shared.y"},
+        "draft_training.d": {"bench.h", "edge_client.a"},
+        "bench.h": {"draft_training.d"},
+    }
+    assert layer_violations(graph) == ["draft_training.d -> bench.h", "edge_client.b -> cloud_verifier.v"]
+    assert layer_violations({"treespec_kernels.k": {"shared.x"}, "shared.x": set()}) == [
+        "treespec_kernels.k -> shared.x"
     ]
     assert reaches({"a": {"b"}, "b": {"c"}, "c": set()}, "a") == {"b", "c"}
 
 
-def test_the_edge_never_imports_the_verifier_and_shared_imports_neither_side() -> None:
-    """An app embedding the edge SDK must not pull in the verifier (docs/architecture.md §1)."""
+def test_the_graph_counts_type_checking_and_function_imports(tmp_path: Path) -> None:
+    (tmp_path / "low.py").write_text("X = 1\n")
+    (tmp_path / "mid.py").write_text("def f() -> None:\n    import top\n")
+    (tmp_path / "top.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from mid import f\nimport low\n"
+    )
+    graph = import_graph({n: tmp_path / f"{n}.py" for n in ("low", "mid", "top")})
+    assert graph == {"low": set(), "mid": {"top"}, "top": {"mid", "low"}}
+    assert find_cycles(graph) == [["mid", "top"]]
+
+
+def test_every_package_has_a_layer() -> None:
+    assert sorted(p for layer in LAYERS for p in layer) == sorted(PACKAGES)
+
+
+def test_no_import_goes_up_the_layers() -> None:
+    """An app embedding the edge SDK must not pull in the verifier, the model code runs on both
+    sides, and the training and the benches sit on top (docs/architecture.md §1)."""
     graph = import_graph(project_modules())
-    assert _layer_violations(graph, "edge_client", ("cloud_verifier", "bench")) == []
-    assert _layer_violations(graph, "cloud_verifier", ("edge_client", "bench")) == []
-    assert _layer_violations(graph, "shared", ("edge_client", "cloud_verifier", "bench")) == []
+    assert layer_violations(graph) == []
     # the torch drafter runs the model code from shared
     assert "shared.model.llama" in reaches(graph, "edge_client.drafters.torch_drafter")
