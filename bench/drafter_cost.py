@@ -105,7 +105,7 @@ class BusyVerifier:
             self.error = exc
 
     async def _loop(self) -> None:
-        from edge_client.session import WebSocketTransport
+        from edge_client.transports import WebSocketTransport
 
         ws = await WebSocketTransport.connect(self.url)
         try:

@@ -23,10 +23,10 @@ from tqdm import tqdm
 
 from bench.e2e_results import ModeRuns, merge_results, print_report, report
 from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, suite_from_args, write_result
+from bench.shaper import LinkShape
 from edge_client.client import EdgeClient, GenerationResult, PrespecConfig, TreeSpec
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import backend_choices, create_drafter
-from edge_client.session import LinkShape
 from shared.messages import Mode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.tree import ExpansionConfig

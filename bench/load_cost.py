@@ -85,8 +85,8 @@ async def record(
     """Generate every prompt once with a real edge client in `mode_name`; its hello frame and the
     generations' scripts."""
     from bench.e2e import variants
+    from bench.shaper import LinkShape
     from edge_client.client import EdgeClient
-    from edge_client.session import LinkShape
     from shared.tree import ExpansionConfig
 
     v = variants([mode_name], ExpansionConfig.parse(tree_text))[mode_name]
@@ -128,7 +128,7 @@ async def record(
 async def client_loop(
     url: str, hello: bytes, scripts: Sequence[Script], client: int, offset: int, tally: Tally
 ) -> None:
-    from edge_client.session import WebSocketTransport
+    from edge_client.transports import WebSocketTransport
 
     ws = await WebSocketTransport.connect(url)
     try:

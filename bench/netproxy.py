@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from edge_client.session import DelayLine
+from bench.shaper import DelayLine
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, d: DelayLine) -> None:

@@ -49,11 +49,11 @@ from bench.network_report import (
     write_trace,
 )
 from bench.replay import Recorders, replay_idle
+from bench.shaper import LinkShape
 from edge_client.client import GenerationResult
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import backend_choices, create_drafter
-from edge_client.session import LinkShape
 from edge_client.stats import GenerationStats
 from shared.messages import Mode
 from shared.model.target import resolve_weights

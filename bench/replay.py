@@ -233,7 +233,7 @@ class Recorders:
 
     def factory(self, mode: str) -> Callable[[], Awaitable[RecordingTransport]]:
         async def make() -> RecordingTransport:
-            from edge_client.session import WebSocketTransport
+            from edge_client.transports import WebSocketTransport
 
             r = RecordingTransport(await WebSocketTransport.connect(self.url, api_key=self.api_key))
             self.transports.setdefault(mode, []).append(r)
@@ -258,7 +258,7 @@ class Recorders:
 async def replay_idle(rec: Recorders, modes: Sequence[str]) -> dict[str, Tally]:
     """Each of `modes`' recorded generations once, eagerly, on a session of its own, with nothing
     drafting (replay_once): the verifier's time for the same rounds with the edge idle."""
-    from edge_client.session import WebSocketTransport
+    from edge_client.transports import WebSocketTransport
 
     out: dict[str, Tally] = {}
     for mode in modes:

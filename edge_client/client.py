@@ -32,12 +32,10 @@ from edge_client.session import (
     RESUMABLE_CLOSES,
     ConnectionLost,
     GenerationError,
-    LinkShape,
     ProtocolViolation,
     ResumeConfig,
     Session,
     Timeouts,
-    Transport,
     VerifierTimeout,
 )
 from edge_client.speculation import (
@@ -54,6 +52,7 @@ from edge_client.speculation import (
 from edge_client.speculation.auto import Plan
 from edge_client.stats import GenerationResult, GenerationStats, RoundTrace
 from edge_client.tokenizer import ChatMessage, EdgeTokenizer, IncrementalDetokenizer, as_messages, find_stop
+from edge_client.transports import Link, Transport
 from edge_client.trees import Coupling, Sampling
 from shared.errors import ErrorCode, ProtocolError
 from shared.messages import Mode, Prompt, Verdict
@@ -168,7 +167,7 @@ class EdgeClient(Session):
                 per drafter (a merged round then costs the slowest drafter's time, given the cores);
                 default: in turn on the one drafting thread
     prespec:    pre-speculate conditional trees while a round is in flight (True: defaults)
-    link:       emulate a network link in-process (one-way delays, jitter, bandwidth)
+    link:       wraps the transport, e.g. an emulated network link (bench.shaper.LinkShape)
     transport:  an async factory of the byte transport (default: a WebSocket to `server`)
     couple:     in mode match at temperature > 0, draft with the verifier's keyed uniforms
                 (edge_client.trees.Coupling): the first child at each node is the token the target
@@ -191,7 +190,7 @@ class EdgeClient(Session):
         api_key: str | None = None,
         tree: TreeSpec | Sequence[TreeSpec] | None = None,
         prespec: bool | PrespecConfig = False,
-        link: LinkShape | None = None,
+        link: Link | None = None,
         transport: Callable[[], Awaitable[Transport]] | None = None,
         wire_top_k: int = 48,
         couple: bool = True,

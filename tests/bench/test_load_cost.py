@@ -18,7 +18,7 @@ from bench.harness import load_suite
 from bench.load_cost import FlatRound, predict_flat
 from bench.replay import Script, Step, Tally, renumbered, replay_once, script_from_log
 from edge_client.drafters.registry import create_drafter
-from edge_client.session import WebSocketTransport
+from edge_client.transports import WebSocketTransport
 from shared.messages import Hello, Mode, Prompt, Tree, Verdict, decode, encode
 from shared.tree import TokenTree
 from tests.cloud_verifier.service import LiveServer

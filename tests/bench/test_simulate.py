@@ -483,9 +483,9 @@ def record_small_pair(
     llama.cpp export drafting), tree + pre-speculation over an emulated RTT; greedy, or seeded
     match at `temperature`."""
     from bench.harness import load_prompts
+    from bench.shaper import LinkShape
     from edge_client.client import EdgeClient, TreeSpec
     from edge_client.drafters.registry import create_drafter
-    from edge_client.session import LinkShape
     from shared.model import load_target
     from tests.cloud_verifier.service import LiveServer
 

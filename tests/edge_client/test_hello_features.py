@@ -7,7 +7,7 @@ import asyncio
 from collections import deque
 
 from edge_client.client import EdgeClient
-from edge_client.session import TransportClosed
+from edge_client.transports import TransportClosed
 from shared.errors import ErrorCode
 from shared.messages import FEATURES, Error, Hello, Mode, SessionLimits, Welcome, decode, encode
 from tests.edge_client.fake_drafter import FakeDrafter

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bench.shaper import LinkShape
 from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
 from edge_client.drafters import WorkspaceFullError
 from edge_client.drafters.registry import create_drafter
-from edge_client.session import LinkShape
 from edge_client.stats import GenerationStats
 from edge_client.trees import (
     Coupling,

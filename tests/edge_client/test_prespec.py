@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from bench.harness import load_prompts
+from bench.shaper import LinkShape
 from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
-from edge_client.session import LinkShape
 from edge_client.speculation.estimates import ChoiceModel
 from edge_client.speculation.outcomes import (
     geometric_fanout,

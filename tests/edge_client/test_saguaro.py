@@ -191,9 +191,9 @@ def test_a_prespeculating_client_drafts_with_saguaro_and_the_verifier_takes_its_
     it sends, conditional ones included."""
     import asyncio
 
+    from bench.shaper import LinkShape
     from edge_client.client import EdgeClient
     from edge_client.drafters.registry import create_drafter
-    from edge_client.session import LinkShape
     from edge_client.speculation import TreeSpec
     from shared.messages import Mode
     from tests.cloud_verifier.service import LiveServer

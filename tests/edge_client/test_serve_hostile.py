@@ -22,10 +22,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from bench.shaper import LinkShape
 from edge_client.client import EdgeClient
 from edge_client.drafters.registry import create_drafter
 from edge_client.serve import create_app
-from edge_client.session import LinkShape, Transport, WebSocketTransport
+from edge_client.transports import Transport, WebSocketTransport
 from tests.cloud_verifier.service import LiveServer, reference, tiny
 from tests.edge_client.fake_drafter import FakeDrafter
 from tests.edge_client.local_server import served
