@@ -196,6 +196,22 @@ def test_every_readme_command_checks() -> None:
     assert not errors, "\n".join(errors)
 
 
+def test_python_imports_resolve() -> None:
+    # the README's ```python blocks: every `from X import a, b` names what the package has
+    imports = []
+    for block in re.findall(r"^```python\s*\n(.*?)^```", README.read_text(), re.M | re.S):
+        imports += re.findall(r"^from [\w.]+ import [\w, ]+$", block, re.M)
+    assert imports
+    proc = subprocess.run(
+        [_python(), "-c", "\n".join(imports)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=HELP_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_links_resolve() -> None:
     pages = [README, *sorted((REPO / "docs").glob("*.md"))]
     errors = [e for p in pages for e in link_errors(p)]
