@@ -1,7 +1,7 @@
 """`python -m bench.drafter_cost`: the drafter's cost per evaluation against its rows, on one thread,
 with the verifier idle and with it busy on the other core.
 
-What the outcome cache plans against (issue 31): on a GPU a batch of rows costs about one row, on
+What the outcome cache plans against: on a GPU a batch of rows costs about one row, on
 a CPU it does not, and on one machine the verifier's forwards beside the drafter take memory
 bandwidth and cache from it. For each backend (llama.cpp on the GGUF, the ONNX int8 export) and
 each row count n: the median ms of one evaluation of n rows (n children of the committed end, the

@@ -1,4 +1,4 @@
-"""`python -m bench.gpu_check OUTDIR`: the one prepared GPU check (issue 20, item 4), which
+"""`python -m bench.gpu_check OUTDIR`: the one prepared GPU check, which
 `scripts/gpu_check.sh OUTDIR` runs on a bare machine that has the repository and no network.
 
 Stages, each a subprocess under `timeout` within one global budget (default 450 s, well under 8

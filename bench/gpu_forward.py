@@ -1,5 +1,5 @@
 """`python -m bench.gpu_forward`: ms per verify forward at N = 1..64 rows and decode tokens/s of a
-target of Qwen2.5-Coder-1.5B's exact shape, on a GPU in bf16 (issue 20, item 4).
+target of Qwen2.5-Coder-1.5B's exact shape, on a GPU in bf16.
 
 The weights are random (seeded, drawn on the device): the 1.5B's GGUF (~1 GB) cannot travel to a
 machine with no network, and a forward's time does not depend on the weights' values, only on

@@ -1,6 +1,6 @@
 """`python -m bench.load`: N concurrent edge sessions against the verifier, batched vs unbatched.
 
-What continuous batching buys (issue 5, docs/architecture.md §6): each of N clients loops over Spec-Bench
+What continuous batching buys (docs/architecture.md §6): each of N clients loops over Spec-Bench
 prompts (prompt -> tree rounds until done -> next prompt) with trees from the prompt-lookup
 proposer (`bench.proposer`, no draft model, so the clients cost next to nothing and the verifier
 is what is measured). Without `--url` the bench starts the service in this process and runs the

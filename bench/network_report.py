@@ -21,10 +21,8 @@ OPTIONAL = (
     "tree_prespec_frugal",
     "tree_prespec_single",
     "tree_prespec_cache",
-    "tree_prespec_batch",
     "tree_prespec_fulltree",
     "tree_prespec_chain",
-    "tree_prespec_old",
     "tree_prespec_top",
     "tree_prespec_uniform",
     "sequence_prespec",
@@ -64,7 +62,7 @@ TIME_KEYS = (
 )
 
 
-# issue 31's goals at RTT 50, co-located: a pre-speculating mode's ms/token against ar's, by T
+# the goals at RTT 50, co-located: a pre-speculating mode's ms/token against ar's, by temperature
 GOAL_X_AR = {0.0: 0.35, 0.7: 0.45}
 
 

@@ -1,4 +1,4 @@
-"""`python -m bench.offload`: a target larger than memory (issue 36), SpecInfer's Figure 8 analog.
+"""`python -m bench.offload`: a target larger than memory, SpecInfer's Figure 8 analog.
 
 For each resident budget (a fraction of the layers' bytes: 1, 0.5, 0.25, 0.1) the verifier keeps
 that much of the target in memory and streams the rest of its layers for every forward (`serve

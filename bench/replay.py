@@ -3,7 +3,7 @@ had taken up, played back to a verifier with no drafter running.
 
 bench.load --cloud-cost records once and replays with M clients (the cloud's cost at saturation);
 bench.network --idle-replay replays each tree mode's generations once, right after the block, to
-measure the verifier's time for the same rounds with the edge idle (issue 31, item 7)."""
+measure the verifier's time for the same rounds with the edge idle."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def compare(
 def learning_curve(path: Path) -> list[dict[str, Any]]:
     """Held-out top-1 and simulated tau by step and the teacher tokens trained on, from a distill
     run's train.json or a trained draft's .json. The tokens are counted (`train_tokens_counted`):
-    from the evaluations (runs since 2026-12-06), else from the run's records and seed when they are
+    from the evaluations when the run counted them, else from the run's records and seed when they are
     on this machine; otherwise estimated as steps x batch x the recipe's tokens a record (an upper
     bound: records that end at EOS are shorter)."""
     doc_path = path / "train.json" if path.is_dir() else path
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m bench.speculators",
         description="Top-1..5 coverage of the teacher's tokens by each draft on held-out records, with "
         "Wilson intervals and McNemar against the first draft, the learning curve, and (--parts e2e) "
-        "tau and ms/token end to end (issue 34's Table 1).",
+        "tau and ms/token end to end.",
     )
     ap.add_argument(
         "--records",

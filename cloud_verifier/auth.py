@@ -7,7 +7,7 @@ generated tokens per minute, a token bucket of one minute's worth; a generation 
 e.g.
 
     # the mobile app
-    k-3f9a1c trusted sessions=4 tokens_per_min=20000  # rotated 2026-11
+    k-3f9a1c trusted sessions=4 tokens_per_min=20000  # the current key
     k-7b#e2 sessions=1
 
 A comment is a word that begins with `#`: a line whose first word does, or anything after a `#`

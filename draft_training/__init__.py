@@ -1,4 +1,4 @@
-"""Training drafts for a target (issue 34): distillation from the target's own outputs.
+"""Training drafts for a target: distillation from the target's own outputs.
 
 `python -m draft_training` (`draft-training`) runs the steps:
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issue 20, item 4): scripts/gpu_check.sh OUTDIR [bench.gpu_check options]
+# The one prepared GPU check: scripts/gpu_check.sh OUTDIR [bench.gpu_check options]
 #
 # From a bare machine with the repository (no network): installs the wheels of a .whl/ folder in the
 # repository if there is one (pip --no-index), runs the CUDA tests, the tree-attention

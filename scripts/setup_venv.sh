@@ -34,7 +34,7 @@ LLAMA_CPP_CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EX
 LLAMA_CPP_CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF"
 LLAMA_CPP_CMAKE_ARGS="$LLAMA_CPP_CMAKE_ARGS '-DCMAKE_PROJECT_llama.cpp_INCLUDE=$LEAN_CMAKE'"
 # On CPUs with AMX (Sapphire Rapids and later) llama.cpp's native build repacks weights for its AMX
-# backend, whose matmul segfaults on the first evaluation here (llama.cpp issue 20824; every
+# backend, whose matmul segfaults on the first evaluation here (github.com/ggml-org/llama.cpp/issues/20824; every
 # llama.cpp draft and test crashed on such a machine). Build without AMX there: explicit -mno-amx-*
 # flags win over the -march=native of GGML_NATIVE, and AVX-512/VNNI/BF16 stay on.
 NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"

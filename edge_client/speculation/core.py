@@ -341,7 +341,7 @@ class SpeculationCore:
         level at a time, budget shapes a best-first round at a time). Budget shapes join the
         lockstep in greedy only: in match the coupled ranking of every node is dear, and on the
         real pair at T 0.7 the batch cost more drafting than it saved (312.8 against 274.4
-        ms/token one at a time, bench/results/2026-12-04/issue31_lockstep_t07.json)."""
+        ms/token one at a time: the lockstep drafting table of docs/results.md)."""
         cfg = self.prespec
         assert cfg is not None
         lockstep = self.req.tree.kind != "budget" or self.req.mode is Mode.GREEDY

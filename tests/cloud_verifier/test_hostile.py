@@ -1,5 +1,5 @@
 """Hostile clients against a live verifier: each bad input fails alone, and a concurrent honest
-session's output stays exactly the target's (issue 18, items 4 and 5)."""
+session's output stays exactly the target's."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile clients of the verifier's OpenAI API (issue 30): a client that leaves frees its slot and
+"""Hostile clients of the verifier's OpenAI API: a client that leaves frees its slot and
 KV cache at once, a huge prompt never freezes the event loop, a key's tokens_per_min bounds what
 its requests cost (prompt included, reserved at admission), client mistakes are 400s naming the
 parameter, and an honest session running beside all this still gets exactly the target's tokens."""

@@ -1,4 +1,4 @@
-"""The device path of verification (issue 20, item 2): sync-free walks give the early-stopping
+"""The device path of verification: sync-free walks give the early-stopping
 walk's verdicts bit for bit, read nothing back per node or per draw, and an engine step reads every
 verdict with one copy. On a CPU the syncs are counted as calls that would wait for a GPU; on a GPU
 (`cuda` marker) torch's sync debug mode turns any of them into an error."""

@@ -3,7 +3,7 @@
 They cannot agree exactly: llama.cpp quantizes activations to 8 bits in every matmul and keeps K/V
 in fp16, torch computes in fp32. Compared: the next-token distribution after each prompt and at
 every evaluated node of the default tree ⟨1,1,3,1,1,1,1,1⟩ drafted by llama.cpp (the same tree
-re-evaluated by torch), 5 prompts, 90 rows. Measured on the 30-block model (2026-11-29):
+re-evaluated by torch), 5 prompts, 90 rows. Measured on the 30-block model:
 
     total variation  mean 0.031, p95 0.064, max 0.102
     top-1 agreement  91 %; every disagreement a near-tie (torch's top-2 gap 0.007 .. 0.075)

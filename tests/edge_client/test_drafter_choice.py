@@ -34,8 +34,8 @@ from shared import model_store
 from shared.gguf_check import GGUFError
 from tests.edge_client.fake_drafter import FakeDrafter
 
-# bench/results/2026-12-02/onnx_qwen.json on a quiet machine: decode 25.4 vs 25.1 tok/s, a level of
-# 8 rows 159 vs 94 ms (llama.cpp Q4_K_M vs ONNX int8)
+# the Qwen draft measured on a quiet machine (docs/results.md): decode 25.4 vs 25.1 tok/s, a level
+# of 8 rows 159 vs 94 ms (llama.cpp Q4_K_M vs ONNX int8)
 QWEN = {LLAMA_CPP: {1: 39.4, 8: 158.6}, ONNX: {1: 39.8, 8: 94.0}}
 
 
