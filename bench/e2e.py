@@ -94,20 +94,12 @@ def _variants(tree: ExpansionConfig) -> dict[str, Variant]:
         "sequence_prespec_single": Variant(tree=TreeSpec("sequence", tree), prespec=PrespecConfig(batch=1)),
         # the outcome cache on (default off): the likeliest outcome alone, then chains planned to the verdict
         "tree_prespec_cache": Variant(tree=TreeSpec("static", tree), prespec=PrespecConfig(cache=True)),
-        # the outcome cache off, as the default (kept as a name for the A/B tables of 2026-12-03)
-        "tree_prespec_batch": Variant(tree=TreeSpec("static", tree), prespec=PrespecConfig(cache=False)),
         # the miss path: always the configured tree, or always the best chain (default: priced, auto)
-        "tree_prespec_fulltree": Variant(
-            tree=TreeSpec("static", tree), prespec=PrespecConfig(cache=True, backup="tree")
-        ),
+        "tree_prespec_fulltree": Variant(tree=TreeSpec("static", tree), prespec=PrespecConfig(backup="tree")),
         "tree_prespec_chain": Variant(tree=TreeSpec("static", tree), prespec=PrespecConfig(backup="chain")),
-        # as before the outcome cache and the priced miss path (issue 31's baseline)
-        "tree_prespec_old": Variant(
-            tree=TreeSpec("static", tree), prespec=PrespecConfig(cache=False, backup="tree")
-        ),
         "budget": Variant(tree=TreeSpec("budget")),
         "budget_prespec": Variant(tree=TreeSpec("budget"), prespec=True),
-        # budget trees pre-speculated one at a time (as before they joined the lockstep), or with
+        # budget trees pre-speculated one at a time instead of in lockstep batches, or with
         # the outcome cache (the likeliest outcome's budget tree, then chains planned to the verdict)
         "budget_prespec_single": Variant(tree=TreeSpec("budget"), prespec=PrespecConfig(batch=1)),
         "budget_prespec_cache": Variant(tree=TreeSpec("budget"), prespec=PrespecConfig(cache=True)),
