@@ -74,6 +74,9 @@
 #ifndef TREESPEC_PREFETCH_ROWS
 #define TREESPEC_PREFETCH_ROWS 4
 #endif
+#ifndef TREESPEC_PREFETCH_TILES
+#define TREESPEC_PREFETCH_TILES 1  // the AVX-512 tiles: tiles of eight weight rows ahead
+#endif
 
 namespace {
 
@@ -409,20 +412,28 @@ void k_rows4(int64_t t, const uint8_t* row, int64_t in, const int8_t* const* xq4
 
 #if defined(TREESPEC_AVX512)
 // ---------------------------------------------------------------------------------------------------
-// The K types with AVX-512: a super-block as four 64-value pieces (piece e: values 64 e .. 64 e + 63
-// of the activation row), each a zmm of the weight's integers (Q4_K: 0..15; Q6_K: |q - 32|, with a
-// mask of the negative ones) and a zmm of the int16 sub-block scales matching maddubs' 32 pairs.
-// Per activation row and piece: maddubs (pairs of u8 * s8 in int16: at most 2 * 32 * 127, no
-// saturation) then dpwssd (int16 pairs times the scales, added in int32: exact, see k_sums' bounds).
-// The int32 lanes sum to the same totals A as the AVX2 path's, so the float chain sees the same
-// numbers.
-struct KPieces {
+// The K types with AVX-512: tiles of O weight rows x N activation rows (O * N <= 8), one pass over
+// the weight rows for up to eight activation rows, whatever N is: a product of 1..8 rows costs one
+// pass, 9..16 two, and so on (no row runs alone because the count is not a multiple of four).
+//
+// A super-block is four 64-value pieces (piece e: values 64 e .. 64 e + 63 of the activation row),
+// each a zmm of the weight's unsigned integers (Q4_K: 0..15; Q6_K: q, 0..63, the offset 32 taken
+// out below) and a zmm of the int16 sub-block scales matching maddubs' 32 pairs. Per activation
+// row and piece: maddubs (u8 * s8 pairs in int16: at most 2 * 63 * 127, no saturation) then
+// dpwssd (int16 pairs times the scales, added in int32). Q6_K's offset: A = sum_i sc_i * (sum q x
+// - 32 sum x) over its 16 sub-blocks of 16, the second part from the row's sums of 16 (madd of
+// the 16 scales with them). Bounds: |A| < 2^28 for both types, every partial sum too.
+//
+// The lanes of a tile, i = o * P + n (P = 8 / O), hold one (output, row) pair each: the eight
+// int32 accumulators are reduced together into one ymm of totals A (and Q4_K's mins M), and the
+// float chain of every pair runs in its lane, each lane doing exactly k_step's operations. The
+// integers are the plain path's, and so are the bits.
+struct KBlock {
   __m512i w[4];
   __m512i s[4];
-  __mmask64 neg[4];
-  int32_t mn[8];  // Q4_K's mins
+  __m256i sc16;  // Q6_K: the 16 scales as int16
+  __m128i mn16;  // Q4_K: the 8 mins as int16
 };
-
 
 // lanes 8 q .. 8 q + 7 of 32 int16 take entry `first + q` of a table of int16 (q = 0..3), or, with
 // `wide`, lanes 16 q .. 16 q + 15 take entry `first + q` (q = 0, 1)
@@ -432,117 +443,203 @@ inline __m512i spread_index(int first, bool wide) {
   return _mm512_load_si512(idx);
 }
 
-inline void k_unpack(int64_t t, const uint8_t* blk, KPieces& p) {
-  static const __m512i wide_idx[4] = {spread_index(0, true), spread_index(2, true), spread_index(4, true),
-                                      spread_index(6, true)};
-  static const __m512i narrow_idx[4] = {spread_index(0, false), spread_index(4, false),
-                                        spread_index(8, false), spread_index(12, false)};
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  if (t == Q4_K) {
+// the scale spreads of the four pieces: Q4_K's sub-blocks of 32, Q6_K's of 16 (set at load time,
+// so that the unpacking has no guard of a function-local static to check)
+const __m512i k_wide_idx[4] = {spread_index(0, true), spread_index(2, true), spread_index(4, true),
+                               spread_index(6, true)};
+const __m512i k_narrow_idx[4] = {spread_index(0, false), spread_index(4, false), spread_index(8, false),
+                                 spread_index(12, false)};
+
+template <int64_t T>
+inline void k_unpack(const uint8_t* blk, KBlock& p) {
+  const __m512i* wide_idx = k_wide_idx;
+  const __m512i* narrow_idx = k_narrow_idx;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  if constexpr (T == Q4_K) {
     uint64_t sc, mn;
     q4k_scales_packed(blk + 4, &sc, &mn);
-    for (int k = 0; k < 8; ++k) p.mn[k] = int32_t((mn >> (8 * k)) & 0xFF);
+    p.mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
     const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
-    for (int g = 0; g < 4; ++g) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * g));
-      const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-      p.w[g] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      p.s[g] = _mm512_permutexvar_epi16(wide_idx[g], sc16);
-      p.neg[g] = 0;
-    }
-    return;
-  }
+    // bytes 16..143: 32 g + i holds value 64 g + i (low nibble) and 64 g + 32 + i (high)
+    const __m512i v01 = _mm512_loadu_si512(blk + 16), v23 = _mm512_loadu_si512(blk + 80);
+    const __m512i lo01 = _mm512_and_si512(v01, m4), hi01 = _mm512_and_si512(_mm512_srli_epi16(v01, 4), m4);
+    const __m512i lo23 = _mm512_and_si512(v23, m4), hi23 = _mm512_and_si512(_mm512_srli_epi16(v23, 4), m4);
+    // piece g: values 64 g .. 64 g + 63 = low nibbles of chunk g, then its high nibbles
+    p.w[0] = _mm512_shuffle_i64x2(lo01, hi01, 0x44);  // lo01[0:256], hi01[0:256]
+    p.w[1] = _mm512_shuffle_i64x2(lo01, hi01, 0xEE);  // lo01[256:512], hi01[256:512]
+    p.w[2] = _mm512_shuffle_i64x2(lo23, hi23, 0x44);
+    p.w[3] = _mm512_shuffle_i64x2(lo23, hi23, 0xEE);
+    for (int g = 0; g < 4; ++g) p.s[g] = _mm512_permutexvar_epi16(wide_idx[g], sc16);
+  } else {
   // Q6_K: ql[128], qh[64], scales[16] (int8), d
-  const __m512i sc16 = _mm512_castsi256_si512(
-      _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
-  const __m512i m4w = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(3), k32 = _mm512_set1_epi8(32);
+  const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+  p.sc16 = sc;
+  const __m512i sc16 = _mm512_castsi256_si512(sc);
+  const __m512i m2 = _mm512_set1_epi8(3);
   for (int h = 0; h < 2; ++h) {
     const __m512i L = _mm512_loadu_si512(blk + 64 * h);  // l0 | l1
     const __m512i H = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
     for (int q = 0; q < 2; ++q) {  // piece 2 h + q: chunks 2 q (l0) and 2 q + 1 (l1) of this half
-      const __m512i low = q == 0 ? _mm512_and_si512(L, m4w) : _mm512_and_si512(_mm512_srli_epi16(L, 4), m4w);
+      const __m512i low = q == 0 ? _mm512_and_si512(L, m4) : _mm512_and_si512(_mm512_srli_epi16(L, 4), m4);
       // the high bits of chunk c are qh >> 2 c: 4 q in the lower 256 bits, 4 q + 2 in the upper
       const __m512i shift = _mm512_set_epi64(4 * q + 2, 4 * q + 2, 4 * q + 2, 4 * q + 2, 4 * q, 4 * q, 4 * q, 4 * q);
       const __m512i high = _mm512_and_si512(_mm512_srlv_epi64(H, shift), m2);
-      const __m512i w = _mm512_sub_epi8(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), k32);
       const int e = 2 * h + q;
-      p.neg[e] = _mm512_movepi8_mask(w);
-      p.w[e] = _mm512_abs_epi8(w);
+      p.w[e] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
       p.s[e] = _mm512_permutexvar_epi16(narrow_idx[e], sc16);
     }
   }
+  }
 }
 
-// The integer sums of one super-block for N activation rows (x[k]: row k's 256 values).
-template <int N>
-inline void k_dot(int64_t t, const KPieces& p, const int8_t* const* x, __m512i* acc) {
-  for (int k = 0; k < N; ++k) acc[k] = _mm512_setzero_si512();
-  if (t == Q4_K) {
-    for (int e = 0; e < 4; ++e)
-      for (int k = 0; k < N; ++k) {
-        const __m512i xv = _mm512_loadu_si512(x[k] + 64 * e);
-        acc[k] = _mm512_dpwssd_epi32(acc[k], _mm512_maddubs_epi16(p.w[e], xv), p.s[e]);
-      }
-    return;
-  }
-  const __m512i zero = _mm512_setzero_si512();
+// The int32 lanes of one activation row's integer sums against an unpacked super-block (x: the
+// row's 256 values; s16: its 16 sums of 16, read for Q6_K).
+template <int64_t T>
+inline __m512i k_dot1(const KBlock& p, const int8_t* x, const int16_t* s16) {
+  __m512i acc = _mm512_setzero_si512();
   for (int e = 0; e < 4; ++e)
-    for (int k = 0; k < N; ++k) {
-      __m512i xv = _mm512_loadu_si512(x[k] + 64 * e);
-      xv = _mm512_mask_sub_epi8(xv, p.neg[e], zero, xv);  // x * sign(w): x is never -128
-      acc[k] = _mm512_dpwssd_epi32(acc[k], _mm512_maddubs_epi16(p.w[e], xv), p.s[e]);
+    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(p.w[e], _mm512_loadu_si512(x + 64 * e)), p.s[e]);
+  if constexpr (T == Q6_K) {  // - 32 sum_i sc_i * (sum of x over sub-block i)
+    const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16));
+    const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(p.sc16, xs), 5);
+    acc = _mm512_sub_epi32(acc, _mm512_zextsi256_si512(c));
+  }
+  return acc;
+}
+
+// lane i: the sum of a[i]'s lanes (eight zmm of int32)
+inline __m256i reduce8(const __m512i* a) {
+  __m256i h[8];
+  for (int i = 0; i < 8; ++i) h[i] = _mm256_add_epi32(_mm512_castsi512_si256(a[i]), _mm512_extracti64x4_epi64(a[i], 1));
+  const __m256i q0 = _mm256_hadd_epi32(_mm256_hadd_epi32(h[0], h[1]), _mm256_hadd_epi32(h[2], h[3]));
+  const __m256i q1 = _mm256_hadd_epi32(_mm256_hadd_epi32(h[4], h[5]), _mm256_hadd_epi32(h[6], h[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+// lane i: the sum of m[i]'s four lanes (eight xmm of int32)
+inline __m256i reduce8x4(const __m128i* m) {
+  const __m128i lo = _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3]));
+  const __m128i hi = _mm_hadd_epi32(_mm_hadd_epi32(m[4], m[5]), _mm_hadd_epi32(m[6], m[7]));
+  return _mm256_set_m128i(hi, lo);
+}
+
+// What one call's tiles read of the activations: int8 values [rows, in], per-256 scales dx
+// [rows, in / 256], Q4_K's sums of 32 and Q6_K's sums of 16 as int16 ([rows, in / 32], [rows,
+// in / 16]; |sum| <= 16 * 127 or 32 * 127).
+struct KActs {
+  const int8_t* xq;
+  const float* dx;
+  const int16_t* s32;
+  const int16_t* s16;
+  int64_t in;
+};
+
+// Outputs j .. j + O - 1 against activation rows r .. r + N - 1, into y [rows, out].
+template <int64_t T, int O, int N>
+void k_tile(const uint8_t* wp, int64_t row_bytes, const KActs& a, int64_t r, int64_t j, float* y,
+            int64_t out) {
+  constexpr int P = 8 / O;
+  static_assert(N >= 1 && N <= P && O * P == 8, "a tile fills at most eight lanes");
+  const int64_t in = a.in, nsb = in / 256, bb = block_bytes(T);
+  const bool linear = 8 * row_bytes <= 16384;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    __m512i s[8];
+    __m128i m[8];
+    alignas(16) uint16_t dh[8], mh[8];
+    alignas(32) float dxl[8];
+    for (int i = 0; i < 8; ++i) {
+      s[i] = _mm512_setzero_si512();
+      m[i] = _mm_setzero_si128();
+      dxl[i] = 0.0f;
     }
-}
-
-// lane k: the sum of acc[k]'s sixteen lanes
-inline __m128i reduce4(const __m512i* acc) {
-  __m256i h[4];
-  for (int k = 0; k < 4; ++k)
-    h[k] = _mm256_add_epi32(_mm512_castsi512_si256(acc[k]), _mm512_extracti64x4_epi64(acc[k], 1));
-  const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(h[0], h[1]), _mm256_hadd_epi32(h[2], h[3]));
-  return _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-}
-
-// 4 G activation rows (from `r`) against one K-type weight row: the super-block unpacked once for
-// all of them, each group of four rows' float chains in the lanes of one vector, every lane doing
-// exactly k_step's operations. dxT, sxT as k_rows4's.
-template <int G>
-void k_rows_avx512(int64_t t, const uint8_t* row, int64_t in, const int8_t* xq, const float* dxT,
-                   const int32_t* sxT, int64_t rows, int64_t r, float* out) {
-  const int64_t bb = block_bytes(t);
-  __m128 acc[G];
-  for (int g = 0; g < G; ++g) acc[g] = _mm_setzero_ps();
-  KPieces p;
-  for (int64_t sb = 0; sb < in / 256; ++sb) {
-    const uint8_t* blk = row + sb * bb;
-    k_unpack(t, blk, p);
-    const int8_t* x[4 * G];
-    for (int k = 0; k < 4 * G; ++k) x[k] = xq + (r + k) * in + 256 * sb;
-    __m512i s[4 * G];
-    k_dot<4 * G>(t, p, x, s);
-    // the block's half scales, once for every group: Q4_K's d and dmin, Q6_K's d
-    const __m128 d = _mm_set1_ps(half_to_float(t == Q4_K ? blk : blk + 208));
-    const __m128 dmin = _mm_set1_ps(t == Q4_K ? half_to_float(blk + 2) : 0.0f);
-    for (int g = 0; g < G; ++g) {
-      const __m128i A = reduce4(s + 4 * g);
-      const __m128 dx = _mm_loadu_ps(dxT + sb * rows + r + 4 * g);
-      if (t == Q4_K) {
-        __m128i M = _mm_setzero_si128();
-        for (int k = 0; k < 8; ++k) {
-          const __m128i sx =
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(sxT + (8 * sb + k) * rows + r + 4 * g));
-          M = _mm_add_epi32(M, _mm_mullo_epi32(_mm_set1_epi32(p.mn[k]), sx));
-        }
-        const __m128 da = _mm_mul_ps(d, _mm_cvtepi32_ps(A));
-        const __m128 mc = _mm_mul_ps(dmin, _mm_cvtepi32_ps(M));
-        acc[g] = _mm_add_ps(acc[g], _mm_mul_ps(dx, _mm_sub_ps(da, mc)));
-      } else {
-        const __m128 scale = _mm_mul_ps(d, dx);
-        acc[g] = _mm_add_ps(acc[g], _mm_mul_ps(scale, _mm_cvtepi32_ps(A)));
+#pragma GCC unroll 8
+    for (int o = 0; o < O; ++o) {
+      const uint8_t* blk = wp + (j + o) * row_bytes + sb * bb;
+#if TREESPEC_PREFETCH_TILES > 0
+      // over a group of eight weight rows, every line of the group PREFETCH_TILES ahead is asked
+      // for once, ahead of its use: the tiles walk eight streams at once, too short for the
+      // hardware's stream prefetcher when the rows are (the 1.5B's q, k, v, o and gate rows are
+      // 864 bytes). A small group (<= 16 KB, the head's too) is fetched in address order; a large
+      // one (ffn_down's 58 KB) block by block beside its use, which measured faster for it.
+      if (linear) {  // the next group's bytes in address order, bb of them per block computed
+        const int64_t step = (j % 8) * nsb + sb * O + o;
+        const uint8_t* ahead = wp + (j - j % 8 + 8 * TREESPEC_PREFETCH_TILES) * row_bytes + step * bb;
+        for (int64_t c = 0; c < bb; c += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
+      } else {  // the same block eight weight rows further
+        const uint8_t* ahead = blk + 8 * TREESPEC_PREFETCH_TILES * row_bytes;
+        for (int64_t c = 0; c < bb; c += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
+      }
+#endif
+      KBlock p;
+      k_unpack<T>(blk, p);
+      uint16_t d, dm = 0;
+      std::memcpy(&d, T == Q4_K ? blk : blk + 208, 2);
+      if constexpr (T == Q4_K) std::memcpy(&dm, blk + 2, 2);
+#pragma GCC unroll 8
+      for (int n = 0; n < N; ++n) {
+        const int64_t row = r + n;
+        const int i = o * P + n;
+        s[i] = k_dot1<T>(p, a.xq + row * in + 256 * sb, a.s16 + row * (in / 16) + 16 * sb);
+        if constexpr (T == Q4_K)
+          m[i] = _mm_madd_epi16(p.mn16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s32 + row * (in / 32) + 8 * sb)));
+        dxl[i] = a.dx[row * nsb + sb];
+      }
+      for (int n = 0; n < P; ++n) {
+        dh[o * P + n] = d;
+        mh[o * P + n] = dm;
       }
     }
+    const __m256 A = _mm256_cvtepi32_ps(reduce8(s));
+    const __m256 d = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(dh)));
+    const __m256 dx = _mm256_load_ps(dxl);
+    if constexpr (T == Q4_K) {
+      const __m256 M = _mm256_cvtepi32_ps(reduce8x4(m));
+      const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(mh)));
+      const __m256 da = _mm256_mul_ps(d, A), mc = _mm256_mul_ps(dmin, M);
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(dx, _mm256_sub_ps(da, mc)));
+    } else {
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d, dx), A));
+    }
   }
-  for (int g = 0; g < G; ++g) _mm_storeu_ps(out + 4 * g, acc[g]);
+  alignas(32) float res[8];
+  _mm256_store_ps(res, acc);
+  for (int o = 0; o < O; ++o)
+    for (int n = 0; n < N; ++n) y[(r + n) * out + j + o] = res[o * P + n];
+}
+
+// Eight outputs (j .. j + 7) against the activation rows r .. r + n - 1 (1 <= n <= 8), one pass
+// over their weight rows: the tile shape that fills the most lanes.
+template <int64_t t>
+void k_tiles8(const uint8_t* wp, int64_t row_bytes, const KActs& a, int64_t r, int64_t n, int64_t j, float* y,
+              int64_t out) {
+  switch (n) {
+    case 1: k_tile<t, 8, 1>(wp, row_bytes, a, r, j, y, out); return;
+    case 2: for (int o = 0; o < 8; o += 4) k_tile<t, 4, 2>(wp, row_bytes, a, r, j + o, y, out); return;
+    case 3: for (int o = 0; o < 8; o += 2) k_tile<t, 2, 3>(wp, row_bytes, a, r, j + o, y, out); return;
+    case 4: for (int o = 0; o < 8; o += 2) k_tile<t, 2, 4>(wp, row_bytes, a, r, j + o, y, out); return;
+    case 5: for (int o = 0; o < 8; ++o) k_tile<t, 1, 5>(wp, row_bytes, a, r, j + o, y, out); return;
+    case 6: for (int o = 0; o < 8; ++o) k_tile<t, 1, 6>(wp, row_bytes, a, r, j + o, y, out); return;
+    case 7: for (int o = 0; o < 8; ++o) k_tile<t, 1, 7>(wp, row_bytes, a, r, j + o, y, out); return;
+    default: for (int o = 0; o < 8; ++o) k_tile<t, 1, 8>(wp, row_bytes, a, r, j + o, y, out); return;
+  }
+}
+
+// One output (j) against activation rows r .. r + n - 1 (1 <= n <= 8): the outputs past the last
+// multiple of eight.
+template <int64_t t>
+void k_tile1(const uint8_t* wp, int64_t row_bytes, const KActs& a, int64_t r, int64_t n, int64_t j, float* y,
+             int64_t out) {
+  switch (n) {
+    case 1: k_tile<t, 1, 1>(wp, row_bytes, a, r, j, y, out); return;
+    case 2: k_tile<t, 1, 2>(wp, row_bytes, a, r, j, y, out); return;
+    case 3: k_tile<t, 1, 3>(wp, row_bytes, a, r, j, y, out); return;
+    case 4: k_tile<t, 1, 4>(wp, row_bytes, a, r, j, y, out); return;
+    case 5: k_tile<t, 1, 5>(wp, row_bytes, a, r, j, y, out); return;
+    case 6: k_tile<t, 1, 6>(wp, row_bytes, a, r, j, y, out); return;
+    case 7: k_tile<t, 1, 7>(wp, row_bytes, a, r, j, y, out); return;
+    default: k_tile<t, 1, 8>(wp, row_bytes, a, r, j, y, out); return;
+  }
 }
 
 #endif
@@ -573,6 +670,33 @@ void k_rows(int64_t t, const uint8_t* row, int64_t in, const int8_t* const* xq, 
     }
   }
   for (int k = 0; k < N; ++k) out[k] = acc[k];
+}
+
+// Activation rows r .. rows - 1 against one K-type weight row j (y: column j of [rows, out]): groups
+// of four, then the last one to three rows together, never one by one.
+void k_rows_upto4(int64_t t, const uint8_t* row, int64_t in, const int8_t* xq, const float* dx, const int32_t* sx,
+                  int64_t rows, int64_t r, float* y, int64_t out) {
+  const int64_t nx = in / 256;
+  while (r < rows) {
+    const int64_t n = std::min<int64_t>(4, rows - r);
+    const int8_t* xk[4];
+    const float* dk[4];
+    const int32_t* sk[4];
+    for (int64_t k = 0; k < n; ++k) {
+      xk[k] = xq + (r + k) * in;
+      dk[k] = dx + (r + k) * nx;
+      sk[k] = sx + (r + k) * (in / QB);
+    }
+    float o[4];
+    switch (n) {
+      case 1: k_rows<1>(t, row, in, xk, dk, sk, o); break;
+      case 2: k_rows<2>(t, row, in, xk, dk, sk, o); break;
+      case 3: k_rows<3>(t, row, in, xk, dk, sk, o); break;
+      default: k_rows<4>(t, row, in, xk, dk, sk, o); break;
+    }
+    for (int64_t k = 0; k < n; ++k) y[(r + k) * out] = o[k];
+    r += n;
+  }
 }
 
 #if defined(TREESPEC_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -713,11 +837,11 @@ void amx_decode_block(int64_t t, const uint8_t* blk, uint8_t* lo, uint8_t* hi, i
   const __m512i sc16 = _mm512_castsi256_si512(
       _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192))));
   const __m512i offset = _mm512_set1_epi16(4096);
-  KPieces p;
-  k_unpack(t, blk, p);
-  const __m512i zero = _mm512_setzero_si512();
+  KBlock p;
+  k_unpack<Q6_K>(blk, p);
+  const __m512i k32 = _mm512_set1_epi8(32);
   for (int e = 0; e < 4; ++e) {
-    const __m512i w = _mm512_mask_sub_epi8(p.w[e], p.neg[e], zero, p.w[e]);  // values 64 e .. 64 e + 63
+    const __m512i w = _mm512_sub_epi8(p.w[e], k32);  // q - 32, values 64 e .. 64 e + 63
     for (int h = 0; h < 2; ++h) {
       const int i = 2 * e + h;  // values 32 i .. 32 i + 31: sub-blocks 2 i and 2 i + 1
       const __m256i part = h == 0 ? _mm512_castsi512_si256(w) : _mm512_extracti64x4_epi64(w, 1);
@@ -808,6 +932,34 @@ void amx_outputs(int64_t t, const uint8_t* wp, int64_t row_bytes, int64_t in, co
 
 // Rows from which the K types go to the AMX path where the CPU has it (0: never; set by
 // `set_amx_min_rows` for the tests and the benchmark's A/B).
+#if defined(TREESPEC_AVX512)
+// Outputs first .. out - 1 of the K types on AVX-512: tiles of eight outputs, each a pass over
+// their weight rows per eight activation rows; the outputs past the last multiple of eight one by
+// one. Threads take whole tiles (eight consecutive weight rows, no cache line of y shared).
+void k_outputs_avx512(int64_t t, const uint8_t* wp, int64_t row_bytes, const int8_t* xq, const float* dx,
+                      const int32_t* sx, int64_t rows, int64_t in, int64_t first, int64_t out, int64_t grain,
+                      float* yp) {
+  std::vector<int16_t> s32(rows * (in / 32)), s16(rows * (in / 16));
+  for (int64_t i = 0; i < rows * (in / 32); ++i) s32[i] = int16_t(sx[i]);
+  for (int64_t i = 0; i < rows * (in / 16); ++i) {
+    int32_t sum = 0;
+    for (int k = 0; k < 16; ++k) sum += xq[16 * i + k];
+    s16[i] = int16_t(sum);
+  }
+  const KActs acts{xq, dx, s32.data(), s16.data(), in};
+  const int64_t tiles = (out - first) / 8;
+  const auto tiles8 = t == Q4_K ? k_tiles8<Q4_K> : k_tiles8<Q6_K>;
+  const auto tile1 = t == Q4_K ? k_tile1<Q4_K> : k_tile1<Q6_K>;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, grain / 8), [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b)
+      for (int64_t r = 0; r < rows; r += 8)
+        tiles8(wp, row_bytes, acts, r, std::min<int64_t>(8, rows - r), first + 8 * b, yp, out);
+  });
+  for (int64_t j = first + 8 * tiles; j < out; ++j)
+    for (int64_t r = 0; r < rows; r += 8) tile1(wp, row_bytes, acts, r, std::min<int64_t>(8, rows - r), j, yp, out);
+}
+#endif
+
 int64_t g_amx_min_rows = 9;
 
 void check_weight(const torch::Tensor& w, int64_t t, int64_t in) {
@@ -897,6 +1049,12 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
     });
   }
 #endif
+#if defined(TREESPEC_AVX512)
+  if (k_type(t)) {
+    k_outputs_avx512(t, wp, row_bytes, xq, dx, sx, rows, in, first, out, grain, yp);
+    return y;
+  }
+#endif
   at::parallel_for(first, out, grain, [&](int64_t lo, int64_t hi) {
     std::vector<int8_t> wq(in);
     for (int64_t j = lo; j < hi; ++j) {
@@ -911,20 +1069,6 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
 #endif
       int64_t r = 0;
       if (k_type(t)) {
-#if defined(TREESPEC_AVX512)
-        for (; r + 8 <= rows; r += 8) {
-          float o[8];
-          k_rows_avx512<2>(t, row, in, xq, dxT, sxT, rows, r, o);
-          for (int k = 0; k < 8; ++k) yp[(r + k) * out + j] = o[k];
-        }
-        for (; r + 4 <= rows; r += 4) {
-          float o[4];
-          k_rows_avx512<1>(t, row, in, xq, dxT, sxT, rows, r, o);
-          for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
-        }
-        // fewer than four rows left: the AVX2 path below (measured faster for one row: the 512-bit
-        // unpacking is paid for by four rows or more)
-#endif
 #if defined(__AVX2__)
         for (; r + 4 <= rows; r += 4) {
           const int8_t* x4[4] = {xq + r * in, xq + (r + 1) * in, xq + (r + 2) * in, xq + (r + 3) * in};
@@ -933,25 +1077,7 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
           for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
         }
 #endif
-        for (; r + 4 <= rows; r += 4) {
-          const int8_t* x4[4];
-          const float* d4[4];
-          const int32_t* s4[4];
-          for (int k = 0; k < 4; ++k) {
-            x4[k] = xq + (r + k) * in;
-            d4[k] = dx + (r + k) * nx;
-            s4[k] = sx + (r + k) * (in / QB);
-          }
-          float o[4];
-          k_rows<4>(t, row, in, x4, d4, s4, o);
-          for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
-        }
-        for (; r < rows; ++r) {
-          const int8_t* x1[1] = {xq + r * in};
-          const float* d1[1] = {dx + r * nx};
-          const int32_t* s1[1] = {sx + r * (in / QB)};
-          k_rows<1>(t, row, in, x1, d1, s1, yp + r * out + j);
-        }
+        k_rows_upto4(t, row, in, xq, dx, sx, rows, r, yp + j, out);
         continue;
       }
       const int8_t* wdec = nullptr;  // Q8_0 is read straight from its blocks
