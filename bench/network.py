@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tree",
         default=None,
         help="expansion config of the tree modes (the sequence draft is as deep); default: the draft's "
-        "recommended tree (edge_client.defaults: measured per pair, README)",
+        "recommended tree (edge_client.defaults: measured per pair, docs/results.md)",
     )
     ap.add_argument("--temperatures", default="0,0.7", help="0 = greedy; others run sample-and-match")
     ap.add_argument(

@@ -3,7 +3,7 @@
 
 `create_app(config)` loads the target in the background (/readyz answers 503 until it is ready),
 measures the verify cost curve, starts the engine loop and serves sessions (each WebSocket:
-session.py's `serve_session`) and the OpenAI routes behind the HTTP gate (keys, drain:
+ws_endpoint.py's `serve_session`) and the OpenAI routes behind the HTTP gate (keys, drain:
 `HttpGate`, at the end of this module); `serve` runs it under uvicorn with a graceful drain on
 SIGTERM / SIGINT and reloads the key file on SIGHUP, `ThreadedServer` in a thread (tests, benches).
 

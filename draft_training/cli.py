@@ -302,7 +302,7 @@ def _autocast_arg(p: argparse.ArgumentParser) -> None:
         choices=("none", "bf16"),
         default="none",
         help="bf16: the training forward and backward under CPU bf16 autocast (faster where the CPU has "
-        "AMX or AVX-512 BF16, README); the loss, weights and optimizer stay float32",
+        "AMX or AVX-512 BF16, docs/training.md); the loss, weights and optimizer stay float32",
     )
 
 

@@ -60,7 +60,7 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     "smollm2-135m-l8-kd": Recipe("smollm2-135m-l8-kd", "smollm2-135m", "smollm2-135m-q4-l8"),
     # the Qwen pilot (`make drafts QWEN=1`): LoRA of the 0.5B on a slice of the train prompts, the 1.5B
-    # teaching; a pilot's size (see the README for what it gave), not a full training run
+    # teaching; a pilot's size (what it gave: docs/training.md, "The Qwen pilot"), not a full training run
     "qwen2.5-coder-0.5b-kd": Recipe(
         "qwen2.5-coder-0.5b-kd",
         "qwen2.5-coder-1.5b",

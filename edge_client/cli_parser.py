@@ -130,8 +130,9 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         choices=backend_choices(),
         help="draft backend: auto (default: on first use of a draft alias, export it to ONNX int8 and "
         "time llama.cpp against ONNX Runtime on this device, then draft with the faster; the decision "
-        "is cached, see README), llama.cpp (GGUF), the torch reference, or onnxruntime (--draft may "
-        "then also be an export-onnx folder; an alias or GGUF is exported to ONNX on first use)",
+        "is cached, see docs/edge.md, Drafting with ONNX Runtime), llama.cpp (GGUF), the torch "
+        "reference, or onnxruntime (--draft may then also be an export-onnx folder; an alias or GGUF is "
+        "exported to ONNX on first use)",
     )
     shape = p.add_mutually_exclusive_group()
     shape.add_argument(
@@ -214,7 +215,8 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="store_true",
         help="with --prespec: the outcome cache: the likeliest outcome of the round in flight gets a "
         "full tree, up to --prespec-outcomes further outcomes get chains in lockstep, planned to end "
-        "before the verdict is due (greedy/match, static or chain shapes; off by default, README)",
+        "before the verdict is due (greedy/match, static or chain shapes; off by default, docs/edge.md, "
+        "Pre-speculation)",
     )
     p.add_argument(
         "--prespec-outcomes",

@@ -3,9 +3,10 @@ the CLI's repeated --draft (trees merged from several drafters).
 
 A tree's best shape depends on what a drafter evaluation and a verify forward cost: SmolLM2's
 self-draft runs at about the target's speed, while Qwen2.5-Coder-0.5B drafts for a 1.5B target
-whose fp32 forward on one CPU core grows from ~0.5 s at 1 node to ~0.8 s at 16 (README, bench
-figures). A drafter evaluation costs about the same for one token or a few (llama.cpp reads the
-weights once per batch), so depth, not width, is what a tree pays for on the edge.
+whose fp32 forward on one CPU core grows from ~0.5 s at 1 node to ~0.8 s at 16 (docs/results.md,
+"The default pair on two cores"). A drafter evaluation costs about the same for one token or a few
+(llama.cpp reads the weights once per batch), so depth, not width, is what a tree pays for on the
+edge.
 """
 
 from __future__ import annotations

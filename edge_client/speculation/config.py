@@ -92,7 +92,8 @@ class PrespecConfig:
                  lands on a cached token more often. Output stays exactly the target's (the
                  verifier tests the draws against the row they came from); acceptance may fall
     cache:       the outcome cache (speculation.schedule; off by default: on the real pair
-                 co-located it raised the hit rate but lowered tau and added late hits, README):
+                 co-located it raised the hit rate but lowered tau and added late hits; docs/edge.md,
+                 "Pre-speculation"):
                  the likeliest outcome of the tree in flight gets a tree of the configured shape,
                  drafted alone; then up to `outcomes` further outcomes are drafted together as
                  chains whose depths are planned against the drafter's measured cost per

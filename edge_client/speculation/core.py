@@ -277,7 +277,8 @@ class SpeculationCore:
     def _backup(self) -> TreeSpec | None:
         """The miss path's tree (speculation.backup; None: the configured shape). `auto` prices
         chains in greedy verification only: at T > 0 (match) the chains' tokens, priced from the
-        coupled agreement, came out optimistic on the real pair (README); `chain` forces them."""
+        coupled agreement, came out optimistic on the real pair (docs/edge.md, "Pre-speculation");
+        `chain` forces them."""
         cfg = self.prespec
         deterministic = not self.req.mode.stochastic and self.req.tree.kind != "sequence"
         if cfg is None or cfg.backup == "tree" or self._full is None or not deterministic:

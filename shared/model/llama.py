@@ -76,7 +76,7 @@ class DecoderLayer(nn.Module):
 class RowChunks:
     """A projection [out, in] prepared in chunks of output rows (`rows` each, the last shorter): its
     product is the concatenation of the chunks' products. oneDNN heads are prepared this way, so a
-    head held in memory and one streamed a chunk at a time from disk (offload.StreamedRows) run the
+    head held in memory and one streamed a chunk at a time from disk (offload_head.StreamedRows) run the
     very same products and give the same bits; the packing's temporary copy is a chunk's, not the
     head's."""
 

@@ -81,8 +81,9 @@ def resolve_weights(
 ) -> str:
     """`weights="auto"`: "quantized" for a GGUF target run in float32 on a CPU when the kernel
     builds and reads every projection's type (the GGUF's own blocks: about the file's size in
-    memory and faster in ms/token in every mode measured, README "Quantized weights"), else "fp32" (a
-    safetensors directory, `tiny`, a GPU, bf16/fp16, an unsupported type). Logs which, and why."""
+    memory and faster in ms/token in every mode measured: docs/serving.md, "Quantized weights on CPUs"),
+    else "fp32" (a safetensors directory, `tiny`, a GPU, bf16/fp16, an unsupported type). Logs which,
+    and why."""
     import logging
 
     from treespec_kernels import quant_matmul
