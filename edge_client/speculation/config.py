@@ -3,6 +3,7 @@ it is told of the drafter, and how it reports a refused generation."""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -55,7 +56,30 @@ class TreeSpec:
         return self.depth or self.expansion.depth
 
 
-ALLOCATIONS = ("geometric", "top", "uniform")  # how a tree's outcomes are chosen (speculation.outcomes)
+class Allocation(enum.StrEnum):
+    """How a tree's outcomes get conditional trees (speculation.outcomes.predict_outcomes)."""
+
+    GEOMETRIC = "geometric"  # Saguaro's fan-out across accepted lengths
+    TOP = "top"  # simply the most likely outcomes
+    UNIFORM = "uniform"  # the same number at every accepted length
+
+
+class BackupPolicy(enum.StrEnum):
+    """The tree drafted after a miss (speculation.backup; PrespecConfig.backup)."""
+
+    AUTO = "auto"  # the configured shape or a chain, whichever the measured costs favour
+    TREE = "tree"  # always the configured shape
+    CHAIN = "chain"  # always the best chain
+
+
+ALLOCATIONS = tuple(a.value for a in Allocation)
+BACKUPS = tuple(b.value for b in BackupPolicy)
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    """'a', 'b' or 'c': the allowed values, as an error names them."""
+    quoted = [repr(v) for v in values]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
 @dataclass(frozen=True)
@@ -114,30 +138,36 @@ class PrespecConfig:
     batch: int = 4
     batch_min_prob: float = 0.03
     byte_budget: int = 64 * 1024
-    allocation: str = "geometric"
+    allocation: Allocation | str = Allocation.GEOMETRIC  # a str is taken as its Allocation
     r: float = 1.0
     gate: bool = True
     min_gain: float = 0.0
     leaf_min_reach: float = 0.02
     saguaro_c: float = 1.0
-    backup: str = "auto"
+    backup: BackupPolicy | str = BackupPolicy.AUTO  # a str is taken as its BackupPolicy
     cache: bool = False
     outcomes: int = 24
 
     def __post_init__(self) -> None:
+        # the enum settings also take their values as strings (the CLI's, a JSON file's)
+        for name, kind in (("allocation", Allocation), ("backup", BackupPolicy)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                if value not in tuple(k.value for k in kind):
+                    allowed = _one_of(tuple(k.value for k in kind))
+                    raise ValueError(f"PrespecConfig.{name} must be {allowed}, got {value!r}")
+                object.__setattr__(self, name, kind(value))
         checks = (
             ("fanout", self.fanout >= 1, "at least 1"),
             ("max_chain", self.max_chain >= 1, "at least 1"),
             ("batch", self.batch >= 1, "at least 1"),
             ("batch_min_prob", 0 <= self.batch_min_prob <= 1, "in [0, 1]"),
             ("byte_budget", self.byte_budget >= 0, "0 or more"),
-            ("allocation", self.allocation in ALLOCATIONS, "'geometric', 'top' or 'uniform'"),
             ("r", self.r > 0, "positive"),
             ("min_gain", self.min_gain >= 0, "0 or more"),
             ("leaf_min_reach", 0 <= self.leaf_min_reach <= 1, "in [0, 1]"),
             ("saguaro_c", 0 < self.saguaro_c <= 1, "in (0, 1] (1: off)"),
             ("outcomes", self.outcomes >= 1, "at least 1"),
-            ("backup", self.backup in ("auto", "tree", "chain"), "'auto', 'tree' or 'chain'"),
         )
         for name, ok, what in checks:
             if not ok:
@@ -181,4 +211,4 @@ class DrafterProfile:
     eval_ms: Callable[[int], float | None] = lambda rows: None
 
 
-__all__ = ["DrafterProfile", "PrespecConfig", "Refused", "Request", "TreeSpec"]
+__all__ = ["Allocation", "BackupPolicy", "DrafterProfile", "PrespecConfig", "Refused", "Request", "TreeSpec"]
