@@ -56,7 +56,17 @@ class TreeSpec:
         return self.depth or self.expansion.depth
 
 
-class Allocation(enum.StrEnum):
+class _Setting(str, enum.Enum):
+    """A setting with named values: each is its string (str(), format() and JSON give the value)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Allocation(_Setting):
     """How a tree's outcomes get conditional trees (speculation.outcomes.predict_outcomes)."""
 
     GEOMETRIC = "geometric"  # Saguaro's fan-out across accepted lengths
@@ -64,7 +74,7 @@ class Allocation(enum.StrEnum):
     UNIFORM = "uniform"  # the same number at every accepted length
 
 
-class BackupPolicy(enum.StrEnum):
+class BackupPolicy(_Setting):
     """The tree drafted after a miss (speculation.backup; PrespecConfig.backup)."""
 
     AUTO = "auto"  # the configured shape or a chain, whichever the measured costs favour
