@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,8 +54,8 @@ QTYPES: dict[str, QuantType] = {
 def _flags(arch: str) -> list[str]:
     # -ffp-contract=off: the float chain is separate multiplies and adds on every machine, as in
     # the torch reference (an FMA would round once where the reference rounds twice)
-    # -mtune=generic: tuned for this machine (sapphirerapids) one-row products of the 1.5B's head
-    # ran 20% slower (bench.quant_matmul, 2026-12-05); the instruction set stays -march's
+    # -mtune=generic: tuned for a Sapphire Rapids machine, its one-row products of the 1.5B's head
+    # ran 20% slower (bench.quant_matmul); the instruction set stays -march's
     return ["-O3", f"-march={arch}", "-mtune=generic", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
 
@@ -93,7 +94,8 @@ def load() -> Any:
 def set_amx_min_rows(rows: int, mod: Any = None) -> None:
     """The K types' products of `rows` activation rows or more run on AMX tiles where the CPU has
     them (Sapphire Rapids and later; the same bits as every other path); 0 never uses them. The
-    default, 9, is where AMX overtook AVX-512 VNNI on the 1.5B's matrices (bench/results/2026-12-05).
+    default, 9, is where AMX overtook AVX-512 VNNI on the 1.5B's matrices (bench.quant_matmul on a
+    Sapphire Rapids machine).
     Also set by the environment variable TREESPEC_AMX_MIN_ROWS."""
     if rows < 0:
         raise ValueError(f"{AMX_ENV} must be >= 0 (0 turns AMX off), got {rows}")
@@ -141,6 +143,16 @@ def row_bytes(q: QuantType, in_features: int) -> int:
 def quant_matmul(x: torch.Tensor, w: torch.Tensor, q: QuantType) -> torch.Tensor:
     """x: [rows, in] float32; w: [out, bytes per row] uint8 blocks of type q -> [rows, out] float32."""
     out: torch.Tensor = _require().quant_matmul(x, w, q.ggml_id)
+    return out
+
+
+def quant_matmul_parts(x: torch.Tensor, ws: Sequence[torch.Tensor], qs: Sequence[QuantType]) -> torch.Tensor:
+    """x [rows, in] float32 against matrices stacked along the outputs (ws[i]: [out_i, bytes per row]
+    uint8 blocks of type qs[i]) -> [rows, sum of out_i] float32, x quantized once per activation
+    block size; column for column equal to `quant_matmul` of each part alone."""
+    if len(ws) != len(qs) or not ws:
+        raise ValueError(f"give one type per part: {len(ws)} parts, {len(qs)} types")
+    out: torch.Tensor = _require().quant_matmul_parts(x, list(ws), [q.ggml_id for q in qs])
     return out
 
 

@@ -69,8 +69,10 @@ class QuantMatrix:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] float32 -> [rows, out] float32 (+ bias, added after the product)."""
-        ys = [qm.quant_matmul(x, p.blocks, p.qtype) for p in self.parts]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
+        if len(self.parts) == 1:
+            y = qm.quant_matmul(x, self.parts[0].blocks, self.parts[0].qtype)
+        else:  # x quantized once, every part writing its own columns
+            y = qm.quant_matmul_parts(x, [p.blocks for p in self.parts], [p.qtype for p in self.parts])
         return y if bias is None else y + bias
 
     @property

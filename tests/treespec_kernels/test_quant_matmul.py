@@ -189,3 +189,20 @@ def test_a_bad_amx_row_count_in_the_environment_is_named() -> None:
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "TREESPEC_AMX_MIN_ROWS='many': give a row count" in done.stderr
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_stacked_parts_equal_each_part_alone(rows: int) -> None:
+    """A fused projection (parts of different types stacked along the outputs, x quantized once per
+    activation block size) gives, column for column, each part's own product."""
+    n = 512
+    parts = [
+        (qm.qtype(name), random_blocks(qm.qtype(name), out, n, seed=out))
+        for name, out in (("Q4_K", 24), ("Q6_K", 8), ("Q8_0", 5), ("Q4_K", 3))
+    ]
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows)) * 2
+    got = qm.quant_matmul_parts(x, [w for _, w in parts], [q for q, _ in parts])
+    want = torch.cat([qm.quant_matmul(x, w, q) for q, w in parts], dim=1)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="one type per part"):
+        qm.quant_matmul_parts(x, [parts[0][1]], [])

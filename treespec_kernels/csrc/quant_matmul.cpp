@@ -938,7 +938,7 @@ void amx_outputs(int64_t t, const uint8_t* wp, int64_t row_bytes, int64_t in, co
 // one. Threads take whole tiles (eight consecutive weight rows, no cache line of y shared).
 void k_outputs_avx512(int64_t t, const uint8_t* wp, int64_t row_bytes, const int8_t* xq, const float* dx,
                       const int32_t* sx, int64_t rows, int64_t in, int64_t first, int64_t out, int64_t grain,
-                      float* yp) {
+                      float* yp, int64_t ld) {
   std::vector<int16_t> s32(rows * (in / 32)), s16(rows * (in / 16));
   for (int64_t i = 0; i < rows * (in / 32); ++i) s32[i] = int16_t(sx[i]);
   for (int64_t i = 0; i < rows * (in / 16); ++i) {
@@ -953,10 +953,10 @@ void k_outputs_avx512(int64_t t, const uint8_t* wp, int64_t row_bytes, const int
   at::parallel_for(0, tiles, std::max<int64_t>(1, grain / 8), [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b)
       for (int64_t r = 0; r < rows; r += 8)
-        tiles8(wp, row_bytes, acts, r, std::min<int64_t>(8, rows - r), first + 8 * b, yp, out);
+        tiles8(wp, row_bytes, acts, r, std::min<int64_t>(8, rows - r), first + 8 * b, yp, ld);
   });
   for (int64_t j = first + 8 * tiles; j < out; ++j)
-    for (int64_t r = 0; r < rows; r += 8) tile1(wp, row_bytes, acts, r, std::min<int64_t>(8, rows - r), j, yp, out);
+    for (int64_t r = 0; r < rows; r += 8) tile1(wp, row_bytes, acts, r, std::min<int64_t>(8, rows - r), j, yp, ld);
 }
 #endif
 
@@ -973,6 +973,35 @@ void check_weight(const torch::Tensor& w, int64_t t, int64_t in) {
 }
 
 }  // namespace
+
+#if defined(TREESPEC_AVX512)
+// One activation block of qx values (32 or 256) quantized as quantize_rows' scalar loop does, 16
+// values at a time, with the same results: max|x| by max_ps (which, like fmax, keeps the other
+// operand where one is NaN), q = v * (1 / d) rounded half to even (roundscale), then clamped by
+// min_ps(q, 127) and max_ps(q, -127) in that order (a NaN q becomes 127, as fmin(127, NaN) does).
+inline void quantize_block_avx512(const float* v, int64_t qx, int8_t* q, int32_t* sums, float* dout) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < qx; k += 16) amax = _mm512_max_ps(_mm512_and_ps(_mm512_loadu_ps(v + k), sign), amax);
+  const float m = _mm512_reduce_max_ps(amax);
+  const float d = m / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  const __m512 idv = _mm512_set1_ps(id), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+  for (int64_t s = 0; s < qx / QB; ++s) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      const float* p = v + s * QB + 16 * h;
+      __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(p), idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      r = _mm512_max_ps(_mm512_min_ps(r, hi), lo);
+      const __m512i qi = _mm512_cvttps_epi32(r);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + s * QB + 16 * h), _mm512_cvtepi32_epi8(qi));
+      sum = _mm512_add_epi32(sum, qi);
+    }
+    sums[s] = _mm512_reduce_add_epi32(sum);
+  }
+  *dout = d;
+}
+#endif
 
 // x: [rows, in] float32, qx: the activation block (32 or 256) -> (xq [rows, in] int8, dx
 // [rows, in / qx] float32, sx [rows, in / 32] int32: the sums of every 32 int8 values)
@@ -994,6 +1023,10 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x_, int64_t qx) {
   at::parallel_for(0, rows * nb, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const float* v = xp + i * qx;
+#if defined(TREESPEC_AVX512)
+      quantize_block_avx512(v, qx, qp + i * qx, sp + i * (qx / QB), dp + i);
+      continue;
+#endif
       float amax = 0.0f;
       for (int64_t k = 0; k < qx; ++k) amax = std::fmax(amax, std::fabs(v[k]));
       const float d = amax / 127.0f;
@@ -1015,25 +1048,39 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x_, int64_t qx) {
 }
 
 // x: [rows, in] float32, w: [out, bytes per row] uint8 blocks of type t -> [rows, out] float32
-torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t t) {
-  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
-  const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
-  check_weight(w, t, in);
-  const int64_t qx = k_type(t) ? 256 : QB, nx = in / qx;
+// The quantized activations of one call, for weights of one activation block size (qx).
+struct QuantRows {
+  torch::Tensor xq, dx, sx, dxt, sxt;  // dxt, sxt: block-major copies for the four-row paths' loads
+  int64_t rows = 0, in = 0, qx = 0;
+};
+
+QuantRows quantize_for(const torch::Tensor& x, int64_t qx) {
+  QuantRows a;
   auto q = quantize_rows(x, qx);
-  const int8_t* xq = q[0].data_ptr<int8_t>();
-  const float* dx = q[1].data_ptr<float>();
-  const int32_t* sx = q[2].data_ptr<int32_t>();
-  auto y = torch::empty({rows, out}, torch::kFloat32);
-  float* yp = y.data_ptr<float>();
+  a.xq = q[0];
+  a.dx = q[1];
+  a.sx = q[2];
+  a.dxt = q[1].t().contiguous();
+  a.sxt = q[2].t().contiguous();
+  a.rows = x.size(0);
+  a.in = x.size(1);
+  a.qx = qx;
+  return a;
+}
+
+// y[:, 0:out] (row stride ld) = the quantized rows times the out x in matrix w of type t
+void matmul_part(const QuantRows& a, const torch::Tensor& w, int64_t t, float* yp, int64_t ld) {
+  const int64_t rows = a.rows, in = a.in, out = w.size(0), nx = in / a.qx;
+  const int8_t* xq = a.xq.data_ptr<int8_t>();
+  const float* dx = a.dx.data_ptr<float>();
+  const int32_t* sx = a.sx.data_ptr<int32_t>();
+  const float* dxT = a.dxt.data_ptr<float>();
+  const int32_t* sxT = a.sxt.data_ptr<int32_t>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
-  // block-major scales and sums, for the four-row paths' vector loads
-  const torch::Tensor dxt = q[1].t().contiguous(), sxt = q[2].t().contiguous();
-  const float* dxT = dxt.data_ptr<float>();
-  const int32_t* sxT = sxt.data_ptr<int32_t>();
   (void)dxT;
   (void)sxT;
+  (void)nx;
   // at least ~256 KB of weights (times the rows of x) per task: a small matrix (the 1.5B's k and v,
   // 0.2 MB) runs on the calling thread, without waking the pool's sleeping threads (the verifier
   // runs with OMP_WAIT_POLICY=PASSIVE, and a forward calls this ~200 times)
@@ -1045,14 +1092,14 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
     for (int64_t r = 0; r < rows; r += 16) tiles.push_back(amx_rows_of(xq, dx, sx, in, r, std::min<int64_t>(16, rows - r)));
     first = out / 16 * 16;
     at::parallel_for(0, first / 16, std::max<int64_t>(1, grain / 16), [&](int64_t lo, int64_t hi) {
-      amx_outputs(t, wp, row_bytes, in, tiles, yp, out, 16 * lo, 16 * hi);
+      amx_outputs(t, wp, row_bytes, in, tiles, yp, ld, 16 * lo, 16 * hi);
     });
   }
 #endif
 #if defined(TREESPEC_AVX512)
   if (k_type(t)) {
-    k_outputs_avx512(t, wp, row_bytes, xq, dx, sx, rows, in, first, out, grain, yp);
-    return y;
+    k_outputs_avx512(t, wp, row_bytes, xq, dx, sx, rows, in, first, out, grain, yp, ld);
+    return;
   }
 #endif
   at::parallel_for(first, out, grain, [&](int64_t lo, int64_t hi) {
@@ -1074,10 +1121,10 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
           const int8_t* x4[4] = {xq + r * in, xq + (r + 1) * in, xq + (r + 2) * in, xq + (r + 3) * in};
           float o[4];
           k_rows4(t, row, in, x4, dxT, sxT, rows, r, o);
-          for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
+          for (int k = 0; k < 4; ++k) yp[(r + k) * ld + j] = o[k];
         }
 #endif
-        k_rows_upto4(t, row, in, xq, dx, sx, rows, r, yp + j, out);
+        k_rows_upto4(t, row, in, xq, dx, sx, rows, r, yp + j, ld);
         continue;
       }
       const int8_t* wdec = nullptr;  // Q8_0 is read straight from its blocks
@@ -1094,13 +1141,47 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
         const int8_t* xq4[4] = {xq + r * in, xq + (r + 1) * in, xq + (r + 2) * in, xq + (r + 3) * in};
         float o[4];
         dot32_rows4(t, row, in, wdec, xq4, dxT, sxT, rows, r, o);
-        for (int k = 0; k < 4; ++k) yp[(r + k) * out + j] = o[k];
+        for (int k = 0; k < 4; ++k) yp[(r + k) * ld + j] = o[k];
       }
 #endif
       for (; r < rows; ++r)
-        yp[r * out + j] = dot32_row(t, row, in, wdec, xq + r * in, dx + r * nx, sx + r * (in / QB));
+        yp[r * ld + j] = dot32_row(t, row, in, wdec, xq + r * in, dx + r * nx, sx + r * (in / QB));
     }
   });
+}
+
+// x: [rows, in] float32, w: [out, bytes per row] uint8 blocks of type t -> [rows, out] float32
+torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t t) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  check_weight(w, t, x.size(1));
+  auto y = torch::empty({x.size(0), w.size(0)}, torch::kFloat32);
+  matmul_part(quantize_for(x, k_type(t) ? 256 : QB), w, t, y.data_ptr<float>(), w.size(0));
+  return y;
+}
+
+// x [rows, in] against several matrices stacked along the outputs (a fused q|k|v or gate|up whose
+// parts may be of different types) -> [rows, sum of their outputs]: x is quantized once per
+// activation block size, and every part writes its own columns (each column as quant_matmul of
+// that part alone computes it).
+torch::Tensor quant_matmul_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
+                                 const std::vector<int64_t>& ts) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
+  TORCH_CHECK(!ws.empty() && ws.size() == ts.size(), "give one type per part (", ws.size(), " parts, ",
+              ts.size(), " types)");
+  int64_t total = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check_weight(ws[i], ts[i], x.size(1));
+    total += ws[i].size(0);
+  }
+  auto y = torch::empty({x.size(0), total}, torch::kFloat32);
+  QuantRows k, b;  // the K types' activations (per 256) and the others' (per 32), each made once
+  int64_t col = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    QuantRows& a = k_type(ts[i]) ? k : b;
+    if (a.qx == 0) a = quantize_for(x, k_type(ts[i]) ? 256 : QB);
+    matmul_part(a, ws[i], ts[i], y.data_ptr<float>() + col, total);
+    col += ws[i].size(0);
+  }
   return y;
 }
 
@@ -1181,5 +1262,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_min_rows", []() { return g_amx_min_rows; }, "rows from which the K types use AMX (0: never)");
   m.def("quantize_rows", &quantize_rows, "per-row int8 activations per 32 or 256 values (xq, dx, sx)");
   m.def("quant_matmul", &quant_matmul, "x @ W.T with W in GGUF blocks, batch-invariant");
+  m.def("quant_matmul_parts", &quant_matmul_parts, "x @ [W1; W2; ...].T, x quantized once");
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGUF-block matrix as float32");
 }
