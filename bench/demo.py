@@ -28,7 +28,7 @@ from typing import Any
 from bench.e2e import run_modes
 from bench.e2e_results import ModeRuns
 from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, table, write_result
-from bench.network import Proxy
+from bench.lib.procs import Proxy
 from edge_client.client import GenerationResult
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.base import Drafter

@@ -30,16 +30,13 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.harness import Verifier, add_common_args, figure_rows, table, write_result
+from bench.lib.frames import honest_generation, i32, recv
 
 EDGE_VALUES: list[Any] = [
     None, True, False, 0, -1, 1, 2**31, -(2**31) - 1, 2**63, -(2**63), 2**64 - 1, 0.0, -0.0, 1e308,
     float("inf"), float("-inf"), float("nan"), 1e-300, "", "x" * 5000, b"", b"\xff" * 7, [], [1] * 50, {},
     {"a": 1}, "greedy", "rrs", "mss", "ar",
 ]  # fmt: skip
-
-
-def _i32(xs: Sequence[int]) -> bytes:
-    return np.asarray(xs, dtype="<i4").tobytes()
 
 
 @dataclass
@@ -54,7 +51,7 @@ class Fuzzer:
         n = self.rng.randint(1, 12)
         return {
             "type": "prompt",
-            "tokens": _i32([self.rng.randrange(self.vocab) for _ in range(n)]),
+            "tokens": i32([self.rng.randrange(self.vocab) for _ in range(n)]),
             "mode": self.rng.choice(["greedy", "match", "ar", "mss", "rrs"]),
             "temperature": self.rng.choice([0.0, 0.7, 1.0, 1e-300, 1e4]),
             "top_k": self.rng.choice([0, 1, 50]),
@@ -73,8 +70,8 @@ class Fuzzer:
             "round": self.rng.randint(1, 10**6),
             "base": self.committed,
             "cond": b"",
-            "tokens": _i32(self.rng.sample(range(self.vocab), n)),
-            "parents": _i32(parents),
+            "tokens": i32(self.rng.sample(range(self.vocab), n)),
+            "parents": i32(parents),
         }
 
     # ---------------------------------------------------------------- hostile frames
@@ -84,22 +81,22 @@ class Fuzzer:
         kind = self.rng.choice(["nodes", "depth", "cond", "frame", "draws"])
         if kind == "nodes":
             d = self.tree(lim["max_nodes"] + 1)
-            d["parents"] = _i32([-1] * (lim["max_nodes"] + 1))
+            d["parents"] = i32([-1] * (lim["max_nodes"] + 1))
         elif kind == "depth":
             d = self.tree(lim["max_depth"] + 1, depth_chain=True)
         elif kind == "cond":
             d = self.tree(1)
             c = 4 * (lim["max_depth"] + 1) + 1
-            d["cond"], d["base"] = _i32([7] * c), max(self.committed - c, 0)
+            d["cond"], d["base"] = i32([7] * c), max(self.committed - c, 0)
         elif kind == "draws":
             d = self.tree(1)
             k = lim.get("max_draws", 256) + 1
             d["draws"] = {
-                "node": _i32([0] * k),
+                "node": i32([0] * k),
                 "drafter": bytes(k),
-                "qrow": _i32([0] * k),
+                "qrow": i32([0] * k),
                 "q_ptr": np.asarray([0, 1], "<u4").tobytes(),
-                "q_ids": _i32([int(np.frombuffer(d["tokens"], "<i4")[0])]),
+                "q_ids": i32([int(np.frombuffer(d["tokens"], "<i4")[0])]),
                 "q_wm1": np.asarray([65535], "<u2").tobytes(),
             }
         else:
@@ -166,7 +163,7 @@ async def _connection(
             continue
         try:
             await ws.send(hello)
-            w = await _recv(ws, 10)
+            w = await recv(ws, 10)
             if w.get("type") != "welcome":
                 tally.replies[f"hello->{w.get('type')}"] += 1
                 await asyncio.sleep(0.1)
@@ -194,7 +191,7 @@ async def _connection(
                 bar.update()
                 while True:  # read whatever replies are there, without waiting
                     try:
-                        msg = await _recv(ws, 0.0005)
+                        msg = await recv(ws, 0.0005)
                     except TimeoutError:
                         break
                     tally.replies[str(msg.get("type"))] += 1
@@ -205,19 +202,13 @@ async def _connection(
             await ws.close()
 
 
-async def _recv(ws: Any, timeout: float) -> dict[str, Any]:
-    data = await asyncio.wait_for(ws.recv(), timeout)
-    out: dict[str, Any] = msgpack.unpackb(data if isinstance(data, bytes) else data.encode())
-    return out
-
-
 async def _accepted(ws: Any, tally: Tally, rnd: int | None) -> bool:
     """Wait for the reply to an over-limit frame of round `rnd`: True if the server verified it (a
     verdict of that round). An error for it, or a close, is a refusal."""
     deadline = time.monotonic() + 5
     while (left := deadline - time.monotonic()) > 0:
         try:
-            msg = await _recv(ws, left)  # a close raises: refused
+            msg = await recv(ws, left)  # a close raises: refused
         except TimeoutError:
             break
         kind = str(msg.get("type"))
@@ -227,43 +218,6 @@ async def _accepted(ws: Any, tally: Tally, rnd: int | None) -> bool:
         if kind == "verdict" and rnd is not None and msg.get("round") == rnd:
             return True
     return False
-
-
-async def _honest(url: str, hello: bytes, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
-    """The same greedy prompt as a tree session (empty trees: the bonus token each round) and as `ar`."""
-    from websockets.asyncio.client import connect
-
-    out = []
-    for mode in ("greedy", "ar"):
-        async with connect(url, max_size=None) as ws:
-            await ws.send(hello)
-            await ws.recv()
-            await ws.send(
-                msgpack.packb({"type": "prompt", "tokens": _i32(prompt), "mode": mode, "max_new_tokens": n})
-            )
-            toks: list[int] = []
-            rnd = 0
-            while True:
-                m = await _recv(ws, 60)
-                if m.get("type") != "verdict":
-                    continue
-                toks += np.frombuffer(m["tokens"], "<i4").tolist()
-                if m["done"]:
-                    break
-                if mode == "greedy":
-                    rnd += 1
-                    L = len(prompt) + len(toks)
-                    tree = {
-                        "type": "tree",
-                        "round": rnd,
-                        "base": L,
-                        "cond": b"",
-                        "tokens": _i32([1]),
-                        "parents": _i32([-1]),
-                    }
-                    await ws.send(msgpack.packb(tree))
-            out.append(toks)
-    return out[0], out[1]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -324,7 +278,7 @@ async def fuzz(
 
     async with connect(url) as ws:
         await ws.send(hello)
-        limits = (await _recv(ws, 30))["limits"]
+        limits = (await recv(ws, 30))["limits"]
     stop = lambda: tally.frames >= frames or time.monotonic() - t0 > seconds  # noqa: E731
     with tqdm(total=frames, desc="fuzz frames", file=sys.stderr, mininterval=2, disable=not progress) as bar:
         await asyncio.gather(
@@ -342,7 +296,7 @@ async def fuzz(
             )
         )
     prompt = [5, 6, 7, 8, 9]
-    return await _honest(url, hello, prompt, 24)
+    return await honest_generation(url, hello, prompt, 24)
 
 
 def figures(

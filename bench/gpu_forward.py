@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from bench.harness import add_common_args, write_result
+from bench.lib.device import sync, to_device
 from bench.target_step import bench_tree
 from shared.model import (
     LlamaModel,
@@ -83,11 +84,6 @@ def random_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, 
     return model
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(
     model: LlamaModel, rows: Sequence[int], prefix: int, repeats: int, decode_tokens: int, seed: int
 ) -> dict[str, Any]:
@@ -99,19 +95,21 @@ def measure(
     with torch.inference_mode():
         for a in range(0, prefix - 1, 512):  # the committed prefix, causal chunks
             part = rng.integers(3, vocab, min(512, prefix - 1 - a)).tolist()
-            model.forward_packed([_to(prefill_chunk(0, part, kv.cached_len(0)), dev)], kv)
+            model.forward_packed([to_device(prefill_chunk(0, part, kv.cached_len(0)), dev)], kv)
             kv.commit_rows(0, range(len(part)))
         work = {
-            n: _to(tree_round(0, bench_tree(n - 1, prefix, vocab, seed), [int(rng.integers(3, vocab))]), dev)
+            n: to_device(
+                tree_round(0, bench_tree(n - 1, prefix, vocab, seed), [int(rng.integers(3, vocab))]), dev
+            )
             for n in rows
         }
         times: dict[int, list[float]] = {n: [] for n in rows}
         for rep in range(repeats + 1):  # the first pass warms up (kernel compiles, allocator)
             for n, x in work.items():
-                _sync(dev)
+                sync(dev)
                 t0 = time.perf_counter()
                 model.forward_packed([x], kv)
-                _sync(dev)
+                sync(dev)
                 if rep:
                     times[n].append((time.perf_counter() - t0) * 1e3)
                 kv.discard(0)
@@ -120,10 +118,10 @@ def measure(
         steps: list[float] = []
         lengths: list[int] = []
         for i in range(decode_tokens + 1):
-            _sync(dev)
+            sync(dev)
             t0 = time.perf_counter()
             cached = kv.cached_len(0)
-            (logits,) = model.forward_packed([_to(decode_step(0, tok, cached), dev)], kv)
+            (logits,) = model.forward_packed([to_device(decode_step(0, tok, cached), dev)], kv)
             kv.commit_rows(0, (0,))
             tok = int(logits[0].argmax())  # the read-back target-only decoding makes every token
             if i:  # the first step warms up
@@ -155,13 +153,6 @@ def decode_spread(steps: Sequence[float], lengths: Sequence[int]) -> dict[str, A
         "decode_step_ms_max": round(max(steps) * 1e3, 3),
         "decode_slow_steps": {"count": len(slow), "first": [list(x) for x in slow[:20]]},
     }
-
-
-def _to(x: Any, dev: torch.device) -> Any:
-    if dev.type == "cpu":
-        return x
-    mask = None if x.tree_mask is None else x.tree_mask.to(dev)
-    return type(x)(x.seq_id, x.tokens.to(dev), x.positions.to(dev), mask, x.logit_rows.to(dev))
 
 
 def ints(text: str) -> list[int]:

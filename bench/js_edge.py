@@ -46,7 +46,7 @@ from bench.harness import (
     table,
     write_result,
 )
-from bench.network import Proxy
+from bench.lib.procs import Proxy
 
 TS = REPO / "clients" / "typescript"
 FIRST_TOKEN_VISIT = 8  # tokens of the visit that times the page's default start (before the model loads)

@@ -21,9 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import statistics
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,10 +30,9 @@ from bench.e2e_results import ModeRuns
 from bench.harness import (
     BenchPrompt,
     CoreSplit,
+    Proxy,
     Verifier,
     add_common_args,
-    die_with_parent,
-    free_port,
     suite_from_args,
     write_result,
 )
@@ -59,65 +56,6 @@ from shared.messages import Mode
 from shared.model.target import resolve_weights
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 from shared.tree import ExpansionConfig
-
-
-class Proxy:
-    """`python -m bench.netproxy` in its own process, on the edge's cores."""
-
-    def __init__(
-        self, target_port: int, rtt_ms: float, jitter_ms: float, mbps: float, cores: Sequence[int]
-    ) -> None:
-        self.port = free_port()
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "bench.netproxy",
-            "--listen",
-            f"127.0.0.1:{self.port}",
-            "--target",
-            f"127.0.0.1:{target_port}",
-            "--delay-ms",
-            str(rtt_ms / 2),
-            "--jitter-ms",
-            str(jitter_ms),
-            "--bandwidth-mbps",
-            str(mbps),
-        ]
-        self.cores = set(cores)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def __enter__(self) -> Proxy:
-        import os
-        import socket
-
-        cores = self.cores
-
-        def pin() -> None:
-            if cores and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, cores)
-            die_with_parent()
-
-        self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin
-        )
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return self
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError("the delay proxy did not start") from None
-                time.sleep(0.05)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/session"
 
 
 def mode_row(

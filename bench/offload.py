@@ -250,7 +250,7 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
     """One budget's forward part, in this (child) process: prints and returns its row."""
     import torch
 
-    from bench.gpu_forward import _sync, _to
+    from bench.lib.device import sync, to_device
     from bench.target_step import bench_tree
     from shared.model import decode_step, offload, prefill_chunk, tree_round
 
@@ -266,7 +266,7 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
     kv.add(0)
     with torch.inference_mode():
         part = [3 + (i * 7919) % (vocab - 3) for i in range(prefix - 1)]
-        model.forward_packed([_to(prefill_chunk(0, part, 0), dev)], kv)
+        model.forward_packed([to_device(prefill_chunk(0, part, 0), dev)], kv)
         kv.commit_rows(0, range(len(part)))
         rows_ms: dict[str, float] = {}
         per_row: dict[str, dict[str, float]] = {}
@@ -276,14 +276,14 @@ def forward_child(args: argparse.Namespace) -> dict[str, Any]:
                 if n > 1
                 else decode_step(0, 5, prefix - 1)
             )
-            x = _to(work, dev)
+            x = to_device(work, dev)
             times = []
             for rep in range(args.repeats + 1):
                 stream.reset_stats()
-                _sync(dev)
+                sync(dev)
                 t = time.perf_counter()
                 model.forward_packed([x], kv)
-                _sync(dev)
+                sync(dev)
                 if rep:
                     times.append((time.perf_counter() - t) * 1e3)
                 kv.discard(0)

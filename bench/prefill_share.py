@@ -27,10 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.harness import Verifier, add_common_args, table, write_result
-
-
-def _i32(xs: Sequence[int]) -> bytes:
-    return np.asarray(xs, dtype="<i4").tobytes()
+from bench.lib.frames import i32
 
 
 async def _generate(url: str, hello: bytes, prompt: Sequence[int], n: int) -> tuple[list[int], float]:
@@ -42,7 +39,7 @@ async def _generate(url: str, hello: bytes, prompt: Sequence[int], n: int) -> tu
         await ws.recv()
         t0 = time.perf_counter()
         await ws.send(
-            msgpack.packb({"type": "prompt", "tokens": _i32(prompt), "mode": "ar", "max_new_tokens": n})
+            msgpack.packb({"type": "prompt", "tokens": i32(prompt), "mode": "ar", "max_new_tokens": n})
         )
         toks: list[int] = []
         while True:

@@ -45,19 +45,35 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("load", SERVING, "N concurrent edge sessions against the verifier, batched vs unbatched"),
     ("load_cost", SERVING, "the cloud's busy ms per token, edge sessions against cloud-only ar"),
     ("serve", SERVING, "open-loop serving over the OpenAI API and the session WebSocket (vLLM's metrics)"),
-    ("verifier_memory", SERVING, "the verifier's resident memory with a target loaded as the service loads it"),
+    (
+        "verifier_memory",
+        SERVING,
+        "the verifier's resident memory with a target loaded as the service loads it",
+    ),
     ("cost_curve", SERVING, "the live verify cost curve converging from a poisoned start-up curve"),
     ("target_step", KERNELS, "the target's verify cost curve by rows and prefix, decode tokens/s"),
     ("quant_matmul", KERNELS, "the quantized-block projections against the float32 path, by rows"),
-    ("tree_attention", KERNELS, "the Triton tree-attention kernel against SDPA and the torch reference (GPU)"),
-    ("gpu_forward", KERNELS, "ms per verify forward by rows and decode tokens/s of the 1.5B's shape on a GPU"),
+    (
+        "tree_attention",
+        KERNELS,
+        "the Triton tree-attention kernel against SDPA and the torch reference (GPU)",
+    ),
+    (
+        "gpu_forward",
+        KERNELS,
+        "ms per verify forward by rows and decode tokens/s of the 1.5B's shape on a GPU",
+    ),
     ("gpu_check", KERNELS, "the whole prepared GPU check (scripts/gpu_check.sh)"),
     ("parallel", KERNELS, "ms per verify forward at tensor parallelism N against one process"),
     ("offload", KERNELS, "a target larger than memory: forwards and every mode at resident fractions"),
     ("drafter_cost", KERNELS, "the drafter's ms per evaluation by rows, with the verifier idle and busy"),
     ("onnx_drafter", KERNELS, "draft speed on one thread: onnx fp32 / int8 against llama.cpp Q4"),
     ("simulate", SIMULATION, "recorded rounds replayed under other costs, machines and policies"),
-    ("outcomes", SIMULATION, "the ceiling of pre-speculation: how often the covered outcomes hold the actual one"),
+    (
+        "outcomes",
+        SIMULATION,
+        "the ceiling of pre-speculation: how often the covered outcomes hold the actual one",
+    ),
     ("train_step", TRAINING, "ms per draft-training step, float32 against bf16 autocast"),
     ("speculators", TRAINING, "trained drafts against their base: top-k coverage, McNemar's test"),
     ("chaos", ROBUSTNESS, "kill the verifier at random moments; check every output against a clean run"),
@@ -70,11 +86,15 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("netproxy", TOOLS, "a TCP delay proxy: a real network hop between edge client and verifier"),
 )
 
-BENCHMARKS: dict[str, Entry] = {name: Entry(name, f"bench.{name}", kind, summary) for name, kind, summary in _ROWS}
+BENCHMARKS: dict[str, Entry] = {
+    name: Entry(name, f"bench.{name}", kind, summary) for name, kind, summary in _ROWS
+}
 
 # product entry points: runnable the same way, listed apart from the benchmarks
 ENTRY_POINTS: dict[str, Entry] = {
-    "demo": Entry("demo", "bench.demo", "entry point", "`make demo`: the verifier and the edge client on the real pair"),
+    "demo": Entry(
+        "demo", "bench.demo", "entry point", "`make demo`: the verifier and the edge client on the real pair"
+    ),
 }
 
 RUNNABLE: dict[str, Entry] = {**BENCHMARKS, **ENTRY_POINTS}

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from bench.e2e import ALL_MODES, STOCHASTIC_MODES, Variant, variants
 from bench.harness import read_metrics
-from bench.network import Proxy
+from bench.lib.procs import Proxy
 from bench.serve_metrics import (
     RequestResult,
     SpecDecode,

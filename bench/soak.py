@@ -26,8 +26,8 @@ import httpx
 import msgpack
 from tqdm import tqdm
 
-from bench.fuzz import _honest, _i32, _recv
 from bench.harness import Verifier, add_common_args, figure_rows, table, write_result
+from bench.lib.frames import honest_generation, i32, recv
 
 
 def rss_mb(pid: int) -> float:
@@ -80,7 +80,7 @@ async def client(
         aborted = False
         try:
             await ws.send(hello)
-            if (await _recv(ws, 30)).get("type") != "welcome":
+            if (await recv(ws, 30)).get("type") != "welcome":
                 tally["refused"] += 1
                 await asyncio.sleep(0.5)
                 continue
@@ -90,14 +90,14 @@ async def client(
                 n = rng.randint(16, 96)
                 await ws.send(
                     msgpack.packb(
-                        {"type": "prompt", "tokens": _i32(prompt), "mode": "greedy", "max_new_tokens": n}
+                        {"type": "prompt", "tokens": i32(prompt), "mode": "greedy", "max_new_tokens": n}
                     )
                 )
                 quit_at = rng.randint(1, 6) if rng.random() < drop else -1
                 how = rng.choice(["cancel", "drop"])
                 committed, rounds = len(prompt), 0
                 while True:
-                    m = await _recv(ws, 60)
+                    m = await recv(ws, 60)
                     if m.get("type") == "error":
                         tally[f"error_{m.get('code')}_{m.get('field')}"] += 1
                         if m.get("round") == 0 or m.get("fatal"):
@@ -120,13 +120,13 @@ async def client(
                         continue
                     rnd += 1
                     toks = [rng.randrange(3, 49152) for _ in range(rng.randint(1, 6))]
-                    chain = _i32(list(range(-1, len(toks) - 1)))
+                    chain = i32(list(range(-1, len(toks) - 1)))
                     tree = {
                         "type": "tree",
                         "round": rnd,
                         "base": committed,
                         "cond": b"",
-                        "tokens": _i32(toks),
+                        "tokens": i32(toks),
                     }
                     tree["parents"] = chain
                     await ws.send(msgpack.packb(tree))
@@ -218,7 +218,7 @@ async def run(
             if warm is None and pid and now - t0 >= seconds / 5:
                 warm = rss_mb(pid)
     await asyncio.gather(*tasks)
-    honest, ar = await _honest(url, hello, [5, 6, 7, 8, 9], 24)
+    honest, ar = await honest_generation(url, hello, [5, 6, 7, 8, 9], 24)
     return warm, honest, ar
 
 

@@ -20,7 +20,9 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def runnable_modules() -> set[str]:
-    return {p.stem for p in BENCH.glob("*.py") if 'if __name__ == "__main__":' in p.read_text(encoding="utf-8")}
+    return {
+        p.stem for p in BENCH.glob("*.py") if 'if __name__ == "__main__":' in p.read_text(encoding="utf-8")
+    }
 
 
 def test_every_runnable_module_has_a_row_and_every_row_a_module() -> None:
