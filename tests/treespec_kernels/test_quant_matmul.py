@@ -134,8 +134,8 @@ def test_bad_input_is_refused_with_the_reason() -> None:
 def test_the_result_does_not_depend_on_the_instruction_set(arch: str) -> None:
     """The same source built for x86-64-v2 (SSE4.2: no AVX2, the scalar path everywhere) and for
     x86-64-v3 (AVX2: the 256-bit paths, no AVX-512) gives the same bits as this machine's build
-    (-march=native: the AVX-512 VNNI paths of the K types where the CPU has them). 13 rows run the
-    8-row, 4-row and one-row paths."""
+    (-march=native: the AVX-512 VNNI paths of the K types where the CPU has them), for every tile
+    shape of the AVX-512 path (1 to 8 rows, and 8 + 5)."""
     import platform
 
     if platform.machine() not in ("x86_64", "AMD64"):
@@ -145,9 +145,21 @@ def test_the_result_does_not_depend_on_the_instruction_set(arch: str) -> None:
         q = qm.qtype(name)
         n = 3 * 256
         w = random_blocks(q, 29, n, seed=13)
-        for rows in (13, 1):
+        for rows in (13, 1, 2, 3, 5, 6, 7, 9):
             x = torch.randn(rows, n, generator=torch.Generator().manual_seed(17)) * 4
             assert torch.equal(other.quant_matmul(x, w, q.ggml_id), qm.quant_matmul(x, w, q)), (name, rows)
+    # the activations' rule on the values where a vector path could differ from the scalar loop:
+    # zero blocks, NaN and infinities (max|x| skips a NaN; a NaN value becomes 127), ties of the
+    # rounding, signed zeros
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(3)) * 5
+    x[0, :256] = 0.0
+    x[1, 5], x[2, 7], x[3, 9] = float("nan"), float("inf"), -float("inf")
+    x[4, :32] = torch.arange(32) - 15.5
+    x[5, :256] = torch.linspace(-127, 127, 256)
+    x[6] = -0.0
+    for block in (32, 256):
+        for mine, theirs in zip(qm.quantize_rows(x, block), other.quantize_rows(x, block), strict=True):
+            assert torch.equal(mine.nan_to_num(), theirs.nan_to_num()), block
 
 
 def test_the_amx_tiles_give_the_same_bits_as_every_other_path() -> None:
