@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
+from bench.lib.args import add_model_args
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 
 TOP_K = (1, 2, 3, 4, 5)
@@ -93,8 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (raw)")
     ap.add_argument("--prompts", type=int, default=13, help="Spec-Bench dev prompts (one per category at 13)")
-    ap.add_argument("--model", default=DEFAULT_TARGET, help="target alias or path")
-    ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (llama.cpp)")
+    add_model_args(
+        ap,
+        model=DEFAULT_TARGET,
+        model_help="target alias or path",
+        draft=DEFAULT_DRAFT,
+        draft_help="draft alias or GGUF path (llama.cpp)",
+        threads=0,
+        threads_help="torch threads for the target (0: default)",
+    )
     ap.add_argument(
         "--backend",
         choices=("llama_cpp", "onnx", "torch"),
@@ -102,7 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the drafter backend that reads the output (torch also takes a target name such as tiny)",
     )
     ap.add_argument("--temperatures", default="0,1", help="target decoding: 0 greedy, else sampled")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads for the target (0: default)")
     ap.add_argument(
         "--records",
         type=Path,

@@ -18,7 +18,6 @@ import asyncio
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from bench.harness import add_common_args, figure_rows, free_port, table, write_result
+from bench.lib.stats import median
 
 if TYPE_CHECKING:
     from edge_client.drafters.base import Drafter
@@ -94,7 +94,7 @@ def summary(records: Sequence[dict[str, Any]], kills: int) -> dict[str, Any]:
         "identical": all(r["identical"] for r in records),
         "tokens_lost": sum(r["tokens_lost"] for r in records),
         "tokens_repeated": sum(r["tokens_repeated"] for r in records),
-        "resume_ms_median": round(statistics.median(resume_ms), 1) if resume_ms else None,
+        "resume_ms_median": median(resume_ms, 1),
         "resume_ms_p95": round(resume_ms[min(len(resume_ms) - 1, int(0.95 * len(resume_ms)))], 1)
         if resume_ms
         else None,

@@ -38,6 +38,7 @@ import torch
 from tqdm import tqdm
 
 from bench.harness import add_common_args, save_figure, write_result
+from bench.lib.args import add_model_args
 from cloud_verifier.cost import DEFAULT_NODES, measure_verify_cost
 from cloud_verifier.live_cost import LiveCost
 from shared.model import SeqInput, Target, load_target, prefill, prefill_chunk, tree_round
@@ -230,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["fp32", "quantized"],
         help="the target's projections: 'quantized' (the service's default for a GGUF) or 'fp32'",
     )
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_model_args(p, threads=0)
     p.add_argument(
         "--poison",
         type=float,

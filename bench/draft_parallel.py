@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
+from bench.lib.args import add_model_args
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from edge_client.speculation import DraftPlain, DraftStep, Request, TreeSpec
@@ -92,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=8, help="Spec-Bench prompts")
     ap.add_argument("--humaneval", type=int, default=0, help="HumanEval prompts")
     ap.add_argument("--positions", type=int, default=16, help="rounds drafted per prompt (positions)")
-    ap.add_argument("--threads", type=int, default=1, help="threads per llama.cpp / onnx drafter")
+    add_model_args(ap, threads=1, threads_help="threads per llama.cpp / onnx drafter")
     add_common_args(
         ap, json=True, json_help="the median ms of each variant", prompt_file=True, no_progress=True
     )

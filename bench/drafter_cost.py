@@ -44,6 +44,7 @@ from bench.harness import (
     write_json,
     write_result,
 )
+from bench.lib.args import add_model_args
 from edge_client.drafters.base import Drafter
 from shared.messages import Error, Hello, Mode, Prompt, Verdict, decode, encode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -140,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         "busy on the other core.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path")
-    p.add_argument("--model", default=DEFAULT_TARGET, help="the verifier's target (the busy phase)")
+    add_model_args(
+        p, model=DEFAULT_TARGET, model_help="the verifier's target (the busy phase)", draft=DEFAULT_DRAFT
+    )
     p.add_argument(
         "--backends",
         default=",".join(DEFAULT_BACKENDS),

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from bench.e2e_results import ModeRuns, merge_results, print_report, report
 from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, suite_from_args, write_result
+from bench.lib.args import add_model_args
 from bench.shaper import LinkShape
 from edge_client.client import EdgeClient, GenerationResult, PrespecConfig, TreeSpec
 from edge_client.defaults import recommended_tree
@@ -229,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["greedy", "match", "mss", "rrs"],
         help="speculative verification mode (default: greedy at temperature 0, match above)",
     )
-    ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path")
+    add_model_args(ap, model=DEFAULT_TARGET, draft=DEFAULT_DRAFT)
     ap.add_argument(
         "--drafter",
         default="auto",
@@ -237,7 +238,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft backend (auto: llama.cpp or the ONNX int8 export, whichever is faster on this machine, "
         "measured once and cached; onnx: --draft may also be an `edge-client export-onnx` folder)",
     )
-    ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
     ap.add_argument(
         "--tree",
         default=None,

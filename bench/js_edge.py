@@ -46,6 +46,7 @@ from bench.harness import (
     table,
     write_result,
 )
+from bench.lib.args import add_model_args
 from bench.lib.procs import Proxy
 
 TS = REPO / "clients" / "typescript"
@@ -207,8 +208,13 @@ def _parser() -> argparse.ArgumentParser:
         "the Python edge (onnxruntime), the same ONNX export and tree: tau, ms/token and drafting ms a "
         "round, at each RTT.",
     )
-    ap.add_argument("--model", default="smollm2-135m", help="the verifier's target")
-    ap.add_argument("--draft", default="smollm2-135m-q4", help="the draft exported to ONNX (alias or GGUF)")
+    add_model_args(
+        ap,
+        model="smollm2-135m",
+        model_help="the verifier's target",
+        draft="smollm2-135m-q4",
+        draft_help="the draft exported to ONNX (alias or GGUF)",
+    )
     ap.add_argument("--int8", action="store_true", help="the int8 export (8-bit blocks) instead of fp32")
     ap.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (raw)")
     ap.add_argument("--prompts", type=int, default=4, help="Spec-Bench dev prompts (chat)")

@@ -62,6 +62,8 @@ from bench.harness import (
     write_json,
     write_result,
 )
+from bench.lib.args import add_model_args
+from bench.lib.stats import median
 from bench.replay import Recorders, Script, Step, Tally, play, renumbered
 from edge_client.drafters.registry import backend_choices
 from shared.messages import Error, Mode, Prompt, Tree, decode
@@ -190,10 +192,10 @@ async def measure(
         "tokens_per_forward": round(total / forwards, 3) if forwards else None,
         "forwards_per_s": round(forwards / seconds, 3),
         "verifier_busy": round(busy / seconds, 3),
-        "client_ms_per_token": round(statistics.median(per_client), 1) if per_client else None,
+        "client_ms_per_token": median(per_client, 1),
         # the median verify ms of a round (the server's verdict.verify_ms, prompts' rounds left out):
         # with one edge client, the recorded rounds with no drafting beside the verifier
-        "V_ms": round(statistics.median(tally.verify_ms), 1) if tally.verify_ms else None,
+        "V_ms": median(tally.verify_ms, 1),
         "generations": tally.generations,
         "diverged": tally.diverged,
         "errors": len(tally.errors),
@@ -337,8 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warmup", type=float, default=10.0, help="seconds of each run before the measured window"
     )
-    p.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
-    p.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (the record phase)")
+    add_model_args(
+        p, model=DEFAULT_TARGET, draft=DEFAULT_DRAFT, draft_help="draft alias or GGUF path (the record phase)"
+    )
     p.add_argument(
         "--drafter",
         default="auto",

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.lib.stats import percentile
+
 
 @dataclass
 class Tally:
@@ -69,15 +71,6 @@ def _machine_busy_s() -> float | None:
 def _own_cpu_s() -> float:
     t = os.times()
     return t.user + t.system
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (no interpolation: p99 of few rounds is an observed round)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    k = max(0, min(len(ordered) - 1, int(-(-q * len(ordered) // 100)) - 1))
-    return ordered[k]
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:

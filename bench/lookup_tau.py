@@ -22,13 +22,14 @@ from typing import Any
 from tqdm import tqdm
 
 from bench.harness import REPO, Verifier, add_common_args, suite_from_args, table, write_result
+from bench.lib.args import add_model_args
 
 TS = REPO / "clients" / "typescript"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.lookup_tau", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="target model of the verifier")
+    add_model_args(ap, model="smollm2-135m")
     ap.add_argument("--humaneval", type=int, default=10, help="HumanEval dev prompts (raw)")
     ap.add_argument("--prompts", type=int, default=10, help="Spec-Bench dev prompts (chat template)")
     ap.add_argument("--depth", type=int, default=8, help="prompt lookup: tokens per guess")

@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.e2e_results import ModeRuns
 from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, suite_from_args, write_result
+from bench.lib.args import add_model_args
 from edge_client.client import EdgeClient, TreeSpec
 from edge_client.drafters.registry import available_backends, create_drafter
 from shared.messages import Mode
@@ -92,7 +93,7 @@ async def run(
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.merged", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
+    add_model_args(ap, model=DEFAULT_TARGET, threads=1, threads_help="threads per llama.cpp drafter")
     ap.add_argument(
         "--draft",
         action="append",
@@ -121,7 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (match)")
     ap.add_argument("--url", default=None, help="a running verifier's session URL (default: start one)")
     ap.add_argument("--api-key", default=None, help="API key for --url")
-    ap.add_argument("--threads", type=int, default=1, help="threads per llama.cpp drafter")
     add_common_args(
         ap,
         json=True,

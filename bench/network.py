@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import statistics
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +35,8 @@ from bench.harness import (
     suite_from_args,
     write_result,
 )
+from bench.lib.args import add_model_args
+from bench.lib.stats import median
 from bench.network_report import (
     MODES,
     OPTIONAL,
@@ -188,7 +189,7 @@ async def run_block(
         for row in rows:
             t = tallies.get(row["mode"])
             if t is not None:
-                row["V_idle_replay_ms"] = round(statistics.median(t.verify_ms), 4) if t.verify_ms else None
+                row["V_idle_replay_ms"] = median(t.verify_ms, 4)
                 row["idle_replay_diverged"] = t.diverged + rec.lost.get(row["mode"], 0)
     return rows, entries
 
@@ -232,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft backend (auto: llama.cpp or the ONNX int8 export, whichever is faster on this machine, "
         "measured once and cached; onnx: --draft may also be an `edge-client export-onnx` folder)",
     )
-    ap.add_argument("--model", default=DEFAULT_TARGET, help="target model of the verifier")
+    add_model_args(ap, model=DEFAULT_TARGET)
     ap.add_argument(
         "--weights",
         default="auto",

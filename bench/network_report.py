@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 from collections.abc import Collection, Sequence
 from typing import Any
 
 from bench.harness import read_runs, save_figure, table, write_json, write_result
+from bench.lib.stats import median
 from edge_client.stats import GenerationStats
 
 MODES = ("ar", "sequence", "tree", "tree_prespec")
@@ -64,10 +64,6 @@ TIME_KEYS = (
 
 # the goals at RTT 50, co-located: a pre-speculating mode's ms/token against ar's, by temperature
 GOAL_X_AR = {0.0: 0.35, 0.7: 0.45}
-
-
-def _median(xs: Sequence[float]) -> float | None:
-    return round(statistics.median(xs), 4) if xs else None
 
 
 def decomposition(gens: Sequence[GenerationStats]) -> dict[str, float | None]:
@@ -124,13 +120,13 @@ def decomposition(gens: Sequence[GenerationStats]) -> dict[str, float | None]:
         if round0_ms is not None and st.tokens:
             prefill.append(round0_ms / st.tokens)
     return {
-        "V_ms": _median(verify),
-        "V_idle_ms": _median(idle),
-        "T_b_ms": _median(drafts),
+        "V_ms": median(verify, 4),
+        "V_idle_ms": median(idle, 4),
+        "T_b_ms": median(drafts, 4),
         "stall_ms_per_round": round(stall / rounds, 4) if traced and rounds else None,
-        "prefill_share_ms_per_token": _median(prefill),
-        "gap_ms": _median(gaps),
-        "ttft_ms": _median([st.first_token_s * 1e3 for st in gens if st.first_token_s]),
+        "prefill_share_ms_per_token": median(prefill, 4),
+        "gap_ms": median(gaps, 4),
+        "ttft_ms": median([st.first_token_s * 1e3 for st in gens if st.first_token_s], 4),
     }
 
 

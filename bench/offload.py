@@ -46,6 +46,7 @@ from bench.harness import (
     table,
     write_result,
 )
+from bench.lib.args import add_model_args
 
 MODES = ("ar", "tree", "budget")
 GB = 1e9
@@ -69,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of the target's layers (serve --offload), against ar on the same streaming path.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="target alias or GGUF path")
+    add_model_args(ap, model="qwen2.5-coder-1.5b", model_help="target alias or GGUF path")
     ap.add_argument(
         "--weights",
         default="quantized",

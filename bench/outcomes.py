@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from bench.harness import BenchPrompt, add_common_args, save_figure, suite_from_args, table, write_result
+from bench.lib.args import add_model_args
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import backend_choices
 from edge_client.speculation.config import PrespecConfig
@@ -340,8 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
         "length, bonus) is among the N outcomes each allocation policy pre-speculates for, N = 1..max-n, "
         "greedy and sampled, overall and by accepted length.",
     )
-    ap.add_argument("--model", default=DEFAULT_TARGET, help="target alias or path (runs in this process)")
-    ap.add_argument("--draft", default=DEFAULT_DRAFT, help="draft alias or GGUF path (one thread)")
+    add_model_args(
+        ap,
+        model=DEFAULT_TARGET,
+        model_help="target alias or path (runs in this process)",
+        draft=DEFAULT_DRAFT,
+        draft_help="draft alias or GGUF path (one thread)",
+    )
     ap.add_argument(
         "--drafter",
         default="auto",

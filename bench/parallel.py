@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from bench.harness import add_common_args, write_result
+from bench.lib.args import add_model_args
 from bench.target_step import measure_forward
 from cloud_verifier import parallel
 from shared.model import Target, load_target
@@ -42,7 +43,7 @@ def _measure(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.parallel", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen2.5-coder-0.5b", help="target alias or path")
+    add_model_args(p, model="qwen2.5-coder-0.5b", model_help="target alias or path")
     p.add_argument("--tensor-parallel", type=int, default=2, metavar="N", help="ranks of the parallel run")
     p.add_argument(
         "--threads", type=int, default=2, help="threads in all (TP=1: all of them; TP=N: threads/N each)"

@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.harness import Verifier, add_common_args, table, write_result
+from bench.lib.args import add_model_args
 from bench.lib.frames import i32
 
 
@@ -115,7 +116,7 @@ def run_chunk(a: argparse.Namespace, chunk: int, vocab: int, hello: bytes) -> di
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.prefill_share", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="smollm2-135m", help="target model of the verifier")
+    add_model_args(ap, model="smollm2-135m")
     ap.add_argument("--prefill", type=int, default=4095, help="tokens of the long prompt")
     ap.add_argument(
         "--chunks", default="64,512", help="comma-separated --prefill-chunk values of the verifier to compare"

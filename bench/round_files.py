@@ -27,6 +27,7 @@ from pathlib import Path
 from types import FrameType
 
 from bench.harness import add_common_args, table, write_result
+from bench.lib.args import add_model_args
 from shared.messages import Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--target", default="smollm2-135m", help="target model alias of the verifier")
     ap.add_argument("--drafter", default="llama_cpp", help="drafter backend of the edge")
-    ap.add_argument("--draft", default="smollm2-135m-q4", help="draft model alias")
+    add_model_args(ap, draft="smollm2-135m-q4", draft_help="draft model alias")
     ap.add_argument("--round", type=int, default=2, help="the round traced (>= 1: round 0 is the prompt's)")
     add_common_args(ap, json=True)
     return ap

@@ -58,6 +58,7 @@ from bench.harness import (
     table,
     write_result,
 )
+from bench.lib.args import add_model_args
 from bench.serve_clients import (
     RequestSpec,
     Run,
@@ -379,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--url", default=None, help="drive a running verifier (http://host:port) instead of starting one"
     )
     p.add_argument("--api-key", default=None, help="API key for --url servers with a key file (Bearer)")
-    p.add_argument("--model", default="smollm2-135m", help="the started verifier's model (alias or path)")
+    add_model_args(p, model="smollm2-135m", model_help="the started verifier's model (alias or path)")
     p.add_argument(
         "--threads", type=int, default=0, help="the started verifier's torch threads (0: torch's default)"
     )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.lib.stats import median
 from edge_client.stats import DraftEvent, RoundTrace, SendEvent, VerdictEvent
 
 
@@ -197,4 +198,4 @@ class Overheads:
 
 
 def _median0(xs: Sequence[float]) -> float:
-    return max(0.0, statistics.median(xs)) if xs else 0.0
+    return max(0.0, median(xs) or 0.0)

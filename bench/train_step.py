@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from bench.harness import add_common_args, table, write_result
+from bench.lib.args import add_model_args
 
 VARIANTS = ("none", "bf16")
 
@@ -52,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=160, help="tokens of one record (prompt + continuation)")
     ap.add_argument("--positions", type=int, default=64, help="positions the loss reads (the continuation)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps of each variant (after one warm-up)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_model_args(ap, threads=0)
     add_common_args(ap, json=True, json_help="rows: ms per step per variant", no_progress=True)
     a = ap.parse_args(argv)
     if a.steps < 1 or a.seq < 2 or not 1 <= a.positions < a.seq or a.lora_rank < 0:

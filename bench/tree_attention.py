@@ -27,9 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import random
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -38,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.harness import add_common_args, write_result
+from bench.lib.stats import median_ms
 from treespec_kernels.tree_attention import (
     ancestor_masks,
     reference_tree_attention,
@@ -124,20 +123,12 @@ def sdpa_attention(case: dict[str, Any]) -> Callable[[], torch.Tensor]:
     return run
 
 
-def median_ms(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int, repeats: int) -> float:
+def timed_ms(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int, repeats: int) -> float:
+    """The median ms of `fn` on `device`, synchronized around each call on CUDA."""
     cuda = device.type == "cuda"
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_ms(
+        fn, repeats, warmup=warmup, sync=(lambda: torch.cuda.synchronize(device)) if cuda else None
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,12 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sdpa = sdpa_attention(case)
                 diff = (tree_attention(**case, **tuning).float() - sdpa().float()).abs().max().item()
                 fused = partial(tree_attention, **case, check_values=False, **tuning)
-                triton_ms = median_ms(fused, device, args.warmup, args.repeats)
-                sdpa_ms = median_ms(sdpa, device, args.warmup, args.repeats)
+                triton_ms = timed_ms(fused, device, args.warmup, args.repeats)
+                sdpa_ms = timed_ms(sdpa, device, args.warmup, args.repeats)
                 ref_ms = None
                 if not args.no_reference:
                     reference = partial(reference_tree_attention, **case)
-                    ref_ms = median_ms(reference, device, 0, max(1, args.repeats // 4))
+                    ref_ms = timed_ms(reference, device, 0, max(1, args.repeats // 4))
                 row = {
                     "sessions": sessions,
                     "nodes": nodes,

@@ -21,18 +21,24 @@ from collections.abc import Sequence
 import torch
 
 from bench.harness import add_common_args, table, write_result
+from bench.lib.args import add_model_args
 from shared.model_store import DEFAULT_TARGET
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.verifier_memory", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=DEFAULT_TARGET, help="target alias or GGUF path")
+    add_model_args(
+        ap,
+        model=DEFAULT_TARGET,
+        model_help="target alias or GGUF path",
+        threads=2,
+        threads_help="torch threads",
+    )
     ap.add_argument(
         "--weights", default="quantized", choices=["fp32", "quantized"], help="how the target runs"
     )
     ap.add_argument("--prefill", type=int, default=300, help="prompt tokens prefilled into the pool")
     ap.add_argument("--steps", type=int, default=5, help="decode steps after the prefill")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads")
     add_common_args(ap, json=True)
     return ap
 

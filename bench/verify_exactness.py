@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from bench.harness import add_common_args, write_result
+from bench.lib.args import add_model_args
 from cloud_verifier.exactness import (
     ALPHA,
     SHAPES,
@@ -161,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--acceptance-trials", type=int, default=100_000, help="trials per shape for tokens/round"
     )
     ap.add_argument("--timing-reps", type=int, default=200, help="verify_tree calls timed per algorithm")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    add_model_args(ap, threads=1, threads_help="torch intra-op threads")
     ap.add_argument("--skip-timing", action="store_true", help="do not time verify_tree")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)

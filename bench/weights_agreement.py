@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
+from bench.lib.args import add_model_args
 from shared.model_store import DEFAULT_TARGET
 
 
@@ -104,10 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Greedy output of the quantized target (--weights quantized) against the fp32 target "
         "on the same prompts: identical outputs, first divergence, teacher-forced token agreement.",
     )
-    ap.add_argument("--model", default=DEFAULT_TARGET, help="target alias or GGUF path")
+    add_model_args(ap, model=DEFAULT_TARGET, model_help="target alias or GGUF path", threads=0)
     ap.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (raw)")
     ap.add_argument("--prompts", type=int, default=4, help="Spec-Bench dev prompts (chat template)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     add_common_args(
         ap,
         json=True,
