@@ -7,7 +7,6 @@ import base64
 import itertools
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from bench.lib.procs import free_port
 
 
 def chromium() -> str | None:
@@ -30,9 +31,7 @@ class Browser:
         exe = chromium()
         if exe is None:
             raise RuntimeError("no chromium: apt-get install chromium")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.profile = tempfile.mkdtemp(prefix="chromium-")
         self.proc = subprocess.Popen(
             [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",

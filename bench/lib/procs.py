@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +69,19 @@ def die_with_parent() -> None:
         pass
 
 
+def pinned(cores: Iterable[int]) -> Callable[[], None]:
+    """A child's preexec_fn: pin it to `cores` (none: leave it) and end it with the bench
+    (die_with_parent)."""
+    chosen = set(cores)
+
+    def pin() -> None:
+        if chosen and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, chosen)
+        die_with_parent()
+
+    return pin
+
+
 def read_metrics(http: str) -> dict[str, float]:
     """Unlabelled Prometheus samples of the verifier at `http` (http://host:port), by name."""
     with urllib.request.urlopen(http + "/metrics", timeout=10) as r:
@@ -117,13 +130,6 @@ class Verifier:
             "warning",
             *self.args,
         ]
-        cores = set(self.cores)
-
-        def pin() -> None:
-            if cores and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, cores)
-            die_with_parent()
-
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"verifier-{self.port}.log"
         log = self.log_path.open("wb")
         env = dict(os.environ)
@@ -132,7 +138,7 @@ class Verifier:
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         out = subprocess.PIPE if self.echo else log
         self.proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pin, cwd=REPO, env=env
+            cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pinned(self.cores), cwd=REPO, env=env
         )
         if self.echo:
             self._echoing.set()
@@ -242,15 +248,8 @@ class Proxy:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Proxy:
-        cores = self.cores
-
-        def pin() -> None:
-            if cores and hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, cores)
-            die_with_parent()
-
         self.proc = subprocess.Popen(
-            self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin
+            self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pinned(self.cores)
         )
         deadline = time.monotonic() + 20
         while True:

@@ -48,3 +48,20 @@ def test_add_model_args_declares_only_what_is_asked_with_its_help() -> None:
     assert vars(ap.parse_args([])) == {"threads": 0}
     with pytest.raises(SystemExit):
         ap.parse_args(["--model", "x"])
+
+
+def test_pinned_children_run_on_the_given_cores() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from bench.lib.procs import pinned
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity here")
+    core = min(os.sched_getaffinity(0))
+    code = "import os; print(sorted(os.sched_getaffinity(0)))"
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=pinned([core])
+    )
+    assert run.stdout.strip() == f"[{core}]"
