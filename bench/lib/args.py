@@ -44,42 +44,9 @@ def add_common_args(
       --prompt-file PATH  your own prompts instead of the built-in sets (suite_from_args)
       --no-progress       no progress bars (tqdm, on stderr)
 
-    Which module takes which (tests/bench/test_harness_shape.py checks this table against every
-    module's call, and that no module declares one of these flags itself):
-
-      agreement         --json --tokens --prompt-file --no-progress
-      chaos             --json --seed --tokens --no-progress
-      cost_curve        --json --no-progress
-      demo              --json --tokens
-      draft_parallel    --json --prompt-file --no-progress
-      drafter_cost      --json --no-progress
-      e2e               --json --seed --tokens --prompt-file --no-progress
-      fuzz              --json --seed --no-progress
-      js_edge           --json --tokens --prompt-file --no-progress
-      gpu_forward       --json --seed
-      load              --json --seed --tokens --no-progress
-      load_cost         --json --tokens --prompt-file --no-progress
-      lookup_tau        --json --tokens --prompt-file --no-progress
-      merged            --json --seed --tokens --prompt-file
-      network           --json --tokens --prompt-file --no-progress
-      offload           --json --tokens --prompt-file --no-progress
-      onnx_drafter      --json
-      outcomes          --json --tokens --prompt-file --no-progress
-      parallel          --json --no-progress
-      peers             --json --tokens --prompt-file
-      prefill_share     --json --seed --tokens --no-progress
-      quant_matmul      --json --no-progress
-      round_files       --json
-      serve             --json --seed --prompt-file --no-progress
-      simulate          --json --no-progress
-      soak              --json --seed --no-progress
-      speculators       --json --tokens --prompt-file --no-progress
-      target_step       --json --no-progress
-      train_step        --json --no-progress
-      tree_attention    --json --seed
-      verifier_memory   --json
-      verify_exactness  --json --seed --no-progress
-      weights_agreement --json --tokens --prompt-file --no-progress
+    Which bench takes which: `python -m bench NAME --help` (tests/bench/test_harness_shape.py checks
+    that no module declares one of these flags itself, and keeps each module's --seed and --tokens
+    defaults).
 
     Left out where it would mean nothing: --prompt-file where no prompt suite runs (kernel and forward
     micro-benchmarks, fuzz, soak, chaos and prefill_share on made-up tokens, load's own --prompt-dir,
