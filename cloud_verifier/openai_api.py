@@ -12,6 +12,9 @@ small worker pool (never on the event loop), after a cheap check that refuses a 
 fit the context (`PromptBound`); a key's `tokens_per_min` is charged the prompt plus `max_tokens`
 at admission and refunded what was not generated; a client that goes away ends its generation,
 freeing its slot and KV cache at once (a stream's, and a whole answer's while it is collected).
+
+The routes, their errors, body limits and streams are shared.openai_http's (as the edge's local
+endpoint's); this module supplies their generations (VerifierSource) and vLLM's utility routes.
 """
 
 from __future__ import annotations
@@ -21,15 +24,13 @@ import concurrent.futures
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from cloud_verifier import vllm_api
 from cloud_verifier.admission import Admission, AdmissionRefused, Ticket
@@ -39,22 +40,25 @@ from cloud_verifier.step import RoundResult
 from shared.messages import Mode, Prompt
 from shared.model import Target
 from shared.openai_compat import (
-    BODY_TIMEOUT_S,
-    MAX_BODY_BYTES,
-    SSE_DONE,
     ApiError,
     CompletionRequest,
     chat_messages,
-    chunk_choice,
     completion_prompt_value,
-    new_id,
     parse_common,
     parse_json_body,
-    sse,
     text_bytes,
-    usage,
 )
-from shared.openai_compat import choice as whole_choice
+from shared.openai_http import (
+    CompletionSource,
+    Generation,
+    HttpConfig,
+    Piece,
+    check_model,
+    read_json,
+    respond,
+    until_gone,
+)
+from shared.openai_http import install as install_openai
 
 TOKENIZE_WORKERS = 2  # prompts rendered and tokenized at once (the rest queue for a worker)
 
@@ -115,6 +119,7 @@ def _fits(text: str, bound: PromptBound | None, max_context: int, param: str) ->
 
 
 INLINE_JSON_BYTES = 64 << 10  # bodies up to this size are parsed on the event loop (< 1 ms)
+HTTP = HttpConfig()  # the body limits (openai_compat's MAX_BODY_BYTES, BODY_TIMEOUT_S)
 
 
 def completion_prompt(
@@ -296,20 +301,46 @@ class ApiContext:
         return self._bound[1]
 
 
+class VerifierSource(CompletionSource):
+    """The OpenAI routes' generations on the verifier: a key and a loaded target before the body is
+    read; then the prompt tokenized, charged and admitted, and generated target-only (mode `ar`)."""
+
+    name = "the verifier"
+    config = HTTP
+
+    def __init__(self, ctx: ApiContext) -> None:
+        self.ctx = ctx
+
+    async def admit(self, request: Request) -> tuple[Principal, Engine, Target, str]:
+        who = _authorize(self.ctx, request)
+        return (who, *_ready(self.ctx))
+
+    async def parse(self, raw: bytes) -> dict[str, Any]:
+        return await _parse_body(self.ctx, raw)
+
+    async def model(self, request: Request) -> str:
+        _authorize(self.ctx, request)
+        return _ready(self.ctx)[2]
+
+    async def start(
+        self,
+        admitted: tuple[Principal, Engine, Target, str],
+        body: dict[str, Any],
+        chat: bool,
+        gone: asyncio.Task[None],
+    ) -> Generation:
+        """From here the client may go away at any moment (while its prompt is tokenized, while it
+        waits for a slot): then the work stops, and a generation that began all the same ends."""
+        who, engine, target, model = admitted
+        check_model(body, model)
+        work = _begin(self.ctx, body, who, engine, target, model, chat)
+        return await until_gone(work, gone, lambda late: late.end())
+
+
 def install(app: FastAPI, ctx: ApiContext) -> None:
-    """Add the OpenAI-compatible routes to `app`."""
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return _models(ctx, request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _handle(ctx, request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _handle(ctx, request, chat=True)
+    """Add the OpenAI-compatible routes (shared.openai_http over VerifierSource) and vLLM's
+    utility routes to `app`."""
+    install_openai(app, VerifierSource(ctx))
 
     # vLLM's utility routes (vllm_api), for tools written for vLLM
     @app.post("/tokenize")
@@ -325,12 +356,8 @@ def install(app: FastAPI, ctx: ApiContext) -> None:
         try:
             _authorize(ctx, request)
         except ApiError as exc:
-            return _respond(exc)
+            return respond(exc)
         return JSONResponse(vllm_api.version())
-
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> Response:
-        return _respond(exc)
 
 
 async def _utility(
@@ -341,11 +368,11 @@ async def _utility(
     try:
         _authorize(ctx, request)
         _, target, model = _ready(ctx)
-        body = await _read_body(ctx, request)
+        body = await read_json(request, HTTP, lambda raw: _parse_body(ctx, raw))
         vllm_api.check_model(body, model)
         answer = await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, work, body, target)
     except ApiError as exc:
-        return _respond(exc)
+        return respond(exc)
     return JSONResponse(answer)
 
 
@@ -369,38 +396,12 @@ def _ready(ctx: ApiContext) -> tuple[Engine, Target, str]:
     return engine, target, model
 
 
-async def _read_body(ctx: ApiContext, request: Request) -> dict[str, Any]:
-    """The request's JSON body, read within BODY_TIMEOUT_S and at most MAX_BODY_BYTES (408, 413, 499
-    for a client gone before it ended); a large body is parsed on a tokenize worker."""
-    raw = bytearray()  # appended in place: many small chunks cost no more than one big one
-    try:
-        async with asyncio.timeout(BODY_TIMEOUT_S):
-            async for chunk in request.stream():
-                raw += chunk
-                if len(raw) > MAX_BODY_BYTES:
-                    raise ApiError(413, f"the request body is over {MAX_BODY_BYTES} bytes", None, "too_large")
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s", None,
-                       "timeout") from None  # fmt: skip
-    except ClientDisconnect:  # gone before its body ended: no answer is read (it was a 500)
-        raise ApiError(499, "the client closed the connection before the body ended", None,
-                       "client_closed") from None  # fmt: skip
-    body = bytes(raw)
-    if len(body) <= INLINE_JSON_BYTES:
-        return parse_json_body(body)
-    # a large body is parsed on a worker: the event loop (every session) keeps its turn
-    return await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, parse_json_body, body)
-
-
-def _models(ctx: ApiContext, request: Request) -> Response:
-    """GET /v1/models: the one model served."""
-    try:
-        _authorize(ctx, request)
-        _, _, model = _ready(ctx)
-    except ApiError as exc:
-        return _respond(exc)
-    data = [{"id": model, "object": "model", "created": 0, "owned_by": "treespec"}]
-    return JSONResponse({"object": "list", "data": data})
+async def _parse_body(ctx: ApiContext, raw: bytes) -> dict[str, Any]:
+    """A body as a JSON object; a large one is parsed on a tokenize worker: the event loop (every
+    session) keeps its turn."""
+    if len(raw) <= INLINE_JSON_BYTES:
+        return parse_json_body(raw)
+    return await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, parse_json_body, raw)
 
 
 async def _prompt_ids(ctx: ApiContext, body: dict[str, Any], target: Target, chat: bool) -> list[int]:
@@ -438,7 +439,7 @@ def _charge(who: Principal, req: CompletionRequest, body: dict[str, Any], chat: 
     return req
 
 
-async def _answer(
+async def _begin(
     ctx: ApiContext,
     body: dict[str, Any],
     who: Principal,
@@ -446,131 +447,33 @@ async def _answer(
     target: Target,
     model: str,
     chat: bool,
-) -> Response:
-    """Tokenize, charge and admit the request, then generate: a stream (`GenerationStream`) or the
-    whole answer, collected here."""
+) -> Generation:
+    """Tokenize, charge and admit the request, then start its generation."""
+    ids = await _prompt_ids(ctx, body, target, chat)
+    req = _charge(who, parse_common(body, ids, ctx.max_context, chat, ignore_eos=True), body, chat)
     try:
-        ids = await _prompt_ids(ctx, body, target, chat)
-        req = _charge(who, parse_common(body, ids, ctx.max_context, chat, ignore_eos=True), body, chat)
-        try:
-            ticket = await ctx.admission.acquire(who, len(req.prompt_ids) + req.max_tokens)
-        except AdmissionRefused as exc:
-            raise ApiError(429, exc.reason, None, "rate_limit_exceeded", "rate_limit_error",
-                           {"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
-    except ApiError as exc:
-        return _respond(exc)
+        ticket = await ctx.admission.acquire(who, len(req.prompt_ids) + req.max_tokens)
+    except AdmissionRefused as exc:
+        raise ApiError(429, exc.reason, None, "rate_limit_exceeded", "rate_limit_error",
+                       {"Retry-After": str(exc.retry_after_s)}) from None  # fmt: skip
 
     def closed() -> None:
         ctx.running -= 1
 
-    gen = CompletionRun(engine, req, ctx.admission, who, ticket, on_close=closed)
-    gen.start()
+    run = CompletionRun(engine, req, ctx.admission, who, ticket, on_close=closed)
+    run.start()
     ctx.running += 1
-    rid = new_id(chat)
-    created = int(time.time())
-    if req.stream:
-        return GenerationStream(gen, _sse(gen, target, model, rid, created, chat, ctx))
-    try:
-        text, ids_out, finish, err = await _collect(gen, target, ctx)
-    finally:
-        gen.close()
-    if err is not None:
-        return _respond(ApiError(500, err, None, "internal_error", "server_error"))
-    counts = _usage(req, ids_out)
-    choice = whole_choice(chat, text, finish)
-    if req.return_token_ids:
-        choice["token_ids"] = ids_out
-    obj = "chat.completion" if chat else "text_completion"
-    return JSONResponse(
-        {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "choices": [choice],
-            "usage": counts,
-        }
-    )
+    pieces = _pieces(run, TextStream(target, req.stop), ctx)
+    return Generation(req, model, pieces, lambda failed: run.close(), token_ids=req.return_token_ids)
 
 
-async def _handle(ctx: ApiContext, request: Request, chat: bool) -> Response:
-    """POST /v1/completions (chat False) and /v1/chat/completions (chat True)."""
-    try:
-        who = _authorize(ctx, request)
-        engine, target, model = _ready(ctx)
-        body = await _read_body(ctx, request)
-        asked = body.get("model")
-        if asked is not None and not isinstance(asked, str):
-            raise ApiError(400, "'model' must be a string", "model")
-        if asked is not None and asked != model:
-            raise ApiError(404, f"the model {asked[:100]!r} is not served here (this is {model!r})",
-                           "model", "model_not_found")  # fmt: skip
-    except ApiError as exc:
-        return _respond(exc)
-    # from here the client may go away at any moment (while its prompt is tokenized, while it
-    # waits for a slot, while its whole answer is generated): then the work stops, and the
-    # generation's slot and KV cache are freed at once. A stream's response watches for the
-    # disconnect itself once it has begun (Starlette's StreamingResponse).
-    gone = asyncio.ensure_future(_disconnected(request))
-    work = asyncio.ensure_future(_answer(ctx, body, who, engine, target, model, chat))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this request is cancelled (the drain's deadline): so is its work
-        work.cancel()
-        raise
-    finally:
-        gone.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    await asyncio.wait({work})
-    if not work.cancelled() and work.exception() is None:
-        late = work.result()
-        if isinstance(late, GenerationStream):  # it had begun just as the client left
-            late.gen.close()
-    return Response(status_code=499)  # nobody reads it: the client has gone
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone (call once the body has been read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class GenerationStream(StreamingResponse):
-    """The server-sent events of a generation, which is closed however the response ends: the
-    stream finished, the client went away, or the response never began (the generator's own
-    `finally` does not run for a generator that was never started)."""
-
-    def __init__(self, gen: CompletionRun, events: AsyncIterator[bytes]) -> None:
-        super().__init__(events, media_type="text/event-stream")
-        self.gen = gen
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.gen.close()
-
-
-def _usage(req: CompletionRequest, ids_out: list[int]) -> dict[str, int]:
-    return usage(len(req.prompt_ids), len(ids_out))
-
-
-def _respond(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-
-async def _tokens(
-    gen: CompletionRun, text: TextStream, ctx: ApiContext
-) -> AsyncIterator[tuple[str, list[int], str | None, str | None]]:
-    """(new text, new token ids, finish reason or None, error or None) per engine result."""
+async def _pieces(run: CompletionRun, text: TextStream, ctx: ApiContext) -> AsyncGenerator[Piece, None]:
+    """The new text, token ids and finish reason per engine result (an engine error: 500)."""
     t0 = time.perf_counter()
     first: float | None = None
-    async for res in gen.stream():
+    async for res in run.stream():
         if res.error is not None:
-            yield "", [], None, res.error.message
-            return
+            raise ApiError(500, res.error.message, None, "internal_error", "server_error")
         if first is None:
             first = time.perf_counter() - t0
         piece = text.add(res.tokens)
@@ -580,61 +483,8 @@ async def _tokens(
         elif res.done:
             finish = "length" if res.reason in ("length", "context") else "stop"
             piece += text.finish()
-        yield piece, list(res.tokens), finish, None
+        yield Piece(piece, finish, list(res.tokens))
         if finish is not None:
             break
     if ctx.on_done is not None and first is not None:
         ctx.on_done(first, len(text.ids), time.perf_counter() - t0)
-
-
-async def _collect(
-    gen: CompletionRun, target: Target, ctx: ApiContext
-) -> tuple[str, list[int], str, str | None]:
-    text = TextStream(target, gen.req.stop)
-    parts: list[str] = []
-    ids: list[int] = []
-    finish = "length"
-    async for piece, new, fin, err in _tokens(gen, text, ctx):
-        if err is not None:
-            return "", ids, "error", err
-        parts.append(piece)
-        ids.extend(new)
-        if fin is not None:
-            finish = fin
-    return "".join(parts), ids, finish, None
-
-
-async def _sse(
-    gen: CompletionRun, target: Target, model: str, rid: str, created: int, chat: bool, ctx: ApiContext
-) -> AsyncIterator[bytes]:
-    """Server-sent events in OpenAI's chunk format, ending in `data: [DONE]`."""
-
-    def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return sse(rid, created, model, chat, choices, **extra)
-
-    def choice(piece: str, finish: str | None, new: list[int]) -> dict[str, Any]:
-        c = chunk_choice(chat, piece, finish)
-        if gen.req.return_token_ids:
-            c["token_ids"] = new
-        return c
-
-    text = TextStream(target, gen.req.stop)
-    ids: list[int] = []
-    try:
-        if chat:
-            yield event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        async for piece, new, fin, err in _tokens(gen, text, ctx):
-            if err is not None:
-                doc = {
-                    "error": {"message": err, "type": "server_error", "param": None, "code": "internal_error"}
-                }
-                yield f"data: {json.dumps(doc)}\n\n".encode()
-                break
-            ids.extend(new)
-            if piece or fin is not None or gen.req.return_token_ids:
-                yield event([choice(piece, fin, new)])
-        if gen.req.include_usage:
-            yield event([], usage=_usage(gen.req, ids))
-        yield SSE_DONE
-    finally:  # also when the client goes away mid-stream: the engine drops the sequence
-        gen.close()

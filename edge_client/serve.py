@@ -8,59 +8,83 @@ field, the speculation's figures (tokens per round, rounds, pre-speculation hit 
 round-trip times). One generation runs at a time (the draft model is single-threaded); a few others
 wait for it, each for a bounded time (ServeConfig).
 
-The endpoint spends the user's key, so it answers only its own (edge_client.http_guard: Host,
-Origin, Content-Type, body size). A generation whose client goes away (a stream closed mid-answer,
-an abandoned request) is stopped, and any failure is an OpenAI-style JSON error.
+The OpenAI routes, their errors, body limits and streams are shared.openai_http's; this module
+supplies their generations (EdgeSource) and the live page. The endpoint spends the user's key, so
+it answers only its own (shared.openai_http.guard: Host, Origin, Content-Type, body size). A
+generation whose client goes away (a stream closed mid-answer, an abandoned request) is stopped,
+and any failure is an OpenAI-style JSON error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import HTMLResponse, Response
 
 from edge_client.client import EdgeClient, GenerationError
-from edge_client.http_guard import Guard, ServeConfig, read_json, valid_text, watch_disconnect
 from edge_client.web_edge import WebEdge
 from shared.messages import Mode, Verdict
 from shared.openai_compat import (
-    SSE_DONE,
     ApiError,
     CompletionRequest,
     chat_messages,
-    choice,
-    chunk_choice,
     completion_prompt_value,
-    new_id,
     parse_common,
-    sse,
     usage,
+)
+from shared.openai_http import (
+    ClosingStream,
+    CompletionSource,
+    Generation,
+    HttpConfig,
+    Piece,
+    check_model,
+    client_gone,
+    install,
+    internal,
+    read_json,
+    respond,
+    sse_data,
+    valid_text,
+    watch_disconnect,
 )
 from shared.protocol import ClientState
 
 log = logging.getLogger(__name__)
 
 
-def _respond(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+NAME = "edge-client serve"
 
 
-def _internal(what: str) -> ApiError:
-    return ApiError(500, f"{what} failed inside edge-client serve (see its log)", None, "internal_error",
-                    "server_error")  # fmt: skip
+@dataclass(frozen=True)
+class ServeConfig(HttpConfig):
+    """The local endpoint's guards, body limits (HttpConfig) and queue (`edge-client serve` takes
+    its defaults from here).
 
+    max_waiting:    requests that may wait behind the running generation; one more gets 429
+    wait_s:         the longest a request waits for the running generation (then 503)
+    mode:           the mode of a request without a `mode` field ("auto": the SDK's planner)
+    objective:      what mode auto plans for: "latency" or "cost"
+    """
 
-def _gone() -> ApiError:
-    return ApiError(499, "the client went away; the generation was cancelled", None, "client_closed")
+    ORIGIN_OPTION: ClassVar[str] = "edge-client serve --allow-origin"
+
+    max_waiting: int = 8
+    wait_s: float = 300.0
+    mode: str = "auto"
+    objective: str = "latency"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_waiting < 0 or not self.wait_s > 0:
+            raise ValueError("max_waiting must be >= 0 and wait_s > 0")
 
 
 class EdgeSession:
@@ -136,7 +160,7 @@ class EdgeSession:
         if held:
             self._generating.release()
         if gone.done():
-            raise _gone()
+            raise client_gone()
         raise ApiError(
             503,
             f"busy: another generation has held the draft model for the longest wait, {cfg.wait_s:g} s; "
@@ -209,79 +233,87 @@ def speculation_stats(client: EdgeClient) -> dict[str, Any]:
     return {"tokens": len(gen.tokens), **{k: d[k] for k in keys if k in d}}
 
 
-class _Stream(StreamingResponse):
-    """A streaming response that closes its generator as soon as it ends, however it ends (the
-    client gone mid-answer included), not whenever the garbage collector gets to it."""
+class EdgeSource(CompletionSource):
+    """The OpenAI routes' generations on the edge: each waits for the draft model (EdgeSession),
+    drafts here and is verified over the endpoint's one verifier session."""
 
-    def __init__(self, body: AsyncGenerator[bytes, None]) -> None:
-        super().__init__(body, media_type="text/event-stream")
-        self._body = body
+    name = NAME
+    owned_by = "treespec (verified in the cloud)"
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __init__(self, edge: EdgeSession) -> None:
+        self.edge = edge
+        self.config = edge.config
+
+    async def model(self, request: Request) -> str:
+        return await self.edge.model()
+
+    async def start(
+        self, admitted: Any, body: dict[str, Any], chat: bool, gone: asyncio.Task[None]
+    ) -> Generation:
+        """Wait for the draft model, check the request against the session, begin the generation."""
+        edge = self.edge
+        await edge.acquire(gone)
+        c: EdgeClient | None = None
         try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._body.aclose()
+            c = await edge.session()
+            req, mode, model = _parse(body, chat, c, edge.config.mode)
+            if gone.done():
+                raise client_gone()
+        except ApiError:
+            edge.release(c)
+            raise
+        except Exception:
+            log.exception("edge-client serve: reading a request")
+            edge.release(c, failed=True)
+            raise internal(NAME, "reading the request") from None
+        return _generation(edge, c, req, mode, model)
+
+
+def _generation(
+    edge: EdgeSession, c: EdgeClient, req: CompletionRequest, mode: Mode | str, model: str
+) -> Generation:
+    """The generation over session `c`; its end releases the draft model (EdgeSession.release)."""
+    pieces = _generate(c, req, mode, edge.config.objective)
+
+    def end(failed: bool) -> asyncio.Task[None]:
+        async def stop() -> bool:
+            await pieces.aclose()  # if the client left at a yield: the generation stops here
+            return failed
+
+        return edge.release(c, failed, stop=stop)
+
+    def counts() -> dict[str, int] | None:
+        return None if c.last is None else usage(len(req.prompt_ids), len(c.last.tokens))
+
+    return Generation(req, model, pieces, end, counts, lambda: {"treespec": speculation_stats(c)})
 
 
 def create_app(
     make_client: Callable[[], EdgeClient], config: ServeConfig | None = None, web: WebEdge | None = None
 ) -> FastAPI:
-    """The local API over one verifier session (opened on the first request, reopened if it drops);
-    with `web`, the browser edge's page and files at /edge/ (edge_client.web_edge)."""
+    """The local API over one verifier session (opened on the first request, reopened if it drops),
+    behind the guards (ServeConfig); with `web`, the browser edge's page and files at /edge/
+    (edge_client.web_edge)."""
     cfg = config or ServeConfig()
     app = FastAPI(title="edge-client serve")
-    app.add_middleware(Guard, config=cfg)
     edge = EdgeSession(make_client, cfg)
     app.state.edge = edge
-    app.add_exception_handler(Exception, _unexpected)
-    routes = _Routes(edge, cfg)
-    app.get("/v1/models")(routes.models)
-    app.post("/v1/chat/completions")(routes.chat_completions)
-    app.post("/v1/completions")(routes.completions)
-    app.get("/healthz")(routes.healthz)
-    app.get("/")(routes.page)
-    app.post("/live")(routes.live)
+    install(app, EdgeSource(edge), guard=True)
+    live = _LiveRoutes(edge, cfg)
+    app.get("/healthz")(live.healthz)
+    app.get("/")(live.page)
+    app.post("/live")(live.live)
     if web is not None:
         web.mount(app)
     return app
 
 
-async def _unexpected(request: Request, exc: Exception) -> Response:
-    return _respond(_internal("the request"))
-
-
-class _Routes:
-    """The endpoint's route handlers, over the one EdgeSession of an app (create_app wires them)."""
+class _LiveRoutes:
+    """The live page and its stream, and /healthz, over the one EdgeSession of an app."""
 
     def __init__(self, edge: EdgeSession, cfg: ServeConfig) -> None:
         self.edge = edge
         self.cfg = cfg
-
-    async def models(self) -> Response:
-        try:
-            model = await self.edge.model()
-        except ApiError as exc:
-            return _respond(exc)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "treespec (verified in the cloud)",
-                    }
-                ],
-            }
-        )
-
-    async def chat_completions(self, request: Request) -> Response:
-        return await self.handle(request, chat=True)
-
-    async def completions(self, request: Request) -> Response:
-        return await self.handle(request, chat=False)
 
     async def healthz(self) -> dict[str, str]:
         return {"status": "alive"}
@@ -289,117 +321,32 @@ class _Routes:
     async def page(self) -> Response:
         return HTMLResponse(LIVE_PAGE.read_text(encoding="utf-8"))
 
-    async def handle(self, request: Request, chat: bool) -> Response:
-        """A completion request: its body read and checked, then answered while the client stays."""
-        try:
-            body = await read_json(request, self.cfg)
-        except ApiError as exc:
-            return _respond(exc)
-        gone = watch_disconnect(request)
-        try:
-            return await self.complete(body, chat, gone)
-        finally:
-            gone.cancel()
-
-    async def complete(self, body: dict[str, Any], chat: bool, gone: asyncio.Task[None]) -> Response:
-        """Wait for the draft model, then stream the completion (SSE) or answer it whole."""
-        edge = self.edge
-        try:
-            await edge.acquire(gone)
-        except ApiError as exc:
-            return _respond(exc)
-        c: EdgeClient | None = None
-        try:
-            c = await edge.session()
-            req, mode, model = _parse(body, chat, c, edge.config.mode)
-            if gone.done():
-                raise _gone()
-        except ApiError as exc:
-            edge.release(c)
-            return _respond(exc)
-        except Exception:
-            log.exception("edge-client serve: reading a request")
-            edge.release(c, failed=True)
-            return _respond(_internal("reading the request"))
-        rid, created = new_id(chat), int(time.time())
-        stream = _generate(c, req, mode, edge.config.objective)
-        if req.stream:
-            return _Stream(_sse(stream, edge, c, req, model, rid, created, chat))
-        run = asyncio.create_task(_collect(stream))
-        failed = False
-        try:
-            await asyncio.wait({run, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not run.done():  # the client went away: stop drafting and verifying for no one
-                run.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await run
-                return _respond(_gone())
-            err = run.exception()
-            if isinstance(err, GenerationError):
-                return _respond(ApiError(502, str(err), err.field, "verifier_error", "server_error"))
-            if err is not None:
-                failed = True
-                log.error("edge-client serve: a generation failed", exc_info=err)
-                return _respond(_internal("the generation"))
-        finally:
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(edge.release(c, failed))
-        text, finish = run.result()
-        return _completion(c, req, model, rid, created, chat, text, finish)
-
     async def live(self, request: Request) -> Response:
         """The page's stream: per verdict, its tokens with how each came, and the running figures."""
         try:
             body = await read_json(request, self.cfg)
             prompt, n = _live_request(body)
         except ApiError as exc:
-            return _respond(exc)
+            return respond(exc)
         edge = self.edge
         gone = watch_disconnect(request)
         try:
             await edge.acquire(gone)
         except ApiError as exc:
             gone.cancel()
-            return _respond(exc)
+            return respond(exc)
         c: EdgeClient | None = None
         try:
             c = await edge.session()
             if gone.done():
-                raise _gone()
+                raise client_gone()
         except ApiError as exc:
             edge.release(c)
-            return _respond(exc)
+            return respond(exc)
         finally:
             gone.cancel()
         mode = Mode.AR if body.get("cloud_only") else Mode.GREEDY
-        return _Stream(_live(c, prompt, n, mode, edge))
-
-
-def _completion(
-    c: EdgeClient,
-    req: CompletionRequest,
-    model: str,
-    rid: str,
-    created: int,
-    chat: bool,
-    text: str,
-    finish: str,
-) -> JSONResponse:
-    """The whole answer of a completion that was not streamed."""
-    gen = c.last
-    assert gen is not None
-    obj = "chat.completion" if chat else "text_completion"
-    return JSONResponse(
-        {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": model,
-            "choices": [choice(chat, text, finish)],
-            "usage": usage(len(req.prompt_ids), len(gen.tokens)),
-            "treespec": speculation_stats(c),
-        }
-    )
+        return ClosingStream(_live(c, prompt, n, mode, edge))
 
 
 def _live_request(body: dict[str, Any]) -> tuple[str, int]:
@@ -423,9 +370,7 @@ def _parse(
     """The request, its mode and the model it names, checked against the session (ApiError)."""
     assert c.welcome is not None
     model = c.welcome.model_id
-    if body.get("model") not in (None, model):
-        raise ApiError(404, f"the model {body['model']!r} is not served here (this is {model!r})", "model",
-                       "model_not_found")  # fmt: skip
+    check_model(body, model)
     if chat:
         msgs = chat_messages(body)
         for m in msgs:
@@ -442,11 +387,6 @@ def _parse(
             raise ApiError(400, "'prompt' is empty: give some text or at least one token id", "prompt")
     req = parse_common(body, ids, c.welcome.limits.max_context, chat)
     return req, _mode(body, req, c, default), model
-
-
-def _sse_error(message: str, kind: str, code: str | None = None) -> bytes:
-    doc = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return f"data: {json.dumps(doc, ensure_ascii=False)}\n\n".encode()
 
 
 async def _live(
@@ -469,7 +409,7 @@ async def _live(
                 out.append({"text": text, "how": "bonus"})
         st = speculation_stats(c)
         doc = {"round": v.round, "tokens": out, "prespeculated": prespeculated, "done": v.done, "stats": st}
-        events.put_nowait(f"data: {json.dumps(doc, ensure_ascii=False)}\n\n".encode())
+        events.put_nowait(sse_data(doc))
 
     async def produce() -> None:
         nonlocal failed
@@ -478,16 +418,14 @@ async def _live(
             async with contextlib.aclosing(gen):
                 async for _ in gen:
                     pass
-            events.put_nowait(
-                f"data: {json.dumps({'done': True, 'stats': speculation_stats(c)})}\n\n".encode()
-            )
+            events.put_nowait(sse_data({"done": True, "stats": speculation_stats(c)}))
         except GenerationError as exc:
-            events.put_nowait(f"data: {json.dumps({'error': str(exc)})}\n\n".encode())
+            events.put_nowait(sse_data({"error": str(exc)}))
         except Exception:
             failed = True
             log.exception("edge-client serve: a live generation failed")
             msg = "the generation failed inside edge-client serve (see its log)"
-            events.put_nowait(f"data: {json.dumps({'error': msg})}\n\n".encode())
+            events.put_nowait(sse_data({"error": msg}))
         finally:
             events.put_nowait(None)
 
@@ -532,8 +470,8 @@ def _mode(body: dict[str, Any], req: CompletionRequest, c: EdgeClient, default: 
 
 async def _generate(
     c: EdgeClient, req: CompletionRequest, mode: Mode | str, objective: str = "latency"
-) -> AsyncGenerator[tuple[str, str | None], None]:
-    """(text piece, finish reason on the last one)."""
+) -> AsyncGenerator[Piece, None]:
+    """The generation's text pieces, the finish reason on the last (a verifier's failure: 502)."""
     gen = c.generate(
         req.prompt_ids,
         max_new_tokens=req.max_tokens,
@@ -545,65 +483,15 @@ async def _generate(
         objective=objective,
         stop=req.stop,
     )
-    async with contextlib.aclosing(gen):  # closed here, not later by the garbage collector
-        async for piece in gen:
-            yield piece, None
+    try:
+        async with contextlib.aclosing(gen):  # closed here, not later by the garbage collector
+            async for piece in gen:
+                yield Piece(piece)
+    except GenerationError as exc:
+        raise ApiError(502, str(exc), exc.field, "verifier_error", "server_error") from None
     last = c.last
     reason = last.reason if last is not None else None
-    yield "", "length" if reason in ("length", "context") else "stop"
+    yield Piece("", "length" if reason in ("length", "context") else "stop")
 
 
-async def _collect(stream: AsyncGenerator[tuple[str, str | None], None]) -> tuple[str, str]:
-    parts: list[str] = []
-    finish = "stop"
-    async with contextlib.aclosing(stream):
-        async for piece, fin in stream:
-            parts.append(piece)
-            finish = fin or finish
-    return "".join(parts), finish
-
-
-async def _sse(
-    stream: AsyncGenerator[tuple[str, str | None], None],
-    edge: EdgeSession,
-    c: EdgeClient,
-    req: CompletionRequest,
-    model: str,
-    rid: str,
-    created: int,
-    chat: bool,
-) -> AsyncGenerator[bytes, None]:
-    failed = False
-
-    async def stop() -> bool:
-        await stream.aclose()  # if the client left at a yield: the generation stops here
-        return failed
-
-    try:
-        if chat:
-            yield sse(
-                rid,
-                created,
-                model,
-                chat,
-                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
-            )
-        async for piece, fin in stream:
-            if piece or fin is not None:
-                extra = {"treespec": speculation_stats(c)} if fin is not None else {}
-                yield sse(rid, created, model, chat, [chunk_choice(chat, piece, fin)], **extra)
-        if req.include_usage and c.last is not None:
-            yield sse(rid, created, model, chat, [], usage=usage(len(req.prompt_ids), len(c.last.tokens)))
-        yield SSE_DONE
-    except GenerationError as exc:
-        yield _sse_error(str(exc), "server_error", "verifier_error")
-    except Exception:
-        failed = True
-        log.exception("edge-client serve: a streamed generation failed")
-        yield _sse_error("the generation failed inside edge-client serve (see its log)", "server_error",
-                         "internal_error")  # fmt: skip
-    finally:
-        edge.release(c, stop=stop)
-
-
-__all__ = ["EdgeSession", "ServeConfig", "create_app", "speculation_stats"]
+__all__ = ["EdgeSession", "EdgeSource", "ServeConfig", "create_app", "speculation_stats"]

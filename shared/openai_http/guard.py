@@ -1,60 +1,51 @@
-"""The HTTP guards of `edge-client serve` (edge_client.serve): the endpoint spends the user's key,
+"""The HTTP guards of an OpenAI endpoint that spends its user's key (the edge's `edge-client serve`),
 so it answers only its own.
 
 - Host must name this endpoint (the bound host or a loopback name): a DNS-rebinding page names its
   own domain. Listening on every interface, any address literal is accepted (it cannot be rebound).
-- Origin, when a browser sends one, must be the endpoint's own or one allowed with
-  `--allow-origin` (those get CORS headers and preflights): else any web page could make the
-  endpoint generate.
+- Origin, when a browser sends one, must be the endpoint's own or one allowed (`allow_origins`;
+  those get CORS headers and preflights): else any web page could make the endpoint generate.
 - POST bodies must be `Content-Type: application/json` (a form or `text/plain` post needs no CORS
   preflight), at most `max_body_bytes`: refused by Content-Length before anything is read, and a
-  chunked body is read as it arrives and no further than the limit.
+  chunked body is read as it arrives and no further than the limit (body.read_json).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ipaddress
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 from urllib.parse import urlsplit
 
-from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers, MutableHeaders
-from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.openai_compat import BODY_TIMEOUT_S, MAX_BODY_BYTES, ApiError, parse_json_body
+from shared.openai_compat import BODY_TIMEOUT_S, MAX_BODY_BYTES, ApiError
 
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 WILDCARD = ("0.0.0.0", "::")
 
 
 @dataclass(frozen=True)
-class ServeConfig:
-    """The local endpoint's guards and queue (`edge-client serve` takes its defaults from here).
+class HttpConfig:
+    """An endpoint's HTTP settings: whom it answers (when Guard stands in front of it) and the
+    bodies it reads.
 
     host:           the interface it listens on; a request's Host must be it or a loopback name
                     (listening on every interface, any address literal too)
     allow_origins:  browser origins, besides the endpoint's own, whose pages may call it (CORS)
     max_body_bytes: a POST body over this is refused (413) and read no further
     body_timeout_s: the whole body must arrive within this (408)
-    max_waiting:    requests that may wait behind the running generation; one more gets 429
-    wait_s:         the longest a request waits for the running generation (then 503)
-    mode:           the mode of a request without a `mode` field ("auto": the SDK's planner)
-    objective:      what mode auto plans for: "latency" or "cost"
     """
+
+    ORIGIN_OPTION: ClassVar[str] = "--allow-origin"  # where an operator allows another origin
 
     host: str = "127.0.0.1"
     allow_origins: tuple[str, ...] = ()
     max_body_bytes: int = MAX_BODY_BYTES
     body_timeout_s: float = BODY_TIMEOUT_S
-    max_waiting: int = 8
-    wait_s: float = 300.0
-    mode: str = "auto"
-    objective: str = "latency"
 
     def __post_init__(self) -> None:
         for o in self.allow_origins:
@@ -63,10 +54,8 @@ class ServeConfig:
                     f"allowed origin {o!r}: give an origin such as http://localhost:3000 "
                     "(http or https, a host, an optional port, no path)"
                 )
-        if self.max_body_bytes < 1 or self.max_waiting < 0:
-            raise ValueError("max_body_bytes must be >= 1 and max_waiting >= 0")
-        if not (self.body_timeout_s > 0 and self.wait_s > 0):
-            raise ValueError("body_timeout_s and wait_s must be > 0")
+        if self.max_body_bytes < 1 or not self.body_timeout_s > 0:
+            raise ValueError("max_body_bytes must be >= 1 and body_timeout_s > 0")
 
     def host_allowed(self, name: str) -> bool:
         """Whether a request naming `name` in Host (or Origin) addresses this endpoint."""
@@ -97,9 +86,9 @@ def origin_key(origin: str) -> tuple[str, str, int] | None:
 class Guard:
     """Refuses, before routing or reading a byte of the body, what a web page could send on the
     user's behalf (another Host, another Origin, a body that is not JSON) and bodies declared over
-    the limit; adds CORS headers for the allowed origins (ServeConfig)."""
+    the limit; adds CORS headers for the allowed origins (HttpConfig)."""
 
-    def __init__(self, app: ASGIApp, config: ServeConfig) -> None:
+    def __init__(self, app: ASGIApp, config: HttpConfig) -> None:
         self.app = app
         self.config = config
         self.allowed = {k for o in config.allow_origins if (k := origin_key(o)) is not None}
@@ -156,7 +145,7 @@ class Guard:
                 raise ApiError(
                     403,
                     f"the origin {origin!r} may not call this endpoint: only its own pages may, and the "
-                    "origins given with `edge-client serve --allow-origin`",
+                    f"origins given with `{self.config.ORIGIN_OPTION}`",
                     "Origin",
                     "origin_not_allowed",
                 )
@@ -175,7 +164,7 @@ class Guard:
                 if not length.strip().isdigit():
                     raise ApiError(400, f"Content-Length {length!r} is not a byte count", "Content-Length")
                 if len(length.strip()) > 18 or int(length) > self.config.max_body_bytes:
-                    raise _too_large(self.config)
+                    raise too_large(self.config)
         return foreign
 
     @staticmethod
@@ -189,45 +178,6 @@ class Guard:
         return h
 
 
-def _too_large(config: ServeConfig) -> ApiError:
+def too_large(config: HttpConfig) -> ApiError:
     return ApiError(413, f"the request body is over the limit of {config.max_body_bytes} bytes", None,
                     "too_large", headers={"Connection": "close"})  # fmt: skip
-
-
-async def read_json(request: Request, config: ServeConfig) -> dict[str, Any]:
-    """The body as a JSON object, read as it arrives and no further than the limit."""
-    raw = bytearray()
-    try:
-        async with asyncio.timeout(config.body_timeout_s):
-            async for chunk in request.stream():
-                raw += chunk
-                if len(raw) > config.max_body_bytes:
-                    raise _too_large(config)
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {config.body_timeout_s:g} s", None,
-                       "timeout", headers={"Connection": "close"}) from None  # fmt: skip
-    except ClientDisconnect:
-        raise ApiError(499, "the client went away while sending the body", None, "client_closed") from None
-    try:
-        return parse_json_body(bytes(raw))
-    except RecursionError:
-        raise ApiError(400, "the body is not valid JSON: it nests too deeply", None, "invalid_json") from None
-
-
-def valid_text(text: str, param: str) -> None:
-    """A JSON string may hold a lone surrogate (\\ud800), which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ApiError(400, f"'{param}' is not valid Unicode: a lone surrogate at character {exc.start}",
-                       param) from None  # fmt: skip
-
-
-def watch_disconnect(request: Request) -> asyncio.Task[None]:
-    """A task that ends when the client goes away (call once the body has been read)."""
-
-    async def wait() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    return asyncio.create_task(wait())
