@@ -369,7 +369,7 @@ async def _utility(
         _authorize(ctx, request)
         _, target, model = _ready(ctx)
         body = await read_json(request, HTTP, lambda raw: _parse_body(ctx, raw))
-        vllm_api.check_model(body, model)
+        check_model(body, model)
         answer = await asyncio.get_running_loop().run_in_executor(ctx.tokenizers, work, body, target)
     except ApiError as exc:
         return respond(exc)

@@ -23,16 +23,6 @@ from shared.openai_compat import ApiError, chat_messages, text_bytes
 Encoder = Callable[[Target, str, bool], list[int]]
 
 
-def check_model(body: dict[str, Any], model: str) -> None:
-    """A body's optional "model" must name the model served (400 if not a string, 404 if another)."""
-    asked = body.get("model")
-    if asked is not None and not isinstance(asked, str):
-        raise ApiError(400, "'model' must be a string", "model")
-    if asked is not None and asked != model:
-        raise ApiError(404, f"the model {asked[:100]!r} is not served here (this is {model!r})", "model",
-                       "model_not_found")  # fmt: skip
-
-
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
     v = body.get(key, default)
     if not isinstance(v, bool):
