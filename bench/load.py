@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import add_common_args, positive_ints, write_result
+from bench.lib.args import add_model_args
 from bench.load_clients import (
     PROMPTS,
     BenchError,
@@ -81,11 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="concurrent sessions; a comma list (1,4,16) runs each",
     )
     p.add_argument("--seconds", type=float, default=30.0, help="measured seconds per run")
-    p.add_argument(
-        "--model",
-        default="tiny",
-        help="target alias or path for the in-process server; with --url, only the tokenizer "
+    add_model_args(
+        p,
+        model="tiny",
+        model_help="target alias or path for the in-process server; with --url, only the tokenizer "
         "the prompts are encoded with (must be the server's model's)",
+        threads=0,
+        threads_help="in-process server: torch threads (0: torch's default)",
     )
     p.add_argument(
         "--url",
@@ -141,9 +144,6 @@ def _server_args(p: argparse.ArgumentParser, d: ServerConfig) -> None:
         type=int,
         default=d.token_budget,
         help="in-process server: rows packed into one engine step (longer prefills are chunked)",
-    )
-    p.add_argument(
-        "--threads", type=int, default=0, help="in-process server: torch threads (0: torch's default)"
     )
     p.add_argument(
         "--dtype",

@@ -43,11 +43,14 @@ def _measure(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.parallel", description=__doc__.splitlines()[0])
-    add_model_args(p, model="qwen2.5-coder-0.5b", model_help="target alias or path")
-    p.add_argument("--tensor-parallel", type=int, default=2, metavar="N", help="ranks of the parallel run")
-    p.add_argument(
-        "--threads", type=int, default=2, help="threads in all (TP=1: all of them; TP=N: threads/N each)"
+    add_model_args(
+        p,
+        model="qwen2.5-coder-0.5b",
+        model_help="target alias or path",
+        threads=2,
+        threads_help="threads in all (TP=1: all of them; TP=N: threads/N each)",
     )
+    p.add_argument("--tensor-parallel", type=int, default=2, metavar="N", help="ranks of the parallel run")
     p.add_argument(
         "--rows", default="1,4,16,64", help="comma-separated rows per forward (row 0 + N - 1 nodes)"
     )

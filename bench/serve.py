@@ -380,9 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--url", default=None, help="drive a running verifier (http://host:port) instead of starting one"
     )
     p.add_argument("--api-key", default=None, help="API key for --url servers with a key file (Bearer)")
-    add_model_args(p, model="smollm2-135m", model_help="the started verifier's model (alias or path)")
-    p.add_argument(
-        "--threads", type=int, default=0, help="the started verifier's torch threads (0: torch's default)"
+    add_model_args(
+        p,
+        model="smollm2-135m",
+        model_help="the started verifier's model (alias or path)",
+        threads=0,
+        threads_help="the started verifier's torch threads (0: torch's default)",
     )
     p.add_argument(
         "--kv-blocks", type=int, default=0, help="the started verifier's KV pool, in blocks (0: automatic)"
