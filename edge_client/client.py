@@ -1,16 +1,21 @@
-"""The edge client: an async session with the verifier, a sync wrapper, streaming text.
+"""The edge client: drafting and streaming text on a session with the verifier, a sync wrapper.
 
-    async with EdgeClient("ws://127.0.0.1:8000/v1/session", drafter) as client:
+    async with EdgeClient("ws://127.0.0.1:8000/v1/session", drafter, prespec=True) as client:
         async for chunk in client.generate("Why is the sky blue?", max_new_tokens=64):
             print(chunk, end="")
         print(client.last.stats.as_dict())
+
+EdgeClient's settings are an EdgeConfig, a generation's sampling a SamplingOptions
+(edge_client.client_config); both also take their fields as keyword arguments, as above.
 
 Each round the drafter (on its own thread, off the event loop) builds a token tree below the
 committed sequence; the verifier answers with the accepted path plus its bonus token. The text is
 exactly what the target alone would produce. With `prespec` the edge drafts conditional trees for
 the likely outcomes while a round is in flight: edge_client.speculation holds that logic
 without I/O (SpeculationCore) and the asyncio shell that runs it (RoundExecutor); this module is
-drafting, streaming and text; edge_client.session the connection and resuming.
+drafting, streaming and text; edge_client.session the connection and resuming (the client holds a
+Session and delegates the connection's methods to it); edge_client.generation_state one generation's
+state.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from typing import Any, Self
 
 import numpy as np
 
+from edge_client.client_config import ConfiguredSession, EdgeConfig, SamplingOptions, with_keywords
 from edge_client.drafters.base import Drafter
+from edge_client.generation_state import DropCount, GenerationOutput, RunningGeneration, check_not_abandoned
 from edge_client.session import (
     RESUMABLE_CLOSES,
     ConnectionLost,
@@ -51,23 +57,24 @@ from edge_client.speculation import (
 )
 from edge_client.speculation.auto import Plan
 from edge_client.stats import GenerationResult, GenerationStats, RoundTrace
-from edge_client.tokenizer import ChatMessage, EdgeTokenizer, IncrementalDetokenizer, as_messages, find_stop
-from edge_client.transports import Link, Transport
+from edge_client.tokenizer import ChatMessage, EdgeTokenizer, IncrementalDetokenizer, as_messages
 from edge_client.trees import Coupling, Sampling
 from shared.errors import ErrorCode, ProtocolError
-from shared.messages import Mode, Prompt, Verdict
-from shared.protocol import ClientState
+from shared.messages import Mode, Prompt, Verdict, Welcome
+from shared.protocol import ClientProtocol, ClientState
 
 __all__ = [
     "RESUMABLE_CLOSES",
     "ConnectionLost",
     "EdgeClient",
+    "EdgeConfig",
     "GenerationError",
     "GenerationResult",
     "GenerationStats",
     "PrespecConfig",
     "ProtocolViolation",
     "ResumeConfig",
+    "SamplingOptions",
     "SyncEdgeClient",
     "Timeouts",
     "TreeSpec",
@@ -75,140 +82,29 @@ __all__ = [
 ]
 
 
-@dataclass
-class _Running:
-    """The generation open on a session: its rounds' driver and their verdict stream (both replaced
-    on a resume), whether its consumer holds it at a yield, and whether a later generate took over."""
+class EdgeClient:
+    """An async client of the verifier (see the module docstring): it holds a session with the
+    verifier (`session`, edge_client.session.Session) and drafts, streams and detokenizes on it.
 
-    driver: RoundExecutor | None = None
-    verdicts: AsyncGenerator[Verdict, None] | None = None
-    at_yield: bool = False
-    abandoned: bool = False
-
-
-@dataclass
-class _Output:
-    """One generation as its verdicts come: its record (`gen`), the detokenized text cut at the first
-    stop string (`cut`, once found), how many characters of it were yielded (`emitted`), the round
-    the server took up with no round trip (`next_round`), and the start of its clock and traffic."""
-
-    gen: GenerationResult
-    detok: IncrementalDetokenizer
-    stop: Sequence[str]
-    on_verdict: Callable[[Verdict, bool], None] | None
-    bytes_up0: int
-    bytes_down0: int
-    t_start: float
-    emitted: int = 0
-    cut: int | None = None
-    next_round: int | None = None
-
-    def push(self, v: Verdict) -> str:
-        """Take a verdict (the first token's time, `on_verdict`, its tokens); the text so far, cut
-        at a stop string."""
-        st = self.gen.stats
-        if not st.first_token_s:
-            st.first_token_s = time.perf_counter() - self.t_start
-        if self.on_verdict is not None:
-            self.on_verdict(v, v.round != 0 and v.round == self.next_round)
-        self.next_round = v.next_round
-        new = v.tokens.tolist()
-        self.gen.tokens.extend(new)
-        self.detok.push(new)
-        if v.done:
-            self.detok.flush()
-        text = self.detok.text
-        if self.cut is None and self.stop:
-            self.cut = find_stop(text, self.stop, self.emitted)
-        if self.cut is not None:
-            text = text[: self.cut]
-        return text
-
-    def finish(self, bytes_out: int, bytes_in: int) -> None:
-        """The generation ended: its wall time and the bytes it sent and received."""
-        st = self.gen.stats
-        st.wall_s = time.perf_counter() - self.t_start
-        st.bytes_up = bytes_out - self.bytes_up0
-        st.bytes_down = bytes_in - self.bytes_down0
-
-
-@dataclass
-class _Drops:
-    """The connection drops of one generation: tokens committed at the last drop (`progress`) and
-    drops in a row with no new token since (`stalls`)."""
-
-    progress: int = 0
-    stalls: int = 0
-
-    def dropped(self, committed: int) -> int:
-        """A drop with `committed` tokens generated; the drops in a row with no new token."""
-        self.stalls = 1 if committed > self.progress else self.stalls + 1
-        self.progress = committed
-        return self.stalls
-
-
-def _check_not_abandoned(running: _Running) -> None:
-    """Back from a yield: refuse to go on if a later generate() took the session over meanwhile."""
-    if running.abandoned:
-        raise GenerationError(
-            "this generation was abandoned: another generate() started on this client before it ended"
-        )
-
-
-class EdgeClient(Session):
-    """An async session with the verifier (see the module docstring).
-
-    drafter:    the draft model; None only for mode "ar" (then `tokenizer` is required). Several
-                (a sequence): each drafts its own tree every round and the trees are merged into one
-                (SpecInfer Definition 3.2, edge_client.trees.merged); they must share one vocabulary
-    tree:       the tree shape drafted each round; with several drafters one per drafter (or one
-                for all); after the first, a dynamic shape needs a fixed budget
-    parallel_drafters: with several drafters, draft each round's trees at the same time, a thread
-                per drafter (a merged round then costs the slowest drafter's time, given the cores);
-                default: in turn on the one drafting thread
-    prespec:    pre-speculate conditional trees while a round is in flight (True: defaults)
-    link:       wraps the transport, e.g. an emulated network link (bench.shaper.LinkShape)
-    transport:  an async factory of the byte transport (default: a WebSocket to `server`)
-    couple:     in mode match at temperature > 0, draft with the verifier's keyed uniforms
-                (edge_client.trees.Coupling): the first child at each node is the token the target
-                samples wherever the draft's distribution is close to its own
-    server:     a URL, or several (replicas with no shared state): a dropped connection fails over
-                to the next
-    resume:     reconnect when the connection drops and go on from the committed tokens (True:
-                ResumeConfig defaults; False: a drop ends the generation with ConnectionLost)
-    timeouts:   how long to wait for the verifier's welcome, verdicts, cancel and close (Timeouts)
-    trace:      record every send, verdict and draft evaluation of each generation on its stats
-                (GenerationStats.trace, a stats.RoundTrace) for replaying the rounds (bench.simulate)
+    server:    a URL, or several (replicas with no shared state): a dropped connection fails over
+               to the next
+    drafter:   the draft model; None only for mode "ar" (then `tokenizer` is required). Several
+               (a sequence): each drafts its own tree every round and the trees are merged into one
+               (SpecInfer Definition 3.2, edge_client.trees.merged); they must share one vocabulary
+    config:    the settings but sampling (edge_client.client_config.EdgeConfig); its fields may also
+               be keyword arguments (`EdgeClient(url, drafter, prespec=True)`), replacing the config's
     """
 
     def __init__(
         self,
         server: str | Sequence[str],
         drafter: Drafter | Sequence[Drafter] | None,
+        config: EdgeConfig | None = None,
         *,
         tokenizer: EdgeTokenizer | None = None,
-        api_key: str | None = None,
-        tree: TreeSpec | Sequence[TreeSpec] | None = None,
-        prespec: bool | PrespecConfig = False,
-        link: Link | None = None,
-        transport: Callable[[], Awaitable[Transport]] | None = None,
-        wire_top_k: int = 48,
-        couple: bool = True,
-        ca_file: str | None = None,
-        resume: bool | ResumeConfig = True,
-        parallel_drafters: bool = False,
-        timeouts: Timeouts | None = None,
-        trace: bool = False,
+        **settings: Any,
     ) -> None:
-        super().__init__(
-            server,
-            api_key=api_key,
-            link=link,
-            transport=transport,
-            ca_file=ca_file,
-            resume=resume,
-            timeouts=timeouts,
-        )
+        self.config = with_keywords(config or EdgeConfig(), settings, "EdgeClient()")
         self.drafters: tuple[Drafter, ...] = (
             () if drafter is None else tuple(drafter) if isinstance(drafter, Sequence) else (drafter,)
         )
@@ -218,30 +114,84 @@ class EdgeClient(Session):
         if tok is None:
             raise ValueError("EdgeClient needs a drafter or a tokenizer")
         self.tokenizer: EdgeTokenizer = tok
-        trees = (tree,) if tree is None or isinstance(tree, TreeSpec) else tuple(tree)
+        self.session: Session = ConfiguredSession(server, self.vocab_fingerprint, self.config)
+        trees = self.config.trees
         if len(trees) not in (1, max(1, len(self.drafters))):
             raise ValueError(
                 f"{len(self.drafters)} drafters but {len(trees)} tree shapes: give one, or one per drafter"
             )
         self.trees: tuple[TreeSpec, ...] = tuple(t or TreeSpec() for t in trees)
         self.tree = self.trees[0]
-        self.prespec: PrespecConfig | None = (
-            prespec if isinstance(prespec, PrespecConfig) else (PrespecConfig() if prespec else None)
-        )
-        self.wire_top_k = wire_top_k
-        self.couple = couple
-        self.trace = trace
+        self.prespec: PrespecConfig | None = self.config.prespec_config
         # llama.cpp contexts are single-threaded: one drafting thread, off the event loop
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drafter")
         self.parallel: concurrent.futures.ThreadPoolExecutor | None = None
-        if parallel_drafters and len(self.drafters) > 1:
+        if self.config.parallel_drafters and len(self.drafters) > 1:
             n = len(self.drafters) - 1  # the first drafter stays on the drafting thread
             self.parallel = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="drafter-more")
         # calibration, outcome models, round trip, last tree: learned across generations
         self.learned = Learned()
         self.last: GenerationResult | None = None
-        self._running: _Running | None = None  # the generation on this session, if one is open
+        self._running: RunningGeneration | None = None  # the generation on the session, if one is open
         self._gen_lock = asyncio.Lock()  # generations begin and end one at a time
+
+    # ------------------------------------------------------------------ the session's, delegated
+    @property
+    def welcome(self) -> Welcome | None:
+        """The verifier's welcome on the open session (None: not connected)."""
+        return self.session.welcome
+
+    @welcome.setter
+    def welcome(self, welcome: Welcome | None) -> None:
+        self.session.welcome = welcome
+
+    @property
+    def proto(self) -> ClientProtocol:
+        """The session's protocol state (shared.protocol.ClientProtocol)."""
+        return self.session.proto
+
+    @property
+    def server(self) -> str:
+        """The verifier URL in use."""
+        return self.session.server
+
+    @property
+    def servers(self) -> list[str]:
+        return self.session.servers
+
+    @property
+    def resume(self) -> ResumeConfig | None:
+        return self.session.resume
+
+    @property
+    def timeouts(self) -> Timeouts:
+        return self.session.timeouts
+
+    @property
+    def resumes(self) -> list[float]:
+        """Seconds each resume took (a drop to the new session's welcome)."""
+        return self.session.resumes
+
+    async def connect(self) -> Welcome:
+        """Open the session (hello, the verifier's welcome); Session.connect."""
+        return await self.session.connect()
+
+    async def send(self, frame: bytes) -> None:
+        await self.session.send(frame)
+
+    async def recv(self) -> Any:
+        return await self.session.recv()
+
+    async def drop_connection(self) -> None:
+        """Give the connection up; the next generation opens a new session (Session.drop_connection)."""
+        await self.session.drop_connection()
+
+    async def __aenter__(self) -> Self:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
     def _check_vocabularies(self) -> None:
         """Merged trees need one vocabulary: every drafter's fingerprint must be the first's."""
@@ -260,11 +210,12 @@ class EdgeClient(Session):
         return self.drafter.vocab_fingerprint() if self.drafter is not None else self.tokenizer.fingerprint
 
     async def close(self) -> None:
+        """End a generation left open (cancelled at the verifier), close the session, stop drafting."""
         old = self._running
         if old is not None and old.at_yield:  # a generation left open: cancel it first
             self._running, old.abandoned = None, True
             await self._end(old, None)
-        await super().close()
+        await self.session.close()
         self.pool.shutdown(wait=True)
         if self.parallel is not None:
             self.parallel.shutdown(wait=True)
@@ -273,70 +224,45 @@ class EdgeClient(Session):
     async def generate(
         self,
         prompt: str | Sequence[ChatMessage] | Sequence[int],
+        sampling: SamplingOptions | None = None,
         *,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int = 0,
         mode: str | Mode = Mode.GREEDY,
         objective: str = "latency",
         raw: bool = False,
-        stop: Sequence[str] = (),
-        stop_ids: Sequence[int] = (),
         tree: TreeSpec | None = None,
         continue_: bool = False,
         on_verdict: Callable[[Verdict, bool], None] | None = None,
+        **options: Any,
     ) -> AsyncGenerator[str, None]:
         """Stream the target's text for `prompt` (text, chat messages, or token ids).
 
-        A plain prompt becomes one user turn of the model's chat template unless `raw`. Generation
-        ends on an EOS id, a stop id, a stop string (cut from the text) or max_new_tokens; `continue_`
-        adds the prompt as a new turn to the session's cached context. The GenerationResult is
-        `self.last` (tokens, text, stats). `on_verdict(verdict, prespeculated)` sees every verdict
-        before its text is yielded; prespeculated: its tree was already at the server when the
-        previous verdict came (a pre-speculation hit, no round trip).
+        `sampling` (edge_client.client_config.SamplingOptions: max_new_tokens, temperature, top_p,
+        top_k, seed, stop, stop_ids) may also be given field by field as keyword arguments
+        (`generate(prompt, temperature=0.7)`), which replace its fields. A plain prompt becomes one
+        user turn of the model's chat template unless `raw`. Generation ends on an EOS id, a stop
+        id, a stop string (cut from the text) or max_new_tokens; `continue_` adds the prompt as a
+        new turn to the session's cached context. The GenerationResult is `self.last` (tokens,
+        text, stats). `on_verdict(verdict, prespeculated)` sees every verdict before its text is
+        yielded; prespeculated: its tree was already at the server when the previous verdict came
+        (a pre-speculation hit, no round trip).
 
         Every failure is a GenerationError (ConnectionLost, ProtocolViolation, VerifierTimeout, a
         refusal); `self.last` keeps the tokens committed before it. Stopping early cancels the
         generation at the verifier. mode "auto" streams or speculates round by round for the
         `objective` ("latency" or "cost"), verified greedy (match at a temperature).
         """
+        s = with_keywords(sampling or SamplingOptions(), options, "generate()")
         await self._settle()
-        mode, req = self._planned(mode, objective, temperature, top_k, top_p, seed, tree)
+        mode, req = self._planned(mode, objective, s, tree)
         prompt_tokens = self._encode(prompt, raw)
-        out = self._begin(prompt_tokens, stop, on_verdict)
-        msg = self._prompt(prompt_tokens, mode, temperature, top_k, top_p, seed, max_new_tokens, stop_ids,
-                           continue_)  # fmt: skip
-        drops = _Drops()
-        running = self._running = _Running()
+        out = self._begin(prompt_tokens, s.stop, on_verdict)
+        msg = self._prompt(prompt_tokens, mode, s, continue_)
+        running = self._running = RunningGeneration()
         failure: BaseException | None = None
         try:
-            while True:
-                driver = running.driver = self._rounds(req, msg, out.gen.stats)
-                verdicts = running.verdicts = driver.run(msg)
-                try:
-                    async with contextlib.aclosing(verdicts):
-                        async for v in verdicts:
-                            text = out.push(v)
-                            if len(text) > out.emitted:
-                                running.at_yield = True
-                                yield text[out.emitted :]
-                                running.at_yield = False
-                                _check_not_abandoned(running)
-                                out.emitted = len(text)
-                            out.gen.text = text
-                            await self._after_text(v, out, driver)
-                    break
-                except Refused as exc:
-                    raise self.refused(exc.error) from None
-                except ConnectionLost as exc:
-                    if self.resume is None or out.cut is not None:
-                        raise
-                    resumed = await self._resume(msg, out.gen, drops, max_new_tokens, exc)
-                    if resumed is None:  # max_new_tokens already committed
-                        break
-                    msg = resumed
+            async with contextlib.aclosing(self._stream(req, msg, out, running, s.max_new_tokens)) as texts:
+                async for text in texts:
+                    yield text
         except ProtocolError as exc:  # a frame of this client's broke the protocol (e.g. over max_bytes)
             failure = exc
             raise GenerationError(f"the client could not go on: {exc}", exc.code, exc.field) from exc
@@ -347,57 +273,90 @@ class EdgeClient(Session):
             if self._running is running:
                 self._running = None
                 await self._end(running, failure)
-        self._lost_context = []
+        self.session._lost_context = []  # the generation went on: no context left to send again
         out.finish(self.proto.stats.bytes_out, self.proto.stats.bytes_in)
+
+    async def _stream(
+        self,
+        req: Request,
+        msg: Prompt,
+        out: GenerationOutput,
+        running: RunningGeneration,
+        max_new_tokens: int,
+    ) -> AsyncGenerator[str, None]:
+        """The new text of each verdict, the rounds run again from the committed tokens after a
+        drop (while `resume` allows) and a refusal raised as a GenerationError."""
+        drops = DropCount()
+        while True:
+            driver = running.driver = self._rounds(req, msg, out.gen.stats)
+            try:
+                async with contextlib.aclosing(self._texts(driver, msg, out, running)) as texts:
+                    async for text in texts:
+                        yield text
+                return
+            except Refused as exc:
+                raise self.session.refused(exc.error) from None
+            except ConnectionLost as exc:
+                if self.resume is None or out.cut is not None:
+                    raise
+                resumed = await self._resume(msg, out.gen, drops, max_new_tokens, exc)
+                if resumed is None:  # max_new_tokens already committed
+                    return
+                msg = resumed
+
+    async def _texts(
+        self, driver: RoundExecutor, msg: Prompt, out: GenerationOutput, running: RunningGeneration
+    ) -> AsyncGenerator[str, None]:
+        """One run of the rounds from `msg`: the text each verdict adds, past a stop string none."""
+        verdicts = running.verdicts = driver.run(msg)
+        async with contextlib.aclosing(verdicts):
+            async for v in verdicts:
+                text = out.push(v)
+                if len(text) > out.emitted:
+                    running.at_yield = True
+                    yield text[out.emitted :]
+                    running.at_yield = False
+                    check_not_abandoned(running)
+                    out.emitted = len(text)
+                out.gen.text = text
+                await self._after_text(v, out, driver)
 
     def _begin(
         self,
         prompt_tokens: list[int],
         stop: Sequence[str],
         on_verdict: Callable[[Verdict, bool], None] | None,
-    ) -> _Output:
+    ) -> GenerationOutput:
         """A new generation's record (`self.last`, traced if `trace`), its text and its clock."""
         gen = GenerationResult(prompt_tokens=list(prompt_tokens))
         self.last = gen
-        if self.trace:
+        if self.config.trace:
             gen.stats.trace = RoundTrace()
         detok = IncrementalDetokenizer(lambda t: self.tokenizer.token_bytes(t))
         up0, down0 = self.proto.stats.bytes_out, self.proto.stats.bytes_in
-        return _Output(gen, detok, stop, on_verdict, up0, down0, time.perf_counter())
+        return GenerationOutput(gen, detok, stop, on_verdict, up0, down0, time.perf_counter())
 
-    def _prompt(
-        self,
-        prompt_tokens: list[int],
-        mode: Mode,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        seed: int,
-        max_new_tokens: int,
-        stop_ids: Sequence[int],
-        continue_: bool,
-    ) -> Prompt:
+    def _prompt(self, prompt_tokens: list[int], mode: Mode, s: SamplingOptions, continue_: bool) -> Prompt:
         """The generation's Prompt message (greedy: at temperature 0); a continuation whose context
         was lost with a dropped session sends that context again, as a new prompt."""
-        if mode is Mode.GREEDY:
-            temperature = 0.0
         tokens = prompt_tokens
-        if continue_ and not self.proto.context and self._lost_context:
+        lost = self.session._lost_context
+        if continue_ and not self.proto.context and lost:
             # the session that held the context was dropped: send the context again
-            tokens, continue_ = self._lost_context + prompt_tokens, False
+            tokens, continue_ = lost + prompt_tokens, False
         return Prompt(
             tokens=np.asarray(tokens, dtype=np.int32),
             mode=mode,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            max_new_tokens=max_new_tokens,
-            stop_ids=tuple(int(t) for t in stop_ids),
+            temperature=0.0 if mode is Mode.GREEDY else s.temperature,
+            top_k=s.top_k,
+            top_p=s.top_p,
+            seed=s.seed,
+            max_new_tokens=s.max_new_tokens,
+            stop_ids=tuple(int(t) for t in s.stop_ids),
             continue_=continue_,
         )
 
-    async def _after_text(self, v: Verdict, out: _Output, driver: RoundExecutor) -> None:
+    async def _after_text(self, v: Verdict, out: GenerationOutput, driver: RoundExecutor) -> None:
         """After a verdict's text: on the last verdict record why the generation ended; once a stop
         string cut the text, stop the rounds and cancel the generation at the verifier."""
         if v.done:
@@ -408,7 +367,7 @@ class EdgeClient(Session):
                 await self.send(self.proto.cancel())
 
     async def _resume(
-        self, msg: Prompt, gen: GenerationResult, drops: _Drops, max_new_tokens: int, exc: ConnectionLost
+        self, msg: Prompt, gen: GenerationResult, drops: DropCount, max_new_tokens: int, exc: ConnectionLost
     ) -> Prompt | None:
         """The connection dropped: reconnect (with backoff after drops with no new token) and return
         the prompt that goes on from the committed tokens; None (the generation ends, reason
@@ -431,7 +390,7 @@ class EdgeClient(Session):
             ) from exc
         if stalls > 1:
             await asyncio.sleep(self.resume.delay(stalls - 1))
-        await self._reconnect()
+        await self.session._reconnect()
         gen.stats.resumes += 1
         return dataclasses.replace(
             msg,
@@ -441,7 +400,7 @@ class EdgeClient(Session):
             tree=None,
         )
 
-    async def _end(self, running: _Running, failure: BaseException | None) -> None:
+    async def _end(self, running: RunningGeneration, failure: BaseException | None) -> None:
         """A generation is over: if the verifier still generates (the consumer stopped early, the
         client failed), cancel it there; if the connection cannot be trusted any more (the verifier
         broke the protocol, timed out, closed), drop it: the next generate opens a new session."""
@@ -452,7 +411,7 @@ class EdgeClient(Session):
                 with contextlib.suppress(RuntimeError):  # (already running: closed by its owner)
                     await running.verdicts.aclose()  # its frame pump stops reading
             broken = isinstance(failure, (ProtocolViolation, VerifierTimeout, ConnectionLost))
-            if broken or self._transport is None or self.proto.state is ClientState.CLOSED:
+            if broken or self.session._transport is None or self.proto.state is ClientState.CLOSED:
                 await self.drop_connection()
             elif self.proto.state is ClientState.GENERATING:
                 try:
@@ -513,23 +472,16 @@ class EdgeClient(Session):
         return RoundExecutor(core, step, self.send, self.recv, self.pool, timeout)
 
     def _planned(
-        self,
-        mode: str | Mode,
-        objective: str,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-        seed: int,
-        tree: TreeSpec | None,
+        self, mode: str | Mode, objective: str, s: SamplingOptions, tree: TreeSpec | None
     ) -> tuple[Mode, Request]:
         """The verification mode and the core's request of a generation; mode auto verifies as
         `auto_mode` says, drafts budgeted trees unless given a shape, and carries its plan."""
         plan: Plan | None = None
         if mode == "auto":
             plan = Plan(objective)
-            mode, tree = self.auto_mode(temperature), tree or TreeSpec("budget")
+            mode, tree = self.auto_mode(s.temperature), tree or TreeSpec("budget")
         mode = Mode(mode)
-        req = self._request(mode, temperature, top_k, top_p, seed, tree or self.tree)
+        req = self._request(mode, s.temperature, s.top_k, s.top_p, s.seed, tree or self.tree)
         if plan is not None and mode is not Mode.AR:
             req = dataclasses.replace(req, plan=plan)
         return mode, req
@@ -557,7 +509,7 @@ class EdgeClient(Session):
         if mode is not Mode.AR and self.drafter is None:
             raise GenerationError(f"mode {mode.value} needs a drafter")
         if not mode.stochastic:
-            if mode is Mode.MATCH and temperature > 0 and self.couple:
+            if mode is Mode.MATCH and temperature > 0 and self.config.couple:
                 return Request(mode, spec, coupling=Coupling(seed, temperature, top_k, top_p))
             return Request(mode, spec)
         if temperature <= 0:
@@ -568,7 +520,7 @@ class EdgeClient(Session):
         return Request(
             mode,
             spec,
-            Sampling(temperature, top_k, top_p, self.wire_top_k, saguaro),
+            Sampling(temperature, top_k, top_p, self.config.wire_top_k, saguaro),
             np.random.default_rng(seed),
         )
 
