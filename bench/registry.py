@@ -54,6 +54,11 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("target_step", KERNELS, "the target's verify cost curve by rows and prefix, decode tokens/s"),
     ("quant_matmul", KERNELS, "the quantized-block projections against the float32 path, by rows"),
     (
+        "roofline",
+        KERNELS,
+        "the quantized projections and whole forward against the bandwidth and compute roofs",
+    ),
+    (
         "tree_attention",
         KERNELS,
         "the Triton tree-attention kernel against SDPA and the torch reference (GPU)",
