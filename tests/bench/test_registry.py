@@ -72,9 +72,13 @@ def test_an_unknown_name_fails_naming_the_choices() -> None:
 
 
 def test_a_name_runs_its_modules_main(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = []
-    module = importlib.import_module("bench.netproxy")
-    monkeypatch.setattr(module, "main", lambda argv: seen.append(list(argv)) or 3)
+    seen: list[list[str]] = []
+
+    def fake_main(argv: list[str]) -> int:
+        seen.append(list(argv))
+        return 3
+
+    monkeypatch.setattr(importlib.import_module("bench.netproxy"), "main", fake_main)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     assert bench_main(["netproxy", "--listen", "1"]) == 3
     assert seen == [["--listen", "1"]]
