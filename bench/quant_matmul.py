@@ -9,11 +9,12 @@ For each distinct (type, shape) of one decoder layer's projections and of the LM
   the weight packed once where torch has it, else F.linear), i.e. what the verifier runs today;
 
 and the bytes each keeps (the blocks vs 4 bytes a weight). Medians of --repeats calls after one
-warm-up. The issue's goals read from the table: a 16-row call <= 3x a one-row call, and one row
+warm-up. What to read from the table: a 16-row call <= 3x a one-row call, and one row
 well below the float32 path (the whole forward is `bench.target_step`'s).
 
     python -m bench.quant_matmul
     python -m bench.quant_matmul --rows 1,4,16 --threads 2 --json out.json
+    python -m bench.quant_matmul --roofline --json roofline.json --plot roofline.png
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the other benches: no 
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -53,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=_ints, default=[1, 2], help="torch thread counts, comma-separated")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls per cell (the median is shown)")
     ap.add_argument("--no-head", action="store_true", help="leave the LM head out (the largest matrix)")
+    ap.add_argument(
+        "--roofline",
+        action="store_true",
+        help="instead: the roofline report (python -m bench.roofline, which takes the other flags: "
+        "see its --help): the machine's read bandwidth and integer-step GOPS, each projection's cold "
+        "GB/s and GOPS by rows, the whole forward's share of each roof, a plot",
+    )
     ap.add_argument(
         "--compare-avx2",
         action="store_true",
@@ -148,6 +157,11 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--roofline" in argv:  # the roofline report: bench.roofline with the other flags
+        from bench import roofline
+
+        return roofline.main([a for a in argv if a != "--roofline"])
     args = build_parser().parse_args(argv)
     if args.repeats < 1:
         build_parser().error("--repeats must be at least 1")

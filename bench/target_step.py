@@ -1,6 +1,6 @@
 """`python -m bench.target_step`: the target's verify cost curve and its decode speed vs transformers.
 
-Two figures (issue: cloud target runtime; docs/architecture.md §6):
+Two figures (docs/architecture.md §6):
 
 - forward_ms[prefix][N]: median milliseconds of one verify forward of N new rows (row 0, the last
   committed token, plus N - 1 tree nodes, logits for every row) after `prefix` committed tokens.

@@ -18,8 +18,8 @@ The activations' int8 rounding makes this a numerically different target from th
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -154,6 +154,29 @@ def quant_matmul_parts(x: torch.Tensor, ws: Sequence[torch.Tensor], qs: Sequence
         raise ValueError(f"give one type per part: {len(ws)} parts, {len(qs)} types")
     out: torch.Tensor = _require().quant_matmul_parts(x, list(ws), [q.ggml_id for q in qs])
     return out
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the K types' paths did while counting (`counting_work`): weight super-blocks unpacked,
+    256-value integer dot products, reductions of integer lanes into float chains, calls."""
+
+    unpacks: int
+    dots: int
+    reductions: int
+    calls: int
+
+
+class counting_work:
+    """The kernel's own work counters over a block: `with counting_work() as seen: ...; seen()`
+    gives the `Work` done so far. Counting costs an atomic add per path call; off otherwise."""
+
+    def __enter__(self) -> Any:
+        _require().set_counting(True)
+        return lambda: Work(*(int(v) for v in _require().work()))
+
+    def __exit__(self, *exc: object) -> None:
+        _require().set_counting(False)
 
 
 def activation_block(q: QuantType) -> int:

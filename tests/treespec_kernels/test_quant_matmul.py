@@ -5,6 +5,8 @@ product of the dequantized matrix."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -218,3 +220,52 @@ def test_stacked_parts_equal_each_part_alone(rows: int) -> None:
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="one type per part"):
         qm.quant_matmul_parts(x, [parts[0][1]], [])
+
+
+def _work_by_rows(mod: Any, q: qm.QuantType, w: torch.Tensor, n_in: int, most: int) -> list[tuple[int, ...]]:
+    """The kernel's own work counters (unpacks, dots, reductions) of one call per row count 1..most."""
+    out = []
+    for rows in range(1, most + 1):
+        x = torch.randn(rows, n_in, generator=torch.Generator().manual_seed(rows))
+        mod.set_counting(True)
+        try:
+            mod.quant_matmul(x, w, q.ggml_id)
+            unpacks, dots, reductions, calls = (int(v) for v in mod.work())
+        finally:
+            mod.set_counting(False)
+        assert calls == 1
+        out.append((unpacks, dots, reductions))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["native", "x86-64-v3"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_the_cost_curve_has_no_cliffs_in_the_kernels_own_counters(arch: str, name: str) -> None:
+    """Every row count takes the batched path with a tail, read from the kernel's work hooks (not from
+    wall-clock time): more rows never do less work of any kind, a count between multiples of four
+    does no more than the next multiple, and the weights are unpacked once per group of rows
+    (eight on the AVX-512 tiles, four on AVX2), never once per row."""
+    import platform
+
+    if arch != "native" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86-64 only")
+    mod = qm._require() if arch == "native" else qm.build_for(arch)
+    q = qm.qtype(name)
+    out_f, n_in = 24, 512
+    w = random_blocks(q, out_f, n_in, seed=5)
+    if arch == "native" and qm.amx_min_rows() and "amx" in qm.simd():
+        pytest.skip("the AMX tiles take the larger row counts here (their own test covers them)")
+    work = _work_by_rows(mod, q, w, n_in, 17)
+    group = 8 if "avx512" in str(mod.simd()) else 4
+    for rows in range(1, 17):
+        now, more = work[rows - 1], work[rows]
+        assert all(a <= b for a, b in zip(now, more, strict=True)), (rows, now, more)
+        up = -(-rows // 4) * 4
+        assert all(a <= b for a, b in zip(now, work[up - 1], strict=True)), (rows, now, work[up - 1])
+        assert now[0] == -(-rows // group) * out_f * (n_in // 256), (rows, now)
+        assert now[1] == rows * out_f * (n_in // 256), (rows, now)
+    with qm.counting_work() as seen:  # the Python face of the same counters (this machine's build)
+        qm.quant_matmul(torch.ones(3, n_in), w, q)
+        qm.quant_matmul(torch.ones(1, n_in), w, q)
+        done = seen()
+    assert (done.unpacks, done.dots, done.calls) == (2 * out_f * 2, 4 * out_f * 2, 2)

@@ -49,6 +49,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -83,6 +84,23 @@ namespace {
 enum QType : int64_t { Q4_1 = 3, Q8_0 = 8, Q5_0 = 6, Q4_K = 12, Q6_K = 14 };
 
 constexpr int QB = 32;  // activation block (and the inner integer dot's length)
+
+// The kernel's work hook (`set_counting`, `work`): while counting is on, each K-type path adds what
+// one call of it did: weight super-blocks unpacked, 256-value integer dot products, and reductions
+// (one per super-block of each call: the step that turns a tile's integer lanes into its float
+// chains). Off by default: then each path pays one untaken branch per call.
+struct WorkCounters {
+  std::atomic<int64_t> unpacks{0}, dots{0}, reductions{0}, calls{0};
+};
+WorkCounters g_work;
+bool g_counting = false;
+
+inline void count_work(int64_t unpacks, int64_t dots, int64_t reductions) {
+  if (!g_counting) return;
+  g_work.unpacks += unpacks;
+  g_work.dots += dots;
+  g_work.reductions += reductions;
+}
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t bits;
@@ -381,6 +399,7 @@ void k_totals(int64_t t, const uint8_t* blk, const int8_t* const* x, int32_t* A,
 void k_rows4(int64_t t, const uint8_t* row, int64_t in, const int8_t* const* xq4, const float* dxT,
              const int32_t* sxT, int64_t rows, int64_t r, float* out4) {
   const int64_t bb = block_bytes(t);
+  count_work(in / 256, 4 * (in / 256), in / 256);
   __m128 acc = _mm_setzero_ps();
   for (int64_t sb = 0; sb < in / 256; ++sb) {
     const uint8_t* blk = row + sb * bb;
@@ -542,6 +561,7 @@ void k_tile(const uint8_t* wp, int64_t row_bytes, const KActs& a, int64_t r, int
   static_assert(N >= 1 && N <= P && O * P == 8, "a tile fills at most eight lanes");
   const int64_t in = a.in, nsb = in / 256, bb = block_bytes(T);
   const bool linear = 8 * row_bytes <= 16384;
+  count_work(O * nsb, O * N * nsb, nsb);
   __m256 acc = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     __m512i s[8];
@@ -649,6 +669,7 @@ template <int N>
 void k_rows(int64_t t, const uint8_t* row, int64_t in, const int8_t* const* xq, const float* const* dx,
             const int32_t* const* sx, float* out) {
   const int64_t bb = block_bytes(t);
+  count_work(in / 256, N * (in / 256), in / 256);
   float acc[N];
   for (int k = 0; k < N; ++k) acc[k] = 0.0f;
   for (int64_t sb = 0; sb < in / 256; ++sb) {
@@ -924,7 +945,10 @@ void amx_outputs(int64_t t, const uint8_t* wp, int64_t row_bytes, int64_t in, co
   AmxWeights w;
   for (int64_t j = lo; j < hi; j += 16) {
     amx_decode(t, wp + j * row_bytes, row_bytes, in, w);
-    for (const AmxRows& a : tiles) amx_block(t, w, in, a, yp, out, j);
+    for (const AmxRows& a : tiles) {
+      count_work(&a == &tiles.front() ? 16 * (in / 256) : 0, 16 * a.n * (in / 256), in / 256);
+      amx_block(t, w, in, a, yp, out, j);
+    }
   }
   _tile_release();
 }
@@ -1154,6 +1178,7 @@ void matmul_part(const QuantRows& a, const torch::Tensor& w, int64_t t, float* y
 torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t t) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
   check_weight(w, t, x.size(1));
+  if (g_counting) ++g_work.calls;
   auto y = torch::empty({x.size(0), w.size(0)}, torch::kFloat32);
   matmul_part(quantize_for(x, k_type(t) ? 256 : QB), w, t, y.data_ptr<float>(), w.size(0));
   return y;
@@ -1241,6 +1266,89 @@ torch::Tensor dequantize_rows(const torch::Tensor& w, int64_t t, int64_t in, con
   return y;
 }
 
+// The roofline's probes (bench.roofline): what the memory and the integer units of these cores give.
+
+// Reads every byte of buf once (64-byte loads, summed so that no load can be dropped), split
+// across the torch threads in contiguous chunks: the read bandwidth the projections can reach.
+int64_t stream_read(const torch::Tensor& buf) {
+  TORCH_CHECK(buf.device().is_cpu() && buf.scalar_type() == torch::kUInt8 && buf.is_contiguous(),
+              "the buffer must be a contiguous uint8 CPU tensor");
+  const uint8_t* p = buf.data_ptr<uint8_t>();
+  const int64_t lines = buf.numel() / 64;
+  std::atomic<int64_t> total{0};
+  at::parallel_for(0, lines, 4096, [&](int64_t lo, int64_t hi) {
+#if defined(__AVX2__)
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+    for (int64_t i = lo; i < hi; ++i) {
+      acc0 = _mm256_add_epi64(acc0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i)));
+      acc1 = _mm256_add_epi64(acc1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * i + 32)));
+    }
+    alignas(32) int64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_add_epi64(acc0, acc1));
+    total += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+#else
+    int64_t acc = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      int64_t v;
+      std::memcpy(&v, p + 64 * i, 8);
+      acc += v;
+    }
+    total += acc;
+#endif
+  });
+  return total.load();
+}
+
+// `iters` rounds of the K types' integer step on values in registers (per round and thread: 8
+// products of 64 int8 pairs with 8 different weight vectors, as maddubs then dpwssd on AVX-512
+// VNNI, 8 of 32 pairs as maddubs, madd and add on AVX2), on every torch thread: returns the
+// multiply-adds done, for the compute roof in GOPS.
+int64_t int_peak(int64_t iters) {
+  const int threads = at::get_num_threads();
+  std::atomic<int64_t> sink{0};
+  at::parallel_for(0, threads, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t th = lo; th < hi; ++th) {
+      int64_t v = 0;
+#if defined(TREESPEC_AVX512)
+      __m512i acc[8], w[8];
+      const __m512i s = _mm512_set1_epi16(3), step = _mm512_set1_epi8(1);
+      __m512i x = _mm512_set1_epi8(int8_t(5 + th));
+      for (int k = 0; k < 8; ++k) {
+        acc[k] = _mm512_setzero_si512();
+        w[k] = _mm512_set1_epi8(int8_t(3 + k));
+      }
+      for (int64_t i = 0; i < iters; ++i) {
+        for (int k = 0; k < 8; ++k) acc[k] = _mm512_dpwssd_epi32(acc[k], _mm512_maddubs_epi16(w[k], x), s);
+        x = _mm512_add_epi8(x, step);
+      }
+      for (int k = 0; k < 8; ++k) v += _mm512_reduce_add_epi32(acc[k]);
+#elif defined(__AVX2__)
+      __m256i acc[8], w[8];
+      const __m256i ones = _mm256_set1_epi16(1), step = _mm256_set1_epi8(1);
+      __m256i x = _mm256_set1_epi8(int8_t(5 + th));
+      for (int k = 0; k < 8; ++k) {
+        acc[k] = _mm256_setzero_si256();
+        w[k] = _mm256_set1_epi8(int8_t(3 + k));
+      }
+      for (int64_t i = 0; i < iters; ++i) {
+        for (int k = 0; k < 8; ++k) acc[k] = _mm256_add_epi32(acc[k], _mm256_madd_epi16(_mm256_maddubs_epi16(w[k], x), ones));
+        x = _mm256_add_epi8(x, step);
+      }
+      for (int k = 0; k < 8; ++k) v += hsum8(acc[k]);
+#endif
+      sink += v;
+    }
+  });
+  (void)sink.load();
+#if defined(TREESPEC_AVX512)
+  return threads * iters * 8 * 64;
+#elif defined(__AVX2__)
+  return threads * iters * 8 * 32;
+#else
+  return 0;
+#endif
+}
+
 // The SIMD paths this build runs (the K types' integer sums, the rest): for the benchmarks' tables.
 std::string simd() {
 #if defined(TREESPEC_AMX)
@@ -1264,4 +1372,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul", &quant_matmul, "x @ W.T with W in GGUF blocks, batch-invariant");
   m.def("quant_matmul_parts", &quant_matmul_parts, "x @ [W1; W2; ...].T, x quantized once");
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGUF-block matrix as float32");
+  m.def("set_counting", [](bool on) {
+    g_counting = on;
+    g_work.unpacks = g_work.dots = g_work.reductions = g_work.calls = 0;
+  }, "count the K types' work from now on (and zero the counters), or stop counting");
+  m.def("work", []() {
+    return std::vector<int64_t>{g_work.unpacks.load(), g_work.dots.load(), g_work.reductions.load(), g_work.calls.load()};
+  }, "the counters: (super-blocks unpacked, 256-value dot products, reductions, calls)");
+  m.def("stream_read", &stream_read, "read every byte of a buffer once (the read bandwidth probe)");
+  m.def("int_peak", &int_peak, "rounds of the integer step in registers; returns the multiply-adds");
 }
