@@ -7,6 +7,7 @@ return value is the exit status.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -16,7 +17,10 @@ from bench.registry import listing, lookup
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help", "list"):
-        print(listing())
+        try:
+            print(listing(), flush=True)
+        except BrokenPipeError:  # `python -m bench | head`: the reader left; no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     try:
         entry = lookup(args[0])
