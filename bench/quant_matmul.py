@@ -29,11 +29,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench import roofline
 from bench.harness import add_common_args, table, write_result
+from bench.roofline import matrices
 from shared.model.llama import Gemm, choose_gemm
 from treespec_kernels import quant_matmul as qm
 
@@ -80,31 +81,6 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
-
-
-def matrices(path: str, head: bool) -> list[tuple[str, qm.QuantType, torch.Tensor, np.ndarray]]:
-    """(name, type, blocks [out, bytes], dequantized float32 [out, in]) of layer 0's projections and
-    the head, one per distinct (type, shape)."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(path)
-    seen: set[tuple[str, tuple[int, ...]]] = set()
-    out = []
-    for t in reader.tensors:
-        if not (t.name.startswith("blk.0.") or (head and t.name == "output.weight")):
-            continue
-        if not t.name.endswith(".weight") or t.tensor_type.name not in qm.QTYPES:
-            continue
-        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        key = (t.tensor_type.name, shape)
-        if key in seen:
-            continue
-        seen.add(key)
-        blocks = torch.from_numpy(np.array(t.data, copy=True)).reshape(shape[0], -1)
-        dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        out.append((t.name, qm.qtype(t.tensor_type.name), blocks, dense))
-    return out
 
 
 def run(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -159,8 +135,6 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--roofline" in argv:  # the roofline report: bench.roofline with the other flags
-        from bench import roofline
-
         return roofline.main([a for a in argv if a != "--roofline"])
     args = build_parser().parse_args(argv)
     if args.repeats < 1:

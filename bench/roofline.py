@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -69,6 +70,31 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def matrices(path: str, head: bool) -> list[tuple[str, qm.QuantType, torch.Tensor, np.ndarray]]:
+    """(name, type, blocks [out, bytes], dequantized float32 [out, in]) of layer 0's projections and
+    the head, one per distinct (type, shape)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+    out = []
+    for t in reader.tensors:
+        if not (t.name.startswith("blk.0.") or (head and t.name == "output.weight")):
+            continue
+        if not t.name.endswith(".weight") or t.tensor_type.name not in qm.QTYPES:
+            continue
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        key = (t.tensor_type.name, shape)
+        if key in seen:
+            continue
+        seen.add(key)
+        blocks = torch.from_numpy(np.array(t.data, copy=True)).reshape(shape[0], -1)
+        dense = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        out.append((t.name, qm.qtype(t.tensor_type.name), blocks, dense))
+    return out
+
+
 def bandwidth_gbs(repeats: int) -> float:
     """The read bandwidth of the current torch threads, GB/s (median of `repeats` reads)."""
     mod = qm._require()
@@ -97,8 +123,6 @@ def projection_rows(
     path: str, threads: int, rows: Sequence[int], repeats: int, roofs: dict[str, float], bar: Any
 ) -> list[dict[str, Any]]:
     """One row per (distinct projection, rows): cold ms, GB/s, GOPS and the shares of the roofs."""
-    from bench.quant_matmul import matrices
-
     out = []
     for name, q, blocks, dense in matrices(path, True):
         out_f, in_f = dense.shape
