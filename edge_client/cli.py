@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TextIO
 
-from edge_client.cli_parser import build_parser
+from edge_client.cli_parser import ServeOptions, build_parser
 from shared.model_store.catalog import DEFAULT_DRAFT
 
 if TYPE_CHECKING:
@@ -50,16 +50,16 @@ def _export_onnx(args: argparse.Namespace) -> int:
     return 0
 
 
-def _web_edge(args: argparse.Namespace) -> WebEdge | None:
+def _web_edge(opts: ServeOptions) -> WebEdge | None:
     """The browser edge for --web-draft (edge_client.web_edge.WebEdge), None without it; exits with 2
     and the reason when it cannot be served."""
-    if args.web_draft is None:
+    if opts.web_draft is None:
         return None
     from edge_client.web_edge import BUNDLE, WebEdge, WebEdgeError
 
-    bundle = Path(args.web_bundle) if args.web_bundle else BUNDLE
+    bundle = Path(opts.web_bundle) if opts.web_bundle else BUNDLE
     try:
-        return WebEdge(Path(args.web_draft), args.server, bundle)
+        return WebEdge(Path(opts.web_draft), opts.server, bundle)
     except WebEdgeError as exc:
         print(f"edge-client: --web-draft: {exc}", file=sys.stderr)
         raise SystemExit(2) from exc
@@ -68,56 +68,53 @@ def _web_edge(args: argparse.Namespace) -> WebEdge | None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from edge_client.client import EdgeClient, TreeSpec
+    from edge_client.client import EdgeClient, EdgeConfig, TreeSpec
     from edge_client.defaults import recommended_tree
     from edge_client.serve import ServeConfig, create_app
     from edge_client.speculation import PrespecConfig
     from shared.tree import ExpansionConfig
 
+    opts = ServeOptions.from_args(args)
     try:
-        spec = TreeSpec("static", ExpansionConfig.parse(args.tree or recommended_tree(args.draft)))
+        spec = TreeSpec("static", ExpansionConfig.parse(opts.tree or recommended_tree(opts.draft)))
     except ValueError as exc:
         print(f"edge-client: --tree: {exc}", file=sys.stderr)
         return 2
     try:
         config = ServeConfig(
-            host=args.host, allow_origins=tuple(args.allow_origin), mode=args.mode, objective=args.objective
+            host=opts.host, allow_origins=opts.allow_origins, mode=opts.mode, objective=opts.objective
         )
     except ValueError as exc:
         print(f"edge-client: --allow-origin: {exc}", file=sys.stderr)
         return 2
     try:
-        prespec_cfg = PrespecConfig(saguaro_c=args.saguaro_c)
+        prespec_cfg = PrespecConfig(saguaro_c=opts.saguaro_c)
     except ValueError as exc:
         print(f"edge-client: --saguaro-c: {exc}", file=sys.stderr)
         return 2
-    if args.saguaro_c != 1 and args.no_prespec:
+    if opts.saguaro_c != 1 and not opts.prespec:
         print("edge-client: --saguaro-c applies to pre-speculation: drop --no-prespec", file=sys.stderr)
         return 2
-    web = _web_edge(args)
-    drafters = _load_drafters(args, [args.draft])
+    web = _web_edge(opts)
+    drafters = _load_drafters(args, [opts.draft])
     if drafters is None:
         return 2
     drafter = drafters[0]
+    edge = EdgeConfig(
+        api_key=opts.api_key, tree=spec, prespec=prespec_cfg if opts.prespec else False, ca_file=opts.ca_file
+    )
 
     def make() -> EdgeClient:
-        return EdgeClient(
-            args.server,
-            drafter,
-            api_key=args.api_key,
-            tree=spec,
-            prespec=False if args.no_prespec else prespec_cfg,
-            ca_file=args.ca_file,
-        )
+        return EdgeClient(opts.server, drafter, edge)
 
     print(
-        f"edge-client: OpenAI-compatible API on http://{args.host}:{args.port}/v1 -> {args.server}",
+        f"edge-client: OpenAI-compatible API on http://{opts.host}:{opts.port}/v1 -> {opts.server}",
         flush=True,
     )
     if web is not None:
-        print(f"edge-client: the browser edge on http://{args.host}:{args.port}/edge/", flush=True)
+        print(f"edge-client: the browser edge on http://{opts.host}:{opts.port}/edge/", flush=True)
     try:
-        uvicorn.run(create_app(make, config, web), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(create_app(make, config, web), host=opts.host, port=opts.port, log_level="warning")
     finally:
         drafter.close()
     return 0

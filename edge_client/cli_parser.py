@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge_client.drafters.registry import backend_choices
 from edge_client.speculation.config import MAX_TREE_NODES
 from shared.cli_args import integer, nonempty, number, positive_int
+from shared.config_cli import add_config_flags, cli, config_values
 from shared.messages import Mode
 from shared.model_store.catalog import DEFAULT_DRAFT
 from shared.wire import MAX_U31, MAX_U63
@@ -299,6 +301,89 @@ def _export_onnx_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]
     )
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """The settings of `edge-client serve`: each field is one of its flags (shared.config_cli makes
+    the parser from the `cli` metadata). host, allow_origins, mode and objective become the local
+    endpoint's ServeConfig; the rest the edge client's and its drafter's."""
+
+    host: str = field(default="127.0.0.1", metadata=cli("interface to listen on (keep it local)", type=NAME))
+    allow_origins: tuple[str, ...] = field(
+        default=(),
+        metadata=cli(
+            "a web app's origin (e.g. http://localhost:3000) whose pages may call the API (CORS); "
+            "repeatable; other sites' pages are refused",
+            flag="--allow-origin",
+            type=NAME,
+            append=True,
+            metavar="ORIGIN",
+        ),
+    )
+    port: int = field(default=8080, metadata=cli("TCP port of the local API", type=integer(1, 65535)))
+    server: str = field(
+        default="ws://127.0.0.1:8000/v1/session",
+        metadata=cli("ws:// or wss:// URL of the verifier", type=NAME),
+    )
+    ca_file: str | None = field(
+        default=None, metadata=cli("wss://: a CA bundle (PEM) that signed the verifier", type=NAME)
+    )
+    api_key: str | None = field(default=None, metadata=cli("the verifier's API key"))  # $EDGE_CLIENT_API_KEY
+    draft: str = field(default=DEFAULT_DRAFT, metadata=cli("draft model alias or GGUF path", type=NAME))
+    drafter: str = field(
+        default="auto",
+        metadata=cli(
+            "draft backend (auto, the default: llama.cpp or ONNX int8, whichever is faster here)",
+            choices=backend_choices(),
+        ),
+    )
+    tree: str | None = field(
+        default=None, metadata=cli("expansion config, e.g. 2,1,1,1 (default: the draft's)", type=NAME)
+    )
+    prespec: bool = field(
+        default=True, metadata=cli("no pre-speculation (conditional trees)", flag="--no-prespec")
+    )
+    mode: str = field(
+        default="auto",
+        metadata=cli(f"for requests without a 'mode' field: {MODE_HELP}", choices=MODE_CHOICES),
+    )
+    objective: str = field(default="latency", metadata=cli(OBJECTIVE_HELP, choices=OBJECTIVES))
+    saguaro_c: float = field(
+        default=1.0,
+        metadata=cli(
+            f"for requests in mode mss or rrs, with pre-speculation on: {SAGUARO_HELP}",
+            type=SAGUARO_C,
+            metavar="C",
+        ),
+    )
+    threads: int = field(default=0, metadata=cli(THREADS_HELP, type=THREADS))
+    web_draft: str | None = field(
+        default=None,
+        metadata=cli(
+            "also serve the browser edge at /edge/: a page whose draft model (this `edge-client "
+            "export-onnx` folder) runs in the tab on onnxruntime-web and reaches --server itself, so "
+            "the verifier must allow this endpoint's origin (cloud-verifier serve --allowed-origins "
+            "http://HOST:PORT)",
+            type=NAME,
+            metavar="EXPORT_DIR",
+        ),
+    )
+    web_bundle: str | None = field(
+        default=None,
+        metadata=cli(
+            "the browser edge's static bundle (default: clients/typescript/dist/web, built by `make web`)",
+            type=NAME,
+            metavar="DIR",
+        ),
+    )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeOptions:
+        """The options `serve` was given (its parsed flags)."""
+        values = config_values(cls, args)
+        values["allow_origins"] = tuple(values["allow_origins"])
+        return cls(**values)
+
+
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "serve",
@@ -312,67 +397,6 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "Content-Type: application/json (415).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--host", type=NAME, default="127.0.0.1", help="interface to listen on (keep it local)")
-    p.add_argument(
-        "--allow-origin",
-        type=NAME,
-        action="append",
-        default=[],
-        metavar="ORIGIN",
-        help="a web app's origin (e.g. http://localhost:3000) whose pages may call the API (CORS); "
-        "repeatable; other sites' pages are refused",
-    )
-    p.add_argument("--port", type=integer(1, 65535), default=8080, help="TCP port of the local API")
-    p.add_argument(
-        "--server",
-        type=NAME,
-        default="ws://127.0.0.1:8000/v1/session",
-        help="ws:// or wss:// URL of the verifier",
-    )
-    p.add_argument(
-        "--ca-file", type=NAME, default=None, help="wss://: a CA bundle (PEM) that signed the verifier"
-    )
-    p.add_argument("--api-key", default=os.environ.get("EDGE_CLIENT_API_KEY"), help="the verifier's API key")
-    p.add_argument("--draft", type=NAME, default=DEFAULT_DRAFT, help="draft model alias or GGUF path")
-    p.add_argument(
-        "--drafter",
-        default="auto",
-        choices=backend_choices(),
-        help="draft backend (auto, the default: llama.cpp or ONNX int8, whichever is faster here)",
-    )
-    p.add_argument(
-        "--tree", type=NAME, default=None, help="expansion config, e.g. 2,1,1,1 (default: the draft's)"
-    )
-    p.add_argument("--no-prespec", action="store_true", help="no pre-speculation (conditional trees)")
-    p.add_argument(
-        "--mode",
-        default="auto",
-        choices=MODE_CHOICES,
-        help=f"for requests without a 'mode' field: {MODE_HELP}",
-    )
-    p.add_argument("--objective", default="latency", choices=OBJECTIVES, help=OBJECTIVE_HELP)
-    p.add_argument(
-        "--saguaro-c",
-        type=SAGUARO_C,
-        default=1.0,
-        metavar="C",
-        help=f"for requests in mode mss or rrs, with pre-speculation on: {SAGUARO_HELP}",
-    )
-    p.add_argument("--threads", type=THREADS, default=0, help=THREADS_HELP)
-    p.add_argument(
-        "--web-draft",
-        type=NAME,
-        default=None,
-        metavar="EXPORT_DIR",
-        help="also serve the browser edge at /edge/: a page whose draft model (this `edge-client "
-        "export-onnx` folder) runs in the tab on onnxruntime-web and reaches --server itself, so the "
-        "verifier must allow this endpoint's origin (cloud-verifier serve --allowed-origins "
-        "http://HOST:PORT)",
-    )
-    p.add_argument(
-        "--web-bundle",
-        type=NAME,
-        default=None,
-        metavar="DIR",
-        help="the browser edge's static bundle (default: clients/typescript/dist/web, built by `make web`)",
-    )
+    # the key's default is read when the parser is made, not when the module is imported
+    defaults = ServeOptions(api_key=os.environ.get("EDGE_CLIENT_API_KEY"))
+    add_config_flags(p, ServeOptions, defaults=defaults)
