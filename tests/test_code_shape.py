@@ -1,6 +1,7 @@
 """Shape goals a reader relies on: the engine step reads top to bottom in at most 40 lines, the
 engine's and the step runner's signatures say what they take (no `Any`), and no function is over
-80 lines outside argument parsers (names ending in `_parser` or `build_parser`)."""
+80 lines outside argument parsers written flag by flag (names ending in `_parser` or `build_parser`,
+outside the modules whose parsers are generated from config dataclasses)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("edge_client", "cloud_verifier", "shared", "treespec_kernels", "bench", "draft_training")
 # a Triton JIT kernel is one function by construction: it cannot call Python helpers
 LONG_ALLOWED = {("treespec_kernels/_triton_tree_attention.py", "_tree_attention_fwd")}
+# parsers generated from config dataclasses (shared.config_cli) are short: no exemption there
+GENERATED_PARSERS = ("cloud_verifier/cli.py", "edge_client/cli_parser.py")
 
 
 def functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
@@ -32,6 +35,7 @@ def long_functions(root: Path, packages: tuple[str, ...], limit: int = 80) -> li
                 continue
             for fn in functions(path):
                 parser = fn.name.endswith("_parser") or fn.name == "build_parser"
+                parser = parser and rel not in GENERATED_PARSERS
                 if length(fn) > limit and not parser and (rel, fn.name) not in LONG_ALLOWED:
                     out.append(f"{rel}:{fn.lineno} {fn.name} ({length(fn)} lines)")
     return out
