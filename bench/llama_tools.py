@@ -1,10 +1,10 @@
 """llama.cpp's own programs, built from the llama.cpp source that the installed llama-cpp-python vendors.
 
 `bench.peers` compares against llama.cpp's plain decoding (`llama-completion`) and its draft-model
-speculative decoding (`llama-speculative-simple`). Those are not shipped by the Python package, so
-they are built here: the source distribution of the installed llama-cpp-python version is fetched
+speculative decoding (`llama-speculative-simple`), `bench.prefill` against its prompt processing
+(`llama-bench`). Those are not shipped by the Python package, so they are built here: the source distribution of the installed llama-cpp-python version is fetched
 with pip (the package index is the only network these machines reach), its `vendor/llama.cpp`
-configured with CMake (native CPU flags, no CURL, static libraries) and the two targets built,
+configured with CMake (native CPU flags, no CURL, static libraries) and the three targets built,
 about five minutes on two cores. The result is cached in `<treespec cache>/llama.cpp/<version>/`,
 outside the repository, and reused; a build is written to a temporary folder and renamed.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from shared.model_store import cache_dir, pip_extra_args
 
-TOOLS = ("llama-completion", "llama-speculative-simple")
+TOOLS = ("llama-completion", "llama-speculative-simple", "llama-bench")
 
 
 class ToolBuildError(RuntimeError):

@@ -59,6 +59,11 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
         "the quantized projections and whole forward against the bandwidth and compute roofs",
     ),
     (
+        "prefill",
+        KERNELS,
+        "prompt tokens/s of the quantized target against llama.cpp's, same file and threads",
+    ),
+    (
         "tree_attention",
         KERNELS,
         "the Triton tree-attention kernel against SDPA and the torch reference (GPU)",
