@@ -2,11 +2,12 @@
 
 `bench.peers` compares against llama.cpp's plain decoding (`llama-completion`) and its draft-model
 speculative decoding (`llama-speculative-simple`), `bench.prefill` against its prompt processing
-(`llama-bench`). Those are not shipped by the Python package, so they are built here: the source distribution of the installed llama-cpp-python version is fetched
-with pip (the package index is the only network these machines reach), its `vendor/llama.cpp`
-configured with CMake (native CPU flags, no CURL, static libraries) and the three targets built,
-about five minutes on two cores. The result is cached in `<treespec cache>/llama.cpp/<version>/`,
-outside the repository, and reused; a build is written to a temporary folder and renamed.
+(`llama-bench`). Those are not shipped by the Python package, so they are built here: the source
+distribution of the installed llama-cpp-python version is fetched with pip (the package index is
+the only network these machines reach), its `vendor/llama.cpp` configured with CMake (native CPU
+flags, no CURL, static libraries) and the three targets built, about five minutes on two cores.
+The result is cached in `<treespec cache>/llama.cpp/<version>/`, outside the repository, and
+reused; a build is written to a temporary folder and renamed.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def ensure_tools(progress: bool = True) -> dict[str, Path]:
         out = work / "out" / "bin"
         out.mkdir(parents=True)
         for t in TOOLS:
-            made = next(iter(build.rglob(t)), None)
+            made = next((p for p in build.rglob(t) if p.is_file()), None)  # tools/<t> is also a folder
             if made is None or not made.is_file():
                 raise ToolBuildError(f"the build produced no {t}; see the cmake output above")
             shutil.copy2(made, out / t)
