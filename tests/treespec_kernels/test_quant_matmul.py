@@ -193,6 +193,36 @@ def test_the_amx_tiles_give_the_same_bits_as_every_other_path() -> None:
         qm.set_amx_min_rows(-1)
 
 
+def test_the_rows_in_the_lanes_give_the_same_bits_as_every_other_path() -> None:
+    """Where the CPU has AVX-512 VNNI, the K types' products of many rows put the activation rows in
+    the lanes of a vector (16 in a zmm, the last up to 8 in a ymm) and broadcast the weights. Forced
+    on from one row, they equal the torch reference bit for bit: every chunk shape (1 to 8 rows in
+    a ymm, 9 to 16 in a zmm, several chunks), an all-zero super-block, extreme activations; and a
+    row alone equals the same row among 40."""
+    if "avx512-vnni" not in qm.simd():
+        pytest.skip(f"no AVX-512 VNNI on this CPU (paths: {qm.simd()})")
+    mod = qm._require()
+    before = int(mod.lanes_min_rows())
+    try:
+        for name in ("Q4_K", "Q6_K"):
+            q = qm.qtype(name)
+            n = 3 * 256
+            w = random_blocks(q, 21, n, seed=29)
+            x = torch.randn(40, n, generator=torch.Generator().manual_seed(31)) * 3
+            x[2, :256] = 0
+            x[3, 256:512] = torch.where(torch.arange(256) % 2 == 0, 1e4, -1e4)  # every value +-127
+            mod.set_lanes_min_rows(1)
+            for rows in (1, 2, 7, 8, 9, 16, 17, 25, 40):
+                got = qm.quant_matmul(x[:rows], w, q)
+                assert torch.equal(got, qm.reference_quant_matmul(x[:rows], w, q)), (name, rows)
+            many = qm.quant_matmul(x, w, q)
+            mod.set_lanes_min_rows(0)  # off: the tiles of outputs
+            assert torch.equal(qm.quant_matmul(x, w, q), many), name
+            assert torch.equal(qm.quant_matmul(x[7:8], w, q), many[7:8]), name
+    finally:
+        mod.set_lanes_min_rows(before)
+
+
 def test_a_bad_amx_row_count_in_the_environment_is_named() -> None:
     import os
     import subprocess
@@ -255,14 +285,22 @@ def test_the_cost_curve_has_no_cliffs_in_the_kernels_own_counters(arch: str, nam
     w = random_blocks(q, out_f, n_in, seed=5)
     if arch == "native" and qm.amx_min_rows() and "amx" in qm.simd():
         pytest.skip("the AMX tiles take the larger row counts here (their own test covers them)")
-    work = _work_by_rows(mod, q, w, n_in, 17)
+    work = _work_by_rows(mod, q, w, n_in, 40)
     group = 8 if "avx512" in str(mod.simd()) else 4
-    for rows in range(1, 17):
+    lanes = (
+        int(mod.lanes_min_rows())
+        if hasattr(mod, "lanes_min_rows") and "avx512-vnni" in str(mod.simd())
+        else 0
+    )
+    for rows in range(1, 40):
         now, more = work[rows - 1], work[rows]
         assert all(a <= b for a, b in zip(now, more, strict=True)), (rows, now, more)
         up = -(-rows // 4) * 4
         assert all(a <= b for a, b in zip(now, work[up - 1], strict=True)), (rows, now, work[up - 1])
-        assert now[0] == -(-rows // group) * out_f * (n_in // 256), (rows, now)
+        # one pass over the weights per group of rows on the tiles, one per call with the rows in
+        # the lanes
+        passes = 1 if lanes and rows >= lanes else -(-rows // group)
+        assert now[0] == passes * out_f * (n_in // 256), (rows, now)
         assert now[1] == rows * out_f * (n_in // 256), (rows, now)
     with qm.counting_work() as seen:  # the Python face of the same counters (this machine's build)
         qm.quant_matmul(torch.ones(3, n_in), w, q)
