@@ -29,7 +29,8 @@ from shared.messages import (
     decode,
     encode,
 )
-from shared.tree import TokenTree, reroot, tree_matches
+from shared.tree import TokenTree
+from shared.tree_match import reroot, tree_matches
 
 # ---------------------------------------------------------------------------------------------------
 # Client side
@@ -166,7 +167,7 @@ class ClientProtocol:
 
     def usable(self, tree: TokenTree) -> TokenTree | None:
         """What the server verifies for `tree` against the committed sequence: the tree when it
-        matches; in greedy and match also its re-rooted subtree (shared.tree.reroot); else None."""
+        matches; in greedy and match also its re-rooted subtree (shared.tree_match.reroot); else None."""
         if self.mode in (Mode.GREEDY, Mode.MATCH):
             rooted = reroot(tree, self.committed)
             return None if rooted is None else rooted[0]
@@ -243,7 +244,7 @@ class ClientProtocol:
                 self.in_flight = None
 
     def matching_outstanding(self) -> int | None:
-        """The latest outstanding tree that matches `committed` (shared.tree.tree_matches)."""
+        """The latest outstanding tree that matches `committed` (shared.tree_match.tree_matches)."""
         found = [r for r in self.outstanding if r in self._trees and self.usable(self._trees[r]) is not None]
         return max(found) if found else None
 

@@ -26,7 +26,7 @@ from shared.server_events import (
     VerifyTree,
 )
 from shared.server_protocol import ServerGeneration, ServerProtocol
-from shared.tree import can_still_match, tree_matches
+from shared.tree_match import can_still_match, tree_matches
 
 __all__ = [
     "CancelReceived",

@@ -46,7 +46,8 @@ from shared.server_events import (
     ServerState,
     VerifyTree,
 )
-from shared.tree import TokenTree, can_grow_into, can_still_match, reroot, tree_matches
+from shared.tree import TokenTree
+from shared.tree_match import can_grow_into, can_still_match, reroot, tree_matches
 
 
 @dataclass
@@ -237,7 +238,7 @@ class ServerProtocol:
     @staticmethod
     def _usable(gen: ServerGeneration, tree: TokenTree) -> TokenTree | None:
         """The tree to verify for `tree` now: itself when it matches; in greedy and match also its
-        subtree below the committed tokens past its assumption (shared.tree.reroot)."""
+        subtree below the committed tokens past its assumption (shared.tree_match.reroot)."""
         if gen.prompt.mode in (Mode.GREEDY, Mode.MATCH):
             rooted = reroot(tree, gen.committed)
             return None if rooted is None else rooted[0]

@@ -18,7 +18,7 @@ While a tree is in flight the edge also leaves a stream waiting at the verifier 
 priced faster than a verifier idle while the edge drafts (objective latency; `fallback_pays`): on a
 miss the target streams instead of idling while the edge drafts, and the edge sends
 its next tree below the sequence it knows; the verifier re-roots that tree below the tokens it
-streamed meanwhile wherever they follow one of its paths (shared.tree.reroot) and verifies it
+streamed meanwhile wherever they follow one of its paths (shared.tree_match.reroot) and verifies it
 instead of the next stream step, so the stream hands over to it without a round trip. A generation
 starts the same way: the prompt's answer streams (the prefill's token first) while the edge drafts
 its first tree, so the time to the first token is the prefill's alone.

@@ -83,7 +83,8 @@ from shared.messages import (
     Welcome,
 )
 from shared.protocol import ClientProtocol, ClientState
-from shared.tree import ExpansionConfig, TokenTree, rebase, reroot
+from shared.tree import ExpansionConfig, TokenTree
+from shared.tree_match import rebase, reroot
 
 Clock = Callable[[], float]
 
@@ -655,7 +656,7 @@ class SpeculationCore:
     def _draft_ahead(self) -> Steps:
         """While the target streams: draft the miss path's tree below the committed sequence and
         send it; the verifier re-roots it below the tokens streamed meanwhile where they follow one
-        of its paths (shared.tree.reroot) and verifies it instead of the next stream step."""
+        of its paths (shared.tree_match.reroot) and verifies it instead of the next stream step."""
         committed = tuple(self.proto.committed)
         self._ahead_at = len(committed)
         dr = yield from self._draft_plain(committed, self._ahead_shape())
@@ -702,7 +703,7 @@ class SpeculationCore:
         self.est.note_verify(v.verify_ms)
         before = tuple(proto.committed[: v.committed_len - len(v.tokens)])
         if spec is not None and v.round != 0 and len(spec.full) < len(before):
-            # the verifier re-rooted this tree below tokens it streamed meanwhile (shared.tree.reroot):
+            # the verifier re-rooted this tree below tokens it streamed meanwhile (shared.tree_match.reroot):
             # its accepted nodes index the subtree, and the outcome models learn nothing from it
             rooted = reroot(rebase(spec.draft.tree, len(spec.full)), before)
             if rooted is not None:

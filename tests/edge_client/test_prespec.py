@@ -25,7 +25,8 @@ from edge_client.speculation.outcomes import (
 )
 from edge_client.stats import GenerationStats
 from edge_client.trees import DraftOptions, draft_static
-from shared.tree import ExpansionConfig, TokenTree, rebase
+from shared.tree import ExpansionConfig, TokenTree
+from shared.tree_match import rebase
 from tests.cloud_verifier.service import LiveServer, slow_forwards, tiny
 from tests.edge_client.fake_drafter import FakeDrafter
 

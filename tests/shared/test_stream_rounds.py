@@ -23,7 +23,7 @@ from shared.messages import (
     encode,
 )
 from shared.protocol import ClientProtocol, ClientState, ServerProtocol, VerifyTree
-from shared.tree import can_grow_into, reroot
+from shared.tree_match import can_grow_into, reroot
 from tests.shared.test_protocol import LIMITS, V, _deliver, _pair
 
 NONE = np.zeros(0, np.int32)
