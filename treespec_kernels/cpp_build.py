@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 import threading
@@ -38,6 +39,18 @@ def cpu_tag() -> str:
     except OSError:
         pass
     return hashlib.sha256(text.encode()).hexdigest()[:10]
+
+
+def headers_tag(source: Path) -> str:
+    """"_" and a short hash of the csrc/ headers `source` includes ("" when none): torch rebuilds an
+    extension when its source file changes, and a header's change must count as one."""
+    names = re.findall(r'^#include "([^"]+)"', source.read_text(encoding="utf-8"), flags=re.M)
+    if not names:
+        return ""
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update((source.parent / name).read_bytes())
+    return "_" + digest.hexdigest()[:8]
 
 
 def disabled() -> bool:
@@ -81,7 +94,7 @@ class CppExtension:
             bindir = os.path.dirname(sys.executable)
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         return cpp_extension.load(
-            name=f"{self.name}_{cpu_tag()}",
+            name=f"{self.name}_{cpu_tag()}{headers_tag(self.source)}",
             sources=[str(self.source)],
             extra_cflags=self.flags,
             extra_ldflags=["-fopenmp"] if "-fopenmp" in self.flags else [],
