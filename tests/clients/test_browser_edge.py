@@ -24,7 +24,7 @@ from fastapi import Request
 from edge_client.cli import main as edge_cli
 from edge_client.serve import create_app
 from edge_client.web_edge import BUNDLE, WebEdge, WebEdgeError
-from tests.clients.test_typescript import PROMPT, TS, _built, _seeded_ar, tiny_export
+from tests.clients.typescript_support import PROMPT, TS, _built, _seeded_ar, tiny_export
 from tests.cloud_verifier.service import LiveServer, reference, slow_forwards
 from tests.edge_client.browser import Browser, chromium
 from tests.edge_client.local_server import served
