@@ -81,6 +81,8 @@ TEST_PATHS = (
     "tests/cloud_verifier/test_verify.py",
     "tests/cloud_verifier/test_verify_stats.py",
     "tests/cloud_verifier/test_offload.py",
+    "tests/cloud_verifier/test_offload_gguf.py",
+    "tests/cloud_verifier/test_offload_service.py",
 )
 KERNEL_GOAL = 1.5  # Triton >= 1.5x SDPA with a dense mask at 16 sessions x 64 nodes, prefix 8k
 FORWARD_GOAL = 1.2  # a 16-row verify forward <= 1.2x a one-token decode step

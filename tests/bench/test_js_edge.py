@@ -10,7 +10,7 @@ import pytest
 
 from bench import js_edge
 from tests.clients.test_browser_edge import _bundle
-from tests.clients.test_typescript import _built
+from tests.clients.typescript_support import _built
 from tests.edge_client.browser import chromium
 
 
