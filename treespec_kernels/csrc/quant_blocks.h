@@ -20,9 +20,10 @@ WorkCounters g_work;
 bool g_counting = false;
 
 // rows from which the K types run with the activation rows in the lanes (AVX-512 VNNI); 0: never.
-// 8: where the lanes overtook the tiles of outputs in the 1.5B's whole forward on an AVX-512 VNNI
-// machine without AMX (bench.target_step: equal at 7 rows; 0.9x at 8, 0.7x at 16, 0.57x at 32)
-int64_t g_lanes_min_rows = 8;
+// 7: where the lanes caught up with the tiles of outputs in the 1.5B's whole forward on an AVX-512
+// VNNI machine without AMX (bench.target_step, one thread: the tiles 166 / 190 ms at 6 / 7 rows,
+// the lanes about 185 ms for any 1 to 8 rows, 282 ms at 16)
+int64_t g_lanes_min_rows = 7;
 
 inline void count_work(int64_t unpacks, int64_t dots, int64_t reductions) {
   if (!g_counting) return;
