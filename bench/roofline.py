@@ -231,7 +231,8 @@ def plot(path: Path, rows: list[dict[str, Any]], roofs: dict[int, dict[str, floa
         )
     marker = {1: "o", 2: "s"}
     parts = sorted({r["part"] for r in rows if r["part"] != "forward"})
-    colors = dict(zip(parts, plt.get_cmap("tab10").colors, strict=False))
+    cmap = plt.get_cmap("tab10")
+    colors = {p: cmap(i % 10) for i, p in enumerate(parts)}
     for r in rows:
         forward = r["part"] == "forward"
         ax.plot(

@@ -42,7 +42,7 @@ def cpu_tag() -> str:
 
 
 def headers_tag(source: Path) -> str:
-    """"_" and a short hash of the csrc/ headers `source` includes ("" when none): torch rebuilds an
+    """ "_" and a short hash of the csrc/ headers `source` includes ("" when none): torch rebuilds an
     extension when its source file changes, and a header's change must count as one."""
     names = re.findall(r'^#include "([^"]+)"', source.read_text(encoding="utf-8"), flags=re.M)
     if not names:

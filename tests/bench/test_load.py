@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from bench import load, load_figures
+from bench.lib.stats import percentile
 from cloud_verifier.server_config import ServerConfig
 from tests.cloud_verifier.service import tiny
 
@@ -51,8 +52,8 @@ def test_url_drives_an_external_verifier_without_an_unbatched_run(tmp_path: Path
 
 def test_percentile_is_nearest_rank_and_speedup_pairs_runs() -> None:
     values = [float(x) for x in range(1, 101)]
-    assert load_figures.percentile(values, 50) == 50.0 and load_figures.percentile(values, 99) == 99.0
-    assert load_figures.percentile([7.0], 99) == 7.0 and load_figures.percentile([], 50) is None
+    assert percentile(values, 50) == 50.0 and percentile(values, 99) == 99.0
+    assert percentile([7.0], 99) == 7.0 and percentile([], 50) is None
     runs = [
         {"clients": 4, "batching": True, "tokens_per_s": 30.0},
         {"clients": 4, "batching": False, "tokens_per_s": 10.0},

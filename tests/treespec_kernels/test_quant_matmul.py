@@ -252,7 +252,9 @@ def test_stacked_parts_equal_each_part_alone(rows: int) -> None:
         qm.quant_matmul_parts(x, [parts[0][1]], [])
 
 
-def _work_by_rows(mod: Any, q: qm.QuantType, w: torch.Tensor, n_in: int, most: int) -> list[tuple[int, ...]]:
+def _work_by_rows(
+    mod: Any, q: qm.QuantType, w: torch.Tensor, n_in: int, most: int
+) -> list[tuple[int, int, int]]:
     """The kernel's own work counters (unpacks, dots, reductions) of one call per row count 1..most."""
     out = []
     for rows in range(1, most + 1):
