@@ -137,25 +137,23 @@ def projection_rows(
                 if rep:
                     times.append((time.perf_counter() - t0) / len(copies))
             s = statistics.median(times)
-            gbs, gops = blocks.numel() / s / 1e9, 2 * n * out_f * in_f / s / 1e9
-            out.append(
-                {
-                    "part": name,
-                    "type": q.name,
-                    "out": out_f,
-                    "in": in_f,
-                    "threads": threads,
-                    "rows": n,
-                    "ms": round(s * 1e3, 4),
-                    "gb_s": round(gbs, 2),
-                    "gops": round(gops, 1),
-                    "bandwidth_share": round(gbs / roofs["bandwidth_gb_s"], 3),
-                    "compute_share": round(gops / roofs["peak_gops"], 3),
-                    "ops_per_byte": round(2 * n * out_f * in_f / blocks.numel(), 3),
-                }
-            )
+            head = {"part": name, "type": q.name, "out": out_f, "in": in_f, "threads": threads, "rows": n}
+            out.append(head | _measures(s, blocks.numel(), n * out_f * in_f, roofs))
             bar.update()
     return out
+
+
+def _measures(seconds: float, nbytes: int, macs: int, roofs: dict[str, float]) -> dict[str, Any]:
+    """A timed part's ms, weight GB/s and GOPS, their shares of the roofs, and its ops per byte."""
+    gbs, gops = nbytes / seconds / 1e9, 2 * macs / seconds / 1e9
+    return {
+        "ms": round(seconds * 1e3, 4),
+        "gb_s": round(gbs, 2),
+        "gops": round(gops, 1),
+        "bandwidth_share": round(gbs / roofs["bandwidth_gb_s"], 3),
+        "compute_share": round(gops / roofs["peak_gops"], 3),
+        "ops_per_byte": round(2 * macs / nbytes, 3),
+    }
 
 
 def forward_work(path: str) -> tuple[int, int]:
@@ -191,23 +189,8 @@ def forward_rows(
     out = []
     for n in rows:
         s = forward[str(PREFIX)][str(n)] / 1e3
-        gbs, gops = nbytes / s / 1e9, 2 * n * macs / s / 1e9
-        out.append(
-            {
-                "part": "forward",
-                "type": "all",
-                "out": None,
-                "in": None,
-                "threads": threads,
-                "rows": n,
-                "ms": round(s * 1e3, 2),
-                "gb_s": round(gbs, 2),
-                "gops": round(gops, 1),
-                "bandwidth_share": round(gbs / roofs["bandwidth_gb_s"], 3),
-                "compute_share": round(gops / roofs["peak_gops"], 3),
-                "ops_per_byte": round(2 * n * macs / nbytes, 3),
-            }
-        )
+        head = {"part": "forward", "type": "all", "out": None, "in": None, "threads": threads, "rows": n}
+        out.append(head | _measures(s, nbytes, n * macs, roofs))
     return out
 
 
