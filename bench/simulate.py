@@ -7,26 +7,8 @@ Input: the round traces `bench.network --trace PATH` writes (`{"config", "genera
 `edge_client.stats.RoundTrace`: every send, verdict and draft action of a generation with the
 drafter's evaluations, on the edge's clock).
 
-The model (a discrete-event replay, one generation at a time):
-
-- the edge has one drafting thread; it runs the logged draft actions in their order, each
-  re-costed (its evaluations at the drafter curve's ms for their rows, plus the action's logged
-  time outside evaluations), none before the verdict it followed in the log has arrived, and
-  each after the same slack it had in the log (the core's own work between actions, sends);
-- a tree leaves when the action that drafted it ends (plus the logged gap to its send) and
-  reaches the verifier RTT/2 (+ half the link overhead measured in the traces) later;
-- the verifier verifies the rounds in the logged order: a round sent after a miss starts when
-  its tree arrives; after a hit the next starts when the previous verification ends (+ the
-  server's per-round overhead measured in the traces), or when its tree arrives if later (a late
-  hit: the verifier stalls). A verification takes V(N), N the tree's nodes (as the verifier's
-  cost curve counts them; the prompt's round keeps its logged time, it holds the prefill, except
-  with the flat verifier); the verdict reaches the edge RTT/2 later;
-- on a miss the edge drafts synchronously (the logged miss-path draft re-costed: T_b) and sends;
-  the conditional drafts of the old speculation not yet begun are dropped, and the one under way
-  stops after its current evaluation (the core abandons a draft a verdict rules out); leaves
-  being evaluated are finished;
-- a generation's ms/token is (the replayed span from its first draft to its last verdict + the
-  logged time outside that span) / its tokens.
+The model, a discrete-event replay of one generation at a time, is described in
+bench/simulate_replay.py's docstring, beside its code.
 
 Scenarios: `colocated` (the trace's own timings: every evaluation's and verification's logged
 ms; this must reproduce the measured ms/token, the validation column), `separate` (the drafter

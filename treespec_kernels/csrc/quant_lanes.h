@@ -266,9 +266,10 @@ void lane_outputs(const uint8_t* wp, int64_t row_bytes, const std::vector<LaneRo
 void k_outputs_avx512(int64_t t, const uint8_t* wp, int64_t row_bytes, const int8_t* xq, const float* dx,
                       const int32_t* sx, int64_t rows, int64_t in, int64_t first, int64_t out, int64_t grain,
                       float* yp, int64_t ld) {
-  std::vector<int16_t> s32(rows * (in / 32)), s16(rows * (in / 16));
-  for (int64_t i = 0; i < rows * (in / 32); ++i) s32[i] = int16_t(sx[i]);
-  for (int64_t i = 0; i < rows * (in / 16); ++i) {
+  // the activation sums the type reads (Q4_K's mins: per 32; Q6_K's offset: per 16), once per call
+  std::vector<int16_t> s32(t == Q4_K ? rows * (in / 32) : 0), s16(t == Q6_K ? rows * (in / 16) : 0);
+  for (size_t i = 0; i < s32.size(); ++i) s32[i] = int16_t(sx[i]);
+  for (size_t i = 0; i < s16.size(); ++i) {
     int32_t sum = 0;
     for (int k = 0; k < 16; ++k) sum += xq[16 * i + k];
     s16[i] = int16_t(sum);

@@ -177,7 +177,8 @@ void k_tile(const uint8_t* wp, int64_t row_bytes, const KActs& a, int64_t r, int
       for (int n = 0; n < N; ++n) {
         const int64_t row = r + n;
         const int i = o * P + n;
-        s[i] = k_dot1<T>(p, a.xq + row * in + 256 * sb, a.s16 + row * (in / 16) + 16 * sb);
+        const int16_t* s16 = T == Q6_K ? a.s16 + row * (in / 16) + 16 * sb : nullptr;  // Q6_K's only
+        s[i] = k_dot1<T>(p, a.xq + row * in + 256 * sb, s16);
         if constexpr (T == Q4_K)
           m[i] = _mm_madd_epi16(p.mn16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s32 + row * (in / 32) + 8 * sb)));
         dxl[i] = a.dx[row * nsb + sb];
