@@ -34,7 +34,7 @@ image-test: $(STAMP)
 	PYTHON=$(BIN)/python bash scripts/image.sh test
 
 demo: $(STAMP)
-	$(BIN)/python -m bench.demo
+	$(BIN)/python -m treespec_demo
 
 # the default trained drafts (draft_training.drafts) into the model cache: about an hour on 2 cores
 drafts: $(STAMP)

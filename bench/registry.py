@@ -33,6 +33,18 @@ KINDS = (
 )
 E2E, SERVING, KERNELS, SIMULATION, TRAINING, ROBUSTNESS, EXACTNESS, TOOLS = KINDS
 
+# each kind's folder under bench/
+FOLDER = {
+    E2E: "end_to_end",
+    SERVING: "serving",
+    KERNELS: "kernels",
+    SIMULATION: "simulation",
+    TRAINING: "training",
+    ROBUSTNESS: "robustness",
+    EXACTNESS: "exactness",
+    TOOLS: "tools",
+}
+
 _ROWS: tuple[tuple[str, str, str], ...] = (
     ("e2e", E2E, "ms/token, tau and forwards of ar, sequence, tree and budget, checked against ar"),
     ("network", E2E, "every mode at emulated round trips, with and without pre-speculation"),
@@ -97,13 +109,16 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
 )
 
 BENCHMARKS: dict[str, Entry] = {
-    name: Entry(name, f"bench.{name}", kind, summary) for name, kind, summary in _ROWS
+    name: Entry(name, f"bench.{FOLDER[kind]}.{name}", kind, summary) for name, kind, summary in _ROWS
 }
 
 # product entry points: runnable the same way, listed apart from the benchmarks
 ENTRY_POINTS: dict[str, Entry] = {
     "demo": Entry(
-        "demo", "bench.demo", "entry point", "`make demo`: the verifier and the edge client on the real pair"
+        "demo",
+        "treespec_demo.demo",
+        "entry point",
+        "`make demo`: the verifier and the edge client on the real pair",
     ),
 }
 

@@ -10,7 +10,8 @@ its submodules is fine, a submodule taking a name from its own package's `__init
 
 The layers, bottom-up (docs/architecture.md §1): `treespec_kernels`, `shared`, then
 `edge_client` and `cloud_verifier` side by side (neither imports the other), `draft_training`,
-`bench`. A module imports its own package and the packages of lower layers only. `tests/` and
+`bench`, and the demo (`treespec_demo`) on top. A module imports its own package and the packages of lower
+layers only. `tests/` and
 `scripts/` sit above all of them and are not checked.
 """
 
@@ -20,7 +21,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("edge_client", "cloud_verifier", "shared", "treespec_kernels", "bench", "draft_training")
+PACKAGES = (
+    "edge_client",
+    "cloud_verifier",
+    "shared",
+    "treespec_kernels",
+    "bench",
+    "draft_training",
+    "treespec_demo",
+)
 # bottom-up; packages in one layer may not import each other
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("treespec_kernels",),
@@ -28,6 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("edge_client", "cloud_verifier"),
     ("draft_training",),
     ("bench",),
+    ("treespec_demo",),
 )
 
 

@@ -1,4 +1,4 @@
-"""Torch device helpers of the forward benches (bench.gpu_forward, bench.offload)."""
+"""Torch device helpers of the forward benches (bench.kernels.gpu_forward, bench.kernels.offload)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Raw session frames against a live verifier (bench.fuzz, bench.soak, bench.prefill_share): token
+"""Raw session frames against a live verifier (bench.robustness.fuzz, bench.robustness.soak,
+bench.end_to_end.prefill_share): token
 ids as wire bytes, one frame received, an honest greedy session beside target-only decoding."""
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ class Verifier:
 @contextmanager
 def served(app: Any) -> Iterator[int]:
     """Serve an ASGI app on uvicorn in a thread on a free loopback port until the block ends; yields
-    the port (the browser edge's page in bench.js_edge, the edge's local endpoint in tests)."""
+    the port (the browser edge's page in bench.end_to_end.js_edge, the edge's local endpoint in tests)."""
     import uvicorn
 
     # log_config=None: uvicorn's default config would leave handlers bound to the caller's stderr
@@ -223,7 +223,7 @@ def served(app: Any) -> Iterator[int]:
 
 
 class Proxy:
-    """`python -m bench.netproxy` in its own process, on the edge's cores."""
+    """`python -m bench.tools.netproxy` in its own process, on the edge's cores."""
 
     def __init__(
         self, target_port: int, rtt_ms: float, jitter_ms: float, mbps: float, cores: Sequence[int]
@@ -232,7 +232,7 @@ class Proxy:
         self.cmd = [
             sys.executable,
             "-m",
-            "bench.netproxy",
+            "bench.tools.netproxy",
             "--listen",
             f"127.0.0.1:{self.port}",
             "--target",

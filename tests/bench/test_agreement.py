@@ -1,4 +1,5 @@
-"""bench.agreement on the target's outputs cached once (`--records`): collect folders are read instead
+"""bench.exactness.agreement on the target's outputs cached once (`--records`): collect folders are read
+instead
 of running the target, every position counted, and records of another vocabulary refused."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.agreement import main
+from bench.exactness.agreement import main
 from bench.harness import BenchPrompt
 from draft_training.collect import MANIFEST, CollectConfig, collect
 from shared.model import load_target

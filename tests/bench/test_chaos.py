@@ -1,4 +1,4 @@
-"""bench.chaos on a small budget: the verifier is killed twice mid-generation and restarted; every
+"""bench.robustness.chaos on a small budget: the verifier is killed twice mid-generation and restarted; every
 interrupted output equals the uninterrupted one."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import chaos
+from bench.robustness import chaos
 
 
 def test_two_kills(tmp_path: Path) -> None:

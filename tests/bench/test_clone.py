@@ -1,4 +1,5 @@
-"""A user's clone has nothing beside it: `python -m bench.network --prompts 2 --tokens 16` runs from a
+"""A user's clone has nothing beside it: `python -m bench.end_to_end.network --prompts 2 --tokens 16` runs
+from a
 copy of the repository's tracked files in an empty folder (nothing beside it, no results, no caches but
 the model store's), on the SmolLM2 pair with two modes so it stays short."""
 
@@ -30,7 +31,8 @@ def test_bench_network_runs_from_a_clone_with_nothing_beside_it(tmp_path: Path) 
     out = tmp_path / "network.json"
     env = {**os.environ, "PYTHONPATH": str(clone)}
     cmd = [
-        sys.executable, "-m", "bench.network", "--prompts", "2", "--tokens", "16", "--humaneval", "0",
+        sys.executable, "-m", "bench.end_to_end.network", "--prompts", "2", "--tokens", "16", "--humaneval",
+        "0",
         "--rtt-ms", "0", "--modes", "ar,tree", "--model", "smollm2-135m", "--draft", "smollm2-135m-q4",
         "--drafter", "llama_cpp", "--no-progress", "--json", str(out),
     ]  # fmt: skip
@@ -41,7 +43,9 @@ def test_bench_network_runs_from_a_clone_with_nothing_beside_it(tmp_path: Path) 
     modes = {row["mode"] for row in result["rows"]}
     assert modes == {"ar", "tree"}, result["rows"]
     # the code that ran was the clone's, not this checkout's
-    code = "import bench.network, shared; print(bench.network.__file__, shared.__file__)"
+    code = (
+        "import bench.end_to_end.network, shared; print(bench.end_to_end.network.__file__, shared.__file__)"
+    )
     probe = subprocess.run(
         [sys.executable, "-c", code], cwd=clone, env=env, capture_output=True, text=True, check=True
     )

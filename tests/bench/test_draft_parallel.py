@@ -1,4 +1,4 @@
-"""bench.draft_parallel on the tiny torch drafter: every variant is measured, in turn and parallel
+"""bench.end_to_end.draft_parallel on the tiny torch drafter: every variant is measured, in turn and parallel
 draft the same merged trees, and bad arguments are refused before anything loads."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.draft_parallel import main
+from bench.end_to_end.draft_parallel import main
 
 
 def test_in_turn_and_parallel_draft_the_same_merged_trees(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""bench.drafter_cost on the tiny torch drafter (the verifier phase skipped): the rows, the curve
-files bench.simulate reads, and bad flags."""
+"""bench.kernels.drafter_cost on the tiny torch drafter (the verifier phase skipped): the rows, the curve
+files bench.simulation.simulate reads, and bad flags."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import drafter_cost
-from bench.simulate import Curve
+from bench.kernels import drafter_cost
+from bench.simulation.simulate import Curve
 
 
 def test_the_curve_of_a_tiny_drafter_is_written_for_the_simulator(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""bench.e2e's per-mode summary: what the benches and the issues' tables read."""
+"""bench.end_to_end.e2e's per-mode summary: what the benches and the issues' tables read."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.e2e_results import ModeRuns
+from bench.end_to_end.e2e_results import ModeRuns
 from edge_client.stats import GenerationResult, GenerationStats
 
 
@@ -79,7 +79,7 @@ def test_categories_and_depths_are_pooled() -> None:
 def test_runs_made_in_pieces_merge_into_one_report(tmp_path: Any) -> None:
     import json
 
-    from bench.e2e_results import SAME_RUN, merge_results, report
+    from bench.end_to_end.e2e_results import SAME_RUN, merge_results, report
     from bench.harness import BenchPrompt
 
     cfg = {k: None for k in SAME_RUN} | {"mode": "greedy", "model": "m"}

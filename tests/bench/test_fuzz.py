@@ -1,4 +1,4 @@
-"""bench.fuzz end to end on a small budget: the verifier survives, refuses every over-limit frame,
+"""bench.robustness.fuzz end to end on a small budget: the verifier survives, refuses every over-limit frame,
 and an honest session afterwards is exact."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import fuzz
+from bench.robustness import fuzz
 
 
 def test_a_short_fuzz_run(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
-"""The CPU-only parts of the prepared GPU check: scripts/gpu_check.sh and bench.gpu_check (arguments,
+"""The CPU-only parts of the prepared GPU check: scripts/gpu_check.sh and bench.kernels.gpu_check (arguments,
 the plan, the report without a GPU, failing and timed-out stages, the goals read from the
-benchmarks' JSON), bench.gpu_forward on a tiny shape, and the CLI's CUDA flags."""
+benchmarks' JSON), bench.kernels.gpu_forward on a tiny shape, and the CLI's CUDA flags."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu_check, gpu_forward
+from bench.kernels import gpu_check, gpu_forward
 from cloud_verifier.cli import build_parser
 from shared.model.weights import resolve_dtype
 
@@ -47,7 +47,7 @@ def test_dry_run_writes_the_plan(tmp_path: Path) -> None:
     assert "--dtype bf16" in cmd["kernel_bench"] and "--dtype bf16" in cmd["forward_bench"]
     assert "--rows 1,2,4,8,16,32,64 --prefix 1024" in cmd["forward_bench"]
     assert "-m cuda or gpu" in cmd["tests"]
-    assert "bench.serve" in cmd["serve_bench"] and "--clients ar,auto" in cmd["serve_bench"]
+    assert "bench.serving.serve" in cmd["serve_bench"] and "--clients ar,auto" in cmd["serve_bench"]
     assert (tmp_path / "out" / "gpu_check.log").is_file()
 
 
@@ -67,7 +67,7 @@ def test_without_a_gpu_the_report_says_so(tmp_path: Path) -> None:
 )
 def test_bad_arguments_exit_2(tmp_path: Path, argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert gpu_check.main([str(tmp_path), *argv]) == 2
-    assert "bench.gpu_check:" in capsys.readouterr().err
+    assert "bench.kernels.gpu_check:" in capsys.readouterr().err
     assert not (tmp_path / "gpu_check.json").exists()
 
 
@@ -78,7 +78,9 @@ def test_the_tensor_parallel_stage_runs_only_with_two_gpus(tmp_path: Path) -> No
         )
         assert "-m cuda" in " ".join(tests.command) and tests.command[-1] == gpu_check.TP_TESTS
         assert (ROOT / gpu_check.TP_TESTS).is_file()
-        assert "bench.parallel --device cuda --dtype bf16 --tensor-parallel 2" in " ".join(bench.command)
+        assert "bench.kernels.parallel --device cuda --dtype bf16 --tensor-parallel 2" in " ".join(
+            bench.command
+        )
         gpu_check.skip_for_gpus([tests, bench, other], {"devices": devices})
         for st in (tests, bench):
             assert (st.status, st.note) == (("skipped", want) if want else ("planned", ""))
@@ -173,7 +175,7 @@ def test_serve_takes_the_cuda_flags() -> None:
 def test_slow_runs_the_tests_stage_with_slow_set(tmp_path: Path) -> None:
     """--slow: the tests stage runs with SLOW=1 in its environment under the longer limit; without
     it the environment is left alone."""
-    from bench import gpu_check
+    from bench.kernels import gpu_check
 
     for flag, env, limit in (
         ([], {}, gpu_check.LIMITS_S["tests"]),

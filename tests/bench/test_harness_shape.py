@@ -36,15 +36,30 @@ JSON_CALLS_ALLOWED = {
 }
 # (module, function) -> which non-result JSON file it writes with harness.write_json, and who reads it
 WRITE_JSON_ALLOWED = {
-    ("drafter_cost", "main"): "the curve files beside --json ({rows: [row counts], ms}): bench.simulate's "
+    (
+        "drafter_cost",
+        "main",
+    ): "the curve files beside --json ({rows: [row counts], ms}): bench.simulation.simulate's "
     "--drafter-curve input, whose 'rows' are row counts, not result rows",
     ("load_cost", "save_scripts"): "the recorded scripts (--scripts): this bench's own input on a later run",
-    ("network_report", "write_trace"): "the round traces (--trace): bench.simulate's input",
+    ("network_report", "write_trace"): "the round traces (--trace): bench.simulation.simulate's input",
 }
 
 
 def bench_modules() -> list[Path]:
-    return sorted(p for p in BENCH.glob("*.py") if p.name not in ("__init__.py", "harness.py"))
+    """The tool's own files, every module in a kind's folder (not the library, bench/lib) and the
+    demo, which takes the same common arguments."""
+    flat = [p for p in BENCH.glob("*.py") if p.name not in ("__init__.py", "harness.py")]
+    foldered = [
+        p for p in BENCH.glob("*/*.py") if p.name != "__init__.py" and p.parent.name not in ("lib", "results")
+    ]
+    demo = BENCH.parent / "treespec_demo" / "demo.py"
+    return sorted([*flat, *foldered, demo], key=lambda p: p.stem)
+
+
+def module_path(stem: str) -> Path:
+    """The file of the bench module named `stem` (stems are unique across the folders)."""
+    return next(p for p in bench_modules() if p.stem == stem)
 
 
 def parsed(path: Path) -> ast.Module:
@@ -235,7 +250,7 @@ def test_the_exceptions_are_still_needed() -> None:
 
 def test_every_bench_with_json_writes_it_with_write_result() -> None:
     """A module that takes --json calls write_result, itself or in a bench module it imports
-    (bench.network's report is bench.network_report's)."""
+    (bench.end_to_end.network's report is bench.end_to_end.network_report's)."""
     writers = {
         p.stem for p in bench_modules() if "write_result" in {_called(c) for c, _, _ in walk_calls(parsed(p))}
     }
@@ -244,8 +259,8 @@ def test_every_bench_with_json_writes_it_with_write_result() -> None:
         if "--json" not in flags:
             continue
         imported = {
-            n.module.removeprefix("bench.")
-            for n in ast.walk(parsed(BENCH / f"{module}.py"))
+            n.module.rsplit(".", 1)[-1]
+            for n in ast.walk(parsed(module_path(module)))
             if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("bench.")
         }
         if module not in writers and not imported & writers:

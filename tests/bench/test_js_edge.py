@@ -1,4 +1,4 @@
-"""bench.js_edge on the tiny model: the TypeScript and the Python edge, drafting with the same ONNX
+"""bench.end_to_end.js_edge on the tiny model: the TypeScript and the Python edge, drafting with the same ONNX
 export against one verifier, give the same output and a row each (skipped without Node 20 and npm)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import js_edge
+from bench.end_to_end import js_edge
 from tests.clients.test_browser_edge import _bundle
 from tests.clients.typescript_support import _built
 from tests.edge_client.browser import chromium

@@ -1,4 +1,4 @@
-"""bench.load end to end on the tiny model: the real service on loopback, batched and unbatched,
+"""bench.serving.load end to end on the tiny model: the real service on loopback, batched and unbatched,
 and the documented JSON."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import load, load_figures
 from bench.lib.stats import percentile
+from bench.serving import load, load_figures
 from cloud_verifier.server_config import ServerConfig
 from tests.cloud_verifier.service import tiny
 

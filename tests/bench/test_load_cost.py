@@ -1,4 +1,5 @@
-"""bench.load --cloud-cost (bench.load_cost, with bench.replay): scripts cut from frame logs,
+"""bench.serving.load --cloud-cost (bench.serving.load_cost, with bench.lib.replay): scripts cut from frame
+logs,
 their replay against the real service on the tiny model (every verdict checked, cloud-only ar
 reproducing the edge's tokens), and the flat verifier model (--flat-only: from a scripts file)."""
 
@@ -13,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import load_cost
 from bench.harness import load_suite
-from bench.load_cost import FlatRound, predict_flat
-from bench.replay import Script, Step, Tally, renumbered, replay_once, script_from_log
+from bench.lib.replay import Script, Step, Tally, renumbered, replay_once, script_from_log
+from bench.serving import load_cost
+from bench.serving.load_cost import FlatRound, predict_flat
 from edge_client.drafters.registry import create_drafter
 from edge_client.transports import WebSocketTransport
 from shared.messages import Hello, Mode, Prompt, Tree, Verdict, decode, encode
@@ -99,7 +100,7 @@ class Replayed:
 
 
 def _replayed(srv: LiveServer, hello: bytes, scripts: Sequence[Script], clients: int) -> Replayed:
-    """Every script once, eagerly, on each of `clients` sessions at once (bench.replay.replay_once),
+    """Every script once, eagerly, on each of `clients` sessions at once (bench.lib.replay.replay_once),
     and the verifier's forwards and forward seconds from /metrics, read before the first generation
     and after the last: counted over whole generations, whatever the machine's speed (the limit
     only ends a replay that hangs)."""

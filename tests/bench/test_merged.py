@@ -1,10 +1,11 @@
-"""bench.merged's variants: equal total nodes, the merged drafts in turn and (--parallel) at once."""
+"""bench.end_to_end.merged's variants: equal total nodes, the merged drafts in turn and (--parallel) at
+once."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.merged import build_parser, variant_shapes
+from bench.end_to_end.merged import build_parser, variant_shapes
 
 
 def test_variants_split_the_nodes_over_the_drafts() -> None:

@@ -1,4 +1,5 @@
-"""bench.network --merge: one table from runs made in pieces, refused when the pieces do not match."""
+"""bench.end_to_end.network --merge: one table from runs made in pieces, refused when the pieces do not
+match."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from bench.network import main
-from bench.network_report import goal_lines, merge, prespec_base
+from bench.end_to_end.network import main
+from bench.end_to_end.network_report import goal_lines, merge, prespec_base
 
 CONFIG = {"draft": "d", "model": "m", "prompts": 2, "tokens": 8, "tree": "1,1", "proxy": True}
 

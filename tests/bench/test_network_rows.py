@@ -1,4 +1,4 @@
-"""bench.network's rows carry where the time goes (V, T_b, p, stall, prefill share, the server's
+"""bench.end_to_end.network's rows carry where the time goes (V, T_b, p, stall, prefill share, the server's
 gap) and --trace writes every generation's rounds: hand-built stats with known answers, and one
 cheap traced run of the row code against the tiny verifier."""
 
@@ -11,10 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e_results import ModeRuns
+from bench.end_to_end.e2e_results import ModeRuns
+from bench.end_to_end.network import main, mode_row, run_block, trace_entry
+from bench.end_to_end.network_report import (
+    _identity_line,
+    decomposition,
+    identical_to_ar,
+    report,
+    write_trace,
+)
 from bench.harness import BenchPrompt
-from bench.network import main, mode_row, run_block, trace_entry
-from bench.network_report import _identity_line, decomposition, identical_to_ar, report, write_trace
 from edge_client.client import GenerationResult
 from edge_client.stats import GenerationStats, RoundTrace, SendEvent, VerdictEvent
 from shared.tree import ExpansionConfig
@@ -138,7 +144,7 @@ def test_help_explains_every_new_flag_and_key(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--trace PATH" in text and "bench.simulate" in text
+    assert "--trace PATH" in text and "bench.simulation.simulate" in text
     for key in NEW_KEYS:
         assert key in text
     assert "--max-pending" in text and "default: the verifier's own" in text
@@ -148,7 +154,7 @@ def test_a_traced_block_on_the_tiny_pair(tmp_path: Path) -> None:
     """The row and trace code on a real run: the tiny verifier in this process, the same weights
     drafting with torch; one short prompt in ar, tree and tree + pre-speculation, then the tree
     modes' idle replay."""
-    from bench.simulate import load_generations
+    from bench.simulation.simulate import load_generations
     from edge_client.drafters.registry import create_drafter
     from tests.cloud_verifier.service import LiveServer
 
@@ -196,7 +202,7 @@ def test_a_traced_block_on_the_tiny_pair(tmp_path: Path) -> None:
         assert by_mode[m]["idle_replay_diverged"] == 0
     # greedy: every mode's tokens are ar's
     assert identical_to_ar(entries) == {("tree", 0.0, 0.0): True, ("tree_prespec", 0.0, 0.0): True}
-    # one trace entry per generation, and bench.simulate reads the file
+    # one trace entry per generation, and bench.simulation.simulate reads the file
     assert sorted(e["mode"] for e in entries) == ["ar", "tree", "tree_prespec"]
     for e in entries:
         assert e["trace"] is not None and e["trace"]["verdicts"] and e["stats"]["tokens"] > 0
@@ -209,7 +215,7 @@ def test_a_traced_block_on_the_tiny_pair(tmp_path: Path) -> None:
 
 
 def test_saguaro_c_reaches_every_pre_speculating_variant(capsys: pytest.CaptureFixture[str]) -> None:
-    from bench.e2e import variants
+    from bench.end_to_end.e2e import variants
     from edge_client.client import PrespecConfig
 
     tree = ExpansionConfig.parse("2,1,1")
@@ -229,8 +235,8 @@ def test_saguaro_c_reaches_every_pre_speculating_variant(capsys: pytest.CaptureF
 def test_mss_and_rrs_modes_verify_their_own_way() -> None:
     """tree_mss / tree_prespec_mss (children with replacement) and the rrs modes carry their own
     verification mode; any of them in --modes gives the verifier a trusted key file."""
-    from bench.e2e import STOCHASTIC_MODES, variants
-    from bench.network import verifier_args
+    from bench.end_to_end.e2e import STOCHASTIC_MODES, variants
+    from bench.end_to_end.network import verifier_args
     from shared.messages import Mode
 
     expected = {"tree_mss", "tree_prespec_mss", "tree_rrs", "tree_prespec_rrs", "tree_prespec_rrs_single"}

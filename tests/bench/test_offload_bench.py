@@ -1,4 +1,4 @@
-"""bench.offload: the forward part on a tiny random model (each budget in its own process) writes
+"""bench.kernels.offload: the forward part on a tiny random model (each budget in its own process) writes
 the rows the issue names; the modes part's rows and table from a verifier's block; bad arguments
 exit 2 with the reason."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import offload as bench_offload
+from bench.kernels import offload as bench_offload
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_the_forward_part_streams_what_the_budget_leaves_out(tmp_path: Path) -> 
         [
             sys.executable,
             "-m",
-            "bench.offload",
+            "bench.kernels.offload",
             "--shape",
             "tiny",
             "--parts",

@@ -1,4 +1,4 @@
-"""bench.outcomes: the verdict of a tree against the target's own tokens, the policies' outcome
+"""bench.simulation.outcomes: the verdict of a tree against the target's own tokens, the policies' outcome
 lists, and the hit rate against N (non-decreasing for the nested policies, and equal to the share of
 positions whose outcome is in the list), on the fake drafter and on the small pair."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.outcomes import (
+from bench.simulation.outcomes import (
     NESTED,
     POLICIES,
     actual_outcome,

@@ -1,13 +1,13 @@
-"""bench.peers: the rows its table and JSON are made of (speed-ups against each system's own plain
+"""bench.end_to_end.peers: the rows its table and JSON are made of (speed-ups against each system's own plain
 decoding, tokens per target forward, output identity), and the agreement summary."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.agreement import summarise
-from bench.peers import _spec_text
-from bench.peers_report import PLAIN, Runs, rows_of
+from bench.end_to_end.peers import _spec_text
+from bench.end_to_end.peers_report import PLAIN, Runs, rows_of
+from bench.exactness.agreement import summarise
 
 
 def test_rows_compare_each_system_with_its_own_plain_decoding() -> None:
@@ -40,15 +40,15 @@ def test_agreement_shares_per_category_and_overall() -> None:
 
 
 def test_llama_cpp_texts_match_when_one_extends_the_other() -> None:
-    from bench.peers_report import _same
+    from bench.end_to_end.peers_report import _same
 
     assert _same(["abc def", "x"], ["abc", "x"]) and not _same(["abd"], ["abc"])
     assert _same([[1, 2]], [[1, 2]]) and not _same([[1, 2]], [[1]])
 
 
 def test_identical_prompts_are_counted_and_the_end_marker_is_not_output() -> None:
-    from bench.peers import _completion_text
-    from bench.peers_report import _same_count
+    from bench.end_to_end.peers import _completion_text
+    from bench.end_to_end.peers_report import _same_count
 
     assert _same_count(["abc def", "x", "y"], ["abc", "z", "y"]) == 2
     assert _same_count([[1, 2], [3]], [[1, 2], [4]]) == 1

@@ -1,4 +1,5 @@
-"""bench.prefill_share end to end on the tiny model: the honest tokens never change beside a long prefill."""
+"""bench.end_to_end.prefill_share end to end on the tiny model: the honest tokens never change beside a long
+prefill."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import prefill_share
+from bench.end_to_end import prefill_share
 
 
 def test_prefill_share_runs_and_reports_each_chunk(tmp_path: Path) -> None:

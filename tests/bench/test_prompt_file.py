@@ -91,7 +91,7 @@ def test_prompt_files_replace_the_built_in_sets_and_errors_end_the_run(
     assert "missing.jsonl: cannot read it" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["bench.network", "bench.e2e"])
+@pytest.mark.parametrize("module", ["bench.end_to_end.network", "bench.end_to_end.e2e"])
 def test_the_benchmarks_take_prompt_files(module: str) -> None:
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "--prompt-file PATH" in r.stdout

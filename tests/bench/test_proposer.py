@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from bench.proposer import LookupConfig, continuations, propose
+from bench.serving.proposer import LookupConfig, continuations, propose
 
 
 def test_longest_then_most_recent_match_first() -> None:

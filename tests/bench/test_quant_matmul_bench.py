@@ -1,4 +1,4 @@
-"""`python -m bench.quant_matmul` on a small GGUF written here (Q8_0 and Q5_0 matrices, which gguf-py
+"""`python -m bench.kernels.quant_matmul` on a small GGUF written here (Q8_0 and Q5_0 matrices, which gguf-py
 can quantize): the table's rows and the result file's shape."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from bench import quant_matmul as bench
+from bench.kernels import quant_matmul as bench
 from treespec_kernels import quant_matmul as qm
 
 pytestmark = pytest.mark.skipif(qm.load() is None, reason=f"quant_matmul kernel not built: {qm.error()}")
@@ -66,7 +66,7 @@ def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_the_memory_bench_reports_the_process_and_the_pool(tmp_path: Path) -> None:
-    from bench import verifier_memory
+    from bench.serving import verifier_memory
 
     out = tmp_path / "m.json"
     argv = ["--model", "tiny", "--weights", "fp32", "--prefill", "8", "--steps", "1", "--threads", "1"]

@@ -20,16 +20,52 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 def runnable_modules() -> set[str]:
+    """bench.<folder>.<name> for every module under bench/ that runs as a program."""
     return {
-        p.stem for p in BENCH.glob("*.py") if 'if __name__ == "__main__":' in p.read_text(encoding="utf-8")
+        "bench." + ".".join(p.relative_to(BENCH).with_suffix("").parts)
+        for p in BENCH.rglob("*.py")
+        if "results" not in p.parts and 'if __name__ == "__main__":' in p.read_text(encoding="utf-8")
     }
 
 
 def test_every_runnable_module_has_a_row_and_every_row_a_module() -> None:
-    rows = {e.module.removeprefix("bench.") for e in registry.RUNNABLE.values()}
-    assert rows == runnable_modules() - {"__main__"}
-    for e in registry.RUNNABLE.values():
-        assert (BENCH / f"{e.name}.py").is_file() and e.module == f"bench.{e.name}"
+    rows = {e.module for e in registry.BENCHMARKS.values()}
+    assert rows == runnable_modules() - {"bench.__main__"}
+    for e in registry.BENCHMARKS.values():
+        folder = registry.FOLDER[e.kind]
+        assert (BENCH / folder / f"{e.name}.py").is_file() and e.module == f"bench.{folder}.{e.name}"
+
+
+def test_only_the_library_and_the_tool_itself_are_flat() -> None:
+    """Every module sits in its kind's folder: bench/ itself holds the tool and the harness."""
+    flat = {p.name for p in BENCH.glob("*.py")}
+    assert flat == {"__init__.py", "__main__.py", "registry.py", "harness.py"}
+    folders = {p.name for p in BENCH.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert folders == {*registry.FOLDER.values(), "lib"}
+
+
+def test_a_short_name_is_the_module_in_its_folder() -> None:
+    """`bench.network` (as `python -m bench.network` and the README spell it) is the very module
+    bench.end_to_end.network; one short name names one module."""
+    import bench.network as short
+
+    import bench.end_to_end.network as real
+
+    assert short is real
+    stems = [p.stem for p in BENCH.rglob("*.py") if "results" not in p.parts and p.parent != BENCH]
+    stems = [s for s in stems if s != "__init__"]
+    assert len(stems) == len(set(stems)), sorted(s for s in stems if stems.count(s) > 1)
+
+
+def test_python_dash_m_runs_a_short_name() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.netproxy", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0 and "usage:" in run.stdout, run.stderr
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.no_such_module"], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode != 0 and "No module named bench.no_such_module" in run.stderr
 
 
 def test_every_row_has_a_known_kind_and_a_one_line_summary() -> None:
@@ -78,7 +114,7 @@ def test_a_name_runs_its_modules_main(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(list(argv))
         return 3
 
-    monkeypatch.setattr(importlib.import_module("bench.netproxy"), "main", fake_main)
+    monkeypatch.setattr(importlib.import_module("bench.tools.netproxy"), "main", fake_main)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     assert bench_main(["netproxy", "--listen", "1"]) == 3
     assert seen == [["--listen", "1"]]

@@ -1,4 +1,4 @@
-"""bench.replay: a block's recorded frames cut into one script per generation (the last prompt
+"""bench.lib.replay: a block's recorded frames cut into one script per generation (the last prompt
 onwards, whatever the session sent before it), and the eager form of a script."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 
-from bench.replay import Recorders, RecordingTransport, Script, Step, eager, last_prompt
+from bench.lib.replay import Recorders, RecordingTransport, Script, Step, eager, last_prompt
 from shared.messages import Hello, Prompt, Tree, Verdict, encode
 from shared.tree import TokenTree
 

@@ -1,4 +1,4 @@
-"""bench.roofline's arithmetic and the kernel's two probes: the read touches every byte once (its
+"""bench.kernels.roofline's arithmetic and the kernel's two probes: the read touches every byte once (its
 sum is the buffer's sum of 64-bit words), the integer step counts the multiply-adds it did, and a
 timed part's figures are its bytes and multiply-adds over its time."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.roofline import _measures
+from bench.kernels.roofline import _measures
 from treespec_kernels import quant_matmul as qm
 
 

@@ -1,4 +1,4 @@
-"""bench.round_files: the tracer of one round's project files, and docs/architecture.md §2.3's list
+"""bench.tools.round_files: the tracer of one round's project files, and docs/architecture.md §2.3's list
 of them, which must be what the tracer finds."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from bench.round_files import ROOT, Recorder, trace_round
+from bench.tools.round_files import ROOT, Recorder, trace_round
 
 
 def documented_files() -> list[str]:
@@ -45,4 +45,4 @@ def test_the_documented_list_is_what_the_tracer_finds() -> None:
     files = trace_round("smollm2-135m", "llama_cpp", "smollm2-135m-q4", 2)
     assert "cloud_verifier/step.py" in files and "edge_client/trees/builder.py" in files
     assert all(Path(ROOT / f).is_file() for f in files)
-    assert files == documented_files(), "update docs/architecture.md §2.3 (python -m bench.round_files)"
+    assert files == documented_files(), "update docs/architecture.md §2.3 (python -m bench.tools.round_files)"

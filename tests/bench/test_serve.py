@@ -1,4 +1,4 @@
-"""bench.serve: vLLM's serving metrics as pure functions on made-up timestamps, the seeded arrival
+"""bench.serving.serve: vLLM's serving metrics as pure functions on made-up timestamps, the seeded arrival
 schedule, the long-prompt builder, the spec-decode counters, the exactness check, the flags, and
 short runs against the tiny model (ar alone; ar and edge kinds on the same arrivals)."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import serve
-from bench.serve_metrics import (
+from bench.serving import serve
+from bench.serving.serve_metrics import (
     RequestResult,
     SpecDecode,
     arrival_times,
@@ -217,7 +217,7 @@ def test_an_unknown_client_kind_is_a_usage_error_listing_the_kinds(
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "unknown kind edge9" in err and "available: ar" in err
-    assert "budget_prespec" in err and "tree_prespec" in err  # every edge mode bench.network runs
+    assert "budget_prespec" in err and "tree_prespec" in err  # every edge mode bench.end_to_end.network runs
 
 
 @pytest.mark.parametrize(
@@ -236,11 +236,11 @@ def test_bad_input_is_one_usage_line(argv: list[str], says: str, capsys: pytest.
         serve.main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("python -m bench.serve: error: ") and says in err
+    assert err.startswith("python -m bench.serving.serve: error: ") and says in err
 
 
 def test_every_edge_kind_maps_to_an_sdk_configuration() -> None:
-    from bench.serve_clients import edge_kind, edge_kinds
+    from bench.serving.serve_clients import edge_kind, edge_kinds
     from shared.messages import Mode
     from shared.tree import ExpansionConfig
 
@@ -325,4 +325,6 @@ def test_a_server_that_is_not_there_is_one_line(capsys: pytest.CaptureFixture[st
     assert serve.main(["--url", url, "--num-prompts", "2", "--no-progress"]) == 1
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bench.serve: ") and "Traceback" not in captured.err
+    assert (
+        len(lines) == 1 and lines[0].startswith("bench.serving.serve: ") and "Traceback" not in captured.err
+    )

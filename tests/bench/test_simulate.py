@@ -1,4 +1,4 @@
-"""bench.simulate: the replay of logged rounds on hand-built traces with known answers, the cost
+"""bench.simulation.simulate: the replay of logged rounds on hand-built traces with known answers, the cost
 curves, the CLI, and the validation on a real small-pair trace (the co-located replay reproduces
 the measured ms/token within 10%)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.simulate import (
+from bench.simulation.simulate import (
     Costs,
     Curve,
     Overheads,
@@ -328,7 +328,7 @@ def test_curves_fit_from_the_trace() -> None:
 
 
 def trace_file(path: Path, gens: list[TracedGeneration], ar_ms_per_token: float = 80.0) -> Path:
-    """The generations as a bench.network --trace file (and one mode-ar generation)."""
+    """The generations as a bench.end_to_end.network --trace file (and one mode-ar generation)."""
     doc = {
         "config": {"note": "hand-built"},
         "generations": [
@@ -425,7 +425,7 @@ def test_separate_machines_take_the_given_verifier_curve(tmp_path: Path) -> None
 
 
 def test_the_flat_scenario_takes_a_gpu_checks_measured_forward_curve(tmp_path: Path) -> None:
-    """--flat-curve with a `bench.gpu_forward --json` file: the first attention mode's forward ms by
+    """--flat-curve with a `bench.kernels.gpu_forward --json` file: the first attention mode's forward ms by
     rows is the flat scenario's verifier (a 3-node tree costs V(3), not the one-row step)."""
     f = trace_file(tmp_path / "t.json", [gen(all_hits(4))])
     gpu = tmp_path / "gpu_forward.json"
@@ -483,7 +483,7 @@ def record_small_pair(
     llama.cpp export drafting), tree + pre-speculation over an emulated RTT; greedy, or seeded
     match at `temperature`."""
     from bench.harness import load_prompts
-    from bench.shaper import LinkShape
+    from bench.lib.shaper import LinkShape
     from edge_client.client import EdgeClient, TreeSpec
     from edge_client.drafters.registry import create_drafter
     from shared.model import load_target

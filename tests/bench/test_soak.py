@@ -1,10 +1,11 @@
-"""bench.soak's memory figures: growth per half after warm-up tells a leak from a pool filling up."""
+"""bench.robustness.soak's memory figures: growth per half after warm-up tells a leak from a pool filling
+up."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.soak import plateau
+from bench.robustness.soak import plateau
 
 
 def test_plateau_tells_a_leak_from_a_pool_that_fills_up() -> None:

@@ -1,4 +1,4 @@
-"""bench.speculators: the Wilson interval and McNemar's exact test give the textbook values, the
+"""bench.training.speculators: the Wilson interval and McNemar's exact test give the textbook values, the
 coverage table and the paired comparison count what they say, and a run over `tiny` records with
 one draft twice finds no difference (p = 1)."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bench.harness import BenchPrompt
-from bench.speculators import compare, learning_curve, main, mcnemar, table1, wilson
+from bench.training.speculators import compare, learning_curve, main, mcnemar, table1, wilson
 from draft_training.collect import CollectConfig, collect
 from shared.model import load_target
 
@@ -94,7 +94,7 @@ def test_the_e2e_part_on_the_tiny_pair(capsys: pytest.CaptureFixture[str]) -> No
     import argparse
     import os
 
-    from bench.speculators import _print_e2e, e2e_part
+    from bench.training.speculators import _print_e2e, e2e_part
 
     cores = os.sched_getaffinity(0)
     a = argparse.Namespace(tree="2,1", e2e_backend="torch", tokens=6, no_progress=True)
@@ -122,7 +122,7 @@ def test_parts_and_modes_are_checked() -> None:
 
 
 def test_the_heldout_prompts_are_the_splits_first_per_category() -> None:
-    from bench.speculators import heldout_prompts
+    from bench.training.speculators import heldout_prompts
     from draft_training.split import load_split
 
     one = heldout_prompts(1)
@@ -133,10 +133,10 @@ def test_the_heldout_prompts_are_the_splits_first_per_category() -> None:
 
 
 def test_the_merged_part_runs_each_pair_through_bench_merged(tmp_path: Path) -> None:
-    """--parts merged: bench.merged runs SSM_1 with the boosted and with the independent SSM_2 (at
+    """--parts merged: bench.end_to_end.merged runs SSM_1 with the boosted and with the independent SSM_2 (at
     --nodes, in turn and in parallel, on the held-out prompts); the rows add boost.json's union
     top-1 (SSM_1's own for `one`) and leave out `other` (SSM_2 alone)."""
-    from bench import speculators_merged as sm
+    from bench.training import speculators_merged as sm
 
     boost_dir = tmp_path / "boost"
     rows = [
@@ -154,7 +154,7 @@ def test_the_merged_part_runs_each_pair_through_bench_merged(tmp_path: Path) -> 
         argv = list(argv)
         calls.append(argv)
         assert os.sched_getaffinity(0) == cores  # every pair starts with the cores the bench had
-        os.sched_setaffinity(0, {min(cores)})  # as bench.merged pins the edge
+        os.sched_setaffinity(0, {min(cores)})  # as bench.end_to_end.merged pins the edge
         prompts = Path(argv[argv.index("--prompt-file") + 1]).read_text().splitlines()
         assert len(prompts) == 14  # one held-out prompt of each category of the committed split
         variants = ["ar", "one", "other", "merged", "merged_parallel"]

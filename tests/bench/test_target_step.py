@@ -1,11 +1,11 @@
-"""bench.target_step runs end to end on the tiny model and writes the documented JSON."""
+"""bench.kernels.target_step runs end to end on the tiny model and writes the documented JSON."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from bench import target_step
+from bench.kernels import target_step
 
 
 def test_quick_run_writes_json(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""bench.train_step on `tiny`: both variants timed, rows as the table says, bad sizes refused."""
+"""bench.training.train_step on `tiny`: both variants timed, rows as the table says, bad sizes refused."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.train_step import main
+from bench.training.train_step import main
 
 
 def test_train_step_times_both_variants(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""bench.tree_attention on the CPU (Triton's interpreter) at tiny sizes: the arguments and the JSON."""
+"""bench.kernels.tree_attention on the CPU (Triton's interpreter) at tiny sizes: the arguments and the
+JSON."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from bench import tree_attention as bench
+from bench.kernels import tree_attention as bench
 
 TINY = ["--device", "cpu", "--dtype", "fp32", "--heads", "4", "--kv-heads", "2", "--head-dim", "64"]
 

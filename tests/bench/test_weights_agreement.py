@@ -1,4 +1,4 @@
-"""bench.weights_agreement: the comparison of two targets' greedy decoding (identical outputs, the
+"""bench.exactness.weights_agreement: the comparison of two targets' greedy decoding (identical outputs, the
 first divergence and the fp32 target's gap there, teacher-forced agreement), and the whole command
 on SmolLM2 (a Q4_1 GGUF) writing its JSON."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from bench import weights_agreement as wa
+from bench.exactness import weights_agreement as wa
 from shared.model import Target, load_target
 
 

@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from bench.simulate import Curve, TracedGeneration
-from bench.simulate_batch import CPU_CURVE, WaitPolicy, run_batch
+from bench.simulation.simulate import Curve, TracedGeneration
+from bench.simulation.simulate_batch import CPU_CURVE, WaitPolicy, run_batch
 from cloud_verifier.batch_wait import (
     FORWARD_FRACTION,
     Arrival,

@@ -1,6 +1,6 @@
 """Tensor parallelism on CUDA GPUs with NCCL (cloud_verifier.parallel) at TP=2: needs 2 GPUs.
 
-Skipped unless torch.cuda.device_count() >= 2 (`bench.gpu_check`'s tensor_parallel stage runs this
+Skipped unless torch.cuda.device_count() >= 2 (`bench.kernels.gpu_check`'s tensor_parallel stage runs this
 file on such a machine). The tiny model in bf16 on cuda:0 (TP=1) against the group on cuda:0 and
 cuda:1: the partial sums of o and down are rounded to bf16 before the all-reduce, so the logits
 differ by bf16 rounding: within BF16_TOL (absolute; tiny's logits are O(1) and bf16 keeps 8 bits).

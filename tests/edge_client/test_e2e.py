@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from bench.exactness.weights_agreement import greedy
 from bench.harness import load_prompts
-from bench.weights_agreement import greedy
 from edge_client.client import EdgeClient, GenerationError, TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter

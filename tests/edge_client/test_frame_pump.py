@@ -1,6 +1,6 @@
 """The round executor's frame pump stops when the generation ends, whatever frame is arriving then.
 
-Seen in bench.network at RTT 100 (2 of 1,000 generations): a frame arrived in the same loop turn as
+Seen in bench.end_to_end.network at RTT 100 (2 of 1,000 generations): a frame arrived in the same loop turn as
 the end of the generation cancelled the pump. Under Python 3.11's
 asyncio.wait_for the cancel was swallowed, the pump read on, and the generation only ended when the
 verifier closed the idle session 300 s later.

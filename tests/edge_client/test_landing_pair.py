@@ -2,7 +2,7 @@
 llama.cpp) at T 0.7 with the keyed uniforms: after a mismatch (the target's keyed sample is not the
 draft's coupled token) the target's token is among the first F candidates after the coupled token
 more often in the landing order than in the draft's most likely order, on the same positions
-(bench.outcomes.mismatch_ranks, teacher-forced on the target's own samples).
+(bench.simulation.outcomes.mismatch_ranks, teacher-forced on the target's own samples).
 
 Measured (16 Spec-Bench / HumanEval dev prompts x 96 tokens, 80 mismatches): first
 candidate 0.36 (landing) against 0.14 (draft's order), first three 0.75 against 0.35, first eight
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.outcomes import mismatch_ranks, top_f_rates
+from bench.simulation.outcomes import mismatch_ranks, top_f_rates
 from edge_client.trees import Coupling
 from edge_client.trees.sampling import Landing
 
@@ -25,7 +25,7 @@ T = 0.7
 def test_after_a_mismatch_the_landing_order_finds_the_bonus_more_often() -> None:
     import torch
 
-    from bench.agreement import target_output
+    from bench.exactness.agreement import target_output
     from bench.harness import load_suite
     from edge_client.drafters.registry import create_drafter
     from shared.model import load_target

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench.shaper import LinkShape
+from bench.lib.shaper import LinkShape
 from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
 from edge_client.drafters import WorkspaceFullError
 from edge_client.drafters.registry import create_drafter

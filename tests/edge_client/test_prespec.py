@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bench.harness import load_prompts
-from bench.shaper import LinkShape
+from bench.lib.shaper import LinkShape
 from edge_client.client import EdgeClient, PrespecConfig, TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
@@ -350,7 +350,7 @@ def test_prespec_config_names_the_bad_field(field: str, value: Any) -> None:
 
 
 def test_clients_sharing_a_drafter_each_plan_with_their_own_measurements() -> None:
-    """Two clients of one drafter, one after the other (as bench.e2e runs its modes): each prices
+    """Two clients of one drafter, one after the other (as bench.end_to_end.e2e runs its modes): each prices
     its plans with what it measured itself (its Learned's drafter costs count exactly its own
     evaluations; the drafter's counters count both), and the first one's round trace leaves
     nothing switched on in the drafter (its log stays off for the next client)."""

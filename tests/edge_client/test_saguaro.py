@@ -191,7 +191,7 @@ def test_a_prespeculating_client_drafts_with_saguaro_and_the_verifier_takes_its_
     it sends, conditional ones included."""
     import asyncio
 
-    from bench.shaper import LinkShape
+    from bench.lib.shaper import LinkShape
     from edge_client.client import EdgeClient
     from edge_client.drafters.registry import create_drafter
     from edge_client.speculation import TreeSpec

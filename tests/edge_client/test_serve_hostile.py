@@ -22,7 +22,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from bench.shaper import LinkShape
+from bench.lib.shaper import LinkShape
 from edge_client.client import EdgeClient
 from edge_client.drafters.registry import create_drafter
 from edge_client.serve import create_app

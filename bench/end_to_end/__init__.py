@@ -1,0 +1,1 @@
+"""End-to-end and network benchmarks: the edge and the verifier together, ms/token, tau, round trips."""

@@ -1,0 +1,1 @@
+"""Exactness proofs and agreement measures: the verification algorithms' output distributions."""

@@ -1,0 +1,1 @@
+"""Robustness runs, not benchmarks: killing the verifier, soaking it, fuzzing it; every output checked."""

@@ -1,0 +1,163 @@
+"""Kill the verifier at random moments during generations and restart it; count what the client lost.
+
+    python -m bench.robustness.chaos --kills 100 --json bench/out/chaos.json
+
+A `cloud-verifier serve --model tiny` process serves; an edge client (the tiny torch drafter, resume
+on) generates from random prompts in greedy and seeded `match` modes. Before each generation the
+same request runs uninterrupted; during the second run the verifier is killed with SIGKILL after a
+random number of verdicts and a new process is started on the same port. The client reconnects,
+re-sends its committed tokens and goes on. Reported: whether every interrupted output equals the
+uninterrupted one, tokens lost and repeated, and the time from the drop to the new session's welcome
+(which includes the new process's start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+from bench.harness import add_common_args, figure_rows, free_port, table, write_result
+from bench.lib.stats import median
+
+if TYPE_CHECKING:
+    from edge_client.drafters.base import Drafter
+
+
+def _serve(port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "cloud_verifier", "serve", "--model", "tiny", "--port", str(port),
+           "--no-measure-cost", "--log-level", "error", "--threads", "1"]  # fmt: skip
+    return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.robustness.chaos", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--kills", type=int, default=100, help="verifier kills (at most one per generation)")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="the figures (rows: one {figure, value} each) and every generation's record",
+        seed=0,
+        seed_help="randomness of prompts, modes and kill moments",
+        tokens=64,
+        tokens_help="new tokens per generation",
+        no_progress=True,
+    )
+    return ap
+
+
+def wait_ready(url: str, drafter: Drafter) -> None:
+    """Wait (at most 180 s) until the first verifier process takes a session."""
+    from edge_client.client import EdgeClient, GenerationError
+
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            asyncio.run(EdgeClient(url, drafter, resume=False).connect())
+            break
+        except GenerationError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def record(mode: str, want: list[int], got: list[int], resumes: list[float]) -> dict[str, Any]:
+    """One interrupted generation against its uninterrupted run: identical, tokens lost and
+    repeated past the first difference, and the resumes' times (ms)."""
+    n = min(len(got), len(want))
+    same = next((j for j in range(n) if got[j] != want[j]), n)
+    return {
+        "mode": mode,
+        "identical": got == want,
+        "tokens_lost": max(0, len(want) - same) if got != want else 0,
+        "tokens_repeated": max(0, len(got) - same) if got != want else 0,
+        "resumes": len(resumes),
+        "resume_ms": [round(r * 1e3, 1) for r in resumes],
+    }
+
+
+def summary(records: Sequence[dict[str, Any]], kills: int) -> dict[str, Any]:
+    """The figures of the run (the printed table) from every generation's record."""
+    resume_ms = sorted(x for r in records for x in r["resume_ms"])
+    return {
+        "kills": kills,
+        "generations": 2 * len(records),
+        "identical": all(r["identical"] for r in records),
+        "tokens_lost": sum(r["tokens_lost"] for r in records),
+        "tokens_repeated": sum(r["tokens_repeated"] for r in records),
+        "resume_ms_median": median(resume_ms, 1),
+        "resume_ms_p95": round(resume_ms[min(len(resume_ms) - 1, int(0.95 * len(resume_ms)))], 1)
+        if resume_ms
+        else None,
+        "resumed_generations": sum(1 for r in records if r["resumes"]),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    if a.kills < 1 or a.tokens < 8:
+        ap.error("--kills >= 1 and --tokens >= 8")
+    from edge_client.client import EdgeClient, ResumeConfig
+    from edge_client.drafters.registry import create_drafter
+
+    rng = random.Random(a.seed)
+    drafter = create_drafter("torch", "tiny")
+    port = free_port()
+    url = f"ws://127.0.0.1:{port}/v1/session"
+    procs = [_serve(port)]
+    resume = ResumeConfig(attempts=100, backoff_s=0.1, max_backoff_s=0.5)
+    records: list[dict[str, Any]] = []
+
+    async def generate(
+        prompt: list[int], kw: dict[str, Any], kill_at: int | None
+    ) -> tuple[list[int], list[float]]:
+        c = EdgeClient(url, drafter, resume=resume)
+        n = 0
+        async for _ in c.generate(prompt, max_new_tokens=a.tokens, raw=True, **kw):
+            n += 1
+            if n == kill_at:
+                procs[-1].send_signal(signal.SIGKILL)
+                procs[-1].wait()
+                procs.append(_serve(port))
+        assert c.last is not None
+        out = list(c.last.tokens)
+        await c.close()
+        return out, c.resumes
+
+    try:
+        wait_ready(url, drafter)
+        bar = tqdm(total=a.kills, desc="chaos kills", file=sys.stderr, disable=a.no_progress)
+        while len(procs) - 1 < a.kills:
+            prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(4, 24))]
+            mode = rng.choice(["greedy", "match"])
+            kw = {"mode": mode, "temperature": 0.8 if mode == "match" else 0.0, "seed": rng.randrange(2**31)}
+            want, _ = asyncio.run(generate(prompt, kw, None))
+            before = len(procs)
+            got, resumes = asyncio.run(generate(prompt, kw, rng.randint(1, 3)))
+            bar.update(len(procs) - before)
+            records.append(record(mode, want, got, resumes))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        drafter.close()
+    result = summary(records, len(procs) - 1)
+    print(table([[k, v] for k, v in result.items()], ["figure", "value"]))
+    write_result(a.json, a, figure_rows(result), True, **result, records=records)
+    return 0 if result["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Simulation: recorded rounds replayed under other costs, machines and policies."""

@@ -1,0 +1,1 @@
+"""Developer tools: the round tracer and the delay proxy."""

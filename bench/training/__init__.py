@@ -1,0 +1,1 @@
+"""Training benchmarks: draft-training steps and trained drafts against their base."""
