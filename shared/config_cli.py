@@ -13,6 +13,8 @@ flag `--<field-name-with-dashes>` unless given, its dest the field's name, its d
 (or the `defaults` instance's), its help the metadata's. A bool field is a switch: `--no-...` turns
 it off, any other flag on. Other fields are parsed by `type` (the metadata's, else `parse(name)`'s),
 and take `choices`, `metavar` and `append` (a repeatable flag collecting a list) from the metadata.
+A field without a default of its own (declare the dataclass `kw_only=True` to place it anywhere) is
+a required flag: the command line must give it, whatever `defaults` holds.
 `config_values(Config, args)` reads the parsed values back by field name.
 """
 
@@ -64,6 +66,11 @@ def flag_name(f: dataclasses.Field[Any], spec: FlagSpec) -> str:
     return spec.flag or "--" + f.name.replace("_", "-")
 
 
+def _required(f: dataclasses.Field[Any]) -> bool:
+    """Whether field `f` has no default of its own (then its flag must be given)."""
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
 def _default(f: dataclasses.Field[Any], defaults: object | None) -> Any:
     if defaults is not None:
         return getattr(defaults, f.name)
@@ -84,7 +91,7 @@ def add_config_flags(
 ) -> None:
     """Add a flag for every field of dataclass `cls` with `cli` metadata (or those named in `only`);
     defaults from the `defaults` instance when given, else the fields' own; `parse(name)`: the
-    parser of a field whose metadata names no `type`."""
+    parser of a field whose metadata names no `type`; a field without a default is a required flag."""
     for f, spec in flag_fields(cls):
         if only is not None and f.name not in only:
             continue
@@ -105,6 +112,9 @@ def add_config_flags(
         if spec.append:
             kw["action"] = "append"
             kw["default"] = None if default is None else list(default)  # argparse appends to a copy
+        if _required(f):
+            del kw["default"]
+            kw["required"] = True
         parser.add_argument(*names, **kw)
 
 

@@ -1,16 +1,30 @@
-"""`draft-training`'s command line: every number is checked when it is parsed (finite, in range),
-an output a flag names that cannot be written is one line naming the flag, before any work; the
-exit statuses (2 usage, 1 a known error while working, 130 interrupted) and never a traceback."""
+"""`draft-training`'s command line: the flags are the options dataclasses' fields (parsed defaults
+are the fields' defaults, every flag reads back into its field), every number is checked when it is
+parsed (finite, in range), an output a flag names that cannot be written is one line naming the
+flag, before any work; the exit statuses (2 usage, 1 a known error while working, 130 interrupted)
+and never a traceback."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from draft_training import cli
 from draft_training.cli import build_parser, main
+from draft_training.cli_options import (
+    COMMANDS,
+    BoostOptions,
+    CollectOptions,
+    DistillOptions,
+    DraftsOptions,
+    ExportOptions,
+    Options,
+    SplitOptions,
+    options_from_args,
+)
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -23,6 +37,94 @@ def test_no_flag_reads_a_bare_number() -> None:
     for name, parser in _subcommands().items():
         for action in parser._actions:
             assert action.type not in (int, float), (name, action.option_strings)
+
+
+# each command's required flags, and the options they give
+NEEDED: dict[str, tuple[list[str], dict[str, object]]] = {
+    "split": ([], {}),
+    "collect": (["--out", "o"], {"out": Path("o")}),
+    "distill": (["--records", "r", "--out", "o"], {"records": Path("r"), "out": Path("o")}),
+    "export": (["--run", "r"], {"run": Path("r")}),
+    "boost": (
+        ["--records", "r", "--heldout", "h", "--ssm1", "s", "--out", "o"],
+        {"records": Path("r"), "heldout": Path("h"), "ssm1": Path("s"), "out": Path("o")},
+    ),
+    "drafts": ([], {}),
+}
+
+
+def test_every_subcommand_has_its_options() -> None:
+    assert list(_subcommands()) == [cls.COMMAND for cls in COMMANDS] == list(NEEDED)
+
+
+@pytest.mark.parametrize("cls", COMMANDS, ids=[c.COMMAND for c in COMMANDS])
+def test_the_parsed_defaults_are_the_options_defaults(cls: type[Options]) -> None:
+    argv, needed = NEEDED[cls.COMMAND]
+    assert options_from_args(build_parser().parse_args([cls.COMMAND, *argv])) == cls(**needed)  # type: ignore[arg-type]
+
+
+def _options(cls: type[Options], **changed: object) -> Options:
+    return dataclasses.replace(cls(**NEEDED[cls.COMMAND][1]), **changed)  # type: ignore[arg-type]
+
+
+# every flag but the required ones (the defaults test reads those) given a value other than its default
+ROUND_TRIP: list[tuple[list[str], Options]] = [
+    (
+        ["split", "--check", "--prompts-out", "p.jsonl", "--side", "train", "--per-category", "3"],
+        _options(SplitOptions, check=True, prompts_out=Path("p.jsonl"), side="train", per_category=3),
+    ),
+    (
+        ["collect", "--out", "o", "--model", "tiny", "--tokens", "9", "--temperatures", "0.5,2",
+         "--batch", "2", "--top-k", "8", "--seed", "7", "--limit", "5", "--split", "s.json",
+         "--side", "heldout", "--from-traces", "t", "--no-progress"],
+        _options(
+            CollectOptions, model="tiny", tokens=9, temperatures=(0.5, 2.0), batch=2, top_k=8, seed=7,
+            limit=5, split=Path("s.json"), side="heldout", from_traces=Path("t"), progress=False,
+        ),
+    ),
+    (
+        ["distill", "--records", "r", "--out", "o", "--heldout", "h", "--draft", "tiny", "--steps", "3",
+         "--batch", "2", "--lr", "0.01", "--loss", "tvd", "--ce-weight", "0.5", "--blocks", "4,5",
+         "--lora-rank", "8", "--lora-alpha", "4", "--lora-targets", "qkv", "--eval-every", "2",
+         "--checkpoint-every", "3", "--max-positions", "16", "--seed", "1", "--validation", "0.2",
+         "--keep", "best", "--autocast", "bf16", "--no-progress"],
+        _options(
+            DistillOptions, heldout=Path("h"), draft="tiny", steps=3, batch=2, lr=0.01, loss="tvd",
+            ce_weight=0.5, blocks="4,5", lora_rank=8, lora_alpha=4.0, lora_targets="qkv", eval_every=2,
+            checkpoint_every=3, max_positions=16, seed=1, validation=0.2, keep="best", autocast="bf16",
+            progress=False,
+        ),
+    ),
+    (
+        ["export", "--run", "r", "--draft", "tiny", "--gguf-type", "q8_0", "--out", "d.gguf", "--name",
+         "mine", "--lora"],
+        _options(ExportOptions, draft="tiny", gguf_type="q8_0", out=Path("d.gguf"), name="mine", lora=True),
+    ),
+    (
+        ["boost", "--records", "r", "--heldout", "h", "--ssm1", "s", "--out", "o", "--draft", "tiny",
+         "--m", "4", "--criterion", "window:8", "--no-control", "--min-gain", "0.5", "--steps", "3",
+         "--batch", "2", "--autocast", "bf16", "--lr", "0.01", "--max-positions", "16", "--seed", "2",
+         "--no-progress"],
+        _options(
+            BoostOptions, draft="tiny", m=4, criterion="window:8", control=False, min_gain=0.5, steps=3,
+            batch=2, autocast="bf16", lr=0.01, max_positions=16, seed=2, progress=False,
+        ),
+    ),
+    (
+        ["drafts", "a", "b", "--rebuild", "--qwen", "--no-progress"],
+        _options(DraftsOptions, aliases=("a", "b"), rebuild=True, qwen=True, progress=False),
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("argv", "expected"), ROUND_TRIP, ids=[argv[0] for argv, _ in ROUND_TRIP])
+def test_every_flag_reads_back_into_its_field(argv: list[str], expected: Options) -> None:
+    opts = options_from_args(build_parser().parse_args(argv))
+    assert opts == expected
+    # the table gives every field a value other than its default (the required ones aside)
+    default = _options(type(expected))
+    assert all(getattr(opts, f.name) != getattr(default, f.name) for f in dataclasses.fields(opts)
+               if f.name not in NEEDED[argv[0]][1]), argv  # fmt: skip
 
 
 @pytest.fixture

@@ -87,3 +87,22 @@ def test_only_fields_with_cli_metadata_are_flags() -> None:
         "verbose",
         "origins",
     ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Needs:
+    out: str = field(metadata=cli("where to write"))
+    count: int = field(default=1, metadata=cli("how many", type=integer(0)))
+    path: str = field(metadata=cli("what to read", metavar="FILE"))
+
+
+def test_a_field_without_a_default_is_a_required_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_config_flags(p, _Needs)
+    flags = {a.dest: a for a in p._actions if a.dest != "help"}
+    assert [flags[n].required for n in ("out", "count", "path")] == [True, False, True]
+    args = p.parse_args(["--path", "in", "--out", "o"])
+    assert _Needs(**config_values(_Needs, args)) == _Needs(out="o", path="in")
+    with pytest.raises(SystemExit):  # argparse reports a missing flag itself, exit_on_error or not
+        p.parse_args(["--path", "in"])
+    assert "the following arguments are required: --out" in capsys.readouterr().err
