@@ -1,9 +1,10 @@
 """Every runnable benchmark by name: its module, its kind and a one-line summary.
 
-`python -m bench` prints this table and `python -m bench NAME [args]` runs `bench.NAME`'s `main`.
+`python -m bench` prints this table and `python -m bench NAME [args]` runs the module's `main`.
 The table is plain data: listing it imports no benchmark (most import torch). A new benchmark is a
-module with `main(argv) -> int` and a row here; `tests/bench/test_registry.py` checks every row's
-module exists and answers `--help`.
+module in its kind's folder (FOLDER) with `add_args(parser)` and `run(args) -> Result`, whose `main`
+is bench.lib.runner's, and a row here; `tests/bench/test_registry.py` checks every row's module
+exists and answers `--help`.
 """
 
 from __future__ import annotations

@@ -42,9 +42,10 @@ from bench.harness import (
     save_figure,
     table,
     write_json,
-    write_result,
 )
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from edge_client.drafters.base import Drafter
 from shared.messages import Error, Hello, Mode, Prompt, Verdict, decode, encode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -134,13 +135,7 @@ def row_counts(text: str) -> list[int]:
     return sorted(set(positive_ints(text)))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.kernels.drafter_cost",
-        description="The drafter's ms per evaluation of n rows, per backend, with the verifier idle and "
-        "busy on the other core.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(
         p, model=DEFAULT_TARGET, model_help="the verifier's target (the busy phase)", draft=DEFAULT_DRAFT
     )
@@ -155,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-busy", action="store_true", help="skip the busy phase (no verifier is started)")
     add_common_args(p, json=True, json_help="the rows (and curve files beside it)", no_progress=True)
     p.add_argument("--plot", type=Path, default=None, help="draw ms per evaluation against rows to this PNG")
-    return p
 
 
 def plot(path: Path, rows: Sequence[dict[str, Any]], backends: Sequence[str]) -> None:
@@ -235,37 +229,33 @@ def result_rows(
     return rows
 
 
-def print_table(rows: Sequence[dict[str, Any]]) -> None:
+def render_table(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as the printed table (a missing busy figure: "-")."""
-    print(
-        table(
+    return table(
+        [
             [
-                [
-                    r["backend"],
-                    r["rows"],
-                    r["idle_ms"],
-                    r["busy_ms"] or "-",
-                    r["busy_over_idle"] or "-",
-                    r["idle_ms_per_row"],
-                ]
-                for r in rows
-            ],
-            ["backend", "rows", "idle ms", "busy ms", "busy/idle", "idle ms/row"],
-        )
+                r["backend"],
+                r["rows"],
+                r["idle_ms"],
+                r["busy_ms"] or "-",
+                r["busy_over_idle"] or "-",
+                r["idle_ms_per_row"],
+            ]
+            for r in rows
+        ],
+        ["backend", "rows", "idle ms", "busy ms", "busy/idle", "idle ms/row"],
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def run(a: argparse.Namespace) -> Result:
     from edge_client.drafters.registry import create_drafter
 
-    ap = build_parser()
-    a = ap.parse_args(argv)
     backends = [b for b in a.backends.split(",") if b]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
-        ap.error(f"--backends: unknown {unknown or 'none given'}; choose from {', '.join(BACKENDS)}")
+        raise UsageError(f"--backends: unknown {unknown or 'none given'}; choose from {', '.join(BACKENDS)}")
     if a.repeats < 1:
-        ap.error("--repeats must be at least 1")
+        raise UsageError("--repeats must be at least 1")
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
     split.pin_edge()
@@ -297,9 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for d in drafters.values():
             d.close()
     rows = result_rows(backends, a.rows, idle, busy)
-    print_table(rows)
     if a.json is not None:
-        write_result(a.json, a, rows, True, verifier_forwards_per_s=busy_rate)
         for b in backends:
             for cond, ms in (("idle", idle.get(b)), ("busy", busy.get(b))):
                 if (
@@ -308,10 +296,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     write_json(
                         a.json.with_name(f"{a.json.stem}_{b}_{cond}.json"), {"rows": list(a.rows), "ms": ms}
                     )
-        print(f"wrote {a.json} and its curve files", flush=True)
-    if a.plot is not None:
-        plot(a.plot, rows, backends)
-    return 0
+        print(f"wrote the curve files beside {a.json}", flush=True)
+    return Result(
+        rows,
+        render_table(rows),
+        extra={"verifier_forwards_per_s": busy_rate},
+        plot=lambda path: plot(path, rows, backends),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ JSON_CALLS_ALLOWED = {
 WRITE_JSON_ALLOWED = {
     (
         "drafter_cost",
-        "main",
+        "run",
     ): "the curve files beside --json ({rows: [row counts], ms}): bench.simulation.simulate's "
     "--drafter-curve input, whose 'rows' are row counts, not result rows",
     ("load_cost", "save_scripts"): "the recorded scripts (--scripts): this bench's own input on a later run",
@@ -55,6 +55,18 @@ def bench_modules() -> list[Path]:
     ]
     demo = BENCH.parent / "treespec_demo" / "demo.py"
     return sorted([*flat, *foldered, demo], key=lambda p: p.stem)
+
+
+def uses_runner(path: Path) -> bool:
+    """Whether the module's main is bench.lib.runner's (`runner.main(__name__, argv)`)."""
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "main"
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "runner"
+        for n in ast.walk(parsed(path))
+    )
 
 
 def module_path(stem: str) -> Path:
@@ -249,10 +261,13 @@ def test_the_exceptions_are_still_needed() -> None:
 
 
 def test_every_bench_with_json_writes_it_with_write_result() -> None:
-    """A module that takes --json calls write_result, itself or in a bench module it imports
-    (bench.end_to_end.network's report is bench.end_to_end.network_report's)."""
+    """A module that takes --json runs under bench.lib.runner (which writes it) or calls
+    write_result, itself or in a bench module it imports (bench.network's report is
+    bench.network_report's)."""
     writers = {
-        p.stem for p in bench_modules() if "write_result" in {_called(c) for c, _, _ in walk_calls(parsed(p))}
+        p.stem
+        for p in bench_modules()
+        if "write_result" in {_called(c) for c, _, _ in walk_calls(parsed(p))} or uses_runner(p)
     }
     missing = []
     for module, flags in declared_flags().items():
