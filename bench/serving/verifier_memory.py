@@ -1,5 +1,4 @@
-"""`python -m bench.serving.verifier_memory`: the verifier's resident memory with a target loaded as the
-service loads it.
+"""The verifier's resident memory with a target loaded as the service loads it.
 
 Loads the target (`--weights fp32`: dequantized, then packed with each float projection released,
 as `cloud-verifier serve` does; `--weights quantized`: the GGUF's blocks, views of its memory map),
@@ -7,8 +6,8 @@ makes the KV pool the service would make (`kv_blocks_for` with the default Serve
 `--prefill` tokens and runs `--steps` decode steps, then reports the process's resident set now and
 at its peak (/proc/self/statm, getrusage), the weights' bytes as the model runs them and the pool's.
 
-    python -m bench.serving.verifier_memory --weights quantized
-    python -m bench.serving.verifier_memory --weights fp32 --json out.json
+    python -m bench verifier_memory --weights quantized
+    python -m bench verifier_memory --weights fp32 --json out.json
 """
 
 from __future__ import annotations
@@ -20,15 +19,14 @@ from collections.abc import Sequence
 
 import torch
 
-from bench.harness import add_common_args, table, write_result
+from bench.harness import add_common_args, table
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from shared.model_store import DEFAULT_TARGET
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.serving.verifier_memory", description=__doc__.splitlines()[0]
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(
         ap,
         model=DEFAULT_TARGET,
@@ -42,7 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", type=int, default=300, help="prompt tokens prefilled into the pool")
     ap.add_argument("--steps", type=int, default=5, help="decode steps after the prefill")
     add_common_args(ap, json=True)
-    return ap
 
 
 def rss_bytes() -> int:
@@ -84,14 +81,15 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> Result:
     if args.prefill < 1 or args.steps < 0:
-        build_parser().error("--prefill must be at least 1 and --steps at least 0")
+        raise UsageError("--prefill must be at least 1 and --steps at least 0")
     row = measure(args)
-    print(table([list(row.values())], list(row)))
-    write_result(args.json, args, [row], True)
-    return 0
+    return Result([row], table([list(row.values())], list(row)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":

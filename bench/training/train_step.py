@@ -1,5 +1,6 @@
 """Milliseconds per draft-training step, float32 against bf16 autocast (`draft-training distill
---autocast`), on this CPU.
+--autocast`), on this CPU: forward, loss and backward of a draft, alternating step by step; the median of
+--steps each.
 
 One step is what `distill` does per record: the student's forward over a sequence of --seq tokens,
 the KL + 0.1 CE loss on its last --positions positions against a made-up teacher distribution, and
@@ -7,8 +8,8 @@ the backward (the optimizer's step is left out: it is the same in both and small
 of the draft's blocks, or LoRA (--lora-rank). The two variants alternate, step by step, after a
 warm-up of each, so that a drift of the machine falls on both; the median of --steps each is kept.
 
-    python -m bench.training.train_step --draft smollm2-135m-q4-l8 --json out.json
-    python -m bench.training.train_step --draft qwen2.5-coder-0.5b-q4 --lora-rank 16 --json out.json
+    python -m bench train_step --draft smollm2-135m-q4-l8 --json out.json
+    python -m bench train_step --draft qwen2.5-coder-0.5b-q4 --lora-rank 16 --json out.json
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.harness import add_common_args, table, write_result
+from bench.harness import add_common_args, table
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 
 VARIANTS = ("none", "bf16")
 
@@ -38,12 +41,7 @@ def _cpu_flags() -> str:
     return ",".join(x for x in ("avx512_bf16", "amx_bf16", "amx_tile") if x in flags) or "none of bf16's"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.training.train_step",
-        description="ms per distill step (forward, loss, backward) of a draft, float32 against CPU bf16 "
-        "autocast, alternating step by step; the median of --steps each.",
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--draft",
         default="smollm2-135m-q4-l8",
@@ -55,19 +53,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="timed steps of each variant (after one warm-up)")
     add_model_args(ap, threads=0)
     add_common_args(ap, json=True, json_help="rows: ms per step per variant", no_progress=True)
-    a = ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> Result:
     if a.steps < 1 or a.seq < 2 or not 1 <= a.positions < a.seq or a.lora_rank < 0:
-        ap.error("--steps >= 1, --seq >= 2, 1 <= --positions < --seq and --lora-rank >= 0")
+        raise UsageError("--steps >= 1, --seq >= 2, 1 <= --positions < --seq and --lora-rank >= 0")
     if a.threads:
         torch.set_num_threads(a.threads)
-    rows = run(a)
-    print(table([[r["variant"], r["ms_per_step"], r["tokens_per_s"], r["speedup"]] for r in rows],
-                ["autocast", "ms / step", "tokens / s", "x float32"]))  # fmt: skip
-    write_result(a.json, a, rows, True, cpu_bf16=_cpu_flags(), threads=torch.get_num_threads())
-    return 0
+    rows = measure(a)
+    text = table([[r["variant"], r["ms_per_step"], r["tokens_per_s"], r["speedup"]] for r in rows],
+                 ["autocast", "ms / step", "tokens / s", "x float32"])  # fmt: skip
+    return Result(rows, text, extra={"cpu_bf16": _cpu_flags(), "threads": torch.get_num_threads()})
 
 
-def run(a: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """Both variants' rows: ms per step (the median), tokens per second, the speed-up over float32."""
     from draft_training.distill import DistillConfig, Example, example_loss
     from draft_training.student import Student, TrainSpec
     from edge_client.models import resolve_draft
@@ -109,6 +109,10 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
             "draft": a.draft, "lora_rank": a.lora_rank, "seq": a.seq, "positions": n,
         })  # fmt: skip
     return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
