@@ -1,6 +1,7 @@
-"""`python -m bench.kernels.target_step`: the target's verify cost curve and its decode speed vs transformers.
+"""The cloud target runtime's verify-forward cost curve and decode tokens/s, against transformers
+on the same GGUF.
 
-Two figures (docs/architecture.md §6):
+`python -m bench target_step` measures two figures (docs/architecture.md §6):
 
 - forward_ms[prefix][N]: median milliseconds of one verify forward of N new rows (row 0, the last
   committed token, plus N - 1 tree nodes, logits for every row) after `prefix` committed tokens.
@@ -34,7 +35,9 @@ import torch
 from tqdm import tqdm
 
 from bench.harness import PROMPTS as HARNESS_PROMPTS
-from bench.harness import add_common_args, write_result
+from bench.harness import add_common_args
+from bench.lib import runner
+from bench.lib.runner import Result
 from shared.model import Target, greedy_generate, load_target, prefill, tree_round
 from shared.model.llama import ATTENTION_MODES
 from shared.model_store import DEFAULT_TARGET
@@ -157,31 +160,33 @@ def measure_decode(
     }
 
 
-def print_table(result: dict[str, Any]) -> None:
+def render_table(result: dict[str, Any]) -> str:
+    """The figures as the printed tables: the forward ms by N and prefix, then decode tokens/s."""
     fwd = result["forward_ms"]
     prefixes = list(fwd)
     rows = list(fwd[prefixes[0]])
-    print(f"\nverify forward, median ms ({result['model']}, {result['threads']} threads, "
-          f"attention {result['attention']} ({result.get('attention_kernel', '?')}), "
-          f"gemm {result['gemm']}, weights {result.get('weights', 'fp32')}, "
-          f"peak RSS {result.get('max_rss_mb', '?')} MB)")  # fmt: skip
-    print("  N rows " + "".join(f"{'prefix ' + p:>14}" for p in prefixes))
+    lines = [f"\nverify forward, median ms ({result['model']}, {result['threads']} threads, "
+             f"attention {result['attention']} ({result.get('attention_kernel', '?')}), "
+             f"gemm {result['gemm']}, weights {result.get('weights', 'fp32')}, "
+             f"peak RSS {result.get('max_rss_mb', '?')} MB)"]  # fmt: skip
+    lines.append("  N rows " + "".join(f"{'prefix ' + p:>14}" for p in prefixes))
     for n in rows:
-        print(f"  {n:>6} " + "".join(f"{fwd[p][n]:>14.2f}" for p in prefixes))
+        lines.append(f"  {n:>6} " + "".join(f"{fwd[p][n]:>14.2f}" for p in prefixes))
     if "1" in rows and "16" in rows:
-        print("  16 / 1 " + "".join(f"{fwd[p]['16'] / fwd[p]['1']:>14.2f}" for p in prefixes))
+        lines.append("  16 / 1 " + "".join(f"{fwd[p]['16'] / fwd[p]['1']:>14.2f}" for p in prefixes))
         paired = result.get("ratio_16_1_paired") or {}
         if paired:
-            print("  paired " + "".join(f"{paired[p]:>14.2f}" for p in prefixes))
-            print("  (paired: median over repeats of N16 / N1 measured back to back)")
+            lines.append("  paired " + "".join(f"{paired[p]:>14.2f}" for p in prefixes))
+            lines.append("  (paired: median over repeats of N16 / N1 measured back to back)")
     dec = result["decode_tok_s"]
-    print(
+    lines.append(
         f"\ndecode tokens/s ({result['decode_tokens']} new tokens, prompt {result['prompt_tokens']} tokens)"
     )
-    print(f"  ours          {dec['ours']:>8.2f}")
+    lines.append(f"  ours          {dec['ours']:>8.2f}")
     if dec["transformers"] is not None:
-        print(f"  transformers  {dec['transformers']:>8.2f}")
-        print(f"  ratio         {result['ratio_vs_transformers']:>8.3f}")
+        lines.append(f"  transformers  {dec['transformers']:>8.2f}")
+        lines.append(f"  ratio         {result['ratio_vs_transformers']:>8.3f}")
+    return "\n".join(lines)
 
 
 def _max_rss_mb() -> float:
@@ -192,14 +197,14 @@ def _max_rss_mb() -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.kernels.target_step",
-        description="Verify-forward cost curve and decode tokens/s of the cloud target runtime, "
-        "against transformers on the same GGUF.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="OpenMP waiters sleep (OMP_WAIT_POLICY=PASSIVE) unless the environment says otherwise: "
+    return runner.build_parser(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "OpenMP waiters sleep (OMP_WAIT_POLICY=PASSIVE) unless the environment says otherwise: "
         "on shared cores spinning waiters stall for whole scheduler slices; on a quiet dedicated "
-        "machine OMP_WAIT_POLICY=ACTIVE is ~20% faster at 2 threads.",
+        "machine OMP_WAIT_POLICY=ACTIVE is ~20% faster at 2 threads."
     )
     p.add_argument("--model", default=DEFAULT_TARGET, help="target alias or path (.gguf / safetensors dir)")
     add_common_args(
@@ -229,11 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--quick", action="store_true", help="smoke test: 2 repeats, prefix 128, N in 1,16, 8 decode tokens"
     )
-    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> Result:
     if args.quick:
         args.repeats, args.prefixes, args.rows, args.decode_tokens = 2, "128", "1,16", 8
     if args.threads:
@@ -278,13 +281,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "device": str(target.device),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
-    print_table(result)
     points = [
         {"prefix": int(p), "rows": int(n), "ms": ms} for p, by_n in forward.items() for n, ms in by_n.items()
     ]
-    if write_result(args.json, args, points, True, **result) is not None:
-        print(f"\nwrote {args.json}")
-    return 0
+    return Result(points, render_table(result), extra=result)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
