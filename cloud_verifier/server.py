@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
 import sys
@@ -63,6 +62,7 @@ from shared.errors import CloseCode
 from shared.model import Target, load_target
 from shared.model.target import streamed_config
 from shared.openai_compat import SSE_DONE, ApiError
+from shared.openai_http import respond, sse_error
 
 log = logging.getLogger("cloud_verifier")
 
@@ -490,6 +490,11 @@ def max_http_requests(config: ServerConfig) -> int:
 
 
 class HttpGate:
+    """The middleware in front of every HTTP path but OPEN_PATHS: refuses a request while the server
+    drains (503), without a valid key (401) or beyond max_http_requests (503), counts the requests
+    running, and ends those the drain's deadline cuts. Its error bodies are OpenAI's, made as the
+    routes make theirs (shared.openai_http: `respond`, and `sse_error` in a stream begun)."""
+
     def __init__(self, app: ASGIApp, state: AppState) -> None:
         self.app = app
         self.state = state
@@ -501,17 +506,19 @@ class HttpGate:
         state = self.state
         if state.draining:
             why = "the verifier is draining (shutting down): send this request to another replica"
-            await _respond(send, ApiError(503, why, None, "draining", "server_error", {"Retry-After": "5"}))
+            err = ApiError(503, why, None, "draining", "server_error", {"Retry-After": "5"})
+            await respond(err)(scope, receive, send)
             return
         try:
             state.keys.authenticate(_bearer(scope))
         except AuthError as exc:
-            await _respond(send, ApiError(401, str(exc), None, "invalid_api_key"))
+            await respond(ApiError(401, str(exc), None, "invalid_api_key"))(scope, receive, send)
             return
         limit = max_http_requests(state.config)
         if state.http_running >= limit:
             why = f"the verifier has {limit} HTTP requests in flight: retry shortly or use another replica"
-            await _respond(send, ApiError(503, why, None, "overloaded", "server_error", {"Retry-After": "1"}))
+            err = ApiError(503, why, None, "overloaded", "server_error", {"Retry-After": "1"})
+            await respond(err)(scope, receive, send)
             return
         state.http_running += 1
         try:
@@ -559,10 +566,10 @@ class HttpGate:
         )
         err = ApiError(503, why, None, "shutting_down", "server_error")
         if not start:
-            await _respond(send, err)
+            await respond(err)(scope, receive, send)
         elif _header(start, b"content-type").startswith(b"text/event-stream"):
-            event = f"data: {json.dumps(err.body())}\n\n".encode()
-            await send({"type": "http.response.body", "body": event + SSE_DONE, "more_body": False})
+            body = sse_error(err) + SSE_DONE
+            await send({"type": "http.response.body", "body": body, "more_body": False})
         else:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -577,11 +584,3 @@ def _header(message: Scope | dict[str, Any], name: bytes) -> bytes:
         if k.lower() == name:
             return bytes(v)
     return b""
-
-
-async def _respond(send: Send, err: ApiError) -> None:
-    body = json.dumps(err.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in (err.headers or {}).items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -131,6 +131,9 @@ def test_with_keys_the_routes_need_one_and_health_stays_open(tmp_path: Path) -> 
 def test_a_draining_verifier_refuses_them_as_the_openai_routes() -> None:
     with service() as c:
         c.app.state.verifier.draining = True  # type: ignore[attr-defined]
-        err = _error(c.post("/tokenize", json={"prompt": "hi"}), 503, None)
+        r = c.post("/tokenize", json={"prompt": "hi"})
+        err = _error(r, 503, None)
         c.app.state.verifier.draining = False  # type: ignore[attr-defined]
-    assert err["code"] == "draining"
+    assert err["code"] == "draining" and err["type"] == "server_error" and "draining" in err["message"]
+    assert set(r.json()) == {"error"} and set(err) == {"message", "type", "param", "code"}
+    assert r.headers["content-type"] == "application/json" and r.headers["retry-after"] == "5"
