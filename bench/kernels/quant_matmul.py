@@ -1,5 +1,4 @@
-"""`python -m bench.kernels.quant_matmul`: the quantized-block projections against the float32 path, on a
-real GGUF's matrices.
+"""The quantized-block projections against the float32 path, on a real GGUF's matrices.
 
 For each distinct (type, shape) of one decoder layer's projections and of the LM head in the GGUF
 (default: the 1.5B target's Q4_K_M file): ms per call for 1 to 16 rows, on 1 and 2 threads, of
@@ -10,11 +9,11 @@ For each distinct (type, shape) of one decoder layer's projections and of the LM
 
 and the bytes each keeps (the blocks vs 4 bytes a weight). Medians of --repeats calls after one
 warm-up. What to read from the table: a 16-row call <= 3x a one-row call, and one row
-well below the float32 path (the whole forward is `bench.kernels.target_step`'s).
+well below the float32 path (the whole forward is `python -m bench target_step`'s).
 
-    python -m bench.kernels.quant_matmul
-    python -m bench.kernels.quant_matmul --rows 1,4,16 --threads 2 --json out.json
-    python -m bench.kernels.quant_matmul --roofline --json roofline.json --plot roofline.png
+    python -m bench quant_matmul
+    python -m bench quant_matmul --rows 1,4,16 --threads 2 --json out.json
+    python -m bench quant_matmul --roofline --json roofline.json --plot roofline.png
 """
 
 from __future__ import annotations
@@ -32,9 +31,10 @@ from collections.abc import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from bench.harness import add_common_args, table, write_result
+from bench.harness import add_common_args, table
 from bench.kernels import roofline
 from bench.kernels.roofline import matrices
+from bench.lib import runner
 from shared.model.llama import Gemm, choose_gemm
 from treespec_kernels import quant_matmul as qm
 
@@ -49,10 +49,7 @@ def _ints(text: str) -> list[int]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.kernels.quant_matmul", description=__doc__.splitlines()[0]
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b", help="a GGUF: model alias or path")
     ap.add_argument("--rows", type=_ints, default=[1, 2, 4, 8, 16], help="row counts, comma-separated")
     ap.add_argument("--threads", type=_ints, default=[1, 2], help="torch thread counts, comma-separated")
@@ -61,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--roofline",
         action="store_true",
-        help="instead: the roofline report (python -m bench.kernels.roofline, which takes the other flags: "
+        help="instead: the roofline report (python -m bench roofline, which takes the other flags: "
         "see its --help): the machine's read bandwidth and integer-step GOPS, each projection's cold "
         "GB/s and GOPS by rows, the whole forward's share of each roof, a plot",
     )
@@ -72,7 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
         "this machine's AVX-512 paths gain, measured side by side",
     )
     add_common_args(ap, json=True, no_progress=True)
-    return ap
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -85,7 +81,8 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def run(args: argparse.Namespace) -> list[dict[str, object]]:
+def measure(args: argparse.Namespace) -> list[dict[str, object]]:
+    """One row per matrix, thread count and row count: the kernels' median ms and the bytes each keeps."""
     from shared.model_store import resolve
 
     if qm.load() is None:
@@ -134,27 +131,32 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows_out
 
 
+def render_table(rows: Sequence[dict[str, object]], compare_avx2: bool, most: int) -> str:
+    """The SIMD paths, the table, and per matrix and thread count the most rows' ms over one row's."""
+    keys = ["matrix", "type", "out", "in", "threads", "rows", "quant_ms", "fp32_ms", "quant_over_fp32"]
+    keys += ["avx2_ms"] if compare_avx2 else []
+    lines = [f"kernel SIMD paths: {qm.simd()}", table([[r[k] for k in keys] for r in rows], keys)]
+    one = {(r["matrix"], r["threads"]): r["quant_ms"] for r in rows if r["rows"] == 1}
+    for r in rows:
+        base = one.get((r["matrix"], r["threads"]))
+        if r["rows"] == most and most > 1 and isinstance(base, float):
+            ratio = float(str(r["quant_ms"])) / base
+            lines.append(f"{r['matrix']}, {r['threads']} threads: {r['rows']} rows / 1 row = {ratio:.2f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> runner.Result:
+    if args.repeats < 1:
+        raise runner.UsageError("--repeats must be at least 1")
+    rows = measure(args)
+    return runner.Result(rows, render_table(rows, args.compare_avx2, max(args.rows)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--roofline" in argv:  # the roofline report: bench.kernels.roofline with the other flags
         return roofline.main([a for a in argv if a != "--roofline"])
-    args = build_parser().parse_args(argv)
-    if args.repeats < 1:
-        build_parser().error("--repeats must be at least 1")
-    rows = run(args)
-    keys = ["matrix", "type", "out", "in", "threads", "rows", "quant_ms", "fp32_ms", "quant_over_fp32"]
-    keys += ["avx2_ms"] if args.compare_avx2 else []
-    print(f"kernel SIMD paths: {qm.simd()}")
-    print(table([[r[k] for k in keys] for r in rows], keys))
-    one = {(r["matrix"], r["threads"]): r["quant_ms"] for r in rows if r["rows"] == 1}
-    for r in rows:
-        base = one.get((r["matrix"], r["threads"]))
-        most = max(args.rows)
-        if r["rows"] == most and most > 1 and isinstance(base, float):
-            ratio = float(str(r["quant_ms"])) / base
-            print(f"{r['matrix']}, {r['threads']} threads: {r['rows']} rows / 1 row = {ratio:.2f}")
-    write_result(args.json, args, rows, True)
-    return 0
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
