@@ -1,4 +1,5 @@
-"""`python -m bench.serving.cost_curve`: the live verify cost curve converging from a poisoned start-up curve.
+"""The live verify cost curve (cloud_verifier/live_cost.py) converging from a poisoned start-up curve
+to the forwards the target actually runs.
 
 The verifier measures its cost curve once at start-up (cloud_verifier/cost.py) and refreshes it
 from every forward it runs (cloud_verifier/live_cost.py). This bench measures the start-up curve
@@ -15,6 +16,8 @@ per N; `trace`: every forward), --plot the advertised ms against the measured fo
 
 The forwards are timed alone (model.forward_packed, synchronised on a GPU); the engine also counts
 its verification and commit, a few percent more.
+
+    python -m bench cost_curve --model smollm2-135m --json out.json --plot out.png
 """
 
 from __future__ import annotations
@@ -37,8 +40,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.harness import add_common_args, save_figure, write_result
+from bench.harness import add_common_args, save_figure
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result
 from cloud_verifier.cost import DEFAULT_NODES, measure_verify_cost
 from cloud_verifier.live_cost import LiveCost
 from shared.model import SeqInput, Target, load_target, prefill, prefill_chunk, tree_round
@@ -215,13 +220,7 @@ def plot(path: Path, trace: list[dict[str, Any]], rows: list[dict[str, Any]], ti
     save_figure(fig, path, dpi=110)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.serving.cost_curve",
-        description="The live verify cost curve (cloud_verifier/live_cost.py) converging from a poisoned "
-        "start-up curve to the forwards the target actually runs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default=DEFAULT_TARGET, help="target alias or path (tiny, smollm2-135m: faster)"
     )
@@ -268,11 +267,25 @@ def build_parser() -> argparse.ArgumentParser:
         "trace: every forward",
         no_progress=True,
     )
-    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def render_table(rows: Sequence[dict[str, Any]], tolerance: float) -> str:
+    """Per N: the advertised ms at the start and the end, the reference, the errors along the way and
+    the forward it converged at, with the line that reads the errors."""
+    errs = ("start_error", *(f"error_after_{k}" for k in AFTER), "end_error")
+    lines = [f"{'N':>3} {'start ms':>9} {'end ms':>8} {'ref ms':>8} {'forwards':>8} "
+             + " ".join(f"{e.replace('_error', '').replace('error_', ''):>9}" for e in errs)
+             + f" {'converged at':>12}"]  # fmt: skip
+    for r in rows:
+        err = " ".join(f"{r[k]:>+9.1%}" if r[k] is not None else f"{'-':>9}" for k in errs)
+        lines.append(f"{r['nodes']:>3} {r['start_ms']:>9.1f} {r['end_ms']:>8.1f} {r['reference_ms']:>8.1f} "
+                     f"{r['reference_forwards']:>8} {err} {r['converged_at']!s:>12}")  # fmt: skip
+    lines.append("(errors: advertised / reference - 1; converged at: the forward after which it stays "
+                 f"within {tolerance:.0%})")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> Result:
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
@@ -304,36 +317,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = round(time.perf_counter() - t_start, 1)
     print(f"\n{target.model_id}, weights {args.weights}, {torch.get_num_threads()} threads; start-up curve "
           f"measured {measured} (busy {args.busy}), advertised x{args.poison:g}")  # fmt: skip
-    errs = ("start_error", *(f"error_after_{k}" for k in AFTER), "end_error")
-    print(f"{'N':>3} {'start ms':>9} {'end ms':>8} {'ref ms':>8} {'forwards':>8} "
-          + " ".join(f"{e.replace('_error', '').replace('error_', ''):>9}" for e in errs)
-          + f" {'converged at':>12}")  # fmt: skip
-    for r in rows:
-        err = " ".join(f"{r[k]:>+9.1%}" if r[k] is not None else f"{'-':>9}" for k in errs)
-        print(f"{r['nodes']:>3} {r['start_ms']:>9.1f} {r['end_ms']:>8.1f} {r['reference_ms']:>8.1f} "
-              f"{r['reference_forwards']:>8} {err} {r['converged_at']!s:>12}")  # fmt: skip
-    print(f"(errors: advertised / reference - 1; converged at: the forward after which it stays within "
-          f"{args.tolerance:.0%})")  # fmt: skip
-    print(f"final curve {live.curve()}; wall {wall} s")
-    write_result(
-        args.json,
-        args,
+    final = live.curve()
+    busy = f", measured beside {args.busy} busy loops" if args.busy else ""
+    title = f"{target.model_id} ({args.weights}), start-up curve x{args.poison:g}{busy}"
+    title += ": advertised vs measured"
+    return Result(
         rows,
-        True,
-        model=target.model_id,
-        threads=torch.get_num_threads(),
-        measured_startup_ms=measured,
-        advertised_startup_ms=poisoned,
-        final_curve_ms=live.curve(),
-        trace=trace,
-        wall_s=wall,
+        f"{render_table(rows, args.tolerance)}\nfinal curve {final}; wall {wall} s",
+        extra={
+            "model": target.model_id,
+            "threads": torch.get_num_threads(),
+            "measured_startup_ms": measured,
+            "advertised_startup_ms": poisoned,
+            "final_curve_ms": final,
+            "trace": trace,
+            "wall_s": wall,
+        },
+        plot=lambda path: plot(path, trace, rows, title),
     )
-    if args.plot is not None:
-        busy = f", measured beside {args.busy} busy loops" if args.busy else ""
-        title = f"{target.model_id} ({args.weights}), start-up curve x{args.poison:g}{busy}"
-        title += ": advertised vs measured"
-        plot(args.plot, trace, rows, title)
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
