@@ -1,5 +1,7 @@
-"""`python -m bench.kernels.roofline` (also `python -m bench.kernels.quant_matmul --roofline`): the quantized
-target's projections and whole forward against this machine's two roofs, on the same cores.
+"""The quantized target's projections and whole forward against this machine's two roofs, on the
+same cores.
+
+`python -m bench roofline` (also `python -m bench quant_matmul --roofline`) measures:
 
 - The bandwidth roof: a read of a buffer many times the last-level cache (`stream_read`: every
   64-byte line once, split across the threads), in GB/s.
@@ -15,8 +17,8 @@ target's projections and whole forward against this machine's two roofs, on the 
 --plot draws the roofline: GOPS against ops per weight byte, the roofs as lines, the projections
 and forwards as points.
 
-    python -m bench.kernels.roofline --json out.json --plot out.png
-    python -m bench.kernels.roofline --threads 1 --rows 1,16 --no-forward
+    python -m bench roofline --json out.json --plot out.png
+    python -m bench roofline --threads 1 --rows 1,16 --no-forward
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.lib import runner
 from bench.lib.args import add_common_args, add_model_args, positive_ints
-from bench.lib.results import save_figure, table, write_result
+from bench.lib.results import save_figure, table
 from shared.model_store import DEFAULT_TARGET
 from treespec_kernels import quant_matmul as qm
 
@@ -46,12 +49,7 @@ COLD_MB = 256  # at least this many bytes of copies per projection timing, so th
 PREFIX = 128
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.kernels.roofline",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(ap, model=DEFAULT_TARGET, model_help="a GGUF target: model alias or path")
     ap.add_argument(
         "--threads", type=positive_ints, default=[1, 2], help="torch thread counts, comma-separated"
@@ -67,7 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--plot", type=Path, default=None, metavar="PATH", help="write the roofline plot (PNG) here"
     )
     add_common_args(ap, json=True, json_help="rows: one per (part, threads, rows); roofs", no_progress=True)
-    return ap
 
 
 def matrices(path: str, head: bool) -> list[tuple[str, qm.QuantType, torch.Tensor, np.ndarray]]:
@@ -246,7 +243,8 @@ def plot(path: Path, rows: list[dict[str, Any]], roofs: dict[int, dict[str, floa
     save_figure(fig, path, dpi=110)
 
 
-def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[int, dict[str, float]]]:
+def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[int, dict[str, float]]]:
+    """The rows (projections, then the forward, per thread count) and the roofs per thread count."""
     from shared.model_store import resolve
 
     if qm.load() is None:
@@ -274,14 +272,11 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[int, dict[
     return rows, roofs
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.repeats < 1:
-        build_parser().error("--repeats must be at least 1")
-    rows, roofs = run(args)
-    print(f"kernel SIMD paths: {qm.simd()}")
+def render_table(rows: Sequence[dict[str, Any]], roofs: dict[int, dict[str, float]]) -> str:
+    """The SIMD paths and roofs, the table, then the forward's shares of the roofs."""
+    lines = [f"kernel SIMD paths: {qm.simd()}"]
     for threads, roof in roofs.items():
-        print(
+        lines.append(
             f"{threads} thread(s): read bandwidth {roof['bandwidth_gb_s']} GB/s, "
             f"integer step {roof['peak_gops']} GOPS"
         )
@@ -298,23 +293,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bandwidth_share",
         "compute_share",
     ]
-    print(table([[r[k] for k in keys] for r in rows], keys))
+    lines.append(table([[r[k] for k in keys] for r in rows], keys))
     for r in rows:
         if r["part"] == "forward" and r["rows"] == 1:
-            print(
+            lines.append(
                 f"forward, {r['threads']} thread(s), 1 row: {r['bandwidth_share']:.0%} of the bandwidth roof"
             )
         if r["part"] == "forward" and r["rows"] == 16:
-            print(f"forward, {r['threads']} thread(s), 16 rows: {r['compute_share']:.0%} of the compute roof")
-    if args.plot is not None:
-        plot(
-            args.plot,
+            lines.append(
+                f"forward, {r['threads']} thread(s), 16 rows: {r['compute_share']:.0%} of the compute roof"
+            )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> runner.Result:
+    if args.repeats < 1:
+        raise runner.UsageError("--repeats must be at least 1")
+    rows, roofs = measure(args)
+    return runner.Result(
+        rows,
+        render_table(rows, roofs),
+        extra={"roofs": {str(k): v for k, v in roofs.items()}, "simd": qm.simd()},
+        plot=lambda path: plot(
+            path,
             [r for r in rows if r["threads"] == min(roofs)] + [r for r in rows if r["part"] == "forward"],
             roofs,
             f"{args.model}, quantized blocks, {qm.simd()}",
-        )
-    write_result(args.json, args, rows, True, roofs={str(k): v for k, v in roofs.items()}, simd=qm.simd())
-    return 0
+        ),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
