@@ -1,5 +1,7 @@
-"""`python -m bench.kernels.prefill`: prompt tokens per second of the quantized target against llama.cpp's
-prompt processing, on the same GGUF and the same thread counts.
+"""Prompt tokens per second of the quantized target against llama.cpp's prompt processing, on the
+same GGUF and the same thread counts.
+
+`python -m bench prefill` times:
 
 - ours: `shared.model.prefill` (causal chunks of up to 512 rows through `forward_packed`, the
   projections on the file's own blocks: the multi-row tiles of treespec_kernels.quant_matmul,
@@ -10,8 +12,8 @@ prompt processing, on the same GGUF and the same thread counts.
 Rows: one per (system, threads, prompt length): median ms and prompt tokens/s, and ours over
 llama.cpp. Random token ids (both systems' cost does not depend on which tokens).
 
-    python -m bench.kernels.prefill --json prefill.json
-    python -m bench.kernels.prefill --threads 1 --lengths 64 --systems ours
+    python -m bench prefill --json prefill.json
+    python -m bench prefill --threads 1 --lengths 64 --systems ours
 """
 
 from __future__ import annotations
@@ -32,19 +34,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from bench.lib import runner
 from bench.lib.args import add_common_args, add_model_args, positive_ints
-from bench.lib.results import table, write_result
+from bench.lib.results import table
 from shared.model_store import DEFAULT_TARGET
 
 SYSTEMS = ("ours", "llama.cpp")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.kernels.prefill",
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(ap, model=DEFAULT_TARGET, model_help="a GGUF target: model alias or path")
     ap.add_argument("--threads", type=positive_ints, default=[1, 2], help="thread counts, comma-separated")
     ap.add_argument(
@@ -53,7 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=3, help="timed prefills per cell (the median is shown)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"which to run, from {','.join(SYSTEMS)}")
     add_common_args(ap, json=True, json_help="rows: one per (system, threads, length)", no_progress=True)
-    return ap
 
 
 def ours(
@@ -129,16 +126,15 @@ def _row(system: str, threads: int, n: int, seconds: float) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> runner.Result:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = sorted(set(systems) - set(SYSTEMS))
     if bad or not systems:
-        build_parser().error(
+        raise runner.UsageError(
             f"--systems: unknown {', '.join(bad) or 'empty'}; choose from {','.join(SYSTEMS)}"
         )
     if args.repeats < 1:
-        build_parser().error("--repeats must be at least 1")
+        raise runner.UsageError("--repeats must be at least 1")
     from shared.model_store import resolve
 
     path = str(resolve(args.model))
@@ -156,9 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         other = theirs.get((r["threads"], r["prompt_tokens"]))
         r["over_llama_cpp"] = round(r["tokens_per_s"] / other, 3) if other else None
     keys = ["system", "threads", "prompt_tokens", "ms", "tokens_per_s", "over_llama_cpp"]
-    print(table([[r[k] for k in keys] for r in rows], keys))
-    write_result(args.json, args, rows, True)
-    return 0
+    return runner.Result(rows, table([[r[k] for k in keys] for r in rows], keys))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
