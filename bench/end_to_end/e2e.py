@@ -1,4 +1,5 @@
-"""End to end on one machine: target-only AR vs sequence vs tree speculation (docs/architecture.md §6).
+"""End to end on one machine: target-only AR vs sequence vs tree speculation on HumanEval and Spec-Bench
+dev prompts, verifier and edge pinned to disjoint cores (docs/architecture.md §6).
 
 Starts the verifier in its own process on its own cores, drafts with llama.cpp on the other
 cores (one thread), and runs every mode on the same Spec-Bench prompts, interleaved prompt by
@@ -21,15 +22,18 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.end_to_end.e2e_results import ModeRuns, merge_results, print_report, report
-from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, suite_from_args, write_result
+from bench.end_to_end.e2e_results import ModeRuns, merge_results, render_report, report
+from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from bench.lib.shaper import LinkShape
 from edge_client.client import EdgeClient, GenerationResult, PrespecConfig, TreeSpec
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import backend_choices, create_drafter
 from shared.messages import Mode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
+from shared.prompts import load_prompt_file, load_suite
 from shared.tree import ExpansionConfig
 
 MODES = ("ar", "sequence", "tree")
@@ -203,12 +207,18 @@ async def run_modes(
     return runs, by_cat
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.end_to_end.e2e",
-        description="Target-only AR vs sequence vs tree speculation end to end on HumanEval and Spec-Bench "
-        "dev prompts (verifier and edge pinned to disjoint cores).",
-    )
+def prompts_from_args(files: Sequence[Path] | None, humaneval: int, spec_bench: int) -> list[BenchPrompt]:
+    """The prompts of a run: every --prompt-file in order, else the built-in sets (an unreadable or
+    malformed file: a UsageError, which the runner reports as the parser's error)."""
+    if not files:
+        return load_suite(humaneval, spec_bench)
+    try:
+        return [p for f in files for p in load_prompt_file(f)]
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--humaneval", type=int, default=20, help="HumanEval dev prompts (the code prompt, raw)")
     ap.add_argument(
         "--prompts", type=int, default=20, help="Spec-Bench dev prompts (round-robin over categories)"
@@ -257,31 +267,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="run nothing: put together earlier --json files of the same settings (e.g. ar in one run, "
         "the speculative modes in another), print the table and write --json",
     )
-    return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     if a.merge:
         try:
-            result = merge_results([p for p in a.merge.split(",") if p])
+            merged = merge_results([p for p in a.merge.split(",") if p])
         except ValueError as exc:
-            ap.error(f"--merge: {exc}")
-        cfg = result["config"]
-        _print_and_write(result, cfg, a.json)
-        return 0
+            raise UsageError(f"--merge: {exc}") from exc
+        return _result(merged)
     mode = Mode(a.mode) if a.mode else (Mode.GREEDY if a.temperature == 0 else Mode.MATCH)
     if mode.stochastic and a.temperature <= 0:
-        ap.error(f"--mode {mode.value} needs --temperature > 0")
+        raise UsageError(f"--mode {mode.value} needs --temperature > 0")
     modes = [m for m in a.modes.split(",") if m]
     unknown = [m for m in modes if m not in ALL_MODES]
     if unknown or not modes:
-        ap.error(f"--modes: unknown {unknown or 'none given'}; choose from {','.join(ALL_MODES)}")
+        raise UsageError(f"--modes: unknown {unknown or 'none given'}; choose from {','.join(ALL_MODES)}")
     tree_text = a.tree or recommended_tree(a.draft)
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
-    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
     tree = ExpansionConfig.parse(tree_text)
     verifier = None
     api_key = None
@@ -337,20 +342,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         "modes": ",".join(modes),
         "cores": {"edge": list(split.edge), "verifier": list(split.verifier)},
     }
-    _print_and_write(result, result["config"], a.json)
-    return 0
+    return _result(result)
 
 
-def _print_and_write(result: dict[str, Any], cfg: dict[str, Any], path: Path | None) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
+
+
+def _result(result: dict[str, Any]) -> Result:
+    """The report as the runner's Result: a row per mode, the config and the other keys beside."""
+    cfg = result["config"]
     merged = f", merged from {len(cfg['merged_from'])} files" if cfg.get("merged_from") else ""
-    print_report(
+    text = render_report(
         result,
         f"{cfg.get('model')} verifier, draft {cfg.get('draft')} ({cfg.get('drafter')}), {cfg.get('mode')} "
         f"T={cfg.get('temperature')}, tree {cfg.get('tree')}, {cfg.get('humaneval')} HumanEval + "
         f"{cfg.get('prompts')} Spec-Bench prompts x {cfg.get('tokens')} tokens{merged} (medians)",
     )
     rows = [{"mode": m, **s} for m, s in result["modes"].items()]
-    write_result(path, cfg, rows, True, **{k: v for k, v in result.items() if k != "config"})
+    return Result(rows, text, config=cfg, extra={k: v for k, v in result.items() if k != "config"})
 
 
 def trusted_key_file() -> tuple[Path, str]:

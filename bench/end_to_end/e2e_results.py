@@ -205,18 +205,21 @@ def _by_prompt(runs: ModeRuns) -> dict[str | None, list[int]]:
     return {r["prompt"]: list(r["tokens"]) for r in runs.records}
 
 
-def print_report(result: dict[str, Any], title: str) -> None:
+def render_report(result: dict[str, Any], title: str) -> str:
+    """The printed report: the title, the per-mode table, tau per category and per suite, the
+    acceptance by depth and whether every mode's tokens equal ar's."""
+    out: list[str] = []
     rows = []
     ar_ms = result["modes"].get("ar", {}).get("ms_per_token") or 0.0
     for m, s in result["modes"].items():
         speed = ar_ms / s["ms_per_token"] if s["ms_per_token"] and ar_ms else 0.0
         rows.append([m, s["ms_per_token"], s["tau"], s["target_forwards_per_token"], speed])
-    print(f"\n{title}")
-    print(table(rows, ["mode", "ms/token", "tau", "target fwd/token", "speedup vs ar"]))
+    out.append(f"\n{title}")
+    out.append(table(rows, ["mode", "ms/token", "tau", "target fwd/token", "speedup vs ar"]))
     spec = [m for m in result["modes"] if m != "ar"]
     cats = sorted({c for m in spec for c in result["modes"][m]["tau_by_category"]})
     if cats:
-        print(
+        out.append(
             table(
                 [[c, *(result["modes"][m]["tau_by_category"].get(c, "-") for m in spec)] for c in cats],
                 ["category", *(f"tau {m}" for m in spec)],
@@ -228,11 +231,11 @@ def print_report(result: dict[str, Any], title: str) -> None:
         for suite, v in s.get("by_suite", {}).items()
     ]
     if suites:
-        print(table(suites, ["mode", "suite", "ms/token", "tau", "tau pooled", "target fwd/token"]))
+        out.append(table(suites, ["mode", "suite", "ms/token", "tau", "tau pooled", "target fwd/token"]))
     depth = max((len(result["modes"][m]["acceptance_by_depth"]) for m in spec), default=0)
     if depth:
-        print("fraction of rounds accepting a node at depth d:")
-        print(
+        out.append("fraction of rounds accepting a node at depth d:")
+        out.append(
             table(
                 [
                     [m, *(f"{x:.2f}" for x in result["modes"][m]["acceptance_by_depth"])]
@@ -242,7 +245,8 @@ def print_report(result: dict[str, Any], title: str) -> None:
                 ["mode", *(str(d + 1) for d in range(depth))],
             )
         )
-    print(f"identical to target-only AR: {result['identical_to_ar']}")
+    out.append(f"identical to target-only AR: {result['identical_to_ar']}")
+    return "\n".join(out)
 
 
 def merge_results(paths: Sequence[str]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Latency over a network: target-only AR vs sequence vs tree vs tree + pre-speculation
-(docs/architecture.md §6).
+"""Latency over a network: ms/token against round-trip time for target-only AR vs sequence vs tree vs
+tree + pre-speculation (docs/architecture.md §6).
 
 For every round-trip time, every mode runs the same Spec-Bench prompts, greedy and at temperature
 0.7 (sample-and-match). The link is emulated either in the client's process (a delay and
@@ -11,7 +11,7 @@ Every row carries where the time goes (bench.end_to_end.network_report.decomposi
 prefill share and the server's gap), from round traces the clients always record; `--trace PATH`
 writes those traces, one per generation, for bench.simulation.simulate.
 
-    python -m bench.end_to_end.network --proxy --rtt-ms 0,25,50,100 --prompts 20 --tokens 128 \\
+    python -m bench network --proxy --rtt-ms 0,25,50,100 --prompts 20 --tokens 128 \\
         --json bench/out/network.json --plot bench/out/network.png --trace bench/out/network_trace.json
 """
 
@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.end_to_end.e2e import STOCHASTIC_MODES, run_modes, trusted_key_file
+from bench.end_to_end.e2e import STOCHASTIC_MODES, prompts_from_args, run_modes, trusted_key_file
 from bench.end_to_end.e2e_results import ModeRuns
 from bench.end_to_end.network_report import (
     MODES,
@@ -41,11 +41,12 @@ from bench.harness import (
     Proxy,
     Verifier,
     add_common_args,
-    suite_from_args,
     write_result,
 )
+from bench.lib import runner
 from bench.lib.args import add_model_args
 from bench.lib.replay import Recorders, replay_idle
+from bench.lib.runner import Result, UsageError
 from bench.lib.shaper import LinkShape
 from bench.lib.stats import median
 from edge_client.client import GenerationResult
@@ -194,11 +195,7 @@ async def run_block(
     return rows, entries
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.end_to_end.network",
-        description="ms/token against round-trip time for ar, sequence, tree and tree + pre-speculation.",
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rtt-ms", default="0,25,50,100", help="comma-separated round-trip times to emulate")
     ap.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (the code prompt, raw)")
     ap.add_argument(
@@ -310,24 +307,23 @@ def build_parser() -> argparse.ArgumentParser:
         "earlier one for the same RTT, mode and temperature), then print the table and goals and "
         "write --json / --plot; the files must share draft, model, prompts, tokens and tree",
     )
-    return ap
 
 
-def parse_lists(
-    ap: argparse.ArgumentParser, a: argparse.Namespace
-) -> tuple[list[float], list[float], list[str]]:
-    """--rtt-ms, --temperatures and --modes as lists, checked with --saguaro-c (else a usage error)."""
+def parse_lists(a: argparse.Namespace) -> tuple[list[float], list[float], list[str]]:
+    """--rtt-ms, --temperatures and --modes as lists, checked with --saguaro-c (else a UsageError)."""
     try:
         rtts = [float(x) for x in a.rtt_ms.split(",") if x]
         temps = [float(x) for x in a.temperatures.split(",") if x]
     except ValueError as exc:
-        ap.error(f"--rtt-ms and --temperatures take comma-separated numbers ({exc})")
+        raise UsageError(f"--rtt-ms and --temperatures take comma-separated numbers ({exc})") from exc
     modes = [m for m in a.modes.split(",") if m]
     unknown = [m for m in modes if m not in MODES + OPTIONAL]
     if unknown or not modes:
-        ap.error(f"--modes: unknown {unknown or 'none given'}; choose from {','.join(MODES + OPTIONAL)}")
+        raise UsageError(
+            f"--modes: unknown {unknown or 'none given'}; choose from {','.join(MODES + OPTIONAL)}"
+        )
     if not 0 < a.saguaro_c <= 1:
-        ap.error(f"--saguaro-c must be in (0, 1], got {a.saguaro_c}")
+        raise UsageError(f"--saguaro-c must be in (0, 1], got {a.saguaro_c}")
     return rtts, temps, modes
 
 
@@ -395,20 +391,18 @@ def run_link(
         )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     if a.merge:
         try:
             merged, config = merge([p for p in a.merge.split(",") if p])
         except ValueError as exc:
-            ap.error(f"--merge: {exc}")
-        return report(a, merged, config)
-    rtts, temps, modes = parse_lists(ap, a)
+            raise UsageError(f"--merge: {exc}") from exc
+        return report(merged, config)
+    rtts, temps, modes = parse_lists(a)
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
     print(f"link: {'TCP delay proxy process' if a.proxy else 'in-process shaper'}", flush=True)
-    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
     a.tree = a.tree or recommended_tree(a.draft)
     tree = ExpansionConfig.parse(a.tree)
     rows: list[dict[str, Any]] = []
@@ -424,8 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             for rtt in rtts:
                 for temp in temps:
-                    run = [m for m in modes if temp > 0 or m not in STOCHASTIC_MODES]  # mss / rrs sample
-                    if not run:
+                    # mss / rrs sample: none of them at temperature 0
+                    block_modes = [m for m in modes if temp > 0 or m not in STOCHASTIC_MODES]
+                    if not block_modes:
                         continue
                     block, entries = run_link(
                         verifier,
@@ -435,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         tree,
                         rtt,
                         temp,
-                        run,
+                        block_modes,
                         api_key,
                         tokens=a.tokens,
                         proxy=a.proxy,
@@ -457,7 +452,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     write_trace(a.trace, vars(a), generations)
         finally:
             drafter.close()
-    return report(a, rows, vars(a))
+    return report(rows, vars(a))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,12 @@ plot."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from bench.harness import read_runs, save_figure, table, write_json, write_result
+from bench.harness import read_runs, save_figure, table, write_json
+from bench.lib.runner import Result
 from bench.lib.stats import median
 from edge_client.stats import GenerationStats
 
@@ -185,66 +185,66 @@ def merge(paths: Sequence[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return rows, config
 
 
-def report(a: argparse.Namespace, rows: list[dict[str, Any]], config: dict[str, Any]) -> int:
-    """The table, the goals, the JSON (complete; with `config`) and the plot."""
+def report(rows: list[dict[str, Any]], config: dict[str, Any]) -> Result:
+    """The runner's Result: the rows (complete, with `config`), the printed text (the table, where
+    the time goes, the goals, the identity line) and the plot."""
     c = config
     merged = f", merged from {len(c['merged_from'])} files" if c.get("merged_from") else ""
     n_he, n_sb = c.get("humaneval", 0), c.get("prompts")
     size = f"{n_he} HumanEval + {n_sb} Spec-Bench prompts x {c.get('tokens')} tokens"
-    print(f"\n{c.get('model')} verifier, draft {c.get('draft')}, {size}{merged} (medians)")
-    print(
-        table(
-            [
-                [
-                    r["rtt_ms"],
-                    r["temperature"],
-                    r["mode"],
-                    r["ms_per_token"],
-                    r["tau"],
-                    "-" if r["hit_rate"] is None else r["hit_rate"],
-                    r["target_forwards_per_token"],
-                    r["bytes_up_per_token"],
-                    r["bytes_down_per_token"],
-                    r["draft_ms_per_round"],
-                    r["verify_ms_per_round"],
-                    r["rtt_ms_per_round"],
-                ]
-                for r in rows
-            ],
-            [
-                "rtt",
-                "T",
-                "mode",
-                "ms/token",
-                "tau",
-                "hit",
-                "fwd/token",
-                "B up/tok",
-                "B down/tok",
-                "draft ms/rnd",
-                "verify ms/rnd",
-                "net ms/rnd",
-            ],
-        )
-    )
-    _print_where_time_goes(rows)
-    _goals(rows)
+    lines = [
+        f"\n{c.get('model')} verifier, draft {c.get('draft')}, {size}{merged} (medians)",
+        render_table(rows),
+    ]
+    lines += where_time_goes(rows) + goals(rows)
     line = _identity_line(rows)
     if line:
-        print(line)
-    write_result(a.json, config, rows, True)
-    if a.plot:
-        plot(rows, a.plot)
-        print(f"plot: {a.plot}")
-    return 0
+        lines.append(line)
+    return Result(rows, "\n".join(lines), config=config, plot=lambda path: plot(rows, str(path)))
 
 
-def _print_where_time_goes(rows: Sequence[dict[str, Any]]) -> None:
-    """The decomposition's table (TIME_KEYS) for the rows that have any of it."""
+def render_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The main table: a row per RTT, temperature and mode."""
+    return table(
+        [
+            [
+                r["rtt_ms"],
+                r["temperature"],
+                r["mode"],
+                r["ms_per_token"],
+                r["tau"],
+                "-" if r["hit_rate"] is None else r["hit_rate"],
+                r["target_forwards_per_token"],
+                r["bytes_up_per_token"],
+                r["bytes_down_per_token"],
+                r["draft_ms_per_round"],
+                r["verify_ms_per_round"],
+                r["rtt_ms_per_round"],
+            ]
+            for r in rows
+        ],
+        [
+            "rtt",
+            "T",
+            "mode",
+            "ms/token",
+            "tau",
+            "hit",
+            "fwd/token",
+            "B up/tok",
+            "B down/tok",
+            "draft ms/rnd",
+            "verify ms/rnd",
+            "net ms/rnd",
+        ],
+    )
+
+
+def where_time_goes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The decomposition's table (TIME_KEYS) for the rows that have any of it (its lines)."""
     timed = [r for r in rows if any(r.get(k) is not None for k in TIME_KEYS)]
     if not timed:
-        return
-    print("\nwhere the time goes (ms/token x tau ~= V + (1 - p)(RTT + T_b) + stall + prefill share)")
+        return []
     head = ["rtt", "T", "mode", "ms/token", "tau", "V ms", "V idle ms", "V idle replay", "T_b ms", "p"]
     head += ["stall ms/rnd", "prefill ms/tok", "decode ms/tok", "TTFT ms", "gap ms"]
     cells = [
@@ -252,7 +252,10 @@ def _print_where_time_goes(rows: Sequence[dict[str, Any]]) -> None:
         + ["-" if r.get(k) is None else r[k] for k in TIME_KEYS]
         for r in timed
     ]
-    print(table(cells, head))
+    return [
+        "\nwhere the time goes (ms/token x tau ~= V + (1 - p)(RTT + T_b) + stall + prefill share)",
+        table(cells, head),
+    ]
 
 
 def write_trace(path: str | None, config: dict[str, Any], generations: list[dict[str, Any]]) -> None:
@@ -339,16 +342,16 @@ def goal_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _goals(rows: list[dict[str, Any]]) -> None:
-    """Print goal_lines, then what the round trip costs the static tree (RTT 50 against RTT 0)."""
-    for line in goal_lines(rows):
-        print(line)
+def goals(rows: list[dict[str, Any]]) -> list[str]:
+    """goal_lines, then what the round trip costs the static tree (RTT 50 against RTT 0)."""
+    lines = goal_lines(rows)
     for t in sorted({r["temperature"] for r in rows}):
         by = {(r["rtt_ms"], r["mode"]): r for r in rows if r["temperature"] == t}
         t0, t50 = by.get((0, "tree")), by.get((50, "tree"))
         if t0 and t50:
-            print(
+            lines.append(
                 f"T={t:g}: tree ms/token at RTT 50 - at RTT 0 = "
                 f"{t50['ms_per_token'] - t0['ms_per_token']:.1f} "
                 f"(expected ~50/tau = {50 / t50['tau']:.1f})"
             )
+    return lines

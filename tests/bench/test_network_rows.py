@@ -4,7 +4,6 @@ cheap traced run of the row code against the tiny verifier."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from pathlib import Path
@@ -114,14 +113,14 @@ def test_a_row_keeps_every_key_and_adds_the_decomposition() -> None:
     assert entry["stats"]["tokens"] == 10 and entry["stats"]["gap_ms"] == 0.2
 
 
-def test_the_report_shows_where_the_time_goes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_the_report_shows_where_the_time_goes() -> None:
     st = traced()
     runs = ModeRuns()
     runs.add(GenerationResult(prompt_tokens=[1, 2], tokens=list(range(10)), stats=st), forwards=4.0)
     rows = [mode_row("tree_prespec", 50.0, 0.0, runs, [st])]
-    out = tmp_path / "n.json"
-    assert report(argparse.Namespace(json=str(out), plot=None), rows, {"model": "m"}) == 0
-    text = capsys.readouterr().out
+    result = report(rows, {"model": "m"})
+    assert result.status == 0 and result.config == {"model": "m"}
+    text = result.table
     table = text[text.index("where the time goes") :]
     header, _, line = table.splitlines()[1:4]
     assert (
@@ -137,7 +136,7 @@ def test_the_report_shows_where_the_time_goes(capsys: pytest.CaptureFixture[str]
     assert float(cells[7]) == pytest.approx(row["ms_per_token"] - 15.0, abs=1e-3)  # decode: after the prefill
     ttft = row["ttft_ms"]  # None: these hand-built stats record no first-token time
     assert cells[8] == "-" if ttft is None else float(cells[8]) == pytest.approx(ttft, abs=1e-3)
-    assert json.loads(out.read_text())["rows"][0]["stall_ms_per_round"] == 5.0
+    assert result.rows[0]["stall_ms_per_round"] == 5.0
 
 
 def test_help_explains_every_new_flag_and_key(capsys: pytest.CaptureFixture[str]) -> None:
