@@ -1,9 +1,10 @@
-"""`python -m bench.kernels.tree_attention`: the fused Triton tree-attention kernel against SDPA with a dense
-mask.
+"""The fused Triton tree-attention kernel against per-session SDPA with a dense mask (as the model's
+_attend does) and the plain-torch reference, for every combination of --sessions, --nodes and
+--prefix.
 
-For every (sessions, nodes, prefix): `sessions` tree sessions, each with `prefix` committed positions
-and a verify round of row 0 + `nodes` nodes (a random tree), K/V in a fragmented paged pool (every
-session's blocks shuffled through the pool). Three ways to compute one layer's attention:
+`python -m bench tree_attention`: for every (sessions, nodes, prefix): `sessions` tree sessions,
+each with `prefix` committed positions and a verify round of row 0 + `nodes` nodes (a random
+tree), K/V in a fragmented paged pool (every session's blocks shuffled through the pool). Three ways to compute one layer's attention:
 
 - triton: `treespec_kernels.tree_attention.tree_attention`, all sessions in one launch (check_values=False,
   as a model's per-layer call runs; the arguments are checked once beforehand);
@@ -14,7 +15,7 @@ session's blocks shuffled through the pool). Three ways to compute one layer's a
 - reference: `reference_tree_attention` (plain torch, float32; --no-reference skips it).
 
 Medians of --repeats calls after --warmup, each call between two torch.cuda.synchronize() on CUDA.
-The issue's goal: triton >= 1.5x sdpa at 16 sessions x 64 nodes, prefix 8k, on an H200. On the CPU
+The goal: triton >= 1.5x sdpa at 16 sessions x 64 nodes, prefix 8k, on an H200. On the CPU
 the kernel runs in Triton's interpreter: tiny sizes only, to check the arguments and the JSON.
 """
 
@@ -36,7 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.harness import add_common_args, write_result
+from bench.harness import add_common_args
+from bench.lib import runner
+from bench.lib.runner import Result, UsageError
 from bench.lib.stats import median_ms
 from treespec_kernels.tree_attention import (
     ancestor_masks,
@@ -132,14 +135,7 @@ def timed_ms(fn: Callable[[], torch.Tensor], device: torch.device, warmup: int, 
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.kernels.tree_attention",
-        description="Time the fused Triton tree-attention kernel against per-session SDPA with a dense "
-        "mask (as the model's _attend does) and the plain-torch reference, for every combination of "
-        "--sessions, --nodes and --prefix; print a table, optionally write JSON.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", help="cuda, or cpu (Triton's interpreter: tiny sizes only)")
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="q/K/V dtype")
     p.add_argument("--sessions", type=ints, default=[1, 4, 16], help="sessions per launch (comma list)")
@@ -165,46 +161,89 @@ def build_parser() -> argparse.ArgumentParser:
         seed=0,
         seed_help="the trees, the pool layout and the data",
     )
-    return p
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> torch.device:
+def check_args(args: argparse.Namespace) -> torch.device:
+    """The device the flags name, once every flag's value is checked (UsageError when one is wrong)."""
     if args.device not in ("cuda", "cpu") and not args.device.startswith("cuda:"):
-        p.error(f"--device must be cuda, cuda:N or cpu, got {args.device!r}")
+        raise UsageError(f"--device must be cuda, cuda:N or cpu, got {args.device!r}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: CUDA is not available here; use --device cpu (interpreter, tiny sizes)")
+        raise UsageError(
+            "--device cuda: CUDA is not available here; use --device cpu (interpreter, tiny sizes)"
+        )
     if any(not 1 <= x <= MAX_NODES for x in args.nodes):
-        p.error(f"--nodes must be in 1..{MAX_NODES}, got {args.nodes}")
+        raise UsageError(f"--nodes must be in 1..{MAX_NODES}, got {args.nodes}")
     if any(not 1 <= x <= 4096 for x in args.sessions):
-        p.error(f"--sessions must be in 1..4096, got {args.sessions}")
+        raise UsageError(f"--sessions must be in 1..4096, got {args.sessions}")
     if any(not 0 <= x <= 1 << 20 for x in args.prefix):
-        p.error(f"--prefix must be in 0..{1 << 20}, got {args.prefix}")
+        raise UsageError(f"--prefix must be in 0..{1 << 20}, got {args.prefix}")
     if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads:
-        p.error(f"--heads {args.heads} must be a positive multiple of --kv-heads {args.kv_heads}")
+        raise UsageError(f"--heads {args.heads} must be a positive multiple of --kv-heads {args.kv_heads}")
     if args.head_dim not in (16, 32, 64, 128, 256):
-        p.error(f"--head-dim must be a power of two in 16..256, got {args.head_dim}")
+        raise UsageError(f"--head-dim must be a power of two in 16..256, got {args.head_dim}")
     if not 1 <= args.block_size <= 4096:
-        p.error(f"--block-size must be in 1..4096, got {args.block_size}")
+        raise UsageError(f"--block-size must be in 1..4096, got {args.block_size}")
     if args.repeats < 1 or args.warmup < 0:
-        p.error("--repeats must be >= 1 and --warmup >= 0")
+        raise UsageError("--repeats must be >= 1 and --warmup >= 0")
     if device.type == "cpu":
         positions = max(args.sessions) * (max(args.prefix) + max(args.nodes) + 1)
         if positions > CPU_MAX_POSITIONS:
-            p.error(
+            raise UsageError(
                 f"--device cpu runs Triton's interpreter: at most {CPU_MAX_POSITIONS} positions in a "
                 f"launch (sessions x (prefix + nodes + 1) = {positions}); use smaller sizes or CUDA"
             )
     return device
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    device = check_args(p, args)
+def measure_case(
+    args: argparse.Namespace, sessions: int, nodes: int, prefix: int, device: torch.device,
+    tuning: dict[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """One (sessions, nodes, prefix): the three ways' median ms and the kernel's distance to SDPA."""
+    case = build_case(
+        sessions, nodes, prefix, args.heads, args.kv_heads, args.head_dim, args.block_size,
+        DTYPES[args.dtype], device, args.seed,
+    )  # fmt: skip
+    tree_attention(**case, **tuning)  # every argument checked once (and compiled)
+    sdpa = sdpa_attention(case)
+    diff = (tree_attention(**case, **tuning).float() - sdpa().float()).abs().max().item()
+    fused = partial(tree_attention, **case, check_values=False, **tuning)
+    triton_ms = timed_ms(fused, device, args.warmup, args.repeats)
+    sdpa_ms = timed_ms(sdpa, device, args.warmup, args.repeats)
+    ref_ms = None
+    if not args.no_reference:
+        reference = partial(reference_tree_attention, **case)
+        ref_ms = timed_ms(reference, device, 0, max(1, args.repeats // 4))
+    return {
+        "sessions": sessions,
+        "nodes": nodes,
+        "prefix": prefix,
+        "dtype": args.dtype,
+        "triton_ms": round(triton_ms, 4),
+        "sdpa_ms": round(sdpa_ms, 4),
+        "reference_ms": None if ref_ms is None else round(ref_ms, 4),
+        "speedup_vs_sdpa": round(sdpa_ms / triton_ms, 4),
+        "max_abs_diff_vs_sdpa": diff,
+    }
+
+
+def table_line(row: dict[str, Any]) -> str:
+    """One row of the printed table."""
+    triton_ms, sdpa_ms, ref_ms = row["triton_ms"], row["sdpa_ms"], row["reference_ms"]
+    ref_text = "-" if ref_ms is None else f"{ref_ms:.3f}"
+    return (
+        f"{row['sessions']:>8} {row['nodes']:>5} {row['prefix']:>6} {triton_ms:>10.3f} {sdpa_ms:>9.3f} "
+        f"{ref_text:>9} {sdpa_ms / triton_ms:>7.2f}"
+    )
+
+
+def run(args: argparse.Namespace) -> Result:
+    """The table is printed row by row as the cases finish (a GPU sweep takes minutes), so the
+    Result's table is empty."""
+    device = check_args(args)
     if device.type == "cpu" and "triton" not in sys.modules:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the only way Triton runs on a CPU
-    dtype = DTYPES[args.dtype]
     tuning = dict(
         block_m=args.block_m, block_n=args.block_n, num_warps=args.num_warps, num_stages=args.num_stages
     )
@@ -212,42 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = ("sessions", "nodes", "prefix", "triton ms", "sdpa ms", "ref ms", "x sdpa")
     header = " ".join(f"{x:>{w}}" for x, w in zip(names, (8, 5, 6, 10, 9, 9, 7), strict=True))
     print(f"{args.heads}:{args.kv_heads} heads, head_dim {args.head_dim}, {args.dtype}, {device}")
-    print(header)
+    print(header, flush=True)
     for sessions in args.sessions:
         for nodes in args.nodes:
             for prefix in args.prefix:
-                case = build_case(
-                    sessions, nodes, prefix, args.heads, args.kv_heads, args.head_dim, args.block_size,
-                    dtype, device, args.seed,
-                )  # fmt: skip
-                tree_attention(**case, **tuning)  # every argument checked once (and compiled)
-                sdpa = sdpa_attention(case)
-                diff = (tree_attention(**case, **tuning).float() - sdpa().float()).abs().max().item()
-                fused = partial(tree_attention, **case, check_values=False, **tuning)
-                triton_ms = timed_ms(fused, device, args.warmup, args.repeats)
-                sdpa_ms = timed_ms(sdpa, device, args.warmup, args.repeats)
-                ref_ms = None
-                if not args.no_reference:
-                    reference = partial(reference_tree_attention, **case)
-                    ref_ms = timed_ms(reference, device, 0, max(1, args.repeats // 4))
-                row = {
-                    "sessions": sessions,
-                    "nodes": nodes,
-                    "prefix": prefix,
-                    "dtype": args.dtype,
-                    "triton_ms": round(triton_ms, 4),
-                    "sdpa_ms": round(sdpa_ms, 4),
-                    "reference_ms": None if ref_ms is None else round(ref_ms, 4),
-                    "speedup_vs_sdpa": round(sdpa_ms / triton_ms, 4),
-                    "max_abs_diff_vs_sdpa": diff,
-                }
-                rows.append(row)
-                ref_text = "-" if ref_ms is None else f"{ref_ms:.3f}"
-                print(
-                    f"{sessions:>8} {nodes:>5} {prefix:>6} {triton_ms:>10.3f} {sdpa_ms:>9.3f} {ref_text:>9} "
-                    f"{sdpa_ms / triton_ms:>7.2f}"
-                )
-                del case, sdpa, fused
+                rows.append(measure_case(args, sessions, nodes, prefix, device, tuning))
+                print(table_line(rows[-1]), flush=True)
     config = {
         **{k: v for k, v in vars(args).items() if k not in tuning},  # tuning: only what was set
         "device": str(device),
@@ -261,9 +270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "sdpa": "per session, dense additive mask, K/V gathered by slot (as LlamaModel._attend)",
         **{k: v for k, v in tuning.items() if v is not None},
     }
-    if write_result(args.json, config, rows, True) is not None:
-        print(f"wrote {args.json}")
-    return 0
+    return Result(rows, config=config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
