@@ -4,7 +4,8 @@ _attend does) and the plain-torch reference, for every combination of --sessions
 
 `python -m bench tree_attention`: for every (sessions, nodes, prefix): `sessions` tree sessions,
 each with `prefix` committed positions and a verify round of row 0 + `nodes` nodes (a random
-tree), K/V in a fragmented paged pool (every session's blocks shuffled through the pool). Three ways to compute one layer's attention:
+tree), K/V in a fragmented paged pool (every session's blocks shuffled through the pool). Three
+ways to compute one layer's attention:
 
 - triton: `treespec_kernels.tree_attention.tree_attention`, all sessions in one launch (check_values=False,
   as a model's per-layer call runs; the arguments are checked once beforehand);
