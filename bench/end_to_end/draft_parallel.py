@@ -1,4 +1,5 @@
-"""Drafting a merged round with several drafters in turn against at the same time (--parallel-drafters).
+"""Drafting a merged round with several drafters in turn against at the same time (--parallel-drafters):
+the ms to draft one merged round with several drafters, in turn vs at the same time.
 
 No verifier: for each prompt the drafters are synced to the prompt and then to the first drafter's
 greedy continuation, one token at a time, and at each position every variant drafts one round's
@@ -8,7 +9,7 @@ thread as always). Reports the median milliseconds of one round per variant; gre
 and parallel must give the same merged trees (checked). On a device with a free core per drafter,
 `parallel` should cost about the slowest drafter alone instead of the sum.
 
-    python -m bench.end_to_end.draft_parallel --draft qwen2.5-coder-0.5b-q4 --draft DIR --drafter llama_cpp \
+    python -m bench draft_parallel --draft qwen2.5-coder-0.5b-q4 --draft DIR --drafter llama_cpp \
         --drafter onnx --nodes 8 --prompts 8 --positions 16 --json bench/out/draft_parallel.json
 """
 
@@ -25,8 +26,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
+from bench.end_to_end.e2e import prompts_from_args
+from bench.harness import BenchPrompt, add_common_args, table
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
 from edge_client.speculation import DraftPlain, DraftStep, Request, TreeSpec
@@ -79,12 +83,7 @@ def measure(
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.end_to_end.draft_parallel",
-        description="ms to draft one merged round with several drafters: in turn vs at the same time",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--draft", action="append", required=True, help="a draft (alias, GGUF or export folder); repeat"
     )
@@ -97,16 +96,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_common_args(
         ap, json=True, json_help="the median ms of each variant", prompt_file=True, no_progress=True
     )
-    a = ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> Result:
     backends = a.drafter or ["llama_cpp"]
     if len(a.draft) < 2:
-        ap.error("give two or more --draft")
+        raise UsageError("give two or more --draft")
     if len(backends) not in (1, len(a.draft)):
-        ap.error(f"--drafter: give one backend, or one per --draft ({len(a.draft)})")
+        raise UsageError(f"--drafter: give one backend, or one per --draft ({len(a.draft)})")
     if a.nodes < 1 or a.positions < 1 or a.prompts + a.humaneval < 1:
-        ap.error("--nodes, --positions and the prompt count must be positive")
+        raise UsageError("--nodes, --positions and the prompt count must be positive")
     backends = backends * len(a.draft) if len(backends) == 1 else backends
-    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
     drafters = [
         create_drafter(b, d, n_threads=a.threads, max_context=4096, max_nodes=64)
         for b, d in zip(backends, a.draft, strict=True)
@@ -118,16 +119,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             d.close()
     med = res["median_ms"]
     alone = [v for v in med if v.startswith("alone")]
-    rows = [[v, med[v]] for v in med]
-    print(table(rows, ["variant", "ms a round (median)"]))
-    print(
-        f"parallel / in_turn {med['parallel'] / med['in_turn']:.2f}; parallel / slowest alone "
-        f"{med['parallel'] / max(med[v] for v in alone):.2f}; identical merged trees "
-        f"{res['identical_trees']}/{res['rounds']}"
+    text = "\n".join(
+        [
+            table([[v, med[v]] for v in med], ["variant", "ms a round (median)"]),
+            f"parallel / in_turn {med['parallel'] / med['in_turn']:.2f}; parallel / slowest alone "
+            f"{med['parallel'] / max(med[v] for v in alone):.2f}; identical merged trees "
+            f"{res['identical_trees']}/{res['rounds']}",
+        ]
     )
     out = [{"variant": v, "median_ms": med[v]} for v in med]
-    write_result(a.json, a, out, True, **res, drafter=backends, cores=os.cpu_count())
-    return 0
+    return Result(out, text, extra={**res, "drafter": backends, "cores": os.cpu_count()})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":

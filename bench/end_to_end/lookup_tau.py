@@ -1,7 +1,7 @@
 """Tokens per round of the TypeScript client's prompt-lookup drafter (clients/typescript), and its
 output identity with target-only decoding, on HumanEval and Spec-Bench dev prompts.
 
-    python -m bench.end_to_end.lookup_tau --model smollm2-135m --humaneval 10 --prompts 10 --tokens 128
+    python -m bench lookup_tau --model smollm2-135m --humaneval 10 --prompts 10 --tokens 128
 
 Starts the verifier, tokenizes each prompt with the target's tokenizer (HumanEval raw, Spec-Bench in
 the chat template), runs the TypeScript CLI in greedy mode and then in `ar` mode, and reports τ per
@@ -21,16 +21,16 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.harness import REPO, Verifier, add_common_args, suite_from_args, table, write_result
+from bench.end_to_end.e2e import prompts_from_args
+from bench.harness import REPO, Verifier, add_common_args, table
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 
 TS = REPO / "clients" / "typescript"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.end_to_end.lookup_tau", description=__doc__.split("\n\n")[0]
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(ap, model="smollm2-135m")
     ap.add_argument("--humaneval", type=int, default=10, help="HumanEval dev prompts (raw)")
     ap.add_argument("--prompts", type=int, default=10, help="Spec-Bench dev prompts (chat template)")
@@ -44,10 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prompt_file=True,
         no_progress=True,
     )
-    a = ap.parse_args(argv)
-    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+
+
+def run(a: argparse.Namespace) -> Result:
+    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
     if shutil.which("node") is None or shutil.which("npm") is None:
-        ap.error("needs Node.js 20 and npm (the TypeScript client)")
+        raise UsageError("needs Node.js 20 and npm (the TypeScript client)")
     if not (TS / "node_modules").exists():
         subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=TS, check=True, capture_output=True)
     subprocess.run(["npm", "run", "build"], cwd=TS, check=True, capture_output=True)
@@ -99,11 +101,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "identical_to_ar": all(bool(row["identical"]) for row in rows),
         "tau_by_category": {c: round(statistics.mean(v), 3) for c, v in sorted(by_cat.items())},
     }
-    print(table([[c, len(v), f"{statistics.mean(v):.2f}"] for c, v in sorted(by_cat.items())],
-                ["category", "prompts", "tau"]))  # fmt: skip
-    print(json.dumps({k: v for k, v in summary.items() if k != "tau_by_category"}))
-    write_result(a.json, a, rows, True, **summary)
-    return 0 if summary["identical_to_ar"] else 1
+    text = "\n".join([table([[c, len(v), f"{statistics.mean(v):.2f}"] for c, v in sorted(by_cat.items())],
+                            ["category", "prompts", "tau"]),
+                      json.dumps({k: v for k, v in summary.items() if k != "tau_by_category"})])  # fmt: skip
+    return Result(rows, text, extra=summary, status=0 if summary["identical_to_ar"] else 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":

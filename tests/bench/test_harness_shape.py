@@ -33,6 +33,7 @@ JSON_CALLS_ALLOWED = {
     ("gpu_check", "main"): "one log line (OUTDIR/gpu_check.log) naming the environment, not a JSON file",
     ("browser", "call"): "a DevTools protocol message to Chromium over its WebSocket, not a file",
     ("js_edge", "run"): "a JavaScript string literal (the page's URL) in an expression Chromium evaluates",
+    ("lookup_tau", "run"): "the summary's figures as one JSON line of the printed text, not a file",
 }
 # (module, function) -> which non-result JSON file it writes with harness.write_json, and who reads it
 WRITE_JSON_ALLOWED = {
