@@ -1,13 +1,14 @@
-"""`python -m bench.kernels.gpu_forward`: ms per verify forward at N = 1..64 rows and decode tokens/s of a
-target of Qwen2.5-Coder-1.5B's exact shape, on a GPU in bf16.
+"""ms per verify forward at N = 1..64 rows and decode tokens/s of a target of Qwen2.5-Coder-1.5B's
+exact shape with random weights, on a GPU in bf16 (or a tiny shape on a CPU).
 
-The weights are random (seeded, drawn on the device): the 1.5B's GGUF (~1 GB) cannot travel to a
-machine with no network, and a forward's time does not depend on the weights' values, only on
-their shapes and dtype (the JSON says so). N = 1 is a one-token decode step; N > 1 is row 0 plus
-N - 1 nodes of a drafted-looking tree (`bench.kernels.target_step.bench_tree`), after `--prefix` committed
-tokens, logits for every row, each forward between two device synchronisations; medians of
-`--repeats`. decode_tok_s: one-token steps with the argmax read back each step (what target-only
-decoding does). The goal checked: a 16-row verify forward <= 1.2x a one-token decode step.
+`python -m bench gpu_forward`: the weights are random (seeded, drawn on the device): the 1.5B's GGUF
+(~1 GB) cannot travel to a machine with no network, and a forward's time does not depend on the
+weights' values, only on their shapes and dtype (the JSON says so). N = 1 is a one-token decode
+step; N > 1 is row 0 plus N - 1 nodes of a drafted-looking tree
+(`bench.kernels.target_step.bench_tree`), after `--prefix` committed tokens, logits for every row,
+each forward between two device synchronisations; medians of `--repeats`. decode_tok_s: one-token
+steps with the argmax read back each step (what target-only decoding does). The goal checked: a
+16-row verify forward <= 1.2x a one-token decode step.
 
 On a CPU `--shape tiny` runs in seconds (the suite tests the arguments and the JSON with it).
 """
@@ -29,9 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.harness import add_common_args, write_result
+from bench.harness import add_common_args
 from bench.kernels.target_step import bench_tree
+from bench.lib import runner
 from bench.lib.device import sync, to_device
+from bench.lib.runner import Result, UsageError
 from shared.model import (
     LlamaModel,
     ModelConfig,
@@ -165,13 +168,7 @@ def ints(text: str) -> list[int]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.kernels.gpu_forward",
-        description="ms per verify forward (N rows) and decode tokens/s of a target of the 1.5B's shape "
-        "with random weights, on a GPU (or a tiny shape on a CPU).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=list(SHAPES), default="qwen2.5-coder-1.5b", help="model shape")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cuda[:N] or cpu")
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32 (or bfloat16, float16, float32)")
@@ -192,7 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
         seed=0,
         seed_help="the weights and the trees",
     )
-    return p
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -215,16 +211,13 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> Result:
     err = check_args(args)
     if err is not None:
-        print(f"bench.kernels.gpu_forward: {err}", file=sys.stderr)
-        return 2
+        raise UsageError(err)
     device = resolve_device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench.kernels.gpu_forward: --device cuda but torch sees no CUDA device", file=sys.stderr)
-        return 2
+        raise UsageError("--device cuda but torch sees no CUDA device")
     dtype = resolve_dtype(args.dtype, device)
     config = SHAPES[args.shape]
     model = random_model(config, dtype, device, args.seed)
@@ -242,21 +235,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         "forward_rows": "N = rows of one forward: row 0 + (N - 1) tree nodes, logits for all",
         "by_attention": {},
     }
+    lines = []
     for mode in args.attention.split(","):
         model.set_attention(mode)
         r = measure(model, args.rows, args.prefix, args.repeats, args.decode_tokens, args.seed)
         r["attention_kernel"] = model.attention_kernel
         result["by_attention"][mode] = r
-        kernel, fwd, dec = r["attention_kernel"], r["forward_ms"], r["decode_tok_s"]
-        print(f"{mode} ({kernel}): forward ms {fwd}, decode {dec} tok/s")
-        if r.get("decode_slow_steps", {}).get("count"):
-            print(f"  decode steps over 3x the median (cached length, ms): {r['decode_slow_steps']}")
-        if "ratio_16_over_1" in r:
-            print(f"  N=16 / N=1: {r['ratio_16_over_1']} (goal <= {GOAL_16_OVER_1})")
+        lines += summary_lines(mode, r)
     rows = [{"attention": mode, **r} for mode, r in result["by_attention"].items()]
-    if write_result(args.json, args, rows, True, **result) is not None:
-        print(f"wrote {args.json}")
-    return 0
+    return Result(rows, "\n".join(lines), extra=result)
+
+
+def summary_lines(mode: str, r: dict[str, Any]) -> list[str]:
+    """The printed lines of one attention mode's figures."""
+    kernel, fwd, dec = r["attention_kernel"], r["forward_ms"], r["decode_tok_s"]
+    lines = [f"{mode} ({kernel}): forward ms {fwd}, decode {dec} tok/s"]
+    if r.get("decode_slow_steps", {}).get("count"):
+        lines.append(f"  decode steps over 3x the median (cached length, ms): {r['decode_slow_steps']}")
+    if "ratio_16_over_1" in r:
+        lines.append(f"  N=16 / N=1: {r['ratio_16_over_1']} (goal <= {GOAL_16_OVER_1})")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":

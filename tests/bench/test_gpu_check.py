@@ -158,7 +158,9 @@ def test_gpu_forward_shape_is_the_1_5b() -> None:
 def test_gpu_forward_refuses_bad_arguments(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert gpu_forward.main(["--shape", "tiny", "--device", "cpu", *argv]) == 2
+    with pytest.raises(SystemExit) as exit_:  # the parser's error: usage, the message, status 2
+        gpu_forward.main(["--shape", "tiny", "--device", "cpu", *argv])
+    assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 
 
