@@ -1,4 +1,5 @@
-"""`python -m bench.serving.load`: N concurrent edge sessions against the verifier, batched vs unbatched.
+"""N concurrent edge sessions against the cloud verifier: sessions, errors, round latency and tokens/s,
+with continuous batching on and off in the same run.
 
 What continuous batching buys (docs/architecture.md §6): each of N clients loops over Spec-Bench
 prompts (prompt -> tree rounds until done -> next prompt) with trees from the prompt-lookup
@@ -13,6 +14,11 @@ prefill rounds included) and tokens/s (tokens of every verdict received before t
 clients together, over the run's seconds). With `--url` the bench drives a verifier it did not
 start: it cannot switch that server's batching, so those runs have `"batching": null` and no
 speedup. Server and clients share this process's CPUs (nothing is pinned; the table says so).
+
+`--cloud-cost` runs the other bench of this name instead, bench.serving.load_cost, with its own flags.
+
+    python -m bench load --clients 1,4,16 --seconds 30 --json out.json
+    python -m bench load --cloud-cost --help
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.harness import add_common_args, positive_ints, write_result
+from bench.harness import add_common_args, positive_ints
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result
 from bench.serving.load_clients import (
     PROMPTS,
     BenchError,
@@ -36,7 +44,7 @@ from bench.serving.load_clients import (
     load_prompts,
     load_tokenizer,
 )
-from bench.serving.load_figures import OtherCpu, Tally, print_table, speedups, summarize
+from bench.serving.load_figures import OtherCpu, Tally, render_table, speedups, summarize
 from bench.serving.proposer import LookupConfig
 from cloud_verifier.server import ThreadedServer
 from cloud_verifier.server_config import ServerConfig
@@ -68,13 +76,11 @@ class InProcessServer(ThreadedServer):
 
 # --------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
+    return runner.build_parser(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m bench.serving.load",
-        description="Concurrent scripted edge sessions against the cloud verifier: sessions, errors, "
-        "round latency and tokens/s, with continuous batching on and off in the same run.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
     p.add_argument(
         "--clients",
         type=positive_ints,
@@ -132,9 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: the cloud's cost per token, M real-pair edge clients (recorded, replayed as "
         "separate devices) against M cloud-only ar clients (bench.serving.load_cost; its own flags: "
-        "python -m bench.serving.load --cloud-cost --help)",
+        "python -m bench load --cloud-cost --help)",
     )
-    return p
 
 
 def _server_args(p: argparse.ArgumentParser, d: ServerConfig) -> None:
@@ -190,13 +195,7 @@ def cpu_note(target: Target | None) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--cloud-cost" in argv:  # the other bench of this name: its own flags (bench.serving.load_cost)
-        from bench.serving import load_cost
-
-        return load_cost.main([x for x in argv if x != "--cloud-cost"])
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> Result:
     lookup = LookupConfig(nodes=args.nodes, depth=args.depth, max_ngram=args.ngram)
     target: Target | None = None
     if args.url is None:
@@ -242,10 +241,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cpu": cpu_note(target),
         "round_ms": "client-side, from sending a prompt or tree to its verdict; every round counts",
     }
-    print_table(result)
-    if write_result(args.json, args, runs, True, **result) is not None:
-        print(f"\nwrote {args.json}")
-    return 0
+    return Result(runs, render_table(result), extra=result)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--cloud-cost" in argv:  # the other bench of this name: its own flags (bench.serving.load_cost)
+        from bench.serving import load_cost
+
+        return load_cost.main([x for x in argv if x != "--cloud-cost"])
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
-"""`python -m bench.serving.load --cloud-cost`: what the cloud pays per generated token, M edge clients in
-the default pre-speculating mode against M cloud-only `ar` clients, at saturation.
+"""The cloud's cost per generated token: M edge clients (recorded real-pair generations in --mode,
+replayed frame by frame as separate devices would send them) against M cloud-only ar clients, at
+saturation; measured on this CPU and predicted for a flat (GPU-shaped) verifier.
+
+`python -m bench load --cloud-cost` runs this bench too. The edge clients run in the default
+pre-speculating mode unless --mode names another.
 
 The edge's drafting runs on the user's device, not on the verifier's machine, so the cloud's cost
 is the verifier's busy time. On one 2-core machine sixteen real drafters cannot run beside the
@@ -30,6 +34,9 @@ per token is the table's point (the goal: <= 1/3 with 16 clients on this CPU).
 model of a verifier whose forward costs --flat-ms whatever its rows (every ready session packed
 into the next forward): the predicted verifier-seconds per token of both kinds at each M, beside
 the measured ones (the goal: <= 1/5).
+
+    python -m bench load_cost --clients 1,4,16 --scripts scripts.json --json out.json --plot out.png
+    python -m bench load_cost --flat-only --scripts scripts.json --flat-ms 12
 """
 
 from __future__ import annotations
@@ -58,10 +65,11 @@ from bench.harness import (
     suite_from_args,
     table,
     write_json,
-    write_result,
 )
+from bench.lib import runner
 from bench.lib.args import add_model_args
 from bench.lib.replay import Script, Step
+from bench.lib.runner import Result, UsageError
 
 # the record and replay phases (bench.serving.load_cost_phases), re-exported here
 from bench.serving.load_cost_phases import client_loop as client_loop
@@ -195,15 +203,7 @@ def load_scripts(path: Path) -> tuple[bytes, list[Script], dict[str, Any]]:
     return hello, scripts, dict(doc.get("config") or {})
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.serving.load --cloud-cost",
-        description="The cloud's cost per generated token: M edge clients (recorded real-pair "
-        "generations in --mode, replayed frame by frame as separate devices would send them) against "
-        "M cloud-only ar clients, at saturation; measured on this CPU and predicted for a flat "
-        "(GPU-shaped) verifier.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--clients", type=positive_ints, default=[1, 4, 16], help="concurrent clients; a comma list runs each"
     )
@@ -258,7 +258,6 @@ def build_parser() -> argparse.ArgumentParser:
         "verifier's prediction alone, at --flat-ms (e.g. the forward ms a GPU check measured) for each "
         "--clients",
     )
-    return p
 
 
 def ratios(rows: Sequence[dict[str, Any]], key: str) -> dict[int, float | None]:
@@ -303,7 +302,6 @@ def plot(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 
 
 def recorded_scripts(
-    ap: argparse.ArgumentParser,
     a: argparse.Namespace,
     url: str,
     prompts: Sequence[BenchPrompt],
@@ -316,7 +314,7 @@ def recorded_scripts(
         try:
             hello, scripts, recorded = load_scripts(a.scripts)
         except ValueError as exc:
-            ap.error(str(exc))
+            raise UsageError(str(exc)) from None
         print(f"scripts: {len(scripts)} generations from {a.scripts} (recorded with {recorded.get('mode')})")
         return hello, scripts
     from edge_client.drafters.registry import create_drafter
@@ -391,23 +389,23 @@ def flat_prediction(
     }
 
 
-def flat_only(ap: argparse.ArgumentParser, a: argparse.Namespace, config: dict[str, Any]) -> int:
+def flat_only(a: argparse.Namespace, config: dict[str, Any]) -> Result:
     """--flat-only: the flat verifier's prediction from the --scripts file, nothing run here."""
     if a.scripts is None or not a.scripts.exists():
-        ap.error(
+        raise UsageError(
             "--flat-only reads the scripts an earlier run recorded: give --scripts FILE (an existing file)"
         )
     try:
         _, scripts, recorded_config = load_scripts(a.scripts)
     except ValueError as exc:
-        ap.error(str(exc))
+        raise UsageError(str(exc)) from None
     config["recorded_config"] = recorded_config
     rows = [
         {"kind": kind, "clients": m, **flat_prediction(scripts, kind, m, a.flat_ms, a.seconds)}
         for m in a.clients
         for kind in KINDS
     ]
-    print(
+    lines = [
         table(
             [
                 [
@@ -420,83 +418,80 @@ def flat_only(ap: argparse.ArgumentParser, a: argparse.Namespace, config: dict[s
             ],
             ["clients", "kind", f"flat {a.flat_ms:g} ms: verifier ms/token", "flat tokens/forward"],
         )
-    )
+    ]
     flat_ratio = ratios(rows, "flat_verifier_s_per_token")
     for m in sorted(flat_ratio):
-        print(
+        lines.append(
             f"{m} clients: edge / ar verifier-s a token {flat_ratio[m]} predicted flat "
             f"({len(scripts)} scripts)"
         )
     flat16 = flat_ratio.get(16)
     if flat16 is not None:
-        print(
+        lines.append(
             f"goal: <= 0.2 predicted flat with 16 clients: {'met' if flat16 <= 0.2 else 'not met'} ({flat16})"
         )
-    write_result(a.json, config, rows, True, edge_over_ar={"flat": flat_ratio})
-    return 0
+    return Result(rows, "\n".join(lines), extra={"edge_over_ar": {"flat": flat_ratio}}, config=config)
 
 
-def print_table(rows: Sequence[dict[str, Any]], flat_ms: float) -> None:
+def render_table(rows: Sequence[dict[str, Any]], flat_ms: float) -> str:
     """The rows as the printed table (measured, then the flat verifier's prediction)."""
-    print(
-        table(
+    return table(
+        [
             [
-                [
-                    r["clients"],
-                    r["kind"],
-                    f"{r['verifier_s_per_token'] * 1e3:.1f}" if r["verifier_s_per_token"] else "-",
-                    r["tokens_per_forward"],
-                    f"{r['verifier_busy']:.2f}",
-                    r["client_ms_per_token"],
-                    r["V_ms"] if r["V_ms"] is not None else "-",
-                    f"{r['flat_verifier_s_per_token'] * 1e3:.2f}",
-                    r["flat_tokens_per_forward"],
-                    r["diverged"],
-                    r["errors"],
-                ]
-                for r in rows
-            ],
-            [
-                "clients",
-                "kind",
-                "verifier ms/token",
-                "tokens/forward",
-                "busy",
-                "client ms/token",
-                "V ms/round",
-                f"flat {flat_ms:g} ms: verifier ms/token",
-                "flat tokens/forward",
-                "diverged",
-                "errors",
-            ],
-        )
+                r["clients"],
+                r["kind"],
+                f"{r['verifier_s_per_token'] * 1e3:.1f}" if r["verifier_s_per_token"] else "-",
+                r["tokens_per_forward"],
+                f"{r['verifier_busy']:.2f}",
+                r["client_ms_per_token"],
+                r["V_ms"] if r["V_ms"] is not None else "-",
+                f"{r['flat_verifier_s_per_token'] * 1e3:.2f}",
+                r["flat_tokens_per_forward"],
+                r["diverged"],
+                r["errors"],
+            ]
+            for r in rows
+        ],
+        [
+            "clients",
+            "kind",
+            "verifier ms/token",
+            "tokens/forward",
+            "busy",
+            "client ms/token",
+            "V ms/round",
+            f"flat {flat_ms:g} ms: verifier ms/token",
+            "flat tokens/forward",
+            "diverged",
+            "errors",
+        ],
     )
 
 
-def print_goals(measured: dict[int, float | None], flat_ratio: dict[int, float | None]) -> None:
+def goal_lines(measured: dict[int, float | None], flat_ratio: dict[int, float | None]) -> str:
     """edge / ar of verifier-seconds a token at each client count, and the goals at 16 clients."""
-    for m in sorted(measured):
-        print(f"{m} clients: edge / ar verifier-s a token {measured[m]} here, {flat_ratio[m]} flat")
+    lines = [
+        f"{m} clients: edge / ar verifier-s a token {measured[m]} here, {flat_ratio[m]} flat"
+        for m in sorted(measured)
+    ]
     goal16 = measured.get(16)
     if goal16 is not None:
         verdict = "met" if goal16 <= 1 / 3 else "not met"
-        print(f"goal: <= 0.333 with 16 clients on this CPU: {verdict} ({goal16})")
+        lines.append(f"goal: <= 0.333 with 16 clients on this CPU: {verdict} ({goal16})")
     flat16 = flat_ratio.get(16)
     if flat16 is not None:
         verdict = "met" if flat16 <= 0.2 else "not met"
-        print(f"goal: <= 0.2 predicted flat with 16 clients: {verdict} ({flat16})")
+        lines.append(f"goal: <= 0.2 predicted flat with 16 clients: {verdict} ({flat16})")
+    return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from edge_client.defaults import recommended_tree
-
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     from bench.end_to_end.e2e import ALL_MODES
+    from edge_client.defaults import recommended_tree
 
     if a.mode not in ALL_MODES or a.mode == "ar":
         edge_modes = ", ".join(m for m in ALL_MODES if m != "ar")
-        ap.error(f"--mode: {a.mode!r} is not an edge mode; choose from {edge_modes}")
+        raise UsageError(f"--mode: {a.mode!r} is not an edge mode; choose from {edge_modes}")
     a.tree = a.tree or recommended_tree(a.draft)
     split = CoreSplit.auto()
     print(
@@ -505,15 +500,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "prompt_file"}
     config["prompt_files"] = [str(f) for f in a.prompt_file or []]
     if a.flat_only:
-        return flat_only(ap, a, config)
-    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+        return flat_only(a, config)
+    prompts = suite_from_args(runner.build_parser(__name__), a.humaneval, a.prompts, a.prompt_file)
     sessions = 2 * max(a.clients) + 4
     verifier = Verifier(
         a.model, cores=split.verifier, threads=len(split.verifier), args=["--max-sessions", str(sessions)]
     )
     with verifier:
         split.pin_edge()
-        hello, scripts = recorded_scripts(ap, a, verifier.url, prompts, config)
+        hello, scripts = recorded_scripts(a, verifier.url, prompts, config)
         recorded_ms = statistics.median(s.ms_per_token for s in scripts)
         tau = sum(len(s.tokens) for s in scripts) / max(1, sum(len(s.verdicts) - 1 for s in scripts))
         print(
@@ -525,14 +520,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             verifier, hello, scripts, a.clients, a.warmup, a.seconds, a.flat_ms, not a.no_progress
         )
     measured, flat_ratio = ratios(rows, "verifier_s_per_token"), ratios(rows, "flat_verifier_s_per_token")
-    print_table(rows, a.flat_ms)
-    print_goals(measured, flat_ratio)
     recording = {"generations": len(scripts), "ms_per_token": recorded_ms, "tau": tau}
-    edge_over_ar = {"measured": measured, "flat": flat_ratio}
-    write_result(a.json, config, rows, True, recorded=recording, edge_over_ar=edge_over_ar)
-    if a.plot is not None:
-        plot(a.plot, rows)
-    return 0
+    return Result(
+        rows,
+        f"{render_table(rows, a.flat_ms)}\n{goal_lines(measured, flat_ratio)}",
+        extra={"recorded": recording, "edge_over_ar": {"measured": measured, "flat": flat_ratio}},
+        config=config,
+        plot=lambda path: plot(path, rows),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":

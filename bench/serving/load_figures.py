@@ -145,25 +145,30 @@ COLUMNS = (
 )
 
 
-def print_table(result: dict[str, Any]) -> None:
-    print(f"\nload: {result['model']} on {result['server']}, {result['seconds']:g} s per run, "
-          f"greedy, {result['tokens']} new tokens per generation, prompt-lookup trees of "
-          f"<= {result['nodes']} nodes, depth <= {result['depth']}")  # fmt: skip
-    print(f"cpu: {result['cpu']}")
-    print(" ".join(f"{head:>{max(len(head), 8)}}" for head, _, _ in COLUMNS))
+def render_table(result: dict[str, Any]) -> str:
+    """The printed report of bench.serving.load: the setting, one line per run, the batching speed-up
+    (or why there is none) and each run's sampled errors."""
+    lines = [
+        f"\nload: {result['model']} on {result['server']}, {result['seconds']:g} s per run, "
+        f"greedy, {result['tokens']} new tokens per generation, prompt-lookup trees of "
+        f"<= {result['nodes']} nodes, depth <= {result['depth']}",
+        f"cpu: {result['cpu']}",
+        " ".join(f"{head:>{max(len(head), 8)}}" for head, _, _ in COLUMNS),
+    ]
     for r in result["runs"]:
         row = {**r, "batching": {True: "on", False: "off", None: "server"}[r["batching"]]}
-        print(" ".join(_fmt(row[key], max(len(head), 8), nd) for head, key, nd in COLUMNS))
+        lines.append(" ".join(_fmt(row[key], max(len(head), 8), nd) for head, key, nd in COLUMNS))
     if result["batching_speedup"]:
         ratios = ", ".join(
             f"{c} clients {_fmt(v, 0, 2).strip()}x" for c, v in result["batching_speedup"].items()
         )
-        print(f"batching speedup (tokens/s batched / unbatched): {ratios}")
+        lines.append(f"batching speedup (tokens/s batched / unbatched): {ratios}")
     else:
-        print(
+        lines.append(
             "no unbatched comparison: the bench drove an external verifier (--url); it can switch "
             "batching off only on a server it starts itself (run without --url)"
         )
     for r in result["runs"]:
         for sample in r.get("error_samples", []):
-            print(f"  error ({r['clients']} clients, batching {r['batching']}): {sample}")
+            lines.append(f"  error ({r['clients']} clients, batching {r['batching']}): {sample}")
+    return "\n".join(lines)
