@@ -9,10 +9,9 @@ drafts drafting at the same time (EdgeClient's parallel_drafters, a thread each)
 target-only, the ms/token baseline and the exactness reference. Prompts are interleaved variant by
 variant as in bench.end_to_end.e2e.
 
-    python -m bench.end_to_end.merged --model smollm2-135m --draft smollm2-135m-q4 --draft smollm2-135m-q4-l8
-    \
+    python -m bench merged --model smollm2-135m --draft smollm2-135m-q4 --draft smollm2-135m-q4-l8 \\
         --nodes 16 --prompts 10 --humaneval 0 --tokens 64 --json bench/out/merged_smollm2.json
-    python -m bench.end_to_end.merged --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b-q4 \
+    python -m bench merged --model qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b-q4 \\
         --draft qwen2.5-coder-0.5b-q4 --drafter llama_cpp --drafter torch --nodes 16 ...
 """
 
@@ -24,9 +23,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from bench.end_to_end.e2e import prompts_from_args
 from bench.end_to_end.e2e_results import ModeRuns
-from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, suite_from_args, write_result
+from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from edge_client.client import EdgeClient, TreeSpec
 from edge_client.drafters.registry import available_backends, create_drafter
 from shared.messages import Mode
@@ -53,7 +55,7 @@ def variant_shapes(
     }
 
 
-async def run(
+async def run_variants(
     url: str, drafters: Sequence[Any], prompts: Sequence[BenchPrompt], a: argparse.Namespace
 ) -> tuple[dict[str, ModeRuns], dict[str, list[int]]]:
     shapes = variant_shapes(len(drafters), a.nodes, a.parallel)
@@ -93,9 +95,10 @@ async def run(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.end_to_end.merged", description=__doc__.split("\n\n")[0]
-    )
+    return runner.build_parser(__name__)
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(ap, model=DEFAULT_TARGET, threads=1, threads_help="threads per llama.cpp drafter")
     ap.add_argument(
         "--draft",
@@ -134,24 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
         tokens=64,
         prompt_file=True,
     )
-    return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     drafts = a.draft
     backends = a.drafter or ["llama_cpp"]
     if len(backends) not in (1, len(drafts)):
-        ap.error(f"--drafter: give one backend, or one per --draft ({len(drafts)})")
+        raise UsageError(f"--drafter: give one backend, or one per --draft ({len(drafts)})")
     backends = backends * len(drafts) if len(backends) == 1 else backends
     try:
         variant_shapes(len(drafts), a.nodes, a.parallel)
     except ValueError as exc:
-        ap.error(str(exc))
+        raise UsageError(str(exc)) from exc
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
-    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
     verifier = None
     url = a.url
     if url is None:
@@ -163,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for b, d in zip(backends, drafts, strict=True)
     ]
     try:
-        runs, nodes = asyncio.run(run(url, drafters, prompts, a))
+        runs, nodes = asyncio.run(run_variants(url, drafters, prompts, a))
     finally:
         for d in drafters:
             d.close()
@@ -181,18 +181,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         # greedy and seeded match are exact: every variant's tokens are ar's (up to near-ties)
         "identical_to_ar": {v: r.tokens == ar for v, r in runs.items() if v != "ar"},
     }
-    print(f"{'variant':15} {'tau':>6} {'ms/token':>9} {'nodes/round':>12}")
+    lines = [f"{'variant':15} {'tau':>6} {'ms/token':>9} {'nodes/round':>12}"]
     for v, r in runs.items():
         s = r.summary()
         per_round = sum(nodes[v]) / len(nodes[v]) if nodes[v] else 0.0
-        print(f"{v:15} {s['tau_pooled']:6.2f} {s['ms_per_token']:9.1f} {per_round:12.1f}")
-    print("identical to ar:", result["identical_to_ar"])
+        lines.append(f"{v:15} {s['tau_pooled']:6.2f} {s['ms_per_token']:9.1f} {per_round:12.1f}")
+    lines.append(f"identical to ar: {result['identical_to_ar']}")
     rows = [
         {"variant": v, **summary, "nodes_per_round": result["nodes_per_round"][v]}
         for v, summary in result["variants"].items()
     ]
-    write_result(a.json, result.pop("config"), rows, True, **result)
-    return 0
+    return Result(rows, "\n".join(lines), config=result.pop("config"), extra=result)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
