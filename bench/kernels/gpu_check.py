@@ -1,5 +1,8 @@
-"""`python -m bench.kernels.gpu_check OUTDIR`: the one prepared GPU check, which
-`scripts/gpu_check.sh OUTDIR` runs on a bare machine that has the repository and no network.
+"""The prepared GPU check: CUDA tests, the tree-attention microbenchmark and the 1.5B-shaped verify
+forward benchmark, within one time budget; JSON and a log into OUTDIR.
+
+`python -m bench gpu_check OUTDIR` is the one prepared GPU check, which `scripts/gpu_check.sh
+OUTDIR` runs on a bare machine that has the repository and no network.
 
 Stages, each a subprocess under `timeout` within one global budget (default 450 s, well under 8
 minutes on an H200; a stage gets min(its own limit, what is left)):
@@ -25,7 +28,7 @@ minutes on an H200; a stage gets min(its own limit, what is left)):
 
 Writes OUTDIR/gpu_check.json (bench.harness.write_result's {config, rows: the stages, complete}
 besides environment, every stage's command, status ok / failed / timeout / skipped, exit code,
-seconds and its JSON, the issue's two goals) and OUTDIR/gpu_check.log (every stage's output). A
+seconds and its JSON, the two goals) and OUTDIR/gpu_check.log (every stage's output). A
 failing stage is recorded and the next one runs. Exit code: 0 when the report
 was written (whatever the stages did: read "status"), 2 for bad arguments. Without a GPU nothing
 runs and the report says "no-gpu"; --dry-run writes the plan without running anything.
@@ -48,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import write_result
+from bench.lib import runner
+from bench.lib.runner import Result
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = (
@@ -440,7 +445,7 @@ def junit_counts(path: Path) -> dict[str, int] | None:
 
 
 def goals(stages: Sequence[Stage]) -> dict[str, Any]:
-    """The issue's two goals, from the benchmarks' JSON (None where a stage gave none)."""
+    """The two goals, from the benchmarks' JSON (None where a stage gave none)."""
     out: dict[str, Any] = {
         "kernel_speedup_16x64_8k": {"at_least": KERNEL_GOAL, "value": None, "met": None},
         "forward_16_over_1_bf16": {"at_most": FORWARD_GOAL, "value": None, "met": None},
@@ -466,13 +471,13 @@ def goals(stages: Sequence[Stage]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.kernels.gpu_check",
-        description="The prepared GPU check: CUDA tests, the tree-attention microbenchmark and the "
-        "1.5B-shaped verify forward benchmark, within one time budget; JSON and a log into OUTDIR.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Exit code 0 when OUTDIR/gpu_check.json was written (its 'status' says how the stages "
-        "went: ok, partial, no-gpu, dry-run), 2 for bad arguments.",
+    return runner.build_parser(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.epilog = (
+        "Exit code 0 when OUTDIR/gpu_check.json was written (its 'status' says how the stages "
+        "went: ok, partial, no-gpu, dry-run), 2 for bad arguments."
     )
     p.add_argument("outdir", type=Path, help="directory for gpu_check.json, gpu_check.log and stage files")
     p.add_argument("--budget-s", type=float, default=450.0, help="global time budget for all stages")
@@ -487,35 +492,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dry-run", action="store_true", help="write the plan as JSON; run nothing")
     p.add_argument("--python", default=sys.executable, help="the Python that runs the stages")
-    return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    bad = [s for s in stages if s not in STAGES]
-    if bad or not stages:
-        print(
-            f"bench.kernels.gpu_check: --stages: unknown {bad or 'none'}; choose from {STAGES}",
-            file=sys.stderr,
-        )
-        return 2
-    if not 10 <= args.budget_s <= 3600:
-        print(
-            f"bench.kernels.gpu_check: --budget-s must be in [10, 3600], got {args.budget_s}", file=sys.stderr
-        )
-        return 2
-    out: Path = args.outdir.resolve()
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"bench.kernels.gpu_check: cannot create {out}: {exc}", file=sys.stderr)
-        return 2
-    t0 = time.monotonic()
-    planned = plan(out, args.python, stages, args.quick, args.slow)
+def refused(message: str) -> Result:
+    """A bad argument: the message on stderr, no report, exit status 2."""
+    print(f"bench.kernels.gpu_check: {message}", file=sys.stderr)
+    return Result([], status=2)
+
+
+def run_planned(
+    args: argparse.Namespace, planned: Sequence[Stage], stages: Sequence[str], out: Path, t0: float
+) -> dict[str, Any]:
+    """Run the planned stages (none on a dry run or without a GPU), logging into OUTDIR/gpu_check.log;
+    the report's budget, start, environment and status (`t0`: when the budget started)."""
     report: dict[str, Any] = {"budget_s": args.budget_s, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     with open(out / "gpu_check.log", "a", encoding="utf-8") as log:
-        log.write(f"gpu_check {report['started']} budget {args.budget_s} s, stages {stages}\n")
+        log.write(f"gpu_check {report['started']} budget {args.budget_s} s, stages {list(stages)}\n")
         if args.dry_run:
             report["status"] = "dry-run"
         else:
@@ -531,6 +523,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     run_stage(st, args.budget_s - (time.monotonic() - t0), log)
                 bad = [st for st in planned if st.status in ("failed", "timeout") or st.note == BUDGET_SPENT]
                 report["status"] = "partial" if bad else "ok"
+    return report
+
+
+def run(args: argparse.Namespace) -> Result:
+    """The report is OUTDIR/gpu_check.json (there is no --json); the printed line says where."""
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = [s for s in stages if s not in STAGES]
+    if bad or not stages:
+        return refused(f"--stages: unknown {bad or 'none'}; choose from {STAGES}")
+    if not 10 <= args.budget_s <= 3600:
+        return refused(f"--budget-s must be in [10, 3600], got {args.budget_s}")
+    out: Path = args.outdir.resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return refused(f"cannot create {out}: {exc}")
+    t0 = time.monotonic()
+    planned = plan(out, args.python, stages, args.quick, args.slow)
+    report = run_planned(args, planned, stages, out, t0)
     report["elapsed_s"] = round(time.monotonic() - t0, 2)
     report["stages"] = [st.report() for st in planned]
     report["tests"] = junit_counts(out / "pytest.xml") if "tests" in stages else None
@@ -543,8 +554,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["status"] in ("ok", "partial") and ran and all(st.note != BUDGET_SPENT for st in planned)
     )
     write_result(out / "gpu_check.json", args, report["stages"], complete, **report)
-    print(f"bench.gpu_check: {report['status']} in {report['elapsed_s']} s; wrote {out / 'gpu_check.json'}")
-    return 0
+    line = f"bench.gpu_check: {report['status']} in {report['elapsed_s']} s; wrote {out / 'gpu_check.json'}"
+    return Result(report["stages"], line, complete=complete)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
