@@ -1,6 +1,8 @@
-"""`python -m bench.serving.serve`: an open-loop serving benchmark of the verifier, cloud-only over its
-OpenAI HTTP API and edge clients over its session WebSocket, with vLLM's `benchmark_serving`
-definitions (bench.serving.serve_metrics).
+"""Open-loop serving benchmark of the verifier, cloud-only (ar, its OpenAI HTTP API) and edge clients
+(its session WebSocket) on the same arrivals, with vLLM's `benchmark_serving` definitions
+(bench.serving.serve_metrics): TTFT, TPOT, ITL, E2EL, throughput, goodput, the verifier's forward
+seconds per generated token, its spec-decode acceptance and whether the outputs are ar's, per client
+kind and request rate.
 
 Requests arrive on a seeded schedule (`--request-rate`, `--burstiness`; `inf` sends all at once),
 at most `--max-concurrency` in flight, whatever the server's pace (open loop). Each client kind of
@@ -34,6 +36,8 @@ vLLM's benchmark reports them); each request's output token ids, and `identical_
 every output equals ar's for the same prompt (greedy only).
 Without `--url` the bench starts a verifier, by default as a `cloud-verifier serve` child process
 (not pinned: it shares this machine's cores with the client).
+
+    python -m bench serve --clients ar,tree_prespec --request-rate 1,4,inf --json out.json --plot out.png
 """
 
 from __future__ import annotations
@@ -59,7 +63,9 @@ from bench.harness import (
     table,
     write_result,
 )
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from bench.serving.serve_clients import (
     RequestSpec,
     Run,
@@ -88,7 +94,7 @@ SPEC_BENCH_ALL = 240  # every Spec-Bench dev prompt (the pieces of --prompt-toke
 
 
 # --------------------------------------------------------------------------------------- prompts
-def prompt_ids(ap: argparse.ArgumentParser, args: argparse.Namespace, base: str) -> list[list[int]]:
+def prompt_ids(args: argparse.Namespace, base: str) -> list[list[int]]:
     """The run's --num-prompts prompts as token ids, by the verifier's /tokenize: a chat turn
     through its chat template, a raw prompt (HumanEval's, --prompt-tokens') as it is. Fewer
     prompts than requests are used again in order."""
@@ -105,7 +111,7 @@ def prompt_ids(ap: argparse.ArgumentParser, args: argparse.Namespace, base: str)
 
         if args.prompt_tokens is not None:
             lo, hi = args.prompt_tokens
-            pieces = [p.text for p in _suite(ap, args, SPEC_BENCH_ALL)]
+            pieces = [p.text for p in _suite(args, SPEC_BENCH_ALL)]
             try:
                 texts = build_long_prompts(
                     pieces, args.num_prompts, lo, hi, args.seed, lambda t: len(tokenize({"prompt": t}))
@@ -113,7 +119,7 @@ def prompt_ids(ap: argparse.ArgumentParser, args: argparse.Namespace, base: str)
             except ValueError as exc:
                 raise ServeBenchError(f"--prompt-tokens {lo}:{hi}: {exc}") from None
             return [tokenize({"prompt": t}) for t in texts]
-        suite = _suite(ap, args, args.num_prompts)
+        suite = _suite(args, args.num_prompts)
         bodies = [
             {"prompt": p.text} if p.raw else {"messages": [{"role": "user", "content": p.text}]}
             for p in suite
@@ -121,9 +127,9 @@ def prompt_ids(ap: argparse.ArgumentParser, args: argparse.Namespace, base: str)
         return [tokenize(bodies[i % len(bodies)]) for i in range(args.num_prompts)]
 
 
-def _suite(ap: argparse.ArgumentParser, args: argparse.Namespace, n: int) -> list[BenchPrompt]:
-    if args.prompt_file:
-        return suite_from_args(ap, 0, n, args.prompt_file)
+def _suite(args: argparse.Namespace, n: int) -> list[BenchPrompt]:
+    if args.prompt_file:  # a prompt file it cannot read: the parser's error, as a bad flag
+        return suite_from_args(runner.build_parser(__name__), 0, n, args.prompt_file)
     return load_prompts(n)
 
 
@@ -241,15 +247,10 @@ def positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m bench.serving.serve",
-        description="Open-loop serving benchmark of the verifier, cloud-only (ar, its OpenAI HTTP "
-        "API) and edge clients (its session WebSocket) on the same arrivals (vLLM's "
-        "benchmark_serving metrics): TTFT, TPOT, ITL, E2EL, throughput, goodput, the verifier's "
-        "forward seconds per generated token, its spec-decode acceptance and whether the outputs "
-        "are ar's, per client kind and request rate.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    return runner.build_parser(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--clients",
         default="ar",
@@ -402,7 +403,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start the verifier in a thread of this process (shares its GIL) instead of a child process",
     )
-    return p
 
 
 # --------------------------------------------------------------------------------------- output
@@ -429,7 +429,7 @@ HEADER = (
 )
 
 
-def print_rows(rows: Sequence[dict[str, Any]]) -> None:
+def render_rows(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a table (latencies in ms; acc len: vLLM's mean acceptance length, tokens a
     verified round commits; same as ar: identical_to_ar), then each run's first errors."""
     cells = [
@@ -456,10 +456,8 @@ def print_rows(rows: Sequence[dict[str, Any]]) -> None:
         ]
         for r in rows
     ]
-    print(table(cells, HEADER))
-    for r in rows:
-        for e in r["errors"]:
-            print(f"{r['client']} @ {r['request_rate']:g}: {e}")
+    errors = [f"{r['client']} @ {r['request_rate']:g}: {e}" for r in rows for e in r["errors"]]
+    return "\n".join([table(cells, HEADER), *errors])
 
 
 def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
@@ -497,25 +495,29 @@ def plot(rows: Sequence[dict[str, Any]], path: Path) -> None:
 PAIRED_DRAFT = {DEFAULT_TARGET: DEFAULT_DRAFT, "smollm2-135m": "smollm2-135m-q4", "tiny": "tiny"}
 
 
-def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace) -> None:
     """--clients as a list, the edge kinds' draft and tree resolved; a usage error (exit 2, one
     line) for an unknown kind or a combination the edge sessions cannot run."""
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
     every = kinds()
     unknown = [c for c in clients if c not in every]
     if unknown or not clients:
-        ap.error(f"--clients: unknown kind {', '.join(unknown) or '(none)'}; available: {', '.join(every)}")
+        raise UsageError(
+            f"--clients: unknown kind {', '.join(unknown) or '(none)'}; available: {', '.join(every)}"
+        )
     args.clients = list(dict.fromkeys(clients))
     edge = [c for c in args.clients if c != "ar"]
     if edge and args.ignore_eos:
-        ap.error(f"--ignore-eos: the edge kinds ({', '.join(edge)}) cannot ignore end-of-text (the session "
-                 "protocol has no such field); leave it out or run ar alone")  # fmt: skip
+        raise UsageError(f"--ignore-eos: the edge kinds ({', '.join(edge)}) cannot ignore end-of-text (the "
+                         "session protocol has no such field); leave it out or run ar alone")  # fmt: skip
     sampled = [c for c in edge if stochastic(c)]
     if sampled and args.temperature <= 0:
-        ap.error(f"--clients {', '.join(sampled)}: stochastic verification needs --temperature > 0")
+        raise UsageError(f"--clients {', '.join(sampled)}: stochastic verification needs --temperature > 0")
     if edge and args.draft is None:
         if args.model not in PAIRED_DRAFT:
-            ap.error(f"--draft: no draft is paired with --model {args.model}; name one for the edge kinds")
+            raise UsageError(
+                f"--draft: no draft is paired with --model {args.model}; name one for the edge kinds"
+            )
         args.draft = PAIRED_DRAFT[args.model]
     args.drafter = args.drafter or ("torch" if args.draft == "tiny" else "llama_cpp")
     if edge:
@@ -523,20 +525,19 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         try:
             ExpansionConfig.parse(args.tree)
         except ValueError as exc:
-            ap.error(f"--tree: {exc}")
+            raise UsageError(f"--tree: {exc}") from None
     args.goodput = dict(args.goodput) if args.goodput else None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
-    check_args(ap, args)
-    runs: list[Run] = []
+def run(args: argparse.Namespace) -> Result:
+    check_args(args)
+    config = {k: v for k, v in vars(args).items() if k != "api_key"}
     lengths: list[int] = []
+    saved: list[Run] = []
 
-    def save(done: list[Run], complete: bool = False) -> Path | None:
-        config = {k: v for k, v in vars(args).items() if k != "api_key"}
-        outputs = [
+    def outputs(done: Sequence[Run]) -> dict[str, object]:
+        """The result's own keys: the prompts' lengths and each request's output token ids."""
+        ids = [
             {
                 "client": r.row["client"],
                 "request_rate": r.row["request_rate"],
@@ -544,28 +545,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
             for r in done
         ]
-        rows = [r.row for r in done]
-        return write_result(args.json, config, rows, complete, prompt_lengths=lengths, output_ids=outputs)
+        return {"prompt_lengths": lengths, "output_ids": ids}
+
+    def save(done: list[Run]) -> Path | None:
+        saved[:] = done
+        return write_result(args.json, config, [r.row for r in done], False, **outputs(done))
 
     try:
         with verifier(args) as base:
-            ids = prompt_ids(ap, args, base)
-            lengths = [len(p) for p in ids]
+            ids = prompt_ids(args, base)
+            lengths[:] = [len(p) for p in ids]
             specs = [RequestSpec(p, args.max_tokens, args.temperature, args.ignore_eos) for p in ids]
             warm_up(args, base, ids[0])
             with endpoints(args, base) as ends:
                 runs = run_all(args, ends, specs, save)
     except (ServeBenchError, OSError, httpx.HTTPError, DrafterError) as exc:
         print(f"bench.serving.serve: {exc}", file=sys.stderr)
-        return 1
+        # --json keeps the runs that finished, marked incomplete
+        return Result([r.row for r in saved], complete=False, extra=outputs(saved), config=config, status=1)
     rows = [r.row for r in runs]
-    print_rows(rows)
-    if save(runs, True) is not None:
-        print(f"wrote {args.json}")
-    if args.plot is not None:
-        plot(rows, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+    return Result(
+        rows, render_rows(rows), extra=outputs(runs), config=config, plot=lambda path: plot(rows, path)
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":

@@ -236,7 +236,7 @@ def test_bad_input_is_one_usage_line(argv: list[str], says: str, capsys: pytest.
         serve.main(argv)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("python -m bench.serving.serve: error: ") and says in err
+    assert err.startswith("python -m bench serve: error: ") and says in err
 
 
 def test_every_edge_kind_maps_to_an_sdk_configuration() -> None:
