@@ -14,7 +14,7 @@ Per system and mode: ms/token (median over prompts of wall time / new tokens, pr
 included), the speed-up over that system's own plain decoding, new tokens per target forward, and
 whether the tokens (llama.cpp: the text) equal that system's plain decoding.
 
-    python -m bench.end_to_end.peers --prompts 8 --tokens 64 --json bench/out/peers.json
+    python -m bench peers --prompts 8 --tokens 64 --json bench/out/peers.json
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from bench.harness import (
     CoreSplit,
     Verifier,
     add_common_args,
-    suite_from_args,
     table,
-    write_result,
 )
+from bench.lib import runner
+from bench.lib.runner import Result, UsageError
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET, resolve
 
 
@@ -244,12 +244,7 @@ def _spec_text(stdout: str, prompt: str) -> str:
 SYSTEMS = ("ours", "hf", "llama.cpp")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.end_to_end.peers",
-        description="HF transformers (generate, assisted generation), llama.cpp (plain, speculative) and "
-        "ours (ar, tree, tree_prespec) on the same prompts, token count, machine and model pair, greedy.",
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--prompts",
         type=int,
@@ -279,19 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
         tokens_help="new tokens per prompt at most",
         prompt_file=True,
     )
-    return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
-    systems = [s for s in a.systems.split(",") if s]
-    if not systems or any(s not in SYSTEMS for s in systems):
-        ap.error(f"--systems: choose from {','.join(SYSTEMS)}")
+def run(a: argparse.Namespace) -> Result:
+    from bench.end_to_end.e2e import prompts_from_args
     from edge_client.defaults import recommended_tree
 
+    systems = [s for s in a.systems.split(",") if s]
+    if not systems or any(s not in SYSTEMS for s in systems):
+        raise UsageError(f"--systems: choose from {','.join(SYSTEMS)}")
     tree = a.tree or recommended_tree(a.draft)
-    prompts = suite_from_args(ap, a.prompts // 2, a.prompts - a.prompts // 2, a.prompt_file)
+    prompts = prompts_from_args(a.prompt_file, a.prompts // 2, a.prompts - a.prompts // 2)
     print(
         f"{len(prompts)} prompts x {a.tokens} tokens, greedy; target {a.model}, draft {a.draft}", flush=True
     )
@@ -308,8 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "hf" in systems:
         runs += run_hf(prompts, a.tokens, a.model, a.draft, a.threads)
     rows = rows_of(runs, PLAIN)
-    print()
-    print(
+    lines = [
+        "",
         table(
             [
                 [
@@ -330,10 +323,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "tokens/target fwd",
                 "identical to own plain",
             ],
-        )
-    )
-    _goal(rows)
-    print(f"wall time {time.perf_counter() - t0:.0f} s")
+        ),
+        *_goal(rows),
+        f"wall time {time.perf_counter() - t0:.0f} s",
+    ]
     config = {
         "prompts": a.prompts,
         "prompt_files": [str(f) for f in a.prompt_file or []],
@@ -345,17 +338,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "weights": a.weights,
         "systems": systems,
     }
-    write_result(a.json, config, rows, True)
-    return 0
+    return Result(rows, "\n".join(lines), config=config)
 
 
-def _goal(rows: list[dict[str, Any]]) -> None:
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
+
+
+def _goal(rows: list[dict[str, Any]]) -> list[str]:
+    """Our tree_prespec speed-up against each peer's speculative decoding (the goal's lines)."""
+
     def speed(system: str, mode: str) -> float | None:
         return next(
             (r["speedup_vs_own_ar"] for r in rows if r["system"] == system and r["mode"] == mode), None
         )
 
     ours = speed("treespec", "tree_prespec")
+    lines = []
     for system, mode in (
         ("hf-transformers", "assisted"),
         ("llama.cpp", "speculative"),
@@ -364,7 +363,8 @@ def _goal(rows: list[dict[str, Any]]) -> None:
         theirs = speed(system, mode)
         if ours is not None and theirs is not None:
             ok = "met" if ours >= theirs else "not met"
-            print(f"goal: our tree_prespec speed-up {ours:.2f} >= {system} {mode} {theirs:.2f}: {ok}")
+            lines.append(f"goal: our tree_prespec speed-up {ours:.2f} >= {system} {mode} {theirs:.2f}: {ok}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A long prefill beside a running generation: does chunking keep decoding going?
 
-    python -m bench.end_to_end.prefill_share --model smollm2-135m --prefill 4095 --tokens 64 --chunks 64,512
+    python -m bench prefill_share --model smollm2-135m --prefill 4095 --tokens 64 --chunks 64,512
 
 For each `--prefill-chunk` value it starts `cloud-verifier serve` on one core and times a short
 greedy `ar` generation (the "honest" session) three ways per repeat: alone, and started together
@@ -26,9 +26,11 @@ import msgpack
 import numpy as np
 from tqdm import tqdm
 
-from bench.harness import Verifier, add_common_args, table, write_result
+from bench.harness import Verifier, add_common_args, table
+from bench.lib import runner
 from bench.lib.args import add_model_args
 from bench.lib.frames import i32
+from bench.lib.runner import Result, UsageError
 
 
 async def _generate(url: str, hello: bytes, prompt: Sequence[int], n: int) -> tuple[list[int], float]:
@@ -114,10 +116,7 @@ def run_chunk(a: argparse.Namespace, chunk: int, vocab: int, hello: bytes) -> di
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.end_to_end.prefill_share", description=__doc__.split("\n\n")[0]
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(ap, model="smollm2-135m")
     ap.add_argument("--prefill", type=int, default=4095, help="tokens of the long prompt")
     ap.add_argument(
@@ -135,13 +134,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens_help="new tokens of the honest generation",
         no_progress=True,
     )
-    a = ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> Result:
     try:
         chunks = [int(c) for c in a.chunks.split(",") if c]
-    except ValueError:
-        ap.error(f"--chunks: comma-separated integers, got {a.chunks!r}")
+    except ValueError as exc:
+        raise UsageError(f"--chunks: comma-separated integers, got {a.chunks!r}") from exc
     if not chunks or min(chunks) < 1 or a.prefill < 1 or a.tokens < 1 or a.repeats < 1:
-        ap.error("--chunks, --prefill, --tokens and --repeats must be >= 1")
+        raise UsageError("--chunks, --prefill, --tokens and --repeats must be >= 1")
     from shared.model import load_target
 
     target = load_target(a.model, progress=False)
@@ -149,14 +150,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab = target.config.vocab_size
     del target
     rows = [run_chunk(a, c, vocab, hello) for c in chunks]
-    print(
-        f"{a.model}: a {a.tokens}-token ar generation alone and beside a {a.prefill}-token prefill "
-        f"(verifier on one core, medians of {a.repeats})"
-    )
     keys = ["prefill_chunk", "alone_s", "beside_prefill_s", "slowdown", "long_prompt_s", "identical"]
-    print(table([[r[k] for k in keys] for r in rows], keys))
-    write_result(a.json, a, rows, True)
-    return 0 if all(r["identical"] for r in rows) else 1
+    text = (
+        f"{a.model}: a {a.tokens}-token ar generation alone and beside a {a.prefill}-token prefill "
+        f"(verifier on one core, medians of {a.repeats})\n"
+        + table([[r[k] for k in keys] for r in rows], keys)
+    )
+    return Result(rows, text, status=0 if all(r["identical"] for r in rows) else 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
