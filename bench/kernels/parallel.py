@@ -1,10 +1,10 @@
-"""`python -m bench.kernels.parallel`: ms per verify forward at tensor parallelism N against one process.
+"""ms per verify forward at tensor parallelism N against one process.
 
-The same total threads both ways: TP=1 is one process with `--threads` threads; TP=N is N
-processes (rank 0 here, ranks 1.. started by cloud_verifier.parallel) with threads/N each. A
-verify forward is row 0 plus N - 1 tree nodes after a committed prefix, logits for every row
-(bench.kernels.target_step's measure_forward, so the figures compare with its cost curve). The two
-configurations run one after the other (one model in memory at a time), not interleaved: a
+`python -m bench parallel`: the same total threads both ways: TP=1 is one process with `--threads`
+threads; TP=N is N processes (rank 0 here, ranks 1.. started by cloud_verifier.parallel) with
+threads/N each. A verify forward is row 0 plus N - 1 tree nodes after a committed prefix, logits for
+every row (bench.kernels.target_step's measure_forward, so the figures compare with its cost curve).
+The two configurations run one after the other (one model in memory at a time), not interleaved: a
 machine whose load changes in between moves one column and not the other. `--device cuda`: TP=1 on
 cuda:0 and TP=N over NCCL on cuda:0..N-1 (needs N GPUs), in `--dtype` (bf16 by default there).
 """
@@ -26,9 +26,11 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.harness import add_common_args, write_result
+from bench.harness import add_common_args
 from bench.kernels.target_step import measure_forward
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from cloud_verifier import parallel
 from shared.model import Target, load_target
 
@@ -41,8 +43,7 @@ def _measure(
     return forward[str(prefix)]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.kernels.parallel", description=__doc__.splitlines()[0])
+def add_args(p: argparse.ArgumentParser) -> None:
     add_model_args(
         p,
         model="qwen2.5-coder-0.5b",
@@ -59,14 +60,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on CUDA), fp32, bf16 or fp16")
     add_common_args(p, json=True, json_help="rows: one per N (without --json: printed)", no_progress=True)
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Result:
     rows = [int(x) for x in args.rows.split(",") if x]
     if args.tensor_parallel < 2:
-        p.error("--tensor-parallel must be at least 2 (TP=1 is always measured)")
+        raise UsageError("--tensor-parallel must be at least 2 (TP=1 is always measured)")
     try:  # (refused before anything loads: no CUDA, or fewer GPUs than ranks)
         parallel.select_device(args.device, 0, args.tensor_parallel, 0, spawning=True)
     except ValueError as exc:
-        p.error(str(exc))
+        raise UsageError(str(exc)) from None
 
     torch.set_num_threads(args.threads)
     single = load_target(args.model, args.dtype, args.device, progress=False)
@@ -102,9 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "torch": torch.__version__,
     }
-    print(f"{'N':>4} {'TP=1 ms':>10} {f'TP={args.tensor_parallel} ms':>10} {'TP=1/TP=N':>10}")
+    lines = [f"{'N':>4} {'TP=1 ms':>10} {f'TP={args.tensor_parallel} ms':>10} {'TP=1/TP=N':>10}"]
     for n in tp1:
-        print(f"{n:>4} {tp1[n]:>10.2f} {tpn[n]:>10.2f} {result['speedup'][n]:>10.3f}")
+        lines.append(f"{n:>4} {tp1[n]:>10.2f} {tpn[n]:>10.2f} {result['speedup'][n]:>10.3f}")
+    if args.json is None:  # no file: the whole result is printed under the table
+        lines.append(json.dumps(result, indent=2))
     per_n = [
         {
             "n": int(n),
@@ -114,9 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         for n in tp1
     ]
-    if write_result(args.json, args, per_n, True, **result) is None:
-        print(json.dumps(result, indent=2))
-    return 0
+    return Result(per_n, "\n".join(lines), extra=result)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
