@@ -1,5 +1,5 @@
 """The TypeScript edge (in Node, and in a Chromium tab) against the Python edge, with the same ONNX
-export, on the same verifier.
+export, on the same verifier: tau, ms/token and drafting ms a round, at each RTT.
 
 Every edge drafts with the same export (`edge-client export-onnx`, here made on first use) and the
 same static tree, greedy, one prompt at a time against one `cloud-verifier serve` (edge and
@@ -16,8 +16,7 @@ loads, measured in a second, short visit per prompt whose tokens must begin the 
 waiting for the model (`first_token_loaded_s`, the visit whose tau and ms/token the row reports, so
 that its trees are the other edges').
 
-    python -m bench.end_to_end.js_edge --prompts 4 --humaneval 4 --tokens 64 --rtt-ms 0,50 --edges
-    ts,py,chromium
+    python -m bench js_edge --prompts 4 --humaneval 4 --tokens 64 --rtt-ms 0,50 --edges ts,py,chromium
 """
 
 from __future__ import annotations
@@ -43,12 +42,13 @@ from bench.harness import (
     add_common_args,
     nonnegative_ints,
     served,
-    suite_from_args,
     table,
     write_result,
 )
+from bench.lib import runner
 from bench.lib.args import add_model_args
 from bench.lib.procs import Proxy
+from bench.lib.runner import Result, UsageError
 
 TS = REPO / "clients" / "typescript"
 FIRST_TOKEN_VISIT = 8  # tokens of the visit that times the page's default start (before the model loads)
@@ -202,13 +202,7 @@ def _row(edge: str, rtt: int, runs: list[dict[str, Any]], same: list[bool]) -> d
     return row
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.end_to_end.js_edge",
-        description="The TypeScript edge (onnxruntime-node; onnxruntime-web in headless Chromium) against "
-        "the Python edge (onnxruntime), the same ONNX export and tree: tau, ms/token and drafting ms a "
-        "round, at each RTT.",
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(
         ap,
         model="smollm2-135m",
@@ -238,25 +232,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_common_args(ap, json=True, json_help="rows: one per edge and RTT", tokens=64,
                     tokens_help="new tokens per prompt", prompt_file=True, no_progress=True)  # fmt: skip
-    return ap
 
 
-def _check(ap: argparse.ArgumentParser, edges: list[str]) -> None:
+def _check(edges: list[str]) -> None:
+    """The edges named and what they need (else a UsageError)."""
     from bench.end_to_end.browser import chromium
     from edge_client.web_edge import BUNDLE, BUNDLE_FILES
 
     bad = [e for e in edges if e not in EDGES]
     if bad or not edges:
-        ap.error(f"--edges: {','.join(bad) or 'none'}: choose from {','.join(EDGES)}")
+        raise UsageError(f"--edges: {','.join(bad) or 'none'}: choose from {','.join(EDGES)}")
     if shutil.which("node") is None or not (TS / "dist" / "src" / "cli.js").exists():
-        ap.error(
+        raise UsageError(
             "needs Node 20 and the built TypeScript client: cd clients/typescript && npm ci && npm run build"
         )
     browser = any(e.startswith("chromium") for e in edges)
     if browser and chromium() is None:
-        ap.error("--edges chromium needs Debian's chromium (apt-get install chromium)")
+        raise UsageError("--edges chromium needs Debian's chromium (apt-get install chromium)")
     if browser and not all((BUNDLE / f).is_file() for f in BUNDLE_FILES):
-        ap.error("--edges chromium needs the browser bundle: make web")
+        raise UsageError("--edges chromium needs the browser bundle: make web")
 
 
 def _measure(
@@ -277,15 +271,14 @@ def _measure(
     return per
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = _parser()
-    a = ap.parse_args(argv)
-    edges = [e.strip() for e in a.edges.split(",") if e.strip()]
-    _check(ap, edges)
+def run(a: argparse.Namespace) -> Result:
+    from bench.end_to_end.e2e import prompts_from_args
     from edge_client.onnx.export import ensure_export
 
+    edges = [e.strip() for e in a.edges.split(",") if e.strip()]
+    _check(edges)
     export = ensure_export(a.draft, int8=a.int8, progress=not a.no_progress)
-    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
     split = CoreSplit.auto()
     print(split.describe(), file=sys.stderr)
     rows: list[dict[str, Any]] = []
@@ -327,9 +320,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     keys = ["edge", "rtt_ms", "tau", "ms_per_token", "draft_ms_per_round", "hit_rate", "identical_outputs"]
     keys += ["first_token_s", "first_token_loaded_s"]
-    print(table([[r.get(k, "-") for k in keys] for r in rows], heads))
-    write_result(a.json, a, rows, True, export=str(export))
-    return 0
+    return Result(
+        rows, table([[r.get(k, "-") for k in keys] for r in rows], heads), extra={"export": str(export)}
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
