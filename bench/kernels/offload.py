@@ -1,4 +1,7 @@
-"""`python -m bench.kernels.offload`: a target larger than memory, SpecInfer's Figure 8 analog.
+"""Streamed weights: ms per forward vs rows and ms/token per mode at resident budgets of the
+target's layers (serve --offload), against ar on the same streaming path.
+
+`python -m bench offload`: a target larger than memory, SpecInfer's Figure 8 analog.
 
 For each resident budget (a fraction of the layers' bytes: 1, 0.5, 0.25, 0.1) the verifier keeps
 that much of the target in memory and streams the rest of its layers for every forward (`serve
@@ -50,7 +53,9 @@ from bench.kernels.offload_forward import GB as GB
 from bench.kernels.offload_forward import forward_child as forward_child
 from bench.kernels.offload_forward import layer_bytes_of as layer_bytes_of
 from bench.kernels.offload_forward import run_forward_part as run_forward_part
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 
 MODES = ("ar", "tree", "budget")
 
@@ -66,13 +71,7 @@ def fractions(text: str) -> list[float]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.kernels.offload",
-        description="Streamed weights: ms per forward vs rows and ms/token per mode at resident budgets "
-        "of the target's layers (serve --offload), against ar on the same streaming path.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(ap, model="qwen2.5-coder-1.5b", model_help="target alias or GGUF path")
     ap.add_argument(
         "--weights",
@@ -125,7 +124,6 @@ def build_parser() -> argparse.ArgumentParser:
         prompt_file=True,
         no_progress=True,
     )
-    return ap
 
 
 def budgets(args: argparse.Namespace, layer_bytes: int) -> dict[float, tuple[float, float]]:
@@ -264,7 +262,9 @@ def mode_rows(
 # Report
 
 
-def print_tables(rows: Sequence[dict[str, Any]], row_counts: Sequence[int]) -> None:
+def render_tables(rows: Sequence[dict[str, Any]], row_counts: Sequence[int]) -> str:
+    """The forward part's table and the modes part's, each where the rows have that part."""
+    out = []
     fwd = [r for r in rows if r["part"] == "forward"]
     if fwd:
         head = ["resident", "layers", *[f"N={n} ms" for n in row_counts], "MB/fwd", "overlap@1", "RSS GB"]
@@ -279,7 +279,7 @@ def print_tables(rows: Sequence[dict[str, Any]], row_counts: Sequence[int]) -> N
             ]
             for r in fwd
         ]
-        print(table(body, head))
+        out.append(table(body, head))
     md = [r for r in rows if r["part"] == "modes"]
     if md:
         head = ["resident", "mode", "ms/token", "x ar", "tau", "fwd/token", "MB read/token", "RSS GB"]
@@ -296,7 +296,8 @@ def print_tables(rows: Sequence[dict[str, Any]], row_counts: Sequence[int]) -> N
             ]
             for r in md
         ]
-        print(table(body, head))
+        out.append(table(body, head))
+    return "\n".join(out)
 
 
 def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
@@ -336,24 +337,22 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     save_figure(fig, path, dpi=110)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
+def run(args: argparse.Namespace) -> Result:
     if args.child:
-        forward_child(args)
-        return 0
+        forward_child(args)  # prints its row as JSON for the parent
+        return Result([])
     if args.merge:
         try:
             return merge(args, [Path(p) for p in args.merge.split(",") if p])
         except ValueError as exc:
-            ap.error(f"--merge: {exc}")
+            raise UsageError(f"--merge: {exc}") from None
     parts = {p for p in args.parts.split(",") if p}
     if not parts or parts - {"forward", "modes"}:
-        ap.error(f"--parts: choose from forward, modes; got {args.parts!r}")
+        raise UsageError(f"--parts: choose from forward, modes; got {args.parts!r}")
     if args.shape and "modes" in parts:
-        ap.error("--shape (random weights) runs the forward part only: add --parts forward")
+        raise UsageError("--shape (random weights) runs the forward part only: add --parts forward")
     if args.repeats < 1 or args.offload_threads < 1:
-        ap.error("--repeats and --offload-threads must be >= 1")
+        raise UsageError("--repeats and --offload-threads must be >= 1")
     layer_bytes, entry = layer_bytes_of(args.model, args.weights, args.shape, args.device)
     plan = budgets(args, layer_bytes)
     print(f"layers (and a head of its own): {layer_bytes / GB:.3f} GB streamable; --resident-gb and the "
@@ -365,21 +364,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "modes" in parts:
         bpf = {r["resident_fraction"]: r["bytes_per_forward"] for r in rows if r["part"] == "forward"}
         rows += run_modes_part(args, plan, bpf)
-    print_tables(rows, args.rows)
-    write_result(args.json, args, rows, True, layer_bytes=layer_bytes)
-    _plot(args, rows, layer_bytes)
-    return 0
+    return Result(
+        rows,
+        render_tables(rows, args.rows),
+        extra={"layer_bytes": layer_bytes},
+        plot=lambda path: plot(rows, path, plot_title(args, layer_bytes)),
+    )
 
 
-def _plot(args: argparse.Namespace, rows: list[dict[str, Any]], layer_bytes: int) -> None:
-    if args.plot:
-        what = args.shape or args.model
-        title = f"{what} ({args.weights}), --offload {args.offload}, layers {layer_bytes / GB:.2f} GB"
-        plot(rows, args.plot, title)
-        print(f"wrote {args.plot}")
+def plot_title(args: argparse.Namespace, layer_bytes: int) -> str:
+    what = args.shape or args.model
+    return f"{what} ({args.weights}), --offload {args.offload}, layers {layer_bytes / GB:.2f} GB"
 
 
-def merge(args: argparse.Namespace, paths: Sequence[Path]) -> int:
+def merge(args: argparse.Namespace, paths: Sequence[Path]) -> Result:
     """--merge: the rows of earlier runs by budget (the last file with a budget's rows of a part
     gives them), with the first file's settings; refuses files of another model, weights or offload."""
     docs = [json.loads(p.read_text(encoding="utf-8")) for p in paths]
@@ -400,10 +398,18 @@ def merge(args: argparse.Namespace, paths: Sequence[Path]) -> int:
     for k, v in first.items():
         setattr(args, k, v)
     cfg = {**docs[0]["config"], "merged_from": [str(p) for p in paths]}
-    print_tables(rows, sorted({int(n) for r in rows if r["part"] == "forward" for n in r["rows_ms"]}))
-    write_result(args.json, cfg, rows, True, layer_bytes=docs[0]["layer_bytes"])
-    _plot(args, rows, docs[0]["layer_bytes"])
-    return 0
+    layer_bytes = docs[0]["layer_bytes"]
+    return Result(
+        rows,
+        render_tables(rows, sorted({int(n) for r in rows if r["part"] == "forward" for n in r["rows_ms"]})),
+        extra={"layer_bytes": layer_bytes},
+        config=cfg,
+        plot=lambda path: plot(rows, path, plot_title(args, layer_bytes)),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
