@@ -1,6 +1,8 @@
-"""Replay logged rounds under other costs: ms/token for the edge and the verifier on separate
-machines, for a verifier whose cost is flat in the tree's size (a GPU's shape), and for policies
-(outcomes pre-speculated per round, the miss path's drafting cost, the round trip), in seconds.
+"""Replay logged rounds (bench.end_to_end.network --trace) under other costs and policies: ms/token
+co-located (the validation: it must match the measured figure), for the edge and the verifier on
+separate machines, for a verifier whose cost is flat in the tree's size (a GPU's shape), and for
+policies (outcomes pre-speculated per round, the miss path's drafting cost, the round trip), in
+seconds.
 
 Input: the round traces `bench.end_to_end.network --trace PATH` writes (`{"config", "generations": [{"mode",
 "rtt_ms", "temperature", "prompt_index", "trace", "stats"}]}`, `trace` an
@@ -50,7 +52,7 @@ What a replay can honestly change, and what not:
 - timing-driven decisions of the core (the cost gate, the backup shape chosen, which drafts a
   verdict cut short) stay as logged, and so do the verdicts (hit or miss, tokens).
 
-    python -m bench.simulation.simulate bench/out/network_trace.json --rtt-ms 0,50,100 --n 1,2,4 \\
+    python -m bench simulate bench/out/network_trace.json --rtt-ms 0,50,100 --n 1,2,4 \\
         --verifier-curve bench/out/verifier_curve.json --flat-verifier 30 --json bench/out/sim.json
 """
 
@@ -63,7 +65,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness import add_common_args, table, write_result
+from bench.harness import add_common_args, table
+from bench.lib import runner
+from bench.lib.runner import Result, UsageError
 
 # the replay model (bench.simulation.simulate_replay), re-exported here
 from bench.simulation.simulate_replay import CUT_KINDS as CUT_KINDS
@@ -184,13 +188,13 @@ def simulate(
     return rows, over
 
 
-def _floats(ap: argparse.ArgumentParser, flag: str, text: str | None) -> list[float]:
+def _floats(flag: str, text: str | None) -> list[float]:
     if not text:
         return []
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        ap.error(f"{flag} takes comma-separated numbers, got {text!r}")
+        raise UsageError(f"{flag} takes comma-separated numbers, got {text!r}") from None
 
 
 def policies_of(
@@ -226,15 +230,13 @@ stall/round (the verifier waiting for a late hit's tree), T_b/miss (synchronous 
 a miss), verifier ms/tok (the verifier's busy time per token: the cloud's cost)."""
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.simulation.simulate",
-        description="Replay logged rounds (bench.network --trace) under other costs and policies:\n"
-        "ms/token co-located (the validation: it must match the measured figure), on separate\n"
-        "machines, and with a verifier whose cost is flat in the tree's size.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The epilog's lines as written, each flag's default after its help."""
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.epilog = EPILOG
+    ap.formatter_class = _HelpFormatter
     ap.add_argument(
         "traces", nargs="+", type=Path, help="trace files written by bench.end_to_end.network --trace PATH"
     )
@@ -327,31 +329,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --batch-wait: also run each edge with every miss's drafting at its median (predictable)",
     )
     add_common_args(ap, json=True, json_help="groups: each group's curves and overheads", no_progress=True)
-    return ap
 
 
-def parse_knobs(ap: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[list[str], list[Policy]]:
+def parse_knobs(a: argparse.Namespace) -> tuple[list[str], list[Policy]]:
     """The scenarios to run and the policies to replay (policies_of the --rtt-ms, --n and
     --backup-ms values), each checked (else a usage error)."""
     scen_names = [x for x in a.scenarios.split(",") if x]
     bad = [x for x in scen_names if x not in SCENARIOS]
     if bad or not scen_names:
-        ap.error(f"--scenarios: unknown {bad or 'none given'}; choose from {','.join(SCENARIOS)}")
-    rtts = _floats(ap, "--rtt-ms", a.rtt_ms)
-    ns = [int(x) for x in _floats(ap, "--n", a.n)]
+        raise UsageError(f"--scenarios: unknown {bad or 'none given'}; choose from {','.join(SCENARIOS)}")
+    rtts = _floats("--rtt-ms", a.rtt_ms)
+    ns = [int(x) for x in _floats("--n", a.n)]
     if any(n < 1 for n in ns):
-        ap.error("--n takes counts of 1 or more")
-    backups = _floats(ap, "--backup-ms", a.backup_ms)
+        raise UsageError("--n takes counts of 1 or more")
+    backups = _floats("--backup-ms", a.backup_ms)
     if any(x < 0 for x in (*rtts, *backups)):
-        ap.error("--rtt-ms and --backup-ms take values of 0 or more")
-    depths = [int(x) for x in _floats(ap, "--depth", a.depth)]
+        raise UsageError("--rtt-ms and --backup-ms take values of 0 or more")
+    depths = [int(x) for x in _floats("--depth", a.depth)]
     if any(d < 1 for d in depths):
-        ap.error("--depth takes depths of 1 or more")
+        raise UsageError("--depth takes depths of 1 or more")
     return scen_names, policies_of(rtts, ns, backups, depths)
 
 
 def load_inputs(
-    ap: argparse.ArgumentParser, a: argparse.Namespace
+    a: argparse.Namespace,
 ) -> tuple[list[TracedGeneration], list[TracedGeneration], Curve | None, Curve | None]:
     """The traced speculative generations (of --modes, when given) and the ar ones, and the
     drafter and verifier curves given (None: fit from the traces); a usage error when there is
@@ -361,12 +362,14 @@ def load_inputs(
         drafter = Curve.load(a.drafter_curve) if a.drafter_curve else None
         verifier = Curve.load(a.verifier_curve) if a.verifier_curve else None
     except (OSError, ValueError) as exc:
-        ap.error(str(exc))
+        raise UsageError(str(exc)) from None
     if a.modes:
         keep = {m for m in a.modes.split(",") if m}
         gens = [g for g in gens if g.mode in keep]
     if not gens:
-        ap.error("no traced speculative generation in the trace files (run bench.network with --trace PATH)")
+        raise UsageError(
+            "no traced speculative generation in the trace files (run bench.network with --trace PATH)"
+        )
     return gens, ar, drafter, verifier
 
 
@@ -425,19 +428,17 @@ def group_costs(
     return GroupCosts(d_curve, v_curve, flat, all_scen, ar_by)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
-    scen_names, policies = parse_knobs(ap, a)
-    gens, ar, drafter, verifier = load_inputs(ap, a)
+def run(a: argparse.Namespace) -> Result:
+    scen_names, policies = parse_knobs(a)
+    gens, ar, drafter, verifier = load_inputs(a)
     if a.batch_wait:
-        from bench.simulation.simulate_batch import main_batch
+        from bench.simulation.simulate_batch import batch_result
 
-        return main_batch(ap, a, gens)
+        return batch_result(a, gens)
     try:
         flat_curve = Curve.load(a.flat_curve) if a.flat_curve else None
     except (OSError, ValueError) as exc:
-        ap.error(f"--flat-curve: {exc}")
+        raise UsageError(f"--flat-curve: {exc}") from None
     flat_source = "--flat-verifier" if a.flat_verifier is not None else "ar's step"
     flat_source = str(a.flat_curve) if flat_curve else flat_source
     groups: dict[tuple[str, float, float], list[TracedGeneration]] = {}
@@ -463,9 +464,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         for r in rows:
             out_rows.append({"mode": mode, "temperature": temp, "logged_rtt_ms": rtt, **r.as_dict()})
-    print(_report(out_rows, curves))
-    write_result(a.json, a, out_rows, True, groups=curves)
-    return 0
+    return Result(out_rows, _report(out_rows, curves), extra={"groups": curves})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 def _policy_cell(r: dict[str, Any]) -> str:

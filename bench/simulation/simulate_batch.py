@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from bench.lib.runner import Result, UsageError
 from bench.simulation.simulate_trace import Curve, Overheads, TracedGeneration
 from cloud_verifier.batch_wait import MIN_WAIT_MS, ArrivalPredictor, plan_wait, wait_bound_ms
 
@@ -292,16 +293,14 @@ def as_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main_batch(ap: argparse.ArgumentParser, a: argparse.Namespace, gens: Sequence[TracedGeneration]) -> int:
+def batch_result(a: argparse.Namespace, gens: Sequence[TracedGeneration]) -> Result:
     """bench.simulation.simulate --batch-wait: every curve (the CPU's, and the flat one when given) x
-    --clients x --batch-wait, printed as a table and written to --json."""
-    from bench.harness import write_result
-
+    --clients x --batch-wait: its rows, their table and the curves and groups (the JSON's `groups`)."""
     try:
         policies = [WaitPolicy.parse(x) for x in a.batch_wait.split(",") if x]
         counts = [int(x) for x in (a.clients or "1,4,16").split(",") if x]
     except ValueError as exc:
-        ap.error(str(exc))
+        raise UsageError(str(exc)) from None
     curves: dict[str, Curve] = {}
     curves["cpu"] = Curve.load(a.verifier_curve) if a.verifier_curve else CPU_CURVE
     if a.flat_curve:
@@ -323,6 +322,4 @@ def main_batch(ap: argparse.ArgumentParser, a: argparse.Namespace, gens: Sequenc
                     for pol in policies:
                         r = run_batch(gs, curve, n, pol, rtt, over.link, regular=regular)
                         out.append({"mode": mode, "temperature": temp, "curve": name, "rtt_ms": rtt, **r})
-    print(as_table(out))
-    write_result(a.json, a, out, True, groups=meta)
-    return 0
+    return Result(out, as_table(out), extra={"groups": meta})
