@@ -74,12 +74,13 @@ def short_name(module: ModuleType) -> str:
     return name.rsplit(".", 1)[-1]
 
 
-def build_parser(module: str | ModuleType) -> argparse.ArgumentParser:
-    """The benchmark's parser: its prog and description, then its own `add_args`."""
+def build_parser(module: str | ModuleType, prog: str | None = None) -> argparse.ArgumentParser:
+    """The benchmark's parser: its prog (`prog`, else `python -m bench NAME`) and description, then
+    its own `add_args`."""
     mod = _module(module)
     doc = (mod.__doc__ or "").strip()
     ap = argparse.ArgumentParser(
-        prog=f"python -m bench {short_name(mod)}",
+        prog=prog or f"python -m bench {short_name(mod)}",
         description=doc.split("\n\n")[0] if doc else None,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -87,10 +88,11 @@ def build_parser(module: str | ModuleType) -> argparse.ArgumentParser:
     return ap
 
 
-def main(module: str | ModuleType, argv: Sequence[str] | None = None) -> int:
-    """Run the benchmark `module` (its name, as `__name__` gives it, or the module) on `argv`."""
+def main(module: str | ModuleType, argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Run the benchmark `module` (its name, as `__name__` gives it, or the module) on `argv`;
+    `prog` names the command in usage and errors (default: `python -m bench NAME`)."""
     mod = _module(module)
-    ap = build_parser(mod)
+    ap = build_parser(mod, prog)
     args = ap.parse_args(argv)
     try:
         result: Result = mod.run(args)
