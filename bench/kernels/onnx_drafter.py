@@ -1,4 +1,5 @@
-"""Draft speed on one thread: the onnx drafter (fp32 and int8) against llama.cpp Q4, per draft model.
+"""Draft tokens/s on one thread (decode steps, tree levels of 8 rows): onnx fp32, onnx int8 and
+llama.cpp Q4, per draft model; int8 (and Q4) vs fp32 top-1 agreement and total variation.
 
 int8 is the default `export-onnx --int8` (8-bit blocks, MatMulNBits); `--backends ...,dynamic` adds
 onnxruntime's quantize_dynamic export (`--int8-method dynamic`, from --dynamic-dir).
@@ -13,7 +14,7 @@ the ONNX graph was dequantized from, so its agreement with ONNX fp32 is reported
 ONNX exports come from the model cache (`<cache>/onnx/`, written on first use: SmolLM2 takes about
 a minute, Qwen2.5-Coder-0.5B several and a few GB of memory) or from --fp32-dir/--int8-dir.
 
-    python -m bench.kernels.onnx_drafter --models smollm2-135m-q4 --positions 200 --json bench/out/onnx.json
+    python -m bench onnx_drafter --models smollm2-135m-q4 --positions 200 --json bench/out/onnx.json
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import add_common_args, load_prompts, table, write_result
+from bench.harness import add_common_args, load_prompts, table
+from bench.lib import runner
+from bench.lib.runner import Result, UsageError
 
 MODELS = ("smollm2-135m-q4", "qwen2.5-coder-0.5b-q4")
 LEVEL = 8  # rows of one tree level
@@ -132,13 +135,7 @@ def bench_model(model: str, a: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.kernels.onnx_drafter",
-        description="Draft tokens/s on one thread (decode steps, tree levels of 8 rows): onnx fp32, onnx "
-        "int8 and llama.cpp Q4; int8 (and Q4) vs fp32 top-1 agreement and total variation.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated draft aliases")
     ap.add_argument("--positions", type=int, default=200, help="decode positions per backend (agreement too)")
     ap.add_argument("--per-prompt", type=int, default=50, help="decode steps per prompt")
@@ -159,26 +156,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         "against it)",
     )
     add_common_args(ap, json=True, json_help="rows: one per model and backend")
-    a = ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> Result:
     models = [m for m in a.models.split(",") if m]
     if (a.fp32_dir or a.int8_dir or a.dynamic_dir) and len(models) != 1:
-        ap.error("--fp32-dir/--int8-dir/--dynamic-dir name the export of ONE model: pass one --models")
+        raise UsageError(
+            "--fp32-dir/--int8-dir/--dynamic-dir name the export of ONE model: pass one --models"
+        )
     if "dynamic" in a.backends.split(",") and not a.dynamic_dir:
-        ap.error(
+        raise UsageError(
             "--backends dynamic needs --dynamic-dir (edge-client export-onnx --int8 --int8-method dynamic)"
         )
     if not a.backends or any(b not in BACKENDS for b in a.backends.split(",") if b):
-        ap.error(f"--backends: a comma-separated list of {', '.join(BACKENDS)}")
+        raise UsageError(f"--backends: a comma-separated list of {', '.join(BACKENDS)}")
     if a.positions < 1 or a.per_prompt < 1 or a.level_repeats < 1:
-        ap.error("--positions, --per-prompt and --level-repeats must be positive")
+        raise UsageError("--positions, --per-prompt and --level-repeats must be positive")
     rows = [r for m in models for r in bench_model(m, a)]
-    print()
     keys = ("model", "backend", "decode_tok_s", "level8_tok_s", "level8_ms", "top1_vs_fp32", "tv_vs_fp32")
     header = ["model", "backend", "decode tok/s", "level-8 tok/s", "level-8 ms", "top-1 vs fp32", "TV"]
-    print(table([[r[k] for k in keys] for r in rows], header))
     machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    write_result(a.json, a, rows, True, machine=machine, load_average=os.getloadavg())
-    return 0
+    return Result(
+        rows,
+        "\n" + table([[r[k] for k in keys] for r in rows], header),
+        extra={"machine": machine, "load_average": os.getloadavg()},
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
