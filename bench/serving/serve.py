@@ -251,6 +251,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    _client_args(p)
+    _traffic_args(p)
+    add_common_args(
+        p,
+        json=True,
+        json_help="rows: one per (client, request_rate), with the table's figures in full (each "
+        "latency's mean, p50, p90, p99), identical_to_ar (every request's output token ids equal ar's "
+        "for the same prompt, over the requests both completed: at the same rate, else ar's first; "
+        "null without ar or at temperature > "
+        "0), the verifier's spec-decode counter deltas (spec_decode_num_drafts, _draft_tokens, "
+        "_accepted_tokens, _accepted_tokens_per_pos) and what vLLM's benchmark makes of them "
+        "(acceptance_rate, mean_acceptance_length, acceptance_rate_per_pos; null where nothing was "
+        "drafted); besides the rows, output_ids: every run's output token ids by request",
+        seed=0,
+        seed_help="the arrival times and --prompt-tokens' prompts",
+        prompt_file=True,
+        no_progress=True,
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="a PNG of the latency percentiles (left) and the verifier's forward seconds per generated "
+        "token (right) against the rate, a line per client kind",
+    )
+    _server_args(p)
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    """The client kinds and what the edge kinds draft with."""
     p.add_argument(
         "--clients",
         default="ar",
@@ -294,6 +325,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="the static tree (expansion per depth) of the tree and sequence edge modes; default: the "
         "draft's recommended tree (edge_client.defaults)",
     )
+
+
+def _traffic_args(p: argparse.ArgumentParser) -> None:
+    """The requests: their arrivals, prompts, outputs and the goodput's bounds."""
     p.add_argument(
         "--request-rate",
         type=rates,
@@ -354,30 +389,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="SLOs for goodput, e.g. ttft:2000 tpot:100 e2el:60000: completed requests that meet "
         "every one, per second",
     )
-    add_common_args(
-        p,
-        json=True,
-        json_help="rows: one per (client, request_rate), with the table's figures in full (each "
-        "latency's mean, p50, p90, p99), identical_to_ar (every request's output token ids equal ar's "
-        "for the same prompt, over the requests both completed: at the same rate, else ar's first; "
-        "null without ar or at temperature > "
-        "0), the verifier's spec-decode counter deltas (spec_decode_num_drafts, _draft_tokens, "
-        "_accepted_tokens, _accepted_tokens_per_pos) and what vLLM's benchmark makes of them "
-        "(acceptance_rate, mean_acceptance_length, acceptance_rate_per_pos; null where nothing was "
-        "drafted); besides the rows, output_ids: every run's output token ids by request",
-        seed=0,
-        seed_help="the arrival times and --prompt-tokens' prompts",
-        prompt_file=True,
-        no_progress=True,
-    )
-    p.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="a PNG of the latency percentiles (left) and the verifier's forward seconds per generated "
-        "token (right) against the rate, a line per client kind",
-    )
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    """The verifier driven: --url's, or the one the bench starts."""
     p.add_argument(
         "--url", default=None, help="drive a running verifier (http://host:port) instead of starting one"
     )

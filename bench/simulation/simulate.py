@@ -288,6 +288,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "format, or a GPU check's forward file, `bench.gpu_forward --json`: the target's forward ms at "
         "1..64 rows on the GPU, nearly flat); overrides --flat-verifier",
     )
+    _policy_args(ap)
+
+
+def _policy_args(ap: argparse.ArgumentParser) -> None:
+    """The policies replayed (each knob's values besides the logged one) and the batch-wait mode."""
     ap.add_argument(
         "--rtt-ms", default=None, help="comma-separated round-trip times to replay besides the logged one"
     )
