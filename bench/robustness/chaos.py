@@ -1,6 +1,6 @@
 """Kill the verifier at random moments during generations and restart it; count what the client lost.
 
-    python -m bench.robustness.chaos --kills 100 --json bench/out/chaos.json
+    python -m bench chaos --kills 100 --json bench/out/chaos.json
 
 A `cloud-verifier serve --model tiny` process serves; an edge client (the tiny torch drafter, resume
 on) generates from random prompts in greedy and seeded `match` modes. Before each generation the
@@ -26,7 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from bench.harness import add_common_args, figure_rows, free_port, table, write_result
+from bench.harness import add_common_args, figure_rows, free_port, table
+from bench.lib import runner
+from bench.lib.runner import Result, UsageError
 from bench.lib.stats import median
 
 if TYPE_CHECKING:
@@ -39,10 +41,7 @@ def _serve(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.robustness.chaos", description=__doc__.split("\n\n")[0]
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kills", type=int, default=100, help="verifier kills (at most one per generation)")
     add_common_args(
         ap,
@@ -54,7 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
         tokens_help="new tokens per generation",
         no_progress=True,
     )
-    return ap
 
 
 def wait_ready(url: str, drafter: Drafter) -> None:
@@ -104,11 +102,9 @@ def summary(records: Sequence[dict[str, Any]], kills: int) -> dict[str, Any]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     if a.kills < 1 or a.tokens < 8:
-        ap.error("--kills >= 1 and --tokens >= 8")
+        raise UsageError("--kills >= 1 and --tokens >= 8")
     from edge_client.client import EdgeClient, ResumeConfig
     from edge_client.drafters.registry import create_drafter
 
@@ -154,9 +150,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.wait()
         drafter.close()
     result = summary(records, len(procs) - 1)
-    print(table([[k, v] for k, v in result.items()], ["figure", "value"]))
-    write_result(a.json, a, figure_rows(result), True, **result, records=records)
-    return 0 if result["identical"] else 1
+    return Result(
+        figure_rows(result),
+        table([[k, v] for k, v in result.items()], ["figure", "value"]),
+        extra={**result, "records": records},
+        status=0 if result["identical"] else 1,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
