@@ -1,5 +1,6 @@
 """The prediction ceiling of pre-speculation, without timing: how often is a round's actual outcome
-among the N outcomes an allocation policy would pre-speculate for, N = 1..30?
+(accepted length, bonus) among the N outcomes an allocation policy would pre-speculate for, N = 1..30
+(--max-n), greedy and sampled, overall and by accepted length?
 
 For each position of a generation the target drives (greedy, or sampled at T with the keyed
 sampler and a fixed seed per prompt, as seeded `match` verification samples), the draft drafts the
@@ -25,8 +26,7 @@ target's token is not the coupled one, the share whose token is among the first 
 after it, F = 1..8, by the landing model (the order coupled trees use, trees.sampling.Coupling.rank)
 and by the draft's most likely tokens (the order before it), teacher-forced on the same positions.
 
-    python -m bench.simulation.outcomes --model smollm2-135m --draft smollm2-135m-q4 --prompts 4 --humaneval
-    2 \\
+    python -m bench outcomes --model smollm2-135m --draft smollm2-135m-q4 --prompts 4 --humaneval 2 \\
         --tokens 64 --json bench/out/outcomes.json --plot bench/out/outcomes.png
 """
 
@@ -41,8 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bench.harness import BenchPrompt, add_common_args, save_figure, suite_from_args, table, write_result
+from bench.harness import BenchPrompt, add_common_args, save_figure, suite_from_args, table
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import backend_choices
 from edge_client.speculation.config import PrespecConfig
@@ -335,13 +337,7 @@ def plot(summary: dict[str, Any], max_n: int, path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- the bench
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.simulation.outcomes",
-        description="The prediction ceiling without timing: the share of positions whose verdict (accepted "
-        "length, bonus) is among the N outcomes each allocation policy pre-speculates for, N = 1..max-n, "
-        "greedy and sampled, overall and by accepted length.",
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(
         ap,
         model=DEFAULT_TARGET,
@@ -391,17 +387,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=0, help="torch threads for the target (0: torch's default)"
     )
     ap.add_argument("--plot", type=Path, default=None, metavar="PATH", help="draw hit rate vs N to this PNG")
-    return ap
 
 
-def parse_temperatures(ap: argparse.ArgumentParser, text: str) -> list[float]:
+def parse_temperatures(text: str) -> list[float]:
     """--temperatures: comma-separated numbers, at least one, none below 0 (else a usage error)."""
     try:
         temps = [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        ap.error(f"--temperatures takes comma-separated numbers, got {text!r}")
+        raise UsageError(f"--temperatures takes comma-separated numbers, got {text!r}") from None
     if not temps or any(t < 0 for t in temps):
-        ap.error("--temperatures: give 0 or more values of 0 or more")
+        raise UsageError("--temperatures: give 0 or more values of 0 or more")
     return temps
 
 
@@ -456,24 +451,24 @@ def walk_prompts(
     return positions, after_mismatch
 
 
-def print_after_mismatch(summary: dict[str, Any]) -> None:
+def after_mismatch_tables(summary: dict[str, Any]) -> list[str]:
     """Per coupled temperature, the share of mismatches whose target token is among the first F."""
+    out = []
     for key, at_t in summary.items():
         am = at_t.get("after_mismatch")
         if am:
             n = am["mismatches"]
-            print(f"\nmatch, T {key}: after a mismatch ({n}), the target's token among the first F")
             rows = [[order, *(f"{x:.3f}" for x in am[order])] for order in ("landing", "draft")]
-            print(table(rows, ["order", *(f"F={f}" for f in range(1, MISMATCH_F + 1))]))
+            out.append(f"\nmatch, T {key}: after a mismatch ({n}), the target's token among the first F")
+            out.append(table(rows, ["order", *(f"F={f}" for f in range(1, MISMATCH_F + 1))]))
+    return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     if a.max_n < 1 or a.tokens < 1:
-        ap.error("--max-n and --tokens must be at least 1")
-    temps = parse_temperatures(ap, a.temperatures)
-    prompts = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+        raise UsageError("--max-n and --tokens must be at least 1")
+    temps = parse_temperatures(a.temperatures)
+    prompts = suite_from_args(runner.build_parser(__name__), a.humaneval, a.prompts, a.prompt_file)
 
     import torch
     from tqdm import tqdm
@@ -492,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     longest = max(len(e) for e in encoded) + a.tokens + tree.depth + 2
     drafter = create_drafter(a.drafter, a.draft, n_threads=1, max_nodes=max(256, 4 * tree.num_nodes))
     if longest > drafter.max_context:
-        ap.error(f"a prompt of {longest} tokens with its positions does not fit the draft's context")
+        raise UsageError(f"a prompt of {longest} tokens with its positions does not fit the draft's context")
     bar = tqdm(
         total=len(prompts) * len(temps) * a.tokens, desc="positions", disable=a.no_progress, file=sys.stderr
     )
@@ -507,28 +502,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     for key, ranks in after_mismatch.items():
         if key in summary:
             summary[key]["after_mismatch"] = {"mismatches": len(ranks), **top_f_rates(ranks, MISMATCH_F)}
-    print(
+    heading = (
         f"{a.model} / {a.draft} ({drafter.name}), tree {tree_text}, "
         f"{len(prompts)} prompts x {a.tokens} positions"
     )
-    print(report(summary, a.max_n))
-    print_after_mismatch(summary)
-    if a.json:
-        cfg = {k: v for k, v in vars(a).items() if k != "prompt_file"}
-        cfg["prompt_files"] = [str(f) for f in a.prompt_file or []]
-        cfg["tree"] = tree_text
-        cfg["drafter_backend"] = drafter.name  # what auto chose
-        write_result(
-            a.json,
-            cfg,
-            result_rows(summary),
-            True,
-            summary=summary,
-            positions=[p.as_dict() for p in positions],
-        )
-    if a.plot:
-        plot(summary, a.max_n, a.plot)
-    return 0
+    cfg = {k: v for k, v in vars(a).items() if k != "prompt_file"}
+    cfg["prompt_files"] = [str(f) for f in a.prompt_file or []]
+    cfg["tree"] = tree_text
+    cfg["drafter_backend"] = drafter.name  # what auto chose
+    return Result(
+        result_rows(summary),
+        "\n".join([heading, report(summary, a.max_n), *after_mismatch_tables(summary)]),
+        extra={"summary": summary, "positions": [p.as_dict() for p in positions]},
+        config=cfg,
+        plot=lambda path: plot(summary, a.max_n, path),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
