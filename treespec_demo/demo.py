@@ -27,8 +27,10 @@ from typing import Any
 
 from bench.end_to_end.e2e import run_modes
 from bench.end_to_end.e2e_results import ModeRuns
-from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, table, write_result
+from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args, table
+from bench.lib import runner
 from bench.lib.procs import Proxy
+from bench.lib.runner import Result
 from edge_client.client import GenerationResult
 from edge_client.defaults import recommended_tree
 from edge_client.drafters.base import Drafter
@@ -70,8 +72,7 @@ PROMPTS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="treespec-demo", description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pair", choices=sorted(PAIRS), default="qwen", help="model pair (target + draft)")
     add_common_args(
         ap,
@@ -86,13 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         default=SHOWN_MODES[0],
         choices=SHOWN_MODES,
-        help="the edge mode run against ar and streamed (default: auto, the SDK's default)",
+        help="the edge mode run against ar and streamed (auto: the SDK's default)",
     )
-    return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     t_start = time.perf_counter()
     model, draft = PAIRS[a.pair]
     rtts = [float(x) for x in a.rtt_ms.split(",") if x]
@@ -127,10 +126,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(flush=True)
         finally:
             drafter.close()
-    run = {"model": model, "draft": draft, "tree": tree_text, "weights": weights, "mode": a.mode}
-    identical = report(results, a, run)
-    print(f"demo wall time: {time.perf_counter() - t_start:.0f} s")
-    return 0 if identical else 1
+    setup = {"model": model, "draft": draft, "tree": tree_text, "weights": weights, "mode": a.mode}
+    result = report(results, {**vars(a), **setup})
+    result.table += f"\ndemo wall time: {time.perf_counter() - t_start:.0f} s"
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv, prog="treespec-demo")
 
 
 def fetch_pair(model: str, draft: str) -> None:
@@ -225,8 +228,9 @@ def figures(r: ModeRuns) -> dict[str, Any]:
     }
 
 
-def report(results: dict[float, dict[str, ModeRuns]], a: argparse.Namespace, run: dict[str, str]) -> bool:
-    """The table (and --json) of every RTT and mode; whether every mode's tokens are ar's."""
+def report(results: dict[float, dict[str, ModeRuns]], config: dict[str, Any]) -> Result:
+    """The table and rows of every RTT and mode, with whether every mode's tokens are ar's (the
+    JSON's identical_to_ar; exit status 1 where some are not)."""
     rows: list[list[object]] = []
     records: list[dict[str, object]] = []  # the rows as figures (--json)
     identical = True
@@ -244,13 +248,12 @@ def report(results: dict[float, dict[str, ModeRuns]], a: argparse.Namespace, run
             )  # fmt: skip
             records.append({"rtt_ms": rtt, "mode": m, **f, "decode_speedup_vs_ar": round(speed, 3),
                             "identical_to_ar": same})  # fmt: skip
-    print()
     headers = ["RTT ms", "mode", "TTFT ms", "decode ms/token", "decode speed vs ar",
                "verifier busy ms/token", "tau", "rounds by kind", "identical to ar"]  # fmt: skip
-    print(table(rows, headers))
-    print(f"every mode's tokens identical to target-only ar: {identical}")
-    write_result(a.json, {**vars(a), **run}, records, True, identical_to_ar=identical)
-    return identical
+    text = f"\n{table(rows, headers)}\nevery mode's tokens identical to target-only ar: {identical}"
+    return Result(
+        records, text, config=config, extra={"identical_to_ar": identical}, status=0 if identical else 1
+    )
 
 
 if __name__ == "__main__":

@@ -249,6 +249,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--modes", default=",".join(MODES), help=f"modes to run, from {','.join(MODES + OPTIONAL)}"
     )
+    add_link_args(ap)
+
+
+def add_link_args(ap: argparse.ArgumentParser) -> None:
+    """The link's flags (proxy, jitter, bandwidth), the verifier's queue, the outputs beside --json
+    (--trace, --plot) and the run's variations (--no-couple, --saguaro-c, --idle-replay, --merge)."""
     ap.add_argument(
         "--proxy",
         action="store_true",
