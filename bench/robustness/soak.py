@@ -1,6 +1,6 @@
 """Soak a live verifier: many clients for minutes, a share of them cancelling or dropping mid-round.
 
-    python -m bench.robustness.soak --clients 16 --minutes 10 --json bench/out/soak.json
+    python -m bench soak --clients 16 --minutes 10 --json bench/out/soak.json
 
 Starts `cloud-verifier serve --model tiny` in its own process (or `--url`, with `--pid` for its
 memory). Each client loops: open a session, prompt (greedy, random tokens), send small trees round
@@ -26,8 +26,10 @@ import httpx
 import msgpack
 from tqdm import tqdm
 
-from bench.harness import Verifier, add_common_args, figure_rows, table, write_result
+from bench.harness import Verifier, add_common_args, figure_rows, table
+from bench.lib import runner
 from bench.lib.frames import honest_generation, i32, recv
+from bench.lib.runner import Result, UsageError
 
 
 def rss_mb(pid: int) -> float:
@@ -140,8 +142,7 @@ async def client(
                 await ws.close()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.robustness.soak", description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--clients", type=int, default=16, help="concurrent clients")
     ap.add_argument("--minutes", type=float, default=10.0, help="how long the clients run")
     ap.add_argument("--drop", type=float, default=0.3, help="share of generations cancelled or dropped")
@@ -162,7 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
         seed_help="randomness of the clients",
         no_progress=True,
     )
-    return ap
 
 
 def tiny_hello() -> bytes:
@@ -179,7 +179,7 @@ def tiny_hello() -> bytes:
     return hello
 
 
-async def run(
+async def soak(
     url: str,
     hello: bytes,
     pid: int | None,
@@ -263,11 +263,9 @@ def figures(
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     if a.clients < 1 or a.minutes <= 0 or not 0 <= a.drop <= 1 or a.sample_every <= 0:
-        ap.error("--clients >= 1, --minutes > 0, 0 <= --drop <= 1 and --sample-every > 0")
+        raise UsageError("--clients >= 1, --minutes > 0, 0 <= --drop <= 1 and --sample-every > 0")
     verifier = None
     if a.url is None:
         verifier = Verifier(
@@ -284,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = a.minutes * 60
     try:
         warm, honest, ar = asyncio.run(
-            run(
+            soak(
                 url,
                 hello,
                 pid,
@@ -317,14 +315,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         honest_identical=honest == ar,
         series=series,
     )
-    print(table([[k, v] for k, v in result.items()], ["figure", "value"]))
+    text = table([[k, v] for k, v in result.items()], ["figure", "value"])
     rows = figure_rows(result)  # the table as printed (rss_series and ok join the file below)
     result["rss_series"] = series
     ok = kv_end <= kv_idle and (growth is None or growth <= a.rss_tolerance) and honest == ar
     result["ok"] = ok
-    write_result(a.json, a, rows, True, **result)
-    print(f"soak: {'ok' if ok else 'FAILED'}")
-    return 0 if ok else 1
+    return Result(rows, f"{text}\nsoak: {'ok' if ok else 'FAILED'}", extra=result, status=0 if ok else 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
