@@ -1,4 +1,6 @@
-"""Trained drafts before and after, on held-out prompts (SpecInfer's Table 1 analog).
+"""Trained drafts before and after, on held-out prompts (SpecInfer's Table 1 analog): top-1..5
+coverage of the teacher's tokens by each draft on held-out records, with Wilson intervals and McNemar
+against the first draft, the learning curve, and (--parts e2e) tau and ms/token end to end.
 
 The positions are those of `draft-training collect` records of held-out prompts (the teacher's own
 continuations, greedy and at T 1; `make drafts` collects both into its work folder). Each draft
@@ -18,9 +20,9 @@ With `--parts ...,e2e`: every draft end to end against the recipe's teacher serv
 speed-up over `ar` and whether the tokens are `ar`'s. `ar` runs again beside each draft, prompt by
 prompt interleaved with its modes, so each draft's speed-up is measured in the same minutes.
 
-    python -m bench.training.speculators --drafts smollm2-135m-q4-l8,smollm2-135m-l8-kd --json out.json
-    python -m bench.training.speculators --recipe qwen2.5-coder-0.5b-kd --json out.json   (the Qwen pilot)
-    python -m bench.training.speculators --parts e2e --tokens 64 --json out.json    (tau and ms/token only)
+    python -m bench speculators --drafts smollm2-135m-q4-l8,smollm2-135m-l8-kd --json out.json
+    python -m bench speculators --recipe qwen2.5-coder-0.5b-kd --json out.json   (the Qwen pilot)
+    python -m bench speculators --parts e2e --tokens 64 --json out.json    (tau and ms/token only)
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.exactness.agreement import TOP_K, draft_ranks
-from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
+from bench.harness import BenchPrompt, add_common_args, suite_from_args, table
+from bench.lib import runner
+from bench.lib.runner import Result, UsageError
 from bench.training import speculators_merged
 
 DEFAULT_RECIPE = "smollm2-135m-l8-kd"
@@ -177,15 +181,9 @@ PARTS = ("table1", "e2e", "merged")
 E2E_MODES = "ar,tree,budget"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_args(ap: argparse.ArgumentParser) -> None:
     from edge_client.drafters.registry import backend_choices
 
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.training.speculators",
-        description="Top-1..5 coverage of the teacher's tokens by each draft on held-out records, with "
-        "Wilson intervals and McNemar against the first draft, the learning curve, and (--parts e2e) "
-        "tau and ms/token end to end.",
-    )
     ap.add_argument(
         "--records",
         type=Path,
@@ -250,56 +248,61 @@ def build_parser() -> argparse.ArgumentParser:
         "merged (per SSM_2 and variant: tau, ms_per_token, nodes_per_round, identical_to_ar, union_top1)",
         tokens=64, tokens_help="e2e and merged: new tokens per prompt", prompt_file=True, no_progress=True,
     )  # fmt: skip
-    return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     from draft_training.collect import load_positions
     from draft_training.drafts import RECIPES
 
     if a.recipe not in RECIPES:
-        ap.error(f"--recipe: no recipe {a.recipe!r}; recipes: {', '.join(RECIPES)}")
+        raise UsageError(f"--recipe: no recipe {a.recipe!r}; recipes: {', '.join(RECIPES)}")
     parts = [p for p in a.parts.split(",") if p]
     if not parts or any(p not in PARTS for p in parts):
-        ap.error(f"--parts: choose from {','.join(PARTS)}, got {a.parts!r}")
+        raise UsageError(f"--parts: choose from {','.join(PARTS)}, got {a.parts!r}")
     drafts = [d for d in (a.drafts or f"{RECIPES[a.recipe].draft},{a.recipe}").split(",") if d]
     rows: list[dict[str, Any]] = []
     comparisons: list[dict[str, Any]] = []
     if "table1" in parts:
         folders = a.records or default_records(a.recipe)
         if not folders:
-            ap.error(f"no held-out records: run `make drafts` ({a.recipe}) first or give --records")
+            raise UsageError(f"no held-out records: run `make drafts` ({a.recipe}) first or give --records")
         rows, comparisons = coverage_part(load_positions(folders), drafts, a.backends, a.no_progress)
     e2e: list[dict[str, Any]] = []
     if "e2e" in parts:
         modes = [m for m in a.e2e_modes.split(",") if m]
         if "ar" not in modes:
-            ap.error("--e2e-modes: include ar (the speed-up's and the exactness's reference)")
+            raise UsageError("--e2e-modes: include ar (the speed-up's and the exactness's reference)")
         prompts = (
-            suite_from_args(ap, 0, 0, a.prompt_file) if a.prompt_file else heldout_prompts(a.per_category)
+            suite_from_args(runner.build_parser(__name__), 0, 0, a.prompt_file)
+            if a.prompt_file
+            else heldout_prompts(a.per_category)
         )
         e2e = e2e_part(RECIPES[a.recipe].teacher, drafts, prompts, modes, a)
-    merged = _merged(ap, a, parts)
+    merged = _merged(a, parts)
     curve = learning_curve(a.curve) if a.curve else []
-    if rows or curve:
-        _print(rows, comparisons, curve)
-    if e2e:
-        _print_e2e(e2e)
-    if merged:
-        speculators_merged.print_merged(merged, a.nodes)
-    write_result(a.json, a, rows, True, comparisons=comparisons, learning_curve=curve, e2e=e2e, merged=merged)
-    return 0
+    text = [render_coverage(rows, comparisons, curve)] if rows or curve else []
+    text += [render_e2e(e2e)] if e2e else []
+    text += [speculators_merged.render_merged(merged, a.nodes)] if merged else []
+    extra: dict[str, object] = {
+        "comparisons": comparisons,
+        "learning_curve": curve,
+        "e2e": e2e,
+        "merged": merged,
+    }
+    return Result(rows, "\n".join(text), extra=extra)
 
 
-def _merged(ap: argparse.ArgumentParser, a: argparse.Namespace, parts: list[str]) -> list[dict[str, Any]]:
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
+
+
+def _merged(a: argparse.Namespace, parts: list[str]) -> list[dict[str, Any]]:
     from draft_training.drafts import RECIPES, work_dir
 
     if "merged" not in parts:
         return []
     if a.nodes < 2:
-        ap.error(f"--nodes: at least 2 (one per merged draft), got {a.nodes}")
+        raise UsageError(f"--nodes: at least 2 (one per merged draft), got {a.nodes}")
     recipe = RECIPES[a.recipe]
     boost_dir = a.boost or work_dir(a.recipe) / "boost"
     try:
@@ -308,7 +311,7 @@ def _merged(ap: argparse.ArgumentParser, a: argparse.Namespace, parts: list[str]
             a.prompt_file, a.per_category, a.nodes, a.tokens,
         )  # fmt: skip
     except (FileNotFoundError, ValueError) as exc:
-        ap.error(f"--parts merged: {exc}")
+        raise UsageError(f"--parts merged: {exc}") from None
 
 
 def coverage_part(
@@ -440,10 +443,12 @@ def _ranks(
     return ranks
 
 
-def _print(
+def render_coverage(
     rows: list[dict[str, Any]], comparisons: list[dict[str, Any]], curve: list[dict[str, Any]]
-) -> None:
-    print(
+) -> str:
+    """Table 1 (coverage per draft, backend, T and category), the McNemar comparisons and the
+    learning curve, as printed."""
+    out = [
         table(
             [
                 [
@@ -459,10 +464,10 @@ def _print(
             ],
             ["draft", "backend", "T", "category", *(f"top-{k}" for k in TOP_K), "top-1 95% CI", "n"],
         )
-    )
+    ]
     if comparisons:
-        print("\ntop-1 against the first draft (McNemar, exact):")
-        print(
+        out.append("\ntop-1 against the first draft (McNemar, exact):")
+        out.append(
             table(
                 [
                     [
@@ -483,26 +488,27 @@ def _print(
             )
         )
     if curve:
-        print("\nlearning curve (held-out, teacher-forced):")
-        print(
+        out.append("\nlearning curve (held-out, teacher-forced):")
+        out.append(
             table(
                 [[c["step"], _tokens_cell(c), c["top1"], c["tau"]] for c in curve],
                 ["step", "train tokens (~: estimated)", "top-1", "tau"],
             )
         )
+    return "\n".join(out)
 
 
 def _tokens_cell(c: dict[str, Any]) -> str:
     return str(c["train_tokens"]) if c.get("train_tokens_counted") else f"~{c['train_tokens']}"
 
 
-def _print_e2e(rows: list[dict[str, Any]]) -> None:
+def render_e2e(rows: list[dict[str, Any]]) -> str:
+    """The e2e part's rows as printed, under the setting they ran in."""
     r0 = rows[0]
-    print(
-        f"\nend to end, greedy, {r0['prompts']} held-out prompts x {r0['tokens']} tokens, tree {r0['tree']}:"
-    )
-    print(
-        table(
+    return (
+        f"\nend to end, greedy, {r0['prompts']} held-out prompts x {r0['tokens']} tokens, "
+        f"tree {r0['tree']}:\n"
+        + table(
             [
                 [r["draft"], r["mode"], r["tau"], r["ms_per_token"], r["speedup_vs_ar"], r["identical_to_ar"]]
                 for r in rows

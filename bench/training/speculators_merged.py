@@ -122,14 +122,16 @@ def _pair_rows(doc: dict[str, Any], pair: str, union: Any, alone: Any) -> list[d
     return rows
 
 
-def print_merged(rows: Sequence[dict[str, Any]], nodes: int) -> None:
-    print(f"\nmerged SSMs at {nodes} nodes a round (held-out prompts, greedy):")
+def render_merged(rows: Sequence[dict[str, Any]], nodes: int) -> str:
+    """The merged part's rows as the printed table, under its heading."""
     body = [
         [r["pair"], r["variant"], r["tau"], r["ms_per_token"], r["nodes_per_round"], r["identical_to_ar"],
          r["union_top1"]]
         for r in rows
     ]  # fmt: skip
-    print(table(body, ["SSM_2", "variant", "tau", "ms/token", "nodes/round", "= ar", "union top-1"]))
+    return f"\nmerged SSMs at {nodes} nodes a round (held-out prompts, greedy):\n" + table(
+        body, ["SSM_2", "variant", "tau", "ms/token", "nodes/round", "= ar", "union top-1"]
+    )
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
