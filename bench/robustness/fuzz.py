@@ -1,6 +1,6 @@
 """Fuzz a live verifier with hostile frames; count crashes and over-limit frames it accepted.
 
-    python -m bench.robustness.fuzz --frames 1000000 --seconds 900 --json bench/out/fuzz.json
+    python -m bench fuzz --frames 1000000 --seconds 900 --json bench/out/fuzz.json
 
 Starts `cloud-verifier serve --model tiny` in its own process (no frame-rate limit, so the fuzzer is
 not slowed down; or `--url` for a running one) and drives `--connections` sessions at once. Each
@@ -29,8 +29,10 @@ import msgpack
 import numpy as np
 from tqdm import tqdm
 
-from bench.harness import Verifier, add_common_args, figure_rows, table, write_result
+from bench.harness import Verifier, add_common_args, figure_rows, table
+from bench.lib import runner
 from bench.lib.frames import honest_generation, i32, recv
+from bench.lib.runner import Result, UsageError
 
 EDGE_VALUES: list[Any] = [
     None, True, False, 0, -1, 1, 2**31, -(2**31) - 1, 2**63, -(2**63), 2**64 - 1, 0.0, -0.0, 1e308,
@@ -220,8 +222,7 @@ async def _accepted(ws: Any, tally: Tally, rnd: int | None) -> bool:
     return False
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.robustness.fuzz", description=__doc__.split("\n\n")[0])
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--frames", type=int, default=100_000, help="stop after this many frames")
     ap.add_argument("--seconds", type=float, default=120.0, help="stop after this long, whichever first")
     ap.add_argument("--connections", type=int, default=8, help="concurrent fuzzing connections")
@@ -235,7 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
         seed_help="randomness of the frames",
         no_progress=True,
     )
-    return ap
 
 
 def start_verifier(connections: int) -> Verifier:
@@ -321,11 +321,17 @@ def figures(
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def render_table(result: dict[str, Any]) -> str:
+    """The figures as the printed table (a figure that is a mapping as its JSON text)."""
+    return table(
+        [[k, json.dumps(v) if isinstance(v, dict) else v] for k, v in result.items()],
+        ["figure", "value"],
+    )
+
+
+def run(a: argparse.Namespace) -> Result:
     if a.frames < 1 or a.seconds <= 0 or a.connections < 1 or a.check_every < 1:
-        ap.error("--frames, --seconds, --connections and --check-every must be positive")
+        raise UsageError("--frames, --seconds, --connections and --check-every must be positive")
     verifier = None
     if a.url is None:
         verifier = start_verifier(a.connections)
@@ -365,17 +371,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             verifier.stop()
     result = figures(tally, elapsed, a.connections, alive, ready, honest == ar)
     crashes: int = result["crashes"]
-    print(
-        table(
-            [[k, json.dumps(v) if isinstance(v, dict) else v] for k, v in result.items()],
-            ["figure", "value"],
-        )
-    )
-    write_result(a.json, a, figure_rows(result), True, **result)
     ok = crashes == 0 and tally.over_limit_accepted == 0 and honest == ar
     verdict = "ok" if ok else "FAILED"
-    print(f"fuzz: {verdict}: {crashes} crashes, {tally.over_limit_accepted} over-limit frames accepted")
-    return 0 if ok else 1
+    line = f"fuzz: {verdict}: {crashes} crashes, {tally.over_limit_accepted} over-limit frames accepted"
+    return Result(figure_rows(result), f"{render_table(result)}\n{line}", extra=result, status=0 if ok else 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ JSON_CALLS_ALLOWED = {
         "run_planned",
     ): "one log line (OUTDIR/gpu_check.log) naming the environment, not a JSON file",
     ("browser", "call"): "a DevTools protocol message to Chromium over its WebSocket, not a file",
+    ("fuzz", "render_table"): "a figure that is a mapping, shown as JSON text in a table cell, not a file",
     ("parallel", "run"): "the result printed under the table when there is no --json, not a file",
     ("js_edge", "run"): "a JavaScript string literal (the page's URL) in an expression Chromium evaluates",
     ("lookup_tau", "run"): "the summary's figures as one JSON line of the printed text, not a file",
