@@ -1,4 +1,4 @@
-"""The pure parts of `python -m bench.serving.serve`, in vLLM's `benchmark_serving` definitions: when each
+"""The pure parts of `python -m bench serve`, in vLLM's `benchmark_serving` definitions: when each
 request is sent (`arrival_times`), what one streamed request measured (`RequestResult`, from its
 send time and chunk times: `timing`), the run's figures (`summarize`: TTFT, TPOT, ITL, E2EL,
 throughputs, goodput), the long prompts built from shorter ones (`build_long_prompts`), the

@@ -1,7 +1,7 @@
 """Many edge sessions against one batching verifier: what waiting to fill a batch does (the
 batch wait of cloud_verifier/batch_wait.py against none, and against a fixed wait).
 
-`python -m bench.simulation.simulate TRACES --batch-wait off,rule,fixed:3 --clients 1,4,16` runs this
+`python -m bench simulate TRACES --batch-wait off,rule,fixed:3 --clients 1,4,16` runs this
 instead of the one-generation replay (bench/simulation/simulate.py's docstring has the trace format).
 
 The model (a discrete-event run of C clients on one verifier, in ms):

@@ -1,4 +1,4 @@
-"""`python -m bench.training.speculators --parts merged`: SpecInfer's merged SSMs at equal nodes.
+"""`python -m bench speculators --parts merged`: SpecInfer's merged SSMs at equal nodes.
 
 From a `draft-training boost` folder: SSM_1 (the recipe's trained draft) alone, SSM_1 merged with
 the boosted SSM_2 (`ssm2/`) and SSM_1 merged with the independent SSM_2 (`indep2/`, the control),
