@@ -25,7 +25,8 @@ namespace {
 // integers are the plain path's, and so are the bits.
 struct KBlock {
   __m512i w[4];
-  __m512i s[4];
+  __m512i s[4];   // the maddubs pairs' scales (k_unpack<T, false>)
+  __m512i s2[2];  // the packed dpbusd lanes' scales (k_unpack<T, true>; see k_dot1)
   __m256i sc16;  // Q6_K: the 16 scales as int16
   __m128i mn16;  // Q4_K: the 8 mins as int16
 };
@@ -45,7 +46,22 @@ const __m512i k_wide_idx[4] = {spread_index(0, true), spread_index(2, true), spr
 const __m512i k_narrow_idx[4] = {spread_index(0, false), spread_index(4, false), spread_index(8, false),
                                  spread_index(12, false)};
 
-template <int64_t T>
+// The scales of pieces 2 h and 2 h + 1 as packs_epi32 lays out their dpbusd lanes: int16 lane
+// 8 k + m of the pack is piece 2 h's int32 lane 4 k + m (m < 4: values 64 (2 h) + 16 k + 4 m ..
+// + 3) or piece 2 h + 1's lane 4 k + m - 4 (m >= 4). Its sub-block: Q4_K (32 values) 2 e + k / 2,
+// Q6_K (16 values) 4 e + k, e the piece.
+inline __m512i pair_index(int h, bool wide) {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 32; ++i) {
+    const int k = i / 8, m = i % 8, e = 2 * h + (m >= 4 ? 1 : 0);
+    idx[i] = int16_t(wide ? 2 * e + k / 2 : 4 * e + k);
+  }
+  return _mm512_load_si512(idx);
+}
+const __m512i k_wide_pairs[2] = {pair_index(0, true), pair_index(1, true)};
+const __m512i k_narrow_pairs[2] = {pair_index(0, false), pair_index(1, false)};
+
+template <int64_t T, bool Pairs = false>
 inline void k_unpack(const uint8_t* blk, KBlock& p) {
   const __m512i* wide_idx = k_wide_idx;
   const __m512i* narrow_idx = k_narrow_idx;
@@ -64,7 +80,11 @@ inline void k_unpack(const uint8_t* blk, KBlock& p) {
     p.w[1] = _mm512_shuffle_i64x2(lo01, hi01, 0xEE);  // lo01[256:512], hi01[256:512]
     p.w[2] = _mm512_shuffle_i64x2(lo23, hi23, 0x44);
     p.w[3] = _mm512_shuffle_i64x2(lo23, hi23, 0xEE);
-    for (int g = 0; g < 4; ++g) p.s[g] = _mm512_permutexvar_epi16(wide_idx[g], sc16);
+    if constexpr (Pairs) {
+      for (int h = 0; h < 2; ++h) p.s2[h] = _mm512_permutexvar_epi16(k_wide_pairs[h], sc16);
+    } else {
+      for (int g = 0; g < 4; ++g) p.s[g] = _mm512_permutexvar_epi16(wide_idx[g], sc16);
+    }
   } else {
   // Q6_K: ql[128], qh[64], scales[16] (int8), d
   const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
@@ -81,19 +101,27 @@ inline void k_unpack(const uint8_t* blk, KBlock& p) {
       const __m512i high = _mm512_and_si512(_mm512_srlv_epi64(H, shift), m2);
       const int e = 2 * h + q;
       p.w[e] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
-      p.s[e] = _mm512_permutexvar_epi16(narrow_idx[e], sc16);
+      if constexpr (!Pairs) p.s[e] = _mm512_permutexvar_epi16(narrow_idx[e], sc16);
     }
   }
+  if constexpr (Pairs)
+    for (int h = 0; h < 2; ++h) p.s2[h] = _mm512_permutexvar_epi16(k_narrow_pairs[h], sc16);
   }
 }
 
 // The int32 lanes of one activation row's integer sums against an unpacked super-block (x: the
-// row's 256 values; s16: its 16 sums of 16, read for Q6_K).
+// row's 256 values; s16: its 16 sums of 16, read for Q6_K; p unpacked with Pairs). Per piece one
+// dpbusd: each int32 lane the sum of four products w x, |.| <= 4 * 63 * 128 < 2^15, so two pieces
+// pack into int16 without saturating and one madd per pair of pieces takes the sub-block scales:
+// six multiplies per row and block where maddubs then dpwssd per piece take eight. The sum of the
+// lanes is the same integer.
 template <int64_t T>
 inline __m512i k_dot1(const KBlock& p, const int8_t* x, const int16_t* s16) {
-  __m512i acc = _mm512_setzero_si512();
-  for (int e = 0; e < 4; ++e)
-    acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(p.w[e], _mm512_loadu_si512(x + 64 * e)), p.s[e]);
+  const __m512i z = _mm512_setzero_si512();
+  __m512i t[4];
+  for (int e = 0; e < 4; ++e) t[e] = _mm512_dpbusd_epi32(z, p.w[e], _mm512_loadu_si512(x + 64 * e));
+  __m512i acc = _mm512_madd_epi16(_mm512_packs_epi32(t[0], t[1]), p.s2[0]);
+  acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(t[2], t[3]), p.s2[1]);
   if constexpr (T == Q6_K) {  // - 32 sum_i sc_i * (sum of x over sub-block i)
     const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16));
     const __m256i c = _mm256_slli_epi32(_mm256_madd_epi16(p.sc16, xs), 5);
@@ -169,7 +197,7 @@ void k_tile(const uint8_t* wp, int64_t row_bytes, const KActs& a, int64_t r, int
       }
 #endif
       KBlock p;
-      k_unpack<T>(blk, p);
+      k_unpack<T, true>(blk, p);
       uint16_t d, dm = 0;
       std::memcpy(&d, T == Q4_K ? blk : blk + 208, 2);
       if constexpr (T == Q4_K) std::memcpy(&dm, blk + 2, 2);
