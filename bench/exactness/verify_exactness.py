@@ -1,6 +1,7 @@
-"""Statistical proof that every verification algorithm is exact, and what it costs.
+"""Chi-square proof of exactness for every verification algorithm (and power against three wrong
+variants), tokens per round, and verify latency on a 64-node tree.
 
-`python -m bench.exactness.verify_exactness [--samples N] [--json PATH]` runs the full matrix: algorithms x
+`python -m bench verify_exactness [--samples N] [--json PATH]` runs the full matrix: algorithms x
 tree shapes x temperatures, plus three deliberately wrong variants that the same test must reject.
 Each case simulates what the edge and the cloud do, batched over trials on the production functions
 (`cloud_verifier.verify.verify_batch`): a tiny bigram "model" pair (target logits and draft q rows,
@@ -21,13 +22,16 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.harness import add_common_args, write_result
+from bench.harness import add_common_args
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result
 from cloud_verifier.exactness import (
     ALPHA,
     SHAPES,
@@ -142,13 +146,7 @@ def _format_p(p: float) -> str:
     return f"{p:.3g}" if p >= 1e-300 else "0"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.exactness.verify_exactness",
-        description="Chi-square proof of exactness for every verification algorithm (and power against "
-        "three wrong variants), tokens per round, and verify latency on a 64-node tree.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--samples", type=int, default=200_000, help="trials per case")
     add_common_args(
         ap,
@@ -164,57 +162,87 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--timing-reps", type=int, default=200, help="verify_tree calls timed per algorithm")
     add_model_args(ap, threads=1, threads_help="torch intra-op threads")
     ap.add_argument("--skip-timing", action="store_true", help="do not time verify_tree")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
 
-    results = []
-    for case in tqdm(full_matrix(), desc="cases", unit="case", disable=args.no_progress):
-        results.append(run_case(case, args.samples, args.seed))
-    print(f"\nJoint output distribution vs the target alone (Pearson chi-square, reject at p < {ALPHA:g})")
+
+MODES = ["greedy", "match", "naive", "mss", "rrs"]
+
+
+def chi_square_lines(results: Sequence[Any]) -> list[str]:
+    """The chi-square table: one line per case."""
+    lines = [f"\nJoint output distribution vs the target alone (Pearson chi-square, reject at p < {ALPHA:g})"]
     head = f"{'algorithm':<28}{'shape':<15}{'T':>4}{'top-k/p':>10}{'samples':>9}{'p-value':>11}"
     head += "  expected  passed"
-    print(head)
-    print("-" * len(head))
+    lines += [head, "-" * len(head)]
     for r in results:
         tkp = f"{r.top_k}/{r.top_p:g}" if r.top_k or r.top_p < 1 else "-"
         exp = "exact" if r.expected_exact else "reject"
-        print(
+        lines.append(
             f"{r.algorithm:<28}{r.shape:<15}{r.temperature:>4g}{tkp:>10}{r.samples:>9}"
             f"{_format_p(r.p_value):>11}  {exp:<8}  {'yes' if r.passed else 'NO'}"
         )
+    return lines
 
-    modes = ["greedy", "match", "naive", "mss", "rrs"]
-    per_mode: dict[str, list[float]] = {m: [] for m in modes}
-    print("\nTokens per round (bonus included), one round from random last tokens")
-    print(f"{'shape':<11}{'T':>4}" + "".join(f"{m:>9}" for m in modes))
+
+def acceptance_lines(trials: int, seed: int) -> tuple[dict[str, float], list[str]]:
+    """Tokens per round of each mode by shape and temperature, and the mean per mode: (the means,
+    the printed lines)."""
+    per_mode: dict[str, list[float]] = {m: [] for m in MODES}
+    lines = ["\nTokens per round (bonus included), one round from random last tokens"]
+    lines.append(f"{'shape':<11}{'T':>4}" + "".join(f"{m:>9}" for m in MODES))
     for shape in SHAPES.values():
         for temp in (0.5, 1.0):
-            tpr = tokens_per_round(modes, shape, SamplingParams(temp), args.acceptance_trials, args.seed)
-            row = {m: float(tpr[m].mean()) for m in modes}
-            for m in modes:
+            tpr = tokens_per_round(MODES, shape, SamplingParams(temp), trials, seed)
+            row = {m: float(tpr[m].mean()) for m in MODES}
+            for m in MODES:
                 per_mode[m].append(row[m])
-            print(f"{shape.name:<11}{temp:>4g}" + "".join(f"{row[m]:>9.3f}" for m in modes))
+            lines.append(f"{shape.name:<11}{temp:>4g}" + "".join(f"{row[m]:>9.3f}" for m in MODES))
     acceptance = {m: float(np.mean(v)) for m, v in per_mode.items()}
-    print(f"{'mean':<15}" + "".join(f"{acceptance[m]:>9.3f}" for m in modes))
+    lines.append(f"{'mean':<15}" + "".join(f"{acceptance[m]:>9.3f}" for m in MODES))
+    return acceptance, lines
 
+
+def timing_lines(reps: int, threads: int) -> tuple[dict[str, float], dict[str, float], list[str]]:
+    """verify_tree's median ms per mode at top-p 1 and 0.9, and the printed lines."""
+    verify_ms, walked = time_verify(SamplingParams(1.0), reps)
+    verify_ms_top_p, walked_p = time_verify(SamplingParams(1.0, top_p=0.9), reps)
+    lines = [
+        f"\nverify_tree median ms ({threads} thread(s)); {TIMING_NOTE}",
+        f"{'':<22}" + "".join(f"{m:>9}" for m in MODES),
+        f"{'T=1 top-p 1 (ms)':<22}" + "".join(f"{verify_ms[m]:>9.3f}" for m in MODES),
+        f"{'  walked depth':<22}" + "".join(f"{walked[m]:>9d}" for m in MODES),
+        f"{'T=1 top-p 0.9 (ms)':<22}" + "".join(f"{verify_ms_top_p[m]:>9.3f}" for m in MODES),
+        f"{'  walked depth':<22}" + "".join(f"{walked_p[m]:>9d}" for m in MODES),
+    ]
+    return verify_ms, verify_ms_top_p, lines
+
+
+def run(args: argparse.Namespace) -> Result:
+    torch.set_num_threads(args.threads)
+    results = []
+    for case in tqdm(full_matrix(), desc="cases", unit="case", disable=args.no_progress):
+        results.append(run_case(case, args.samples, args.seed))
+    lines = chi_square_lines(results)
+    acceptance, more = acceptance_lines(args.acceptance_trials, args.seed)
+    lines += more
     verify_ms: dict[str, float] = {}
     verify_ms_top_p: dict[str, float] = {}
     if not args.skip_timing:
-        verify_ms, walked = time_verify(SamplingParams(1.0), args.timing_reps)
-        verify_ms_top_p, walked_p = time_verify(SamplingParams(1.0, top_p=0.9), args.timing_reps)
-        print(f"\nverify_tree median ms ({args.threads} thread(s)); {TIMING_NOTE}")
-        print(f"{'':<22}" + "".join(f"{m:>9}" for m in modes))
-        print(f"{'T=1 top-p 1 (ms)':<22}" + "".join(f"{verify_ms[m]:>9.3f}" for m in modes))
-        print(f"{'  walked depth':<22}" + "".join(f"{walked[m]:>9d}" for m in modes))
-        print(f"{'T=1 top-p 0.9 (ms)':<22}" + "".join(f"{verify_ms_top_p[m]:>9.3f}" for m in modes))
-        print(f"{'  walked depth':<22}" + "".join(f"{walked_p[m]:>9d}" for m in modes))
-
+        verify_ms, verify_ms_top_p, more = timing_lines(args.timing_reps, args.threads)
+        lines += more
     ok = all(r.passed for r in results)
-    print(f"\n{sum(r.passed for r in results)}/{len(results)} cases passed")
+    lines.append(f"\n{sum(r.passed for r in results)}/{len(results)} cases passed")
     cases = [{k: v for k, v in asdict(r).items() if k in CASE_KEYS} for r in results]
     extra = {"acceptance": acceptance, "verify_ms": verify_ms, "verify_ms_top_p_0.9": verify_ms_top_p}
-    write_result(args.json, args, cases, True, cases=cases, **extra, timing_tree=TIMING_NOTE)
-    return 0 if ok else 1
+    return Result(
+        cases,
+        "\n".join(lines),
+        extra={"cases": cases, **extra, "timing_tree": TIMING_NOTE},
+        status=0 if ok else 1,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
