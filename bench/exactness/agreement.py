@@ -1,4 +1,5 @@
-"""How often the target's token is among the draft's top-1..5 (SpecInfer's Table 1, on our pair).
+"""How often the target's token is among the draft's top-1..5, teacher-forced on the target's own
+tokens (SpecInfer's Table 1, on our pair).
 
 Teacher-forced on the target's own output: the target generates (greedy, and sampled at
 temperature 1 with a seeded sampler) from each prompt; the draft then reads prompt + output in one
@@ -7,7 +8,7 @@ the target's token is looked up in the draft's k most likely next tokens. SpecIn
 same for LLaMA-7B / 68M drafts: at greedy decoding top-1 agreement of 68-79% across datasets and
 top-5 of 87-97%. Per category (HumanEval raw, Spec-Bench categories) and overall.
 
-    python -m bench.exactness.agreement --humaneval 4 --prompts 12 --tokens 64 --json bench/out/agreement.json
+    python -m bench agreement --humaneval 4 --prompts 12 --tokens 64 --json bench/out/agreement.json
 
 The target's outputs cached once (`--records DIR`, repeatable): `draft-training collect` folders
 (records of the target's tokens, greedy and at T 1; `make drafts` leaves its held-out ones in
@@ -15,7 +16,7 @@ The target's outputs cached once (`--records DIR`, repeatable): `draft-training 
 draft is measured on the same positions in seconds; the target is not loaded, and the records'
 vocabulary must be the draft's.
 
-    python -m bench.exactness.agreement --records
+    python -m bench agreement --records
     ~/.cache/treespec/draft_training/qwen2.5-coder-0.5b-kd/heldout \
         --records ~/.cache/treespec/draft_training/qwen2.5-coder-0.5b-kd/heldout_t1
 """
@@ -32,8 +33,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
+from bench.harness import BenchPrompt, add_common_args, suite_from_args, table
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
 
 TOP_K = (1, 2, 3, 4, 5)
@@ -88,11 +91,7 @@ def summarise(ranks: dict[str, list[int]]) -> dict[str, dict[str, float]]:
     return out
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.exactness.agreement",
-        description="Top-1..5 agreement of the draft with the target's own tokens (teacher-forced).",
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (raw)")
     ap.add_argument("--prompts", type=int, default=13, help="Spec-Bench dev prompts (one per category at 13)")
     add_model_args(
@@ -129,19 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
         prompt_file=True,
         no_progress=True,
     )
-    return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     temps = [float(t) for t in a.temperatures.split(",") if t]
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.records:
-        by_temp = cached_ranks(ap, a, temps)
+        by_temp = cached_ranks(a, temps)
     else:
-        by_temp = generated_ranks(ap, a, temps)
+        by_temp = generated_ranks(a, temps)
     result: dict[str, Any] = {
         "config": vars(a) | {"records": [str(r) for r in a.records]},
         "temperatures": {},
@@ -149,10 +145,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for temp, ranks in by_temp.items():
         result["temperatures"][f"{temp:g}"] = summarise(ranks)
     source = ", ".join(str(r) for r in a.records) if a.records else a.model
+    lines = []
     for t, cats in result["temperatures"].items():
-        print(f"\ntarget {'greedy' if t == '0' else f'sampled at T {t}'}: share of positions where its token "
-              f"is in the draft's top-k ({source} / {a.draft})")  # fmt: skip
-        print(
+        lines.append(f"\ntarget {'greedy' if t == '0' else f'sampled at T {t}'}: share of positions where "
+                     f"its token is in the draft's top-k ({source} / {a.draft})")  # fmt: skip
+        lines.append(
             table(
                 [[c, *(f"{v[f'top{k}']:.3f}" for k in TOP_K), v["positions"]] for c, v in cats.items()],
                 ["category", *(f"top-{k}" for k in TOP_K), "positions"],
@@ -163,8 +160,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for t, cats in result["temperatures"].items()
         for c, v in cats.items()
     ]
-    write_result(a.json, result.pop("config"), rows, True, **result)
-    return 0
+    config = result.pop("config")
+    return Result(rows, "\n".join(lines), extra=result, config=config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 def _drafter(a: argparse.Namespace, context: int, output: int) -> Any:
@@ -180,12 +181,11 @@ def _drafter(a: argparse.Namespace, context: int, output: int) -> Any:
     )
 
 
-def generated_ranks(
-    ap: argparse.ArgumentParser, a: argparse.Namespace, temps: list[float]
-) -> dict[float, dict[str, list[int]]]:
+def generated_ranks(a: argparse.Namespace, temps: list[float]) -> dict[float, dict[str, list[int]]]:
     """Ranks per temperature and category on the target's outputs, generated here."""
     from shared.model import load_target
 
+    ap = runner.build_parser(__name__)  # (a bad --prompt-file ends as this parser's error)
     prompts: list[BenchPrompt] = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
     target = load_target(a.model, progress=not a.no_progress)
     target.model.prepare(release=True)
@@ -211,9 +211,7 @@ def generated_ranks(
     return out
 
 
-def cached_ranks(
-    ap: argparse.ArgumentParser, a: argparse.Namespace, temps: list[float]
-) -> dict[float, dict[str, list[int]]]:
+def cached_ranks(a: argparse.Namespace, temps: list[float]) -> dict[float, dict[str, list[int]]]:
     """Ranks per temperature and category on the target's outputs cached in collect folders."""
     import json
 
@@ -223,21 +221,23 @@ def cached_ranks(
     for folder in a.records:
         path = folder / MANIFEST
         if not path.is_file():
-            ap.error(f"--records {folder}: no {MANIFEST}; give a `draft-training collect --out` folder")
+            raise UsageError(
+                f"--records {folder}: no {MANIFEST}; give a `draft-training collect --out` folder"
+            )
         fingerprints[folder] = json.loads(path.read_text(encoding="utf-8")).get("vocab_fingerprint")
     try:
         records = [r for r in load_positions(a.records) if r["temperature"] in temps]
     except (FileNotFoundError, ValueError) as exc:
-        ap.error(f"--records: {exc}")
+        raise UsageError(f"--records: {exc}") from None
     if not records:
-        ap.error(f"--records: no record at --temperatures {a.temperatures}")
+        raise UsageError(f"--records: no record at --temperatures {a.temperatures}")
     drafter = _drafter(a, max(len(r["prompt"]) for r in records), max(len(r["tokens"]) for r in records))
     out: dict[float, dict[str, list[int]]] = {}
     try:
         mine = drafter.vocab_fingerprint()
         for folder, theirs in fingerprints.items():
             if theirs != mine:
-                ap.error(
+                raise UsageError(
                     f"--records {folder}: its target's vocabulary (fingerprint {theirs}) is not the "
                     f"draft's ({a.draft}: {mine}); agreement needs the same token ids"
                 )
