@@ -1,6 +1,8 @@
-"""How the verifier's quantized target (`--weights quantized`) decodes against its fp32 runtime on
-the same prompts: the two are different targets numerically (int8 activations, the GGUF's blocks),
-and this says how different, greedy.
+"""Greedy output of the quantized target (--weights quantized) against the fp32 target on the same
+prompts: identical outputs, first divergence, teacher-forced token agreement.
+
+How the verifier's quantized target decodes against its fp32 runtime: the two are different
+targets numerically (int8 activations, the GGUF's blocks), and this says how different, greedy.
 
 Per prompt, each target decodes greedily one token at a time (the target-only reference each
 verifier mode is exact to), then:
@@ -12,7 +14,7 @@ verifier mode is exact to), then:
   quantized target's next token (argmax) is the fp32 target's token: the per-token agreement,
   free of the snowballing of a free-running comparison.
 
-    python -m bench.exactness.weights_agreement --humaneval 4 --prompts 4 --tokens 64 --json bench/out/wa.json
+    python -m bench weights_agreement --humaneval 4 --prompts 4 --tokens 64 --json bench/out/wa.json
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from bench.harness import BenchPrompt, add_common_args, suite_from_args, table, write_result
+from bench.harness import BenchPrompt, add_common_args, suite_from_args, table
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from shared.model_store import DEFAULT_TARGET
 
 
@@ -99,12 +103,7 @@ def compare(prompt_ids: list[int], fp32: Any, quant: Any, n: int) -> dict[str, A
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.exactness.weights_agreement",
-        description="Greedy output of the quantized target (--weights quantized) against the fp32 target "
-        "on the same prompts: identical outputs, first divergence, teacher-forced token agreement.",
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     add_model_args(ap, model=DEFAULT_TARGET, model_help="target alias or GGUF path", threads=0)
     ap.add_argument("--humaneval", type=int, default=4, help="HumanEval dev prompts (raw)")
     ap.add_argument("--prompts", type=int, default=4, help="Spec-Bench dev prompts (chat template)")
@@ -117,14 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         prompt_file=True,
         no_progress=True,
     )
-    return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    a = ap.parse_args(argv)
+def run(a: argparse.Namespace) -> Result:
     if a.tokens < 1:
-        ap.error("--tokens must be >= 1")
+        raise UsageError("--tokens must be >= 1")
+    ap = runner.build_parser(__name__)  # (a bad --prompt-file ends as this parser's error)
     prompts: list[BenchPrompt] = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
     from shared.model import load_target
 
@@ -138,21 +135,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = p.text if p.raw else fp32.tokenizer.apply_chat_template([{"role": "user", "content": p.text}])
         ids = fp32.tokenizer.encode(text)
         rows.append({"prompt": p.question_id, "category": p.category, **compare(ids, fp32, quant, a.tokens)})
-    print(
-        table(
+    shown = table(
+        [
             [
-                [
-                    r["prompt"],
-                    r["tokens"],
-                    "yes" if r["identical"] else "no",
-                    "-" if r["first_divergence"] is None else r["first_divergence"],
-                    "-" if r["gap_at_divergence"] is None else r["gap_at_divergence"],
-                    f"{r['forced_agreement']:.3f}",
-                ]
-                for r in rows
-            ],
-            ["prompt", "tokens", "identical", "first divergence", "fp32 top-2 gap there", "forced agreement"],
-        )
+                r["prompt"],
+                r["tokens"],
+                "yes" if r["identical"] else "no",
+                "-" if r["first_divergence"] is None else r["first_divergence"],
+                "-" if r["gap_at_divergence"] is None else r["gap_at_divergence"],
+                f"{r['forced_agreement']:.3f}",
+            ]
+            for r in rows
+        ],
+        ["prompt", "tokens", "identical", "first divergence", "fp32 top-2 gap there", "forced agreement"],
     )
     positions = sum(r["tokens"] for r in rows)
     agree = sum(r["forced_agreement"] * r["tokens"] for r in rows) / positions
@@ -165,12 +160,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             r["first_divergence"] if r["first_divergence"] is not None else r["tokens"] for r in rows
         ),
     }
-    print(
-        f"{a.model}: {summary['identical_prompts']}/{len(rows)} outputs identical; teacher-forced agreement "
-        f"{agree:.3f} over {positions} positions"
+    shown += (
+        f"\n{a.model}: {summary['identical_prompts']}/{len(rows)} outputs identical; teacher-forced "
+        f"agreement {agree:.3f} over {positions} positions"
     )
-    write_result(a.json, vars(a), rows, True, summary=summary, model=a.model)
-    return 0
+    return Result(rows, shown, extra={"summary": summary, "model": a.model})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
