@@ -1,4 +1,5 @@
-"""Which of the project's files run during one round: a tracer over a real edge and verifier.
+"""Count the project files whose code runs during one round (greedy, static tree): a tracer over a
+real edge and verifier.
 
 One process serves the target (cloud_verifier.server.ThreadedServer) and runs an EdgeClient with a
 real drafter (greedy, a static tree, no pre-speculation). A profile hook on every thread records
@@ -11,8 +12,8 @@ outside the window.
 The count and the list, a line per file, are docs/architecture.md's "Files of one round";
 tests/bench/test_round_files.py checks that list against this tracer.
 
-    python -m bench.tools.round_files                  # SmolLM2-135M target, its q4 GGUF drafting
-    python -m bench.tools.round_files --json out.json
+    python -m bench round_files                  # SmolLM2-135M target, its q4 GGUF drafting
+    python -m bench round_files --json out.json
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from bench.harness import add_common_args, table, write_result
+from bench.harness import add_common_args, table
+from bench.lib import runner
 from bench.lib.args import add_model_args
+from bench.lib.runner import Result, UsageError
 from shared.messages import Verdict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,29 +104,25 @@ def trace_round(target: str, drafter_backend: str, draft: str, round_no: int) ->
     return rec.product_files()
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m bench.tools.round_files",
-        description="Count the project files whose code runs during one round (greedy, static tree).",
-    )
+def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--target", default="smollm2-135m", help="target model alias of the verifier")
     ap.add_argument("--drafter", default="llama_cpp", help="drafter backend of the edge")
     add_model_args(ap, draft="smollm2-135m-q4", draft_help="draft model alias")
     ap.add_argument("--round", type=int, default=2, help="the round traced (>= 1: round 0 is the prompt's)")
     add_common_args(ap, json=True)
-    return ap
+
+
+def run(args: argparse.Namespace) -> Result:
+    if args.round < 1:
+        raise UsageError("--round must be at least 1 (round 0 answers the prompt)")
+    files = trace_round(args.target, args.drafter, args.draft, args.round)
+    shown = table([(f,) for f in files], ["file"])
+    shown += f"\n{len(files)} project files ran during round {args.round}"
+    return Result([{"file": f} for f in files], shown, extra={"count": len(files)})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.round < 1:
-        build_parser().error("--round must be at least 1 (round 0 answers the prompt)")
-    files = trace_round(args.target, args.drafter, args.draft, args.round)
-    print(table([(f,) for f in files], ["file"]))
-    print(f"{len(files)} project files ran during round {args.round}")
-    rows = [{"file": f} for f in files]
-    write_result(args.json, args, rows, True, count=len(files))
-    return 0
+    return runner.main(__name__, argv)
 
 
 if __name__ == "__main__":
