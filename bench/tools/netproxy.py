@@ -5,7 +5,7 @@ put this proxy, run as a separate process, on the path: every chunk read from on
 the other no earlier than `delay` (+ uniform jitter that never reorders the stream) after it was
 read, and no faster than the bandwidth cap allows.
 
-    python -m bench.tools.netproxy --listen 127.0.0.1:9000 --target 127.0.0.1:8000 --delay-ms 25
+    python -m bench netproxy --listen 127.0.0.1:9000 --target 127.0.0.1:8000 --delay-ms 25
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _addr(text: str) -> tuple[str, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.tools.netproxy",
+        prog="python -m bench netproxy",
         description="TCP proxy that delays each direction (a real network hop for benches; use tc netem "
         "where the kernel has it).",
     )
