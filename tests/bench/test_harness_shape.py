@@ -63,18 +63,6 @@ def bench_modules() -> list[Path]:
     return sorted([*flat, *foldered, demo], key=lambda p: p.stem)
 
 
-def uses_runner(path: Path) -> bool:
-    """Whether the module's main is bench.lib.runner's (`runner.main(__name__, argv)`)."""
-    return any(
-        isinstance(n, ast.Call)
-        and isinstance(n.func, ast.Attribute)
-        and n.func.attr == "main"
-        and isinstance(n.func.value, ast.Name)
-        and n.func.value.id == "runner"
-        for n in ast.walk(parsed(path))
-    )
-
-
 def module_path(stem: str) -> Path:
     """The file of the bench module named `stem` (stems are unique across the folders)."""
     return next(p for p in bench_modules() if p.stem == stem)
@@ -264,30 +252,6 @@ def test_the_exceptions_are_still_needed() -> None:
                 used_write.add((path.stem, func))
     assert set(JSON_CALLS_ALLOWED) <= used_json
     assert set(WRITE_JSON_ALLOWED) <= used_write
-
-
-def test_every_bench_with_json_writes_it_with_write_result() -> None:
-    """A module that takes --json runs under bench.lib.runner (which writes it) or calls
-    write_result, itself or in a bench module it imports (bench.network's report is
-    bench.network_report's)."""
-    writers = {
-        p.stem
-        for p in bench_modules()
-        if "write_result" in {_called(c) for c, _, _ in walk_calls(parsed(p))} or uses_runner(p)
-    }
-    missing = []
-    for module, flags in declared_flags().items():
-        if "--json" not in flags:
-            continue
-        imported = {
-            n.module.rsplit(".", 1)[-1]
-            for n in ast.walk(parsed(module_path(module)))
-            if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith("bench.")
-        }
-        if module not in writers and not imported & writers:
-            missing.append(module)
-    assert missing == []
-    assert "gpu_check" in writers  # its OUTDIR/gpu_check.json: no --json, the same envelope
 
 
 def test_the_common_args_are_literal_and_declared_once_per_module() -> None:

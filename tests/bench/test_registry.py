@@ -15,6 +15,7 @@ import pytest
 
 from bench import registry
 from bench.__main__ import main as bench_main
+from bench.lib import runner
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -66,6 +67,33 @@ def test_python_dash_m_runs_a_short_name() -> None:
         [sys.executable, "-m", "bench.no_such_module"], capture_output=True, text=True, timeout=60
     )
     assert run.returncode != 0 and "No module named bench.no_such_module" in run.stderr
+
+
+# developer tools that are not measurements: a long-running server has no result to return
+PLAIN_MAIN = {"netproxy": "a TCP delay proxy that runs until it is stopped"}
+
+
+@pytest.mark.parametrize("name", sorted(registry.RUNNABLE))
+def test_every_benchmark_is_add_args_and_run_under_the_runner(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its flags from add_args, its measurement from run -> Result, and its main the runner's: main
+    hands the module itself to bench.lib.runner.main (which parses, prints, writes --json and the
+    plot)."""
+    if name in PLAIN_MAIN:
+        return
+    module = importlib.import_module(registry.RUNNABLE[name].module)
+    assert callable(module.add_args) and callable(module.run)
+    runner.build_parser(module)  # add_args declares its flags on a fresh parser without error
+    seen: list[object] = []
+
+    def fake_main(mod: object, argv: object = None, **kw: object) -> int:
+        seen.append(mod)
+        return 0
+
+    monkeypatch.setattr(runner, "main", fake_main)
+    assert module.main(["--help"]) == 0
+    assert len(seen) == 1 and seen[0] in (module.__name__, module)
 
 
 def test_every_row_has_a_known_kind_and_a_one_line_summary() -> None:
