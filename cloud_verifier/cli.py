@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    from cloud_verifier.fleet.cli import add_parser as fleet_parser
+
+    fleet_parser(sub)
     return parser
 
 
@@ -95,6 +98,10 @@ def _main(argv: Sequence[str] | None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse printed the usage and what was wrong (or the help)
         return exc.code if isinstance(exc.code, int) else 2
+    if args.command == "fleet":
+        from cloud_verifier.fleet.cli import run as fleet
+
+        return fleet(args, file_error)
     if args.command != "serve":
         return 2
     config = _serve_config(args)

@@ -1,0 +1,159 @@
+"""`cloud-verifier fleet`: replicas of the verifier on Ray Serve behind one address, and
+`cloud-verifier fleet status`: what each replica runs.
+
+`fleet` starts a local Ray cluster (or joins one: `--address`), starts Serve's proxy on
+`--host`/`--port` and deploys `replicas` of the verifier (`app.py`), each with `cloud-verifier
+serve`'s settings: the flags given here that differ from their defaults, on top of the replica's
+own CLOUD_VERIFIER_<FIELD> variables. `--max-sessions` is per replica. On a local cluster it serves
+until SIGINT / SIGTERM; on a joined one the application stays deployed and the command returns.
+
+Exit status as `serve`'s: 0 after serving (or deploying), 1 when the fleet does not start or its
+status cannot be read, 2 for a usage error. This module imports Ray only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from cloud_verifier.fleet.config import NOT_PER_REPLICA, FleetArgs
+from cloud_verifier.server_config import ServerConfig, field_type
+from shared.cli_args import integer
+from shared.config_cli import add_config_flags, config_values
+
+# the flags FleetArgs takes by name (the others go to the replicas' ServerConfig as overrides)
+_FLEET_FIELDS = {"model": "model", "weights": "weights", "max_sessions": "max_sessions_per_replica"}
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`fleet` and `fleet status` on the `cloud-verifier` command line."""
+    p = sub.add_parser(
+        "fleet",
+        help="run replicas of the verifier on Ray Serve behind one address (the fleet extra)",
+        description="Start a Ray cluster (or join one: --address) and deploy the verifier on Ray "
+        "Serve: WebSocket /v1/session and the OpenAI API on --host/--port, spread over the replicas. "
+        "Every serve flag applies to each replica (--max-sessions: per replica).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--address", default=None, help="join this Ray cluster (default: start a local one)")
+    count = integer(1, 4096)
+    p.add_argument("--replicas", type=count, default=None, help="a fixed number of replicas (default 1)")
+    p.add_argument("--min-replicas", type=count, default=None, help="autoscale from this many replicas")
+    p.add_argument("--max-replicas", type=count, default=None, help="autoscale up to this many replicas")
+    add_config_flags(p, ServerConfig, defaults=ServerConfig.from_env(), parse=field_type)
+    commands = p.add_subparsers(dest="fleet_command", help="`status`: what each replica runs")
+    s = commands.add_parser(
+        "status",
+        help="the replicas of a running fleet: node, pid, sessions, queue, state",
+        description="Print the fleet's replicas: {'replicas': [{node, pid, sessions, queue, state}]}.",
+    )
+    s.add_argument(
+        "--address",
+        default=argparse.SUPPRESS,
+        help="the Ray cluster (default: the one this machine runs, RAY_ADDRESS)",
+    )
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def fleet_args(args: argparse.Namespace) -> FleetArgs | str:
+    """The fleet `args` asks for, or what is wrong with the flags (a usage error)."""
+    if args.replicas is not None and (args.min_replicas is not None or args.max_replicas is not None):
+        return "--replicas is a fixed count: give it, or --min-replicas / --max-replicas, not both"
+    lo = args.replicas or args.min_replicas or 1
+    hi = args.replicas or args.max_replicas or max(lo, 1)
+    if lo > hi:
+        return f"--min-replicas {lo} > --max-replicas {hi}"
+    values = config_values(ServerConfig, args)
+    if values.get("ssl_certfile") or values.get("ssl_keyfile"):
+        return "the fleet serves ws:// and http:// on Serve's proxy: terminate TLS in front of it"
+    if values.get("tensor_parallel", 1) > 1:
+        return "--tensor-parallel does not combine with the fleet yet: each replica runs one process"
+    defaults = ServerConfig.from_env()
+    overrides = {
+        name: value
+        for name, value in values.items()
+        if name not in _FLEET_FIELDS and name not in NOT_PER_REPLICA and value != getattr(defaults, name)
+    }
+    named = {_FLEET_FIELDS[k]: v for k, v in values.items() if k in _FLEET_FIELDS}
+    try:
+        fleet = FleetArgs(replicas_min=lo, replicas_max=hi, overrides=overrides, **named)
+        replace(defaults, **fleet.replica_overrides())  # the replicas' config holds together
+    except ValueError as exc:
+        return str(exc)
+    return fleet
+
+
+def run(args: argparse.Namespace, file_error: Callable[[ServerConfig], str | None]) -> int:
+    """`fleet` or `fleet status`: the exit status. `file_error`: what is wrong with a file a
+    config names (`serve`'s check), or None."""
+    if args.fleet_command == "status":
+        return _status(args)
+    fleet = fleet_args(args)
+    if isinstance(fleet, str):
+        print(f"cloud-verifier fleet: {fleet}", file=sys.stderr)
+        return 2
+    if args.address is None:  # local replicas read the files here
+        why = file_error(replace(ServerConfig.from_env(), **fleet.replica_overrides()))
+        if why:
+            print(f"cloud-verifier fleet: {why}", file=sys.stderr)
+            return 2
+    return _serve(fleet, args.address, args.host, args.port)
+
+
+def _serve(fleet: FleetArgs, address: str | None, host: str, port: int) -> int:
+    import ray
+    from ray import serve
+
+    from cloud_verifier.fleet.app import build
+    from cloud_verifier.fleet.config import APP_NAME
+
+    stop = threading.Event()
+    ray.init(address=address)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        try:
+            serve.run(build(fleet), name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:  # a replica failed to start (its log says why)
+            print(f"cloud-verifier fleet: the fleet did not start: {exc}", file=sys.stderr)
+            return 1
+        n = fleet.replicas_min if fleet.replicas_min == fleet.replicas_max else "autoscaled"
+        print(
+            f"cloud-verifier fleet: {n} replicas of {fleet.model} at ws://{host}:{port}/v1/session",
+            file=sys.stderr,
+        )
+        if address is not None:  # a joined cluster keeps the application
+            return 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        shutdown: Callable[[], None] = serve.shutdown  # (untyped in Ray)
+        shutdown()  # each replica ends its sessions (Serve's graceful shutdown)
+        return 0
+    finally:
+        ray.shutdown()
+
+
+def _status(args: argparse.Namespace) -> int:
+    import ray
+
+    from cloud_verifier.fleet.status import fleet_status, format_rows
+
+    address = getattr(args, "address", None) or "auto"
+    try:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        rows = fleet_status()
+    except Exception as exc:  # no cluster, no Serve, no fleet: one line
+        print(f"cloud-verifier fleet status: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    out: dict[str, Any] = {"replicas": rows}
+    print(json.dumps(out) if args.json else format_rows(rows))
+    return 0

@@ -1,0 +1,107 @@
+"""The fleet's settings: the application's arguments (`FleetArgs`, the keys a Serve config's `args`
+and `cloud-verifier fleet` give), the Serve deployment options they make, and each replica's
+`ServerConfig`.
+
+A replica reads its settings like `cloud-verifier serve` does: `ServerConfig.from_env()` (the
+CLOUD_VERIFIER_<FIELD> variables of the machine it runs on), then the overrides the application
+was built with (`FleetArgs.overrides`: model, weights, the session cap and any serve flag given to
+`cloud-verifier fleet`). The environment is read in the replica, not where the application is
+built: a RayService builds it on the head, whose containers have none of the workers' variables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from cloud_verifier.server_config import WEIGHTS, ServerConfig, field_type
+
+APP_NAME = "verifier"  # the Serve application (rayservice.yaml's `applications[0].name`)
+DEPLOYMENT_NAME = "Verifier"
+# autoscaling adds a replica when the replicas average more than this share of their session cap
+TARGET_LOAD = 0.75
+# settings a replica never takes from the fleet: Serve's proxy listens, TLS and the port are its
+NOT_PER_REPLICA = frozenset({"host", "port", "ssl_certfile", "ssl_keyfile", "tensor_parallel"})
+
+
+@dataclass(frozen=True)
+class FleetArgs:
+    """`build_app`'s arguments. `overrides`: further ServerConfig fields every replica takes
+    (field name: value), on top of its CLOUD_VERIFIER_<FIELD> variables."""
+
+    model: str = ServerConfig.model
+    weights: str = ServerConfig.weights
+    replicas_min: int = 1
+    replicas_max: int = 1
+    max_sessions_per_replica: int = ServerConfig.max_sessions
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        field_type("model")(self.model)
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights {self.weights!r} is not one of {', '.join(WEIGHTS)}")
+        for name in ("replicas_min", "replicas_max", "max_sessions_per_replica"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a whole number >= 1, got {value!r}")
+        if self.replicas_min > self.replicas_max:
+            raise ValueError(f"replicas_min {self.replicas_min} > replicas_max {self.replicas_max}")
+        known = {f.name for f in fields(ServerConfig)}
+        for name in self.overrides:
+            if name not in known:
+                raise ValueError(f"overrides: {name!r} is no ServerConfig field")
+            if name in NOT_PER_REPLICA:
+                raise ValueError(f"overrides: {name} is the fleet's, not a replica's (Serve's proxy)")
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> FleetArgs:
+        """From a Serve config's `args` (unknown keys are an error naming them)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"unknown fleet arguments {unknown}; expected some of {sorted(known)}")
+        return cls(**args)
+
+    def replica_overrides(self) -> dict[str, Any]:
+        """The ServerConfig fields a replica sets over its environment's."""
+        return {
+            **self.overrides,
+            "model": self.model,
+            "weights": self.weights,
+            "max_sessions": self.max_sessions_per_replica,
+        }
+
+    def deployment_options(self) -> dict[str, Any]:
+        """Serve's options of the `Verifier` deployment: a replica takes at most its session cap of
+        connections and requests (one WebSocket is one request for as long as it is open) and the
+        CPUs of its `threads` (a GPU with a `cuda` device); a fixed count of replicas, or
+        autoscaling between min and max when they differ."""
+        cap = self.max_sessions_per_replica
+        options: dict[str, Any] = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": cap}
+        drain = self.overrides.get("drain_timeout_s")
+        if drain is not None:  # Serve waits this long for open sessions before stopping a replica
+            options["graceful_shutdown_timeout_s"] = float(drain)
+        threads = self.overrides.get("threads", 0)
+        device = str(self.overrides.get("device", ""))
+        resources: dict[str, float] = {}
+        if threads:  # a replica holds the CPUs its torch threads use
+            resources["num_cpus"] = threads
+        if device.startswith("cuda"):
+            resources["num_gpus"] = 1
+        if resources:
+            options["ray_actor_options"] = resources
+        if self.replicas_min == self.replicas_max:
+            options["num_replicas"] = self.replicas_min
+        else:
+            options["autoscaling_config"] = {
+                "min_replicas": self.replicas_min,
+                "max_replicas": self.replicas_max,
+                "target_ongoing_requests": max(1, math.floor(cap * TARGET_LOAD)),
+            }
+        return options
+
+
+def replica_config(overrides: dict[str, Any]) -> ServerConfig:
+    """A replica's ServerConfig: its CLOUD_VERIFIER_<FIELD> variables, then `overrides`."""
+    return replace(ServerConfig.from_env(), **overrides)

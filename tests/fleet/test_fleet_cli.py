@@ -1,0 +1,68 @@
+"""`cloud-verifier fleet`'s command line, parsed without starting Ray."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cloud_verifier.cli import build_parser, main
+from cloud_verifier.fleet.cli import fleet_args
+from cloud_verifier.fleet.config import FleetArgs
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(["fleet", *argv])
+
+
+def test_serve_flags_apply_to_every_replica() -> None:
+    args = _parse(
+        ["--replicas", "2", "--model", "tiny", "--max-sessions", "4", "--threads", "1", "--port", "9"]
+    )
+    fleet = fleet_args(args)
+    assert isinstance(fleet, FleetArgs)
+    assert (fleet.replicas_min, fleet.replicas_max, fleet.max_sessions_per_replica) == (2, 2, 4)
+    assert fleet.model == "tiny"
+    assert fleet.overrides == {"threads": 1}  # --port is Serve's proxy's, defaults stay the replicas'
+    assert args.port == 9
+
+
+def test_autoscaling_flags() -> None:
+    fleet = fleet_args(_parse(["--min-replicas", "2", "--max-replicas", "5"]))
+    assert isinstance(fleet, FleetArgs)
+    assert (fleet.replicas_min, fleet.replicas_max) == (2, 5)
+    fleet = fleet_args(_parse(["--max-replicas", "3"]))
+    assert isinstance(fleet, FleetArgs)
+    assert (fleet.replicas_min, fleet.replicas_max) == (1, 3)
+    fleet = fleet_args(_parse([]))
+    assert isinstance(fleet, FleetArgs)
+    assert (fleet.replicas_min, fleet.replicas_max) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replicas", "2", "--max-replicas", "3"], "not both"),
+        (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 > --max-replicas 2"),
+        (["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"], "terminate TLS"),
+        (["--tensor-parallel", "2"], "--tensor-parallel"),
+    ],
+)
+def test_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    why = fleet_args(_parse(argv))
+    assert isinstance(why, str) and message in why
+    assert main(["fleet", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cloud-verifier fleet: ") and message in err and err.count("\n") == 1
+
+
+def test_a_missing_key_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fleet", "--api-key-file", "/nonexistent/keys"]) == 2
+    assert "--api-key-file /nonexistent/keys" in capsys.readouterr().err
+
+
+def test_status_flags() -> None:
+    args = _parse(["status", "--json", "--address", "10.0.0.1:6379"])
+    assert (args.fleet_command, args.json, args.address) == ("status", True, "10.0.0.1:6379")
+    args = _parse(["--address", "10.0.0.2:6379", "status"])
+    assert (args.fleet_command, args.json, args.address) == ("status", False, "10.0.0.2:6379")

@@ -1,0 +1,133 @@
+"""The fleet's settings without Ray: build_app's arguments to Serve's deployment options and the
+replicas' ServerConfig, the RayService's arguments, and the status document from fake replicas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+
+from cloud_verifier.fleet.config import APP_NAME, DEPLOYMENT_NAME, FleetArgs, replica_config
+from cloud_verifier.fleet.status import ReplicaStats, format_rows, replica_stats, status_rows
+from cloud_verifier.server_config import ServerConfig
+
+RAYSERVICE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "rayservice.yaml"
+
+
+def test_a_fixed_count_of_replicas_with_the_session_cap() -> None:
+    fleet = FleetArgs(model="tiny", replicas_min=2, replicas_max=2, max_sessions_per_replica=8)
+    assert fleet.deployment_options() == {
+        "name": DEPLOYMENT_NAME,
+        "max_ongoing_requests": 8,
+        "num_replicas": 2,
+    }
+    assert fleet.replica_overrides() == {"model": "tiny", "weights": "auto", "max_sessions": 8}
+
+
+def test_autoscaling_between_min_and_max() -> None:
+    options = FleetArgs(replicas_min=1, replicas_max=4, max_sessions_per_replica=16).deployment_options()
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": 12,
+    }
+    assert (
+        FleetArgs(replicas_max=3, max_sessions_per_replica=1).deployment_options()["autoscaling_config"][
+            "target_ongoing_requests"
+        ]
+        == 1
+    )
+
+
+def test_threads_device_and_drain_become_serve_options() -> None:
+    overrides = {"threads": 4, "device": "cuda", "drain_timeout_s": 45.0}
+    options = FleetArgs(overrides=overrides).deployment_options()
+    assert options["ray_actor_options"] == {"num_cpus": 4, "num_gpus": 1}
+    assert options["graceful_shutdown_timeout_s"] == 45.0
+
+
+def test_the_rayservice_arguments_build_its_deployment() -> None:
+    """rayservice.yaml's `args` are build_app's, and make the deployment it declares beside them."""
+    doc = next(d for d in yaml.safe_load_all(RAYSERVICE.read_text()) if d and d["kind"] == "RayService")
+    (app,) = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
+    assert app["name"] == APP_NAME
+    options = FleetArgs.from_dict(app["args"]).deployment_options()
+    (deployment,) = app["deployments"]
+    assert deployment["name"] == options["name"]
+    assert deployment["max_ongoing_requests"] == options["max_ongoing_requests"]
+    assert deployment["autoscaling_config"]["min_replicas"] == options["autoscaling_config"]["min_replicas"]
+    assert deployment["autoscaling_config"]["max_replicas"] == options["autoscaling_config"]["max_replicas"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"replicas": 2}, "unknown fleet arguments ['replicas']"),
+        ({"replicas_min": 3, "replicas_max": 2}, "replicas_min 3 > replicas_max 2"),
+        ({"replicas_min": 0}, "replicas_min: expected a whole number >= 1"),
+        ({"max_sessions_per_replica": True}, "max_sessions_per_replica: expected a whole number"),
+        ({"weights": "int4"}, "weights 'int4' is not one of"),
+        ({"model": ""}, "the model"),
+        ({"overrides": {"port": 9000}}, "port is the fleet's"),
+        ({"overrides": {"colour": "red"}}, "'colour' is no ServerConfig field"),
+    ],
+)
+def test_bad_arguments_name_what_is_wrong(args: dict[str, Any], message: str) -> None:
+    with pytest.raises(Exception, match=None) as info:
+        FleetArgs.from_dict(args)
+    assert message in str(info.value)
+
+
+def test_a_replica_reads_its_environment_then_the_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLOUD_VERIFIER_THREADS", "3")
+    monkeypatch.setenv("CLOUD_VERIFIER_MAX_SESSIONS", "99")
+    config = replica_config(FleetArgs(model="tiny", max_sessions_per_replica=5).replica_overrides())
+    assert (config.model, config.threads, config.max_sessions) == ("tiny", 3, 5)
+    with pytest.raises(ValueError, match="max_sessions"):
+        replica_config({"max_sessions": 0})
+
+
+def test_replica_stats() -> None:
+    assert replica_stats(None) == {"sessions": 0, "queue": 0}
+    state = SimpleNamespace(
+        sessions={object(), object(), object()}, engine=SimpleNamespace(waiting=2, queued=1)
+    )
+    assert replica_stats(state) == {"sessions": 3, "queue": 3}  # type: ignore[arg-type]
+    assert replica_stats(SimpleNamespace(sessions=set(), engine=None)) == {"sessions": 0, "queue": 0}  # type: ignore[arg-type]
+
+
+def _details(*replicas: dict[str, Any]) -> dict[str, Any]:
+    return {"applications": {APP_NAME: {"deployments": {DEPLOYMENT_NAME: {"replicas": list(replicas)}}}}}
+
+
+def test_status_rows_join_serve_and_the_reports() -> None:
+    details = _details(
+        {"replica_id": "b", "node_ip": "10.0.0.2", "pid": 7, "state": "RUNNING"},
+        {"replica_id": "a", "node_ip": "10.0.0.1", "pid": 9, "state": "RUNNING"},
+        {"replica_id": "c", "node_ip": "10.0.0.1", "pid": 3, "state": "STARTING"},
+        {"replica_id": "d", "node_ip": "10.0.0.3", "pid": 4, "state": "RUNNING"},
+    )
+    stats: ReplicaStats = {"sessions": 4, "queue": 1}
+    idle: ReplicaStats = {"sessions": 0, "queue": 0}
+    reports = {"a": (100.0, stats), "b": (99.0, idle), "d": (10.0, stats)}
+    rows = status_rows(details, reports, now=101.0)
+    assert rows == [
+        {"node": "10.0.0.1", "pid": 3, "sessions": None, "queue": None, "state": "STARTING"},
+        {"node": "10.0.0.1", "pid": 9, "sessions": 4, "queue": 1, "state": "RUNNING"},
+        {"node": "10.0.0.2", "pid": 7, "sessions": 0, "queue": 0, "state": "RUNNING"},
+        {"node": "10.0.0.3", "pid": 4, "sessions": None, "queue": None, "state": "RUNNING"},  # stale
+    ]
+    table = format_rows(rows).splitlines()
+    assert table[0].split() == ["node", "pid", "sessions", "queue", "state"]
+    assert table[1].split() == ["10.0.0.1", "3", "-", "-", "STARTING"]
+    assert status_rows({"applications": {}}, reports, now=0.0) == []
+
+
+def test_default_fleet_args_are_serves_defaults() -> None:
+    fleet = FleetArgs()
+    assert (fleet.model, fleet.weights) == (ServerConfig.model, ServerConfig.weights)
+    assert fleet.max_sessions_per_replica == ServerConfig.max_sessions

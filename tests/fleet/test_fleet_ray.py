@@ -1,0 +1,76 @@
+"""The fleet on a local Ray cluster: two replicas of the tiny verifier behind Serve's proxy; every
+session through the fleet's address generates the tokens a verifier served directly generates, and
+`fleet status` shows both replicas."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from cloud_verifier.fleet.app import build, build_app  # noqa: E402
+from cloud_verifier.fleet.config import APP_NAME, DEPLOYMENT_NAME, FleetArgs  # noqa: E402
+from cloud_verifier.fleet.status import fleet_status  # noqa: E402
+from tests.cloud_verifier.service import LiveServer, prompt_tokens  # noqa: E402
+from tests.fleet.wsclient import greedy_session  # noqa: E402
+
+TINY = FleetArgs(
+    model="tiny",
+    replicas_min=2,
+    replicas_max=2,
+    max_sessions_per_replica=4,
+    overrides={"measure_cost": False, "max_context": 512, "kv_blocks": 2048, "threads": 1},
+)
+
+
+def test_build_app_is_the_verifier_deployment() -> None:
+    """build_app makes the Serve application without a cluster."""
+    app = build_app({"model": "tiny", "replicas_min": 1, "replicas_max": 3, "max_sessions_per_replica": 8})
+    assert isinstance(app, serve.Application)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[str]:
+    """The fleet's address: ws://127.0.0.1:PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(TINY), name=APP_NAME, route_prefix="/")
+        yield f"ws://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.mark.slow
+def test_sessions_through_the_fleet_generate_the_direct_verifiers_tokens(fleet: str) -> None:
+    cases = [(prompt_tokens(200 + i), i) for i in range(4)]
+    with LiveServer(threads=1) as srv:
+        direct = [greedy_session(srv.url, prompt, 32, seed)[0] for prompt, seed in cases]
+    through = [greedy_session(f"{fleet}/v1/session", prompt, 32, seed)[0] for prompt, seed in cases]
+    assert through == direct
+    assert all(len(out) == 32 for out in through)
+
+
+@pytest.mark.slow
+def test_status_shows_every_replica(fleet: str) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        rows = fleet_status()
+        settled = len(rows) == 2 and all(r["sessions"] == 0 for r in rows)  # reported, sessions closed
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(rows) == 2
+    assert {r["state"] for r in rows} == {"RUNNING"}
+    assert len({r["pid"] for r in rows}) == 2
+    assert all(r["sessions"] == 0 and r["queue"] == 0 for r in rows)
+    assert serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].status == "HEALTHY"
