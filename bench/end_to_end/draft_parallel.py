@@ -26,10 +26,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.end_to_end.e2e import prompts_from_args
 from bench.harness import BenchPrompt, add_common_args, table
 from bench.lib import runner
-from bench.lib.args import add_model_args
+from bench.lib.args import add_model_args, suite_from_args
 from bench.lib.runner import Result, UsageError
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
@@ -107,7 +106,7 @@ def run(a: argparse.Namespace) -> Result:
     if a.nodes < 1 or a.positions < 1 or a.prompts + a.humaneval < 1:
         raise UsageError("--nodes, --positions and the prompt count must be positive")
     backends = backends * len(a.draft) if len(backends) == 1 else backends
-    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
+    prompts = suite_from_args(a.humaneval, a.prompts, a.prompt_file)
     drafters = [
         create_drafter(b, d, n_threads=a.threads, max_context=4096, max_nodes=64)
         for b, d in zip(backends, a.draft, strict=True)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from bench.end_to_end.e2e_results import ModeRuns, merge_results, render_report, report
 from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args
 from bench.lib import runner
-from bench.lib.args import add_model_args
+from bench.lib.args import add_model_args, suite_from_args
 from bench.lib.runner import Result, UsageError
 from bench.lib.shaper import LinkShape
 from edge_client.client import EdgeClient, GenerationResult, PrespecConfig, TreeSpec
@@ -33,7 +33,6 @@ from edge_client.defaults import recommended_tree
 from edge_client.drafters.registry import backend_choices, create_drafter
 from shared.messages import Mode
 from shared.model_store import DEFAULT_DRAFT, DEFAULT_TARGET
-from shared.prompts import load_prompt_file, load_suite
 from shared.tree import ExpansionConfig
 
 MODES = ("ar", "sequence", "tree")
@@ -207,17 +206,6 @@ async def run_modes(
     return runs, by_cat
 
 
-def prompts_from_args(files: Sequence[Path] | None, humaneval: int, spec_bench: int) -> list[BenchPrompt]:
-    """The prompts of a run: every --prompt-file in order, else the built-in sets (an unreadable or
-    malformed file: a UsageError, which the runner reports as the parser's error)."""
-    if not files:
-        return load_suite(humaneval, spec_bench)
-    try:
-        return [p for f in files for p in load_prompt_file(f)]
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-
-
 def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--humaneval", type=int, default=20, help="HumanEval dev prompts (the code prompt, raw)")
     ap.add_argument(
@@ -286,7 +274,7 @@ def run(a: argparse.Namespace) -> Result:
     tree_text = a.tree or recommended_tree(a.draft)
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
-    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
+    prompts = suite_from_args(a.humaneval, a.prompts, a.prompt_file)
     tree = ExpansionConfig.parse(tree_text)
     verifier = None
     api_key = None

@@ -272,13 +272,13 @@ def _measure(
 
 
 def run(a: argparse.Namespace) -> Result:
-    from bench.end_to_end.e2e import prompts_from_args
+    from bench.lib.args import suite_from_args
     from edge_client.onnx.export import ensure_export
 
     edges = [e.strip() for e in a.edges.split(",") if e.strip()]
     _check(edges)
     export = ensure_export(a.draft, int8=a.int8, progress=not a.no_progress)
-    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
+    prompts = suite_from_args(a.humaneval, a.prompts, a.prompt_file)
     split = CoreSplit.auto()
     print(split.describe(), file=sys.stderr)
     rows: list[dict[str, Any]] = []

@@ -21,10 +21,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.end_to_end.e2e import prompts_from_args
 from bench.harness import REPO, Verifier, add_common_args, table
 from bench.lib import runner
-from bench.lib.args import add_model_args
+from bench.lib.args import add_model_args, suite_from_args
 from bench.lib.runner import Result, UsageError
 
 TS = REPO / "clients" / "typescript"
@@ -47,7 +46,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> Result:
-    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
+    prompts = suite_from_args(a.humaneval, a.prompts, a.prompt_file)
     if shutil.which("node") is None or shutil.which("npm") is None:
         raise UsageError("needs Node.js 20 and npm (the TypeScript client)")
     if not (TS / "node_modules").exists():

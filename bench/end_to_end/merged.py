@@ -23,11 +23,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from bench.end_to_end.e2e import prompts_from_args
 from bench.end_to_end.e2e_results import ModeRuns
 from bench.harness import BenchPrompt, CoreSplit, Verifier, add_common_args
 from bench.lib import runner
-from bench.lib.args import add_model_args
+from bench.lib.args import add_model_args, suite_from_args
 from bench.lib.runner import Result, UsageError
 from edge_client.client import EdgeClient, TreeSpec
 from edge_client.drafters.registry import available_backends, create_drafter
@@ -151,7 +150,7 @@ def run(a: argparse.Namespace) -> Result:
         raise UsageError(str(exc)) from exc
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
-    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
+    prompts = suite_from_args(a.humaneval, a.prompts, a.prompt_file)
     verifier = None
     url = a.url
     if url is None:

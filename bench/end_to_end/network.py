@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.end_to_end.e2e import STOCHASTIC_MODES, prompts_from_args, run_modes, trusted_key_file
+from bench.end_to_end.e2e import STOCHASTIC_MODES, run_modes, trusted_key_file
 from bench.end_to_end.e2e_results import ModeRuns
 from bench.end_to_end.network_report import (
     MODES,
@@ -44,7 +44,7 @@ from bench.harness import (
     write_result,
 )
 from bench.lib import runner
-from bench.lib.args import add_model_args
+from bench.lib.args import add_model_args, suite_from_args
 from bench.lib.replay import Recorders, replay_idle
 from bench.lib.runner import Result, UsageError
 from bench.lib.shaper import LinkShape
@@ -408,7 +408,7 @@ def run(a: argparse.Namespace) -> Result:
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
     print(f"link: {'TCP delay proxy process' if a.proxy else 'in-process shaper'}", flush=True)
-    prompts = prompts_from_args(a.prompt_file, a.humaneval, a.prompts)
+    prompts = suite_from_args(a.humaneval, a.prompts, a.prompt_file)
     a.tree = a.tree or recommended_tree(a.draft)
     tree = ExpansionConfig.parse(a.tree)
     rows: list[dict[str, Any]] = []

@@ -277,14 +277,14 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> Result:
-    from bench.end_to_end.e2e import prompts_from_args
+    from bench.lib.args import suite_from_args
     from edge_client.defaults import recommended_tree
 
     systems = [s for s in a.systems.split(",") if s]
     if not systems or any(s not in SYSTEMS for s in systems):
         raise UsageError(f"--systems: choose from {','.join(SYSTEMS)}")
     tree = a.tree or recommended_tree(a.draft)
-    prompts = prompts_from_args(a.prompt_file, a.prompts // 2, a.prompts - a.prompts // 2)
+    prompts = suite_from_args(a.prompts // 2, a.prompts - a.prompts // 2, a.prompt_file)
     print(
         f"{len(prompts)} prompts x {a.tokens} tokens, greedy; target {a.model}, draft {a.draft}", flush=True
     )

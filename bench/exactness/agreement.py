@@ -185,8 +185,7 @@ def generated_ranks(a: argparse.Namespace, temps: list[float]) -> dict[float, di
     """Ranks per temperature and category on the target's outputs, generated here."""
     from shared.model import load_target
 
-    ap = runner.build_parser(__name__)  # (a bad --prompt-file ends as this parser's error)
-    prompts: list[BenchPrompt] = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+    prompts: list[BenchPrompt] = suite_from_args(a.humaneval, a.prompts, a.prompt_file)
     target = load_target(a.model, progress=not a.no_progress)
     target.model.prepare(release=True)
     drafter = _drafter(a, 0, a.tokens)

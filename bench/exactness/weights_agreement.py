@@ -121,8 +121,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> Result:
     if a.tokens < 1:
         raise UsageError("--tokens must be >= 1")
-    ap = runner.build_parser(__name__)  # (a bad --prompt-file ends as this parser's error)
-    prompts: list[BenchPrompt] = suite_from_args(ap, a.humaneval, a.prompts, a.prompt_file)
+    prompts: list[BenchPrompt] = suite_from_args(a.humaneval, a.prompts, a.prompt_file)
     from shared.model import load_target
 
     if a.threads:

@@ -179,7 +179,7 @@ def run_modes_part(
     modes = [m for m in args.modes.split(",") if m]
     split = CoreSplit.auto()
     print(split.describe(), flush=True)
-    prompts = suite_from_args(argparse.ArgumentParser(), args.humaneval, args.prompts, args.prompt_file)
+    prompts = suite_from_args(args.humaneval, args.prompts, args.prompt_file)
     tree = ExpansionConfig.parse(recommended_tree(DEFAULT_DRAFT))
     rows: list[dict[str, Any]] = []
     for f in args.resident:

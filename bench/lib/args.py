@@ -5,8 +5,10 @@ suite a run's flags choose (`suite_from_args`)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
+from bench.lib.runner import UsageError
 from shared.prompts import BenchPrompt, load_prompt_file, load_suite
 
 
@@ -112,13 +114,12 @@ def _int_list(text: str, minimum: int, what: str) -> list[int]:
     return values
 
 
-def suite_from_args(
-    ap: argparse.ArgumentParser, humaneval: int, spec_bench: int, files: list[Path] | None
-) -> list[BenchPrompt]:
-    """The prompts of a benchmark run: every --prompt-file in order, else the built-in sets."""
+def suite_from_args(humaneval: int, spec_bench: int, files: Sequence[Path] | None) -> list[BenchPrompt]:
+    """The prompts of a benchmark run: every --prompt-file in order, else the built-in sets (an
+    unreadable or malformed file: a UsageError, which the runner reports as the parser's error)."""
     if not files:
         return load_suite(humaneval, spec_bench)
     try:
         return [p for f in files for p in load_prompt_file(f)]
     except ValueError as exc:
-        ap.error(str(exc))
+        raise UsageError(str(exc)) from exc

@@ -501,7 +501,7 @@ def run(a: argparse.Namespace) -> Result:
     config["prompt_files"] = [str(f) for f in a.prompt_file or []]
     if a.flat_only:
         return flat_only(a, config)
-    prompts = suite_from_args(runner.build_parser(__name__), a.humaneval, a.prompts, a.prompt_file)
+    prompts = suite_from_args(a.humaneval, a.prompts, a.prompt_file)
     sessions = 2 * max(a.clients) + 4
     verifier = Verifier(
         a.model, cores=split.verifier, threads=len(split.verifier), args=["--max-sessions", str(sessions)]

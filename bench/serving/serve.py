@@ -129,7 +129,7 @@ def prompt_ids(args: argparse.Namespace, base: str) -> list[list[int]]:
 
 def _suite(args: argparse.Namespace, n: int) -> list[BenchPrompt]:
     if args.prompt_file:  # a prompt file it cannot read: the parser's error, as a bad flag
-        return suite_from_args(runner.build_parser(__name__), 0, n, args.prompt_file)
+        return suite_from_args(0, n, args.prompt_file)
     return load_prompts(n)
 
 

@@ -468,7 +468,7 @@ def run(a: argparse.Namespace) -> Result:
     if a.max_n < 1 or a.tokens < 1:
         raise UsageError("--max-n and --tokens must be at least 1")
     temps = parse_temperatures(a.temperatures)
-    prompts = suite_from_args(runner.build_parser(__name__), a.humaneval, a.prompts, a.prompt_file)
+    prompts = suite_from_args(a.humaneval, a.prompts, a.prompt_file)
 
     import torch
     from tqdm import tqdm

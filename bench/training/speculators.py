@@ -272,11 +272,7 @@ def run(a: argparse.Namespace) -> Result:
         modes = [m for m in a.e2e_modes.split(",") if m]
         if "ar" not in modes:
             raise UsageError("--e2e-modes: include ar (the speed-up's and the exactness's reference)")
-        prompts = (
-            suite_from_args(runner.build_parser(__name__), 0, 0, a.prompt_file)
-            if a.prompt_file
-            else heldout_prompts(a.per_category)
-        )
+        prompts = suite_from_args(0, 0, a.prompt_file) if a.prompt_file else heldout_prompts(a.per_category)
         e2e = e2e_part(RECIPES[a.recipe].teacher, drafts, prompts, modes, a)
     merged = _merged(a, parts)
     curve = learning_curve(a.curve) if a.curve else []

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness import DATA, add_prompt_file_arg, load_prompt_file, load_suite, suite_from_args
+from bench.lib.runner import UsageError
 from tests.test_repository_paths import tracked_files
 
 REPO = Path(__file__).resolve().parents[2]
@@ -74,21 +75,17 @@ def test_a_bad_prompt_file_names_the_line(tmp_path: Path, text: str, message: st
         load_prompt_file(f)
 
 
-def test_prompt_files_replace_the_built_in_sets_and_errors_end_the_run(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_prompt_files_replace_the_built_in_sets_and_errors_end_the_run(tmp_path: Path) -> None:
     ap = argparse.ArgumentParser(prog="bench")
     add_prompt_file_arg(ap)
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"task_id": "A", "prompt": "x = "}\n')
     b.write_text('{"question_id": 2, "category": "c", "turns": ["Hi"]}\n')
     args = ap.parse_args(["--prompt-file", str(a), "--prompt-file", str(b)])
-    assert [p.question_id for p in suite_from_args(ap, 5, 5, args.prompt_file)] == ["A", 2]
-    assert len(suite_from_args(ap, 1, 2, None)) == 3
-    with pytest.raises(SystemExit) as exit_:
-        suite_from_args(ap, 1, 1, [tmp_path / "missing.jsonl"])
-    assert exit_.value.code == 2
-    assert "missing.jsonl: cannot read it" in capsys.readouterr().err
+    assert [p.question_id for p in suite_from_args(5, 5, args.prompt_file)] == ["A", 2]
+    assert len(suite_from_args(1, 2, None)) == 3
+    with pytest.raises(UsageError, match=r"missing\.jsonl: cannot read it"):
+        suite_from_args(1, 1, [tmp_path / "missing.jsonl"])
 
 
 @pytest.mark.parametrize("module", ["bench.end_to_end.network", "bench.end_to_end.e2e"])
