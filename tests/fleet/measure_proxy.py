@@ -1,35 +1,63 @@
 """What Ray Serve's proxy adds to a WebSocket round trip: the same app connected to directly
-(uvicorn on loopback) and through Serve's proxy (one replica, same machine).
+(uvicorn on loopback, a process of its own) and through Serve's proxy (one replica, a local Ray
+cluster on the same machine).
 
-    python -m tests.fleet.measure_proxy [--frames 200] [--tokens 48] [--sessions 3]
+    python -m tests.fleet.measure_proxy [--frames 200] [--reps 3] [--tokens 48] [--sessions 3]
 
-Three measurements, each direct and through the proxy: a WebSocket echo of small frames (the
-proxy alone), real verify rounds of greedy sessions on the tiny model (the verifier's app as
-`cloud-verifier serve` and as a fleet replica run it), and GET /healthz. Prints one JSON object:
-medians and 90th percentiles in milliseconds.
+Each direct and through the proxy: a WebSocket echo of 64-byte frames (the proxy alone: connect and
+round trip), GET /healthz, and real verify rounds of greedy sessions on the tiny model (the
+verifier as `cloud-verifier serve` runs it and as a fleet replica does, the same flags; the
+prompt's round apart, it carries the prefill). Prints one JSON object: medians and 90th
+percentiles in milliseconds, and whether both generated the same tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import statistics
-import threading
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
-import uvicorn
 from websockets.sync.client import connect
 
-from tests.cloud_verifier.service import LiveServer, prompt_tokens, tiny
+from tests.cloud_verifier.service import prompt_tokens, tiny
 from tests.fleet.echo import echo_app
 from tests.fleet.wsclient import greedy_session
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# the verifier of both measurements: `cloud-verifier serve` and each fleet replica
+VERIFIER_FLAGS = ["--model", "tiny", "--threads", "1", "--no-measure-cost", "--kv-blocks", "2048"]
+VERIFIER_FLAGS += ["--max-context", "512", "--max-sessions", "8", "--log-level", "warning"]
+
+
+@contextlib.contextmanager
+def serving(argv: list[str], ready_url: str) -> Iterator[None]:
+    """Run `argv` in a process of its own until `ready_url` answers 200; stop it afterwards."""
+    proc = subprocess.Popen(argv, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, f"{argv} did not start"
+            try:
+                if httpx.get(ready_url).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def free_port() -> int:
@@ -87,14 +115,17 @@ def measure_echo(base_http: str, base_ws: str, frames: int, reps: int) -> dict[s
 
 
 def measure_verify(url: str, tokens: int, sessions: int) -> dict[str, Any]:
-    rounds, totals, outs = [], [], []
+    rounds, firsts, outs = [], [], []
     for i in range(sessions):
-        t = time.perf_counter()
         out, times = greedy_session(url, prompt_tokens(100 + i), tokens, seed=i)
-        totals.append(time.perf_counter() - t)
-        rounds.extend(times[1:])  # the prompt's round carries the prefill
+        firsts.append(times[0])  # the prompt's round carries the prefill
+        rounds.extend(times[1:])
         outs.append(out)
-    return {"round": summary(rounds), "session": summary(totals), "tokens": outs}
+    return {
+        "round": summary(rounds),
+        "prompt_round": summary(firsts),
+        "tokens": outs,
+    }
 
 
 def main() -> None:
@@ -109,27 +140,33 @@ def main() -> None:
     from ray import serve
     from ray.serve import Deployment
 
+    from cloud_verifier.cli import build_parser
     from cloud_verifier.fleet.app import build
+    from cloud_verifier.fleet.cli import fleet_args
     from cloud_verifier.fleet.config import APP_NAME, FleetArgs
 
     result: dict[str, Any] = {}
-    # direct: the echo app on uvicorn in a thread
+    # direct: the echo app on uvicorn, and the verifier as `cloud-verifier serve` runs it, each in
+    # a process of its own (as a replica is: in this one they would share the client's GIL)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(echo_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    result["echo_direct"] = measure_echo(
-        f"http://127.0.0.1:{port}", f"ws://127.0.0.1:{port}", args.frames, args.reps
-    )
-    server.should_exit = True
-    thread.join()
-
-    # direct: the verifier on uvicorn (as `cloud-verifier serve` runs it)
+    echo_cmd = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "tests.fleet.echo:echo_app",
+        "--factory",
+        "--port",
+        str(port),
+    ]
+    with serving([*echo_cmd, "--log-level", "warning"], f"http://127.0.0.1:{port}/healthz"):
+        base = f"127.0.0.1:{port}"
+        result["echo_direct"] = measure_echo(f"http://{base}", f"ws://{base}", args.frames, args.reps)
     tiny()
-    with LiveServer(threads=1) as srv:
-        result["verify_direct"] = measure_verify(srv.url, args.tokens, args.sessions)
+    port = free_port()
+    verifier = [sys.executable, "-m", "cloud_verifier", "serve", "--port", str(port), *VERIFIER_FLAGS]
+    with serving(verifier, f"http://127.0.0.1:{port}/readyz"):
+        url = f"ws://127.0.0.1:{port}/v1/session"
+        result["verify_direct"] = measure_verify(url, args.tokens, args.sessions)
 
     ray.init(
         num_cpus=2,
@@ -145,11 +182,8 @@ def main() -> None:
         result["echo_serve"] = measure_echo(f"http://{base}", f"ws://{base}", args.frames, args.reps)
         serve.delete("echo")
 
-        fleet = FleetArgs(
-            model="tiny",
-            max_sessions_per_replica=8,
-            overrides={"measure_cost": False, "max_context": 512, "kv_blocks": 2048, "threads": 1},
-        )
+        fleet = fleet_args(build_parser().parse_args(["fleet", *VERIFIER_FLAGS]))
+        assert isinstance(fleet, FleetArgs), fleet
         serve.run(build(fleet), name=APP_NAME, route_prefix="/")
         result["verify_serve"] = measure_verify(f"ws://{base}/v1/session", args.tokens, args.sessions)
     finally:
