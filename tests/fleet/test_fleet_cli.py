@@ -66,3 +66,14 @@ def test_status_flags() -> None:
     assert (args.fleet_command, args.json, args.address) == ("status", True, "10.0.0.1:6379")
     args = _parse(["--address", "10.0.0.2:6379", "status"])
     assert (args.fleet_command, args.json, args.address) == ("status", False, "10.0.0.2:6379")
+
+
+def test_status_without_a_cluster_is_one_line_and_status_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("ray")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert main(["fleet", "status", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines()[-1].startswith("cloud-verifier fleet status: ")
