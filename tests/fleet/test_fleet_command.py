@@ -69,3 +69,13 @@ def test_fleet_serves_reports_and_stops(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+@pytest.mark.slow
+def test_a_target_that_does_not_load_fails_the_fleet(tmp_path: Path) -> None:
+    missing = str(tmp_path / "missing.gguf")
+    flags = ["--model", missing, "--replicas", "1", "--threads", "1", "--port", str(_free_port())]
+    out = subprocess.run([*CLI, "fleet", *flags], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "cloud-verifier fleet: the fleet did not start" in out.stderr
+    assert f"cannot load the target model {missing!r}" in out.stderr  # the replica's log line
