@@ -92,13 +92,13 @@ async def _loaded(state: AppState) -> None:
 async def _report(state: AppState) -> None:
     """Tell the fleet's board this replica's stats every REPORT_EVERY_S, until cancelled."""
     replica = serve.get_replica_context().replica_id.unique_id
-    the_board = board()
+    the_board = await asyncio.to_thread(board)  # (a lookup in Ray's control store)
     while True:
         try:
             await the_board.report.remote(replica, replica_stats(state))
         except ray.exceptions.RayError as exc:  # the board restarted or is gone: look it up again
             log.warning("cannot report to the fleet's board: %s", exc)
-            the_board = board()
+            the_board = await asyncio.to_thread(board)
         await asyncio.sleep(REPORT_EVERY_S)
 
 
