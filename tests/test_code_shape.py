@@ -10,16 +10,9 @@ import ast
 import os
 from pathlib import Path
 
+from tests.test_import_cycles import PACKAGES
+
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = (
-    "edge_client",
-    "cloud_verifier",
-    "shared",
-    "treespec_kernels",
-    "bench",
-    "draft_training",
-    "treespec_demo",
-)
 # a Triton JIT kernel is one function by construction: it cannot call Python helpers
 LONG_ALLOWED = {("treespec_kernels/_triton_tree_attention.py", "_tree_attention_fwd")}
 # parsers generated from config dataclasses (shared.config_cli) are short: no exemption there
