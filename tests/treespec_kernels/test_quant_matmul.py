@@ -223,6 +223,35 @@ def test_the_rows_in_the_lanes_give_the_same_bits_as_every_other_path() -> None:
         mod.set_lanes_min_rows(before)
 
 
+def test_the_grid_of_weight_rows_by_activation_rows_gives_the_same_bits() -> None:
+    """Where the CPU has AVX-512 VNNI, the K types can run a few rows on a grid of O weight rows x
+    16 / O activation rows in one vector's lanes (off by default). Forced on, it equals the torch
+    reference bit for bit for every chunk shape (four rows a chunk up to four, eight beyond, two
+    chunks), outputs past the last multiple of 16, an all-zero super-block and extreme activations;
+    and off again, the default paths give the same bits."""
+    if "avx512-vnni" not in qm.simd():
+        pytest.skip(f"no AVX-512 VNNI on this CPU (paths: {qm.simd()})")
+    mod = qm._require()
+    before = tuple(int(v) for v in mod.grid_rows())
+    try:
+        for name in ("Q4_K", "Q6_K"):
+            q = qm.qtype(name)
+            n = 3 * 256
+            w = random_blocks(q, 37, n, seed=41)
+            x = torch.randn(17, n, generator=torch.Generator().manual_seed(43)) * 3
+            x[2, :256] = 0
+            x[3, 256:512] = torch.where(torch.arange(256) % 2 == 0, 1e4, -1e4)
+            mod.set_grid_rows(1, 16)
+            got = {rows: qm.quant_matmul(x[:rows], w, q) for rows in (1, 2, 3, 4, 5, 8, 9, 16)}
+            for rows, y in got.items():
+                assert torch.equal(y, qm.reference_quant_matmul(x[:rows], w, q)), (name, rows)
+            mod.set_grid_rows(0, 0)
+            for rows, y in got.items():
+                assert torch.equal(qm.quant_matmul(x[:rows], w, q), y), (name, rows)
+    finally:
+        mod.set_grid_rows(*before)
+
+
 def test_a_bad_amx_row_count_in_the_environment_is_named() -> None:
     import os
     import subprocess

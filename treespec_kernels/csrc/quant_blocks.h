@@ -25,6 +25,12 @@ bool g_counting = false;
 // the lanes about 185 ms for any 1 to 8 rows, 282 ms at 16)
 int64_t g_lanes_min_rows = 7;
 
+// rows from which, and up to which, the K types run on the grid of weight rows x activation rows
+// in one vector's lanes (AVX-512 VNNI; quant_grid.h); 0: never (the default: read from memory it
+// is slower than the tiles, see there). It takes precedence over the lanes.
+int64_t g_grid_min_rows = 0;
+int64_t g_grid_max_rows = 16;
+
 inline void count_work(int64_t unpacks, int64_t dots, int64_t reductions) {
   if (!g_counting) return;
   g_work.unpacks += unpacks;

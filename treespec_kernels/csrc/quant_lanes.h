@@ -274,6 +274,16 @@ void k_outputs_avx512(int64_t t, const uint8_t* wp, int64_t row_bytes, const int
     for (int k = 0; k < 16; ++k) sum += xq[16 * i + k];
     s16[i] = int16_t(sum);
   }
+  const KActs acts{xq, dx, s32.data(), s16.data(), in};
+  const int64_t tiles = (out - first) / 8;
+  const auto tile1 = t == Q4_K ? k_tile1<Q4_K> : k_tile1<Q6_K>;
+  if (g_grid_min_rows > 0 && rows >= g_grid_min_rows && rows <= g_grid_max_rows) {  // the grid
+    const int64_t groups = (out - first) / GRID_OUTPUTS;
+    grid_run(t, wp, row_bytes, acts, rows, first, groups, grain, yp, ld);
+    for (int64_t j = first + GRID_OUTPUTS * groups; j < out; ++j)
+      for (int64_t r = 0; r < rows; r += 8) tile1(wp, row_bytes, acts, r, std::min<int64_t>(8, rows - r), j, yp, ld);
+    return;
+  }
   if (g_lanes_min_rows > 0 && rows >= g_lanes_min_rows) {  // the rows in the lanes
     std::vector<LaneRows> chunks;
     std::vector<int> widths;
@@ -289,10 +299,7 @@ void k_outputs_avx512(int64_t t, const uint8_t* wp, int64_t row_bytes, const int
     });
     return;
   }
-  const KActs acts{xq, dx, s32.data(), s16.data(), in};
-  const int64_t tiles = (out - first) / 8;
   const auto tiles8 = t == Q4_K ? k_tiles8<Q4_K> : k_tiles8<Q6_K>;
-  const auto tile1 = t == Q4_K ? k_tile1<Q4_K> : k_tile1<Q6_K>;
   at::parallel_for(0, tiles, std::max<int64_t>(1, grain / 8), [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b)
       for (int64_t r = 0; r < rows; r += 8)

@@ -90,6 +90,7 @@
 #include "quant_avx2.h"
 #include "quant_tiles.h"
 #include "quant_amx.h"
+#include "quant_grid.h"
 #include "quant_lanes.h"
 
 namespace {
@@ -481,6 +482,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_min_rows", [](int64_t n) { g_amx_min_rows = n; }, "rows from which the K types use AMX (0: never)");
   m.def("amx_min_rows", []() { return g_amx_min_rows; }, "rows from which the K types use AMX (0: never)");
   m.def("set_lanes_min_rows", [](int64_t n) { g_lanes_min_rows = n; }, "rows from which the K types put the rows in the lanes (0: never)");
+  m.def("set_grid_rows", [](int64_t lo, int64_t hi) {
+    g_grid_min_rows = lo;
+    g_grid_max_rows = hi;
+  }, "the row counts (lo..hi) the K types run on the grid of weight rows x activation rows (lo 0: never)");
+  m.def("grid_rows", []() { return std::vector<int64_t>{g_grid_min_rows, g_grid_max_rows}; },
+        "the row counts (lo, hi) of the grid (lo 0: never)");
   m.def("lanes_min_rows", []() { return g_lanes_min_rows; }, "rows from which the K types put the rows in the lanes (0: never)");
   m.def("quantize_rows", &quantize_rows, "per-row int8 activations per 32 or 256 values (xq, dx, sx)");
   m.def("quant_matmul", &quant_matmul, "x @ W.T with W in GGUF blocks, batch-invariant");

@@ -61,14 +61,15 @@ inline __m512i pair_index(int h, bool wide) {
 const __m512i k_wide_pairs[2] = {pair_index(0, true), pair_index(1, true)};
 const __m512i k_narrow_pairs[2] = {pair_index(0, false), pair_index(1, false)};
 
-template <int64_t T, bool Pairs = false>
+// (Scales false: the weights' integers only, for the grid, which reads the scales itself)
+template <int64_t T, bool Pairs = false, bool Scales = true>
 inline void k_unpack(const uint8_t* blk, KBlock& p) {
   const __m512i* wide_idx = k_wide_idx;
   const __m512i* narrow_idx = k_narrow_idx;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   if constexpr (T == Q4_K) {
-    uint64_t sc, mn;
-    q4k_scales_packed(blk + 4, &sc, &mn);
+    uint64_t sc = 0, mn = 0;
+    if constexpr (Scales) q4k_scales_packed(blk + 4, &sc, &mn);
     p.mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(mn)));
     const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc))));
     // bytes 16..143: 32 g + i holds value 64 g + i (low nibble) and 64 g + 32 + i (high)
@@ -80,7 +81,9 @@ inline void k_unpack(const uint8_t* blk, KBlock& p) {
     p.w[1] = _mm512_shuffle_i64x2(lo01, hi01, 0xEE);  // lo01[256:512], hi01[256:512]
     p.w[2] = _mm512_shuffle_i64x2(lo23, hi23, 0x44);
     p.w[3] = _mm512_shuffle_i64x2(lo23, hi23, 0xEE);
-    if constexpr (Pairs) {
+    if constexpr (!Scales) {
+      (void)sc16;
+    } else if constexpr (Pairs) {
       for (int h = 0; h < 2; ++h) p.s2[h] = _mm512_permutexvar_epi16(k_wide_pairs[h], sc16);
     } else {
       for (int g = 0; g < 4; ++g) p.s[g] = _mm512_permutexvar_epi16(wide_idx[g], sc16);
@@ -101,10 +104,10 @@ inline void k_unpack(const uint8_t* blk, KBlock& p) {
       const __m512i high = _mm512_and_si512(_mm512_srlv_epi64(H, shift), m2);
       const int e = 2 * h + q;
       p.w[e] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
-      if constexpr (!Pairs) p.s[e] = _mm512_permutexvar_epi16(narrow_idx[e], sc16);
+      if constexpr (Scales && !Pairs) p.s[e] = _mm512_permutexvar_epi16(narrow_idx[e], sc16);
     }
   }
-  if constexpr (Pairs)
+  if constexpr (Scales && Pairs)
     for (int h = 0; h < 2; ++h) p.s2[h] = _mm512_permutexvar_epi16(k_narrow_pairs[h], sc16);
   }
 }
