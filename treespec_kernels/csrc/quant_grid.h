@@ -17,13 +17,13 @@ namespace {
 // (one mullo), and no lane is ever reduced across: the tiles' per-row packs, madd and horizontal
 // sums are gone, which is what bounds them at a few rows (their int8 work per row is the same).
 //
-// Off by default (set_grid_rows): with the weights in cache it does 4 rows of the 1.5B's ffn_gate
-// in 0.85 ms against the tiles' 0.81 and 8 rows in 1.13 against 1.32, but read from memory it
-// stalls (1.5 ms at 4 rows against the tiles' 0.81): its passes walk 16 weight rows at once and
-// its activation layout (16 x in bytes a chunk) crowds L1. What it shows: the int8 work itself is
-// cheaper here (one dpbusd per 64 useful multiply-adds, 1.7 cycles each as compiled), so a grid
-// whose weights are laid out for it ahead of time (no transposes, a compact activation side) is
-// the way to flatten the few-row cost.
+// Off by default (set_grid_rows). One thread, AMD EPYC Zen 4, the 1.5B's shapes read from memory:
+// ffn_gate (Q4_K 8960 x 1536) 0.93-1.04 ms at 4 rows against the tiles' 0.81, 1.23-1.36 at 8 against 1.39;
+// Q6_K slower at 4 rows (the head's shape 1.37x). At a few rows it is bound by laying the weights
+// out (the transposes across outputs, the scales), not by its int8 work (one dpbusd per 64 useful
+// multiply-adds; dpbusd on zmm runs one a cycle here, 466 GOPS at 3.65 GHz): weights repacked
+// for it once at load time, as llama.cpp repacks Q4_K for its AVX-512 kernels, are what would
+// flatten the few-row cost.
 //
 // Per pair and super-block the integers are the plain path's:
 //   Q4_K  A = sum_s sc_s C_s (8 sub-blocks of 32),  M = sum_s mn_s X_s (dpwssd of int16 pairs)
@@ -200,20 +200,12 @@ void grid_outputs(const uint8_t* wp, int64_t row_bytes, const std::vector<GridRo
   // broadcasts never wait for the stores that just wrote their bytes
   GridBlock<O> bufs[2][U];
   std::vector<float> accm(nc * U * 16);
-  // the next pass's weight rows, in address order, a share at each super-block: a pass walks
-  // GRID_OUTPUTS rows at once, too many short streams for the hardware's prefetcher. A small pass
-  // (the 1.5B's 1536-value rows: 14 KB) goes into L1, a large one (ffn_down's) into L2.
+  // the pass after next, in address order, into L2, a few lines at each sub-block of the first
+  // chunk: a pass walks GRID_OUTPUTS rows at once, too many short streams for the hardware's
+  // prefetcher, and issued in one burst the requests were dropped (measured: 1.5 ms -> 0.93-1.04 ms for
+  // 4 rows of ffn_gate read from memory; into L1 the passes crowd out the activations)
   const int64_t pass = GRID_OUTPUTS * row_bytes, share = GRID_OUTPUTS * bb;
-  const bool to_l1 = pass <= 16384;
   auto unpack = [&](int64_t j0, int64_t sb, GridBlock<O>* into) {
-    const uint8_t* ahead = wp + (j0 + GRID_OUTPUTS) * row_bytes + sb * share;
-    if (j0 + 2 * GRID_OUTPUTS <= hi) {
-      if (to_l1)
-        for (int64_t c = 0; c < share; c += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
-      else
-        for (int64_t c = 0; c < share; c += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + pass + c), _MM_HINT_T1);
-    }
     for (int u = 0; u < U; ++u) {
       const uint8_t* blks[O];
       for (int o = 0; o < O; ++o) blks[o] = wp + (j0 + u * O + o) * row_bytes + sb * bb;
@@ -227,6 +219,9 @@ void grid_outputs(const uint8_t* wp, int64_t row_bytes, const std::vector<GridRo
     for (int64_t sb = 0; sb < nsb; ++sb) {
       if (sb + 1 < nsb) unpack(j0, sb + 1, bufs[(sb + 1) & 1]);
       const GridBlock<O>* blocks = bufs[sb & 1];
+      // this super-block's share of the next pass, a few lines at each sub-block of the first chunk
+      const char* ahead = reinterpret_cast<const char*>(wp + (j0 + 2 * GRID_OUTPUTS) * row_bytes + sb * share);
+      const int64_t lines = j0 + 3 * GRID_OUTPUTS <= hi ? share / 64 : 0, per = (share / 64 + NS - 1) / NS;
       for (int64_t c = 0; c < nc; ++c) {
         const GridRows<O>& g = chunks[c];
         count_work(0, GRID_OUTPUTS * g.n, GRID_OUTPUTS);
@@ -239,6 +234,9 @@ void grid_outputs(const uint8_t* wp, int64_t row_bytes, const std::vector<GridRo
           __m512i cs[U];
 #pragma GCC unroll 8
           for (int u = 0; u < U; ++u) cs[u] = _mm512_setzero_si512();
+          if (c == 0)
+            for (int64_t i = s * per; i < std::min<int64_t>(lines, (s + 1) * per); ++i)
+              _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
 #pragma GCC unroll 8
           for (int kk = 0; kk < SPS; ++kk) {
             const int k = s * SPS + kk;
