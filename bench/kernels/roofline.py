@@ -5,7 +5,7 @@ same cores.
 
 - The bandwidth roof: a read of a buffer many times the last-level cache (`stream_read`: every
   64-byte line once, split across the threads), in GB/s.
-- The compute roof: the K types' integer step (`int_peak`: maddubs then dpwssd with AVX-512 VNNI,
+- The compute roof: the K types' integer step (`int_peak`: one dpbusd per 64 multiply-adds with AVX-512 VNNI,
   maddubs, madd and add with AVX2) on values in registers, in GOPS (a multiply-add is two ops).
 - Each distinct (type, shape) of layer 0's projections and the LM head, at 1, 2, 3, 4, 8 and 16
   rows: ms, GB/s of weight bytes and GOPS, read cold (the matrix is cycled through copies larger

@@ -431,9 +431,10 @@ int64_t int_peak(int64_t iters) {
         w[k] = _mm512_set1_epi8(int8_t(3 + k));
       }
       for (int64_t i = 0; i < iters; ++i) {
-        for (int k = 0; k < 8; ++k) acc[k] = _mm512_dpwssd_epi32(acc[k], _mm512_maddubs_epi16(w[k], x), s);
+        for (int k = 0; k < 8; ++k) acc[k] = _mm512_dpbusd_epi32(acc[k], w[k], x);
         x = _mm512_add_epi8(x, step);
       }
+      (void)s;
       for (int k = 0; k < 8; ++k) v += _mm512_reduce_add_epi32(acc[k]);
 #elif defined(__AVX2__)
       __m256i acc[8], w[8];
