@@ -108,9 +108,17 @@ class GenerationStats:
     # prespec (a tree sent before the verdict it assumed), chain, tree
     kinds: dict[str, int] = field(default_factory=dict)
     plans: dict[str, int] = field(default_factory=dict)  # mode auto's choices after a miss
+    # mode auto: by kind of round, the tokens its verdicts brought and the user's wall time from
+    # the previous verdict to each (the generation's first verdict, the prefill's, left out)
+    kind_tokens: dict[str, int] = field(default_factory=dict)
+    kind_ms: dict[str, float] = field(default_factory=dict)
 
     def count_round(self, kind: str) -> None:
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+    def time_round(self, kind: str, tokens: int, ms: float) -> None:
+        self.kind_tokens[kind] = self.kind_tokens.get(kind, 0) + tokens
+        self.kind_ms[kind] = self.kind_ms.get(kind, 0.0) + ms
 
     @property
     def tau(self) -> float:
@@ -179,6 +187,8 @@ class GenerationStats:
             "backups": dict(self.backups),
             "kinds": dict(self.kinds),
             "plans": dict(self.plans),
+            "kind_tokens": dict(self.kind_tokens),
+            "kind_ms": {k: round(v, 3) for k, v in self.kind_ms.items()},
         }
 
 

@@ -213,9 +213,14 @@ def figures(r: ModeRuns) -> dict[str, Any]:
     recs = r.records
     decode = [(x["wall_ms"] - x["ttft_ms"]) / (len(x["tokens"]) - 1) for x in recs if len(x["tokens"]) > 1]
     kinds: dict[str, int] = {}
+    kind_tokens: dict[str, int] = {}
+    kind_ms: dict[str, float] = {}
     for x in recs:
         for k, n in x.get("kinds", {}).items():
             kinds[k] = kinds.get(k, 0) + n
+        for k, n in x.get("kind_tokens", {}).items():
+            kind_tokens[k] = kind_tokens.get(k, 0) + n
+            kind_ms[k] = kind_ms.get(k, 0.0) + x["kind_ms"][k]
     rounds = max(sum(kinds.values()), 1)
     tokens = max(sum(len(x["tokens"]) for x in recs), 1)
     return {
@@ -225,6 +230,8 @@ def figures(r: ModeRuns) -> dict[str, Any]:
         "verifier_busy_ms_per_token": round(sum(x.get("busy_ms", 0.0) for x in recs) / tokens, 2),
         "tau": r.summary()["tau"],
         "kinds": {k: round(kinds.get(k, 0) / rounds, 3) for k in KINDS if kinds.get(k)},
+        # the user's ms per token after verdicts of each kind (the wall time since the previous one)
+        "ms_per_token_by_kind": {k: round(kind_ms[k] / n, 2) for k, n in kind_tokens.items() if n},
     }
 
 

@@ -44,6 +44,9 @@ def generation_record(
         "ttft_ms": st.first_token_s * 1e3,
         "wall_ms": st.wall_s * 1e3,
         "kinds": dict(st.kinds),
+        "kind_tokens": dict(st.kind_tokens),
+        "kind_ms": dict(st.kind_ms),
+        "plans": dict(st.plans),
     }
 
 

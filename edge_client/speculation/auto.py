@@ -27,7 +27,7 @@ its first tree, so the time to the first token is the prefill's alone.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,20 +45,90 @@ class Plan:
                   estimates are noisy, and flapping between the two loses both
     explore:      while the target streams by choice, a tree is drafted anyway every this many
                   tokens: streaming teaches nothing of the drafts, and their odds may have changed
+    explore_slow: the same while the realized rates (Realized) say speculation ran slower for the
+                  user than the stream: trees go only this often, to measure them again
     """
 
     objective: str = "latency"
     max_slowdown: float = 1.25
     margin: float = 0.05
     explore: int = 8
+    explore_slow: int = 32
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be 'latency' or 'cost', got {self.objective!r}")
         if self.explore < 1:
             raise ValueError(f"explore must be at least 1, got {self.explore!r}")
+        if self.explore_slow < self.explore:
+            raise ValueError(f"explore_slow must be at least explore, got {self.explore_slow!r}")
         if not self.max_slowdown >= 1.0:
             raise ValueError(f"max_slowdown must be at least 1, got {self.max_slowdown!r}")
+
+
+@dataclass
+class Rate:
+    """Tokens and ms of the user's wall time, both decayed by `keep` per observation: a rate
+    that follows the recent verdicts (about 1 / (1 - keep) of them)."""
+
+    keep: float
+    tokens: float = 0.0
+    ms: float = 0.0
+    seen: int = 0
+
+    def add(self, tokens: int, ms: float) -> None:
+        self.tokens = self.keep * self.tokens + tokens
+        self.ms = self.keep * self.ms + max(ms, 0.0)
+        self.seen += 1
+
+    @property
+    def ms_per_token(self) -> float | None:
+        return self.ms / self.tokens if self.tokens > 0 else None
+
+
+SPECULATIVE_KINDS = ("chain", "tree", "prespec")  # GenerationStats.kinds besides "stream"
+
+
+@dataclass
+class Realized:
+    """What the user's tokens actually cost under mode auto, by kind of round: the wall time from
+    one verdict to the next over the tokens it brought (a stream step's, a tree drafted after a
+    miss or while the target streamed (chain, tree), a pre-speculated one (prespec)). The plans
+    price rounds from estimates; this is the check on them: where a kind of speculation has been
+    measurably slower for the user than the stream (`slower`), auto streams instead and drafts only
+    to measure again (Plan.explore_slow), so that it does not stay slower than `ar`.
+
+    A generation's first verdict (the prompt's prefill) is left out. Kept per client (Learned),
+    so one generation's lesson carries to the next."""
+
+    rates: dict[str, Rate] = field(default_factory=dict)
+    min_seen: int = 4  # verdicts on each side before `slower` may say yes
+
+    def observe(self, kind: str, tokens: int, ms: float) -> None:
+        keep = 0.95 if kind == "stream" else 0.85  # about the last 20 stream steps, 7 trees
+        self.rates.setdefault(kind, Rate(keep=keep)).add(tokens, ms)
+
+    def ms_per_token(self, kinds: tuple[str, ...]) -> tuple[float | None, int]:
+        """The pooled ms per token of `kinds` and how many verdicts it rests on."""
+        rs = [self.rates[k] for k in kinds if k in self.rates]
+        tokens, ms = sum(r.tokens for r in rs), sum(r.ms for r in rs)
+        return (ms / tokens if tokens > 0 else None), sum(r.seen for r in rs)
+
+    def slower(self, margin: float, kinds: tuple[str, ...] = SPECULATIVE_KINDS) -> bool:
+        """Rounds of `kinds` have cost the user more per token than the stream, by more than
+        `margin`, each side measured on at least min_seen verdicts."""
+        spec, n_spec = self.ms_per_token(kinds)
+        stream, n_stream = self.ms_per_token(("stream",))
+        if spec is None or stream is None or min(n_spec, n_stream) < self.min_seen:
+            return False
+        return spec > (1.0 + margin) * stream
+
+
+def measured_slower(plan: Plan, realized: Realized, kinds: tuple[str, ...] = SPECULATIVE_KINDS) -> bool:
+    """Rounds of `kinds` have measurably cost the user more per token than the stream: beyond the
+    plan's margin (objective latency), or beyond its allowed slowdown (cost)."""
+    allowed = plan.margin if plan.objective == "latency" else plan.max_slowdown - 1.0
+    return realized.slower(allowed, kinds)
 
 
 def at(curve: Mapping[int, float], nodes: int) -> float:
@@ -133,11 +203,15 @@ def fallback_pays(
 
 __all__ = [
     "OBJECTIVES",
+    "SPECULATIVE_KINDS",
     "Option",
     "Plan",
+    "Rate",
+    "Realized",
     "at",
     "choose",
     "fallback_pays",
+    "measured_slower",
     "price_speculation",
     "price_stream",
 ]

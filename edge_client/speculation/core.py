@@ -143,6 +143,7 @@ class SpeculationCore(PrespecSteps):
         self.marginal: dict[int, float] | None = None
         self._ahead_at = -1
         self._ahead_rounds: dict[int, str] = {}  # trees sent while the target streamed: their kind
+        self._last_verdict_at: float | None = None  # clock time of the previous verdict (auto's Realized)
 
     @property
     def in_flight(self) -> int | None:
@@ -402,8 +403,12 @@ class SpeculationCore(PrespecSteps):
         return _shape_kind(spec.draft.tree)
 
     def _stream_pays(self) -> bool:
-        """Mode auto's choice after a miss: let the target stream (True) or draft a tree."""
+        """Mode auto's choice after a miss: let the target stream (True) or draft a tree. The
+        trees drafted then (chain, tree) are checked against the stream on the user's clock."""
         plan, maps, eval_ms = self.plan, self._maps(), self._eval_curve()
+        if plan is not None and auto.measured_slower(plan, self.learned.realized, ("chain", "tree")):
+            self.stats.plans["stream (measured)"] = self.stats.plans.get("stream (measured)", 0) + 1
+            return True
         if plan is None or maps is None or eval_ms is None or self._full is None:
             return False  # nothing measured yet: speculate, and measure
         fwd, marg = maps
@@ -448,8 +453,11 @@ class SpeculationCore(PrespecSteps):
         if any(not proto.is_stream(r) for r in proto.outstanding):
             return False  # a tree is on its way: it may still take over
         assert self.plan is not None
-        # streaming teaches nothing of the drafts: every `explore` tokens a tree goes anyway
-        explore = len(proto.committed) - max(self._ahead_at, 0) >= self.plan.explore
+        # streaming teaches nothing of the drafts: every `explore` tokens a tree goes anyway (every
+        # `explore_slow` where speculation has been measured slower: only to measure it again)
+        slow = auto.measured_slower(self.plan, self.learned.realized)
+        every = self.plan.explore_slow if slow else self.plan.explore
+        explore = len(proto.committed) - max(self._ahead_at, 0) >= every
         return explore or not self._stream_pays()
 
     def _send_stream(self, k: int) -> Steps:
@@ -522,6 +530,12 @@ class SpeculationCore(PrespecSteps):
             self.forward, self.marginal = v.forward_ms, v.marginal_ms or v.forward_ms
         kind = self._kind(v, spec)
         st.count_round(kind)
+        if self.streams:  # the user's time for these tokens, since the previous verdict
+            if self._last_verdict_at is not None:
+                ms = (now - self._last_verdict_at) * 1e3
+                self.learned.realized.observe(kind, len(v.tokens), ms)
+                st.time_round(kind, len(v.tokens), ms)
+            self._last_verdict_at = now
         if v.gap_ms is not None:
             st.gap_ms.append(v.gap_ms)
         self.est.note_verify(v.verify_ms)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edge_client.drafters.base import DrafterStats
+from edge_client.speculation.auto import Realized
 from edge_client.trees import DraftResult
 from edge_client.trees.sampling import Landing
 
@@ -242,6 +243,8 @@ class Learned:
     cache_overrun: how much longer the outcome cache's chains took to draft than their priced
                  time (>= 1, an exponential average): the cache divides its time by it
     costs:       what each drafter's evaluations cost while this client drafted (drafter_costs)
+    realized:    mode auto's measured ms per token while streaming and while speculating
+                 (speculation.auto.Realized)
     """
 
     calibration: AcceptanceCalibration = field(default_factory=AcceptanceCalibration)
@@ -250,6 +253,7 @@ class Learned:
     last_draft: DraftResult | None = None
     cache_overrun: float = 1.0
     costs: list[DrafterStats] = field(default_factory=list)
+    realized: Realized = field(default_factory=Realized)
 
     def drafter_costs(self, n: int) -> tuple[DrafterStats, ...]:
         """This client's measurements of its `n` drafters' evaluations (speculation.executor

@@ -12,7 +12,15 @@ from bench.harness import load_prompts
 from edge_client.client import EdgeClient
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
-from edge_client.speculation.auto import Option, Plan, choose, fallback_pays, price_speculation, price_stream
+from edge_client.speculation.auto import (
+    Option,
+    Plan,
+    Realized,
+    choose,
+    fallback_pays,
+    price_speculation,
+    price_stream,
+)
 from edge_client.stats import GenerationStats
 from shared.model import load_target
 from tests.cloud_verifier.service import LiveServer, tiny
@@ -55,6 +63,61 @@ def test_a_waiting_stream_is_kept_only_where_it_beats_an_idle_verifier() -> None
     assert fallback_pays(16.0, 57.0, 50.0, 16.0, 2.8, 0.74, 0.05)
     # this CPU: a stream step (113 ms) outlasts the drafting (100 ms); the tree would wait for it
     assert not fallback_pays(113.0, 100.0, 0.0, 84.0, 2.8, 0.74, 0.05)
+
+
+def test_measured_rates_say_slower_only_past_the_margin_and_on_enough_verdicts() -> None:
+    r = Realized()
+    for _ in range(3):
+        r.observe("stream", 1, 50.0)
+        r.observe("chain", 1, 90.0)
+    assert not r.slower(0.05)  # three verdicts a side: not enough to overrule the prices
+    r.observe("stream", 1, 50.0)
+    r.observe("chain", 2, 180.0)
+    assert r.slower(0.05)  # 90 ms a token against 50
+    assert not r.slower(0.05, ("prespec",))  # nothing measured of that kind
+    for _ in range(20):  # pre-speculated rounds at 40 ms a token
+        r.observe("prespec", 3, 120.0)
+    assert not r.slower(0.05, ("prespec",))
+    assert r.slower(0.05, ("chain", "tree"))
+    # within the margin is not slower; recent verdicts outweigh old ones
+    q = Realized()
+    for _ in range(10):
+        q.observe("stream", 1, 50.0)
+        q.observe("chain", 1, 52.0)
+    assert not q.slower(0.05)
+    for _ in range(10):
+        q.observe("chain", 1, 40.0)
+    spec, seen = q.ms_per_token(("chain",))
+    assert spec is not None and spec < 46.0 and seen == 20
+    with pytest.raises(ValueError, match="explore_slow"):
+        Plan(explore=8, explore_slow=4)
+
+
+def test_auto_streams_after_a_miss_once_its_trees_measured_slower_and_stays_exact() -> None:
+    """A client whose trees after a miss measured far slower than the stream streams after its
+    misses (the plans' record says so) and its tokens are still the target's greedy decoding."""
+    prompts = [p.text for p in load_prompts(1)]
+    target = load_target("smollm2-135m", progress=False, weights="quantized")
+    drafter = create_drafter("llama_cpp", "smollm2-135m-q4", n_threads=1)
+    with LiveServer(target=target, max_context=4096, weights="quantized") as srv:
+
+        async def run() -> tuple[list[int], list[int], GenerationStats]:
+            async with EdgeClient(srv.ws, drafter) as c:
+                for _ in range(30):  # as measured before: chains at 10x the stream's ms per token
+                    c.learned.realized.observe("stream", 1, 10.0)
+                    c.learned.realized.observe("chain", 1, 100.0)
+                async for _ in c.generate(prompts[0], max_new_tokens=40, mode="auto"):
+                    pass
+                assert c.last is not None
+                return c.last.prompt_tokens, c.last.tokens, c.last.stats
+
+        ptoks, toks, st = asyncio.run(run())
+        ref, _ = greedy_with_gaps(target, ptoks, 40)
+    drafter.close()
+    assert toks == ref
+    if st.plans:  # a miss came: every plan after it streamed on the measurement
+        assert set(st.plans) == {"stream (measured)"}, st.plans
+    assert st.kind_tokens.get("stream", 0) > 0 and sum(st.kind_tokens.values()) == len(toks) - 1
 
 
 @pytest.mark.parametrize("objective", ["latency", "cost"])
