@@ -55,6 +55,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("prefill_share", E2E, "a long prefill beside a running generation: does chunking keep decoding going"),
     ("js_edge", E2E, "the TypeScript edge in Node and Chromium against the Python edge"),
     ("lookup_tau", E2E, "tokens per round of the TypeScript client's prompt-lookup drafter"),
+    ("colocation", E2E, "what the edge's drafting costs a verifier on the same machine (as in the demo)"),
     ("load", SERVING, "N concurrent edge sessions against the verifier, batched vs unbatched"),
     ("load_cost", SERVING, "the cloud's busy ms per token, edge sessions against cloud-only ar"),
     ("serve", SERVING, "open-loop serving over the OpenAI API and the session WebSocket (vLLM's metrics)"),
