@@ -62,6 +62,14 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "--no-forward", action="store_true", help="leave the whole forward out (projections only)"
     )
     ap.add_argument(
+        "--grid",
+        type=positive_ints,
+        default=None,
+        metavar="LO,HI",
+        help="run the K types' row counts LO..HI on the grid of weight rows x activation rows "
+        "(AVX-512 VNNI; off by default in the kernel) for this run",
+    )
+    ap.add_argument(
         "--plot", type=Path, default=None, metavar="PATH", help="write the roofline plot (PNG) here"
     )
     add_common_args(ap, json=True, json_help="rows: one per (part, threads, rows); roofs", no_progress=True)
@@ -309,11 +317,17 @@ def render_table(rows: Sequence[dict[str, Any]], roofs: dict[int, dict[str, floa
 def run(args: argparse.Namespace) -> runner.Result:
     if args.repeats < 1:
         raise runner.UsageError("--repeats must be at least 1")
+    if args.grid is not None:
+        if len(args.grid) != 2 or args.grid[0] > args.grid[1]:
+            raise runner.UsageError("--grid takes two row counts LO,HI with LO <= HI, e.g. 3,16")
+        if "avx512-vnni" not in qm.simd():
+            raise runner.UsageError(f"--grid needs AVX-512 VNNI; this CPU's paths: {qm.simd()}")
+        qm._require().set_grid_rows(*args.grid)
     rows, roofs = measure(args)
     return runner.Result(
         rows,
         render_table(rows, roofs),
-        extra={"roofs": {str(k): v for k, v in roofs.items()}, "simd": qm.simd()},
+        extra={"roofs": {str(k): v for k, v in roofs.items()}, "simd": qm.simd(), "grid": args.grid},
         plot=lambda path: plot(
             path,
             [r for r in rows if r["threads"] == min(roofs)] + [r for r in rows if r["part"] == "forward"],
