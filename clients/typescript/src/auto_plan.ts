@@ -10,8 +10,66 @@ export interface AutoPlan {
   maxSlowdown: number;
   chunk: number; // tokens a stream chosen after a miss asks for before the edge plans again
   margin: number; // streaming replaces speculation only when this much faster (or cheaper)
+  // while speculation has measured slower than the stream (Realized), a tree goes ahead of the
+  // stream only every this many tokens, to measure it again (default 32)
+  exploreSlow?: number;
 }
-export const DEFAULT_PLAN: AutoPlan = { objective: "latency", maxSlowdown: 1.25, chunk: 8, margin: 0.05 };
+export const DEFAULT_PLAN: AutoPlan = { objective: "latency", maxSlowdown: 1.25, chunk: 8, margin: 0.05, exploreSlow: 32 };
+
+/** The kinds of round besides "stream" (the Python edge's auto.SPECULATIVE_KINDS). */
+export const SPECULATIVE_KINDS = ["chain", "tree", "prespec"];
+
+interface Rate {
+  keep: number;
+  tokens: number;
+  ms: number;
+  seen: number;
+}
+
+/**
+ * The user's measured ms per token by kind of round (the Python edge's auto.Realized): the wall
+ * time from one verdict to the next over the tokens it brought, decayed (about the last 20 stream
+ * steps, 7 trees). The check on the plan's prices: where a kind of speculation has cost the user
+ * more per token than the stream, auto streams instead. Kept per client, across generations.
+ */
+export class Realized {
+  private rates = new Map<string, Rate>();
+  constructor(readonly minSeen = 4) {}
+
+  observe(kind: string, tokens: number, ms: number): void {
+    let r = this.rates.get(kind);
+    if (!r) {
+      r = { keep: kind === "stream" ? 0.95 : 0.85, tokens: 0, ms: 0, seen: 0 };
+      this.rates.set(kind, r);
+    }
+    r.tokens = r.keep * r.tokens + tokens;
+    r.ms = r.keep * r.ms + Math.max(ms, 0);
+    r.seen++;
+  }
+
+  /** The pooled ms per token of `kinds` (null: none measured) and the verdicts it rests on. */
+  msPerToken(kinds: string[]): [number | null, number] {
+    let tokens = 0, ms = 0, seen = 0;  // prettier-ignore
+    for (const k of kinds) {
+      const r = this.rates.get(k);
+      if (r) [tokens, ms, seen] = [tokens + r.tokens, ms + r.ms, seen + r.seen];
+    }
+    return [tokens > 0 ? ms / tokens : null, seen];
+  }
+
+  /** Rounds of `kinds` cost the user more per token than the stream by more than `margin`. */
+  slower(margin: number, kinds: string[] = SPECULATIVE_KINDS): boolean {
+    const [spec, nSpec] = this.msPerToken(kinds);
+    const [stream, nStream] = this.msPerToken(["stream"]);
+    if (spec === null || stream === null || Math.min(nSpec, nStream) < this.minSeen) return false;
+    return spec > (1 + margin) * stream;
+  }
+}
+
+/** The plan's allowance applied to the measurement (latency: its margin; cost: its allowed slowdown). */
+export function measuredSlower(plan: AutoPlan, r: Realized, kinds: string[] = SPECULATIVE_KINDS): boolean {
+  return r.slower(plan.objective === "latency" ? plan.margin : plan.maxSlowdown - 1, kinds);
+}
 
 /** ms at `nodes` from a cost map (linear between its points, flat outside them). */
 export function costAt(curve: Record<string, number>, nodes: number): number {

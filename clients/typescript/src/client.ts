@@ -8,9 +8,19 @@ import {
   type Tree,
 } from "./protocol.js";  // prettier-ignore
 import { openSocket, type Socket } from "./socket.js";
-import { type AutoPlan, choosePlan, costAt, DEFAULT_PLAN, type Objective } from "./auto_plan.js";
+import { type AutoPlan, choosePlan, costAt, DEFAULT_PLAN, measuredSlower, type Objective, Realized } from "./auto_plan.js";
 
-export { type AutoPlan, choosePlan, costAt, DEFAULT_PLAN, type Objective, type Pricing } from "./auto_plan.js";
+export {
+  type AutoPlan,
+  choosePlan,
+  costAt,
+  DEFAULT_PLAN,
+  measuredSlower,
+  type Objective,
+  type Pricing,
+  Realized,
+  SPECULATIVE_KINDS,
+} from "./auto_plan.js";
 
 type Welcome = Extract<Message, { type: "welcome" }>;
 type Verdict = Extract<Message, { type: "verdict" }>;
@@ -125,6 +135,8 @@ export class TreespecClient {
   private sentAt = 0;
   /** The network's share of a round, learned from verdicts (wall time - the server's verify_ms). */
   rttMs = 0;
+  /** mode auto: the user's measured ms per token by kind of round, across generations */
+  readonly realized = new Realized();
   last: Stats = newStats("greedy");
   /** Whether hello names CLIENT_FEATURES (off after a server of an earlier release refused them). */
   private features = true;
@@ -305,6 +317,8 @@ export class TreespecClient {
     let treeTokens: number | null = null;
     let treeVerdicts = 0;
     let aheadAt = -1;
+    const kindOf = new Map<number, string>(); // auto: the kind of each tree round sent (Realized)
+    let lastVerdictAt: number | null = null; // auto: when the previous verdict came
     // conditional trees and streams the server can still hold (max_pending besides the round in flight)
     const room = () => this.welcome.limits.max_pending - [...ck.c.outstanding].filter((r) => r !== ck.c.inFlight).length;
     const sendTree = (t: Tree): number => {
@@ -325,7 +339,7 @@ export class TreespecClient {
       const c = await o.prespec(this.committed, tree);
       if (!c || !this.ws.open || cancelled || room() < 1) return;
       st.draftedNodes += c.tree.tokens.length;
-      sendTree({ base: this.committed.length, cond: c.cond, tokens: c.tree.tokens, parents: c.tree.parents });
+      kindOf.set(sendTree({ base: this.committed.length, cond: c.cond, tokens: c.tree.tokens, parents: c.tree.parents }), "prespec");
     };
     // auto, objective latency: a stream waits behind the tree in flight, so a miss never idles the verifier
     const fallback = () => {
@@ -337,6 +351,8 @@ export class TreespecClient {
     const withZero = (m: Record<string, number>) => ("0" in m || !Object.keys(m).length ? m : { "0": costAt(m, 1), ...m });
     // auto after a miss: stream when that is faster (latency) or cheaper (cost) than speculating
     const streamPays = (): boolean => {
+      // the trees drafted after a miss measured slower than the stream: stream, whatever the prices
+      if (measuredSlower(plan, this.realized, ["chain", "tree"])) return true;
       const fwd = withZero(cost.forward ?? this.welcome.verify_cost_ms);
       if (!Object.keys(fwd).length || treeTokens === null || !drafting.length) return false; // nothing measured yet
       const hitRate = o.prespec ? (treeVerdicts ? st.hits / treeVerdicts : 0.5) : 0;
@@ -352,7 +368,10 @@ export class TreespecClient {
       const c = ck.c;
       if (!streams || cancelled || !this.ws.open || aheadAt === this.committed.length) return;
       if ([...c.outstanding].some((r) => !c.isStream(r)) || room() < 1) return; // a tree on its way may still take over
-      if (streamPays()) return; // the stream goes on (asked again at its next token)
+      // the stream goes on where it pays (asked again at its next token); where speculation has
+      // measured slower, a tree goes only every exploreSlow tokens, to measure it again
+      const slow = measuredSlower(plan, this.realized);
+      if (slow ? this.committed.length - Math.max(aheadAt, 0) < (plan.exploreSlow ?? 32) : streamPays()) return;
       aheadAt = this.committed.length;
       const known = [...this.committed];
       const t = await draft(known);
@@ -362,7 +381,7 @@ export class TreespecClient {
       if (!sameTokens(this.committed.slice(0, known.length), known)) return;
       st.draftedNodes += t.tokens.length;
       st.aheadTrees++;
-      sendTree({ base: known.length, cond: [], tokens: t.tokens, parents: t.parents });
+      kindOf.set(sendTree({ base: known.length, cond: [], tokens: t.tokens, parents: t.parents }), "chain");
     };
     const start = async () => {
       // the prompt, or after a drop every committed token as a new session's prompt
@@ -372,6 +391,8 @@ export class TreespecClient {
       streams = auto && mode !== "ar" && (this.welcome.features ?? []).includes(FEATURE_STREAM);
       cost.forward = cost.marginal = null;
       aheadAt = -1;
+      kindOf.clear();
+      lastVerdictAt = null; // the prompt's first verdict (its prefill) is not timed
       let first = mode === "ar" ? undefined : await draft(this.committed);
       if (first && !first.tokens.length) {
         first = undefined; // the server answers a prompt without a tree with the target's first token
@@ -399,7 +420,7 @@ export class TreespecClient {
       st.draftedNodes += t.tokens.length;
       if (!t.tokens.length) cloud.add(this.round + 1);
       if (!this.ws.open) return;
-      sendTree(t);
+      kindOf.set(sendTree(t), "chain");
       this.sentAt = performance.now();
       await speculate(t);
       fallback();
@@ -470,6 +491,11 @@ export class TreespecClient {
           cost.marginal = v.marginal_ms ?? v.forward_ms;
         }
         verdicts++;
+        if (streams) {
+          const now = performance.now();
+          if (lastVerdictAt !== null) this.realized.observe(wasStream ? "stream" : kindOf.get(v.round) ?? "tree", v.tokens.length, now - lastVerdictAt);
+          lastVerdictAt = now;
+        }
         if (wasStream) st.streamed += v.tokens.length;
         else if (v.round > 0) {
           st.rounds++;

@@ -6,7 +6,7 @@ import { readFileSync } from "node:fs";
 import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { ClientChecks, reroot, rerootPath } from "../src/checks.js";
-import { choosePlan, costAt, DEFAULT_PLAN } from "../src/client.js";
+import { choosePlan, costAt, DEFAULT_PLAN, measuredSlower, Realized } from "../src/client.js";
 import { decodeMessage, encodeMessage, type Message, ProtocolError, type Tree } from "../src/protocol.js";
 
 type Welcome = Extract<Message, { type: "welcome" }>;
@@ -202,6 +202,31 @@ test("auto streams after a miss only where that is faster (latency) or cheaper w
   assert.equal(choosePlan(cost, { ...base, tokens: 3 }), "speculate");
   // 1.1 tokens: 10.9 ms of the verifier a token, and slower than ar by more than 1.25x: stream
   assert.equal(choosePlan(cost, { ...base, tokens: 1.1 }), "stream");
+});
+
+test("the user's clock overrules the prices only past the margin and on enough verdicts", () => {
+  const r = new Realized();
+  for (let i = 0; i < 3; i++) {
+    r.observe("stream", 1, 50);
+    r.observe("chain", 1, 90);
+  }
+  assert.equal(r.slower(0.05), false); // three verdicts a side: not enough
+  r.observe("stream", 1, 50);
+  r.observe("chain", 2, 180);
+  assert.equal(r.slower(0.05), true); // 90 ms a token against 50
+  assert.equal(r.slower(0.05, ["prespec"]), false); // nothing of that kind measured
+  for (let i = 0; i < 20; i++) r.observe("prespec", 3, 120); // 40 ms a token
+  assert.equal(r.slower(0.05, ["prespec"]), false);
+  assert.equal(measuredSlower(DEFAULT_PLAN, r, ["chain", "tree"]), true);
+  // cost allows 1.25x: 90 against 50 is still too slow; within 1.25x it is not
+  assert.equal(measuredSlower({ ...DEFAULT_PLAN, objective: "cost" }, r, ["chain"]), true);
+  const q = new Realized();
+  for (let i = 0; i < 10; i++) {
+    q.observe("stream", 1, 50);
+    q.observe("chain", 1, 60);
+  }
+  assert.equal(measuredSlower(DEFAULT_PLAN, q), true);
+  assert.equal(measuredSlower({ ...DEFAULT_PLAN, objective: "cost" }, q), false);
 });
 
 // ------------------------------------------------------------------------------------ re-rooting
