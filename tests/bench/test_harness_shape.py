@@ -204,6 +204,7 @@ def main():
 DEFAULTS = {
     "agreement": {"tokens": 64},
     "chaos": {"tokens": 64, "seed": 0},
+    "colocation": {"tokens": 48},
     "demo": {"tokens": 96},
     "e2e": {"tokens": 128, "seed": 0},
     "fuzz": {"seed": 0},
