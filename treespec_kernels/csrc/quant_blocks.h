@@ -26,10 +26,12 @@ bool g_counting = false;
 int64_t g_lanes_min_rows = 7;
 
 // rows from which, and up to which, the K types run on the grid of weight rows x activation rows
-// in one vector's lanes (AVX-512 VNNI; quant_grid.h); 0: never (the default: read from memory it
-// is slower than the tiles, see there). It takes precedence over the lanes.
-int64_t g_grid_min_rows = 0;
-int64_t g_grid_max_rows = 16;
+// in one vector's lanes (AVX-512 VNNI; quant_grid.h); 0: never. It takes precedence over the lanes.
+// 7..8: where it beat the tiles and the lanes in the 1.5B's whole forward on an AVX-512 VNNI
+// machine without AMX (bench.roofline --grid, one thread: 8 rows 156 ms against the lanes' 176;
+// 5 and 6 rows 153 against the tiles' 131 and 146; 12 and 16 rows the same as the lanes)
+int64_t g_grid_min_rows = 7;
+int64_t g_grid_max_rows = 8;
 
 inline void count_work(int64_t unpacks, int64_t dots, int64_t reductions) {
   if (!g_counting) return;

@@ -17,13 +17,14 @@ namespace {
 // (one mullo), and no lane is ever reduced across: the tiles' per-row packs, madd and horizontal
 // sums are gone, which is what bounds them at a few rows (their int8 work per row is the same).
 //
-// Off by default (set_grid_rows). One thread, AMD EPYC Zen 4, the 1.5B's shapes read from memory:
-// ffn_gate (Q4_K 8960 x 1536) 0.93-1.04 ms at 4 rows against the tiles' 0.81, 1.23-1.36 at 8 against 1.39;
-// Q6_K slower at 4 rows (the head's shape 1.37x). At a few rows it is bound by laying the weights
-// out (the transposes across outputs, the scales), not by its int8 work (one dpbusd per 64 useful
-// multiply-adds; dpbusd on zmm runs one a cycle here, 466 GOPS at 3.65 GHz): weights repacked
-// for it once at load time, as llama.cpp repacks Q4_K for its AVX-512 kernels, are what would
-// flatten the few-row cost.
+// Where it runs (set_grid_rows; quant_blocks.h has the default, 7..8 rows): one thread, AMD EPYC
+// Zen 4, the 1.5B read from memory (bench.roofline --grid): the whole forward at 8 rows in 156 ms
+// against the lanes' 176, but 5 and 6 rows in 153 against the tiles' 131 and 146, and 2 and 4 rows
+// in 120 and 122 against 72 and 105. At a few rows it is bound by laying the weights out (the
+// transposes across outputs, the scales), not by its int8 work (one dpbusd per 64 useful
+// multiply-adds; dpbusd on zmm runs one a cycle here, 466 GOPS at 3.65 GHz): weights repacked for
+// it once at load time, as llama.cpp repacks Q4_K for its AVX-512 kernels, are what would flatten
+// the few-row cost.
 //
 // Per pair and super-block the integers are the plain path's:
 //   Q4_K  A = sum_s sc_s C_s (8 sub-blocks of 32),  M = sum_s mn_s X_s (dpwssd of int16 pairs)
