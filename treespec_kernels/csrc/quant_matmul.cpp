@@ -36,7 +36,8 @@
 // last one to three together), and for the K types on AVX-512 with VNNI where the CPU has it:
 // below 7 rows (`set_lanes_min_rows`) tiles of weight rows x activation rows that fill the eight
 // lanes of a float chain vector (one pass over the weights for up to eight rows; see "tiles of O
-// weight rows x N activation rows"), from 7 rows the activation rows in the lanes of a vector and
+// weight rows x N activation rows"), at 7 and 8 rows (`set_grid_rows`) a grid of weight rows x
+// activation rows in one vector's lanes (quant_grid.h), from 9 rows the activation rows in the lanes of a vector and
 // the weights broadcast (one dpbusd per 4 values of 16 rows; see "the activation rows in the
 // lanes"). From 9 rows (`set_amx_min_rows`) the K types run on AMX tiles where the CPU has them
 // (Sapphire Rapids and later: 16 weight rows x 16 activation rows per tile product, the sub-block
