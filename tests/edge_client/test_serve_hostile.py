@@ -81,8 +81,11 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
     """A live verifier and the endpoint in front of it over a slow link (so that a long generation
-    lasts seconds and can be left mid-answer)."""
-    with LiveServer() as srv, edge_server(srv.ws, **SLOW) as edge:
+    lasts seconds and can be left mid-answer). Requests speculate (greedy) by default: auto would
+    let the tiny target stream, which a round trip does not slow."""
+    from edge_client.serve import ServeConfig
+
+    with LiveServer() as srv, edge_server(srv.ws, ServeConfig(mode="greedy"), **SLOW) as edge:
         yield Stack(srv, edge)
 
 
@@ -204,7 +207,7 @@ def test_a_request_whose_client_leaves_while_waiting_stops_waiting(stack: Stack)
 def test_requests_waiting_for_the_generation_are_bounded() -> None:
     from edge_client.serve import ServeConfig
 
-    cfg = ServeConfig(max_waiting=1, wait_s=1.5)
+    cfg = ServeConfig(max_waiting=1, wait_s=1.5, mode="greedy")  # (as `stack`: a round trip a round)
     with LiveServer() as srv, edge_server(srv.ws, cfg, **SLOW) as edge:
         body = {"prompt": PROMPT, "temperature": 0, "max_tokens": LONG, "stream": True}
         waited: list[httpx.Response] = []
