@@ -11,6 +11,7 @@ from cloud_verifier.admission import Admission
 from cloud_verifier.auth import KeyStore
 from cloud_verifier.engine import Engine
 from cloud_verifier.metrics import Metrics
+from cloud_verifier.resume import ParkedSessions
 from cloud_verifier.server_config import ServerConfig
 from cloud_verifier.session import ModelInfo, ServerSession
 from shared.messages import SessionLimits
@@ -33,6 +34,8 @@ class AppState:
     http_running: int = 0  # HTTP requests past the gate (server.py's HttpGate) and not yet answered
     http_cut: asyncio.Event = field(default_factory=asyncio.Event)  # the drain's deadline: end them
     on_load_error: Callable[[str], None] | None = None  # serve(): stop the process
+    # dropped sessions kept for their client's resume (resume.py); made from the config in create_app
+    parked: ParkedSessions = field(default_factory=ParkedSessions)
 
     @property
     def ready(self) -> bool:

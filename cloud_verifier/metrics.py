@@ -118,6 +118,19 @@ class Metrics:
         self.rejected_sessions = Counter(
             "specdec_rejected_sessions", "Connections refused (max sessions)", registry=r
         )
+        self.resumes = Counter(
+            "cloud_verifier_resumes",
+            "Sessions resuming a dropped one by its token, by what became of its KV cache: reused "
+            "(the prompt's common prefix not prefilled again), busy (its last round still ran: "
+            "prefilled), gone (not held here: expired, reclaimed or another replica's; prefilled)",
+            ["kv"],
+            registry=r,
+        )
+        self.parked_sessions = Gauge(
+            "cloud_verifier_parked_sessions",
+            "Dropped sessions whose KV cache is kept for a resume",
+            registry=r,
+        )
         self.cond_pending = Gauge(
             "specdec_conditional_trees_pending", "Conditional trees waiting for their outcome", registry=r
         )

@@ -54,6 +54,7 @@ from cloud_verifier.engine import Engine
 from cloud_verifier.http_protocol import with_header_timeout
 from cloud_verifier.kv_pool import layers_budget_gb, pool_size
 from cloud_verifier.live_cost import LiveCost
+from cloud_verifier.resume import ParkedSessions
 from cloud_verifier.server_config import ServerConfig
 from cloud_verifier.session import ModelInfo
 from cloud_verifier.step import EngineConfig
@@ -195,6 +196,7 @@ def _refresh_gauges(state: AppState, http_running: int) -> None:
     name = m.model_name
     m.vllm_running.labels(name).set(sum(1 for s in state.sessions if s.generating) + http_running)
     m.admission_waiting.set(state.admission.waiting)
+    m.parked_sessions.set(len(state.parked))
     if state.engine is not None:
         m.record_pool(state.engine)
         m.vllm_waiting.labels(name).set(state.engine.waiting + state.engine.queued)
@@ -209,6 +211,7 @@ def create_app(
         config=config,
         keys=KeyStore.from_file(config.api_key_file, config.trust_anonymous),
         admission=Admission(config.max_sessions, config.max_waiting, config.queue_wait_s),
+        parked=ParkedSessions(config.resume_keep_s, config.resume_tag, config.max_sessions),
     )
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -221,6 +224,7 @@ def create_app(
         loading.cancel()
         for s in list(state.sessions):
             s.close(CloseCode.GOING_AWAY, "server shutting down")
+        state.parked.close_all()
         if state.engine is not None:
             await state.engine.stop()
         api.tokenizers.shutdown(wait=False, cancel_futures=True)

@@ -242,6 +242,22 @@ class ServerConfig:
             flag="--drain-timeout",
         ),
     )
+    resume_keep_s: float = field(
+        default=30.0,
+        metadata=cli(
+            "seconds a session whose connection dropped keeps its KV cache for its client's resume "
+            "(a client that names session.resume in its hello): the resume then prefills only what "
+            "the cache does not hold (0: nothing is kept, a resume prefills it all)",
+            flag="--resume-keep",
+        ),
+    )
+    resume_tag: str = field(
+        default="",
+        metadata=cli(
+            "a name of this verifier put in its resume tokens (letters, digits, '-', '_'), so that a "
+            "router sends a resume to the replica holding the session (the fleet sets each replica's)"
+        ),
+    )
     allowed_origins: str = field(
         default="",
         metadata=cli(
@@ -355,6 +371,13 @@ def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+def _tag(text: str) -> str:
+    """A resume tag: up to 64 letters, digits, '-' and '_' (empty: none)."""
+    if len(text) > 64 or not all(c.isascii() and (c.isalnum() or c in "-_") for c in text):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: up to 64 letters, digits, '-' and '_'")
+    return text
+
+
 # the rule of each field that is neither a flag without a value nor free text (ServerConfig's)
 _FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "model": nonempty("the model"),
@@ -382,6 +405,8 @@ _FIELD_TYPES: dict[str, Callable[[str], Any]] = {
     "max_handshakes": _count(1),
     "frames_per_s": number(0.0, 1e6),  # 0: no limit
     "drain_timeout_s": seconds(zero=True),  # 0: the drain ends at once
+    "resume_keep_s": seconds(zero=True),  # 0: nothing kept for a resume
+    "resume_tag": _tag,
     "ping_interval_s": seconds(),
     "threads": integer(0, 4096),  # 0: torch's default
     "tensor_parallel": integer(1, 1024),

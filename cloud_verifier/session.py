@@ -27,9 +27,10 @@ from cloud_verifier.admission import Admission, AdmissionRefused, Ticket
 from cloud_verifier.auth import AuthError, KeyStore, Principal
 from cloud_verifier.engine import Engine
 from cloud_verifier.metrics import Metrics
+from cloud_verifier.resume import ParkedSessions
 from cloud_verifier.step import RoundResult, SeqState
 from shared.errors import CloseCode, ErrorCode, ProtocolError
-from shared.messages import Mode, SessionLimits, Verdict, Welcome
+from shared.messages import FEATURE_RESUME, Mode, SessionLimits, Verdict, Welcome
 from shared.protocol import (
     CancelReceived,
     ClosedByPeer,
@@ -85,8 +86,12 @@ class ServerSession:
         metrics: Metrics,
         bearer: str | None = None,
         admission: Admission | None = None,
+        parked: ParkedSessions | None = None,
     ) -> None:
         self.engine = engine
+        self.parked = parked  # where a dropped session waits for its resume (resume.py)
+        self.resume_token: str | None = None  # this session's (its welcome's `resume`)
+        self._donor: SeqState | None = None  # the parked sequence a resume claimed, until its prompt
         self.info = info
         self.keys = keys
         self.metrics = metrics
@@ -196,6 +201,8 @@ class ServerSession:
                 extra={"session": self.sid, "mode": ev.prompt.mode.value, "prompt_tokens": len(ev.committed)},
             )
             self._verdict_at, self._gap = None, None
+            self._adopt()
+            assert self.seq is not None
             self.engine.start(self.seq, ev.prompt, ev.committed)
             self.proto.share_committed(self.seq.committed)  # the engine's list is the one sequence
         elif isinstance(ev, VerifyTree):
@@ -270,6 +277,12 @@ class ServerSession:
                 return
         self.seq = self.engine.open(self._on_result)
         log.info("session welcomed", extra={"session": self.seq.sid, "principal": self.principal.name})
+        if self.parked is not None and FEATURE_RESUME in self.proto.features:
+            if hello.resume is not None:
+                self._donor = self.parked.claim(hello.resume, self.principal.name)
+                if self._donor is None:
+                    self.metrics.resumes.labels(kv="gone").inc()
+            self.resume_token = self.parked.new_token()
         self.proto.welcome(
             Welcome(
                 session_id=f"{self.seq.sid}",
@@ -280,8 +293,43 @@ class ServerSession:
                 limits=self.proto.limits,
                 verify_cost_ms=self._cost_curve(),
                 vocab_fingerprint=self.info.vocab_fingerprint,
+                resume=self.resume_token,
             )
         )
+
+    def _adopt(self) -> None:
+        """A resumed session's first prompt: take over the parked sequence it claimed if that is
+        idle (its KV cache then serves the prompt's common prefix), else free it and prefill."""
+        donor, self._donor = self._donor, None
+        if donor is None or self.seq is None:
+            return
+        if donor.working or donor.sid not in self.engine.seqs:  # its last round still runs
+            self.engine.close(donor)
+            self.metrics.resumes.labels(kv="busy").inc()
+            return
+        fresh, self.seq = self.seq, donor
+        fresh.on_result = _ignore
+        donor.on_result = self._on_result
+        self.engine.close(fresh)
+        self.metrics.resumes.labels(kv="reused").inc()
+        log.info("session resumed on its KV cache", extra={"session": donor.sid})
+
+    def park(self) -> bool:
+        """The connection dropped: end the generation (as a cancel does) and keep the engine's
+        sequence for a resume under this session's token; then close as `close` does. False (and
+        nothing done) when there is nothing to keep."""
+        if self.closed or self.seq is None or self.resume_token is None or self.parked is None:
+            return False
+        assert self.principal is not None
+        seq, self.seq = self.seq, None
+        self.engine.end(seq)
+        seq.on_result = _ignore
+        if self._donor is not None:  # claimed and never used: nobody will resume it now
+            self.engine.close(self._donor)
+            self._donor = None
+        self.parked.park(self.resume_token, seq, self.engine, self.principal.name)
+        self.close(CloseCode.GOING_AWAY, "connection dropped: kept for a resume")
+        return True
 
     def _error(self, ev: ErrorSent) -> None:
         self.metrics.errors.labels(code=ev.error.code.value).inc()
@@ -397,6 +445,9 @@ class ServerSession:
         if self.ticket is not None and self.admission is not None:
             self.admission.release(self.ticket)
             self.ticket = None
+        if self._donor is not None:
+            self.engine.close(self._donor)
+            self._donor = None
         if self.seq is not None:
             self.engine.close(self.seq)
             # the engine's sequence pointed back at this session (on_result): break the cycle so

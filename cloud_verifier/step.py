@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -370,10 +370,16 @@ class StepRunner:
         s.generator = torch.Generator(device=self.target.device).manual_seed(prompt.seed)
         new = [int(t) for t in committed]
         cached = self.kv.cached_len(s.sid)
-        if cached and (len(new) <= cached or new[:cached] != s.committed[:cached]):
-            # a new conversation: the cached context is not a prefix of it
-            self.kv.free(s.sid)
-            self.kv.add(s.sid)
+        if cached:
+            # keep the cache of the longest prefix the new sequence shares with the cached one (a
+            # continued conversation: all of it; a resumed session: what it had committed), short
+            # of the new sequence's last token, which the forward feeds
+            keep = common_prefix(new, s.committed, min(cached, len(new) - 1))
+            if keep == 0:
+                self.kv.free(s.sid)
+                self.kv.add(s.sid)
+            elif keep < cached:
+                self.kv.truncate(s.sid, keep)
         s.committed = new
         s.prompt_len = len(new)
         s.max_new_tokens = prompt.max_new_tokens
@@ -413,6 +419,15 @@ class StepRunner:
     def queued(self) -> int:
         """Generations waiting for room in the KV pool."""
         return self.room.queued
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], most: int) -> int:
+    """How many leading tokens `a` and `b` share, at most `most`."""
+    n = min(len(a), len(b), most)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return max(n, 0)
 
 
 # ---------------------------------------------------------------------------- what a step packs

@@ -42,15 +42,26 @@ async def serve_session(ws: WebSocket, state: AppState, origins: Collection[str]
     auth = ws.headers.get("authorization", "")
     bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else None
     session = ServerSession(
-        state.engine, state.info, state.limits, state.keys, state.metrics, bearer, state.admission
+        state.engine,
+        state.info,
+        state.limits,
+        state.keys,
+        state.metrics,
+        bearer,
+        state.admission,
+        state.parked,
     )
     state.sessions.add(session)
     state.metrics.sessions.set(len(state.sessions))
     writer = asyncio.create_task(_writer(ws, session))
+    dropped = False
     try:
-        await _reader(ws, session, config)
+        dropped = await _reader(ws, session, config)
     finally:
-        session.close(CloseCode.GOING_AWAY, "connection closed")
+        # a drop (no close from either side) keeps the session for its client's resume
+        if not (dropped and session.park()):
+            session.close(CloseCode.GOING_AWAY, "connection closed")
+        state.metrics.parked_sessions.set(len(state.parked))
         state.sessions.discard(session)
         state.metrics.sessions.set(len(state.sessions))
         with contextlib.suppress(Exception):
@@ -78,20 +89,22 @@ class FrameBudget:
         return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
 
 
-async def _reader(ws: WebSocket, session: ServerSession, config: ServerConfig) -> None:
+async def _reader(ws: WebSocket, session: ServerSession, config: ServerConfig) -> bool:
+    """Read frames into the session until it closes (False: by either side's protocol) or the
+    connection goes without a protocol close (True: a drop)."""
     opened = time.monotonic()
     budget = FrameBudget(config.frames_per_s)
     while not session.closed:
         # back-pressure: a client that does not read its replies is not read either
         await session.writable.wait()
         if session.closed:
-            return
+            return False
         now = time.monotonic()
         if not session.admitted:
             timeout = opened + config.hello_timeout_s - now
             if timeout <= 0:
                 session.close(CloseCode.POLICY_VIOLATION, f"no hello within {config.hello_timeout_s:g} s")
-                return
+                return False
         else:
             timeout = max(session.last_activity + config.idle_timeout_s - now, 0.05)
         try:
@@ -107,9 +120,9 @@ async def _reader(ws: WebSocket, session: ServerSession, config: ServerConfig) -
                 session.close(CloseCode.GOING_AWAY, "idle timeout")
             continue  # (not welcomed: the hello deadline above closes it)
         except WebSocketDisconnect:
-            return
-        if msg["type"] == "websocket.disconnect":
-            return
+            return True
+        if msg["type"] == "websocket.disconnect":  # (a client's protocol close ends the loop first)
+            return True
         data = msg.get("bytes")
         if data is None:
             data = (msg.get("text") or "").encode()
@@ -118,6 +131,7 @@ async def _reader(ws: WebSocket, session: ServerSession, config: ServerConfig) -
         if wait > 0:  # over the frame rate: slow this connection down, nobody else
             await asyncio.sleep(wait)
         session.receive(data)
+    return False
 
 
 async def _writer(ws: WebSocket, session: ServerSession) -> None:

@@ -31,7 +31,7 @@ from edge_client.errors import (
 )
 from edge_client.transports import Link, Transport, TransportClosed, WebSocketTransport
 from shared.errors import ErrorCode, ProtocolError
-from shared.messages import FEATURES, PROTOCOL_VERSION, Close, Error, Hello, Welcome
+from shared.messages import FEATURE_RESUME, FEATURES, PROTOCOL_VERSION, Close, Error, Hello, Welcome
 from shared.protocol import ClientProtocol, ClientState
 
 _CLOSE_WHY = {
@@ -188,6 +188,9 @@ class Session:
         # the context of a session that was dropped between generations: a `continue` prompt on
         # the next session re-sends it
         self._lost_context: list[int] = []
+        # the resume token of the session a reconnect resumes (its welcome's): the verifier that
+        # kept that session's KV cache prefills only what it lacks
+        self._resume_token: str | None = None
 
     def vocab_fingerprint(self) -> str:
         """The fingerprint of the vocabulary the hello announces (the subclass knows it)."""
@@ -203,6 +206,7 @@ class Session:
         """A new session after a drop: backoff, the next URL, and the same model and vocabulary."""
         assert self.resume is not None
         old = self.welcome
+        self._resume_token = old.resume if old is not None else None
         t0 = time.perf_counter()
         await self._close_transport()
         self.welcome, self.proto = None, ClientProtocol()
@@ -223,6 +227,7 @@ class Session:
             await self._close_transport()
             await asyncio.sleep(self.resume.delay(attempt + 1))
         else:
+            self._resume_token = None
             raise ConnectionLost(
                 f"the verifier did not come back after {self.resume.attempts} attempts: {last}"
             )
@@ -233,6 +238,7 @@ class Session:
                 ErrorCode.VOCAB_MISMATCH,
                 "model_id",
             )
+        self._resume_token = None  # (claimed by the first session that named it, or gone)
         self.resumes.append(time.perf_counter() - t0)
 
     async def connect(self) -> Welcome:
@@ -258,6 +264,7 @@ class Session:
                     open_timeout=self.timeouts.welcome_s,
                     close_timeout=self.timeouts.close_s,
                     ca_file=self.ca_file,
+                    session_id=self._resume_token,
                 )
             except ValueError as exc:  # a bad URL
                 raise GenerationError(f"cannot reach the verifier at {self.server}: {exc}") from exc
@@ -273,6 +280,7 @@ class Session:
                         api_key=self.api_key,
                         client="edge-client/0.1",
                         features=features,
+                        resume=self._resume_token if FEATURE_RESUME in features else None,
                     )
                 )
             )

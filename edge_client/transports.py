@@ -9,6 +9,7 @@ import contextlib
 from typing import Protocol
 
 from shared.errors import ErrorCode, ProtocolError
+from shared.handshake import SESSION_HEADER
 
 
 class TransportClosed(Exception):
@@ -52,10 +53,13 @@ class WebSocketTransport:
         open_timeout: float = 30.0,
         ca_file: str | None = None,
         close_timeout: float = 5.0,
+        session_id: str | None = None,
     ) -> WebSocketTransport:
         """Open `url` (ws:// or wss://). wss:// checks the server's certificate against the system's
         CAs, or against `ca_file` (PEM) when given (e.g. a private CA or a self-signed certificate).
-        A peer that does not finish the closing handshake within `close_timeout` is cut off."""
+        A peer that does not finish the closing handshake within `close_timeout` is cut off.
+        `session_id`: the resume token of the session this connection resumes, in the
+        `X-Session-Id` header, by which a fleet's router finds the replica that holds it."""
         import ssl
 
         from websockets.asyncio.client import connect
@@ -64,7 +68,9 @@ class WebSocketTransport:
             raise ValueError(f"--server must be a full ws:// or wss:// URL, got {url!r}")
         if ca_file is not None and not url.startswith("wss://"):
             raise ValueError(f"a CA file is for wss:// URLs, got {url!r}")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        if session_id:
+            headers[SESSION_HEADER] = session_id
         tls = ssl.create_default_context(cafile=ca_file) if url.startswith("wss://") else None
         ws = await connect(
             url,

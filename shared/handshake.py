@@ -62,8 +62,22 @@ FEATURE_PENDING_BYTES = "limits.max_pending_bytes"  # welcome.limits.max_pending
 FEATURE_WELCOME_FEATURES = "welcome.features"  # welcome.features: the features the server honours
 FEATURE_STREAM = "round.stream"  # the client may send `stream` rounds (and prompt.stream)
 FEATURE_COST = "verdict.cost_ms"  # verdict.forward_ms and verdict.marginal_ms
+# welcome.resume: the session's resume token; a later hello.resume names it after a drop
+FEATURE_RESUME = "session.resume"
 # every feature this release knows, in order
-FEATURES = (FEATURE_GAP_MS, FEATURE_PENDING_BYTES, FEATURE_WELCOME_FEATURES, FEATURE_STREAM, FEATURE_COST)
+FEATURES = (
+    FEATURE_GAP_MS,
+    FEATURE_PENDING_BYTES,
+    FEATURE_WELCOME_FEATURES,
+    FEATURE_STREAM,
+    FEATURE_COST,
+    FEATURE_RESUME,
+)
+# the longest resume token a hello may carry
+MAX_RESUME_TOKEN = 128
+# the HTTP header of a resuming connection's upgrade that names its resume token (a fleet's router
+# reads it; Ray Serve's session id header)
+SESSION_HEADER = "X-Session-Id"
 
 
 @dataclass(frozen=True)
@@ -78,6 +92,9 @@ class Hello:
     # optional fields the client reads (FEATURES); names a server does not know are ignored. Empty:
     # not sent, so a hello without features is what a client of an earlier release sends
     features: tuple[str, ...] = ()
+    # the token of the session this one resumes after a drop (the earlier welcome's `resume`): its
+    # server may still hold that session's KV cache; None: not sent
+    resume: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "features", tuple(self.features))
@@ -90,16 +107,22 @@ class Hello:
             d["client"] = self.client
         if self.features:
             d["features"] = list(self.features)
+        if self.resume is not None:
+            d["resume"] = self.resume
         return d
 
     @classmethod
     def from_wire(cls, r: Reader) -> Hello:
+        resume = r.text("resume", None)
+        if resume is not None and not 0 < len(resume) <= MAX_RESUME_TOKEN:
+            raise r.bad("resume", f"a resume token is 1 to {MAX_RESUME_TOKEN} characters")
         return cls(
             version=r.integer("version", 0, 1 << 16),
             vocab_fingerprint=r.text("vocab_fingerprint"),
             api_key=r.text("api_key", None),
             client=r.text("client", None),
             features=tuple(r.str_list("features", ())),
+            resume=resume,
         )
 
 
@@ -211,6 +234,9 @@ class Welcome:
     # the client's features the server honours; None: not sent (a client that did not ask, or a
     # server of an earlier release)
     features: tuple[str, ...] | None = None
+    # the token a hello names to resume this session after a drop; None: not sent (sent only to a
+    # client whose hello.features names session.resume)
+    resume: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         d = {
@@ -227,6 +253,8 @@ class Welcome:
         }
         if self.features is not None:
             d["features"] = list(self.features)
+        if self.resume is not None:
+            d["resume"] = self.resume
         return d
 
     @classmethod
@@ -250,6 +278,7 @@ class Welcome:
             limits=SessionLimits.from_wire(r.sub("limits")),
             verify_cost_ms=cost,
             features=None if features is None else tuple(features),
+            resume=r.text("resume", None),
         )
 
 

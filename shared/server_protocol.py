@@ -15,6 +15,7 @@ from shared.messages import (
     FEATURE_COST,
     FEATURE_GAP_MS,
     FEATURE_PENDING_BYTES,
+    FEATURE_RESUME,
     FEATURE_WELCOME_FEATURES,
     FEATURES,
     PROTOCOL_VERSION,
@@ -118,6 +119,8 @@ class ServerProtocol:
             raise RuntimeError(f"welcome in state {self.state.value}")
         if msg.limits.max_pending_bytes is not None and FEATURE_PENDING_BYTES not in self.features:
             msg = dataclasses.replace(msg, limits=dataclasses.replace(msg.limits, max_pending_bytes=None))
+        if FEATURE_RESUME not in self.features:
+            msg = dataclasses.replace(msg, resume=None)
         honoured = None
         if FEATURE_WELCOME_FEATURES in self.features:
             honoured = tuple(f for f in FEATURES if f in self.features)

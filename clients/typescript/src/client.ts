@@ -4,7 +4,7 @@
 import { DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
 import { ClientChecks } from "./checks.js";
 import {
-  decodeMessage, encodeMessage, FEATURE_COST, FEATURE_STREAM, FEATURE_WELCOME_FEATURES, type Message, PROTOCOL_VERSION, ProtocolError,
+  decodeMessage, encodeMessage, FEATURE_COST, FEATURE_RESUME, FEATURE_STREAM, FEATURE_WELCOME_FEATURES, type Message, PROTOCOL_VERSION, ProtocolError,
   type Tree,
 } from "./protocol.js";  // prettier-ignore
 import { openSocket, type Socket } from "./socket.js";
@@ -54,7 +54,7 @@ const backoff = (r: ResumeOptions, retry: number) => Math.min(r.backoffMs * 2 **
 export type TreeSource = (committed: readonly number[]) => Tree | Promise<Tree>;
 
 /** The features this client names in hello.features (PROTOCOL.md section 10). */
-export const CLIENT_FEATURES = [FEATURE_WELCOME_FEATURES, FEATURE_STREAM, FEATURE_COST];
+export const CLIENT_FEATURES = [FEATURE_WELCOME_FEATURES, FEATURE_STREAM, FEATURE_COST, FEATURE_RESUME];
 
 export interface GenerateOptions {
   // auto (the default): greedy (match at temperature > 0) planned each round: speculate, keep a stream
@@ -208,8 +208,11 @@ export class TreespecClient {
     return c;
   }
 
-  /** A new socket and session on `url`: hello, welcome, the vocabulary checked. */
-  private async open(url: string): Promise<void> {
+  /**
+   * A new socket and session on `url`: hello, welcome, the vocabulary checked. `resume`: the token of
+   * the dropped session this one resumes (its verifier may still hold that session's KV cache).
+   */
+  private async open(url: string, resume?: string): Promise<void> {
     const gen = ++this.generation; // a dead socket's late events are ignored
     this.inbox = [];
     this.waiting = null;
@@ -219,12 +222,12 @@ export class TreespecClient {
         close: (code, reason) =>
           gen === this.generation && this.push(new ConnectionLost(`the verifier closed the connection (${code}): ${reason}`)),
         error: (message) => gen === this.generation && this.push(new ConnectionLost(`the connection to the verifier failed: ${message}`)),
-      });  // prettier-ignore
+      }, resume);  // prettier-ignore
     } catch (e) {
       throw new ConnectionLost((e as Error).message);
     }
     const key = this.apiKey && !this.ws.keyInHeader ? { api_key: this.apiKey } : {}; // a browser sends no headers
-    const features = this.features ? { features: [...CLIENT_FEATURES] } : {};
+    const features = this.features ? { features: [...CLIENT_FEATURES], ...(resume ? { resume } : {}) } : {};
     this.send({ type: "hello", version: PROTOCOL_VERSION, vocab_fingerprint: this.fingerprint, client: "treespec-ts/0.1", ...key, ...features });
     let w: Message;
     try {
@@ -234,7 +237,7 @@ export class TreespecClient {
       // a server of an earlier release refuses hello.features: connect again without them
       this.features = false;
       this.ws.close(1000);
-      return this.open(url);
+      return this.open(url, resume);
     }
     if (w.type !== "welcome") throw new GenerationError(`expected welcome, got ${w.type}`);
     if (w.vocab_fingerprint && w.vocab_fingerprint !== this.fingerprint) {
@@ -251,12 +254,13 @@ export class TreespecClient {
   /** The connection dropped: connect again (the next URL each attempt, with backoff). */
   private async reconnect(): Promise<void> {
     const r = this.resume!;
+    const token = this.welcome?.resume; // the dropped session's, for the verifier that kept it
     let last: Error | null = null;
     for (let i = 0; i < r.attempts; i++) {
       if (i > 0) await sleep(backoff(r, i));
       this.urlIndex = (this.urlIndex + 1) % this.urls.length;
       try {
-        await this.open(this.urls[this.urlIndex]);
+        await this.open(this.urls[this.urlIndex], token);
         return;
       } catch (e) {
         if (!(e instanceof ConnectionLost)) throw e;

@@ -39,7 +39,7 @@ export {
 } from "./onnx_drafter.js";
 export { continuations, DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
 export {
-  decodeMessage, encodeMessage, FEATURE_COST, FEATURE_GAP_MS, FEATURE_PENDING_BYTES, FEATURE_STREAM, FEATURE_WELCOME_FEATURES,
+  decodeMessage, encodeMessage, FEATURE_COST, FEATURE_GAP_MS, FEATURE_PENDING_BYTES, FEATURE_RESUME, FEATURE_STREAM, FEATURE_WELCOME_FEATURES,
   type Message, ProtocolError, PROTOCOL_VERSION,
 } from "./protocol.js";  // prettier-ignore
 export { ClientChecks, reroot, rerootPath, treeMatches } from "./checks.js";

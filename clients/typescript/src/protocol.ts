@@ -9,6 +9,10 @@ export const FEATURE_PENDING_BYTES = "limits.max_pending_bytes";
 export const FEATURE_WELCOME_FEATURES = "welcome.features"; // welcome.features: what the server honours
 export const FEATURE_STREAM = "round.stream"; // stream frames and prompt.stream
 export const FEATURE_COST = "verdict.cost_ms"; // verdict.forward_ms and verdict.marginal_ms
+export const FEATURE_RESUME = "session.resume"; // welcome.resume, and hello.resume after a drop
+export const MAX_RESUME_TOKEN = 128;
+/** The upgrade's header naming the resume token (a fleet's router sends the resume to its holder). */
+export const SESSION_HEADER = "X-Session-Id";
 export const MODES = ["greedy", "match", "mss", "rrs", "ar"] as const;
 export type Mode = (typeof MODES)[number];
 const MAX_U31 = 2 ** 31 - 1;
@@ -42,10 +46,10 @@ export interface Tree {
 }
 export type Message =
   | { type: "hello"; version: number; vocab_fingerprint: string; api_key?: string; client?: string;
-      features?: string[] }
+      features?: string[]; resume?: string }
   | { type: "welcome"; version: number; session_id: string; model_id: string; vocab_size: number;
       vocab_fingerprint: string; eos_ids: number[]; allowed_modes: Mode[]; limits: Limits;
-      verify_cost_ms: Record<string, number>; features?: string[] }
+      verify_cost_ms: Record<string, number>; features?: string[]; resume?: string }
   | { type: "prompt"; tokens: number[]; mode: Mode; temperature: number; top_k: number; top_p: number;
       seed: bigint | number; max_new_tokens: number; stop_ids: number[]; continue: boolean; tree?: Tree;
       stream?: number }
@@ -264,6 +268,13 @@ const DECODERS: Record<string, (r: Reader) => Message> = {
     ...opt("api_key", r.text("api_key", true)),
     ...opt("client", r.text("client", true)),
     ...opt("features", r.strList("features", true)),
+    ...opt("resume", (() => {
+      const t = r.text("resume", true);
+      if (t !== undefined && !(t.length > 0 && t.length <= MAX_RESUME_TOKEN)) {
+        throw r.bad("resume", `a resume token is 1 to ${MAX_RESUME_TOKEN} characters`);
+      }
+      return t;
+    })()),
   }),
   welcome: (r) => {
     const modes = r.raw("allowed_modes");
@@ -288,6 +299,7 @@ const DECODERS: Record<string, (r: Reader) => Message> = {
       model_id: r.text("model_id")!, vocab_size: r.int("vocab_size", 1),
       vocab_fingerprint: r.text("vocab_fingerprint", true) ?? "", eos_ids: r.array("eos_ids", "<i4", MAX_LIST),
       allowed_modes: modes as Mode[], limits, verify_cost_ms: costOut, ...(features ? { features: [...features] } : {}),
+      ...opt("resume", r.text("resume", true)),
     };  // prettier-ignore
   },
   prompt: (r) => {
@@ -351,6 +363,7 @@ export function encodeMessage(m: Message): Uint8Array {
       if (m.api_key !== undefined) d.api_key = m.api_key;
       if (m.client !== undefined) d.client = m.client;
       if (m.features !== undefined && m.features.length) d.features = [...m.features];
+      if (m.resume !== undefined) d.resume = m.resume;
       break;
     case "welcome": {
       const limits: { [k: string]: Value } = { ...m.limits } as { [k: string]: Value };
@@ -361,6 +374,7 @@ export function encodeMessage(m: Message): Uint8Array {
         limits, verify_cost_ms: cost,
       });  // prettier-ignore
       if (m.features !== undefined) d.features = [...m.features];
+      if (m.resume !== undefined) d.resume = m.resume;
       break;
     }
     case "prompt":

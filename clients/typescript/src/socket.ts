@@ -1,6 +1,8 @@
 // The WebSocket under a session: the browser's own (WHATWG) in a page or a worker, the `ws` package in
 // Node (it can send an Authorization header; a browser cannot, so there the key goes in `hello`).
 
+import { SESSION_HEADER } from "./protocol.js";
+
 /** What the session needs of a socket. */
 export interface Socket {
   send(data: Uint8Array): void;
@@ -25,8 +27,8 @@ export function inBrowser(): boolean {
 }
 
 /** Open a socket to `url`; resolves once it is open, rejects with a message naming the URL. */
-export async function openSocket(url: string, apiKey: string | undefined, on: SocketEvents): Promise<Socket> {
-  return inBrowser() ? openBrowser(url, on) : openNode(url, apiKey, on);
+export async function openSocket(url: string, apiKey: string | undefined, on: SocketEvents, sessionId?: string): Promise<Socket> {
+  return inBrowser() ? openBrowser(url, on) : openNode(url, apiKey, on, sessionId);
 }
 
 async function openBrowser(url: string, on: SocketEvents): Promise<Socket> {
@@ -51,9 +53,11 @@ async function openBrowser(url: string, on: SocketEvents): Promise<Socket> {
   };
 }
 
-async function openNode(url: string, apiKey: string | undefined, on: SocketEvents): Promise<Socket> {
+async function openNode(url: string, apiKey: string | undefined, on: SocketEvents, sessionId?: string): Promise<Socket> {
   const { default: NodeWebSocket } = await import("ws");
-  const ws = new NodeWebSocket(url, { headers: apiKey ? { Authorization: `Bearer ${apiKey}` } : {}, maxPayload: MAX_FRAME });
+  const headers: Record<string, string> = apiKey ? { Authorization: `Bearer ${apiKey}` } : {};
+  if (sessionId) headers[SESSION_HEADER] = sessionId; // a resume: a fleet's router finds its holder by it
+  const ws = new NodeWebSocket(url, { headers, maxPayload: MAX_FRAME });
   await new Promise<void>((resolve, reject) => {
     ws.once("open", () => resolve());
     ws.once("error", (e: Error) => reject(new Error(`cannot reach the verifier at ${url}: ${e.message}`)));
