@@ -6,8 +6,9 @@ A replica builds its app in the replica process (`__serve_build_asgi_app__`, Ser
 ingress), from its own `ServerConfig` (`config.replica_config`), and is ready only once its target
 is loaded and its engine runs: the app's lifespan waits for the load, so Serve routes no session to
 a replica still loading, and a replica whose load fails never starts (Serve retries it). Its health
-check fails once its engine stops or stalls. Every second it reports its sessions and queue to the
-fleet's board (`status.py`).
+check fails once its engine stops or stalls. Every second it reports its sessions, queue and
+metrics to the fleet's board (`status.py`), and its `/metrics` answers with every live replica's,
+labelled by replica and node (`metrics.py`): one scrape of the fleet's address sees the fleet.
 """
 
 from __future__ import annotations
@@ -16,21 +17,26 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import ray
 from fastapi import FastAPI
+from fastapi.responses import Response
+from fastapi.routing import APIRoute
+from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve import Application, Deployment
 
 from cloud_verifier.app_state import AppState
 from cloud_verifier.fleet.config import DEPLOYMENT_NAME, FleetArgs, replica_config
+from cloud_verifier.fleet.metrics import ReplicaMetrics, bound, merge
 from cloud_verifier.fleet.status import ReplicaStats, board, replica_stats
 
 log = logging.getLogger("cloud_verifier.fleet")
 
-REPORT_EVERY_S = 1.0  # how often a replica tells the board its sessions and queue
+REPORT_EVERY_S = 1.0  # how often a replica tells the board its sessions, queue and metrics
+BOARD_WAIT_S = 5.0  # the fleet's /metrics waits this long for the board, then shows this replica's
 
 
 class VerifierReplica:
@@ -49,13 +55,15 @@ class VerifierReplica:
         app = create_app(self.config)
         state: AppState = app.state.verifier
         self.state = state
+        link = _BoardLink(_own_metrics(app))
+        app.get("/metrics")(link.fleet_metrics)
         serving = app.router.lifespan_context
 
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             async with serving(app):
                 await _loaded(state)
-                reporter = asyncio.create_task(_report(state))
+                reporter = asyncio.create_task(_report(state, link))
                 try:
                     yield
                 finally:
@@ -89,17 +97,79 @@ async def _loaded(state: AppState) -> None:
         await asyncio.sleep(0.05)
 
 
-async def _report(state: AppState) -> None:
-    """Tell the fleet's board this replica's stats every REPORT_EVERY_S, until cancelled."""
+async def _report(state: AppState, link: _BoardLink) -> None:
+    """Tell the fleet's board this replica's stats and metrics every REPORT_EVERY_S, until
+    cancelled."""
     replica = serve.get_replica_context().replica_id.unique_id
-    the_board = await asyncio.to_thread(board)  # (a lookup in Ray's control store)
     while True:
         try:
+            the_board = await link.board()
             await the_board.report.remote(replica, replica_stats(state))
-        except ray.exceptions.RayError as exc:  # the board restarted or is gone: look it up again
-            log.warning("cannot report to the fleet's board: %s", exc)
-            the_board = await asyncio.to_thread(board)
+            await the_board.report_metrics.remote(await link.own())
+        except _BOARD_ERRORS as exc:
+            link.lost(exc)
         await asyncio.sleep(REPORT_EVERY_S)
+
+
+# the board restarted or is gone (looked up again next time), or is a board of an earlier release,
+# without report_metrics (it lives as long as the cluster)
+_BOARD_ERRORS = (ray.exceptions.RayError, AttributeError, TimeoutError)
+
+
+def _own_metrics(app: FastAPI) -> Callable[[], Awaitable[Response]]:
+    """Take the app's `/metrics` route off it; returns its handler (this replica's own metrics,
+    as `cloud-verifier serve` answers them)."""
+    for route in app.router.routes:
+        if isinstance(route, APIRoute) and route.path == "/metrics":
+            app.router.routes.remove(route)
+            handler: Callable[[], Awaitable[Response]] = route.endpoint
+            return handler
+    raise RuntimeError("the verifier's app has no /metrics route")
+
+
+class _BoardLink:
+    """A replica's line to the fleet's board: the board's handle (looked up when first needed and
+    after a failed call) and this replica's own metrics (`render`: its app's /metrics handler)."""
+
+    def __init__(self, render: Callable[[], Awaitable[Response]]) -> None:
+        self.render = render
+        self._board: Any = None
+
+    async def board(self) -> Any:
+        if self._board is None:
+            self._board = await asyncio.to_thread(board)  # (a lookup in Ray's control store)
+        return self._board
+
+    def lost(self, exc: BaseException) -> None:
+        log.warning("cannot reach the fleet's board: %s: %s", type(exc).__name__, exc)
+        self._board = None
+
+    async def own(self) -> ReplicaMetrics:
+        """This replica's metrics now, named by Serve's replica id and its node's IP."""
+        text = bytes((await self.render()).body).decode()
+        replica = serve.get_replica_context().replica_id.unique_id
+        node: Callable[[], str] = ray.util.get_node_ip_address  # (untyped in Ray)
+        return bound(ReplicaMetrics(replica, node(), text))
+
+    async def fleet_metrics(self) -> Response:
+        """The fleet's `/metrics`: every live replica's metrics, each sample labelled `replica`
+        and `node` (this replica's rendered now, the others' as they last reported); this replica's
+        alone, with a comment, when the board does not answer within BOARD_WAIT_S."""
+        mine = await self.own()
+        others: list[ReplicaMetrics] = []
+        notes: list[str] = []
+        try:
+            async with asyncio.timeout(BOARD_WAIT_S):
+                the_board = await self.board()
+                others = await the_board.metrics.remote()
+        except _BOARD_ERRORS as exc:
+            self.lost(exc)
+            notes.append(
+                f"this replica's metrics alone: the fleet's board did not answer ({type(exc).__name__})"
+            )
+        replicas = [mine, *(r for r in others if r.replica != mine.replica)]
+        replicas.sort(key=lambda r: (r.node, r.replica))
+        return Response(merge(replicas, notes), media_type=CONTENT_TYPE_LATEST)
 
 
 # the deployment: the replica behind Serve's ingress, its app built in the replica

@@ -4,7 +4,8 @@
 Serve knows each replica's node, process and state; the replicas' sessions and queue are the
 verifier's own. Each replica reports those every second to the board, a small named Ray actor
 (`Board`, in Serve's namespace, living as long as the cluster), and `fleet_status` joins both by
-replica id. A replica that has not reported yet (still loading) shows `null` there.
+replica id. A replica that has not reported yet (still loading) shows `null` there. The board also
+keeps each replica's last metrics exposition, which the fleet's `/metrics` merges (`metrics.py`).
 
 `ReplicaStats` and `status_rows` need no Ray; `board` and `fleet_status` import it when called.
 """
@@ -17,6 +18,7 @@ from typing import Any, TypedDict
 
 from cloud_verifier.app_state import AppState
 from cloud_verifier.fleet.config import APP_NAME, DEPLOYMENT_NAME
+from cloud_verifier.fleet.metrics import ReplicaMetrics, bound
 
 BOARD_NAME = "cloud-verifier-fleet-board"
 NAMESPACE = "serve"
@@ -90,18 +92,28 @@ def format_rows(rows: Iterable[ReplicaRow]) -> str:
 
 
 class _Board:
-    """The replicas' last reports, by replica id."""
+    """The replicas' last reports (stats, and metrics of at most metrics.MAX_BYTES), by replica id;
+    those older than STALE_S are dropped when read."""
 
     def __init__(self) -> None:
         self.reports: dict[str, tuple[float, ReplicaStats]] = {}
+        self.expositions: dict[str, tuple[float, ReplicaMetrics]] = {}
 
     def report(self, replica: str, stats: ReplicaStats) -> None:
         self.reports[replica] = (time.time(), stats)
+
+    def report_metrics(self, metrics: ReplicaMetrics) -> None:
+        self.expositions[metrics.replica] = (time.time(), bound(metrics))
 
     def snapshot(self) -> dict[str, tuple[float, ReplicaStats]]:
         now = time.time()
         self.reports = {k: v for k, v in self.reports.items() if now - v[0] <= STALE_S}
         return dict(self.reports)
+
+    def metrics(self) -> list[ReplicaMetrics]:
+        now = time.time()
+        self.expositions = {k: v for k, v in self.expositions.items() if now - v[0] <= STALE_S}
+        return [m for _, m in self.expositions.values()]
 
 
 def board() -> Any:

@@ -1,12 +1,16 @@
 """The fleet's merged `/metrics` without Ray: the replicas' expositions merged into one that parses
 again, each sample labelled with its replica and node, one family per metric, and a replica whose
-text does not parse or is too large left out with a comment."""
+text does not parse or is too large left out with a comment; the board that keeps them."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from cloud_verifier.fleet import status
 from cloud_verifier.fleet.metrics import MAX_BYTES, ReplicaMetrics, bound, merge
 from cloud_verifier.metrics import Metrics
 
@@ -154,3 +158,21 @@ def test_nothing_to_merge_is_an_empty_exposition_with_the_notes() -> None:
     assert merge([], notes=["the fleet's board did not answer:\nTimeoutError"]) == (
         "# the fleet's board did not answer: TimeoutError\n"
     )
+
+
+def test_the_board_keeps_each_replicas_last_metrics_bounded_and_drops_stale_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(status, "time", SimpleNamespace(time=lambda: now[0]))
+    the_board = status._Board()
+    the_board.report_metrics(ReplicaMetrics("a", "n1", "x 1\n"))
+    the_board.report_metrics(ReplicaMetrics("b", "n2", "#" * (MAX_BYTES + 1)))
+    now[0] += 1
+    the_board.report_metrics(ReplicaMetrics("a", "n1", "x 2\n"))  # the last report wins
+    kept = {m.replica: m for m in the_board.metrics()}
+    assert kept["a"] == ReplicaMetrics("a", "n1", "x 2\n")
+    assert kept["b"].text == "" and "over the limit" in kept["b"].refused
+    now[0] += status.STALE_S  # b's report is now older than STALE_S, a's is not yet
+    assert [m.replica for m in the_board.metrics()] == ["a"]
+    assert the_board.expositions.keys() == {"a"}

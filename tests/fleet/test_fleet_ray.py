@@ -1,14 +1,16 @@
 """The fleet on a local Ray cluster: two replicas of the tiny verifier behind Serve's proxy; every
-session through the fleet's address generates the tokens a verifier served directly generates, and
-`fleet status` shows both replicas."""
+session through the fleet's address generates the tokens a verifier served directly generates,
+`fleet status` shows both replicas, and `/metrics` through the proxy shows both replicas' metrics."""
 
 from __future__ import annotations
 
 import socket
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -74,3 +76,23 @@ def test_status_shows_every_replica(fleet: str) -> None:
     assert len({r["pid"] for r in rows}) == 2
     assert all(r["sessions"] == 0 and r["queue"] == 0 for r in rows)
     assert serve.status().applications[APP_NAME].deployments[DEPLOYMENT_NAME].status == "HEALTHY"
+
+
+@pytest.mark.slow
+def test_metrics_through_the_proxy_show_every_replica(fleet: str) -> None:
+    """One scrape of the fleet's address: every replica's samples, labelled by replica and node."""
+    url = fleet.replace("ws://", "http://") + "/metrics"
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text = response.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}  # parses again
+        replicas = {s.labels["replica"] for s in families["specdec_kv_blocks_total"].samples}
+        if len(replicas) == 2 or time.monotonic() > deadline:  # each replica reports every second
+            break
+        time.sleep(0.5)
+    rows = fleet_status()
+    assert len(replicas) == 2
+    assert {s.labels["node"] for s in families["specdec_sessions"].samples} == {r["node"] for r in rows}
+    assert all(s.labels["replica"] in replicas for f in families.values() for s in f.samples)
+    assert [s.value for s in families["specdec_kv_blocks_total"].samples] == [2048.0, 2048.0]
