@@ -21,8 +21,11 @@ APP_NAME = "verifier"  # the Serve application (rayservice.yaml's `applications[
 DEPLOYMENT_NAME = "Verifier"
 # autoscaling adds a replica when the replicas average more than this share of their session cap
 TARGET_LOAD = 0.75
+# the deployment's request router (router.py), and how often it reads each replica's load
+ROUTER = "cloud_verifier.fleet.router.SessionRouter"
+ROUTING_STATS_S = 1.0
 # settings a replica never takes from the fleet: Serve's proxy listens, TLS and the port are its
-NOT_PER_REPLICA = frozenset({"host", "port", "ssl_certfile", "ssl_keyfile", "tensor_parallel"})
+NOT_PER_REPLICA = frozenset({"host", "port", "ssl_certfile", "ssl_keyfile", "tensor_parallel", "resume_tag"})
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,15 @@ class FleetArgs:
         CPUs of its `threads` (a GPU with a `cuda` device); a fixed count of replicas, or
         autoscaling between min and max when they differ."""
         cap = self.max_sessions_per_replica
-        options: dict[str, Any] = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": cap}
+        options: dict[str, Any] = {
+            "name": DEPLOYMENT_NAME,
+            "max_ongoing_requests": cap,
+            # resumes to the replica holding their KV cache, new sessions to the least loaded
+            "request_router_config": {
+                "request_router_class": ROUTER,
+                "request_routing_stats_period_s": ROUTING_STATS_S,
+            },
+        }
         drain = self.overrides.get("drain_timeout_s")
         if drain is not None:  # Serve waits this long for open sessions before stopping a replica
             options["graceful_shutdown_timeout_s"] = float(drain)

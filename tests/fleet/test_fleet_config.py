@@ -19,7 +19,13 @@ RAYSERVICE = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "ra
 
 def test_a_fixed_count_of_replicas_with_the_session_cap() -> None:
     fleet = FleetArgs(model="tiny", replicas_min=2, replicas_max=2, max_sessions_per_replica=8)
-    assert fleet.deployment_options() == {
+    options = fleet.deployment_options()
+    # the fleet's router (resumes to their KV holder), reading each replica's load every second
+    assert options.pop("request_router_config") == {
+        "request_router_class": "cloud_verifier.fleet.router.SessionRouter",
+        "request_routing_stats_period_s": 1.0,
+    }
+    assert options == {
         "name": DEPLOYMENT_NAME,
         "max_ongoing_requests": 8,
         "num_replicas": 2,
