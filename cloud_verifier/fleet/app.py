@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -46,7 +47,9 @@ class VerifierReplica:
     def __init__(self, overrides: dict[str, Any]) -> None:
         # sleeping OpenMP waiters, as `cloud-verifier serve` sets them (before torch starts its pool)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.config = replica_config(overrides)
+        # its resume tokens name this replica, so that the fleet's router sends a resume here
+        tag = serve.get_replica_context().replica_id.unique_id
+        self.config = replace(replica_config(overrides), resume_tag=tag)
         self.state: AppState | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -82,6 +85,13 @@ class VerifierReplica:
             raise RuntimeError(f"cannot load the target model: {state.load_error}")
         if state.engine is not None and not state.engine.healthy():
             raise RuntimeError("the verifier's engine loop stopped or stalled")
+
+    def record_routing_stats(self) -> dict[str, int]:
+        """What the fleet's router reads of this replica (`router.py`): its sessions, queue and
+        sessions kept for a resume."""
+        stats = replica_stats(self.state)
+        parked = len(self.state.parked) if self.state is not None else 0
+        return {"sessions": stats["sessions"], "queue": stats["queue"], "parked": parked}
 
     def stats(self) -> ReplicaStats:
         """This replica's sessions and queue (also what it reports to the board)."""

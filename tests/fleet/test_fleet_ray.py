@@ -96,3 +96,51 @@ def test_metrics_through_the_proxy_show_every_replica(fleet: str) -> None:
     assert {s.labels["node"] for s in families["specdec_sessions"].samples} == {r["node"] for r in rows}
     assert all(s.labels["replica"] in replicas for f in families.values() for s in f.samples)
     assert [s.value for s in families["specdec_kv_blocks_total"].samples] == [2048.0, 2048.0]
+
+
+@pytest.mark.slow
+def test_a_dropped_session_resumes_on_the_replica_that_holds_it(fleet: str) -> None:
+    """Connections cut mid-generation (no closing handshake): each resume's upgrade names its token
+    (X-Session-Id), the router sends it to the replica that gave it, which takes the session's KV
+    cache over; the output is the uninterrupted one."""
+    import asyncio
+
+    from edge_client.client import EdgeClient, ResumeConfig
+    from edge_client.drafters.registry import create_drafter
+
+    drafter = create_drafter("torch", "tiny")
+    prompts = [prompt_tokens(300 + i, 8) for i in range(4)]
+
+    async def generate(prompt: list[int], drop_at: int | None) -> tuple[list[int], int]:
+        c = EdgeClient(f"{fleet}/v1/session", drafter, resume=ResumeConfig(backoff_s=0.05))
+        got = 0
+        async for _ in c.generate(prompt, max_new_tokens=40, raw=True):
+            got += 1
+            if got == drop_at:
+                c.session._transport._ws.transport.abort()  # type: ignore[union-attr]
+        assert c.last is not None
+        out = (list(c.last.tokens), c.last.stats.resumes)
+        await c.close()
+        return out
+
+    try:
+        with LiveServer(threads=1) as srv:
+            direct = [greedy_session(srv.url, p, 40, 0)[0] for p in prompts]
+        runs = [asyncio.run(generate(p, 3)) for p in prompts]
+    finally:
+        drafter.close()
+    assert [out for out, _ in runs] == direct and all(n == 1 for _, n in runs)
+    url = fleet.replace("ws://", "http://") + "/metrics"
+    deadline = time.monotonic() + 30
+    while True:  # each replica reports its metrics every second
+        with urllib.request.urlopen(url, timeout=30) as response:
+            families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+        kv: dict[str, float] = {}
+        for s in families["cloud_verifier_resumes"].samples:
+            if s.name.endswith("_total"):
+                kv[s.labels["kv"]] = kv.get(s.labels["kv"], 0.0) + s.value
+        if sum(kv.values()) >= len(prompts) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert kv.get("gone", 0.0) == 0.0  # every resume reached the replica holding its session
+    assert kv.get("reused", 0.0) + kv.get("busy", 0.0) == len(prompts)
