@@ -4,8 +4,10 @@
 `fleet` starts a local Ray cluster (or joins one: `--address`), starts Serve's proxy on
 `--host`/`--port` and deploys `replicas` of the verifier (`app.py`), each with `cloud-verifier
 serve`'s settings: the flags given here that differ from their defaults, on top of the replica's
-own CLOUD_VERIFIER_<FIELD> variables. `--max-sessions` is per replica. On a local cluster it serves
-until SIGINT / SIGTERM; on a joined one the application stays deployed and the command returns.
+own CLOUD_VERIFIER_<FIELD> variables. `--max-sessions` is per replica (a replica refuses a session
+past it with 1013, as `serve` does); `--max-queued` is what each Serve proxy holds while every
+replica is full (`config.py`). On a local cluster it serves until SIGINT / SIGTERM; on a joined one
+the application stays deployed and the command returns.
 
 Exit status as `serve`'s: 0 after serving (or deploying), 1 when the fleet does not start or its
 status cannot be read, 2 for a usage error. This module imports Ray only when a command runs.
@@ -23,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from cloud_verifier.fleet.config import NOT_PER_REPLICA, FleetArgs
+from cloud_verifier.fleet.config import MAX_QUEUED, NOT_PER_REPLICA, FleetArgs
 from cloud_verifier.server_config import ServerConfig, field_type
 from shared.cli_args import integer
 from shared.config_cli import add_config_flags, config_values
@@ -47,6 +49,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--replicas", type=count, default=None, help="a fixed number of replicas (default 1)")
     p.add_argument("--min-replicas", type=count, default=None, help="autoscale from this many replicas")
     p.add_argument("--max-replicas", type=count, default=None, help="autoscale up to this many replicas")
+    p.add_argument(
+        "--max-queued",
+        type=integer(1, 1 << 20),
+        default=MAX_QUEUED,
+        help="requests each Serve proxy holds while every replica is full; more are refused at once "
+        "(HTTP 503; a WebSocket upgrade gets 500)",
+    )
     add_config_flags(p, ServerConfig, defaults=ServerConfig.from_env(), parse=field_type)
     commands = p.add_subparsers(dest="fleet_command", help="`status`: what each replica runs")
     s = commands.add_parser(
@@ -83,7 +92,13 @@ def fleet_args(args: argparse.Namespace) -> FleetArgs | str:
     }
     named = {_FLEET_FIELDS[k]: v for k, v in values.items() if k in _FLEET_FIELDS}
     try:
-        fleet = FleetArgs(replicas_min=lo, replicas_max=hi, overrides=overrides, **named)
+        fleet = FleetArgs(
+            replicas_min=lo,
+            replicas_max=hi,
+            max_queued_requests=args.max_queued,
+            overrides=overrides,
+            **named,
+        )
         replace(defaults, **fleet.replica_overrides())  # the replicas' config holds together
     except ValueError as exc:
         return str(exc)

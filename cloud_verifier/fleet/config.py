@@ -2,6 +2,14 @@
 and `cloud-verifier fleet` give), the Serve deployment options they make, and each replica's
 `ServerConfig`.
 
+Past its session cap a replica answers as `cloud-verifier serve` does: Serve hands it up to
+`serve_cap` connections and requests (its sessions, the connections in handshake, the HTTP
+requests waiting for a slot), so a session beyond the cap reaches a replica and is refused there
+with close 1013 after its hello, and probes and scrapes never wait behind sessions. What finds
+every replica at its `serve_cap` waits in Serve's proxy, at most `max_queued_requests` per proxy;
+the proxy refuses more at once: HTTP 503 with Retry-After, a WebSocket upgrade HTTP 500 (Serve's
+503 is not a message a WebSocket handshake can carry; uvicorn answers its error instead).
+
 A replica reads its settings like `cloud-verifier serve` does: `ServerConfig.from_env()` (the
 CLOUD_VERIFIER_<FIELD> variables of the machine it runs on), then the overrides the application
 was built with (`FleetArgs.overrides`: model, weights, the session cap and any serve flag given to
@@ -21,6 +29,8 @@ APP_NAME = "verifier"  # the Serve application (rayservice.yaml's `applications[
 DEPLOYMENT_NAME = "Verifier"
 # autoscaling adds a replica when the replicas average more than this share of their session cap
 TARGET_LOAD = 0.75
+# requests each Serve proxy holds while every replica is at its serve_cap (or none runs yet)
+MAX_QUEUED = 16
 # the deployment's request router (router.py), and how often it reads each replica's load
 ROUTER = "cloud_verifier.fleet.router.SessionRouter"
 ROUTING_STATS_S = 1.0
@@ -38,13 +48,14 @@ class FleetArgs:
     replicas_min: int = 1
     replicas_max: int = 1
     max_sessions_per_replica: int = ServerConfig.max_sessions
+    max_queued_requests: int = MAX_QUEUED
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         field_type("model")(self.model)
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights {self.weights!r} is not one of {', '.join(WEIGHTS)}")
-        for name in ("replicas_min", "replicas_max", "max_sessions_per_replica"):
+        for name in ("replicas_min", "replicas_max", "max_sessions_per_replica", "max_queued_requests"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a whole number >= 1, got {value!r}")
@@ -75,15 +86,27 @@ class FleetArgs:
             "max_sessions": self.max_sessions_per_replica,
         }
 
+    def serve_cap(self) -> int:
+        """Serve's `max_ongoing_requests` of a replica (one WebSocket is one request for as long as
+        it is open): what one verifier takes at once, its session cap, the connections in handshake
+        (`max_handshakes`) and the HTTP requests waiting for a slot (`max_waiting`), from the
+        overrides or ServerConfig's defaults."""
+        handshakes = int(self.overrides.get("max_handshakes", ServerConfig.max_handshakes))
+        waiting = int(self.overrides.get("max_waiting", ServerConfig.max_waiting))
+        return self.max_sessions_per_replica + handshakes + waiting
+
     def deployment_options(self) -> dict[str, Any]:
-        """Serve's options of the `Verifier` deployment: a replica takes at most its session cap of
-        connections and requests (one WebSocket is one request for as long as it is open) and the
-        CPUs of its `threads` (a GPU with a `cuda` device); a fixed count of replicas, or
-        autoscaling between min and max when they differ."""
+        """Serve's options of the `Verifier` deployment: a replica takes at most `serve_cap`
+        connections and requests, each proxy queues at most `max_queued_requests` beyond them
+        (module doc), a replica holds the CPUs of its `threads` (a GPU with a `cuda` device); a
+        fixed count of replicas, or autoscaling between min and max when they differ (by the
+        session cap)."""
         cap = self.max_sessions_per_replica
         options: dict[str, Any] = {
             "name": DEPLOYMENT_NAME,
-            "max_ongoing_requests": cap,
+            "max_ongoing_requests": self.serve_cap(),
+            "max_queued_requests": self.max_queued_requests,
+            "backpressure_config": {"retry_after_s": 1.0},  # the proxy's 503: Retry-After: 1
             # resumes to the replica holding their KV cache, new sessions to the least loaded
             "request_router_config": {
                 "request_router_class": ROUTER,

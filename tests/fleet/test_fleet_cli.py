@@ -8,7 +8,7 @@ import pytest
 
 from cloud_verifier.cli import build_parser, main
 from cloud_verifier.fleet.cli import fleet_args
-from cloud_verifier.fleet.config import FleetArgs
+from cloud_verifier.fleet.config import MAX_QUEUED, FleetArgs
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -25,6 +25,17 @@ def test_serve_flags_apply_to_every_replica() -> None:
     assert fleet.model == "tiny"
     assert fleet.overrides == {"threads": 1}  # --port is Serve's proxy's, defaults stay the replicas'
     assert args.port == 9
+
+
+def test_max_queued_is_each_proxys_queue() -> None:
+    fleet = fleet_args(_parse(["--max-queued", "3", "--max-sessions", "2"]))
+    assert isinstance(fleet, FleetArgs)
+    assert (fleet.max_queued_requests, fleet.max_sessions_per_replica) == (3, 2)
+    assert fleet.overrides == {}  # the fleet's, not a replica's
+    fleet = fleet_args(_parse([]))
+    assert isinstance(fleet, FleetArgs) and fleet.max_queued_requests == MAX_QUEUED
+    with pytest.raises(SystemExit):
+        _parse(["--max-queued", "0"])
 
 
 def test_autoscaling_flags() -> None:

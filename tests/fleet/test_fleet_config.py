@@ -27,10 +27,32 @@ def test_a_fixed_count_of_replicas_with_the_session_cap() -> None:
     }
     assert options == {
         "name": DEPLOYMENT_NAME,
-        "max_ongoing_requests": 8,
+        "max_ongoing_requests": 8 + 64 + 64,  # the sessions, handshakes and HTTP requests waiting
+        "max_queued_requests": 16,
+        "backpressure_config": {"retry_after_s": 1.0},
         "num_replicas": 2,
     }
     assert fleet.replica_overrides() == {"model": "tiny", "weights": "auto", "max_sessions": 8}
+
+
+def test_serve_hands_a_replica_more_than_its_session_cap_and_queues_little() -> None:
+    """Serve's cap is what one verifier takes (its sessions, handshakes and HTTP requests waiting),
+    so a session past the session cap reaches a replica, which refuses it with 1013; what finds
+    every replica at that cap waits in a proxy, at most max_queued_requests."""
+    fleet = FleetArgs(max_sessions_per_replica=4, overrides={"max_handshakes": 2, "max_waiting": 0})
+    assert fleet.serve_cap() == 6
+    options = fleet.deployment_options()
+    assert (options["max_ongoing_requests"], options["max_queued_requests"]) == (6, 16)
+    assert options["backpressure_config"] == {"retry_after_s": 1.0}  # the proxy's 503: Retry-After
+    assert (
+        FleetArgs(max_sessions_per_replica=4).serve_cap()
+        == 4 + ServerConfig.max_handshakes + ServerConfig.max_waiting
+    )
+    queued = FleetArgs.from_dict({"max_queued_requests": 2})
+    assert queued.deployment_options()["max_queued_requests"] == 2
+    # the autoscaler still counts by the session cap
+    scaled = FleetArgs(replicas_max=2, max_sessions_per_replica=8).deployment_options()
+    assert scaled["autoscaling_config"]["target_ongoing_requests"] == 6
 
 
 def test_autoscaling_between_min_and_max() -> None:
@@ -76,6 +98,7 @@ def test_the_rayservice_arguments_build_its_deployment() -> None:
         ({"replicas_min": 3, "replicas_max": 2}, "replicas_min 3 > replicas_max 2"),
         ({"replicas_min": 0}, "replicas_min: expected a whole number >= 1"),
         ({"max_sessions_per_replica": True}, "max_sessions_per_replica: expected a whole number"),
+        ({"max_queued_requests": 0}, "max_queued_requests: expected a whole number >= 1"),
         ({"weights": "int4"}, "weights 'int4' is not one of"),
         ({"model": ""}, "the model"),
         ({"overrides": {"port": 9000}}, "port is the fleet's"),
