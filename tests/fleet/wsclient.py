@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 
 import numpy as np
 from websockets.sync.client import ClientConnection, connect
@@ -15,10 +16,17 @@ from tests.cloud_verifier.service import reference, scripted_tree, tiny
 
 
 def greedy_session(
-    url: str, prompt: list[int], n: int, seed: int, nodes: int = 8, timeout: float = 120.0
+    url: str,
+    prompt: list[int],
+    n: int,
+    seed: int,
+    nodes: int = 8,
+    timeout: float = 120.0,
+    on_welcome: Callable[[], None] | None = None,
 ) -> tuple[list[int], list[float]]:
     """One greedy generation of `n` tokens on `tiny` at `url`: (its tokens, seconds from each
-    frame sent to its verdict, the prompt's round first)."""
+    frame sent to its verdict, the prompt's round first). `on_welcome` runs once the session is
+    welcomed, before the prompt is sent."""
     rng = random.Random(seed)
     ref = prompt + reference(tuple(prompt), n)
     proto = ClientProtocol()
@@ -28,6 +36,8 @@ def greedy_session(
         ws.send(proto.hello(Hello(vocab_fingerprint=tiny().vocab_fingerprint)))
         welcome = proto.receive(_recv(ws, timeout))
         assert isinstance(welcome, Welcome), welcome
+        if on_welcome is not None:
+            on_welcome()
         first = scripted_tree(rng, prompt, ref, nodes)
         sent = time.perf_counter()
         ws.send(proto.prompt(Prompt(tokens=np.array(prompt), mode=Mode.GREEDY, max_new_tokens=n, tree=first)))
