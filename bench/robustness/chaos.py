@@ -9,6 +9,11 @@ random number of verdicts and a new process is started on the same port. The cli
 re-sends its committed tokens and goes on. Reported: whether every interrupted output equals the
 uninterrupted one, tokens lost and repeated, and the time from the drop to the new session's welcome
 (which includes the new process's start).
+
+    python -m bench chaos --fleet --kills 100 --json bench/out/chaos_fleet.json
+
+`--fleet` kills replicas of a fleet on Ray Serve instead, under the load of several edges at once
+(`chaos_fleet.py`): every edge on the killed replica resumes on another through the fleet's address.
 """
 
 from __future__ import annotations
@@ -53,6 +58,14 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         tokens_help="new tokens per generation",
         no_progress=True,
     )
+    ap.add_argument(
+        "--fleet",
+        action="store_true",
+        help="kill replicas of a fleet on Ray Serve (local cluster, the fleet extra) under the load of "
+        "--clients edges at once, instead of the single verifier process",
+    )
+    ap.add_argument("--replicas", type=int, default=2, help="with --fleet: the fleet's replicas (>= 2)")
+    ap.add_argument("--clients", type=int, default=3, help="with --fleet: edges generating at once")
 
 
 def wait_ready(url: str, drafter: Drafter) -> None:
@@ -105,6 +118,8 @@ def summary(records: Sequence[dict[str, Any]], kills: int) -> dict[str, Any]:
 def run(a: argparse.Namespace) -> Result:
     if a.kills < 1 or a.tokens < 8:
         raise UsageError("--kills >= 1 and --tokens >= 8")
+    if a.fleet:
+        return _fleet(a)
     from edge_client.client import EdgeClient, ResumeConfig
     from edge_client.drafters.registry import create_drafter
 
@@ -150,6 +165,25 @@ def run(a: argparse.Namespace) -> Result:
             p.wait()
         drafter.close()
     result = summary(records, len(procs) - 1)
+    return Result(
+        figure_rows(result),
+        table([[k, v] for k, v in result.items()], ["figure", "value"]),
+        extra={**result, "records": records},
+        status=0 if result["identical"] else 1,
+    )
+
+
+def _fleet(a: argparse.Namespace) -> Result:
+    if a.replicas < 2 or a.clients < 1:
+        raise UsageError("--fleet needs --replicas >= 2 (one to resume on) and --clients >= 1")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise UsageError("--fleet needs Ray Serve: pip install -e '.[fleet]'") from None
+    from bench.robustness.chaos_fleet import run_fleet
+
+    records, own = run_fleet(a)
+    result = {**summary(records, own["replica_kills"]), **own}
     return Result(
         figure_rows(result),
         table([[k, v] for k, v in result.items()], ["figure", "value"]),
