@@ -1,6 +1,7 @@
 """The fleet on a local Ray cluster: two replicas of the tiny verifier behind Serve's proxy; every
 session through the fleet's address generates the tokens a verifier served directly generates,
-`fleet status` shows both replicas, and `/metrics` through the proxy shows both replicas' metrics."""
+`fleet status` shows both replicas, `/metrics` through the proxy shows both replicas' metrics, and a
+session cut mid-generation resumes on the replica that holds its KV cache."""
 
 from __future__ import annotations
 
@@ -98,11 +99,10 @@ def test_metrics_through_the_proxy_show_every_replica(fleet: str) -> None:
     assert [s.value for s in families["specdec_kv_blocks_total"].samples] == [2048.0, 2048.0]
 
 
-@pytest.mark.slow
 def test_a_dropped_session_resumes_on_the_replica_that_holds_it(fleet: str) -> None:
     """Connections cut mid-generation (no closing handshake): each resume's upgrade names its token
     (X-Session-Id), the router sends it to the replica that gave it, which takes the session's KV
-    cache over; the output is the uninterrupted one."""
+    cache over; the output is the uninterrupted one. (The default suite's test on a Ray cluster.)"""
     import asyncio
 
     from edge_client.client import EdgeClient, ResumeConfig
