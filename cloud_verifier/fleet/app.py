@@ -193,5 +193,6 @@ def build(args: FleetArgs) -> Application:
 
 def build_app(args: dict[str, Any]) -> Application:
     """Serve's application builder: `args` are the Serve config's (`model`, `weights`,
-    `replicas_min`, `replicas_max`, `max_sessions_per_replica`, all optional; `FleetArgs`)."""
+    `replicas_min`, `replicas_max`, `max_sessions_per_replica`, `max_queued_requests`, all optional;
+    `FleetArgs`)."""
     return build(FleetArgs.from_dict(args))
