@@ -87,11 +87,17 @@ class VerifierReplica:
             raise RuntimeError("the verifier's engine loop stopped or stalled")
 
     def record_routing_stats(self) -> dict[str, int]:
-        """What the fleet's router reads of this replica (`router.py`): its sessions, queue and
-        sessions kept for a resume."""
+        """What the fleet's router reads of this replica (`router.py`): its sessions, queue,
+        sessions kept for a resume and room for more sessions (slots its admission has free,
+        waiting requests counted against them)."""
         stats = replica_stats(self.state)
-        parked = len(self.state.parked) if self.state is not None else 0
-        return {"sessions": stats["sessions"], "queue": stats["queue"], "parked": parked}
+        state = self.state
+        parked = len(state.parked) if state is not None else 0
+        room = 0
+        if state is not None:
+            a = state.admission
+            room = max(0, a.capacity - a.in_use - a.waiting)
+        return {"sessions": stats["sessions"], "queue": stats["queue"], "parked": parked, "room": room}
 
     def stats(self) -> ReplicaStats:
         """This replica's sessions and queue (also what it reports to the board)."""

@@ -10,12 +10,14 @@ that gave it (`cloud_verifier.resume`). `choose_replicas` ranks:
 1. that replica, while it is running (it keeps the session for `--resume-keep` seconds);
 2. every running replica, ordered by its engine's queue (its routing stats).
 
-Serve takes the first rank with a replica under its `max_ongoing_requests` (the session cap), and
-within a rank the replica with the fewest requests in flight (sessions and HTTP requests), ties
-going to the earlier: so a holder at its cap sends the resume on to the least-loaded replica,
-which prefills it from the committed tokens.
+The holder is ranked first only while its last routing stats (at most a second old) show room
+for a session: a holder at its session cap would refuse the resume (1013), so the resume goes to
+the least-loaded replica instead, which prefills it from the committed tokens. Serve takes the
+first rank with a replica under its `max_ongoing_requests`, and within a rank the replica with the
+fewest requests in flight (sessions, handshakes and HTTP requests), ties going to the earlier.
 
-Replicas report `{"sessions", "queue", "parked"}` as routing stats (`VerifierReplica.record_routing_stats`).
+Replicas report `{"sessions", "queue", "parked", "room"}` as routing stats
+(`VerifierReplica.record_routing_stats`); a replica that has not reported yet counts as idle.
 """
 
 from __future__ import annotations
@@ -27,10 +29,18 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from cloud_verifier.resume import token_tag
 
 
-def _queue(replica: RunningReplica) -> int:
+def _stat(replica: RunningReplica, name: str, default: int) -> int:
     stats: dict[str, Any] = replica.routing_stats or {}
-    queue = stats.get("queue", 0)
-    return queue if isinstance(queue, int) else 0
+    value = stats.get(name, default)
+    return value if isinstance(value, int) else default
+
+
+def _queue(replica: RunningReplica) -> int:
+    return _stat(replica, "queue", 0)
+
+
+def _has_room(replica: RunningReplica) -> bool:
+    return _stat(replica, "room", 1) > 0
 
 
 def rank(candidates: list[RunningReplica], token: str | None) -> list[list[RunningReplica]]:
@@ -38,7 +48,7 @@ def rank(candidates: list[RunningReplica], token: str | None) -> list[list[Runni
     ranks: list[list[RunningReplica]] = []
     if token:
         tag = token_tag(token)
-        holder = [r for r in candidates if tag and r.replica_id.unique_id == tag]
+        holder = [r for r in candidates if tag and r.replica_id.unique_id == tag and _has_room(r)]
         if holder:
             ranks.append(holder)
     if candidates:

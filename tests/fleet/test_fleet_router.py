@@ -27,7 +27,7 @@ class _Replica:
 
     def __post_init__(self) -> None:
         self.replica_id = _Id(self.name)
-        self.routing_stats = {"sessions": 1, "queue": self.queue, "parked": 0}
+        self.routing_stats = {"sessions": 1, "queue": self.queue, "parked": 0, "room": 3}
 
 
 def _names(ranks: list[list[Any]]) -> list[list[str]]:
@@ -46,6 +46,9 @@ def test_a_resume_goes_to_its_holder_first_then_to_the_least_loaded() -> None:
     assert _names(rank([a, b, c], token)) == [["a"], ["b", "c", "a"]]  # type: ignore[list-item]
     # the holder is gone (killed, replaced): the least loaded, which prefills the committed tokens
     assert _names(rank([b, c], token)) == [["b", "c"]]  # type: ignore[list-item]
+    # the holder at its session cap would refuse it: the least loaded, which prefills it
+    a.routing_stats["room"] = 0
+    assert _names(rank([a, b, c], token)) == [["b", "c", "a"]]  # type: ignore[list-item]
     # a token of no replica, or with no tag (a single verifier's): a new session's ranks
     assert _names(rank([a, b], new_token(""))) == [["b", "a"]]  # type: ignore[list-item]
 
