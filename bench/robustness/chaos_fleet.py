@@ -63,6 +63,69 @@ def wait_replicas(n: int, killed: set[int], timeout_s: float = 300.0) -> list[di
         time.sleep(0.2)
 
 
+Job = tuple[list[int], dict[str, Any]]  # a prompt and its generate() options
+Output = tuple[list[int], list[float]]  # a generation's tokens and its resumes' seconds
+
+
+def _jobs(rng: random.Random, n: int) -> list[Job]:
+    """`n` random requests: prompts of 4-24 tokens, greedy or seeded `match`."""
+    jobs: list[Job] = []
+    for _ in range(n):
+        prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(4, 24))]
+        mode = rng.choice(["greedy", "match"])
+        temperature = 0.8 if mode == "match" else 0.0
+        jobs.append((prompt, {"mode": mode, "temperature": temperature, "seed": rng.randrange(2**31)}))
+    return jobs
+
+
+class _Edges:
+    """The edges of the run (a drafter each: a drafter serves one session at a time), and the
+    replicas they killed."""
+
+    def __init__(self, url: str, clients: int, tokens: int) -> None:
+        from edge_client.client import ResumeConfig
+        from edge_client.drafters.registry import create_drafter
+
+        self.url, self.tokens = url, tokens
+        self.drafters = [create_drafter("torch", "tiny") for _ in range(clients)]
+        self.resume = ResumeConfig(attempts=200, backoff_s=0.1, max_backoff_s=0.5)
+        self.killed: set[int] = set()
+        self.killed_at: list[float] = []
+
+    async def generate(self, i: int, job: Job, kill: Any) -> Output:
+        """Edge `i`'s generation of `job` (its tokens, its resumes' seconds); `kill(n)` after
+        each of its verdicts."""
+        from edge_client.client import EdgeClient
+
+        c = EdgeClient(self.url, self.drafters[i], resume=self.resume)
+        n = 0
+        async for _ in c.generate(job[0], max_new_tokens=self.tokens, raw=True, **job[1]):
+            n += 1
+            if kill is not None:
+                kill(n)
+        assert c.last is not None
+        out = list(c.last.tokens)
+        await c.close()
+        return out, c.resumes
+
+    async def batch(self, jobs: list[Job], victim: int | None, at: int) -> list[Output]:
+        """Every job at once, one edge each; the first edge's `at`-th verdict kills `victim`."""
+
+        def kill(n: int) -> None:
+            if victim is not None and n == at and victim not in self.killed:
+                os.kill(victim, signal.SIGKILL)
+                self.killed.add(victim)
+                self.killed_at.append(time.monotonic())
+
+        return await asyncio.gather(
+            *(self.generate(i, job, kill if i == 0 else None) for i, job in enumerate(jobs))
+        )
+
+    def close(self) -> None:
+        for d in self.drafters:
+            d.close()
+
+
 def run_fleet(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every interrupted generation's record (bench.chaos.record) and the fleet's own figures."""
     import ray
@@ -71,12 +134,9 @@ def run_fleet(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, An
     from bench.robustness.chaos import record
     from cloud_verifier.fleet.app import build
     from cloud_verifier.fleet.config import APP_NAME, FleetArgs
-    from edge_client.client import EdgeClient, ResumeConfig
-    from edge_client.drafters.registry import create_drafter
 
     rng = random.Random(a.seed)
     port = free_port()
-    url = f"ws://127.0.0.1:{port}/v1/session"
     fleet = FleetArgs(
         model="tiny",
         replicas_min=a.replicas,
@@ -84,77 +144,37 @@ def run_fleet(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, An
         max_sessions_per_replica=max(4, 2 * a.clients),
         overrides=TINY_OVERRIDES,
     )
-    resume = ResumeConfig(attempts=200, backoff_s=0.1, max_backoff_s=0.5)
     records: list[dict[str, Any]] = []
     replaced_s: list[float] = []
-    kills = 0
-    killed: set[int] = set()
-    killed_at: list[float] = []
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ray.init(num_cpus=max(2, a.replicas), include_dashboard=False, log_to_driver=False)
-    drafters = [create_drafter("torch", "tiny") for _ in range(a.clients)]  # one per edge
+    edges = _Edges(f"ws://127.0.0.1:{port}/v1/session", a.clients, a.tokens)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build(fleet), name=APP_NAME, route_prefix="/")
-
-        async def generate(
-            i: int, prompt: list[int], kw: dict[str, Any], on_verdict: Any
-        ) -> tuple[list[int], list[float]]:
-            c = EdgeClient(url, drafters[i], resume=resume)
-            n = 0
-            async for _ in c.generate(prompt, max_new_tokens=a.tokens, raw=True, **kw):
-                n += 1
-                if on_verdict is not None:
-                    await on_verdict(n)
-            assert c.last is not None
-            out = list(c.last.tokens)
-            await c.close()
-            return out, c.resumes
-
-        async def batch(jobs: list[tuple[list[int], dict[str, Any]]], victim: int | None, at: int) -> Any:
-            async def kill(n: int) -> None:
-                nonlocal kills
-                if victim is not None and n == at and victim not in killed:
-                    os.kill(victim, signal.SIGKILL)
-                    killed.add(victim)
-                    kills += 1
-                    killed_at.append(time.monotonic())
-
-            return await asyncio.gather(
-                *(generate(i, p, kw, kill if i == 0 else None) for i, (p, kw) in enumerate(jobs))
-            )
-
         bar = tqdm(total=a.kills, desc="fleet replica kills", file=sys.stderr, disable=a.no_progress)
-        while kills < a.kills:
-            rows = wait_replicas(a.replicas, killed)
-            jobs: list[tuple[list[int], dict[str, Any]]] = []
-            for _ in range(a.clients):
-                prompt = [rng.randrange(3, 49152) for _ in range(rng.randint(4, 24))]
-                mode = rng.choice(["greedy", "match"])
-                temperature = 0.8 if mode == "match" else 0.0
-                kw = {"mode": mode, "temperature": temperature, "seed": rng.randrange(2**31)}
-                jobs.append((prompt, kw))
-            wants = asyncio.run(batch(jobs, None, 0))
-            victim = rng.choice(rows)["pid"]
-            before = kills
-            gots = asyncio.run(batch(jobs, victim, rng.randint(1, 3)))
+        while len(edges.killed) < a.kills:
+            rows = wait_replicas(a.replicas, edges.killed)
+            jobs = _jobs(rng, a.clients)
+            wants = asyncio.run(edges.batch(jobs, None, 0))
+            before = len(edges.killed)
+            gots = asyncio.run(edges.batch(jobs, rng.choice(rows)["pid"], rng.randint(1, 3)))
             for (_, kw), (want, _), (got, resumes) in zip(jobs, wants, gots, strict=True):
                 records.append(record(str(kw["mode"]), want, got, resumes))
-            if kills > before:
-                wait_replicas(a.replicas, killed)
-                replaced_s.append(time.monotonic() - killed_at[-1])
-            bar.update(kills - before)
+            if len(edges.killed) > before:
+                wait_replicas(a.replicas, edges.killed)
+                replaced_s.append(time.monotonic() - edges.killed_at[-1])
+            bar.update(len(edges.killed) - before)
         bar.close()
     finally:
-        for d in drafters:
-            d.close()
+        edges.close()
         shutdown: Callable[[], None] = serve.shutdown  # (untyped in Ray)
         shutdown()
         ray.shutdown()
     own = {
         "replicas": a.replicas,
         "clients": a.clients,
-        "replica_kills": kills,
+        "replica_kills": len(edges.killed),
         "replaced_s_median": median(replaced_s, 1),
         "replaced_s_max": round(max(replaced_s), 1) if replaced_s else None,
     }
