@@ -27,7 +27,7 @@ from typing import Any
 
 from cloud_verifier.fleet.config import MAX_QUEUED, NOT_PER_REPLICA, FleetArgs
 from cloud_verifier.server_config import ServerConfig, field_type
-from shared.cli_args import integer
+from shared.cli_args import integer, seconds
 from shared.config_cli import add_config_flags, config_values
 
 # the flags FleetArgs takes by name (the others go to the replicas' ServerConfig as overrides)
@@ -55,6 +55,21 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=MAX_QUEUED,
         help="requests each Serve proxy holds while every replica is full; more are refused at once "
         "(HTTP 503; a WebSocket upgrade gets 500)",
+    )
+    delay = seconds(86400.0, zero=True)
+    p.add_argument(
+        "--upscale-delay",
+        type=delay,
+        default=FleetArgs.upscale_delay_s,
+        help="autoscaling: seconds the sessions per replica stay above 3/4 of --max-sessions before "
+        "a replica is added",
+    )
+    p.add_argument(
+        "--downscale-delay",
+        type=delay,
+        default=FleetArgs.downscale_delay_s,
+        help="autoscaling: seconds they stay below it before a replica is stopped (a stopping replica "
+        "takes no new session and its open ones get --drain-timeout)",
     )
     add_config_flags(p, ServerConfig, defaults=ServerConfig.from_env(), parse=field_type)
     commands = p.add_subparsers(dest="fleet_command", help="`status`: what each replica runs")
@@ -96,6 +111,8 @@ def fleet_args(args: argparse.Namespace) -> FleetArgs | str:
             replicas_min=lo,
             replicas_max=hi,
             max_queued_requests=args.max_queued,
+            upscale_delay_s=args.upscale_delay,
+            downscale_delay_s=args.downscale_delay,
             overrides=overrides,
             **named,
         )

@@ -49,6 +49,10 @@ class FleetArgs:
     replicas_max: int = 1
     max_sessions_per_replica: int = ServerConfig.max_sessions
     max_queued_requests: int = MAX_QUEUED
+    # autoscaling: how long the load must stay above (below) the target before a replica is added
+    # (stopped); Serve's defaults
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -59,6 +63,10 @@ class FleetArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a whole number >= 1, got {value!r}")
+        for name in ("upscale_delay_s", "downscale_delay_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 86400:
+                raise ValueError(f"{name}: expected seconds in [0, 86400], got {value!r}")
         if self.replicas_min > self.replicas_max:
             raise ValueError(f"replicas_min {self.replicas_min} > replicas_max {self.replicas_max}")
         known = {f.name for f in fields(ServerConfig)}
@@ -132,6 +140,8 @@ class FleetArgs:
                 "min_replicas": self.replicas_min,
                 "max_replicas": self.replicas_max,
                 "target_ongoing_requests": max(1, math.floor(cap * TARGET_LOAD)),
+                "upscale_delay_s": float(self.upscale_delay_s),
+                "downscale_delay_s": float(self.downscale_delay_s),
             }
         return options
 

@@ -48,6 +48,12 @@ def test_autoscaling_flags() -> None:
     fleet = fleet_args(_parse([]))
     assert isinstance(fleet, FleetArgs)
     assert (fleet.replicas_min, fleet.replicas_max) == (1, 1)
+    assert (fleet.upscale_delay_s, fleet.downscale_delay_s) == (30.0, 600.0)
+    fleet = fleet_args(_parse(["--max-replicas", "3", "--upscale-delay", "2", "--downscale-delay", "0"]))
+    assert isinstance(fleet, FleetArgs)
+    assert (fleet.upscale_delay_s, fleet.downscale_delay_s) == (2.0, 0.0)
+    with pytest.raises(SystemExit):
+        _parse(["--downscale-delay", "-1"])
 
 
 @pytest.mark.parametrize(

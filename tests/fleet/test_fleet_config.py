@@ -62,7 +62,15 @@ def test_autoscaling_between_min_and_max() -> None:
         "min_replicas": 1,
         "max_replicas": 4,
         "target_ongoing_requests": 12,
+        "upscale_delay_s": 30.0,  # Serve's defaults
+        "downscale_delay_s": 600.0,
     }
+    quick = FleetArgs(replicas_max=2, upscale_delay_s=2, downscale_delay_s=15.5).deployment_options()
+    assert quick["autoscaling_config"]["upscale_delay_s"] == 2.0
+    assert quick["autoscaling_config"]["downscale_delay_s"] == 15.5
+    for bad in (-1.0, float("nan"), True, 1e9):
+        with pytest.raises(ValueError, match="downscale_delay_s"):
+            FleetArgs(replicas_max=2, downscale_delay_s=bad)
     assert (
         FleetArgs(replicas_max=3, max_sessions_per_replica=1).deployment_options()["autoscaling_config"][
             "target_ongoing_requests"
