@@ -1,6 +1,7 @@
-"""A WebSocket echo app: the proxy's cost alone (`measure_proxy.py`). In a module of its own so
-that Serve's replicas import it by name (a class or function pickled from `__main__` loses the
-globals its string annotations name, and FastAPI would no longer see `ws` as the WebSocket)."""
+"""A WebSocket echo app: what a proxy alone costs a frame's round trip (bench.serving.fleet's
+overhead part). In a module of its own so that Serve's replicas import it by name (a class or
+function pickled from `__main__` loses the globals its string annotations name, and FastAPI would
+no longer see `ws` as the WebSocket)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from starlette.websockets import WebSocketDisconnect
 
 
 def echo_app() -> FastAPI:
+    """`GET /healthz` and a WebSocket `/echo` that sends every binary frame back."""
     app = FastAPI()
 
     @app.get("/healthz")

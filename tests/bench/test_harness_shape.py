@@ -207,6 +207,7 @@ DEFAULTS = {
     "colocation": {"tokens": 48},
     "demo": {"tokens": 96},
     "e2e": {"tokens": 128, "seed": 0},
+    "fleet": {"tokens": 64, "seed": 0},
     "fuzz": {"seed": 0},
     "gpu_forward": {"seed": 0},
     "js_edge": {"tokens": 64},

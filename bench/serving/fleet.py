@@ -1,0 +1,560 @@
+"""The fleet's figures: what Serve's proxy adds to a verify round, where resumed sessions land, and
+the tokens/s of one replica against two.
+
+    python -m bench fleet --json bench/out/fleet.json
+    python -m bench fleet --parts overhead --verify-sessions 20 --frames 300
+    python -m bench fleet --parts resume --sessions 40
+    python -m bench fleet --parts throughput --clients 8 --seconds 60
+
+A local Ray cluster runs here: Serve's proxy on a free loopback port and the fleet of `cloud-verifier
+fleet` (its router sends a resume to the replica its token names), every replica started with the
+flags the direct verifier gets (`--model`, `--threads`, no cost measurement, a fixed KV pool). The
+parts (`--parts`, all by default):
+
+- overhead: one replica. The same greedy sessions (random prompts, each round's tree scripted from
+  the target's own continuation, `--nodes` nodes) go to a `cloud-verifier serve` process and through
+  the fleet, alternately. Per verify round (the prompt's round, which carries the prefill, apart):
+  median and 90th percentile ms of each, the difference in ms and as a share of the direct round;
+  ms per token likewise (both generate the same tokens in the same rounds, which is checked). The
+  proxy alone beside it: a 64-byte WebSocket echo, its connect and `GET /healthz`, on uvicorn and
+  through Serve. Goal: the fleet adds at most 2 ms, or at most 5 % of ms per token, to a round.
+- resume: two replicas. `--sessions` edge generations (the tiny torch drafter, resume on), each run
+  once uninterrupted and once cut (the TCP connection aborted, no closing handshake) after a
+  seeded random number of its verdicts, before the last; every cut output must equal the
+  uninterrupted one. The fleet's `cloud_verifier_resumes_total{kv}` summed over replicas says where
+  each resume landed: `reused` and `busy` on the replica holding the session, `gone` elsewhere.
+  Goal: at least 95 % landed.
+- throughput: a fleet of one replica, then of two, under the same load: `--clients` raw protocol
+  clients in one event loop, no drafting model (`--load`: greedy sessions with prompt-lookup trees,
+  several tokens a frame, or `ar`, one token a frame), sessions back to back for `--warmup` then
+  `--seconds` seconds; tokens/s over all sessions in those seconds and the ratio. Goal: 1.7x. On a
+  machine with few cores the client, Serve's proxy and Ray's own processes share them with the
+  replicas (the CPU count is reported).
+
+Exit status 1 when an output differs (a resumed generation from its uninterrupted run, or the
+fleet's greedy tokens from the direct verifier's); goals missed are reported, not failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+from bench.harness import Verifier, add_common_args, add_model_args, free_port, table
+from bench.lib import runner
+from bench.lib.procs import REPO
+from bench.lib.runner import Result, UsageError
+from bench.lib.stats import median, percentile
+
+if TYPE_CHECKING:
+    from bench.lib.ray_fleet import LocalFleet
+    from shared.tree import TokenTree
+
+PARTS = ("overhead", "resume", "throughput")
+# the goals the parts check
+MAX_ADDED_MS = 2.0  # overhead: what the fleet may add to a verify round ...
+MAX_ADDED_PCT = 5.0  # ... or, as a share of ms per token
+MIN_LANDED_PCT = 95.0  # resume: resumes on the replica holding their session
+MIN_SCALING = 1.7  # throughput: 2 replicas against 1
+EDGE_DRAFT = "tiny"  # the resume part's drafter (torch): SmolLM2's vocabulary, as tiny's
+
+
+def parts_list(text: str) -> list[str]:
+    """An argparse type: a comma list of parts (PARTS), in PARTS' order."""
+    chosen = {p.strip() for p in text.split(",") if p.strip()}
+    unknown = sorted(chosen - set(PARTS))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(PARTS)}, got {text!r}")
+    return [p for p in PARTS if p in chosen]
+
+
+def add_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--parts", type=parts_list, default=list(PARTS), help="comma list of " + ",".join(PARTS))
+    add_model_args(
+        ap,
+        model="tiny",
+        model_help="target of the verifier and every replica (tiny, smollm2-135m: the resume part's "
+        "tiny drafter needs SmolLM2's vocabulary)",
+        threads=1,
+        threads_help="torch threads of the direct verifier and of each replica (each replica holds as "
+        "many Ray CPUs)",
+    )
+    ap.add_argument("--verify-sessions", type=int, default=10, help="overhead: greedy sessions on each side")
+    ap.add_argument("--nodes", type=int, default=8, help="overhead: nodes of each scripted tree")
+    ap.add_argument(
+        "--frames",
+        type=int,
+        default=200,
+        help="overhead: echo frames per connection, 3 connections (0: none)",
+    )
+    ap.add_argument("--sessions", type=int, default=40, help="resume: generations, each cut once")
+    ap.add_argument("--clients", type=int, default=8, help="throughput: concurrent clients")
+    ap.add_argument(
+        "--load",
+        choices=["greedy", "ar"],
+        default="greedy",
+        help="throughput: the clients' sessions: greedy with prompt-lookup trees, or ar",
+    )
+    ap.add_argument("--seconds", type=float, default=30.0, help="throughput: measured seconds per fleet")
+    ap.add_argument("--warmup", type=float, default=3.0, help="throughput: seconds of load before them")
+    add_common_args(
+        ap,
+        json=True,
+        json_help="rows: one per measure of each part; goals, cpus and the resume part's records beside",
+        seed=0,
+        seed_help="prompts, trees, modes and cut moments",
+        tokens=64,
+        tokens_help="new tokens per generation (every part)",
+        no_progress=True,
+    )
+
+
+# ------------------------------------------------------------------------------ pure figures
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+def compare(what: str, direct: Sequence[float], fleet: Sequence[float]) -> dict[str, Any]:
+    """One overhead row: the median and 90th percentile of `direct` and `fleet` (seconds, shown in
+    ms) and what the fleet adds to the median, in ms and as % of the direct median."""
+    d_med, f_med = median(direct), median(fleet)
+    d90, f90 = percentile(direct, 90), percentile(fleet, 90)
+    added = None if d_med is None or f_med is None else (f_med - d_med) * 1e3
+    pct = None if added is None or not d_med else added / (d_med * 1e3) * 100
+    return {
+        "part": "overhead",
+        "what": what,
+        "n": min(len(direct), len(fleet)),
+        "direct_median_ms": _ms(d_med),
+        "direct_p90_ms": _ms(d90),
+        "fleet_median_ms": _ms(f_med),
+        "fleet_p90_ms": _ms(f90),
+        "added_ms": None if added is None else round(added, 3),
+        "added_pct": None if pct is None else round(pct, 1),
+    }
+
+
+def overhead_goal(round_row: Mapping[str, Any], per_token_row: Mapping[str, Any]) -> dict[str, Any]:
+    """The overhead goal: the fleet adds at most MAX_ADDED_MS to a verify round (median), or at most
+    MAX_ADDED_PCT % to ms per token."""
+    added, pct = round_row["added_ms"], per_token_row["added_pct"]
+    met = (added is not None and added <= MAX_ADDED_MS) or (pct is not None and pct <= MAX_ADDED_PCT)
+    return {
+        "goal": f"adds <= {MAX_ADDED_MS:g} ms to a round or <= {MAX_ADDED_PCT:g} % of ms/token",
+        "added_ms": added,
+        "added_pct_of_ms_per_token": pct,
+        "met": met,
+    }
+
+
+def landed(kv: Mapping[str, float]) -> dict[str, Any]:
+    """Where resumes landed, from `cloud_verifier_resumes_total` by `kv` summed over replicas:
+    `reused` and `busy` on the replica holding the session, `gone` on another (or after it
+    expired); the share that landed, in %, and the goal (MIN_LANDED_PCT)."""
+    counts = {k: int(kv.get(k, 0.0)) for k in ("reused", "busy", "gone")}
+    total = sum(counts.values())
+    share = round((counts["reused"] + counts["busy"]) / total * 100, 1) if total else None
+    return {
+        **counts,
+        "server_resumes": total,
+        "landed_pct": share,
+        "met": share is not None and share >= MIN_LANDED_PCT,
+    }
+
+
+def replica_split(before: Mapping[str, float], after: Mapping[str, float]) -> str:
+    """Each replica's share of what it emitted between two readings of a per-replica counter, in %,
+    largest first ("52/48"); replicas that emitted nothing (gone ones still reported) left out."""
+    deltas = [after[r] - before.get(r, 0.0) for r in after]
+    deltas = sorted((d for d in deltas if d > 0), reverse=True)
+    total = sum(deltas)
+    return "/".join(f"{d / total * 100:.0f}" for d in deltas) if total else "-"
+
+
+def scaling(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """tokens/s of the largest fleet over the one-replica fleet's, and the goal (MIN_SCALING)."""
+    by = {r["replicas"]: r["tokens_per_s"] for r in rows}
+    one, most = by.get(1), by.get(max(by)) if by else None
+    ratio = round(most / one, 2) if one and most is not None and max(by) > 1 else None
+    return {"ratio": ratio, "goal": f">= {MIN_SCALING:g}x", "met": ratio is not None and ratio >= MIN_SCALING}
+
+
+# ------------------------------------------------------------------------------ the flags both run
+def serve_flags(a: argparse.Namespace) -> list[str]:
+    """`cloud-verifier serve` flags of the direct verifier and of every replica, past --model and
+    --threads."""
+    return [
+        "--no-measure-cost",
+        "--kv-blocks",
+        "2048",
+        "--max-context",
+        str(max(512, a.tokens + 128)),
+        "--max-sessions",
+        str(max(8, a.clients)),
+    ]
+
+
+def fleet_flags(a: argparse.Namespace) -> list[str]:
+    return ["--model", a.model, "--threads", str(a.threads), *serve_flags(a), "--log-level", "warning"]
+
+
+# ------------------------------------------------------------------------------ overhead
+@contextlib.contextmanager
+def echo_process() -> Iterator[str]:
+    """The echo app on uvicorn in a process of its own (as a replica is); yields its HTTP base."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "uvicorn", "bench.lib.echo:echo_app", "--factory", "--port", str(port),
+           "--log-level", "warning"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the echo app did not start")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(base + "/healthz").status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def echo_rounds(http: str, frames: int) -> tuple[float, list[float], list[float]]:
+    """Against the echo app at `http`: seconds to connect its WebSocket, each 64-byte frame's round
+    trip and each `GET /healthz` (`frames` of each; the first 5 of each left out as warm-up)."""
+    import httpx
+    from websockets.sync.client import connect
+
+    t0 = time.perf_counter()
+    with connect(http.replace("http://", "ws://") + "/echo") as ws:
+        opened = time.perf_counter() - t0
+        payload = b"x" * 64
+        rtts = []
+        for _ in range(frames):
+            t = time.perf_counter()
+            ws.send(payload)
+            if ws.recv(30) != payload:
+                raise RuntimeError("the echo app answered another frame")
+            rtts.append(time.perf_counter() - t)
+    gets = []
+    with httpx.Client(base_url=http) as c:
+        for _ in range(frames):
+            t = time.perf_counter()
+            c.get("/healthz").raise_for_status()
+            gets.append(time.perf_counter() - t)
+    return opened, rtts[5:], gets[5:]
+
+
+def overhead(
+    a: argparse.Namespace, fleet: LocalFleet, fp: str, vocab: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """The overhead part's rows and whether the fleet generated the direct verifier's tokens."""
+    from bench.lib.raw_sessions import ar_tokens, random_prompt, timed_greedy
+
+    rng = random.Random(a.seed)
+    prompts = [random_prompt(rng, 12, vocab) for _ in range(a.verify_sessions + 1)]  # [0]: warm-up
+    rounds: dict[str, list[float]] = {"direct": [], "fleet": []}
+    firsts: dict[str, list[float]] = {"direct": [], "fleet": []}
+    per_token: dict[str, list[float]] = {"direct": [], "fleet": []}
+    outs: dict[str, list[list[int]]] = {"direct": [], "fleet": []}
+    echo: dict[str, tuple[list[float], list[float], list[float]]] = {
+        "direct": ([], [], []),
+        "fleet": ([], [], []),
+    }
+    reps = 3 if a.frames > 5 else 0
+    bar = tqdm(
+        total=2 * len(prompts) + 2 * reps, desc="fleet overhead", file=sys.stderr, disable=a.no_progress
+    )
+    with Verifier(a.model, threads=a.threads, args=serve_flags(a)) as direct, contextlib.ExitStack() as stack:
+        fleet.deploy(fleet_flags(a), 1)
+        urls = {"direct": direct.url, "fleet": fleet.url}
+        for i, prompt in enumerate(prompts):
+            ref = ar_tokens(direct.url, fp, prompt, a.tokens)
+            sides = ["direct", "fleet"] if i % 2 else ["fleet", "direct"]  # each goes first in turn
+            for side in sides:
+                out, times = timed_greedy(urls[side], fp, prompt, ref, a.tokens, a.seed + i, vocab, a.nodes)
+                bar.update()
+                if i == 0:
+                    continue  # warm-up: each side's first session
+                outs[side].append(out)
+                firsts[side].append(times[0])
+                rounds[side].extend(times[1:])
+                per_token[side].append(sum(times) / max(1, len(out)))
+        if reps:
+            bases = {"direct": stack.enter_context(echo_process()), "fleet": fleet.deploy_echo()}
+            for rep in range(reps):
+                for side in ["direct", "fleet"] if rep % 2 else ["fleet", "direct"]:
+                    opened, rtts, gets = echo_rounds(bases[side], a.frames)
+                    echo[side][0].append(opened)
+                    echo[side][1].extend(rtts)
+                    echo[side][2].extend(gets)
+                    bar.update()
+            fleet.delete("echo")
+    bar.close()
+    rows = [
+        compare("verify round", rounds["direct"], rounds["fleet"]),
+        compare("prompt round", firsts["direct"], firsts["fleet"]),
+        compare("ms per token", per_token["direct"], per_token["fleet"]),
+    ]
+    if reps:
+        rows += [
+            compare("echo: frame round trip", echo["direct"][1], echo["fleet"][1]),
+            compare("echo: connect", echo["direct"][0], echo["fleet"][0]),
+            compare("echo: GET /healthz", echo["direct"][2], echo["fleet"][2]),
+        ]
+    return rows, outs["direct"] == outs["fleet"]
+
+
+# ------------------------------------------------------------------------------ resume
+async def _edge_generation(
+    url: str, drafter: Any, prompt: list[int], kw: dict[str, Any], tokens: int, cut_at: int | None
+) -> tuple[list[int], list[float], int, bool]:
+    """One edge generation through the fleet, its connection aborted (no closing handshake) at
+    verdict `cut_at` unless that verdict ends it: (its tokens, its resumes' seconds, its verdicts,
+    whether it was cut)."""
+    from edge_client.client import EdgeClient, ResumeConfig
+    from shared.messages import Verdict
+
+    c = EdgeClient(url, drafter, resume=ResumeConfig(backoff_s=0.05))
+    seen = 0
+    cut = False
+
+    def on_verdict(v: Verdict, prespeculated: bool) -> None:
+        nonlocal seen, cut
+        seen += 1
+        if seen == cut_at and not v.done:
+            transport: Any = c.session._transport  # the live WebSocket's TCP transport
+            transport._ws.transport.abort()
+            cut = True
+
+    async for _ in c.generate(prompt, max_new_tokens=tokens, raw=True, on_verdict=on_verdict, **kw):
+        pass
+    assert c.last is not None
+    out = list(c.last.tokens)
+    resumes = list(c.resumes)
+    await c.close()
+    return out, resumes, seen, cut
+
+
+def resume(
+    a: argparse.Namespace, fleet: LocalFleet, vocab: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The resume part's figures and each generation's record (bench.robustness.chaos.record, with
+    its cut)."""
+    from bench.lib.raw_sessions import random_prompt
+    from bench.robustness.chaos import record
+    from edge_client.drafters.registry import create_drafter
+
+    rng = random.Random(a.seed)
+    fleet.deploy(fleet_flags(a), 2)
+    before = fleet.totals("cloud_verifier_resumes", "kv")
+    drafter = create_drafter("torch", EDGE_DRAFT, n_threads=1)  # the edge takes one core of the replicas
+    records: list[dict[str, Any]] = []
+    try:
+        for _ in tqdm(range(a.sessions), desc="fleet resumes", file=sys.stderr, disable=a.no_progress):
+            prompt = random_prompt(rng, rng.randint(4, 24), vocab)
+            mode = rng.choice(["greedy", "match"])
+            kw = {"mode": mode, "temperature": 0.8 if mode == "match" else 0.0, "seed": rng.randrange(2**31)}
+            want, _, verdicts, _ = asyncio.run(
+                _edge_generation(fleet.url, drafter, prompt, kw, a.tokens, None)
+            )
+            cut_at = rng.randint(1, max(1, verdicts - 1))  # before the last verdict
+            got, resumes, _, cut = asyncio.run(
+                _edge_generation(fleet.url, drafter, prompt, kw, a.tokens, cut_at)
+            )
+            records.append({**record(mode, want, got, resumes), "cut_at": cut_at, "cut": cut})
+    finally:
+        drafter.close()
+    client_resumes = sum(r["resumes"] for r in records)
+    after = fleet.totals("cloud_verifier_resumes", "kv", at_least=sum(before.values()) + client_resumes)
+    kv = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    figures = {
+        "part": "resume",
+        "sessions": len(records),
+        "cut": sum(r["cut"] for r in records),
+        "client_resumes": client_resumes,
+        **landed(kv),
+        "identical": all(r["identical"] for r in records),
+        "tokens_lost": sum(r["tokens_lost"] for r in records),
+        "tokens_repeated": sum(r["tokens_repeated"] for r in records),
+        "resume_ms_median": median([ms for r in records for ms in r["resume_ms"]], 1),
+    }
+    return figures, records
+
+
+# ------------------------------------------------------------------------------ throughput
+def throughput(a: argparse.Namespace, fleet: LocalFleet, fp: str, vocab: int) -> list[dict[str, Any]]:
+    """tokens/s of a fleet of 1 replica, then of 2, under the same load."""
+    from bench.lib.raw_sessions import LoadTally, Proposer, session_load
+    from bench.serving.proposer import LookupConfig, propose
+
+    lookup = LookupConfig()
+
+    def proposer(committed: Sequence[int]) -> TokenTree:
+        return propose(committed, lookup)
+
+    trees: Proposer | None = proposer if a.load == "greedy" else None
+
+    rows = []
+    for replicas in (1, 2):
+        fleet.deploy(fleet_flags(a), replicas)
+        before = fleet.totals("specdec_emitted_tokens", "replica")
+        bar = tqdm(
+            total=a.seconds,
+            desc=f"fleet throughput, {replicas} replica{'s' if replicas > 1 else ''}",
+            file=sys.stderr,
+            disable=a.no_progress,
+            bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s{postfix}",
+        )
+
+        def tick(at: float, tally: LoadTally, bar: Any = bar) -> None:
+            bar.n = min(max(at, 0.0), a.seconds)
+            bar.set_postfix_str(f"{tally.tokens / at:.0f} tok/s" if at >= 1 else "warming up")
+
+        tally = asyncio.run(
+            session_load(
+                fleet.url, fp, a.clients, a.tokens, (a.warmup, a.seconds), a.seed, vocab, trees, tick
+            )
+        )
+        bar.n = a.seconds
+        bar.close()
+        time.sleep(1.5)  # each replica reports its metrics every second
+        after = fleet.totals("specdec_emitted_tokens", "replica")
+        rows.append(
+            {
+                "part": "throughput",
+                "replicas": replicas,
+                "clients": a.clients,
+                "load": a.load,
+                "seconds": a.seconds,
+                "tokens": tally.tokens,
+                "tokens_per_s": round(tally.tokens / a.seconds, 1),
+                "sessions": tally.sessions,
+                "errors": len(tally.errors),
+                "by_replica_pct": replica_split(before, after),
+            }
+        )
+    return rows
+
+
+# ------------------------------------------------------------------------------ the run
+def vocabulary(model: str) -> tuple[str, int]:
+    """The vocabulary fingerprint a hello to a verifier of `model` names, and the vocabulary's size
+    (from its tokenizer; the weights are not loaded here)."""
+    from bench.serving.load_clients import load_tokenizer
+    from shared.vocab import vocab_fingerprint
+
+    texts = load_tokenizer(model).token_texts()
+    return vocab_fingerprint(texts), len(texts)
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _signed(x: float | None) -> str:
+    return "?" if x is None else f"{x:+g}"
+
+
+def goal_line(part: str, goal: Mapping[str, Any], cpus: int) -> str:
+    """The line under a part's table: its goal, met or not (throughput: and the machine's cores)."""
+    verdict = "met" if goal["met"] else "NOT met"
+    if part == "overhead":
+        return (
+            f"goal: the fleet {goal['goal']}: {verdict} ({_signed(goal['added_ms'])} ms a round, "
+            f"{_signed(goal['added_pct_of_ms_per_token'])} % ms/token)"
+        )
+    if part == "resume":
+        held = f"{goal['landed_pct']} %"
+        return (
+            f"goal: >= {MIN_LANDED_PCT:g} % of resumes on the replica holding the session: {held}, {verdict}"
+        )
+    return (
+        f"goal: 2 replicas {goal['goal']} the tokens/s of 1: {goal['ratio']}x, {verdict}\n"
+        f"{cpus} CPUs here: the load client, Serve's proxy and Ray's own processes share them with "
+        "the replicas" + (" (on 2 cores, 2 replicas of 1 thread leave no core to them)" if cpus <= 2 else "")
+    )
+
+
+def render(rows: Sequence[Mapping[str, Any]], goals: Mapping[str, Mapping[str, Any]], cpus: int) -> str:
+    """The printed tables, one per part run, each with its goal under it."""
+    out = []
+    for part in PARTS:
+        mine = [r for r in rows if r["part"] == part]
+        if not mine:
+            continue
+        if part == "resume":
+            figures = [[k, v] for k, v in mine[0].items() if k not in ("part", "met")]
+            body = table(figures, ["figure", "value"])
+        else:
+            header = [k for k in mine[0] if k != "part"]
+            body = table([[r[k] for k in header] for r in mine], header)
+        out.append(f"{part}:\n{body}\n{goal_line(part, goals[part], cpus)}")
+    return "\n\n".join(out)
+
+
+def run(a: argparse.Namespace) -> Result:
+    if min(a.verify_sessions, a.sessions, a.clients, a.nodes, a.threads) < 1 or a.tokens < 8:
+        raise UsageError(
+            "--verify-sessions, --sessions, --clients, --nodes, --threads >= 1 and --tokens >= 8"
+        )
+    if a.seconds <= 0 or a.warmup < 0 or a.frames < 0:
+        raise UsageError("--seconds > 0, --warmup >= 0 and --frames >= 0")
+    from bench.lib.ray_fleet import LocalFleet, ray_missing
+
+    why = ray_missing()
+    if why:
+        raise UsageError(why)
+    fp, vocab = vocabulary(a.model)
+    cpus = cpu_count()
+    rows: list[dict[str, Any]] = []
+    goals: dict[str, dict[str, Any]] = {}
+    records: list[dict[str, Any]] = []
+    same = True
+    with LocalFleet(num_cpus=2 * a.threads) as fleet:
+        if "overhead" in a.parts:
+            part_rows, same = overhead(a, fleet, fp, vocab)
+            rows += part_rows
+            goals["overhead"] = overhead_goal(part_rows[0], part_rows[2])
+        if "resume" in a.parts:
+            figures, records = resume(a, fleet, vocab)
+            rows.append(figures)
+            goals["resume"] = {"goal": f">= {MIN_LANDED_PCT:g} % landed", "landed_pct": figures["landed_pct"],
+                               "met": figures["met"]}  # fmt: skip
+        if "throughput" in a.parts:
+            part_rows = throughput(a, fleet, fp, vocab)
+            rows += part_rows
+            goals["throughput"] = scaling(part_rows)
+    identical = same and all(r["identical"] for r in records)
+    text = render(rows, goals, cpus)
+    if not same:
+        text += "\nthe fleet's greedy tokens differ from the direct verifier's"
+    return Result(
+        rows,
+        text,
+        extra={"goals": goals, "cpus": cpus, "fleet_tokens_identical": same, "records": records},
+        status=0 if identical else 1,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return runner.main(__name__, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
