@@ -42,17 +42,15 @@ import asyncio
 import contextlib
 import os
 import random
-import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from bench.harness import Verifier, add_common_args, add_model_args, free_port, table
+from bench.harness import Verifier, add_common_args, add_model_args, table
 from bench.lib import runner
-from bench.lib.procs import REPO
 from bench.lib.runner import Result, UsageError
 from bench.lib.stats import median, percentile
 
@@ -209,61 +207,11 @@ def fleet_flags(a: argparse.Namespace) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ overhead
-@contextlib.contextmanager
-def echo_process() -> Iterator[str]:
-    """The echo app on uvicorn in a process of its own (as a replica is); yields its HTTP base."""
-    import httpx
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "uvicorn", "bench.lib.echo:echo_app", "--factory", "--port", str(port),
-           "--log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the echo app did not start")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(base + "/healthz").status_code == 200:
-                    break
-            time.sleep(0.1)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-
-
-def echo_rounds(http: str, frames: int) -> tuple[float, list[float], list[float]]:
-    """Against the echo app at `http`: seconds to connect its WebSocket, each 64-byte frame's round
-    trip and each `GET /healthz` (`frames` of each; the first 5 of each left out as warm-up)."""
-    import httpx
-    from websockets.sync.client import connect
-
-    t0 = time.perf_counter()
-    with connect(http.replace("http://", "ws://") + "/echo") as ws:
-        opened = time.perf_counter() - t0
-        payload = b"x" * 64
-        rtts = []
-        for _ in range(frames):
-            t = time.perf_counter()
-            ws.send(payload)
-            if ws.recv(30) != payload:
-                raise RuntimeError("the echo app answered another frame")
-            rtts.append(time.perf_counter() - t)
-    gets = []
-    with httpx.Client(base_url=http) as c:
-        for _ in range(frames):
-            t = time.perf_counter()
-            c.get("/healthz").raise_for_status()
-            gets.append(time.perf_counter() - t)
-    return opened, rtts[5:], gets[5:]
-
-
 def overhead(
     a: argparse.Namespace, fleet: LocalFleet, fp: str, vocab: int
 ) -> tuple[list[dict[str, Any]], bool]:
     """The overhead part's rows and whether the fleet generated the direct verifier's tokens."""
+    from bench.lib.echo import echo_process, echo_rounds
     from bench.lib.raw_sessions import ar_tokens, random_prompt, timed_greedy
 
     rng = random.Random(a.seed)
