@@ -77,7 +77,7 @@ def parts_list(text: str) -> list[str]:
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--parts", type=parts_list, default=list(PARTS), help="comma list of " + ",".join(PARTS))
+    ap.add_argument("--parts", type=parts_list, default=",".join(PARTS), help="which parts run (comma list)")
     add_model_args(
         ap,
         model="tiny",
