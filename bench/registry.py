@@ -66,6 +66,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ),
     ("cost_curve", SERVING, "the live verify cost curve converging from a poisoned start-up curve"),
     ("fleet", SERVING, "the fleet on Ray Serve: the proxy's cost a round, resumes landing, 1 vs 2 replicas"),
+    ("fleet_autoscale", SERVING, "the fleet autoscaling up under a rising request rate and back down"),
     ("target_step", KERNELS, "the target's verify cost curve by rows and prefix, decode tokens/s"),
     ("quant_matmul", KERNELS, "the quantized-block projections against the float32 path, by rows"),
     (

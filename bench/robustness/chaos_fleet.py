@@ -131,7 +131,7 @@ def run_fleet(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, An
     import ray
     from ray import serve
 
-    from bench.robustness.chaos import record
+    from bench.robustness.lost_tokens import record
     from cloud_verifier.fleet.app import build
     from cloud_verifier.fleet.config import APP_NAME, FleetArgs
 

@@ -305,7 +305,7 @@ def resume(
     """The resume part's figures and each generation's record (bench.robustness.chaos.record, with
     its cut)."""
     from bench.lib.raw_sessions import random_prompt
-    from bench.robustness.chaos import record
+    from bench.robustness.lost_tokens import record
     from edge_client.drafters.registry import create_drafter
 
     rng = random.Random(a.seed)

@@ -208,6 +208,7 @@ DEFAULTS = {
     "demo": {"tokens": 96},
     "e2e": {"tokens": 128, "seed": 0},
     "fleet": {"tokens": 64, "seed": 0},
+    "fleet_autoscale": {"tokens": 192, "seed": 0},
     "fuzz": {"seed": 0},
     "gpu_forward": {"seed": 0},
     "js_edge": {"tokens": 64},
