@@ -307,6 +307,10 @@ class ServerSession:
             self.engine.close(donor)
             self.metrics.resumes.labels(kv="busy").inc()
             return
+        if self.engine.kv.cached_len(donor.sid) == 0:  # its cache was reclaimed for other rounds
+            self.engine.close(donor)
+            self.metrics.resumes.labels(kv="gone").inc()
+            return
         fresh, self.seq = self.seq, donor
         fresh.on_result = _ignore
         donor.on_result = self._on_result
