@@ -4,7 +4,8 @@
 # From a bare machine with the repository (no network): installs the wheels of a .whl/ folder in the
 # repository if there is one (pip --no-index), runs the CUDA tests, the tree-attention
 # microbenchmark, the 1.5B-shaped verify forward benchmark, bench.serve (ar against auto, where
-# the SmolLM2 model files are in the model store) and, with 2+ GPUs visible, the
+# the SmolLM2 model files are in the model store), the fleet with one GPU replica (bench.fleet's
+# proxy overhead and resumes, where Ray Serve is installed) and, with 2+ GPUs visible, the
 # tensor-parallel (NCCL) tests within one time budget (default 450 s), and writes
 # OUTDIR/gpu_check.json (+ tree_attention.json, gpu_forward.json, pytest.xml, pytest_tp.xml)
 # and OUTDIR/gpu_check.log. A failing stage is recorded in the JSON and the next one runs.

@@ -37,6 +37,7 @@ runs and the report says "no-gpu"; --dry-run writes the plan without running any
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -62,6 +63,7 @@ STAGES = (
     "forward_bench",
     "offload_bench",
     "serve_bench",
+    "fleet",
     "tensor_parallel",
     "tensor_parallel_bench",
 )
@@ -72,6 +74,7 @@ LIMITS_S = {
     "forward_bench": 150,
     "offload_bench": 150,
     "serve_bench": 150,
+    "fleet": 150,
     "tensor_parallel": 120,
     "tensor_parallel_bench": 120,
 }
@@ -326,6 +329,14 @@ def serve_bench_stage(out: Path, python: str, quick: bool) -> Stage:
     )
 
 
+def fleet_stage(out: Path, python: str) -> Stage:
+    """bench.serving.fleet's proxy overhead and resumes with one replica on the GPU (Ray Serve)."""
+    argv = ["--parts", "overhead,resume", "--model", SERVE_PAIR[0], "--device", "cuda", "--frames", "0",
+            "--verify-sessions", "4", "--sessions", "6", "--no-progress",
+            "--json", str(out / "fleet.json")]  # fmt: skip
+    return Stage("fleet", [python, "-m", "bench.serving.fleet", *argv], LIMITS_S["fleet"], out / "fleet.json")
+
+
 def _models_stored() -> bool:
     from shared import model_store
 
@@ -342,6 +353,7 @@ def plan(out: Path, python: str, stages: Sequence[str], quick: bool, slow: bool 
         "forward_bench": forward_bench_stage(out, python, quick),
         "offload_bench": offload_bench_stage(out, python, quick),
         "serve_bench": serve_bench_stage(out, python, quick),
+        "fleet": fleet_stage(out, python),
         "tensor_parallel": tensor_parallel_stage(out, python),
         "tensor_parallel_bench": tensor_parallel_bench_stage(out, python, quick),
     }
@@ -349,8 +361,10 @@ def plan(out: Path, python: str, stages: Sequence[str], quick: bool, slow: bool 
     for st in chosen:
         if st.name == "wheels" and not wheels:
             st.status = "skipped"
-        if st.name == "serve_bench" and not _models_stored():
+        if st.name in ("serve_bench", "fleet") and not _models_stored():
             st.status, st.note = "skipped", f"the model store holds no {' / '.join(SERVE_PAIR)} files"
+        if st.name == "fleet" and importlib.util.find_spec("ray") is None:
+            st.status, st.note = "skipped", "Ray Serve is not installed (the fleet extra)"
     return chosen
 
 

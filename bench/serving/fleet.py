@@ -87,6 +87,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         threads_help="torch threads of the direct verifier and of each replica (each replica holds as "
         "many Ray CPUs)",
     )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="the direct verifier's and each replica's device (cpu, cuda: a replica then holds a GPU)",
+    )
     ap.add_argument("--verify-sessions", type=int, default=10, help="overhead: greedy sessions on each side")
     ap.add_argument("--nodes", type=int, default=8, help="overhead: nodes of each scripted tree")
     ap.add_argument(
@@ -192,6 +197,8 @@ def serve_flags(a: argparse.Namespace) -> list[str]:
     """`cloud-verifier serve` flags of the direct verifier and of every replica, past --model and
     --threads."""
     return [
+        "--device",
+        a.device,
         "--no-measure-cost",
         "--kv-blocks",
         "2048",

@@ -39,6 +39,7 @@ def test_dry_run_writes_the_plan(tmp_path: Path) -> None:
         "forward_bench",
         "offload_bench",
         "serve_bench",
+        "fleet",
         "tensor_parallel",
         "tensor_parallel_bench",
     ]
@@ -48,6 +49,7 @@ def test_dry_run_writes_the_plan(tmp_path: Path) -> None:
     assert "--rows 1,2,4,8,16,32,64 --prefix 1024" in cmd["forward_bench"]
     assert "-m cuda or gpu" in cmd["tests"]
     assert "bench.serving.serve" in cmd["serve_bench"] and "--clients ar,auto" in cmd["serve_bench"]
+    assert "bench.serving.fleet" in cmd["fleet"] and "--device cuda" in cmd["fleet"]
     assert (tmp_path / "out" / "gpu_check.log").is_file()
 
 
