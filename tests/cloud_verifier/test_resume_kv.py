@@ -76,7 +76,7 @@ def test_common_prefix() -> None:
 
 def test_hello_and_welcome_carry_the_token_only_where_asked() -> None:
     h = Hello(vocab_fingerprint="f", features=(FEATURE_RESUME,), resume="r.abc")
-    assert decode(_frame(h)).resume == "r.abc"
+    assert _resume(_frame(h)) == "r.abc"
     with pytest.raises(Exception, match="resume"):
         decode(_frame(Hello(vocab_fingerprint="f", resume="x" * 200)))
     limits = SessionLimits()
@@ -85,16 +85,23 @@ def test_hello_and_welcome_carry_the_token_only_where_asked() -> None:
     w = Welcome("1", "m", 100, (0,), (Mode.GREEDY,), limits, {1: 1.0}, resume="r.abc")
     proto.welcome(w)
     (frame,) = proto.data_to_send()
-    assert decode(frame).resume is None  # a client that did not name session.resume: not sent
+    assert _resume(frame) is None  # a client that did not name session.resume: not sent
     proto = ServerProtocol(vocab_size=100, limits=limits)
     proto.receive(_frame(Hello(vocab_fingerprint="f", features=(FEATURE_RESUME,))))
     proto.welcome(w)
     (frame,) = proto.data_to_send()
-    assert decode(frame).resume == "r.abc"
+    assert _resume(frame) == "r.abc"
 
 
 def _frame(msg: Any) -> bytes:
     return encode(msg)
+
+
+def _resume(frame: bytes) -> str | None:
+    """The `resume` of a hello or welcome frame."""
+    msg = decode(frame)
+    assert isinstance(msg, (Hello, Welcome))
+    return msg.resume
 
 
 def test_the_engine_keeps_the_cache_of_the_common_prefix() -> None:
@@ -193,3 +200,28 @@ def test_a_verifier_that_keeps_nothing_gives_no_token() -> None:
         w = asyncio.run(welcome(on.ws))
     drafter.close()
     assert w.resume is not None and token_tag(w.resume) == ""
+
+
+def test_a_client_that_did_not_ask_for_resume_has_nothing_kept() -> None:
+    """A hello without session.resume: no token in the welcome, and a dropped connection frees its
+    session's KV cache at once (nothing is parked for a resume that cannot come)."""
+    from tests.cloud_verifier.service import AsyncSession
+
+    with LiveServer() as server:
+
+        async def main() -> tuple[Any, int]:
+            s = await AsyncSession.open(server.ws)
+            w = await s.recv()
+            await s.ws.send(s.proto.prompt(Prompt(np.asarray(PROMPT), Mode.AR, max_new_tokens=200)))
+            await s.recv()  # the first verdict: the generation runs
+            s.ws.transport.abort()
+            for _ in range(250):  # the server sees the drop (and its step in flight ends)
+                if not server.state.sessions and server.engine.kv.blocks_in_use == 0:
+                    break
+                await asyncio.sleep(0.02)
+            return w, len(server.state.parked)
+
+        welcome, parked = asyncio.run(main())
+        blocks = server.engine.kv.blocks_in_use
+    assert isinstance(welcome, Welcome) and welcome.resume is None
+    assert parked == 0 and blocks == 0

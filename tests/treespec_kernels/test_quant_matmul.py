@@ -193,6 +193,17 @@ def test_the_amx_tiles_give_the_same_bits_as_every_other_path() -> None:
         qm.set_amx_min_rows(-1)
 
 
+def _hostile(q: qm.QuantType, outputs: int, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights of `outputs` rows over three super-blocks and `rows` activation rows, row 2 with an
+    all-zero super-block and row 3 with every value of a super-block at +-127 once quantized."""
+    n = 3 * 256
+    w = random_blocks(q, outputs, n, seed=seed)
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(seed + 2)) * 3
+    x[2, :256] = 0
+    x[3, 256:512] = torch.where(torch.arange(256) % 2 == 0, 1e4, -1e4)
+    return w, x
+
+
 def test_the_rows_in_the_lanes_give_the_same_bits_as_every_other_path() -> None:
     """Where the CPU has AVX-512 VNNI, the K types' products of many rows put the activation rows in
     the lanes of a vector (16 in a zmm, the last up to 8 in a ymm) and broadcast the weights. Forced
@@ -206,11 +217,7 @@ def test_the_rows_in_the_lanes_give_the_same_bits_as_every_other_path() -> None:
     try:
         for name in ("Q4_K", "Q6_K"):
             q = qm.qtype(name)
-            n = 3 * 256
-            w = random_blocks(q, 21, n, seed=29)
-            x = torch.randn(40, n, generator=torch.Generator().manual_seed(31)) * 3
-            x[2, :256] = 0
-            x[3, 256:512] = torch.where(torch.arange(256) % 2 == 0, 1e4, -1e4)  # every value +-127
+            w, x = _hostile(q, 21, 40, seed=29)
             mod.set_lanes_min_rows(1)
             for rows in (1, 2, 7, 8, 9, 16, 17, 25, 40):
                 got = qm.quant_matmul(x[:rows], w, q)
@@ -236,11 +243,7 @@ def test_the_grid_of_weight_rows_by_activation_rows_gives_the_same_bits() -> Non
     try:
         for name in ("Q4_K", "Q6_K"):
             q = qm.qtype(name)
-            n = 3 * 256
-            w = random_blocks(q, 37, n, seed=41)
-            x = torch.randn(17, n, generator=torch.Generator().manual_seed(43)) * 3
-            x[2, :256] = 0
-            x[3, 256:512] = torch.where(torch.arange(256) % 2 == 0, 1e4, -1e4)
+            w, x = _hostile(q, 37, 17, seed=41)
             mod.set_grid_rows(1, 16)
             got = {rows: qm.quant_matmul(x[:rows], w, q) for rows in (1, 2, 3, 4, 5, 8, 9, 16)}
             for rows, y in got.items():

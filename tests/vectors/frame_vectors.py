@@ -11,6 +11,7 @@ import numpy as np
 from shared.errors import ErrorCode
 from shared.messages import (
     FEATURE_COST,
+    FEATURE_RESUME,
     FEATURE_STREAM,
     FEATURE_WELCOME_FEATURES,
     FEATURES,
@@ -74,7 +75,18 @@ def frames() -> list[dict[str, Any]]:
             "the optional fields the client reads (PROTOCOL.md section 10); a server ignores names it "
             "does not know",
         ),
+        valid(
+            "hello resuming a dropped session",
+            Hello(FP, features=(FEATURE_RESUME,), resume="r7Kq2.Zx3-Vd9_fP0wQeLmN8sTbA1g"),
+            "the earlier welcome's resume token: its server may still hold that session's KV cache "
+            "(PROTOCOL.md section 3)",
+        ),
         valid("welcome", welcome),
+        valid(
+            "welcome with a resume token",
+            dataclasses.replace(welcome, resume="r7Kq2.Zx3-Vd9_fP0wQeLmN8sTbA1g"),
+            "sent only to a client whose hello names session.resume",
+        ),
         valid(
             "welcome with max_pending_bytes",
             dataclasses.replace(welcome, limits=dataclasses.replace(LIMITS, max_pending_bytes=300)),
@@ -196,6 +208,7 @@ def frames() -> list[dict[str, Any]]:
         invalid("base negative", _with(Tree(1, TokenTree.chain([1], base=1)), base=-1)),
         invalid("string too long", _with(Hello(FP), client="x" * 5000)),
         invalid("features not a list", _with(Hello(FP), features="verdict.gap_ms")),
+        invalid("resume token empty", _with(Hello(FP), resume=""), "a resume token is 1 to 128 characters"),
         invalid("stream k zero", _with(Stream(1, 4), k=0)),
         invalid("stream round zero", _with(Stream(1, 4), round=0)),
         invalid("stream k missing", _with(Stream(1, 4), k=None)),
