@@ -56,6 +56,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="requests each Serve proxy holds while every replica is full; more are refused at once "
         "(HTTP 503; a WebSocket upgrade gets 500)",
     )
+    p.add_argument(
+        "--gpus-per-replica",
+        type=integer(1, 64),
+        default=None,
+        help="GPUs each replica holds: 1, or N > 1 for tensor parallelism across N GPUs inside the "
+        "replica (as serve's --tensor-parallel N; sets --device cuda)",
+    )
     delay = seconds(86400.0, zero=True)
     p.add_argument(
         "--upscale-delay",
@@ -97,8 +104,15 @@ def fleet_args(args: argparse.Namespace) -> FleetArgs | str:
     values = config_values(ServerConfig, args)
     if values.get("ssl_certfile") or values.get("ssl_keyfile"):
         return "the fleet serves ws:// and http:// on Serve's proxy: terminate TLS in front of it"
-    if values.get("tensor_parallel", 1) > 1:
-        return "--tensor-parallel does not combine with the fleet yet: each replica runs one process"
+    gpus = args.gpus_per_replica
+    if gpus:
+        tp = values.get("tensor_parallel", 1)
+        if tp > 1 and tp != gpus:
+            return f"--gpus-per-replica {gpus} runs {gpus} tensor-parallel ranks: drop --tensor-parallel {tp}"
+        if values.get("device", "auto") not in ("auto", "cuda"):
+            return f"--gpus-per-replica puts each replica on GPUs: leave --device {values['device']} out"
+        values["device"] = "cuda"
+        values["tensor_parallel"] = gpus
     defaults = ServerConfig.from_env()
     overrides = {
         name: value

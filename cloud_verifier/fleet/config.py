@@ -35,7 +35,7 @@ MAX_QUEUED = 16
 ROUTER = "cloud_verifier.fleet.router.SessionRouter"
 ROUTING_STATS_S = 1.0
 # settings a replica never takes from the fleet: Serve's proxy listens, TLS and the port are its
-NOT_PER_REPLICA = frozenset({"host", "port", "ssl_certfile", "ssl_keyfile", "tensor_parallel", "resume_tag"})
+NOT_PER_REPLICA = frozenset({"host", "port", "ssl_certfile", "ssl_keyfile", "resume_tag"})
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,8 @@ class FleetArgs:
         resources: dict[str, float] = {}
         if threads:  # a replica holds the CPUs its torch threads use
             resources["num_cpus"] = threads
-        if device.startswith("cuda"):
-            resources["num_gpus"] = 1
+        if device.startswith("cuda"):  # a GPU for each rank of its tensor-parallel group
+            resources["num_gpus"] = int(self.overrides.get("tensor_parallel", 1))
         if resources:
             options["ray_actor_options"] = resources
         if self.replicas_min == self.replicas_max:

@@ -56,13 +56,29 @@ def test_autoscaling_flags() -> None:
         _parse(["--downscale-delay", "-1"])
 
 
+def test_tensor_parallel_inside_each_replica() -> None:
+    """--tensor-parallel N runs N ranks inside each replica (its --threads split among them);
+    --gpus-per-replica N does so on N GPUs, which the replica holds."""
+    fleet = fleet_args(_parse(["--tensor-parallel", "2", "--threads", "2"]))
+    assert isinstance(fleet, FleetArgs) and fleet.overrides["tensor_parallel"] == 2
+    assert fleet.deployment_options()["ray_actor_options"] == {"num_cpus": 2}
+    fleet = fleet_args(_parse(["--gpus-per-replica", "2"]))
+    assert isinstance(fleet, FleetArgs)
+    assert (fleet.overrides["device"], fleet.overrides["tensor_parallel"]) == ("cuda", 2)
+    assert fleet.deployment_options()["ray_actor_options"] == {"num_gpus": 2}
+    fleet = fleet_args(_parse(["--gpus-per-replica", "1"]))
+    assert isinstance(fleet, FleetArgs) and "tensor_parallel" not in fleet.overrides
+    assert fleet.deployment_options()["ray_actor_options"] == {"num_gpus": 1}
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--replicas", "2", "--max-replicas", "3"], "not both"),
         (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 > --max-replicas 2"),
         (["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"], "terminate TLS"),
-        (["--tensor-parallel", "2"], "--tensor-parallel"),
+        (["--gpus-per-replica", "2", "--tensor-parallel", "4"], "drop --tensor-parallel 4"),
+        (["--gpus-per-replica", "1", "--device", "cpu"], "--device cpu"),
     ],
 )
 def test_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
