@@ -33,7 +33,6 @@ from cloud_verifier.app_state import AppState
 from cloud_verifier.fleet.config import DEPLOYMENT_NAME, FleetArgs, replica_config
 from cloud_verifier.fleet.metrics import ReplicaMetrics, bound, merge
 from cloud_verifier.fleet.status import ReplicaStats, board, replica_stats
-from cloud_verifier.server_config import ServerConfig
 
 log = logging.getLogger("cloud_verifier.fleet")
 
@@ -58,11 +57,11 @@ class VerifierReplica:
 
         close_group = None
         loader = None
-        if self.config.tensor_parallel > 1:
-            from cloud_verifier.parallel.service import load_for_service
+        if self.config.tensor_parallel > 1:  # its other ranks: child processes of this replica
+            from cloud_verifier.parallel.service import load_for_service, start_group
 
-            self.config, close_group = _tensor_parallel(self.config)
-            loader = load_for_service
+            self.config, group = start_group(self.config)
+            close_group, loader = group.close, load_for_service
         app = create_app(self.config, loader=loader)
         state: AppState = app.state.verifier
         self.state = state
@@ -112,27 +111,6 @@ class VerifierReplica:
     def stats(self) -> ReplicaStats:
         """This replica's sessions and queue (also what it reports to the board)."""
         return replica_stats(self.state)
-
-
-def _tensor_parallel(config: ServerConfig) -> tuple[ServerConfig, Callable[[], None]]:
-    """Start the replica's other ranks for `tensor_parallel` N > 1 (as `cloud-verifier serve
-    --tensor-parallel N` does, on the CPUs or GPUs Ray gave this replica): the config rank 0
-    serves with (the weights every rank loads, its share of the threads) and the group's close."""
-    from cloud_verifier.parallel.launch import start, threads_per_rank
-    from shared.model.target import resolve_weights
-
-    if config.weights == "auto":  # every rank must load the same weights
-        config = replace(config, weights=resolve_weights(config.model, config.dtype, config.device))
-    group = start(
-        config.tensor_parallel,
-        config.model,
-        config.dtype,
-        config.device,
-        config.attention,
-        config.threads,
-        weights=config.weights,
-    )
-    return replace(config, threads=threads_per_rank(config.threads, config.tensor_parallel)), group.close
 
 
 async def _loaded(state: AppState) -> None:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from cloud_verifier.parallel.group import current
+from cloud_verifier.parallel.group import TPGroup, current
 from cloud_verifier.parallel.launch import join, start, threads_per_rank, under_torchrun
 from cloud_verifier.parallel.sharding import load_sharded_target
 from cloud_verifier.parallel.worker import serve_commands
@@ -33,6 +33,25 @@ def load_for_service(config: ServerConfig) -> Target:
     return load_sharded_target(
         group, config.model, config.dtype, config.device, True, config.attention, config.weights
     )
+
+
+def start_group(config: ServerConfig) -> tuple[ServerConfig, TPGroup]:
+    """Rank 0 of a new group of `config.tensor_parallel` ranks on this machine (the others its
+    child processes), and the config rank 0 serves with: the weights every rank loads ("auto"
+    resolved once) and its share of the threads. ValueError for a device or GPU count the group
+    cannot have."""
+    if config.weights == "auto":
+        config = replace(config, weights=resolve_weights(config.model, config.dtype, config.device))
+    group = start(
+        config.tensor_parallel,
+        config.model,
+        config.dtype,
+        config.device,
+        config.attention,
+        config.threads,
+        weights=config.weights,
+    )
+    return replace(config, threads=threads_per_rank(config.threads, config.tensor_parallel)), group
 
 
 def serve_parallel(config: ServerConfig) -> int:
@@ -66,19 +85,10 @@ def serve_parallel(config: ServerConfig) -> int:
             )
     else:
         try:
-            group = start(
-                config.tensor_parallel,
-                config.model,
-                config.dtype,
-                config.device,
-                config.attention,
-                config.threads,
-                weights=config.weights,
-            )
+            config, group = start_group(config)
         except ValueError as exc:  # a device or a GPU count this group cannot have
             print(f"cloud-verifier: {exc}", file=sys.stderr)
             return 2
-        config = replace(config, threads=threads_per_rank(config.threads, config.tensor_parallel))
     try:
         return server.serve(config, loader=load_for_service)
     finally:
