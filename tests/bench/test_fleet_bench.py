@@ -89,8 +89,8 @@ def test_the_fleet_takes_the_direct_verifiers_flags() -> None:
     assert fleet.model == "tiny" and fleet.replicas_min == fleet.replicas_max == 2
     assert fleet.overrides["threads"] == 1 and fleet.overrides["kv_blocks"] == 2048
     assert fleet.overrides["measure_cost"] is False
-    with pytest.raises(ValueError):
-        fleet_from_flags(["--tensor-parallel", "2"], 1)
+    with pytest.raises(ValueError, match="--min-replicas"):  # what the fleet refuses is a ValueError
+        fleet_from_flags(["--min-replicas", "3", "--max-replicas", "2"], 1)
 
 
 def test_scripted_trees_follow_the_reference_then_err() -> None:
