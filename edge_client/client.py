@@ -448,7 +448,7 @@ class EdgeClient:
             if self.welcome is not None and self.proto.state is not ClientState.IDLE:
                 await self.drop_connection()
             if self.welcome is None:
-                await self.connect()
+                await self.session.connect_when_room()
 
     def _rounds(self, req: Request, msg: Prompt, st: GenerationStats) -> RoundExecutor:
         """The speculation core of one generation and the shell that runs it on this session."""

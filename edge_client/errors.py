@@ -18,7 +18,12 @@ class GenerationError(RuntimeError):
 
 class ConnectionLost(GenerationError):
     """The connection to the verifier dropped (reset, restart, draining, overload): a generation can
-    resume on a new session. A close for a reason of the protocol (1002, 1007, 1008, 1009) is not this."""
+    resume on a new session. A close for a reason of the protocol (1002, 1007, 1008, 1009) is not this.
+    `close_code`: the WebSocket close code that ended it, where one did (1013: try again later)."""
+
+    def __init__(self, message: str, close_code: int | None = None) -> None:
+        super().__init__(message)
+        self.close_code = close_code
 
 
 class ProtocolViolation(GenerationError):

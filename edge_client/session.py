@@ -30,7 +30,7 @@ from edge_client.errors import (
     VerifierTimeout,
 )
 from edge_client.transports import Link, Transport, TransportClosed, WebSocketTransport
-from shared.errors import ErrorCode, ProtocolError
+from shared.errors import CloseCode, ErrorCode, ProtocolError
 from shared.messages import FEATURE_RESUME, FEATURES, PROTOCOL_VERSION, Close, Error, Hello, Welcome
 from shared.protocol import ClientProtocol, ClientState
 
@@ -50,7 +50,7 @@ def _closed(exc: TransportClosed) -> GenerationError:
     detail = f" ({exc.code}, {why})" if why else f" ({exc.code})" if exc.code is not None else ""
     message = f"{by}{detail}: {exc.reason or 'no reason given'}"
     if exc.code in RESUMABLE_CLOSES:
-        return ConnectionLost(message)
+        return ConnectionLost(message, exc.code)
     return GenerationError(message)
 
 
@@ -252,6 +252,21 @@ class Session:
             if not (exc.code is ErrorCode.BAD_MESSAGE and exc.field == "features"):
                 raise
         return await self._connect(())
+
+    async def connect_when_room(self) -> Welcome:
+        """`connect`, and with `resume`, again after the resume backoff (up to its attempts) while
+        the verifier says "try again later" (close 1013: at its session cap, or draining); any other
+        failure, and every one without `resume`, is raised at once."""
+        tries = 0
+        while True:
+            try:
+                return await self.connect()
+            except ConnectionLost as exc:
+                tries += 1
+                later = exc.close_code == CloseCode.TRY_AGAIN_LATER
+                if self.resume is None or not later or tries >= self.resume.attempts:
+                    raise
+            await asyncio.sleep(self.resume.delay(tries))
 
     async def _connect(self, features: tuple[str, ...]) -> Welcome:
         if self._transport_factory is not None:
