@@ -31,17 +31,8 @@ export class GenerationError extends Error {
   }
 }
 
-/**
- * The connection to the verifier dropped or could not be made (resumed where ConnectOptions.resume
- * allows). `closeCode`: the WebSocket close code that ended it, where one did (1013: try again later).
- */
-export class ConnectionLost extends GenerationError {
-  constructor(message: string, public closeCode?: number) {
-    super(message);
-  }
-}
-
-const TRY_AGAIN_LATER = 1013; // the verifier at its session cap, or draining
+/** The connection to the verifier dropped or could not be made (resumed where ConnectOptions.resume allows). */
+export class ConnectionLost extends GenerationError {}
 
 /** Reconnecting after a drop (the Python client's ResumeConfig). */
 export interface ResumeOptions {
@@ -204,8 +195,7 @@ export class TreespecClient {
 
   /**
    * Open a session: `fingerprint` is the sha256 of the vocabulary (PROTOCOL.md section 8). `url` may
-   * list replicas: a dropped connection is resumed on the next (round robin). With `resume`, a
-   * verifier at its session cap (close 1013) is tried again with the resume backoff.
+   * list replicas: a dropped connection is resumed on the next (round robin).
    */
   static async connect(url: string | string[], fingerprint: string, apiKey?: string, o: ConnectOptions = {}): Promise<TreespecClient> {
     const c = new TreespecClient();
@@ -214,17 +204,8 @@ export class TreespecClient {
     c.fingerprint = fingerprint;
     c.apiKey = apiKey;
     c.resume = o.resume === false ? null : { ...DEFAULT_RESUME, ...o.resume };
-    // with resume, a verifier that says "try again later" (1013) is tried again after the backoff
-    for (let tries = 1; ; tries++) {
-      try {
-        await c.open(c.urls[0]);
-        return c;
-      } catch (e) {
-        const later = e instanceof ConnectionLost && e.closeCode === TRY_AGAIN_LATER;
-        if (!later || !c.resume || tries >= c.resume.attempts) throw e;
-        await sleep(backoff(c.resume, tries));
-      }
-    }
+    await c.open(c.urls[0]);
+    return c;
   }
 
   /**
@@ -239,7 +220,7 @@ export class TreespecClient {
       this.ws = await openSocket(url, this.apiKey, {
         message: (data) => gen === this.generation && this.received(data),
         close: (code, reason) =>
-          gen === this.generation && this.push(new ConnectionLost(`the verifier closed the connection (${code}): ${reason}`, code)),
+          gen === this.generation && this.push(new ConnectionLost(`the verifier closed the connection (${code}): ${reason}`)),
         error: (message) => gen === this.generation && this.push(new ConnectionLost(`the connection to the verifier failed: ${message}`)),
       }, resume);  // prettier-ignore
     } catch (e) {
