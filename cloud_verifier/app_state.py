@@ -36,6 +36,10 @@ class AppState:
     on_load_error: Callable[[str], None] | None = None  # serve(): stop the process
     # dropped sessions kept for their client's resume (resume.py); made from the config in create_app
     parked: ParkedSessions = field(default_factory=ParkedSessions)
+    # this verifier's own address, offered to clients in the welcome (a fleet replica's; None: no
+    # offer), and the sessions offered it that a connection there may still take over (direct.py)
+    direct: str | None = None
+    offers: dict[str, ServerSession] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:

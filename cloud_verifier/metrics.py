@@ -126,6 +126,12 @@ class Metrics:
             ["kv"],
             registry=r,
         )
+        self.direct_moves = Counter(
+            "cloud_verifier_direct_moves",
+            "Sessions a client moved from the fleet's proxy to this replica's own address "
+            "(welcome.direct); the proxied connection stays open, idle, until the session ends",
+            registry=r,
+        )
         self.parked_sessions = Gauge(
             "cloud_verifier_parked_sessions",
             "Dropped sessions whose KV cache is kept for a resume",

@@ -87,9 +87,20 @@ class ServerSession:
         bearer: str | None = None,
         admission: Admission | None = None,
         parked: ParkedSessions | None = None,
+        direct: str | None = None,
+        offers: dict[str, ServerSession] | None = None,
     ) -> None:
         self.engine = engine
         self.parked = parked  # where a dropped session waits for its resume (resume.py)
+        # this verifier's own address (a fleet replica's), offered in the welcome to a client that
+        # asked (session.direct); `offers` holds the sessions offered it, by resume token, until
+        # their first prompt: a connection to that address may take the session over (direct.py)
+        self.direct = direct
+        self.offers = offers
+        self.credential = ""  # the API key or bearer token the session was opened with
+        self.moved = asyncio.Event()  # set when another connection took the session over
+        self.done = asyncio.Event()  # set when the connection holding the session let it go
+        self.writer: asyncio.Task[None] | None = None  # the task putting the outbox on its socket
         self.resume_token: str | None = None  # this session's (its welcome's `resume`)
         self._donor: SeqState | None = None  # the parked sequence a resume claimed, until its prompt
         self.info = info
@@ -201,6 +212,7 @@ class ServerSession:
                 extra={"session": self.sid, "mode": ev.prompt.mode.value, "prompt_tokens": len(ev.committed)},
             )
             self._verdict_at, self._gap = None, None
+            self._withdraw()
             self._adopt()
             assert self.seq is not None
             self.engine.start(self.seq, ev.prompt, ev.committed)
@@ -262,6 +274,7 @@ class ServerSession:
                 "vocab_fingerprint",
                 fatal=True,
             )
+        self.credential = hello.api_key or self.bearer or ""
         try:
             self.principal = self.keys.authenticate(hello.api_key or self.bearer)
         except AuthError as exc:
@@ -294,8 +307,18 @@ class ServerSession:
                 verify_cost_ms=self._cost_curve(),
                 vocab_fingerprint=self.info.vocab_fingerprint,
                 resume=self.resume_token,
+                direct=self.direct,
             )
         )
+        welcomed = self.proto.welcomed
+        if welcomed is not None and welcomed.direct and welcomed.resume and self.offers is not None:
+            self.offers[welcomed.resume] = self
+
+    def _withdraw(self) -> None:
+        """No connection may take this session over any more (its first prompt came, or it ends)."""
+        if self.offers is not None and self.resume_token is not None:
+            if self.offers.get(self.resume_token) is self:
+                del self.offers[self.resume_token]
 
     def _adopt(self) -> None:
         """A resumed session's first prompt: take over the parked sequence it claimed if that is
@@ -443,6 +466,7 @@ class ServerSession:
             return
         self._flush()  # frames already produced (e.g. the fatal error) go out before the close
         self.closed = True
+        self._withdraw()
         log.info("session closed (%d): %s", code, reason, extra={"session": self.sid, "code": code})
         self.writable.set()  # a reader waiting for the writer must see the close
         self._settle_reservation()

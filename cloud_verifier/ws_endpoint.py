@@ -4,12 +4,23 @@
 into the `ServerSession`, at most `frames_per_s`, not while the client leaves its replies unread)
 and a writer (the session's outbox onto the socket). It lives apart from `cloud_verifier.session`
 because it reads the app's shared state (`AppState`), which itself holds the open sessions.
+
+A session can change connections once, before its first prompt: a verifier with an address of its
+own (`AppState.direct`, a fleet replica's, reached past the fleet's proxy) offers it in the welcome
+to a client that asked (hello.features `session.direct`). A connection to that address whose hello
+names the session's resume token, with the same key, takes the session over (`claim`): it gets the
+welcome again and carries the session from then on, while the first connection stops reading and
+writing and stays open, idle, until the session ends. That idle connection is what a fleet's proxy
+counts (its session cap, autoscaling, a replica's drain), so the proxy sees every session while no
+frame of it passes through the proxy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import secrets
 import time
 from collections.abc import Collection
 
@@ -19,7 +30,10 @@ from starlette.websockets import WebSocketDisconnect
 from cloud_verifier.app_state import AppState
 from cloud_verifier.server_config import ServerConfig
 from cloud_verifier.session import CloseRequest, ServerSession
-from shared.errors import CloseCode
+from shared.errors import CloseCode, ProtocolError
+from shared.messages import Hello, decode, encode
+
+log = logging.getLogger(__name__)
 
 
 async def serve_session(ws: WebSocket, state: AppState, origins: Collection[str]) -> None:
@@ -41,6 +55,15 @@ async def serve_session(ws: WebSocket, state: AppState, origins: Collection[str]
         return
     auth = ws.headers.get("authorization", "")
     bearer = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+    first: bytes | None = None
+    if state.offers:  # the connection may be a client moving its session here (welcome.direct)
+        first = await _first_frame(ws, config)
+        if first is None:
+            return
+        moving = claim(state, first, bearer)
+        if moving is not None:
+            await _serve_moved(ws, state, moving)
+            return
     session = ServerSession(
         state.engine,
         state.info,
@@ -50,23 +73,144 @@ async def serve_session(ws: WebSocket, state: AppState, origins: Collection[str]
         bearer,
         state.admission,
         state.parked,
+        state.direct,
+        state.offers,
     )
     state.sessions.add(session)
     state.metrics.sessions.set(len(state.sessions))
-    writer = asyncio.create_task(_writer(ws, session))
-    dropped = False
+    session.writer = asyncio.create_task(_writer(ws, session))
     try:
-        dropped = await _reader(ws, session, config)
-    finally:
-        # a drop (no close from either side) keeps the session for its client's resume
-        if not (dropped and session.park()):
-            session.close(CloseCode.GOING_AWAY, "connection closed")
-        state.metrics.parked_sessions.set(len(state.parked))
-        state.sessions.discard(session)
-        state.metrics.sessions.set(len(state.sessions))
+        dropped = await _read_until_moved(ws, session, config, first)
+    except BaseException:
+        if not session.moved.is_set():
+            await _let_go(state, session, dropped=False)
+        raise
+    if dropped is None:  # the session went to its direct connection: this one holds its place
+        await _hold(ws, session)
+    else:
+        await _let_go(state, session, dropped)
+
+
+async def _let_go(state: AppState, session: ServerSession, dropped: bool) -> None:
+    """The session's connection is gone: a drop (no close from either side) keeps the session for
+    its client's resume, anything else closes it; the writer gets 5 s to send what is queued."""
+    if not (dropped and session.park()):
+        session.close(CloseCode.GOING_AWAY, "connection closed")
+    state.metrics.parked_sessions.set(len(state.parked))
+    state.sessions.discard(session)
+    state.metrics.sessions.set(len(state.sessions))
+    writer = session.writer
+    if writer is not None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(writer, timeout=5)
         writer.cancel()
+    session.done.set()
+
+
+async def _first_frame(ws: WebSocket, config: ServerConfig) -> bytes | None:
+    """The connection's first frame (the hello), within the hello timeout; None when the
+    connection went or the time ran out (then closed)."""
+    try:
+        async with asyncio.timeout(config.hello_timeout_s):
+            msg = await ws.receive()
+    except TimeoutError:
+        with contextlib.suppress(Exception):
+            await ws.close(CloseCode.POLICY_VIOLATION, f"no hello within {config.hello_timeout_s:g} s")
+        return None
+    except WebSocketDisconnect:
+        return None
+    if msg["type"] == "websocket.disconnect":
+        return None
+    data = msg.get("bytes")
+    if data is None:
+        text = (msg.get("text") or "").encode()
+        data = b"\xc1" if text else text  # text frames are not protocol frames
+    return bytes(data)
+
+
+def claim(state: AppState, first: bytes, bearer: str | None) -> ServerSession | None:
+    """The session that a connection whose first frame is `first` takes over: a hello naming the
+    resume token of a session offered this verifier's address (welcome.direct) and not yet prompted,
+    with the same vocabulary and the same API key or bearer token. None: a session of its own."""
+    try:
+        msg = decode(first)
+    except ProtocolError:
+        return None
+    if not isinstance(msg, Hello) or msg.resume is None:
+        return None
+    session = state.offers.get(msg.resume)
+    if session is None or session.closed or session.moved.is_set() or session.generating:
+        return None
+    if msg.vocab_fingerprint != session.info.vocab_fingerprint:
+        return None
+    given = (msg.api_key or bearer or "").encode()
+    if not secrets.compare_digest(given, session.credential.encode()):
+        return None
+    del state.offers[msg.resume]
+    return session
+
+
+async def _serve_moved(ws: WebSocket, state: AppState, session: ServerSession) -> None:
+    """Carry on `session` on this connection: its first connection stops reading and writing
+    (it holds the session's place until the session ends), this one gets the session's welcome
+    again, then its frames."""
+    session.moved.set()
+    if session.writer is not None:
+        session.writer.cancel()  # (cancelled before it takes a frame off the outbox)
+    state.metrics.direct_moves.inc()
+    log.info("session moved to its direct connection", extra={"session": session.sid})
+    welcomed = session.proto.welcomed
+    assert welcomed is not None
+    session.writer = asyncio.create_task(_writer(ws, session, first=encode(welcomed)))
+    try:
+        dropped = await _reader(ws, session, state.config)
+    except BaseException:
+        await _let_go(state, session, dropped=False)
+        raise
+    await _let_go(state, session, dropped)
+
+
+async def _read_until_moved(
+    ws: WebSocket, session: ServerSession, config: ServerConfig, first: bytes | None
+) -> bool | None:
+    """`_reader` until it ends (its result) or another connection takes the session over (None)."""
+    reading = asyncio.create_task(_reader(ws, session, config, first))
+    moving = asyncio.create_task(session.moved.wait())
+    try:
+        await asyncio.wait({reading, moving}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        moving.cancel()
+        if not reading.done():
+            reading.cancel()
+            with contextlib.suppress(BaseException):
+                await reading
+    if session.moved.is_set():
+        return None
+    return reading.result()
+
+
+async def _hold(ws: WebSocket, session: ServerSession) -> None:
+    """A moved session's first connection: open and idle (what arrives is dropped) until the
+    session ends on its direct connection, then closed; or until its client closes it. It holds the
+    session's place where connections are counted (a fleet's session cap, autoscaling, drain)."""
+    ended = asyncio.create_task(session.done.wait())
+    try:
+        while not session.done.is_set():
+            receiving = asyncio.create_task(ws.receive())
+            await asyncio.wait({receiving, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not receiving.done():
+                receiving.cancel()
+                break
+            try:
+                msg = receiving.result()
+            except Exception:  # (WebSocketDisconnect, a broken socket)
+                return
+            if msg["type"] == "websocket.disconnect":
+                return
+    finally:
+        ended.cancel()
+    with contextlib.suppress(Exception):
+        await ws.close(CloseCode.NORMAL, "the session ended on its direct connection")
 
 
 class FrameBudget:
@@ -89,9 +233,11 @@ class FrameBudget:
         return 0.0 if self.tokens >= 0 else -self.tokens / self.rate
 
 
-async def _reader(ws: WebSocket, session: ServerSession, config: ServerConfig) -> bool:
-    """Read frames into the session until it closes (False: by either side's protocol) or the
-    connection goes without a protocol close (True: a drop)."""
+async def _reader(
+    ws: WebSocket, session: ServerSession, config: ServerConfig, first: bytes | None = None
+) -> bool:
+    """Read frames into the session (`first`, already read, first) until it closes (False: by
+    either side's protocol) or the connection goes without a protocol close (True: a drop)."""
     opened = time.monotonic()
     budget = FrameBudget(config.frames_per_s)
     while not session.closed:
@@ -107,6 +253,10 @@ async def _reader(ws: WebSocket, session: ServerSession, config: ServerConfig) -
                 return False
         else:
             timeout = max(session.last_activity + config.idle_timeout_s - now, 0.05)
+        if first is not None:
+            session.receive(first)
+            first = None
+            continue
         try:
             # asyncio.timeout: under Python 3.11 wait_for drops a cancel that meets an arriving frame
             async with asyncio.timeout(timeout):
@@ -134,8 +284,11 @@ async def _reader(ws: WebSocket, session: ServerSession, config: ServerConfig) -
     return False
 
 
-async def _writer(ws: WebSocket, session: ServerSession) -> None:
+async def _writer(ws: WebSocket, session: ServerSession, first: bytes | None = None) -> None:
+    """Put the session's outbox on the socket (`first` before it) until a close request."""
     try:
+        if first is not None:
+            await ws.send_bytes(first)
         while True:
             item = await session.outbox.get()
             if isinstance(item, CloseRequest):

@@ -191,6 +191,10 @@ class Session:
         # the resume token of the session a reconnect resumes (its welcome's): the verifier that
         # kept that session's KV cache prefills only what it lacks
         self._resume_token: str | None = None
+        # a session moved to its verifier's own address (welcome.direct): the connection it was
+        # opened on, kept open and idle until the session ends (the fleet's proxy counts it)
+        self._lease: Transport | None = None
+        self.moves = 0  # sessions moved to their verifier's own address
 
     def vocab_fingerprint(self) -> str:
         """The fingerprint of the vocabulary the hello announces (the subclass knows it)."""
@@ -247,11 +251,37 @@ class Session:
         decoder): the client then opens the session again without them (it does without the
         optional fields, PROTOCOL.md section 10)."""
         try:
-            return await self._connect(FEATURES)
+            w = await self._connect(FEATURES)
         except GenerationError as exc:
             if not (exc.code is ErrorCode.BAD_MESSAGE and exc.field == "features"):
                 raise
-        return await self._connect(())
+            return await self._connect(())
+        offered = w.direct is not None and w.direct != self.server and w.resume is not None
+        if offered and self._transport_factory is None:
+            return await self._move(w)
+        return w
+
+    async def _move(self, w: Welcome) -> Welcome:
+        """Take the session to the verifier's own address (`w.direct`, a fleet replica's): a hello
+        there naming the session's resume token carries it on over that connection, past the
+        fleet's proxy, and the first connection stays open, idle, until the session ends. Any
+        failure (the address unreachable from here, the offer gone) keeps the session where it is."""
+        assert w.direct is not None
+        first, first_proto = self._transport, self.proto
+        self._transport, self.proto = None, ClientProtocol()
+        try:
+            moved = await self._connect(FEATURES, url=w.direct, resume=w.resume)
+        except (GenerationError, ProtocolError, OSError):
+            moved = None
+        if moved is not None and moved.session_id != w.session_id:  # a session of its own there
+            await self.close()
+            moved = None
+        if moved is None:
+            self._transport, self.proto, self.welcome = first, first_proto, w
+            return w
+        self._lease = first
+        self.moves += 1
+        return moved
 
     async def connect_when_room(self) -> Welcome:
         """`connect`, and with `resume`, again after the resume backoff (up to its attempts) while
@@ -268,23 +298,29 @@ class Session:
                     raise
             await asyncio.sleep(self.resume.delay(tries))
 
-    async def _connect(self, features: tuple[str, ...]) -> Welcome:
+    async def _connect(
+        self, features: tuple[str, ...], url: str | None = None, resume: str | None = None
+    ) -> Welcome:
+        """Open a session at `url` (the server in use if None), its hello naming `resume` (the
+        token of a dropped session if None)."""
+        url = url or self.server
+        resume = resume or self._resume_token
         if self._transport_factory is not None:
             inner = await self._transport_factory()
         else:
             try:
                 inner = await WebSocketTransport.connect(
-                    self.server,
+                    url,
                     self.api_key,
                     open_timeout=self.timeouts.welcome_s,
                     close_timeout=self.timeouts.close_s,
-                    ca_file=self.ca_file,
+                    ca_file=self.ca_file if url.startswith("wss://") else None,
                     session_id=self._resume_token,
                 )
             except ValueError as exc:  # a bad URL
-                raise GenerationError(f"cannot reach the verifier at {self.server}: {exc}") from exc
+                raise GenerationError(f"cannot reach the verifier at {url}: {exc}") from exc
             except Exception as exc:  # refused, unreachable, bad certificate, a failed handshake
-                raise ConnectionLost(f"cannot reach the verifier at {self.server}: {exc}") from exc
+                raise ConnectionLost(f"cannot reach the verifier at {url}: {exc}") from exc
         self._transport = self.link.wrap(inner) if self.link is not None else inner
         fp = self.vocab_fingerprint()
         try:
@@ -295,7 +331,7 @@ class Session:
                         api_key=self.api_key,
                         client="edge-client/0.1",
                         features=features,
-                        resume=self._resume_token if FEATURE_RESUME in features else None,
+                        resume=resume if FEATURE_RESUME in features else None,
                     )
                 )
             )
@@ -304,7 +340,7 @@ class Session:
                     msg = await self.recv()
             except TimeoutError:
                 raise VerifierTimeout(
-                    f"no welcome from the verifier at {self.server} within {self.timeouts.welcome_s:g} s "
+                    f"no welcome from the verifier at {url} within {self.timeouts.welcome_s:g} s "
                     "of the hello",
                     "welcome",
                 ) from None
@@ -323,12 +359,14 @@ class Session:
         return msg
 
     async def _close_transport(self) -> None:
-        """Close the transport, waiting at most Timeouts.close_s for the closing handshake."""
-        transport, self._transport = self._transport, None
-        if transport is None:
+        """Close the transport (and a moved session's first connection), waiting at most
+        Timeouts.close_s for the closing handshakes."""
+        transports = [t for t in (self._transport, self._lease) if t is not None]
+        self._transport = self._lease = None
+        if not transports:
             return
         try:
-            await asyncio.wait_for(transport.close(), self.timeouts.close_s)
+            await asyncio.wait_for(asyncio.gather(*(t.close() for t in transports)), self.timeouts.close_s)
         except (Exception, asyncio.CancelledError):  # a peer that never closes: given up on
             pass
 

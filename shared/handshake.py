@@ -64,6 +64,9 @@ FEATURE_STREAM = "round.stream"  # the client may send `stream` rounds (and prom
 FEATURE_COST = "verdict.cost_ms"  # verdict.forward_ms and verdict.marginal_ms
 # welcome.resume: the session's resume token; a later hello.resume names it after a drop
 FEATURE_RESUME = "session.resume"
+# welcome.direct: the address of the verifier that holds the session (a fleet replica's own), where
+# the client may move the session (a hello naming its resume token) off the fleet's proxy
+FEATURE_DIRECT = "session.direct"
 # every feature this release knows, in order
 FEATURES = (
     FEATURE_GAP_MS,
@@ -72,9 +75,12 @@ FEATURES = (
     FEATURE_STREAM,
     FEATURE_COST,
     FEATURE_RESUME,
+    FEATURE_DIRECT,
 )
 # the longest resume token a hello may carry
 MAX_RESUME_TOKEN = 128
+# the longest direct address a welcome may carry
+MAX_DIRECT_URL = 512
 # the HTTP header of a resuming connection's upgrade that names its resume token (a fleet's router
 # reads it; Ray Serve's session id header)
 SESSION_HEADER = "X-Session-Id"
@@ -237,6 +243,9 @@ class Welcome:
     # the token a hello names to resume this session after a drop; None: not sent (sent only to a
     # client whose hello.features names session.resume)
     resume: str | None = None
+    # a ws:// or wss:// address of the verifier that holds this session, for a client whose
+    # hello.features names session.direct (and session.resume); None: not sent
+    direct: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         d = {
@@ -255,6 +264,8 @@ class Welcome:
             d["features"] = list(self.features)
         if self.resume is not None:
             d["resume"] = self.resume
+        if self.direct is not None:
+            d["direct"] = self.direct
         return d
 
     @classmethod
@@ -267,6 +278,13 @@ class Welcome:
                 raise r.bad("allowed_modes", f"unknown mode {m!r}") from exc
         cost = read_cost_map(r, "verify_cost_ms")
         features = r.str_list("features", None)
+        direct = r.text("direct", None)
+        if direct is not None and not (
+            0 < len(direct) <= MAX_DIRECT_URL and direct.startswith(("ws://", "wss://"))
+        ):
+            raise r.bad(
+                "direct", f"a direct address is a ws:// or wss:// URL of at most {MAX_DIRECT_URL} characters"
+            )
         return cls(
             version=r.integer("version", 0, 1 << 16),
             session_id=r.text("session_id"),
@@ -279,6 +297,7 @@ class Welcome:
             verify_cost_ms=cost,
             features=None if features is None else tuple(features),
             resume=r.text("resume", None),
+            direct=direct,
         )
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from shared.errors import ErrorCode, ProtocolError
 from shared.handshake import (
     FEATURE_COST,
+    FEATURE_DIRECT,
     FEATURE_GAP_MS,
     FEATURE_PENDING_BYTES,
     FEATURE_RESUME,
@@ -421,6 +422,7 @@ __all__ = [
     "DEFAULT_WIRE_LIMITS",
     "FEATURES",
     "FEATURE_COST",
+    "FEATURE_DIRECT",
     "FEATURE_GAP_MS",
     "FEATURE_PENDING_BYTES",
     "FEATURE_RESUME",

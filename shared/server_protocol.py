@@ -13,6 +13,7 @@ import numpy as np
 from shared.errors import ErrorCode, ProtocolError
 from shared.messages import (
     FEATURE_COST,
+    FEATURE_DIRECT,
     FEATURE_GAP_MS,
     FEATURE_PENDING_BYTES,
     FEATURE_RESUME,
@@ -100,6 +101,7 @@ class ServerProtocol:
         self.last_round = 0
         self.stats = FrameStats()
         self.features: frozenset[str] = frozenset()  # what the client's hello asked for
+        self.welcomed: Welcome | None = None  # the welcome sent
         self._out: list[bytes] = []
 
     # -- outgoing
@@ -121,12 +123,15 @@ class ServerProtocol:
             msg = dataclasses.replace(msg, limits=dataclasses.replace(msg.limits, max_pending_bytes=None))
         if FEATURE_RESUME not in self.features:
             msg = dataclasses.replace(msg, resume=None)
+        if FEATURE_DIRECT not in self.features or msg.resume is None:  # (it moves by its token)
+            msg = dataclasses.replace(msg, direct=None)
         honoured = None
         if FEATURE_WELCOME_FEATURES in self.features:
             honoured = tuple(f for f in FEATURES if f in self.features)
         msg = dataclasses.replace(msg, features=honoured)
         self.allowed_modes = frozenset(msg.allowed_modes)
         self.state = ServerState.IDLE
+        self.welcomed = msg  # (sent again to the connection the session moves to)
         self._send(msg)
 
     def fail(self, exc: ProtocolError) -> ErrorSent:

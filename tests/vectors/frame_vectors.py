@@ -88,6 +88,14 @@ def frames() -> list[dict[str, Any]]:
             "sent only to a client whose hello names session.resume",
         ),
         valid(
+            "welcome offering the verifier's own address",
+            dataclasses.replace(
+                welcome, resume="r7Kq2.Zx3-Vd9_fP0wQeLmN8sTbA1g", direct="ws://10.0.0.7:42001/v1/session"
+            ),
+            "sent only to a client whose hello names session.direct and session.resume: a hello there "
+            "naming the token moves the session (PROTOCOL.md section 3)",
+        ),
+        valid(
             "welcome with max_pending_bytes",
             dataclasses.replace(welcome, limits=dataclasses.replace(LIMITS, max_pending_bytes=300)),
             "sent only to a client whose hello names limits.max_pending_bytes",
@@ -209,6 +217,11 @@ def frames() -> list[dict[str, Any]]:
         invalid("string too long", _with(Hello(FP), client="x" * 5000)),
         invalid("features not a list", _with(Hello(FP), features="verdict.gap_ms")),
         invalid("resume token empty", _with(Hello(FP), resume=""), "a resume token is 1 to 128 characters"),
+        invalid(
+            "welcome direct not a WebSocket URL",
+            _with(welcome, direct="http://10.0.0.7/v1/session"),
+            "a ws:// or wss:// URL of at most 512 characters",
+        ),
         invalid("stream k zero", _with(Stream(1, 4), k=0)),
         invalid("stream round zero", _with(Stream(1, 4), round=0)),
         invalid("stream k missing", _with(Stream(1, 4), k=None)),

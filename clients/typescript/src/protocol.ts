@@ -10,7 +10,10 @@ export const FEATURE_WELCOME_FEATURES = "welcome.features"; // welcome.features:
 export const FEATURE_STREAM = "round.stream"; // stream frames and prompt.stream
 export const FEATURE_COST = "verdict.cost_ms"; // verdict.forward_ms and verdict.marginal_ms
 export const FEATURE_RESUME = "session.resume"; // welcome.resume, and hello.resume after a drop
+// welcome.direct: the address of the verifier holding the session (the client may move it there)
+export const FEATURE_DIRECT = "session.direct";
 export const MAX_RESUME_TOKEN = 128;
+export const MAX_DIRECT_URL = 512;
 /** The upgrade's header naming the resume token (a fleet's router sends the resume to its holder). */
 export const SESSION_HEADER = "X-Session-Id";
 export const MODES = ["greedy", "match", "mss", "rrs", "ar"] as const;
@@ -49,7 +52,7 @@ export type Message =
       features?: string[]; resume?: string }
   | { type: "welcome"; version: number; session_id: string; model_id: string; vocab_size: number;
       vocab_fingerprint: string; eos_ids: number[]; allowed_modes: Mode[]; limits: Limits;
-      verify_cost_ms: Record<string, number>; features?: string[]; resume?: string }
+      verify_cost_ms: Record<string, number>; features?: string[]; resume?: string; direct?: string }
   | { type: "prompt"; tokens: number[]; mode: Mode; temperature: number; top_k: number; top_p: number;
       seed: bigint | number; max_new_tokens: number; stop_ids: number[]; continue: boolean; tree?: Tree;
       stream?: number }
@@ -300,6 +303,12 @@ const DECODERS: Record<string, (r: Reader) => Message> = {
       vocab_fingerprint: r.text("vocab_fingerprint", true) ?? "", eos_ids: r.array("eos_ids", "<i4", MAX_LIST),
       allowed_modes: modes as Mode[], limits, verify_cost_ms: costOut, ...(features ? { features: [...features] } : {}),
       ...opt("resume", r.text("resume", true)),
+      ...opt("direct", (() => {
+        const u = r.text("direct", true);
+        if (u !== undefined && !(u.length > 0 && u.length <= MAX_DIRECT_URL && /^wss?:\/\//.test(u)))
+          throw r.bad("direct", `a ws:// or wss:// URL of at most ${MAX_DIRECT_URL} characters`);
+        return u;
+      })()),
     };  // prettier-ignore
   },
   prompt: (r) => {
@@ -375,6 +384,7 @@ export function encodeMessage(m: Message): Uint8Array {
       });  // prettier-ignore
       if (m.features !== undefined) d.features = [...m.features];
       if (m.resume !== undefined) d.resume = m.resume;
+      if (m.direct !== undefined) d.direct = m.direct;
       break;
     }
     case "prompt":
