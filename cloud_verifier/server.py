@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import uvicorn
@@ -323,9 +323,16 @@ def reload_keys(state: AppState) -> bool:
     return True
 
 
-def _uvicorn_config(
-    app: FastAPI, config: ServerConfig, host: str, port: int, log_level: str
+def uvicorn_config(
+    app: FastAPI,
+    config: ServerConfig,
+    host: str,
+    port: int,
+    log_level: str,
+    lifespan: Literal["on", "off"] = "on",
 ) -> uvicorn.Config:
+    """uvicorn's settings for the service's app (`lifespan` "off": a second listener of an app
+    whose lifespan runs elsewhere)."""
     return uvicorn.Config(
         app,
         host=host,
@@ -343,7 +350,7 @@ def _uvicorn_config(
         timeout_keep_alive=5,
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
-        lifespan="on",
+        lifespan=lifespan,
         timeout_graceful_shutdown=5,
     )
 
@@ -359,7 +366,7 @@ def serve(config: ServerConfig, loader: TargetLoader | None = None) -> int:
     logs.setup(config.log_level, config.log_format)
     app = create_app(config, loader=loader)
     state: AppState = app.state.verifier
-    uv_config = _uvicorn_config(app, config, config.host, config.port, config.log_level)
+    uv_config = uvicorn_config(app, config, config.host, config.port, config.log_level)
     server = DrainingServer(uv_config, state, config.drain_timeout_s)
     state.on_load_error = lambda err: setattr(server, "should_exit", True)
     server.run()
@@ -426,7 +433,7 @@ class ThreadedServer:
     ) -> None:
         self.config = config
         self.app = create_app(config, target=target, loader=loader)
-        uv_config = _uvicorn_config(self.app, config, host, port, "warning")
+        uv_config = uvicorn_config(self.app, config, host, port, "warning")
         self.server = DrainingServer(uv_config, self.state, config.drain_timeout_s)
         self.thread = threading.Thread(target=self.server.run, name="verifier", daemon=True)
         self.host = host

@@ -54,6 +54,10 @@ def _closed(exc: TransportClosed) -> GenerationError:
     return GenerationError(message)
 
 
+# the longest wait to open a connection to a verifier's own address (welcome.direct) before the
+# session stays where it is (an address on a network the client cannot reach may never answer)
+MOVE_OPEN_S = 3.0
+
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
 
@@ -270,7 +274,7 @@ class Session:
         first, first_proto = self._transport, self.proto
         self._transport, self.proto = None, ClientProtocol()
         try:
-            moved = await self._connect(FEATURES, url=w.direct, resume=w.resume)
+            moved = await self._connect(FEATURES, url=w.direct, resume=w.resume, open_s=MOVE_OPEN_S)
         except (GenerationError, ProtocolError, OSError):
             moved = None
         if moved is not None and moved.session_id != w.session_id:  # a session of its own there
@@ -299,10 +303,15 @@ class Session:
             await asyncio.sleep(self.resume.delay(tries))
 
     async def _connect(
-        self, features: tuple[str, ...], url: str | None = None, resume: str | None = None
+        self,
+        features: tuple[str, ...],
+        url: str | None = None,
+        resume: str | None = None,
+        open_s: float | None = None,
     ) -> Welcome:
         """Open a session at `url` (the server in use if None), its hello naming `resume` (the
-        token of a dropped session if None)."""
+        token of a dropped session if None), the connection opened within `open_s` (default:
+        Timeouts.welcome_s)."""
         url = url or self.server
         resume = resume or self._resume_token
         if self._transport_factory is not None:
@@ -312,7 +321,7 @@ class Session:
                 inner = await WebSocketTransport.connect(
                     url,
                     self.api_key,
-                    open_timeout=self.timeouts.welcome_s,
+                    open_timeout=open_s or self.timeouts.welcome_s,
                     close_timeout=self.timeouts.close_s,
                     ca_file=self.ca_file if url.startswith("wss://") else None,
                     session_id=self._resume_token,

@@ -5,7 +5,8 @@ builder a Serve config names (`import_path: cloud_verifier.fleet.app:build_app`)
 A replica builds its app in the replica process (`__serve_build_asgi_app__`, Serve's late-bound
 ingress), from its own `ServerConfig` (`config.replica_config`), and is ready only once its target
 is loaded and its engine runs: the app's lifespan waits for the load, so Serve routes no session to
-a replica still loading, and a replica whose load fails never starts (Serve retries it). Its health
+a replica still loading, and a replica whose load fails never starts (Serve retries it). With
+`direct` it also listens on an address of its own, offered to clients (`direct.py`). Its health
 check fails once its engine stops or stalls. Every second it reports its sessions, queue and
 metrics to the fleet's board (`status.py`), and its `/metrics` answers with every live replica's,
 labelled by replica and node (`metrics.py`): one scrape of the fleet's address sees the fleet.
@@ -30,7 +31,8 @@ from ray import serve
 from ray.serve import Application, Deployment
 
 from cloud_verifier.app_state import AppState
-from cloud_verifier.fleet.config import DEPLOYMENT_NAME, FleetArgs, replica_config
+from cloud_verifier.fleet.config import DEPLOYMENT_NAME, DirectOptions, FleetArgs, replica_config
+from cloud_verifier.fleet.direct import DirectListener
 from cloud_verifier.fleet.metrics import ReplicaMetrics, bound, merge
 from cloud_verifier.fleet.status import ReplicaStats, board, replica_stats
 
@@ -44,12 +46,13 @@ class VerifierReplica:
     """One replica: the verifier service of `cloud-verifier serve` on this replica's ServerConfig
     (its CLOUD_VERIFIER_<FIELD> variables, then `overrides`)."""
 
-    def __init__(self, overrides: dict[str, Any]) -> None:
+    def __init__(self, overrides: dict[str, Any], direct: DirectOptions | None = None) -> None:
         # sleeping OpenMP waiters, as `cloud-verifier serve` sets them (before torch starts its pool)
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # its resume tokens name this replica, so that the fleet's router sends a resume here
         tag = serve.get_replica_context().replica_id.unique_id
         self.config = replace(replica_config(overrides), resume_tag=tag)
+        self.direct = direct  # its own address, offered to clients (direct.py); None: none
         self.state: AppState | None = None
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -73,11 +76,15 @@ class VerifierReplica:
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             async with serving(app):
                 await _loaded(state)
+                listener = await _listen(app, state, self.direct)
                 reporter = asyncio.create_task(_report(state, link))
                 try:
                     yield
                 finally:
                     reporter.cancel()
+                    if listener is not None:
+                        state.direct = None
+                        await listener.stop()
                     if close_group is not None:
                         close_group()
 
@@ -120,6 +127,18 @@ async def _loaded(state: AppState) -> None:
         if state.load_error:
             raise RuntimeError(f"cannot load the target model {state.config.model!r}: {state.load_error}")
         await asyncio.sleep(0.05)
+
+
+async def _listen(app: FastAPI, state: AppState, options: DirectOptions | None) -> DirectListener | None:
+    """The replica's own address, listening and offered to clients (None without `options`)."""
+    if options is None:
+        return None
+    listener = DirectListener(app, state.config, options)
+    await listener.start()
+    node: Callable[[], str] = ray.util.get_node_ip_address  # (untyped in Ray)
+    state.direct = listener.url(node())
+    log.info("replica listening on its own address %s", state.direct)
+    return listener
 
 
 async def _report(state: AppState, link: _BoardLink) -> None:
@@ -203,11 +222,11 @@ Verifier: Deployment = serve.deployment(name=DEPLOYMENT_NAME)(serve.ingress()(Ve
 
 def build(args: FleetArgs) -> Application:
     """The fleet's Serve application: `Verifier` with `args`' replicas and session cap."""
-    return Verifier.options(**args.deployment_options()).bind(args.replica_overrides())
+    return Verifier.options(**args.deployment_options()).bind(args.replica_overrides(), args.direct_options())
 
 
 def build_app(args: dict[str, Any]) -> Application:
     """Serve's application builder: `args` are the Serve config's (`model`, `weights`,
-    `replicas_min`, `replicas_max`, `max_sessions_per_replica`, `max_queued_requests`, all optional;
-    `FleetArgs`)."""
+    `replicas_min`, `replicas_max`, `max_sessions_per_replica`, `max_queued_requests`, `direct`,
+    `direct_port`, `direct_host`, all optional; `FleetArgs`)."""
     return build(FleetArgs.from_dict(args))

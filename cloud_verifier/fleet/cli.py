@@ -78,6 +78,27 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="autoscaling: seconds they stay below it before a replica is stopped (a stopping replica "
         "takes no new session and its open ones get --drain-timeout)",
     )
+    p.add_argument(
+        "--direct",
+        action=argparse.BooleanOptionalAction,
+        default=FleetArgs.direct,
+        help="each replica also listens on an address of its own and offers it to clients, which "
+        "move their sessions there past Serve's proxy (the proxy still routes and counts them); "
+        "for clients that can reach the replicas' nodes (others stay on the proxy)",
+    )
+    p.add_argument(
+        "--direct-port",
+        type=integer(0, 65535),
+        default=FleetArgs.direct_port,
+        help="with --direct: the port each replica listens on, or the next free one above it "
+        "(0: any free port)",
+    )
+    p.add_argument(
+        "--direct-host",
+        default=FleetArgs.direct_host,
+        help="with --direct: the host name or IP clients reach the replicas by (default: each "
+        "replica's node IP)",
+    )
     add_config_flags(p, ServerConfig, defaults=ServerConfig.from_env(), parse=field_type)
     commands = p.add_subparsers(dest="fleet_command", help="`status`: what each replica runs")
     s = commands.add_parser(
@@ -127,6 +148,9 @@ def fleet_args(args: argparse.Namespace) -> FleetArgs | str:
             max_queued_requests=args.max_queued,
             upscale_delay_s=args.upscale_delay,
             downscale_delay_s=args.downscale_delay,
+            direct=args.direct,
+            direct_port=args.direct_port,
+            direct_host=args.direct_host,
             overrides=overrides,
             **named,
         )
@@ -170,8 +194,9 @@ def _serve(fleet: FleetArgs, address: str | None, host: str, port: int) -> int:
             print(f"cloud-verifier fleet: the fleet did not start: {exc}", file=sys.stderr)
             return 1
         n = fleet.replicas_min if fleet.replicas_min == fleet.replicas_max else "autoscaled"
+        own = ", each replica offering its own address" if fleet.direct else ""
         print(
-            f"cloud-verifier fleet: {n} replicas of {fleet.model} at ws://{host}:{port}/v1/session",
+            f"cloud-verifier fleet: {n} replicas of {fleet.model} at ws://{host}:{port}/v1/session{own}",
             file=sys.stderr,
         )
         if address is not None:  # a joined cluster keeps the application

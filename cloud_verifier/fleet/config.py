@@ -39,6 +39,25 @@ NOT_PER_REPLICA = frozenset({"host", "port", "ssl_certfile", "ssl_keyfile", "res
 
 
 @dataclass(frozen=True)
+class DirectOptions:
+    """Where a replica listens on its own: `port` (0: any free port, else the first of PORT_TRIES
+    tried), `bind_host` the interface, `host` the name or IP clients reach it by ("" : its Ray
+    node's IP)."""
+
+    port: int = 0
+    bind_host: str = "0.0.0.0"
+    host: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"direct_port: expected a port number in [0, 65535], got {self.port!r}")
+        for name in ("bind_host", "host"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or len(value) > 253 or any(c in value for c in "/:@ "):
+                raise ValueError(f"direct {name}: expected a host name or IPv4 address, got {value!r}")
+
+
+@dataclass(frozen=True)
 class FleetArgs:
     """`build_app`'s arguments. `overrides`: further ServerConfig fields every replica takes
     (field name: value), on top of its CLOUD_VERIFIER_<FIELD> variables."""
@@ -53,6 +72,11 @@ class FleetArgs:
     # (stopped); Serve's defaults
     upscale_delay_s: float = 30.0
     downscale_delay_s: float = 600.0
+    # each replica also listens on an address of its own and offers it to clients (`direct.py`):
+    # the port (0: any free one), and the host clients reach it by ("": the replica's node IP)
+    direct: bool = False
+    direct_port: int = 0
+    direct_host: str = ""
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,6 +91,9 @@ class FleetArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 86400:
                 raise ValueError(f"{name}: expected seconds in [0, 86400], got {value!r}")
+        if not isinstance(self.direct, bool):
+            raise ValueError(f"direct: expected true or false, got {self.direct!r}")
+        DirectOptions(port=self.direct_port, host=self.direct_host)  # (its errors name the field)
         if self.replicas_min > self.replicas_max:
             raise ValueError(f"replicas_min {self.replicas_min} > replicas_max {self.replicas_max}")
         known = {f.name for f in fields(ServerConfig)}
@@ -93,6 +120,10 @@ class FleetArgs:
             "weights": self.weights,
             "max_sessions": self.max_sessions_per_replica,
         }
+
+    def direct_options(self) -> DirectOptions | None:
+        """Where each replica listens on its own (None: `direct` is off)."""
+        return DirectOptions(port=self.direct_port, host=self.direct_host) if self.direct else None
 
     def serve_cap(self) -> int:
         """Serve's `max_ongoing_requests` of a replica (one WebSocket is one request for as long as

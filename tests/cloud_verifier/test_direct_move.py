@@ -122,7 +122,7 @@ async def _open(
     """A raw connection: (the socket, its protocol, the answer to its hello)."""
     from websockets.asyncio.client import connect
 
-    ws = await connect(url, max_size=None)
+    ws: Any = await connect(url, max_size=None)
     proto = ClientProtocol()
     fp = hello.pop("vocab_fingerprint", tiny().vocab_fingerprint)
     await ws.send(proto.hello(Hello(vocab_fingerprint=fp, features=features, **hello)))

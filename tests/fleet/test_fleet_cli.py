@@ -56,6 +56,21 @@ def test_autoscaling_flags() -> None:
         _parse(["--downscale-delay", "-1"])
 
 
+def test_direct_flags_give_each_replica_its_own_address() -> None:
+    fleet = fleet_args(_parse([]))
+    assert isinstance(fleet, FleetArgs) and fleet.direct_options() is None
+    fleet = fleet_args(_parse(["--direct", "--direct-port", "9100", "--direct-host", "edge.example"]))
+    assert isinstance(fleet, FleetArgs)
+    options = fleet.direct_options()
+    assert options is not None and (options.port, options.host, options.bind_host) == (
+        9100,
+        "edge.example",
+        "0.0.0.0",
+    )
+    with pytest.raises(SystemExit):
+        _parse(["--direct-port", "65536"])
+
+
 def test_tensor_parallel_inside_each_replica() -> None:
     """--tensor-parallel N runs N ranks inside each replica (its --threads split among them);
     --gpus-per-replica N does so on N GPUs, which the replica holds."""

@@ -111,6 +111,9 @@ def test_the_rayservice_arguments_build_its_deployment() -> None:
         ({"model": ""}, "the model"),
         ({"overrides": {"port": 9000}}, "port is the fleet's"),
         ({"overrides": {"colour": "red"}}, "'colour' is no ServerConfig field"),
+        ({"direct": "yes"}, "direct: expected true or false"),
+        ({"direct": True, "direct_port": 70000}, "direct_port: expected a port number in [0, 65535]"),
+        ({"direct": True, "direct_host": "ws://x"}, "direct host: expected a host name"),
     ],
 )
 def test_bad_arguments_name_what_is_wrong(args: dict[str, Any], message: str) -> None:

@@ -1,7 +1,9 @@
 """The fleet on a local Ray cluster: two replicas of the tiny verifier behind Serve's proxy; every
 session through the fleet's address generates the tokens a verifier served directly generates,
 `fleet status` shows both replicas, `/metrics` through the proxy shows both replicas' metrics, and a
-session cut mid-generation resumes on the replica that holds its KV cache."""
+session cut mid-generation resumes on the replica that holds its KV cache. The replicas offer their
+own addresses (`direct`): the edge client moves its sessions there, the raw clients that do not ask
+stay on the proxy."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ TINY = FleetArgs(
     replicas_min=2,
     replicas_max=2,
     max_sessions_per_replica=4,
+    direct=True,  # each replica offers its own address: an edge client moves its sessions there
     overrides={"measure_cost": False, "max_context": 512, "kv_blocks": 2048, "threads": 1},
 )
 
@@ -100,9 +103,11 @@ def test_metrics_through_the_proxy_show_every_replica(fleet: str) -> None:
 
 
 def test_a_dropped_session_resumes_on_the_replica_that_holds_it(fleet: str) -> None:
-    """Connections cut mid-generation (no closing handshake): each resume's upgrade names its token
-    (X-Session-Id), the router sends it to the replica that gave it, which takes the session's KV
-    cache over; the output is the uninterrupted one. (The default suite's test on a Ray cluster.)"""
+    """Sessions moved to their replica's own address, cut mid-generation (no closing handshake):
+    each resume's upgrade through the fleet's address names its token (X-Session-Id), the router
+    sends it to the replica that gave it, the session moves to that replica's address again and
+    takes its KV cache over; the output is the uninterrupted one. (The default suite's test on a
+    Ray cluster.)"""
     import asyncio
 
     from edge_client.client import EdgeClient, ResumeConfig
@@ -111,7 +116,7 @@ def test_a_dropped_session_resumes_on_the_replica_that_holds_it(fleet: str) -> N
     drafter = create_drafter("torch", "tiny")
     prompts = [prompt_tokens(300 + i, 8) for i in range(4)]
 
-    async def generate(prompt: list[int], drop_at: int | None) -> tuple[list[int], int]:
+    async def generate(prompt: list[int], drop_at: int | None) -> tuple[list[int], int, int]:
         c = EdgeClient(f"{fleet}/v1/session", drafter, resume=ResumeConfig(backoff_s=0.05))
         got = 0
         async for _ in c.generate(prompt, max_new_tokens=40, raw=True):
@@ -119,7 +124,7 @@ def test_a_dropped_session_resumes_on_the_replica_that_holds_it(fleet: str) -> N
             if got == drop_at:
                 c.session._transport._ws.transport.abort()  # type: ignore[union-attr]
         assert c.last is not None
-        out = (list(c.last.tokens), c.last.stats.resumes)
+        out = (list(c.last.tokens), c.last.stats.resumes, c.session.moves)
         await c.close()
         return out
 
@@ -129,7 +134,8 @@ def test_a_dropped_session_resumes_on_the_replica_that_holds_it(fleet: str) -> N
         runs = [asyncio.run(generate(p, 3)) for p in prompts]
     finally:
         drafter.close()
-    assert [out for out, _ in runs] == direct and all(n == 1 for _, n in runs)
+    assert [out for out, _, _ in runs] == direct and all(n == 1 for _, n, _ in runs)
+    assert all(moves == 2 for _, _, moves in runs)  # the session and its resume, each moved
     url = fleet.replace("ws://", "http://") + "/metrics"
     deadline = time.monotonic() + 30
     while True:  # each replica reports its metrics every second
@@ -139,8 +145,12 @@ def test_a_dropped_session_resumes_on_the_replica_that_holds_it(fleet: str) -> N
         for s in families["cloud_verifier_resumes"].samples:
             if s.name.endswith("_total"):
                 kv[s.labels["kv"]] = kv.get(s.labels["kv"], 0.0) + s.value
-        if sum(kv.values()) >= len(prompts) or time.monotonic() > deadline:
+        moved = sum(
+            s.value for s in families["cloud_verifier_direct_moves"].samples if s.name.endswith("_total")
+        )
+        if (sum(kv.values()) >= len(prompts) and moved >= 2 * len(prompts)) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert kv.get("gone", 0.0) == 0.0  # every resume reached the replica holding its session
     assert kv.get("reused", 0.0) + kv.get("busy", 0.0) == len(prompts)
+    assert moved == 2 * len(prompts)
