@@ -3,20 +3,38 @@ continuation (`ar_tokens`), a greedy session driven by scripted trees that times
 (`timed_greedy`), and concurrent clients running sessions back to back (`ar`, or greedy with a
 cheap proposer's trees), counting the tokens that arrive in a time window (`session_load`). What
 they cost the client is little more than a frame's encoding and decoding, so that what they measure
-is the verifier and whatever stands between it and the client (bench.serving.fleet)."""
+is the verifier and whatever stands between it and the client (bench.serving.fleet).
+
+With `direct`, a session asks for its verifier's own address (hello.features `session.direct`) and,
+offered one (a fleet replica's), moves there as the edge client does: a second connection whose
+hello names the session's resume token; the first stays open, idle, until the session ends."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from websockets.sync.client import ClientConnection, connect
 
-from shared.messages import Error, Hello, Message, Mode, Prompt, Stale, Tree, Verdict, Welcome
+from shared.messages import (
+    FEATURE_DIRECT,
+    FEATURE_RESUME,
+    Error,
+    Hello,
+    Message,
+    Mode,
+    Prompt,
+    Stale,
+    Tree,
+    Verdict,
+    Welcome,
+)
 from shared.protocol import ClientProtocol
 from shared.tree import TokenTree
 
@@ -54,15 +72,64 @@ def _recv(ws: ClientConnection, proto: ClientProtocol, timeout: float) -> Messag
     return proto.receive(_binary(ws.recv(timeout)))
 
 
-def _open(url: str, fingerprint: str, timeout: float) -> tuple[ClientConnection, ClientProtocol]:
-    ws = connect(url, max_size=None, open_timeout=timeout)
-    proto = ClientProtocol()
-    ws.send(proto.hello(Hello(vocab_fingerprint=fingerprint)))
-    welcome = _recv(ws, proto, timeout)
-    if not isinstance(welcome, Welcome):
-        ws.close()
-        raise RuntimeError(f"the verifier at {url} answered the hello with {welcome}")
-    return ws, proto
+MOVE = (FEATURE_RESUME, FEATURE_DIRECT)  # the features of a session that moves when offered
+
+
+def _welcomed(msg: Message, url: str) -> Welcome:
+    if not isinstance(msg, Welcome):
+        raise RuntimeError(f"the verifier at {url} answered the hello with {msg}")
+    return msg
+
+
+def _moved(first: Welcome, msg: Message, url: str) -> None:
+    """Check that the connection to `url` took the session of `first` over."""
+    w = _welcomed(msg, url)
+    if w.session_id != first.session_id:
+        raise RuntimeError(f"the session did not move to {url}: welcomed as another session")
+
+
+@contextlib.contextmanager
+def _session(
+    url: str, fingerprint: str, timeout: float, direct: bool = False
+) -> Iterator[tuple[ClientConnection, ClientProtocol]]:
+    """A welcomed session at `url` (moved to the verifier's own address where `direct` and offered):
+    its connection and protocol; every connection is closed after."""
+    features = MOVE if direct else ()
+    with contextlib.ExitStack() as stack:
+        ws = stack.enter_context(connect(url, max_size=None, open_timeout=timeout))
+        proto = ClientProtocol()
+        ws.send(proto.hello(Hello(vocab_fingerprint=fingerprint, features=features)))
+        welcome = _welcomed(_recv(ws, proto, timeout), url)
+        if direct and welcome.direct is not None and welcome.resume is not None:
+            ws = stack.enter_context(connect(welcome.direct, max_size=None, open_timeout=timeout))
+            proto = ClientProtocol()
+            ws.send(
+                proto.hello(Hello(vocab_fingerprint=fingerprint, features=features, resume=welcome.resume))
+            )
+            _moved(welcome, _recv(ws, proto, timeout), welcome.direct)
+        yield ws, proto
+
+
+@contextlib.asynccontextmanager
+async def _async_session(
+    url: str, fingerprint: str, direct: bool
+) -> AsyncIterator[tuple[Any, ClientProtocol]]:
+    """`_session` for an event loop (connections opened within 60 s, no timeout after)."""
+    from websockets.asyncio.client import connect as aconnect
+
+    features = MOVE if direct else ()
+    async with contextlib.AsyncExitStack() as stack:
+        ws = await stack.enter_async_context(aconnect(url, max_size=None, open_timeout=60))
+        proto = ClientProtocol()
+        await ws.send(proto.hello(Hello(vocab_fingerprint=fingerprint, features=features)))
+        welcome = _welcomed(proto.receive(_binary(await ws.recv())), url)
+        if direct and welcome.direct is not None and welcome.resume is not None:
+            ws = await stack.enter_async_context(aconnect(welcome.direct, max_size=None, open_timeout=60))
+            proto = ClientProtocol()
+            hello = Hello(vocab_fingerprint=fingerprint, features=features, resume=welcome.resume)
+            await ws.send(proto.hello(hello))
+            _moved(welcome, proto.receive(_binary(await ws.recv())), welcome.direct)
+        yield ws, proto
 
 
 def _verdict(msg: Message) -> Verdict | None:
@@ -79,9 +146,8 @@ def _verdict(msg: Message) -> Verdict | None:
 def ar_tokens(url: str, fingerprint: str, prompt: list[int], n: int, timeout: float = 120.0) -> list[int]:
     """The target's greedy continuation of `prompt` (up to `n` tokens), as an `ar` session at `url`
     generates it."""
-    ws, proto = _open(url, fingerprint, timeout)
     out: list[int] = []
-    with ws:
+    with _session(url, fingerprint, timeout) as (ws, proto):
         ws.send(proto.prompt(Prompt(tokens=np.array(prompt), mode=Mode.AR, max_new_tokens=n)))
         while True:
             v = _verdict(_recv(ws, proto, timeout))
@@ -102,17 +168,21 @@ def timed_greedy(
     vocab: int,
     nodes: int = 8,
     timeout: float = 120.0,
-) -> tuple[list[int], list[float]]:
-    """One greedy generation of `n` tokens at `url`, each round's tree scripted (`scripted_tree`)
-    from `reference` (the target's continuation of `prompt`, `ar_tokens`) and `seed`: its tokens and
-    the seconds from each frame sent to its verdict, the prompt's round (which carries the prefill)
-    first. The same arguments send the same frames to any verifier of the same target."""
+    direct: bool = False,
+) -> tuple[list[int], list[float], float]:
+    """One greedy generation of `n` tokens at `url` (moved to the verifier's own address where
+    `direct`), each round's tree scripted (`scripted_tree`) from `reference` (the target's
+    continuation of `prompt`, `ar_tokens`) and `seed`: its tokens, the seconds from each frame sent
+    to its verdict, the prompt's round (which carries the prefill) first, and the seconds the
+    session took to open (connect, hello, welcome, and the move). The same arguments send the same
+    frames to any verifier of the same target."""
     rng = random.Random(seed)
     ref_full = prompt + reference
-    ws, proto = _open(url, fingerprint, timeout)
     out: list[int] = []
     rounds: list[float] = []
-    with ws:
+    opening = time.perf_counter()
+    with _session(url, fingerprint, timeout, direct) as (ws, proto):
+        opened = time.perf_counter() - opening
         first = scripted_tree(rng, prompt, ref_full, nodes, vocab)
         sent = time.perf_counter()
         ws.send(proto.prompt(Prompt(tokens=np.array(prompt), mode=Mode.GREEDY, max_new_tokens=n, tree=first)))
@@ -124,7 +194,7 @@ def timed_greedy(
             rounds.append(time.perf_counter() - sent)
             out.extend(v.tokens.tolist())
             if v.done:
-                return out, rounds
+                return out, rounds, opened
             round_id = max(round_id, proto.last_round) + 1
             tree = scripted_tree(rng, proto.committed, ref_full, nodes, vocab)
             sent = time.perf_counter()
@@ -154,21 +224,15 @@ async def _load_client(
     propose: Proposer | None,
     window: tuple[float, float],
     tally: LoadTally,
+    direct: bool = False,
 ) -> None:
-    """Sessions back to back, one connection each, until the window (loop times) ends: greedy with
-    `propose`'s tree each round, or `ar` without one."""
-    from websockets.asyncio.client import connect as aconnect
-
+    """Sessions back to back, one connection each (two where `direct` moves them), until the window
+    (loop times) ends: greedy with `propose`'s tree each round, or `ar` without one."""
     loop = asyncio.get_running_loop()
     start, end = window
     while loop.time() < end:
         try:
-            async with aconnect(url, max_size=None, open_timeout=60) as ws:
-                proto = ClientProtocol()
-                await ws.send(proto.hello(Hello(vocab_fingerprint=fingerprint)))
-                welcome = proto.receive(_binary(await ws.recv()))
-                if not isinstance(welcome, Welcome):
-                    raise RuntimeError(f"hello answered with {welcome}")
+            async with _async_session(url, fingerprint, direct) as (ws, proto):
                 prompt = random_prompt(prompts, 16, vocab)
                 first = Prompt(
                     tokens=np.array(prompt),
@@ -211,18 +275,20 @@ async def session_load(
     vocab: int,
     propose: Proposer | None = None,
     tick: Callable[[float, LoadTally], None] | None = None,
+    direct: bool = False,
 ) -> LoadTally:
     """`clients` concurrent clients, each running sessions of `n` tokens back to back on random
     prompts (seeded), greedy with `propose`'s trees or `ar` (None), from now until `window`
     (warm-up seconds, measured seconds) has passed; tallies what arrived in the measured seconds.
-    `tick(seconds into the measured window, tally)` is called twice a second (a progress bar)."""
+    `tick(seconds into the measured window, tally)` is called twice a second (a progress bar).
+    `direct`: each session moves to its verifier's own address where offered."""
     loop = asyncio.get_running_loop()
     start = loop.time() + window[0]
     end = start + window[1]
     tally = LoadTally()
     rngs = [random.Random(seed * 1000 + i) for i in range(clients)]
     clients_done = asyncio.gather(
-        *(_load_client(url, fingerprint, r, vocab, n, propose, (start, end), tally) for r in rngs)
+        *(_load_client(url, fingerprint, r, vocab, n, propose, (start, end), tally, direct) for r in rngs)
     )
     while tick is not None and not clients_done.done():
         tick(loop.time() - start, tally)

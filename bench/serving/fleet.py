@@ -5,17 +5,21 @@ the tokens/s of one replica against two.
     python -m bench fleet --parts overhead --verify-sessions 20 --frames 300
     python -m bench fleet --parts resume --sessions 40
     python -m bench fleet --parts throughput --clients 8 --seconds 60
+    python -m bench fleet --direct          # sessions moved to the replicas' own addresses
 
 A local Ray cluster runs here: Serve's proxy on a free loopback port and the fleet of `cloud-verifier
 fleet` (its router sends a resume to the replica its token names), every replica started with the
-flags the direct verifier gets (`--model`, `--threads`, no cost measurement, a fixed KV pool). The
-parts (`--parts`, all by default):
+flags the direct verifier gets (`--model`, `--threads`, no cost measurement, a fixed KV pool). With
+`--direct` the fleet runs `cloud-verifier fleet --direct`: each replica offers its own address and
+every client of the fleet moves its sessions there (Serve's proxy routes them and keeps an idle
+connection of each; the frames of the rounds bypass it). The parts (`--parts`, all by default):
 
 - overhead: one replica. The same greedy sessions (random prompts, each round's tree scripted from
   the target's own continuation, `--nodes` nodes) go to a `cloud-verifier serve` process and through
   the fleet, alternately. Per verify round (the prompt's round, which carries the prefill, apart):
   median and 90th percentile ms of each, the difference in ms and as a share of the direct round;
-  ms per token likewise (both generate the same tokens in the same rounds, which is checked). The
+  ms per token likewise (both generate the same tokens in the same rounds, which is checked); the
+  session's opening (connect, hello, welcome, and with `--direct` the move) likewise. The
   proxy alone beside it: a 64-byte WebSocket echo, its connect and `GET /healthz`, on uvicorn and
   through Serve. Goal: the fleet adds at most 2 ms, or at most 5 % of ms per token, to a round.
 - resume: two replicas. `--sessions` edge generations (the tiny torch drafter, resume on), each run
@@ -91,6 +95,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "--device",
         default="cpu",
         help="the direct verifier's and each replica's device (cpu, cuda: a replica then holds a GPU)",
+    )
+    ap.add_argument(
+        "--direct",
+        action="store_true",
+        help="deploy the fleet with --direct: sessions move to the replicas' own addresses, past "
+        "Serve's proxy (the proxy still routes them)",
     )
     ap.add_argument("--verify-sessions", type=int, default=10, help="overhead: greedy sessions on each side")
     ap.add_argument("--nodes", type=int, default=8, help="overhead: nodes of each scripted tree")
@@ -210,7 +220,8 @@ def serve_flags(a: argparse.Namespace) -> list[str]:
 
 
 def fleet_flags(a: argparse.Namespace) -> list[str]:
-    return ["--model", a.model, "--threads", str(a.threads), *serve_flags(a), "--log-level", "warning"]
+    own = ["--direct", "--direct-host", "127.0.0.1"] if a.direct else []
+    return ["--model", a.model, "--threads", str(a.threads), *serve_flags(a), *own, "--log-level", "warning"]
 
 
 # ------------------------------------------------------------------------------ overhead
@@ -226,6 +237,7 @@ def overhead(
     rounds: dict[str, list[float]] = {"direct": [], "fleet": []}
     firsts: dict[str, list[float]] = {"direct": [], "fleet": []}
     per_token: dict[str, list[float]] = {"direct": [], "fleet": []}
+    opening: dict[str, list[float]] = {"direct": [], "fleet": []}
     outs: dict[str, list[list[int]]] = {"direct": [], "fleet": []}
     echo: dict[str, tuple[list[float], list[float], list[float]]] = {
         "direct": ([], [], []),
@@ -242,7 +254,17 @@ def overhead(
             ref = ar_tokens(direct.url, fp, prompt, a.tokens)
             sides = ["direct", "fleet"] if i % 2 else ["fleet", "direct"]  # each goes first in turn
             for side in sides:
-                out, times = timed_greedy(urls[side], fp, prompt, ref, a.tokens, a.seed + i, vocab, a.nodes)
+                out, times, opened = timed_greedy(
+                    urls[side],
+                    fp,
+                    prompt,
+                    ref,
+                    a.tokens,
+                    a.seed + i,
+                    vocab,
+                    a.nodes,
+                    direct=side == "fleet" and a.direct,
+                )
                 bar.update()
                 if i == 0:
                     continue  # warm-up: each side's first session
@@ -250,6 +272,7 @@ def overhead(
                 firsts[side].append(times[0])
                 rounds[side].extend(times[1:])
                 per_token[side].append(sum(times) / max(1, len(out)))
+                opening[side].append(opened)
         if reps:
             bases = {"direct": stack.enter_context(echo_process()), "fleet": fleet.deploy_echo()}
             for rep in range(reps):
@@ -265,6 +288,7 @@ def overhead(
         compare("verify round", rounds["direct"], rounds["fleet"]),
         compare("prompt round", firsts["direct"], firsts["fleet"]),
         compare("ms per token", per_token["direct"], per_token["fleet"]),
+        compare("session opening", opening["direct"], opening["fleet"]),
     ]
     if reps:
         rows += [
@@ -383,7 +407,16 @@ def throughput(a: argparse.Namespace, fleet: LocalFleet, fp: str, vocab: int) ->
 
         tally = asyncio.run(
             session_load(
-                fleet.url, fp, a.clients, a.tokens, (a.warmup, a.seconds), a.seed, vocab, trees, tick
+                fleet.url,
+                fp,
+                a.clients,
+                a.tokens,
+                (a.warmup, a.seconds),
+                a.seed,
+                vocab,
+                trees,
+                tick,
+                a.direct,
             )
         )
         bar.n = a.seconds
@@ -396,6 +429,7 @@ def throughput(a: argparse.Namespace, fleet: LocalFleet, fp: str, vocab: int) ->
                 "replicas": replicas,
                 "clients": a.clients,
                 "load": a.load,
+                "direct": a.direct,
                 "seconds": a.seconds,
                 "tokens": tally.tokens,
                 "tokens_per_s": round(tally.tokens / a.seconds, 1),
@@ -502,7 +536,13 @@ def run(a: argparse.Namespace) -> Result:
     return Result(
         rows,
         text,
-        extra={"goals": goals, "cpus": cpus, "fleet_tokens_identical": same, "records": records},
+        extra={
+            "goals": goals,
+            "cpus": cpus,
+            "direct": a.direct,
+            "fleet_tokens_identical": same,
+            "records": records,
+        },
         status=0 if identical else 1,
     )
 

@@ -119,3 +119,26 @@ def test_bad_counts_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit) as exit_:
         bench_fleet.main(["--sessions", "0"])
     assert exit_.value.code == 2 and "--sessions" in capsys.readouterr().err
+
+
+def test_raw_sessions_move_to_the_verifiers_own_address_where_offered() -> None:
+    """bench.fleet --direct's clients: a session asking for it moves (the same tokens, one move
+    counted by the verifier), one that does not stays."""
+    import asyncio
+
+    from bench.lib.raw_sessions import ar_tokens, session_load, timed_greedy
+    from tests.cloud_verifier.service import LiveServer, tiny
+
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    target = tiny()
+    fp, vocab = target.vocab_fingerprint, target.config.vocab_size
+    with LiveServer() as server:
+        server.state.direct = server.ws.replace("127.0.0.1", "localhost")
+        ref = ar_tokens(server.ws, fp, prompt, 16)
+        stayed, _, _ = timed_greedy(server.ws, fp, prompt, ref, 16, 0, vocab)
+        moved, rounds, opened = timed_greedy(server.ws, fp, prompt, ref, 16, 0, vocab, direct=True)
+        moves = server.state.metrics.direct_moves._value.get()
+        tally = asyncio.run(session_load(server.ws, fp, 2, 8, (0.0, 1.5), 0, vocab, direct=True))
+        moves_under_load = server.state.metrics.direct_moves._value.get() - moves
+    assert stayed == moved == ref and moves == 1 and opened > 0 and len(rounds) >= 1
+    assert tally.errors == [] and tally.tokens > 0 and moves_under_load >= 2
