@@ -5,6 +5,7 @@ every replica's samples labelled `replica`, summed by a label (`labelled_totals`
 
 from __future__ import annotations
 
+import contextlib
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -134,6 +135,18 @@ class LocalFleet:
             text: str = r.read().decode()
         return text
 
+    def replica_pids(self, replicas: int, timeout_s: float = 30.0) -> list[int]:
+        """The PIDs of the fleet's running replicas, once `replicas` of them have reported (every
+        second), in order."""
+        from cloud_verifier.fleet.status import fleet_status
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pids = sorted(int(r["pid"]) for r in fleet_status() if r["state"] == "RUNNING" and r["pid"])
+            if len(pids) >= replicas or time.monotonic() > deadline:
+                return pids
+            time.sleep(0.5)
+
     def totals(
         self, family: str, label: str, at_least: float = 0.0, timeout_s: float = 30.0
     ) -> dict[str, float]:
@@ -145,6 +158,23 @@ class LocalFleet:
             if sum(got.values()) >= at_least or time.monotonic() > deadline:
                 return got
             time.sleep(0.5)
+
+
+def pin(pids: Sequence[int], cores_each: int) -> list[list[int]]:
+    """Confine each process of `pids` to cores of its own (`taskset -p` for every thread it has;
+    threads it starts later inherit it): the i-th to the i-th run of `cores_each` cores, wrapping
+    around the cores this process may use. Returns each one's cores."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    out = []
+    for i, pid in enumerate(pids):
+        mine = [cores[(i * cores_each + k) % len(cores)] for k in range(cores_each)]
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(ProcessLookupError):  # (a thread that just ended)
+                os.sched_setaffinity(int(tid), mine)
+        out.append(mine)
+    return out
 
 
 def ray_missing() -> str | None:

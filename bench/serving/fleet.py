@@ -31,9 +31,11 @@ connection of each; the frames of the rounds bypass it). The parts (`--parts`, a
 - throughput: a fleet of one replica, then of two, under the same load: `--clients` raw protocol
   clients in one event loop, no drafting model (`--load`: greedy sessions with prompt-lookup trees,
   several tokens a frame, or `ar`, one token a frame), sessions back to back for `--warmup` then
-  `--seconds` seconds; tokens/s over all sessions in those seconds and the ratio. Goal: 1.7x. On a
-  machine with few cores the client, Serve's proxy and Ray's own processes share them with the
-  replicas (the CPU count is reported).
+  `--seconds` seconds; tokens/s over all sessions in those seconds and the ratio. Goal: 1.7x, one
+  core each: with `--pin` (the default) each replica's threads are confined to `--threads` cores of
+  their own (the first replica to the first), so that a lone replica does not spread its event loop
+  and engine over the idle cores. On a machine with few cores the client, Serve's proxy and Ray's
+  own processes share them with the replicas (the CPU count is reported).
 
 Exit status 1 when an output differs (a resumed generation from its uninterrupted run, or the
 fleet's greedy tokens from the direct verifier's); goals missed are reported, not failed.
@@ -59,6 +61,7 @@ from bench.lib.runner import Result, UsageError
 from bench.lib.stats import median, percentile
 
 if TYPE_CHECKING:
+    from bench.lib.raw_sessions import Proposer
     from bench.lib.ray_fleet import LocalFleet
     from shared.tree import TokenTree
 
@@ -78,6 +81,17 @@ def parts_list(text: str) -> list[str]:
     if unknown or not chosen:
         raise argparse.ArgumentTypeError(f"expected some of {','.join(PARTS)}, got {text!r}")
     return [p for p in PARTS if p in chosen]
+
+
+def _counts(text: str) -> list[int]:
+    """An argparse type: a comma list of whole numbers >= 1."""
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected a comma list of whole numbers >= 1, got {text!r}")
+    return counts
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -113,10 +127,25 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sessions", type=int, default=40, help="resume: generations, each cut once")
     ap.add_argument("--clients", type=int, default=8, help="throughput: concurrent clients")
     ap.add_argument(
+        "--clients-per-replica",
+        type=_counts,
+        default=None,
+        help="throughput: loads of this many concurrent clients per replica (a comma list) instead of "
+        "--clients: each fleet at the same loads per replica, its continuous batching as full as the "
+        "lone replica's; a fleet's saturation is its best tokens/s over them",
+    )
+    ap.add_argument(
         "--load",
         choices=["greedy", "ar"],
         default="greedy",
         help="throughput: the clients' sessions: greedy with prompt-lookup trees, or ar",
+    )
+    ap.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="throughput: confine each replica to --threads cores of its own (as taskset does), so "
+        "that one replica is measured on one core's worth, not helped by the idle rest",
     )
     ap.add_argument("--seconds", type=float, default=30.0, help="throughput: measured seconds per fleet")
     ap.add_argument("--warmup", type=float, default=3.0, help="throughput: seconds of load before them")
@@ -195,8 +224,11 @@ def replica_split(before: Mapping[str, float], after: Mapping[str, float]) -> st
 
 
 def scaling(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """tokens/s of the largest fleet over the one-replica fleet's, and the goal (MIN_SCALING)."""
-    by = {r["replicas"]: r["tokens_per_s"] for r in rows}
+    """Saturation tokens/s (the best over the loads tried) of the largest fleet over the one-replica
+    fleet's, and the goal (MIN_SCALING)."""
+    by: dict[int, float] = {}
+    for r in rows:
+        by[r["replicas"]] = max(by.get(r["replicas"], 0.0), r["tokens_per_s"])
     one, most = by.get(1), by.get(max(by)) if by else None
     ratio = round(most / one, 2) if one and most is not None and max(by) > 1 else None
     return {"ratio": ratio, "goal": f">= {MIN_SCALING:g}x", "met": ratio is not None and ratio >= MIN_SCALING}
@@ -215,7 +247,7 @@ def serve_flags(a: argparse.Namespace) -> list[str]:
         "--max-context",
         str(max(512, a.tokens + 128)),
         "--max-sessions",
-        str(max(8, a.clients)),
+        str(max(8, a.clients, 2 * max(a.clients_per_replica or [0]))),
     ]
 
 
@@ -378,8 +410,9 @@ def resume(
 
 # ------------------------------------------------------------------------------ throughput
 def throughput(a: argparse.Namespace, fleet: LocalFleet, fp: str, vocab: int) -> list[dict[str, Any]]:
-    """tokens/s of a fleet of 1 replica, then of 2, under the same load."""
-    from bench.lib.raw_sessions import LoadTally, Proposer, session_load
+    """tokens/s of a fleet of 1 replica, then of 2, under the same loads (per replica, with
+    --clients-per-replica)."""
+    from bench.lib.ray_fleet import pin
     from bench.serving.proposer import LookupConfig, propose
 
     lookup = LookupConfig()
@@ -388,57 +421,64 @@ def throughput(a: argparse.Namespace, fleet: LocalFleet, fp: str, vocab: int) ->
         return propose(committed, lookup)
 
     trees: Proposer | None = proposer if a.load == "greedy" else None
-
     rows = []
     for replicas in (1, 2):
         fleet.deploy(fleet_flags(a), replicas)
-        before = fleet.totals("specdec_emitted_tokens", "replica")
-        bar = tqdm(
-            total=a.seconds,
-            desc=f"fleet throughput, {replicas} replica{'s' if replicas > 1 else ''}",
-            file=sys.stderr,
-            disable=a.no_progress,
-            bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s{postfix}",
+        cores = pin(fleet.replica_pids(replicas), a.threads) if a.pin else []
+        loads = (
+            [a.clients] if a.clients_per_replica is None else [n * replicas for n in a.clients_per_replica]
         )
-
-        def tick(at: float, tally: LoadTally, bar: Any = bar) -> None:
-            bar.n = min(max(at, 0.0), a.seconds)
-            bar.set_postfix_str(f"{tally.tokens / at:.0f} tok/s" if at >= 1 else "warming up")
-
-        tally = asyncio.run(
-            session_load(
-                fleet.url,
-                fp,
-                a.clients,
-                a.tokens,
-                (a.warmup, a.seconds),
-                a.seed,
-                vocab,
-                trees,
-                tick,
-                a.direct,
-            )
-        )
-        bar.n = a.seconds
-        bar.close()
-        time.sleep(1.5)  # each replica reports its metrics every second
-        after = fleet.totals("specdec_emitted_tokens", "replica")
-        rows.append(
-            {
-                "part": "throughput",
-                "replicas": replicas,
-                "clients": a.clients,
-                "load": a.load,
-                "direct": a.direct,
-                "seconds": a.seconds,
-                "tokens": tally.tokens,
-                "tokens_per_s": round(tally.tokens / a.seconds, 1),
-                "sessions": tally.sessions,
-                "errors": len(tally.errors),
-                "by_replica_pct": replica_split(before, after),
-            }
-        )
+        for clients in loads:
+            row = _load_row(a, fleet, fp, vocab, trees, replicas, clients)
+            rows.append({**row, "cores": " | ".join(",".join(map(str, c)) for c in cores) or "any"})
     return rows
+
+
+def _load_row(
+    a: argparse.Namespace,
+    fleet: LocalFleet,
+    fp: str,
+    vocab: int,
+    trees: Proposer | None,
+    replicas: int,
+    clients: int,
+) -> dict[str, Any]:
+    """One throughput row: `clients` on the fleet deployed now (of `replicas`)."""
+    from bench.lib.raw_sessions import LoadTally, session_load
+
+    before = fleet.totals("specdec_emitted_tokens", "replica")
+    bar = tqdm(
+        total=a.seconds,
+        desc=f"fleet throughput, {replicas} replica{'s' if replicas > 1 else ''}, {clients} clients",
+        file=sys.stderr,
+        disable=a.no_progress,
+        bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s{postfix}",
+    )
+
+    def tick(at: float, tally: LoadTally) -> None:
+        bar.n = min(max(at, 0.0), a.seconds)
+        bar.set_postfix_str(f"{tally.tokens / at:.0f} tok/s" if at >= 1 else "warming up")
+
+    window = (a.warmup, a.seconds)
+    load = session_load(fleet.url, fp, clients, a.tokens, window, a.seed, vocab, trees, tick, a.direct)
+    tally = asyncio.run(load)
+    bar.n = a.seconds
+    bar.close()
+    time.sleep(1.5)  # each replica reports its metrics every second
+    after = fleet.totals("specdec_emitted_tokens", "replica")
+    return {
+        "part": "throughput",
+        "replicas": replicas,
+        "clients": clients,
+        "load": a.load,
+        "direct": a.direct,
+        "seconds": a.seconds,
+        "tokens": tally.tokens,
+        "tokens_per_s": round(tally.tokens / a.seconds, 1),
+        "sessions": tally.sessions,
+        "errors": len(tally.errors),
+        "by_replica_pct": replica_split(before, after),
+    }
 
 
 # ------------------------------------------------------------------------------ the run

@@ -61,6 +61,16 @@ def test_scaling_is_two_replicas_over_one() -> None:
     rows = [{"replicas": 1, "tokens_per_s": 100.0}, {"replicas": 2, "tokens_per_s": 180.0}]
     assert bench_fleet.scaling(rows) == {"ratio": 1.8, "goal": ">= 1.7x", "met": True}
     assert not bench_fleet.scaling(rows[:1])["met"]
+    # saturation: each fleet's best over the loads tried
+    loads = [*rows, {"replicas": 1, "tokens_per_s": 120.0}, {"replicas": 2, "tokens_per_s": 170.0}]
+    assert bench_fleet.scaling(loads)["ratio"] == 1.5
+
+
+def test_clients_per_replica_is_a_list_of_loads() -> None:
+    assert bench_fleet._counts("8,16") == [8, 16]
+    for bad in ("", "0", "4,x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole numbers"):
+            bench_fleet._counts(bad)
 
 
 MERGED = """# HELP cloud_verifier_resumes_total Sessions resuming
