@@ -5,14 +5,15 @@ the tokens/s of one replica against two.
     python -m bench fleet --parts overhead --verify-sessions 20 --frames 300
     python -m bench fleet --parts resume --sessions 40
     python -m bench fleet --parts throughput --clients 8 --seconds 60
-    python -m bench fleet --direct          # sessions moved to the replicas' own addresses
+    python -m bench fleet --no-direct       # every frame through Serve's proxy
 
 A local Ray cluster runs here: Serve's proxy on a free loopback port and the fleet of `cloud-verifier
 fleet` (its router sends a resume to the replica its token names), every replica started with the
-flags the direct verifier gets (`--model`, `--threads`, no cost measurement, a fixed KV pool). With
-`--direct` the fleet runs `cloud-verifier fleet --direct`: each replica offers its own address and
-every client of the fleet moves its sessions there (Serve's proxy routes them and keeps an idle
-connection of each; the frames of the rounds bypass it). The parts (`--parts`, all by default):
+flags the direct verifier gets (`--model`, `--threads`, no cost measurement, a fixed KV pool). As
+`cloud-verifier fleet` does by default (`--direct`), each replica offers its own address and every
+client of the fleet moves its sessions there (Serve's proxy routes them and keeps an idle
+connection of each; the frames of the rounds bypass it); `--no-direct` keeps every frame on the
+proxy. The parts (`--parts`, all by default):
 
 - overhead: one replica. The same greedy sessions (random prompts, each round's tree scripted from
   the target's own continuation, `--nodes` nodes) go to a `cloud-verifier serve` process and through
@@ -112,9 +113,11 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--direct",
-        action="store_true",
-        help="deploy the fleet with --direct: sessions move to the replicas' own addresses, past "
-        "Serve's proxy (the proxy still routes them)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the fleet's clients move their sessions to the replicas' own addresses, past Serve's "
+        "proxy, which still routes them (cloud-verifier fleet --direct); --no-direct: every frame "
+        "through the proxy",
     )
     ap.add_argument("--verify-sessions", type=int, default=10, help="overhead: greedy sessions on each side")
     ap.add_argument("--nodes", type=int, default=8, help="overhead: nodes of each scripted tree")
@@ -252,7 +255,7 @@ def serve_flags(a: argparse.Namespace) -> list[str]:
 
 
 def fleet_flags(a: argparse.Namespace) -> list[str]:
-    own = ["--direct", "--direct-host", "127.0.0.1"] if a.direct else []
+    own = ["--direct", "--direct-host", "127.0.0.1"] if a.direct else ["--no-direct"]
     return ["--model", a.model, "--threads", str(a.threads), *serve_flags(a), *own, "--log-level", "warning"]
 
 

@@ -83,8 +83,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         action=argparse.BooleanOptionalAction,
         default=FleetArgs.direct,
         help="each replica also listens on an address of its own and offers it to clients, which "
-        "move their sessions there past Serve's proxy (the proxy still routes and counts them); "
-        "for clients that can reach the replicas' nodes (others stay on the proxy)",
+        "move their sessions there past Serve's proxy (the proxy still routes and counts them); a "
+        "client that cannot reach it stays on the proxy after at most 3 s; --no-direct where clients "
+        "never can (outside a Kubernetes cluster)",
     )
     p.add_argument(
         "--direct-port",

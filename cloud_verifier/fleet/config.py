@@ -74,7 +74,7 @@ class FleetArgs:
     downscale_delay_s: float = 600.0
     # each replica also listens on an address of its own and offers it to clients (`direct.py`):
     # the port (0: any free one), and the host clients reach it by ("": the replica's node IP)
-    direct: bool = False
+    direct: bool = True
     direct_port: int = 0
     direct_host: str = ""
     overrides: dict[str, Any] = field(default_factory=dict)

@@ -28,6 +28,7 @@ import pytest
 import yaml
 
 from cloud_verifier.cli import build_parser
+from cloud_verifier.fleet.config import FleetArgs
 from cloud_verifier.server_config import WEIGHTS, ServerConfig, field_type
 from shared.config_cli import config_values
 
@@ -37,7 +38,7 @@ RAYSERVICE_SCHEMA = MANIFESTS / "schemas" / "rayservice-v1.json"
 # a recent release among those kubernetes-validate bundles
 KUBERNETES_VERSION = "1.33.0"
 FLEET_IMPORT_PATH = "cloud_verifier.fleet.app:build_app"
-FLEET_ARGS = {"model", "weights", "replicas_min", "replicas_max", "max_sessions_per_replica"}
+FLEET_ARGS = {"model", "weights", "replicas_min", "replicas_max", "max_sessions_per_replica", "direct"}
 VERIFIER_FILES = ("verifier.yaml", "verifier-gpu.yaml")
 GPU = "nvidia.com/gpu"
 
@@ -245,6 +246,8 @@ def test_serve_config_names_the_fleet_app() -> None:
     assert args["weights"] in WEIGHTS
     assert 1 <= args["replicas_min"] <= args["replicas_max"]
     assert args["max_sessions_per_replica"] >= 1
+    assert args["direct"] is False  # clients outside the cluster reach only Serve's proxy
+    FleetArgs.from_dict(args)  # the arguments build_app takes
     (deployment,) = app["deployments"]
     scaling = deployment["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"]) == (args["replicas_min"], args["replicas_max"])

@@ -57,9 +57,11 @@ def test_autoscaling_flags() -> None:
 
 
 def test_direct_flags_give_each_replica_its_own_address() -> None:
-    fleet = fleet_args(_parse([]))
+    fleet = fleet_args(_parse(["--no-direct"]))
     assert isinstance(fleet, FleetArgs) and fleet.direct_options() is None
-    fleet = fleet_args(_parse(["--direct", "--direct-port", "9100", "--direct-host", "edge.example"]))
+    fleet = fleet_args(_parse([]))
+    assert isinstance(fleet, FleetArgs) and fleet.direct_options() is not None  # the default
+    fleet = fleet_args(_parse(["--direct-port", "9100", "--direct-host", "edge.example"]))
     assert isinstance(fleet, FleetArgs)
     options = fleet.direct_options()
     assert options is not None and (options.port, options.host, options.bind_host) == (
