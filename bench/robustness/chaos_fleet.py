@@ -4,8 +4,9 @@ A fleet of `--replicas` tiny verifiers runs on a local Ray cluster started here 
 free port, the fleet's router). Each batch, `--clients` edges (the tiny torch drafter, resume on)
 generate from random prompts in greedy and seeded `match` modes: once uninterrupted, then again
 while one running replica, chosen at random, is killed after a random number of the first edge's
-verdicts. Every edge whose session was on the killed replica resumes through the fleet's address
-on another replica and re-sends its committed tokens. Before the next batch Serve has replaced the
+verdicts. The replicas offer their own addresses (the fleet's default), so each session moves there
+(counted: `sessions_moved` of `sessions`). Every edge whose session was on the killed replica
+resumes through the fleet's address on another replica and re-sends its committed tokens. Before the next batch Serve has replaced the
 killed replica (reported: the time from the kill until the fleet runs `--replicas` again, at most
 the batch's end, when it is first checked). Reported as `bench.chaos`: whether every interrupted
 output equals its uninterrupted run, tokens lost and repeated, the resumes' times (drop to the new
@@ -91,6 +92,8 @@ class _Edges:
         self.resume = ResumeConfig(attempts=200, backoff_s=0.1, max_backoff_s=0.5)
         self.killed: set[int] = set()
         self.killed_at: list[float] = []
+        self.sessions = 0  # sessions opened (resumes included), and those moved to a replica's own address
+        self.moved = 0
 
     async def generate(self, i: int, job: Job, kill: Any) -> Output:
         """Edge `i`'s generation of `job` (its tokens, its resumes' seconds); `kill(n)` after
@@ -106,6 +109,8 @@ class _Edges:
         assert c.last is not None
         out = list(c.last.tokens)
         await c.close()
+        self.sessions += 1 + len(c.resumes)
+        self.moved += c.session.moves
         return out, c.resumes
 
     async def batch(self, jobs: list[Job], victim: int | None, at: int) -> list[Output]:
@@ -177,5 +182,8 @@ def run_fleet(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, An
         "replica_kills": len(edges.killed),
         "replaced_s_median": median(replaced_s, 1),
         "replaced_s_max": round(max(replaced_s), 1) if replaced_s else None,
+        "direct": fleet.direct,
+        "sessions": edges.sessions,
+        "sessions_moved": edges.moved,
     }
     return records, own
