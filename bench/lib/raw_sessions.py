@@ -266,7 +266,7 @@ async def _load_client(
 
 
 async def session_load(
-    url: str,
+    url: str | Sequence[str],
     fingerprint: str,
     clients: int,
     n: int,
@@ -281,14 +281,19 @@ async def session_load(
     prompts (seeded), greedy with `propose`'s trees or `ar` (None), from now until `window`
     (warm-up seconds, measured seconds) has passed; tallies what arrived in the measured seconds.
     `tick(seconds into the measured window, tally)` is called twice a second (a progress bar).
-    `direct`: each session moves to its verifier's own address where offered."""
+    `direct`: each session moves to its verifier's own address where offered. Several URLs
+    (verifiers of one target): client i runs its sessions on the i-th, in turn."""
+    urls = [url] if isinstance(url, str) else list(url)
     loop = asyncio.get_running_loop()
     start = loop.time() + window[0]
     end = start + window[1]
     tally = LoadTally()
     rngs = [random.Random(seed * 1000 + i) for i in range(clients)]
     clients_done = asyncio.gather(
-        *(_load_client(url, fingerprint, r, vocab, n, propose, (start, end), tally, direct) for r in rngs)
+        *(
+            _load_client(urls[i % len(urls)], fingerprint, r, vocab, n, propose, (start, end), tally, direct)
+            for i, r in enumerate(rngs)
+        )
     )
     while tick is not None and not clients_done.done():
         tick(loop.time() - start, tally)

@@ -6,11 +6,11 @@ generate from random prompts in greedy and seeded `match` modes: once uninterrup
 while one running replica, chosen at random, is killed after a random number of the first edge's
 verdicts. The replicas offer their own addresses (the fleet's default), so each session moves there
 (counted: `sessions_moved` of `sessions`). Every edge whose session was on the killed replica
-resumes through the fleet's address on another replica and re-sends its committed tokens. Before the next batch Serve has replaced the
-killed replica (reported: the time from the kill until the fleet runs `--replicas` again, at most
-the batch's end, when it is first checked). Reported as `bench.chaos`: whether every interrupted
-output equals its uninterrupted run, tokens lost and repeated, the resumes' times (drop to the new
-welcome), and the replacement times.
+resumes through the fleet's address on another replica and re-sends its committed tokens. Before
+the next batch Serve has replaced the killed replica (reported: the time from the kill until the
+fleet runs `--replicas` again, at most the batch's end, when it is first checked). Reported as
+`bench.chaos`: whether every interrupted output equals its uninterrupted run, tokens lost and
+repeated, the resumes' times (drop to the new welcome), and the replacement times.
 """
 
 from __future__ import annotations

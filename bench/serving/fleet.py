@@ -150,6 +150,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         help="throughput: confine each replica to --threads cores of its own (as taskset does), so "
         "that one replica is measured on one core's worth, not helped by the idle rest",
     )
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="throughput: also the same loads on 1 and 2 `cloud-verifier serve` processes with no Ray "
+        "(one core each, clients spread over them): the machine's own scaling, the fleet's ceiling",
+    )
     ap.add_argument("--seconds", type=float, default=30.0, help="throughput: measured seconds per fleet")
     ap.add_argument("--warmup", type=float, default=3.0, help="throughput: seconds of load before them")
     add_common_args(
@@ -228,10 +234,11 @@ def replica_split(before: Mapping[str, float], after: Mapping[str, float]) -> st
 
 def scaling(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Saturation tokens/s (the best over the loads tried) of the largest fleet over the one-replica
-    fleet's, and the goal (MIN_SCALING)."""
+    fleet's, and the goal (MIN_SCALING); the fleet's rows only (`system` "ray" or absent)."""
     by: dict[int, float] = {}
     for r in rows:
-        by[r["replicas"]] = max(by.get(r["replicas"], 0.0), r["tokens_per_s"])
+        if r.get("system", "ray") == "ray":
+            by[r["replicas"]] = max(by.get(r["replicas"], 0.0), r["tokens_per_s"])
     one, most = by.get(1), by.get(max(by)) if by else None
     ratio = round(most / one, 2) if one and most is not None and max(by) > 1 else None
     return {"ratio": ratio, "goal": f">= {MIN_SCALING:g}x", "met": ratio is not None and ratio >= MIN_SCALING}
@@ -412,10 +419,8 @@ def resume(
 
 
 # ------------------------------------------------------------------------------ throughput
-def throughput(a: argparse.Namespace, fleet: LocalFleet, fp: str, vocab: int) -> list[dict[str, Any]]:
-    """tokens/s of a fleet of 1 replica, then of 2, under the same loads (per replica, with
-    --clients-per-replica)."""
-    from bench.lib.ray_fleet import pin
+def _trees(a: argparse.Namespace) -> Proposer | None:
+    """The load clients' trees: prompt-lookup (greedy), or none (`ar`)."""
     from bench.serving.proposer import LookupConfig, propose
 
     lookup = LookupConfig()
@@ -423,36 +428,75 @@ def throughput(a: argparse.Namespace, fleet: LocalFleet, fp: str, vocab: int) ->
     def proposer(committed: Sequence[int]) -> TokenTree:
         return propose(committed, lookup)
 
-    trees: Proposer | None = proposer if a.load == "greedy" else None
+    return proposer if a.load == "greedy" else None
+
+
+def _loads(a: argparse.Namespace, replicas: int) -> list[int]:
+    """The client counts a fleet of `replicas` runs under."""
+    return [a.clients] if a.clients_per_replica is None else [n * replicas for n in a.clients_per_replica]
+
+
+def _cores_text(cores: Sequence[Sequence[int]]) -> str:
+    return " | ".join(",".join(map(str, c)) for c in cores) or "any"
+
+
+def throughput(a: argparse.Namespace, fleet: LocalFleet, fp: str, vocab: int) -> list[dict[str, Any]]:
+    """tokens/s of a fleet of 1 replica, then of 2, under the same loads (per replica, with
+    --clients-per-replica)."""
+    from bench.lib.ray_fleet import pin
+
+    trees = _trees(a)
     rows = []
     for replicas in (1, 2):
         fleet.deploy(fleet_flags(a), replicas)
         cores = pin(fleet.replica_pids(replicas), a.threads) if a.pin else []
-        loads = (
-            [a.clients] if a.clients_per_replica is None else [n * replicas for n in a.clients_per_replica]
-        )
-        for clients in loads:
-            row = _load_row(a, fleet, fp, vocab, trees, replicas, clients)
-            rows.append({**row, "cores": " | ".join(",".join(map(str, c)) for c in cores) or "any"})
+        for clients in _loads(a, replicas):
+            before = fleet.totals("specdec_emitted_tokens", "replica")
+            row = _load_row(a, [fleet.url], fp, vocab, trees, replicas, clients, "ray", a.direct)
+            time.sleep(1.5)  # each replica reports its metrics every second
+            split = replica_split(before, fleet.totals("specdec_emitted_tokens", "replica"))
+            rows.append({**row, "by_replica_pct": split, "cores": _cores_text(cores)})
+    return rows
+
+
+def plain_throughput(a: argparse.Namespace, fp: str, vocab: int) -> list[dict[str, Any]]:
+    """The same loads on 1, then 2 `cloud-verifier serve` processes with no Ray, each on
+    --threads cores of its own, the clients spread over them in turn: what the machine itself
+    gives a second verifier, the ceiling of the fleet's scaling."""
+    trees = _trees(a)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(cpu_count()))
+    rows = []
+    for n in (1, 2):
+        cores = [[cpus[(i * a.threads + k) % len(cpus)] for k in range(a.threads)] for i in range(n)]
+        with contextlib.ExitStack() as stack:
+            urls = [
+                stack.enter_context(Verifier(a.model, cores=c, threads=a.threads, args=serve_flags(a))).url
+                for c in cores
+            ]
+            for clients in _loads(a, n):
+                row = _load_row(a, urls, fp, vocab, trees, n, clients, "plain", False)
+                rows.append({**row, "by_replica_pct": "-", "cores": _cores_text(cores)})
     return rows
 
 
 def _load_row(
     a: argparse.Namespace,
-    fleet: LocalFleet,
+    urls: Sequence[str],
     fp: str,
     vocab: int,
     trees: Proposer | None,
     replicas: int,
     clients: int,
+    system: str,
+    direct: bool,
 ) -> dict[str, Any]:
-    """One throughput row: `clients` on the fleet deployed now (of `replicas`)."""
+    """One throughput row: `clients` spread over `urls` (a fleet's address, or plain verifiers) of
+    `replicas` verifiers."""
     from bench.lib.raw_sessions import LoadTally, session_load
 
-    before = fleet.totals("specdec_emitted_tokens", "replica")
     bar = tqdm(
         total=a.seconds,
-        desc=f"fleet throughput, {replicas} replica{'s' if replicas > 1 else ''}, {clients} clients",
+        desc=f"{system} throughput, {replicas} verifier{'s' if replicas > 1 else ''}, {clients} clients",
         file=sys.stderr,
         disable=a.no_progress,
         bar_format="{desc}: {bar} {n:.0f}/{total:.0f} s{postfix}",
@@ -463,24 +507,22 @@ def _load_row(
         bar.set_postfix_str(f"{tally.tokens / at:.0f} tok/s" if at >= 1 else "warming up")
 
     window = (a.warmup, a.seconds)
-    load = session_load(fleet.url, fp, clients, a.tokens, window, a.seed, vocab, trees, tick, a.direct)
+    load = session_load(urls, fp, clients, a.tokens, window, a.seed, vocab, trees, tick, direct)
     tally = asyncio.run(load)
     bar.n = a.seconds
     bar.close()
-    time.sleep(1.5)  # each replica reports its metrics every second
-    after = fleet.totals("specdec_emitted_tokens", "replica")
     return {
         "part": "throughput",
+        "system": system,
         "replicas": replicas,
         "clients": clients,
         "load": a.load,
-        "direct": a.direct,
+        "direct": direct,
         "seconds": a.seconds,
         "tokens": tally.tokens,
         "tokens_per_s": round(tally.tokens / a.seconds, 1),
         "sessions": tally.sessions,
         "errors": len(tally.errors),
-        "by_replica_pct": replica_split(before, after),
     }
 
 
@@ -516,8 +558,10 @@ def goal_line(part: str, goal: Mapping[str, Any], cpus: int) -> str:
         return (
             f"goal: >= {MIN_LANDED_PCT:g} % of resumes on the replica holding the session: {held}, {verdict}"
         )
+    plain = goal.get("plain_ratio")
+    ceiling = f"; 2 plain verifiers (no Ray) give {plain}x of 1 here" if plain is not None else ""
     return (
-        f"goal: 2 replicas {goal['goal']} the tokens/s of 1: {goal['ratio']}x, {verdict}\n"
+        f"goal: 2 replicas {goal['goal']} the tokens/s of 1: {goal['ratio']}x, {verdict}{ceiling}\n"
         f"{cpus} CPUs here: the load client, Serve's proxy and Ray's own processes share them with "
         "the replicas" + (" (on 2 cores, 2 replicas of 1 thread leave no core to them)" if cpus <= 2 else "")
     )
@@ -572,6 +616,10 @@ def run(a: argparse.Namespace) -> Result:
             part_rows = throughput(a, fleet, fp, vocab)
             rows += part_rows
             goals["throughput"] = scaling(part_rows)
+    if "throughput" in a.parts and a.plain:
+        plain = plain_throughput(a, fp, vocab)
+        rows += plain
+        goals["throughput"]["plain_ratio"] = scaling([{**r, "system": "ray"} for r in plain])["ratio"]
     identical = same and all(r["identical"] for r in records)
     text = render(rows, goals, cpus)
     if not same:

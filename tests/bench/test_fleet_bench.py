@@ -64,6 +64,11 @@ def test_scaling_is_two_replicas_over_one() -> None:
     # saturation: each fleet's best over the loads tried
     loads = [*rows, {"replicas": 1, "tokens_per_s": 120.0}, {"replicas": 2, "tokens_per_s": 170.0}]
     assert bench_fleet.scaling(loads)["ratio"] == 1.5
+    # plain verifiers' rows (the machine's own scaling) are not the fleet's
+    plain = [{**r, "system": "plain", "tokens_per_s": 10 * r["tokens_per_s"]} for r in loads]
+    assert bench_fleet.scaling([*loads, *plain])["ratio"] == 1.5
+    goal = {**bench_fleet.scaling(loads), "plain_ratio": 1.6}
+    assert "2 plain verifiers (no Ray) give 1.6x" in bench_fleet.goal_line("throughput", goal, 2)
 
 
 def test_clients_per_replica_is_a_list_of_loads() -> None:
