@@ -1,5 +1,5 @@
 """What every replica of the fleet runs: `{"replicas": [{"node", "pid", "sessions", "queue",
-"state"}]}` (`cloud-verifier fleet status`).
+"state", "node_id", "replica", "address"}]}` (`cloud-verifier fleet status`).
 
 Serve knows each replica's node, process and state; the replicas' sessions and queue are the
 verifier's own. Each replica reports those every second to the board, a small named Ray actor
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from cloud_verifier.app_state import AppState
 from cloud_verifier.fleet.config import APP_NAME, DEPLOYMENT_NAME
@@ -32,17 +32,23 @@ class ReplicaStats(TypedDict):
 
     sessions: int
     queue: int
+    direct: NotRequired[str]  # its own address, where it offers one (`direct.py`)
 
 
 class ReplicaRow(TypedDict):
     """One replica of `fleet status`: its node (Serve's node IP), process id, sessions and queue
-    (None until it reports) and Serve's state (STARTING, RUNNING, STOPPING, ...)."""
+    (None until it reports), Serve's state (STARTING, RUNNING, STOPPING, ...), its node's Ray id
+    (nodes of one machine share an IP), Serve's replica id, and its own address (None: none, or
+    not reported yet)."""
 
     node: str | None
     pid: int | None
     sessions: int | None
     queue: int | None
     state: str
+    node_id: str | None
+    replica: str | None
+    address: str | None
 
 
 def replica_stats(state: AppState | None) -> ReplicaStats:
@@ -51,7 +57,11 @@ def replica_stats(state: AppState | None) -> ReplicaStats:
         return {"sessions": 0, "queue": 0}
     engine = state.engine
     queue = engine.waiting + engine.queued if engine is not None else 0
-    return {"sessions": len(state.sessions), "queue": queue}
+    stats: ReplicaStats = {"sessions": len(state.sessions), "queue": queue}
+    direct = getattr(state, "direct", None)
+    if direct:
+        stats["direct"] = direct
+    return stats
 
 
 def status_rows(
@@ -76,6 +86,9 @@ def status_rows(
                 "sessions": stats["sessions"] if stats else None,
                 "queue": stats["queue"] if stats else None,
                 "state": str(getattr(state, "value", state)),  # an enum in Serve's own details
+                "node_id": r.get("node_id"),
+                "replica": r.get("replica_id"),
+                "address": stats.get("direct") if stats else None,
             }
         )
     rows.sort(key=lambda row: (row["node"] or "", row["pid"] or 0))
@@ -84,10 +97,10 @@ def status_rows(
 
 def format_rows(rows: Iterable[ReplicaRow]) -> str:
     """A table of the replicas, one a line."""
-    lines = [f"{'node':<16} {'pid':>8} {'sessions':>8} {'queue':>6}  state"]
+    lines = [f"{'node':<16} {'pid':>8} {'sessions':>8} {'queue':>6}  {'state':<9} address"]
     for r in rows:
-        cells = ["-" if r[k] is None else str(r[k]) for k in ("node", "pid", "sessions", "queue")]
-        lines.append(f"{cells[0]:<16} {cells[1]:>8} {cells[2]:>8} {cells[3]:>6}  {r['state']}")
+        cells = ["-" if r[k] is None else str(r[k]) for k in ("node", "pid", "sessions", "queue", "address")]
+        lines.append(f"{cells[0]:<16} {cells[1]:>8} {cells[2]:>8} {cells[3]:>6}  {r['state']:<9} {cells[4]}")
     return "\n".join(lines)
 
 

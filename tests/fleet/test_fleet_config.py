@@ -146,24 +146,32 @@ def _details(*replicas: dict[str, Any]) -> dict[str, Any]:
 
 def test_status_rows_join_serve_and_the_reports() -> None:
     details = _details(
-        {"replica_id": "b", "node_ip": "10.0.0.2", "pid": 7, "state": "RUNNING"},
-        {"replica_id": "a", "node_ip": "10.0.0.1", "pid": 9, "state": "RUNNING"},
-        {"replica_id": "c", "node_ip": "10.0.0.1", "pid": 3, "state": "STARTING"},
-        {"replica_id": "d", "node_ip": "10.0.0.3", "pid": 4, "state": "RUNNING"},
+        {"replica_id": "b", "node_ip": "10.0.0.2", "pid": 7, "state": "RUNNING", "node_id": "n2"},
+        {"replica_id": "a", "node_ip": "10.0.0.1", "pid": 9, "state": "RUNNING", "node_id": "n1"},
+        {"replica_id": "c", "node_ip": "10.0.0.1", "pid": 3, "state": "STARTING", "node_id": "n1"},
+        {"replica_id": "d", "node_ip": "10.0.0.3", "pid": 4, "state": "RUNNING", "node_id": "n3"},
     )
-    stats: ReplicaStats = {"sessions": 4, "queue": 1}
+    stats: ReplicaStats = {"sessions": 4, "queue": 1, "direct": "ws://10.0.0.1:9100/v1/session"}
     idle: ReplicaStats = {"sessions": 0, "queue": 0}
     reports = {"a": (100.0, stats), "b": (99.0, idle), "d": (10.0, stats)}
     rows = status_rows(details, reports, now=101.0)
-    assert rows == [
-        {"node": "10.0.0.1", "pid": 3, "sessions": None, "queue": None, "state": "STARTING"},
-        {"node": "10.0.0.1", "pid": 9, "sessions": 4, "queue": 1, "state": "RUNNING"},
-        {"node": "10.0.0.2", "pid": 7, "sessions": 0, "queue": 0, "state": "RUNNING"},
-        {"node": "10.0.0.3", "pid": 4, "sessions": None, "queue": None, "state": "RUNNING"},  # stale
+    own = "ws://10.0.0.1:9100/v1/session"
+    assert [(r["node"], r["pid"], r["sessions"], r["queue"], r["state"]) for r in rows] == [
+        ("10.0.0.1", 3, None, None, "STARTING"),
+        ("10.0.0.1", 9, 4, 1, "RUNNING"),
+        ("10.0.0.2", 7, 0, 0, "RUNNING"),
+        ("10.0.0.3", 4, None, None, "RUNNING"),  # stale
+    ]
+    assert [(r["node_id"], r["replica"], r["address"]) for r in rows] == [
+        ("n1", "c", None),
+        ("n1", "a", own),
+        ("n2", "b", None),
+        ("n3", "d", None),
     ]
     table = format_rows(rows).splitlines()
-    assert table[0].split() == ["node", "pid", "sessions", "queue", "state"]
-    assert table[1].split() == ["10.0.0.1", "3", "-", "-", "STARTING"]
+    assert table[0].split() == ["node", "pid", "sessions", "queue", "state", "address"]
+    assert table[1].split() == ["10.0.0.1", "3", "-", "-", "STARTING", "-"]
+    assert table[2].split() == ["10.0.0.1", "9", "4", "1", "RUNNING", own]
     assert status_rows({"applications": {}}, reports, now=0.0) == []
 
 
