@@ -19,11 +19,20 @@ class GenerationError(RuntimeError):
 class ConnectionLost(GenerationError):
     """The connection to the verifier dropped (reset, restart, draining, overload): a generation can
     resume on a new session. A close for a reason of the protocol (1002, 1007, 1008, 1009) is not this.
-    `close_code`: the WebSocket close code that ended it, where one did (1013: try again later)."""
+    `close_code`: the WebSocket close code that ended it, where one did (1013: try again later).
+    `http_status`: the HTTP status that refused the WebSocket upgrade, where one did (a fleet's
+    proxy past its queue answers 503, or 500)."""
 
-    def __init__(self, message: str, close_code: int | None = None) -> None:
+    def __init__(self, message: str, close_code: int | None = None, http_status: int | None = None) -> None:
         super().__init__(message)
         self.close_code = close_code
+        self.http_status = http_status
+
+    @property
+    def try_again_later(self) -> bool:
+        """The verifier had no room for the session (1013, or an upgrade refused with 503 or 500):
+        the same request may succeed after a wait."""
+        return self.close_code == 1013 or self.http_status in (500, 503)
 
 
 class ProtocolViolation(GenerationError):

@@ -30,7 +30,7 @@ from edge_client.errors import (
     VerifierTimeout,
 )
 from edge_client.transports import Link, Transport, TransportClosed, WebSocketTransport
-from shared.errors import CloseCode, ErrorCode, ProtocolError
+from shared.errors import ErrorCode, ProtocolError
 from shared.messages import FEATURE_RESUME, FEATURES, PROTOCOL_VERSION, Close, Error, Hello, Welcome
 from shared.protocol import ClientProtocol, ClientState
 
@@ -289,16 +289,16 @@ class Session:
 
     async def connect_when_room(self) -> Welcome:
         """`connect`, and with `resume`, again after the resume backoff (up to its attempts) while
-        the verifier says "try again later" (close 1013: at its session cap, or draining); any other
-        failure, and every one without `resume`, is raised at once."""
+        the verifier says "try again later" (close 1013: at its session cap, or draining; or a
+        fleet's proxy refused the upgrade with 503 or 500, its queue full); any other failure, and
+        every one without `resume`, is raised at once."""
         tries = 0
         while True:
             try:
                 return await self.connect()
             except ConnectionLost as exc:
                 tries += 1
-                later = exc.close_code == CloseCode.TRY_AGAIN_LATER
-                if self.resume is None or not later or tries >= self.resume.attempts:
+                if self.resume is None or not exc.try_again_later or tries >= self.resume.attempts:
                     raise
             await asyncio.sleep(self.resume.delay(tries))
 
@@ -329,7 +329,11 @@ class Session:
             except ValueError as exc:  # a bad URL
                 raise GenerationError(f"cannot reach the verifier at {url}: {exc}") from exc
             except Exception as exc:  # refused, unreachable, bad certificate, a failed handshake
-                raise ConnectionLost(f"cannot reach the verifier at {url}: {exc}") from exc
+                status = getattr(getattr(exc, "response", None), "status_code", None)
+                raise ConnectionLost(
+                    f"cannot reach the verifier at {url}: {exc}",
+                    http_status=status if isinstance(status, int) else None,
+                ) from exc
         self._transport = self.link.wrap(inner) if self.link is not None else inner
         fp = self.vocab_fingerprint()
         try:
