@@ -4,10 +4,12 @@
 import { DEFAULT_LOOKUP, fitTree, lookupTree, type LookupOptions } from "./lookup.js";
 import { ClientChecks } from "./checks.js";
 import {
-  decodeMessage, encodeMessage, FEATURE_COST, FEATURE_RESUME, FEATURE_STREAM, FEATURE_WELCOME_FEATURES, type Message, PROTOCOL_VERSION, ProtocolError,
+  encodeMessage, FEATURE_COST, FEATURE_DIRECT, FEATURE_RESUME, FEATURE_STREAM, FEATURE_WELCOME_FEATURES, type Message, PROTOCOL_VERSION, ProtocolError,
   type Tree,
 } from "./protocol.js";  // prettier-ignore
 import { openSocket, type Socket } from "./socket.js";
+import { backoff, ConnectionLost, type ConnectOptions, DEFAULT_RESUME, GenerationError, type ResumeOptions, sleep, TRY_AGAIN_LATER } from "./errors.js";
+import { Inbox } from "./inbox.js";
 import { type AutoPlan, choosePlan, costAt, DEFAULT_PLAN, measuredSlower, type Objective, Realized } from "./auto_plan.js";
 
 export {
@@ -25,36 +27,15 @@ export {
 type Welcome = Extract<Message, { type: "welcome" }>;
 type Verdict = Extract<Message, { type: "verdict" }>;
 
-export class GenerationError extends Error {
-  constructor(message: string, public code?: string, public field?: string) {
-    super(message);
-  }
-}
-
-/** The connection to the verifier dropped or could not be made (resumed where ConnectOptions.resume allows). */
-export class ConnectionLost extends GenerationError {}
-
-/** Reconnecting after a drop (the Python client's ResumeConfig). */
-export interface ResumeOptions {
-  attempts: number; // connection attempts per drop (the next URL each); also the drops in a row with no new token a generation survives
-  backoffMs: number; // the first wait between attempts, doubled up to maxBackoffMs
-  maxBackoffMs: number;
-}
-export const DEFAULT_RESUME: ResumeOptions = { attempts: 10, backoffMs: 200, maxBackoffMs: 5000 };
-
-export interface ConnectOptions {
-  resume?: Partial<ResumeOptions> | false; // false: a drop ends the generation with ConnectionLost
-}
+export { ConnectionLost, type ConnectOptions, DEFAULT_RESUME, GenerationError, type ResumeOptions } from "./errors.js";
 
 const sameTokens = (a: readonly number[], b: readonly number[]) => a.length === b.length && a.every((x, i) => x === b[i]);
-const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
-const backoff = (r: ResumeOptions, retry: number) => Math.min(r.backoffMs * 2 ** Math.max(0, Math.min(retry - 1, 60)), r.maxBackoffMs);
 
 /** Drafts the next round's tree from the committed tokens (a model drafter, or prompt lookup). */
 export type TreeSource = (committed: readonly number[]) => Tree | Promise<Tree>;
 
 /** The features this client names in hello.features (PROTOCOL.md section 10). */
-export const CLIENT_FEATURES = [FEATURE_WELCOME_FEATURES, FEATURE_STREAM, FEATURE_COST, FEATURE_RESUME];
+export const CLIENT_FEATURES = [FEATURE_WELCOME_FEATURES, FEATURE_STREAM, FEATURE_COST, FEATURE_RESUME, FEATURE_DIRECT];
 
 export interface GenerateOptions {
   // auto (the default): greedy (match at temperature > 0) planned each round: speculate, keep a stream
@@ -129,8 +110,7 @@ const median = (xs: number[]) => {
 export class TreespecClient {
   welcome!: Welcome;
   committed: number[] = [];
-  private inbox: (Message | Error)[] = [];
-  private waiting: ((m: Message | Error) => void) | null = null;
+  private inbox = new Inbox();
   private round = 0;
   private sentAt = 0;
   /** The network's share of a round, learned from verdicts (wall time - the server's verify_ms). */
@@ -142,7 +122,12 @@ export class TreespecClient {
   private features = true;
 
   private ws!: Socket;
-  private generation = 0;
+  /** A session moved to its verifier's own address (welcome.direct): the connection it was opened on, open and idle. */
+  private lease: Socket | null = null;
+  /** Sessions moved to their verifier's own address. */
+  moves = 0;
+  private generation = 0; // sockets opened so far
+  private current = 0; // the one in use (its events count)
   private urls: string[] = [];
   private urlIndex = 0;
   private fingerprint = "";
@@ -151,43 +136,6 @@ export class TreespecClient {
 
   private constructor() {}
 
-  private received(data: Uint8Array | null): void {
-    let m: Message | Error;
-    try {
-      m = data !== null ? decodeMessage(data) : new GenerationError("the verifier sent a text frame");
-    } catch (e) {
-      m = e as Error;
-    }
-    this.push(m);
-  }
-
-  private push(m: Message | Error): void {
-    if (this.waiting) {
-      const w = this.waiting;
-      this.waiting = null;
-      w(m);
-    } else this.inbox.push(m);
-  }
-
-  private next(): Promise<Message> {
-    const m = this.inbox.shift();
-    const done = (x: Message | Error): Message => {
-      if (x instanceof Error) throw x;
-      if (x.type === "error" && x.fatal) throw new GenerationError(`verifier refused: ${x.code} (${x.field}): ${x.message}`, x.code, x.field);
-      return x;
-    };  // prettier-ignore
-    if (m !== undefined) return Promise.resolve(m).then(done);
-    return new Promise((resolve, reject) => {
-      this.waiting = (x) => {
-        try {
-          resolve(done(x));
-        } catch (e) {
-          reject(e);
-        }
-      };
-    });
-  }
-
   private send(m: Message): void {
     if (!this.ws.open) throw new ConnectionLost("the connection to the verifier is closed");
     this.ws.send(encodeMessage(m));
@@ -195,7 +143,8 @@ export class TreespecClient {
 
   /**
    * Open a session: `fingerprint` is the sha256 of the vocabulary (PROTOCOL.md section 8). `url` may
-   * list replicas: a dropped connection is resumed on the next (round robin).
+   * list replicas: a dropped connection is resumed on the next (round robin). With `resume`, a
+   * verifier at its session cap (close 1013) is tried again with the resume backoff.
    */
   static async connect(url: string | string[], fingerprint: string, apiKey?: string, o: ConnectOptions = {}): Promise<TreespecClient> {
     const c = new TreespecClient();
@@ -204,24 +153,33 @@ export class TreespecClient {
     c.fingerprint = fingerprint;
     c.apiKey = apiKey;
     c.resume = o.resume === false ? null : { ...DEFAULT_RESUME, ...o.resume };
-    await c.open(c.urls[0]);
-    return c;
+    // with resume, a verifier that says "try again later" (1013) is tried again after the backoff
+    for (let tries = 1; ; tries++) {
+      try {
+        await c.open(c.urls[0]);
+        return c;
+      } catch (e) {
+        const later = e instanceof ConnectionLost && e.closeCode === TRY_AGAIN_LATER;
+        if (!later || !c.resume || tries >= c.resume.attempts) throw e;
+        await sleep(backoff(c.resume, tries));
+      }
+    }
   }
 
   /**
    * A new socket and session on `url`: hello, welcome, the vocabulary checked. `resume`: the token of
    * the dropped session this one resumes (its verifier may still hold that session's KV cache).
    */
-  private async open(url: string, resume?: string): Promise<void> {
-    const gen = ++this.generation; // a dead socket's late events are ignored
-    this.inbox = [];
-    this.waiting = null;
+  private async open(url: string, resume?: string, moving = false): Promise<void> {
+    if (!moving) this.dropLease();
+    const gen = (this.current = ++this.generation); // a dead socket's late events are ignored
+    this.inbox.reset();
     try {
       this.ws = await openSocket(url, this.apiKey, {
-        message: (data) => gen === this.generation && this.received(data),
+        message: (data) => gen === this.current && this.inbox.received(data),
         close: (code, reason) =>
-          gen === this.generation && this.push(new ConnectionLost(`the verifier closed the connection (${code}): ${reason}`)),
-        error: (message) => gen === this.generation && this.push(new ConnectionLost(`the connection to the verifier failed: ${message}`)),
+          gen === this.current && this.inbox.push(new ConnectionLost(`the verifier closed the connection (${code}): ${reason}`, code)),
+        error: (message) => gen === this.current && this.inbox.push(new ConnectionLost(`the connection to the verifier failed: ${message}`)),
       }, resume);  // prettier-ignore
     } catch (e) {
       throw new ConnectionLost((e as Error).message);
@@ -231,7 +189,7 @@ export class TreespecClient {
     this.send({ type: "hello", version: PROTOCOL_VERSION, vocab_fingerprint: this.fingerprint, client: "treespec-ts/0.1", ...key, ...features });
     let w: Message;
     try {
-      w = await this.next();
+      w = await this.inbox.next();
     } catch (e) {
       if (!(e instanceof GenerationError && e.field === "features" && this.features)) throw e;
       // a server of an earlier release refuses hello.features: connect again without them
@@ -249,6 +207,37 @@ export class TreespecClient {
     }
     this.welcome = w;
     this.round = 0;
+    if (!moving && w.direct && w.resume && w.direct !== url) await this.move(w);
+  }
+
+  /**
+   * Take the session to the verifier's own address (welcome.direct, a fleet replica's): a hello there
+   * naming its resume token carries it on over that socket, past the fleet's proxy; the first socket
+   * stays open, idle, until the session ends. Any failure keeps the session where it is.
+   */
+  private async move(w: Welcome): Promise<void> {
+    const first = this.ws, firstGen = this.current;
+    try {
+      await this.open(w.direct!, w.resume, true);
+      if (this.welcome.session_id === w.session_id) {
+        this.lease = first;
+        this.moves++;
+        return;
+      }
+      this.ws.close(1000); // a session of its own there: the offer was gone
+    } catch {
+      // (unreachable from here, or refused): the first socket carries the session
+    }
+    if (this.ws !== first && this.ws.open) this.ws.close(1000);
+    this.ws = first;
+    this.current = firstGen;
+    this.inbox.reset();
+    this.welcome = w;
+  }
+
+  private dropLease(): void {
+    this.lease?.close(1000);
+    this.lease = null;
   }
 
   /** The connection dropped: connect again (the next URL each attempt, with backoff). */
@@ -447,7 +436,7 @@ export class TreespecClient {
       for (;;) {
         let m: Message;
         try {
-          m = await this.next();
+          m = await this.inbox.next();
         } catch (e) {
           if (!(e instanceof ConnectionLost) || !this.resume || cancelled) throw e;
           if (st.tokens >= maxNew) return;
@@ -584,5 +573,6 @@ export class TreespecClient {
       this.send({ type: "close" });
       this.ws.close(1000);
     }
+    this.dropLease();
   }
 }
