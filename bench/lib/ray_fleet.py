@@ -94,15 +94,23 @@ class LocalFleet:
         finally:
             ray.shutdown()
 
+    @property
+    def base(self) -> str:
+        """The proxy's WebSocket base: ws://127.0.0.1:PORT."""
+        return f"ws://127.0.0.1:{self.port}"
+
     def deploy(self, flags: Sequence[str], replicas: int) -> FleetArgs:
-        """Deploy the fleet of `fleet_from_flags(flags, replicas)` at `/` (in place of one deployed
-        before) and wait until every replica is ready."""
+        """Deploy the fleet of `fleet_from_flags(flags, replicas)` (`run`)."""
+        return self.run(fleet_from_flags(flags, replicas))
+
+    def run(self, fleet: FleetArgs) -> FleetArgs:
+        """Deploy `fleet` at `/` (in place of one deployed before) and wait until every replica is
+        ready."""
         from ray import serve
 
         from cloud_verifier.fleet.app import build
         from cloud_verifier.fleet.config import APP_NAME
 
-        fleet = fleet_from_flags(flags, replicas)
         self.delete(APP_NAME)  # fresh replicas for each fleet
         serve.run(build(fleet), name=APP_NAME, route_prefix="/")
         return fleet

@@ -22,12 +22,10 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 from tqdm import tqdm
 
-from bench.harness import free_port
 from bench.lib.stats import median
 
 TINY_OVERRIDES = {"measure_cost": False, "max_context": 512, "kv_blocks": 2048, "threads": 1}
@@ -133,15 +131,11 @@ class _Edges:
 
 def run_fleet(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every interrupted generation's record (bench.chaos.record) and the fleet's own figures."""
-    import ray
-    from ray import serve
-
+    from bench.lib.ray_fleet import LocalFleet
     from bench.robustness.lost_tokens import record
-    from cloud_verifier.fleet.app import build
-    from cloud_verifier.fleet.config import APP_NAME, FleetArgs
+    from cloud_verifier.fleet.config import FleetArgs
 
     rng = random.Random(a.seed)
-    port = free_port()
     fleet = FleetArgs(
         model="tiny",
         replicas_min=a.replicas,
@@ -152,30 +146,26 @@ def run_fleet(a: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, An
     records: list[dict[str, Any]] = []
     replaced_s: list[float] = []
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ray.init(num_cpus=max(2, a.replicas), include_dashboard=False, log_to_driver=False)
-    edges = _Edges(f"ws://127.0.0.1:{port}/v1/session", a.clients, a.tokens)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(fleet), name=APP_NAME, route_prefix="/")
-        bar = tqdm(total=a.kills, desc="fleet replica kills", file=sys.stderr, disable=a.no_progress)
-        while len(edges.killed) < a.kills:
-            rows = wait_replicas(a.replicas, edges.killed)
-            jobs = _jobs(rng, a.clients)
-            wants = asyncio.run(edges.batch(jobs, None, 0))
-            before = len(edges.killed)
-            gots = asyncio.run(edges.batch(jobs, rng.choice(rows)["pid"], rng.randint(1, 3)))
-            for (_, kw), (want, _), (got, resumes) in zip(jobs, wants, gots, strict=True):
-                records.append(record(str(kw["mode"]), want, got, resumes))
-            if len(edges.killed) > before:
-                wait_replicas(a.replicas, edges.killed)
-                replaced_s.append(time.monotonic() - edges.killed_at[-1])
-            bar.update(len(edges.killed) - before)
-        bar.close()
-    finally:
-        edges.close()
-        shutdown: Callable[[], None] = serve.shutdown  # (untyped in Ray)
-        shutdown()
-        ray.shutdown()
+    with LocalFleet(num_cpus=max(2, a.replicas)) as local:
+        edges = _Edges(local.url, a.clients, a.tokens)
+        try:
+            local.run(fleet)
+            bar = tqdm(total=a.kills, desc="fleet replica kills", file=sys.stderr, disable=a.no_progress)
+            while len(edges.killed) < a.kills:
+                rows = wait_replicas(a.replicas, edges.killed)
+                jobs = _jobs(rng, a.clients)
+                wants = asyncio.run(edges.batch(jobs, None, 0))
+                before = len(edges.killed)
+                gots = asyncio.run(edges.batch(jobs, rng.choice(rows)["pid"], rng.randint(1, 3)))
+                for (_, kw), (want, _), (got, resumes) in zip(jobs, wants, gots, strict=True):
+                    records.append(record(str(kw["mode"]), want, got, resumes))
+                if len(edges.killed) > before:
+                    wait_replicas(a.replicas, edges.killed)
+                    replaced_s.append(time.monotonic() - edges.killed_at[-1])
+                bar.update(len(edges.killed) - before)
+            bar.close()
+        finally:
+            edges.close()
     own = {
         "replicas": a.replicas,
         "clients": a.clients,

@@ -28,8 +28,11 @@ def test_two_replica_kills_under_load(tmp_path: Path) -> None:
     runs two replicas again before each next kill."""
     pytest.importorskip("ray")
     out = tmp_path / "chaos_fleet.json"
-    assert chaos.main(["--fleet", "--kills", "2", "--tokens", "24", "--json", str(out), "--no-progress"]) == 0
+    assert chaos.main(["--fleet", "--kills", "2", "--tokens", "48", "--json", str(out), "--no-progress"]) == 0
     doc = json.loads(out.read_text())
     assert doc["replica_kills"] == 2 and doc["identical"] and doc["tokens_lost"] == 0
-    assert doc["tokens_repeated"] == 0 and doc["resumed_generations"] >= 2
+    # (an edge on the killed replica may have ended before the kill: at least one resumed)
+    assert doc["tokens_repeated"] == 0 and doc["resumed_generations"] >= 1
+    # the replicas offer their own addresses: every session moved there, resumes included
+    assert doc["direct"] and doc["sessions_moved"] == doc["sessions"] > 0
     assert doc["replaced_s_median"] > 0 and doc["replicas"] == 2 and doc["clients"] == 3

@@ -8,7 +8,6 @@ for a connection lost (resumable, tried again with backoff)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 import urllib.error
@@ -23,8 +22,8 @@ serve = pytest.importorskip("ray.serve")
 from websockets.exceptions import ConnectionClosed, InvalidStatus  # noqa: E402
 from websockets.sync.client import ClientConnection, connect  # noqa: E402
 
-from cloud_verifier.fleet.app import build  # noqa: E402
-from cloud_verifier.fleet.config import APP_NAME, FleetArgs  # noqa: E402
+from bench.lib.ray_fleet import LocalFleet  # noqa: E402
+from cloud_verifier.fleet.config import FleetArgs  # noqa: E402
 from edge_client.errors import ConnectionLost  # noqa: E402
 from edge_client.session import Session  # noqa: E402
 from shared.messages import Hello  # noqa: E402
@@ -53,18 +52,10 @@ PROMPTLY_S = 10.0
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[str]:
     """The fleet's address: ws://127.0.0.1:PORT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     assert FULL.serve_cap() == 2
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(FULL), name=APP_NAME, route_prefix="/")
-        yield f"ws://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with LocalFleet(num_cpus=2) as local:
+        local.run(FULL)
+        yield local.base
 
 
 class _Tiny(Session):

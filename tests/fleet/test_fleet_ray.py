@@ -7,7 +7,6 @@ stay on the proxy."""
 
 from __future__ import annotations
 
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from cloud_verifier.fleet.app import build, build_app  # noqa: E402
+from bench.lib.ray_fleet import LocalFleet  # noqa: E402
+from cloud_verifier.fleet.app import build_app  # noqa: E402
 from cloud_verifier.fleet.config import APP_NAME, DEPLOYMENT_NAME, FleetArgs  # noqa: E402
 from cloud_verifier.fleet.status import fleet_status  # noqa: E402
 from tests.cloud_verifier.service import LiveServer, prompt_tokens  # noqa: E402
@@ -43,17 +43,9 @@ def test_build_app_is_the_verifier_deployment() -> None:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[str]:
     """The fleet's address: ws://127.0.0.1:PORT."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(TINY), name=APP_NAME, route_prefix="/")
-        yield f"ws://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with LocalFleet(num_cpus=2) as local:
+        local.run(TINY)
+        yield local.base
 
 
 @pytest.mark.slow

@@ -4,18 +4,15 @@ process, and a session through the fleet generates the tokens the target alone d
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable
-
 import pytest
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
+from bench.lib.ray_fleet import LocalFleet  # noqa: E402
 from cloud_verifier.cli import build_parser  # noqa: E402
-from cloud_verifier.fleet.app import build  # noqa: E402
 from cloud_verifier.fleet.cli import fleet_args  # noqa: E402
-from cloud_verifier.fleet.config import APP_NAME, FleetArgs  # noqa: E402
+from cloud_verifier.fleet.config import FleetArgs  # noqa: E402
 from tests.cloud_verifier.service import prompt_tokens, reference  # noqa: E402
 from tests.fleet.wsclient import greedy_session  # noqa: E402
 
@@ -26,18 +23,8 @@ def test_a_replica_of_two_tensor_parallel_ranks_generates_the_targets_tokens() -
              "--no-measure-cost", "--kv-blocks", "2048", "--max-context", "512"]  # fmt: skip
     fleet = fleet_args(build_parser().parse_args(flags))
     assert isinstance(fleet, FleetArgs)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build(fleet), name=APP_NAME, route_prefix="/")
-        prompts = [prompt_tokens(500 + i, 10) for i in range(2)]
-        url = f"ws://127.0.0.1:{port}/v1/session"
-        outs = [greedy_session(url, p, 24, i)[0] for i, p in enumerate(prompts)]
-    finally:
-        shutdown: Callable[[], None] = serve.shutdown  # (untyped in Ray)
-        shutdown()
-        ray.shutdown()
+    prompts = [prompt_tokens(500 + i, 10) for i in range(2)]
+    with LocalFleet(num_cpus=2) as local:
+        local.run(fleet)
+        outs = [greedy_session(local.url, p, 24, i)[0] for i, p in enumerate(prompts)]
     assert outs == [reference(tuple(p), 24) for p in prompts]
