@@ -64,6 +64,13 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-sessions", type=int, default=2, help="each replica's session cap")
     ap.add_argument("--upscale-delay", type=float, default=3.0, help="Serve's upscale delay (s)")
     ap.add_argument("--downscale-delay", type=float, default=15.0, help="Serve's downscale delay (s)")
+    ap.add_argument(
+        "--direct",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the replicas offer their own addresses (cloud-verifier fleet's default; this bench's "
+        "raw clients do not move, so only the replicas' listeners differ)",
+    )
     ap.add_argument("--cool-seconds", type=float, default=180.0, help="the most seconds to wait, after the "
                     "load, for the fleet to shrink back to --min-replicas")  # fmt: skip
     ap.add_argument(
@@ -312,7 +319,8 @@ def run(a: argparse.Namespace) -> Result:
     flags = ["fleet", "--model", a.model, "--threads", "1", "--no-measure-cost",
              "--min-replicas", str(a.min_replicas), "--max-replicas", str(a.max_replicas),
              "--max-sessions", str(a.max_sessions), "--upscale-delay", str(a.upscale_delay),
-             "--downscale-delay", str(a.downscale_delay)]  # fmt: skip
+             "--downscale-delay", str(a.downscale_delay),
+             "--direct" if a.direct else "--no-direct"]  # fmt: skip
     fleet = fleet_args(build_parser().parse_args(flags))
     if isinstance(fleet, str):
         raise UsageError(fleet)
