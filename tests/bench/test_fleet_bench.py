@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from bench.lib import fleet_throughput
 from bench.lib.raw_sessions import scripted_tree
 from bench.lib.ray_fleet import fleet_from_flags, labelled_totals
 from bench.serving import fleet as bench_fleet
@@ -53,8 +54,8 @@ def test_landed_counts_reused_and_busy_as_on_the_holder() -> None:
 def test_the_split_leaves_out_replicas_that_emitted_nothing() -> None:
     before = {"old": 500.0, "a": 0.0}
     after = {"old": 500.0, "a": 480.0, "b": 520.0}
-    assert bench_fleet.replica_split(before, after) == "52/48"
-    assert bench_fleet.replica_split(after, after) == "-"
+    assert fleet_throughput.replica_split(before, after) == "52/48"
+    assert fleet_throughput.replica_split(after, after) == "-"
 
 
 def test_scaling_is_two_replicas_over_one() -> None:
