@@ -32,6 +32,7 @@ from shared.messages import (
 from shared.protocol import ClientProtocol
 from shared.server_protocol import ServerProtocol
 from tests.cloud_verifier.service import LiveServer, reference, tiny
+from tests.cloud_verifier.test_resume_kv import _abort
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 FEATURES = (FEATURE_RESUME, FEATURE_DIRECT)
@@ -63,12 +64,6 @@ def test_the_welcome_offers_the_address_only_to_a_client_that_asked() -> None:
     assert sent == [None, None, "ws://h:1/v1/session"]
     with pytest.raises(Exception, match="direct"):
         decode(encode(Welcome("1", "m", 100, (0,), (Mode.GREEDY,), limits, {1: 1.0}, direct="http://x")))
-
-
-def _abort(client: EdgeClient) -> None:
-    """Cut the client's TCP connection in use with no closing handshake (a network drop)."""
-    t: Any = client.session._transport
-    t._ws.transport.abort()
 
 
 @pytest.mark.parametrize("mode", ["greedy", "match"])
