@@ -140,20 +140,77 @@ def row_bytes(q: QuantType, in_features: int) -> int:
     return in_features // q.values * q.bytes
 
 
-def quant_matmul(x: torch.Tensor, w: torch.Tensor, q: QuantType) -> torch.Tensor:
-    """x: [rows, in] float32; w: [out, bytes per row] uint8 blocks of type q -> [rows, out] float32."""
-    out: torch.Tensor = _require().quant_matmul(x, w, q.ggml_id)
+_NONE = torch.empty(0, dtype=torch.uint8)
+
+
+def quant_matmul(
+    x: torch.Tensor, w: torch.Tensor, q: QuantType, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x: [rows, in] float32; w: [out, bytes per row] uint8 blocks of type q -> [rows, out] float32.
+    `packed`: `pack(w, q, in)`'s repacking of w, which the row counts of `packed_rows()` run on (the
+    same bits)."""
+    out: torch.Tensor = _require().quant_matmul(x, w, q.ggml_id, _NONE if packed is None else packed)
     return out
 
 
-def quant_matmul_parts(x: torch.Tensor, ws: Sequence[torch.Tensor], qs: Sequence[QuantType]) -> torch.Tensor:
+def quant_matmul_parts(
+    x: torch.Tensor,
+    ws: Sequence[torch.Tensor],
+    qs: Sequence[QuantType],
+    packs: Sequence[torch.Tensor | None] | None = None,
+) -> torch.Tensor:
     """x [rows, in] float32 against matrices stacked along the outputs (ws[i]: [out_i, bytes per row]
-    uint8 blocks of type qs[i]) -> [rows, sum of out_i] float32, x quantized once per activation
-    block size; column for column equal to `quant_matmul` of each part alone."""
+    uint8 blocks of type qs[i]; packs[i]: its repacking or None) -> [rows, sum of out_i] float32, x
+    quantized once per activation block size; column for column equal to `quant_matmul` of each part
+    alone."""
     if len(ws) != len(qs) or not ws:
         raise ValueError(f"give one type per part: {len(ws)} parts, {len(qs)} types")
-    out: torch.Tensor = _require().quant_matmul_parts(x, list(ws), [q.ggml_id for q in qs])
+    if packs is not None and len(packs) != len(ws):
+        raise ValueError(f"give one packed tensor (or None) per part: {len(ws)} parts, {len(packs)} packed")
+    given = [] if packs is None else [_NONE if p is None else p for p in packs]
+    out: torch.Tensor = _require().quant_matmul_parts(x, list(ws), [q.ggml_id for q in qs], given)
     return out
+
+
+def pack(w: torch.Tensor, q: QuantType, in_features: int) -> torch.Tensor | None:
+    """w's K-type blocks repacked once for the packed path (sixteen outputs a vector, the nibbles
+    laid out for a whole dpbusd operand per load; about the blocks' own size), or None where this
+    build or this type has none (no AVX-512 VNNI; not Q4_K or Q6_K; fewer than 16 outputs)."""
+    packed: torch.Tensor = _require().pack_k(w, q.ggml_id, in_features)
+    return packed if packed.numel() else None
+
+
+PACKED_ENV = "TREESPEC_PACKED_ROWS"  # "LO-HI": the row counts run on packed weights; "0" never
+
+
+def set_packed_rows(lo: int, hi: int) -> None:
+    """Products of lo..hi activation rows run on the packed weights where a matrix has them (lo 0:
+    never). The same bits as every other path."""
+    if lo < 0 or (lo and hi < lo):
+        raise ValueError(f"packed rows {lo}..{hi}: give 0 (never) or 1 <= lo <= hi")
+    _require().set_packed_rows(lo, hi)
+
+
+def packing() -> bool:
+    """Whether models repack their K-type matrices at load (`QuantMatrix.packed`): unless
+    TREESPEC_PACKED_ROWS is "0"; where set as "LO-HI" it also sets `set_packed_rows`."""
+    text = os.environ.get(PACKED_ENV, "").strip()
+    if text in ("", "default"):
+        return True
+    if text == "0":
+        return False
+    lo, sep, hi = text.partition("-")
+    try:
+        bounds = (int(lo), int(hi if sep else lo))
+    except ValueError:
+        raise ValueError(f"{PACKED_ENV}={text!r}: give LO-HI (the row counts), or 0 to turn it off") from None
+    set_packed_rows(*bounds)
+    return True
+
+
+def packed_rows() -> tuple[int, int]:
+    lo, hi = _require().packed_rows()
+    return int(lo), int(hi)
 
 
 @dataclass(frozen=True)

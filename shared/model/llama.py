@@ -47,6 +47,7 @@ from shared.model.kv_cache import TILE, PagedKVCache
 from shared.model.model_config import ModelConfig, RopeScaling
 from shared.model.quantized import QuantMatrix
 from treespec_kernels import cpu_attention
+from treespec_kernels import quant_matmul as qm
 
 # SeqInput and check_input are part of this module's interface (the sharded model imports them here)
 
@@ -269,6 +270,10 @@ class LlamaModel(nn.Module):
                 raise ValueError(
                     f"a token table of shape {(m.out_features, m.in_features)}, expected {want_table}"
                 )
+        if qm.packing():
+            layers = [(a.packed(), b.packed(), g.packed(), d.packed()) for a, b, g, d in layers]
+            if isinstance(lm_head, QuantMatrix):
+                lm_head = lm_head.packed()
         self._prepared = _Prepared(Gemm("torch"), layers, lm_head)
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
@@ -285,7 +290,9 @@ class LlamaModel(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of the weights as this model runs them: the float parameters it holds (none of the
         released projections) plus, with quantized weights, the blocks; with float weights the
-        configuration's parameter count in the dtype (the packed copies are not parameters)."""
+        configuration's parameter count in the dtype (the packed copies are not parameters). A
+        quantized matrix the kernel repacked counts its packed copy, which every forward reads, not
+        its blocks (paged out after packing; read again only where a lookup needs them)."""
         if self.offload is not None:  # the resident layers and the stream buffers, not the file
             own = sum(p.numel() * p.element_size() for p in self.parameters())
             head = self.prepare().lm_head
@@ -307,7 +314,7 @@ class LlamaModel(nn.Module):
         for m in (prep.lm_head, self._quant_embed):
             if isinstance(m, QuantMatrix):
                 mats[id(m)] = m
-        return own + sum(m.nbytes for m in mats.values())
+        return own + sum(m.resident_nbytes for m in mats.values())
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [T] -> [T, hidden]: the table's rows (dequantized exactly when it is blocks)."""

@@ -16,6 +16,9 @@ The activations' int8 rounding makes this a numerically different target from th
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,10 +31,12 @@ from treespec_kernels import quant_matmul as qm
 
 @dataclass(frozen=True)
 class QuantPart:
-    """Rows of a block matrix: `blocks` [rows, bytes per row] uint8 of type `qtype`."""
+    """Rows of a block matrix: `blocks` [rows, bytes per row] uint8 of type `qtype`; `packed`: the
+    same blocks repacked for the kernel's packed path (`QuantMatrix.packed`), or None."""
 
     qtype: qm.QuantType
     blocks: torch.Tensor
+    packed: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -70,10 +75,41 @@ class QuantMatrix:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] float32 -> [rows, out] float32 (+ bias, added after the product)."""
         if len(self.parts) == 1:
-            y = qm.quant_matmul(x, self.parts[0].blocks, self.parts[0].qtype)
+            p = self.parts[0]
+            y = qm.quant_matmul(x, p.blocks, p.qtype, p.packed)
         else:  # x quantized once, every part writing its own columns
-            y = qm.quant_matmul_parts(x, [p.blocks for p in self.parts], [p.qtype for p in self.parts])
+            y = qm.quant_matmul_parts(
+                x,
+                [p.blocks for p in self.parts],
+                [p.qtype for p in self.parts],
+                [p.packed for p in self.parts],
+            )
         return y if bias is None else y + bias
+
+    def packed(self) -> QuantMatrix:
+        """This matrix with every part the kernel can repack repacked once (`quant_matmul.pack`): the
+        same bits at every row count, a few rows at nearly the cost of one. The blocks are kept
+        (the embedding lookup and the row counts outside `packed_rows` read them), so the repacked
+        copy is memory of its own, about the blocks' size."""
+        parts = []
+        for p in self.parts:
+            packed = qm.pack(p.blocks, p.qtype, self.in_features) if p.packed is None else None
+            if packed is not None:
+                p = QuantPart(p.qtype, p.blocks, packed)
+                page_out(p.blocks)
+            parts.append(p)
+        if all(a is b for a, b in zip(parts, self.parts, strict=True)):
+            return self  # nothing to pack (a tied table stays one matrix)
+        return QuantMatrix(parts, self.in_features)
+
+    @property
+    def packed_nbytes(self) -> int:
+        return sum(int(p.packed.numel()) for p in self.parts if p.packed is not None)
+
+    @property
+    def resident_nbytes(self) -> int:
+        """The bytes the projections read: each part's packed copy where it has one, else its blocks."""
+        return sum(int((p.blocks if p.packed is None else p.packed).numel()) for p in self.parts)
 
     @property
     def column_block(self) -> int:
@@ -119,6 +155,24 @@ class QuantMatrix:
             raise ValueError("row lookup needs a single-part matrix (an embedding table)")
         p = self.parts[0]
         return qm.dequantize_rows(p.blocks, p.qtype, self.in_features, index)
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (never destroys data: file pages are re-read)
+
+
+def page_out(t: torch.Tensor) -> None:
+    """Ask the kernel to reclaim the pages of t's memory (best effort, never destructive): the file
+    pages of blocks the packed copy now serves leave the process's resident set instead of doubling
+    it, and come back from the page cache or the file if read again (the embedding lookup)."""
+    if sys.platform != "linux" or t.numel() == 0:
+        return
+    page = mmap.PAGESIZE
+    start = -(-t.data_ptr() // page) * page
+    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if end <= start:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(_MADV_PAGEOUT))
 
 
 def gguf_part(data: np.ndarray, type_name: str, shape: Sequence[int]) -> QuantPart:

@@ -265,7 +265,7 @@ void lane_outputs(const uint8_t* wp, int64_t row_bytes, const std::vector<LaneRo
 // one. Threads take whole tiles (eight consecutive weight rows, no cache line of y shared).
 void k_outputs_avx512(int64_t t, const uint8_t* wp, int64_t row_bytes, const int8_t* xq, const float* dx,
                       const int32_t* sx, int64_t rows, int64_t in, int64_t first, int64_t out, int64_t grain,
-                      float* yp, int64_t ld) {
+                      float* yp, int64_t ld, const uint8_t* packed) {
   // the activation sums the type reads (Q4_K's mins: per 32; Q6_K's offset: per 16), once per call
   std::vector<int16_t> s32(t == Q4_K ? rows * (in / 32) : 0), s16(t == Q6_K ? rows * (in / 16) : 0);
   for (size_t i = 0; i < s32.size(); ++i) s32[i] = int16_t(sx[i]);
@@ -277,6 +277,13 @@ void k_outputs_avx512(int64_t t, const uint8_t* wp, int64_t row_bytes, const int
   const KActs acts{xq, dx, s32.data(), s16.data(), in};
   const int64_t tiles = (out - first) / 8;
   const auto tile1 = t == Q4_K ? k_tile1<Q4_K> : k_tile1<Q6_K>;
+  if (packed != nullptr && first == 0 && g_packed_min_rows > 0 && rows >= g_packed_min_rows && rows <= g_packed_max_rows) {
+    const int64_t groups = out / PK_OUT;
+    packed_run(t, packed, acts, rows, groups, grain, yp, ld);
+    for (int64_t j = PK_OUT * groups; j < out; ++j)
+      for (int64_t r = 0; r < rows; r += 8) tile1(wp, row_bytes, acts, r, std::min<int64_t>(8, rows - r), j, yp, ld);
+    return;
+  }
   if (g_grid_min_rows > 0 && rows >= g_grid_min_rows && rows <= g_grid_max_rows) {  // the grid
     const int64_t groups = (out - first) / GRID_OUTPUTS;
     grid_run(t, wp, row_bytes, acts, rows, first, groups, grain, yp, ld);

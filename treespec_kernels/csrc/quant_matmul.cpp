@@ -32,6 +32,12 @@
 //   Q6_K (256)       T = sum_i sc_i * isum_i over the 16 sub-blocks of 16 (integers q - 32)
 //                    acc += (d * dx) * float(T)
 //
+// Packed weights (quant_packed.h, `pack_k`): where the CPU has AVX-512 VNNI, a model repacks its
+// K-type matrices once at load (sixteen outputs a vector, about the blocks' size) and every row
+// count of `set_packed_rows` (by default all, AMX's row counts excepted) runs on them: a few rows
+// cost about one, the weights' unpacking paid once for up to eight rows. The paths below run where
+// a matrix has no packed copy.
+//
 // SIMD: the integer sums run on AVX2 (256-bit maddubs/madd; groups of four activation rows, the
 // last one to three together), and for the K types on AVX-512 with VNNI where the CPU has it:
 // below 7 rows (`set_lanes_min_rows`) tiles of weight rows x activation rows that fill the eight
@@ -92,6 +98,7 @@
 #include "quant_tiles.h"
 #include "quant_amx.h"
 #include "quant_grid.h"
+#include "quant_packed.h"
 #include "quant_lanes.h"
 
 namespace {
@@ -185,6 +192,36 @@ std::vector<torch::Tensor> quantize_rows(const torch::Tensor& x_, int64_t qx) {
   return {xq, dx, sx};
 }
 
+// w of type t repacked for the packed path (quant_packed.h): [out / 16, bytes] uint8, or an empty
+// tensor where this build or the type has no packed path.
+torch::Tensor pack_k(const torch::Tensor& w, int64_t t, int64_t in) {
+  check_weight(w, t, in);
+#if defined(TREESPEC_AVX512)
+  if (k_type(t) && w.size(0) >= PK_OUT) return pack_k_impl(w, t, in);
+#endif
+  return torch::empty({0}, torch::kUInt8);
+}
+
+// The packed weights to run this call on, or nullptr (none given, or not for this row count).
+const uint8_t* packed_for(const torch::Tensor& packed, const torch::Tensor& w, int64_t t, int64_t in, int64_t rows) {
+  if (!packed.defined() || packed.numel() == 0) return nullptr;
+#if defined(TREESPEC_AVX512)
+  TORCH_CHECK(k_type(t) && packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(0) == w.size(0) / PK_OUT && packed.size(1) == in / 256 * packed_block_bytes(t),
+              "the packed weights must be pack_k's [", w.size(0) / PK_OUT, ", ", in / 256 * packed_block_bytes(t),
+              "] uint8 for this matrix");
+#if defined(TREESPEC_AMX)
+  if (g_amx_min_rows > 0 && rows >= g_amx_min_rows && amx_permitted()) return nullptr;  // AMX's tiles take these
+#endif
+  if (g_packed_min_rows > 0 && rows >= g_packed_min_rows && rows <= g_packed_max_rows) return packed.data_ptr<uint8_t>();
+  return nullptr;
+#else
+  (void)w, (void)t, (void)in, (void)rows;
+  TORCH_CHECK(false, "this build has no packed path (pack_k gives an empty tensor here)");
+  return nullptr;
+#endif
+}
+
 // x: [rows, in] float32, w: [out, bytes per row] uint8 blocks of type t -> [rows, out] float32
 // The quantized activations of one call, for weights of one activation block size (qx).
 struct QuantRows {
@@ -207,7 +244,8 @@ QuantRows quantize_for(const torch::Tensor& x, int64_t qx) {
 }
 
 // y[:, 0:out] (row stride ld) = the quantized rows times the out x in matrix w of type t
-void matmul_part(const QuantRows& a, const torch::Tensor& w, int64_t t, float* yp, int64_t ld) {
+// packed: pack_k's repacking of w, or an empty tensor
+void matmul_part(const QuantRows& a, const torch::Tensor& w, int64_t t, float* yp, int64_t ld, const torch::Tensor& packed) {
   const int64_t rows = a.rows, in = a.in, out = w.size(0), nx = in / a.qx;
   const int8_t* xq = a.xq.data_ptr<int8_t>();
   const float* dx = a.dx.data_ptr<float>();
@@ -224,8 +262,9 @@ void matmul_part(const QuantRows& a, const torch::Tensor& w, int64_t t, float* y
   // runs with OMP_WAIT_POLICY=PASSIVE, and a forward calls this ~200 times)
   const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 18) / std::max<int64_t>(1, row_bytes * rows));
   int64_t first = 0;  // outputs before `first` are done by the AMX path
+  const uint8_t* pk = packed_for(packed, w, t, in, rows);
 #if defined(TREESPEC_AMX)
-  if (k_type(t) && g_amx_min_rows > 0 && rows >= g_amx_min_rows && out >= 16 && amx_permitted()) {
+  if (pk == nullptr && k_type(t) && g_amx_min_rows > 0 && rows >= g_amx_min_rows && out >= 16 && amx_permitted()) {
     std::vector<AmxRows> tiles;
     for (int64_t r = 0; r < rows; r += 16) tiles.push_back(amx_rows_of(xq, dx, sx, in, r, std::min<int64_t>(16, rows - r)));
     first = out / 16 * 16;
@@ -236,7 +275,7 @@ void matmul_part(const QuantRows& a, const torch::Tensor& w, int64_t t, float* y
 #endif
 #if defined(TREESPEC_AVX512)
   if (k_type(t)) {
-    k_outputs_avx512(t, wp, row_bytes, xq, dx, sx, rows, in, first, out, grain, yp, ld);
+    k_outputs_avx512(t, wp, row_bytes, xq, dx, sx, rows, in, first, out, grain, yp, ld, pk);
     return;
   }
 #endif
@@ -289,12 +328,12 @@ void matmul_part(const QuantRows& a, const torch::Tensor& w, int64_t t, float* y
 }
 
 // x: [rows, in] float32, w: [out, bytes per row] uint8 blocks of type t -> [rows, out] float32
-torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t t) {
+torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64_t t, const torch::Tensor& packed) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
   check_weight(w, t, x.size(1));
   if (g_counting) ++g_work.calls;
   auto y = torch::empty({x.size(0), w.size(0)}, torch::kFloat32);
-  matmul_part(quantize_for(x, k_type(t) ? 256 : QB), w, t, y.data_ptr<float>(), w.size(0));
+  matmul_part(quantize_for(x, k_type(t) ? 256 : QB), w, t, y.data_ptr<float>(), w.size(0), packed);
   return y;
 }
 
@@ -303,10 +342,12 @@ torch::Tensor quant_matmul(const torch::Tensor& x, const torch::Tensor& w, int64
 // activation block size, and every part writes its own columns (each column as quant_matmul of
 // that part alone computes it).
 torch::Tensor quant_matmul_parts(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
-                                 const std::vector<int64_t>& ts) {
+                                 const std::vector<int64_t>& ts, const std::vector<torch::Tensor>& packs) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in]");
   TORCH_CHECK(!ws.empty() && ws.size() == ts.size(), "give one type per part (", ws.size(), " parts, ",
               ts.size(), " types)");
+  TORCH_CHECK(packs.empty() || packs.size() == ws.size(), "give one packed tensor (or an empty one) per part (",
+              ws.size(), " parts, ", packs.size(), " packed)");
   int64_t total = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
     check_weight(ws[i], ts[i], x.size(1));
@@ -318,7 +359,7 @@ torch::Tensor quant_matmul_parts(const torch::Tensor& x, const std::vector<torch
   for (size_t i = 0; i < ws.size(); ++i) {
     QuantRows& a = k_type(ts[i]) ? k : b;
     if (a.qx == 0) a = quantize_for(x, k_type(ts[i]) ? 256 : QB);
-    matmul_part(a, ws[i], ts[i], y.data_ptr<float>() + col, total);
+    matmul_part(a, ws[i], ts[i], y.data_ptr<float>() + col, total, packs.empty() ? torch::Tensor() : packs[i]);
     col += ws[i].size(0);
   }
   return y;
@@ -492,8 +533,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the row counts (lo, hi) of the grid (lo 0: never)");
   m.def("lanes_min_rows", []() { return g_lanes_min_rows; }, "rows from which the K types put the rows in the lanes (0: never)");
   m.def("quantize_rows", &quantize_rows, "per-row int8 activations per 32 or 256 values (xq, dx, sx)");
-  m.def("quant_matmul", &quant_matmul, "x @ W.T with W in GGUF blocks, batch-invariant");
-  m.def("quant_matmul_parts", &quant_matmul_parts, "x @ [W1; W2; ...].T, x quantized once");
+  m.def("quant_matmul", &quant_matmul, "x @ W.T with W in GGUF blocks, batch-invariant", py::arg("x"), py::arg("w"),
+        py::arg("t"), py::arg("packed") = torch::empty({0}, torch::kUInt8));
+  m.def("quant_matmul_parts", &quant_matmul_parts, "x @ [W1; W2; ...].T, x quantized once", py::arg("x"), py::arg("ws"),
+        py::arg("ts"), py::arg("packs") = std::vector<torch::Tensor>());
+  m.def("pack_k", &pack_k, "a K-type matrix repacked for the packed path (empty where there is none)");
+  m.def("set_packed_rows", [](int64_t lo, int64_t hi) {
+    g_packed_min_rows = lo;
+    g_packed_max_rows = hi;
+  }, "the row counts (lo..hi) the K types run on packed weights where given (lo 0: never)");
+  m.def("packed_rows", []() { return std::vector<int64_t>{g_packed_min_rows, g_packed_max_rows}; },
+        "the row counts (lo, hi) of the packed path (lo 0: never)");
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGUF-block matrix as float32");
   m.def("set_counting", [](bool on) {
     g_counting = on;
