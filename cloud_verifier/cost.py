@@ -104,12 +104,14 @@ def monotone(curve: dict[int, float]) -> dict[int, float]:
 
 
 def _kernel_paths(weights: str) -> str:
-    """The quantized kernel's SIMD paths (AMX from how many rows, or not): they change the curve."""
+    """The quantized kernel's SIMD paths (AMX from how many rows, or not) and whether the model
+    repacked its K types (for which row counts): they change the curve."""
     if weights != "quantized":
         return "-"
     from treespec_kernels import quant_matmul
 
-    return quant_matmul.simd()
+    packed = "packed rows {}-{}".format(*quant_matmul.packed_rows()) if quant_matmul.packing() else "unpacked"
+    return f"{quant_matmul.simd()}; {packed}"
 
 
 def cost_cache_key(target: Target, threads: int, nodes: Sequence[int], prefix: int) -> str:

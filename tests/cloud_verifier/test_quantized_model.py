@@ -325,3 +325,16 @@ def test_qwen15_quantized_tree_rows_equal_one_token_decoding(qwen15q: LlamaModel
         cond=rng.randint(0, 2),
         exact=True,
     )
+
+
+def test_the_cost_curve_cache_knows_whether_the_weights_were_repacked(
+    qtiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A curve measured with packing off (or on) is not reused for the other: the few-row forwards
+    cost several times more without it."""
+    from cloud_verifier.cost import cost_cache_key
+
+    target = _target(qtiny)
+    on = cost_cache_key(target, 1, (1, 2), 8)
+    monkeypatch.setenv("TREESPEC_PACKED_ROWS", "0")
+    assert cost_cache_key(target, 1, (1, 2), 8) != on
