@@ -150,6 +150,10 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
     const bool fetch = b + (TREESPEC_PACKED_AHEAD + 1) * PB <= end;
     __m512i A[R];
     for (int r = 0; r < R; ++r) A[r] = _mm512_setzero_si512();
+    // each row's values of this super-block: the unrolled loops below address them at constant
+    // offsets from one pointer a row
+    const int8_t* xs[R];
+    for (int r = 0; r < R; ++r) xs[r] = x.xq + (r0 + r) * in + sb * 256;
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
       if (fetch)
@@ -161,12 +165,10 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
         for (int j = 0; j < 4; ++j) {
           const __m512i n = _mm512_load_si512(b + (4 * u + j) * 64);
           const __m512i lo = _mm512_and_si512(n, m4), hi = _mm512_and_si512(_mm512_srli_epi16(n, 4), m4);
-          const int64_t k = sb * 256 + 32 * u + 4 * j;
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
-            const int8_t* xr = x.xq + (r0 + r) * in + k;
-            cs[r] = dpbusd_bcast(cs[r], lo, xr);
-            cs[r] = dpbusd_bcast(cs[r], hi, xr + 16);
+            cs[r] = dpbusd_bcast(cs[r], lo, xs[r] + 32 * u + 4 * j);
+            cs[r] = dpbusd_bcast(cs[r], hi, xs[r] + 32 * u + 16 + 4 * j);
           }
         }
         const __m512i sc = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(b + 2048 + 16 * u)));
@@ -188,9 +190,8 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
                                : j == 2 ? hb
                                         : _mm512_srli_epi16(hb, 2);
             const __m512i wv = _mm512_ternarylogic_epi32(lo, up, m30, 0xF8);  // lo | (up & 0x30)
-            const int64_t k = sb * 256 + 32 * u + 16 * h + 4 * j;
 #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) cs[r] = dpbusd_bcast(cs[r], wv, x.xq + (r0 + r) * in + k);
+            for (int r = 0; r < R; ++r) cs[r] = dpbusd_bcast(cs[r], wv, xs[r] + 32 * u + 16 * h + 4 * j);
           }
           const __m512i sc = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(b + 3072 + 16 * s)));
           for (int r = 0; r < R; ++r) A[r] = _mm512_add_epi32(A[r], _mm512_mullo_epi32(cs[r], sc));
