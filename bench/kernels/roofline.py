@@ -10,6 +10,8 @@ same cores.
 - Each distinct (type, shape) of layer 0's projections and the LM head, at 1, 2, 3, 4, 8 and 16
   rows: ms, GB/s of weight bytes and GOPS, read cold (the matrix is cycled through copies larger
   than the last-level cache, as a forward reads it once from memory), and their shares of the roofs.
+  The K types run as the model runs them: repacked at load where the CPU has AVX-512 VNNI (GB/s of
+  the packed bytes; column `packed`), from their blocks with TREESPEC_PACKED_ROWS=0.
 - The whole forward (`forward_packed` after a 128-token prefix; attention, norms and the head
   included): its share of the bandwidth roof at one row (the projections' and head's bytes over
   its time) and of the compute roof at 16 rows (their multiply-adds over its time).
@@ -132,18 +134,22 @@ def projection_rows(
     for name, q, blocks, dense in matrices(path, True):
         out_f, in_f = dense.shape
         copies = [blocks] + [blocks.clone() for _ in range(-(-(COLD_MB << 20) // blocks.numel()) - 1)]
+        # as the model runs them: repacked at load where the kernel can (TREESPEC_PACKED_ROWS=0: not)
+        packs = [qm.pack(c, q, in_f) if qm.packing() else None for c in copies]
+        read = blocks.numel() if packs[0] is None else packs[0].numel()
         for n in rows:
             x = torch.randn(n, in_f, generator=torch.Generator().manual_seed(n))
             times = []
             for rep in range(repeats + 1):
                 t0 = time.perf_counter()
-                for c in copies:
-                    qm.quant_matmul(x, c, q)
+                for c, p in zip(copies, packs, strict=True):
+                    qm.quant_matmul(x, c, q, p)
                 if rep:
                     times.append((time.perf_counter() - t0) / len(copies))
             s = statistics.median(times)
             head = {"part": name, "type": q.name, "out": out_f, "in": in_f, "threads": threads, "rows": n}
-            out.append(head | _measures(s, blocks.numel(), n * out_f * in_f, roofs))
+            head["packed"] = packs[0] is not None
+            out.append(head | _measures(s, read, n * out_f * in_f, roofs))
             bar.update()
     return out
 

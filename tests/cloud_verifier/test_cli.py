@@ -196,3 +196,13 @@ def test_sigterm_with_drain_timeout_0_drains_at_once_and_exits_0() -> None:
         err = proc.stderr.read() if proc.stderr is not None else ""
     assert proc.returncode == 0, err[-2000:]
     assert "Traceback" not in err
+
+
+def test_openmp_threads_sleep_alone_and_spin_briefly_together_unless_the_environment_says() -> None:
+    """One verifier thread: OpenMP's waiters sleep (PASSIVE); several: a bounded spin before they
+    sleep (GOMP_SPINCOUNT), so the ~200 regions of a forward do not each wake a sleeping thread; an
+    environment that names either variable is left as it is."""
+    assert cli.openmp_waiting(1, {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert cli.openmp_waiting(2, {}) == {"GOMP_SPINCOUNT": cli.SPIN_COUNT}
+    assert cli.openmp_waiting(8, {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert cli.openmp_waiting(1, {"GOMP_SPINCOUNT": "0"}) == {}
