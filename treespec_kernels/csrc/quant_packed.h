@@ -118,14 +118,8 @@ PackedActs packed_acts(int64_t t, const KActs& a, int64_t rows) {
 // broadcast operand: GCC does not fold a broadcast into vpdpbusd by itself, and a separate
 // vpbroadcastd per dpbusd costs a vector op each
 inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
-#if defined(TREESPEC_PACKED_NO_ASM)
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(v));
-#else
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
   return acc;
-#endif
 }
 
 // One group of 16 outputs (its packed super-blocks at pg) against activation rows r0 .. r0 + R - 1:
