@@ -35,9 +35,12 @@ its spec-decode counters (`vllm:spec_decode_num_*`: acceptance rate and mean acc
 vLLM's benchmark reports them); each request's output token ids, and `identical_to_ar`: whether
 every output equals ar's for the same prompt (greedy only).
 Without `--url` the bench starts a verifier, by default as a `cloud-verifier serve` child process
-(not pinned: it shares this machine's cores with the client).
+(not pinned: it shares this machine's cores with the client). With `--fleet` it starts an
+autoscaling fleet on a local Ray cluster instead and reads it over the runs (replicas, sessions,
+queues): rising rates are then a rising load on one fleet (bench.serving.serve_fleet).
 
     python -m bench serve --clients ar,tree_prespec --request-rate 1,4,inf --json out.json --plot out.png
+    python -m bench serve --fleet --model tiny --clients ar,auto --request-rate 0.5,1,2,4 --fleet-plot f.png
 """
 
 from __future__ import annotations
@@ -46,17 +49,14 @@ import argparse
 import asyncio
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.end_to_end.e2e import trusted_key_file
 from bench.harness import (
     BenchPrompt,
-    Verifier,
     add_common_args,
     load_prompts,
     suite_from_args,
@@ -66,6 +66,7 @@ from bench.harness import (
 from bench.lib import runner
 from bench.lib.args import add_model_args
 from bench.lib.runner import Result, UsageError
+from bench.serving import serve_fleet
 from bench.serving.serve_clients import (
     RequestSpec,
     Run,
@@ -78,6 +79,7 @@ from bench.serving.serve_clients import (
     run_all,
     stochastic,
 )
+from bench.serving.serve_fleet import add_fleet_args, check_fleet_args, server
 from bench.serving.serve_metrics import (
     SLO_METRICS,
     RequestResult,
@@ -131,51 +133,6 @@ def _suite(args: argparse.Namespace, n: int) -> list[BenchPrompt]:
     if args.prompt_file:  # a prompt file it cannot read: the parser's error, as a bad flag
         return suite_from_args(0, n, args.prompt_file)
     return load_prompts(n)
-
-
-# --------------------------------------------------------------------------------------- the server
-@contextmanager
-def verifier(args: argparse.Namespace) -> Iterator[str]:
-    """The verifier's base URL: --url's, or one started for the runs (a child process, or with
-    --in-process a thread of this process serving a target loaded here)."""
-    if args.url is not None:
-        yield args.url.rstrip("/")
-        return
-    extra = ["--no-measure-cost", "--max-context", str(args.max_context)]
-    if args.kv_blocks:
-        extra += ["--kv-blocks", str(args.kv_blocks)]
-    key_file = None
-    if any(stochastic(c) for c in args.clients):  # mss / rrs: a trusted key, sent by every request
-        key_file, args.api_key = trusted_key_file()
-        extra += ["--api-key-file", str(key_file)]
-    if not args.in_process:
-        with Verifier(args.model, threads=args.threads, args=extra, echo=not args.no_progress) as v:
-            yield v.http
-        return
-    import logging
-
-    from cloud_verifier.server import ThreadedServer
-    from cloud_verifier.server_config import ServerConfig
-
-    logging.getLogger("cloud_verifier.auth").setLevel(logging.ERROR)  # open access on loopback
-    config = ServerConfig(
-        model=args.model,
-        threads=args.threads,
-        kv_blocks=args.kv_blocks,
-        max_context=args.max_context,
-        measure_cost=False,
-        log_level="warning",
-        api_key_file=None if key_file is None else str(key_file),
-    )
-    server = ThreadedServer(config)
-    try:
-        server.start(timeout=600)
-    except RuntimeError as exc:
-        raise ServeBenchError(str(exc)) from None
-    try:
-        yield server.http
-    finally:
-        server.stop()
 
 
 def warm_up(args: argparse.Namespace, base: str, ids: list[int]) -> None:
@@ -278,6 +235,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "token (right) against the rate, a line per client kind",
     )
     _server_args(p)
+    add_fleet_args(p)
 
 
 def _client_args(p: argparse.ArgumentParser) -> None:
@@ -542,6 +500,7 @@ def check_args(args: argparse.Namespace) -> None:
         except ValueError as exc:
             raise UsageError(f"--tree: {exc}") from None
     args.goodput = dict(args.goodput) if args.goodput else None
+    check_fleet_args(args)
 
 
 def run(args: argparse.Namespace) -> Result:
@@ -567,7 +526,8 @@ def run(args: argparse.Namespace) -> Result:
         return write_result(args.json, config, [r.row for r in done], False, **outputs(done))
 
     try:
-        with verifier(args) as base:
+        with server(args) as srv:
+            base = srv.http
             ids = prompt_ids(args, base)
             lengths[:] = [len(p) for p in ids]
             specs = [RequestSpec(p, args.max_tokens, args.temperature, args.ignore_eos) for p in ids]
@@ -579,9 +539,12 @@ def run(args: argparse.Namespace) -> Result:
         # --json keeps the runs that finished, marked incomplete
         return Result([r.row for r in saved], complete=False, extra=outputs(saved), config=config, status=1)
     rows = [r.row for r in runs]
-    return Result(
-        rows, render_rows(rows), extra=outputs(runs), config=config, plot=lambda path: plot(rows, path)
-    )
+    extra, text = outputs(runs), render_rows(rows)
+    if srv.fleet is not None:
+        fleet = serve_fleet.results(args, runs, srv.fleet)
+        extra.update(fleet)
+        text += "\n" + serve_fleet.render(fleet["fleet"])
+    return Result(rows, text, extra=extra, config=config, plot=lambda path: plot(rows, path))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,6 +24,7 @@ import asyncio
 import importlib.util
 import json
 import math
+import re
 import sys
 import time
 import urllib.parse
@@ -37,7 +38,6 @@ import httpx
 from tqdm import tqdm
 
 from bench.end_to_end.e2e import ALL_MODES, STOCHASTIC_MODES, Variant, variants
-from bench.harness import read_metrics
 from bench.lib.procs import Proxy
 from bench.serving.serve_metrics import (
     RequestResult,
@@ -51,6 +51,7 @@ from bench.serving.serve_metrics import (
 from edge_client.client import EdgeClient, GenerationError, Timeouts, TreeSpec
 from edge_client.drafters.base import Drafter
 from edge_client.drafters.registry import create_drafter
+from edge_client.session import ResumeConfig
 from shared.messages import Mode
 from shared.tree import ExpansionConfig
 
@@ -69,8 +70,12 @@ Send = Callable[[RequestSpec], Awaitable[RequestResult]]
 # an edge session's wait for a verdict: as ar's HTTP requests (no read timeout), a loaded verifier's
 # slow answer is a measurement, not a failure (the SDK's default, 60 s, cut prefills off on a CPU)
 VERDICT_S = 1800.0
+# a session opened per request waits for room as a patient user would: refused ("try again later")
+# while every replica is at its cap, it tries again for about two minutes before the request fails
+PATIENT = ResumeConfig(attempts=64, backoff_s=0.2, max_backoff_s=2.0)
 BUSY = "specdec_verify_forward_seconds_sum"  # seconds of engine forwards, every session's
 PREEMPTIONS = "cloud_verifier_preemptions_total"
+REPORT_S = 1.5  # a fleet's replicas report their metrics every second: its scrape waits this long
 
 
 # --------------------------------------------------------------------------------------- ar
@@ -210,8 +215,10 @@ class EdgeFleet:
         generate_args: dict[str, Any],
         size: int,
         api_key: str | None,
+        per_request: bool = False,
     ) -> None:
         self.url, self.pool, self.variant, self.size = url, pool, variant, size
+        self.per_request = per_request
         self.generate_args = generate_args
         self.api_key = api_key
         self.idle: asyncio.Queue[EdgeClient] = asyncio.Queue()
@@ -229,9 +236,11 @@ class EdgeFleet:
                     prespec=self.variant.prespec,
                     api_key=self.api_key,
                     timeouts=Timeouts(verdict_s=VERDICT_S),
+                    resume=PATIENT if self.per_request else True,
                 )
                 self.clients.append(c)
-                await c.connect()
+                if not self.per_request:  # else each generation opens its session (when room)
+                    await c.connect()
                 self.idle.put_nowait(c)
         except BaseException:
             await self.__aexit__()
@@ -248,6 +257,8 @@ class EdgeFleet:
         try:
             return await edge_request(client, spec, self.generate_args)
         finally:
+            if self.per_request:  # the session ends with its request; the next opens its own
+                await client.drop_connection()
             self.idle.put_nowait(client)
 
     async def __aexit__(self, *exc: object) -> None:
@@ -306,7 +317,9 @@ async def run_load(
     async def one(i: int) -> RequestResult:
         await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
         async with gate:
+            sent = time.time()
             r = await send(specs[i])
+            r.sent_at = sent
         bar.update(1)
         return r
 
@@ -347,9 +360,13 @@ async def measure(
     from /metrics around it."""
     arrivals = arrival_times(len(specs), rate, args.burstiness, args.seed)
     before, sd0 = await asyncio.to_thread(_scrape, ends.base)
+    wall_start = time.time()
     bar = tqdm(total=len(specs), desc=f"{client} @ {rate:g} req/s", file=sys.stderr, disable=args.no_progress)
     with bar:
         results, duration = await run_load(send, specs, arrivals, args.max_concurrency, bar)
+    wall_end = time.time()
+    if args.fleet:  # the replicas report their metrics each second
+        await asyncio.sleep(REPORT_S)
     after, sd1 = await asyncio.to_thread(_scrape, ends.base)
     row: dict[str, Any] = {
         "client": client,
@@ -357,23 +374,45 @@ async def measure(
         "rtt_ms": args.rtt_ms,
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
+        "wall_start": wall_start,
+        "wall_end": wall_end,
     }
     row.update(summarize(results, duration, args.goodput))
-    busy = after.get(BUSY, 0.0) - before.get(BUSY, 0.0)
+    busy = grown(before, after, BUSY)
     tokens = row["total_output_tokens"]
     row["verifier_busy_s"] = busy
     row["verifier_busy_s_per_token"] = busy / tokens if tokens else math.nan
-    row["preemptions"] = int(after.get(PREEMPTIONS, 0.0) - before.get(PREEMPTIONS, 0.0))
+    row["preemptions"] = int(grown(before, after, PREEMPTIONS))
     row["identical_to_ar"] = None  # filled in once the ar run of the same prompts is in (same_as_ar)
     row.update(spec_decode_figures(sd1 - sd0))
     return Run(row, results)
 
 
-def _scrape(base: str) -> tuple[dict[str, float], SpecDecode]:
-    """The verifier's unlabelled samples and its spec-decode counters, now."""
+Counters = dict[str, dict[str, float]]  # a counter's value by replica ("": a lone verifier's)
+
+
+def _scrape(base: str) -> tuple[Counters, SpecDecode]:
+    """The verifier's cost counters (BUSY, PREEMPTIONS) by replica, and its spec-decode counters,
+    now. A fleet's /metrics labels every sample with its `replica`."""
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return read_metrics(base), SpecDecode.parse(text)
+    counters: Counters = {BUSY: {}, PREEMPTIONS: {}}
+    for m in _COUNTER.finditer(text):
+        replica = _REPLICA.search(m.group(2) or "")
+        key = replica.group(1) if replica else ""
+        counters[m.group(1)][key] = counters[m.group(1)].get(key, 0.0) + float(m.group(3))
+    return counters, SpecDecode.parse(text)
+
+
+_COUNTER = re.compile(rf"^({BUSY}|{PREEMPTIONS})(\{{[^}}]*\}})? ([0-9.eE+-]+)$", re.M)
+_REPLICA = re.compile(r'replica="([^"]*)"')
+
+
+def grown(before: Counters, after: Counters, name: str) -> float:
+    """How much counter `name` grew between two scrapes, replica by replica: a replica that came
+    up in between counts from 0; one stopped in between takes its counts with it (not counted)."""
+    was = before.get(name, {})
+    return sum(v - was.get(k, 0.0) for k, v in after.get(name, {}).items())
 
 
 async def run_kind(
@@ -399,7 +438,8 @@ async def run_kind(
                 done(await measure(args, ends, client, rate, specs, send_ar))
         return
     variant, gen_args = edge_kind(client, ExpansionConfig.parse(args.tree), args.temperature)
-    fleet = EdgeFleet(ends.ws, pool, variant, gen_args, min(limit, len(specs)), ends.api_key)
+    size = min(limit, len(specs))
+    fleet = EdgeFleet(ends.ws, pool, variant, gen_args, size, ends.api_key, args.session_per_request)
     try:
         await fleet.__aenter__()
     except ServeBenchError:

@@ -57,6 +57,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)  # gaps between chunks with text
     error: str = ""
     output_ids: list[int] | None = None  # the generated token ids, when the client kind reports them
+    sent_at: float = 0.0  # when it was sent (time.time())
 
     @property
     def tpot(self) -> float | None:

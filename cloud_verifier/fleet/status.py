@@ -27,19 +27,22 @@ STALE_S = 30.0
 
 
 class ReplicaStats(TypedDict):
-    """What a replica reports: its open sessions (welcomed or in handshake) and the generations
-    its engine has waiting (for a step, or for room in the KV pool)."""
+    """What a replica reports: its open sessions (welcomed or in handshake), the generations its
+    engine has waiting (for a step, or for room in the KV pool) and the slots its admission has
+    given out (welcomed sessions and HTTP generations)."""
 
     sessions: int
     queue: int
+    generations: NotRequired[int]
     direct: NotRequired[str]  # its own address, where it offers one (`direct.py`)
 
 
 class ReplicaRow(TypedDict):
     """One replica of `fleet status`: its node (Serve's node IP), process id, sessions and queue
     (None until it reports), Serve's state (STARTING, RUNNING, STOPPING, ...), its node's Ray id
-    (nodes of one machine share an IP), Serve's replica id, and its own address (None: none, or
-    not reported yet)."""
+    (nodes of one machine share an IP), Serve's replica id, its own address (None: none, or
+    not reported yet) and its admission's slots in use (sessions and HTTP generations; None until
+    it reports)."""
 
     node: str | None
     pid: int | None
@@ -49,6 +52,7 @@ class ReplicaRow(TypedDict):
     node_id: str | None
     replica: str | None
     address: str | None
+    generations: int | None
 
 
 def replica_stats(state: AppState | None) -> ReplicaStats:
@@ -58,6 +62,9 @@ def replica_stats(state: AppState | None) -> ReplicaStats:
     engine = state.engine
     queue = engine.waiting + engine.queued if engine is not None else 0
     stats: ReplicaStats = {"sessions": len(state.sessions), "queue": queue}
+    admission = getattr(state, "admission", None)
+    if admission is not None:
+        stats["generations"] = admission.in_use
     direct = getattr(state, "direct", None)
     if direct:
         stats["direct"] = direct
@@ -89,6 +96,7 @@ def status_rows(
                 "node_id": r.get("node_id"),
                 "replica": r.get("replica_id"),
                 "address": stats.get("direct") if stats else None,
+                "generations": stats.get("generations") if stats else None,
             }
         )
     rows.sort(key=lambda row: (row["node"] or "", row["pid"] or 0))

@@ -61,7 +61,7 @@ def test_fleet_serves_reports_and_stops(tmp_path: Path) -> None:
         assert out == [reference(tuple(prompt), 48)]
         last = seen[-1] if seen else _status()["replicas"]
         assert len(last) == 2 and {r["state"] for r in last} == {"RUNNING"}
-        assert set(last[0]) == {"node", "pid", "sessions", "queue", "state"}
+        assert {"node", "pid", "sessions", "queue", "state"} <= set(last[0])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
     finally:

@@ -138,6 +138,9 @@ def test_replica_stats() -> None:
     )
     assert replica_stats(state) == {"sessions": 3, "queue": 3}  # type: ignore[arg-type]
     assert replica_stats(SimpleNamespace(sessions=set(), engine=None)) == {"sessions": 0, "queue": 0}  # type: ignore[arg-type]
+    # the admission's slots: welcomed sessions and HTTP generations alike
+    serving = SimpleNamespace(sessions={object()}, engine=None, admission=SimpleNamespace(in_use=4))
+    assert replica_stats(serving) == {"sessions": 1, "queue": 0, "generations": 4}  # type: ignore[arg-type]
 
 
 def _details(*replicas: dict[str, Any]) -> dict[str, Any]:
