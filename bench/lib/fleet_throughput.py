@@ -145,4 +145,5 @@ def _load_row(
         "tokens_per_s": round(tally.tokens / a.seconds, 1),
         "sessions": tally.sessions,
         "errors": len(tally.errors),
+        "first_errors": sorted(set(tally.errors))[:3],
     }
