@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.robustness import fuzz
 
 
+@pytest.mark.slow  # the protocol fuzz of tests/shared/test_protocol.py runs in the default suite
 def test_a_short_fuzz_run(tmp_path: Path) -> None:
     out = tmp_path / "fuzz.json"
     rc = fuzz.main(["--frames", "600", "--seconds", "60", "--connections", "2", "--check-every", "20",

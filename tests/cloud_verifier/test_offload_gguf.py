@@ -69,7 +69,7 @@ def test_gguf_blocks_stream_bit_for_bit(tmp_path: Path) -> None:
     check_round(got, rng, prompt_len=20, nodes=12, tail=2, cond=1, exact=True)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "quantized"])
+@pytest.mark.parametrize("weights", [pytest.param("fp32", marks=pytest.mark.slow), "quantized"])
 def test_smollm2_streams_bit_for_bit(weights: str) -> None:
     """The real loader path (`load_target(..., offload="disk")`): the float-weight cache (made on
     first use) or the GGUF's Q4_1 blocks, every layer streamed, against the resident model."""

@@ -37,6 +37,7 @@ def test_permute_is_the_loaders_inverse() -> None:
     assert not np.array_equal(permute_rows(w, 6), w)
 
 
+@pytest.mark.slow  # test_an_exported_draft_runs_in_every_drafter_backend runs llama.cpp on one too
 def test_an_exported_draft_loads_back_and_runs_in_llama_cpp(l8_path: Path, tmp_path: Path) -> None:
     draft = load_target(str(l8_path), progress=False)
     m = draft.model

@@ -120,7 +120,7 @@ def test_auto_streams_after_a_miss_once_its_trees_measured_slower_and_stays_exac
     assert st.kind_tokens.get("stream", 0) > 0 and sum(st.kind_tokens.values()) == len(toks) - 1
 
 
-@pytest.mark.parametrize("objective", ["latency", "cost"])
+@pytest.mark.parametrize("objective", ["latency", pytest.param("cost", marks=pytest.mark.slow)])
 def test_greedy_auto_is_exactly_the_targets_decoding(objective: str) -> None:
     """SmolLM2's quantized target (its tree rows are bit-identical to decoding): auto's tokens are
     its one-token greedy decoding token for token, across the switches between streamed tokens and

@@ -63,7 +63,7 @@ def _serve(port: int) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("mode", ["greedy", "match"])
+@pytest.mark.parametrize("mode", ["greedy", pytest.param("match", marks=pytest.mark.slow)])
 def test_resume_after_the_verifier_is_killed_and_restarted(mode: str) -> None:
     """SIGKILL mid-generation, a new verifier process on the same port seconds later: the stream
     goes on with exactly the tokens of an uninterrupted run."""

@@ -132,7 +132,7 @@ def test_bad_input_is_refused_with_the_reason() -> None:
         qm.row_bytes(qm.qtype("Q8_0"), 48)
 
 
-@pytest.mark.parametrize("arch", ["x86-64-v2", "x86-64-v3"])
+@pytest.mark.parametrize("arch", [pytest.param("x86-64-v2", marks=pytest.mark.slow), "x86-64-v3"])
 def test_the_result_does_not_depend_on_the_instruction_set(arch: str) -> None:
     """The same source built for x86-64-v2 (SSE4.2: no AVX2, the scalar path everywhere) and for
     x86-64-v3 (AVX2: the 256-bit paths, no AVX-512) gives the same bits as this machine's build
