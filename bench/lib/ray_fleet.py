@@ -9,7 +9,7 @@ import contextlib
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from bench.lib.procs import REPO, free_port
 
@@ -29,6 +29,34 @@ def fleet_from_flags(flags: Sequence[str], replicas: int) -> FleetArgs:
     from cloud_verifier.fleet.cli import fleet_args
 
     fleet = fleet_args(build_parser().parse_args(["fleet", "--replicas", str(replicas), *flags]))
+    if isinstance(fleet, str):
+        raise ValueError(fleet)
+    return fleet
+
+
+def add_autoscale_args(ap: Any) -> None:
+    """An autoscaling bench fleet's flags (a parser or an argument group): the replicas' range,
+    each one's session cap and Serve's delays."""
+    ap.add_argument("--min-replicas", type=int, default=1, help="the fleet's fewest replicas")
+    ap.add_argument("--max-replicas", type=int, default=3, help="the fleet's most replicas")
+    ap.add_argument("--max-sessions", type=int, default=2, help="each replica's session cap")
+    ap.add_argument("--upscale-delay", type=float, default=3.0, help="Serve's upscale delay (s)")
+    ap.add_argument("--downscale-delay", type=float, default=15.0, help="Serve's downscale delay (s)")
+
+
+def autoscaled_fleet(a: Any, direct: bool, extra: Sequence[str] = ()) -> FleetArgs:
+    """The fleet `cloud-verifier fleet` deploys for `add_autoscale_args`' flags in `a` (and
+    `a.model`): one thread a replica, no cost measurement at start, `--direct` or not, then
+    `extra` flags; a ValueError naming what is wrong with them."""
+    from cloud_verifier.cli import build_parser
+    from cloud_verifier.fleet.cli import fleet_args
+
+    flags = ["fleet", "--model", a.model, "--threads", "1", "--no-measure-cost",
+             "--min-replicas", str(a.min_replicas), "--max-replicas", str(a.max_replicas),
+             "--max-sessions", str(a.max_sessions), "--upscale-delay", str(a.upscale_delay),
+             "--downscale-delay", str(a.downscale_delay),
+             "--direct" if direct else "--no-direct", *extra]  # fmt: skip
+    fleet = fleet_args(build_parser().parse_args(flags))
     if isinstance(fleet, str):
         raise ValueError(fleet)
     return fleet

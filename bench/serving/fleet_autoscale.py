@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from bench.lib import runner
 from bench.lib.args import add_common_args
+from bench.lib.ray_fleet import LocalFleet, add_autoscale_args, autoscaled_fleet, ray_missing
 from bench.lib.runner import Result, UsageError
 from bench.lib.stats import median
 
@@ -59,11 +60,7 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         "--rates", type=_rates, default=[0.5, 1.0, 2.0, 4.0], help="request rates (req/s), rising"
     )
     ap.add_argument("--step-seconds", type=float, default=30.0, help="seconds at each rate")
-    ap.add_argument("--min-replicas", type=int, default=1, help="the fleet's fewest replicas")
-    ap.add_argument("--max-replicas", type=int, default=3, help="the fleet's most replicas")
-    ap.add_argument("--max-sessions", type=int, default=2, help="each replica's session cap")
-    ap.add_argument("--upscale-delay", type=float, default=3.0, help="Serve's upscale delay (s)")
-    ap.add_argument("--downscale-delay", type=float, default=15.0, help="Serve's downscale delay (s)")
+    add_autoscale_args(ap)
     ap.add_argument(
         "--direct",
         action=argparse.BooleanOptionalAction,
@@ -301,7 +298,6 @@ def plot(a: argparse.Namespace, run: dict[str, Any], path: Path) -> None:
 
 
 def run(a: argparse.Namespace) -> Result:
-    from bench.lib.ray_fleet import LocalFleet, ray_missing
 
     why = ray_missing()
     if why:
@@ -310,20 +306,14 @@ def run(a: argparse.Namespace) -> Result:
         raise UsageError("--min-replicas must be at least 1 and below --max-replicas")
     if a.step_seconds <= 0 or a.max_sessions < 1 or a.tokens < 1:
         raise UsageError("--step-seconds > 0, --max-sessions >= 1 and --tokens >= 1")
-    from cloud_verifier.cli import build_parser
     from cloud_verifier.fleet.app import build
-    from cloud_verifier.fleet.cli import fleet_args
     from cloud_verifier.fleet.config import APP_NAME
     from shared.model import load_target
 
-    flags = ["fleet", "--model", a.model, "--threads", "1", "--no-measure-cost",
-             "--min-replicas", str(a.min_replicas), "--max-replicas", str(a.max_replicas),
-             "--max-sessions", str(a.max_sessions), "--upscale-delay", str(a.upscale_delay),
-             "--downscale-delay", str(a.downscale_delay),
-             "--direct" if a.direct else "--no-direct"]  # fmt: skip
-    fleet = fleet_args(build_parser().parse_args(flags))
-    if isinstance(fleet, str):
-        raise UsageError(fleet)
+    try:
+        fleet = autoscaled_fleet(a, a.direct)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     target = load_target(a.model, progress=not a.no_progress)
     fingerprint, vocab = target.vocab_fingerprint, int(target.config.vocab_size)
     del target

@@ -36,6 +36,7 @@ from typing import Any
 
 from bench.end_to_end.e2e import trusted_key_file
 from bench.harness import Verifier
+from bench.lib.ray_fleet import LocalFleet, add_autoscale_args, autoscaled_fleet, ray_missing
 from bench.lib.runner import UsageError
 from bench.serving.serve_clients import Run, ServeBenchError, stochastic
 
@@ -52,11 +53,7 @@ def add_fleet_args(p: argparse.ArgumentParser) -> None:
         "and run every kind and rate through its one address; the rates run in the order given "
         "on the same fleet, which is read twice a second (needs the fleet extra: pip install -e '.[fleet]')",
     )
-    g.add_argument("--min-replicas", type=int, default=1, help="the fleet's fewest replicas")
-    g.add_argument("--max-replicas", type=int, default=3, help="the fleet's most replicas")
-    g.add_argument("--max-sessions", type=int, default=2, help="each replica's session cap")
-    g.add_argument("--upscale-delay", type=float, default=3.0, help="Serve's upscale delay (s)")
-    g.add_argument("--downscale-delay", type=float, default=15.0, help="Serve's downscale delay (s)")
+    add_autoscale_args(g)
     g.add_argument(
         "--fleet-direct",
         action=argparse.BooleanOptionalAction,
@@ -96,8 +93,6 @@ def check_fleet_args(args: argparse.Namespace) -> None:
         if args.fleet_plot is not None:
             raise UsageError("--fleet-plot draws the fleet: it needs --fleet")
         return
-    from bench.lib.ray_fleet import ray_missing
-
     why = ray_missing()
     if why:
         raise UsageError(f"--fleet: {why}")
@@ -168,25 +163,19 @@ def fleet(args: argparse.Namespace) -> Iterator[FleetRun]:
     clean exit, the cool-down wait first."""
     from ray import serve
 
-    from bench.lib.ray_fleet import LocalFleet
-    from cloud_verifier.cli import build_parser
     from cloud_verifier.fleet.app import build
-    from cloud_verifier.fleet.cli import fleet_args
     from cloud_verifier.fleet.config import APP_NAME
 
-    flags = ["fleet", "--model", args.model, "--threads", "1", "--no-measure-cost",
-             "--min-replicas", str(args.min_replicas), "--max-replicas", str(args.max_replicas),
-             "--max-sessions", str(args.max_sessions), "--upscale-delay", str(args.upscale_delay),
-             "--downscale-delay", str(args.downscale_delay), "--max-context", str(args.max_context),
-             "--direct" if args.fleet_direct else "--no-direct"]  # fmt: skip
+    flags = ["--max-context", str(args.max_context)]
     if args.kv_blocks:
         flags += ["--kv-blocks", str(args.kv_blocks)]
     if any(stochastic(c) for c in args.clients):  # mss / rrs: a trusted key, sent by every request
         key_file, args.api_key = trusted_key_file()
         flags += ["--api-key-file", str(key_file)]
-    spec = fleet_args(build_parser().parse_args(flags))
-    if isinstance(spec, str):
-        raise UsageError(f"--fleet: {spec}")
+    try:
+        spec = autoscaled_fleet(args, args.fleet_direct, flags)
+    except ValueError as exc:
+        raise UsageError(f"--fleet: {exc}") from None
     with LocalFleet(num_cpus=args.max_replicas) as local:
         serve.run(build(spec), name=APP_NAME, route_prefix="/")
         run = FleetRun(local.http, args.min_replicas)
