@@ -135,7 +135,6 @@ class Verifier:
         env = dict(os.environ)
         if self.threads > 0:  # 0: the verifier's own default (OpenMP refuses OMP_NUM_THREADS=0)
             env["OMP_NUM_THREADS"] = str(self.threads)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         out = subprocess.PIPE if self.echo else log
         self.proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=pinned(self.cores), cwd=REPO, env=env

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -47,8 +46,6 @@ class VerifierReplica:
     (its CLOUD_VERIFIER_<FIELD> variables, then `overrides`)."""
 
     def __init__(self, overrides: dict[str, Any], direct: DirectOptions | None = None) -> None:
-        # sleeping OpenMP waiters, as `cloud-verifier serve` sets them (before torch starts its pool)
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # its resume tokens name this replica, so that the fleet's router sends a resume here
         tag = serve.get_replica_context().replica_id.unique_id
         self.config = replace(replica_config(overrides), resume_tag=tag)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -186,6 +187,14 @@ def _serve(fleet: FleetArgs, address: str | None, host: str, port: int) -> int:
     from cloud_verifier.fleet.config import APP_NAME
 
     stop = threading.Event()
+    if address is None:
+        # a local cluster's workers start with this process's environment: the replicas' OpenMP
+        # threads wait as `serve`'s do (their libgomp reads it when torch loads, before any code
+        # of the replica runs)
+        from cloud_verifier.cli import openmp_waiting
+
+        threads = int(fleet.replica_overrides().get("threads") or ServerConfig.from_env().threads)
+        os.environ.update(openmp_waiting(threads or os.cpu_count() or 1, os.environ))
     ray.init(address=address)
     try:
         serve.start(http_options={"host": host, "port": port})

@@ -127,3 +127,42 @@ def test_status_without_a_cluster_is_one_line_and_status_1(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines()[-1].startswith("cloud-verifier fleet status: ")
+
+
+@pytest.mark.parametrize(
+    ("threads", "want"), [("3", {"GOMP_SPINCOUNT": "20000"}), ("1", {"OMP_WAIT_POLICY": "PASSIVE"})]
+)
+def test_a_local_clusters_replicas_wait_as_serve_does(
+    threads: str, want: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before it starts a local cluster (whose workers inherit its environment), the fleet sets
+    the OpenMP waiting `serve` would choose for a replica's threads; a set environment is kept."""
+    import os
+
+    import ray
+
+    from cloud_verifier.fleet import cli
+
+    class Started(Exception):
+        pass
+
+    def init(**kwargs: object) -> None:
+        raise Started(dict(os.environ))
+
+    monkeypatch.setattr(ray, "init", init)
+    # the process's environment as a copy that the test throws away (the fleet writes to it)
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    monkeypatch.setattr(os, "environ", clean)
+    fleet = fleet_args(build_parser().parse_args(["fleet", "--model", "tiny", "--threads", threads]))
+    assert isinstance(fleet, FleetArgs)
+    with pytest.raises(Started) as seen:
+        cli._serve(fleet, None, "127.0.0.1", 0)
+    env = seen.value.args[0]
+    assert {k: env[k] for k in want} == want and not (set(env) & {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}) - set(
+        want
+    )
+    chosen = {k: v for k, v in clean.items() if k not in want} | {"OMP_WAIT_POLICY": "ACTIVE"}
+    monkeypatch.setattr(os, "environ", chosen)  # the user's choice stays
+    with pytest.raises(Started) as seen:
+        cli._serve(fleet, None, "127.0.0.1", 0)
+    assert seen.value.args[0]["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in seen.value.args[0]
