@@ -13,9 +13,9 @@ import argparse
 import os
 import ssl
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from cloud_verifier.server_config import ServerConfig, field_type
+from cloud_verifier.server_config import ServerConfig, field_type, openmp_waiting
 from shared.config_cli import add_config_flags, config_values
 
 
@@ -116,22 +116,6 @@ def _main(argv: Sequence[str] | None) -> int:
 
         return serve_parallel(config)
     return serve(config)
-
-
-SPIN_COUNT = "20000"  # libgomp's spin before a waiter sleeps: tens of microseconds, not its default ms
-
-
-def openmp_waiting(threads: int, environ: Mapping[str, str]) -> dict[str, str]:
-    """How the verifier's OpenMP threads wait between parallel regions, unless the environment says
-    (OMP_WAIT_POLICY or GOMP_SPINCOUNT set: nothing changes). One thread: they sleep (PASSIVE;
-    spinning barriers stall badly on shared cores). Several: a bounded spin, then sleep: a forward
-    runs about 200 regions microseconds apart, and waking a sleeping thread for each cost the
-    1.5B's two-thread one-row forward 52 ms against 38 with the spin (31 spinning forever)."""
-    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
-        return {}
-    if threads < 2:
-        return {"OMP_WAIT_POLICY": "PASSIVE"}
-    return {"GOMP_SPINCOUNT": SPIN_COUNT}
 
 
 def _serve_config(args: argparse.Namespace) -> ServerConfig | str:

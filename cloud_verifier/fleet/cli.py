@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from cloud_verifier.fleet.config import MAX_QUEUED, NOT_PER_REPLICA, FleetArgs
-from cloud_verifier.server_config import ServerConfig, field_type
+from cloud_verifier.server_config import ServerConfig, field_type, openmp_waiting
 from shared.cli_args import integer, seconds
 from shared.config_cli import add_config_flags, config_values
 
@@ -191,8 +191,6 @@ def _serve(fleet: FleetArgs, address: str | None, host: str, port: int) -> int:
         # a local cluster's workers start with this process's environment: the replicas' OpenMP
         # threads wait as `serve`'s do (their libgomp reads it when torch loads, before any code
         # of the replica runs)
-        from cloud_verifier.cli import openmp_waiting
-
         threads = int(fleet.replica_overrides().get("threads") or ServerConfig.from_env().threads)
         os.environ.update(openmp_waiting(threads or os.cpu_count() or 1, os.environ))
     ray.init(address=address)
