@@ -261,6 +261,10 @@ class Session:
                 raise
             return await self._connect(())
         offered = w.direct is not None and w.direct != self.server and w.resume is not None
+        # never from wss:// to ws://: the hello there would carry the API key in the clear
+        offered = offered and not (
+            self.server.startswith("wss://") and not str(w.direct).startswith("wss://")
+        )
         if offered and self._transport_factory is None:
             return await self._move(w)
         return w

@@ -79,20 +79,23 @@ def labelled_totals(text: str, family: str, label: str) -> dict[str, float]:
 
 class LocalFleet:
     """A local Ray cluster of `num_cpus` logical CPUs (no dashboard), Serve's proxy on a free
-    loopback port, and the applications deployed on it; `with` ends them all (Serve, then Ray)."""
+    loopback port (serving TLS with `tls`, a PEM certificate and key), and the applications deployed
+    on it; `with` ends them all (Serve, then Ray)."""
 
-    def __init__(self, num_cpus: int) -> None:
+    def __init__(self, num_cpus: int, tls: tuple[str, str] | None = None) -> None:
         self.num_cpus = num_cpus
         self.port = free_port()
+        self.tls = tls
+        self._s = "s" if tls else ""
 
     @property
     def http(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http{self._s}://127.0.0.1:{self.port}"
 
     @property
     def url(self) -> str:
         """The fleet's session WebSocket."""
-        return f"ws://127.0.0.1:{self.port}/v1/session"
+        return f"{self.base}/v1/session"
 
     def __enter__(self) -> LocalFleet:
         import ray
@@ -106,7 +109,8 @@ class LocalFleet:
             runtime_env={"env_vars": WORKER_ENV},
         )
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+            tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls else {}
+            serve.start(http_options={"host": "127.0.0.1", "port": self.port, **tls})
         except BaseException:
             ray.shutdown()
             raise
@@ -124,8 +128,8 @@ class LocalFleet:
 
     @property
     def base(self) -> str:
-        """The proxy's WebSocket base: ws://127.0.0.1:PORT."""
-        return f"ws://127.0.0.1:{self.port}"
+        """The proxy's WebSocket base: ws://127.0.0.1:PORT (wss:// with TLS)."""
+        return f"ws{self._s}://127.0.0.1:{self.port}"
 
     def deploy(self, flags: Sequence[str], replicas: int) -> FleetArgs:
         """Deploy the fleet of `fleet_from_flags(flags, replicas)` (`run`)."""

@@ -225,5 +225,6 @@ def build(args: FleetArgs) -> Application:
 def build_app(args: dict[str, Any]) -> Application:
     """Serve's application builder: `args` are the Serve config's (`model`, `weights`,
     `replicas_min`, `replicas_max`, `max_sessions_per_replica`, `max_queued_requests`, `direct`,
-    `direct_port`, `direct_host`, all optional; `FleetArgs`)."""
+    `direct_port`, `direct_host`, `direct_ssl_certfile`, `direct_ssl_keyfile`, all optional;
+    `FleetArgs`)."""
     return build(FleetArgs.from_dict(args))

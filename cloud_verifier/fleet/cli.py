@@ -6,8 +6,10 @@
 serve`'s settings: the flags given here that differ from their defaults, on top of the replica's
 own CLOUD_VERIFIER_<FIELD> variables. `--max-sessions` is per replica (a replica refuses a session
 past it with 1013, as `serve` does); `--max-queued` is what each Serve proxy holds while every
-replica is full (`config.py`). On a local cluster it serves until SIGINT / SIGTERM; on a joined one
-the application stays deployed and the command returns.
+replica is full (`config.py`). With `--ssl-certfile`/`--ssl-keyfile`, Serve's proxy serves wss:// and
+https://, and each replica's own address (`--direct`) serves wss:// with the same certificate, which
+must then also name `--direct-host` (or the nodes' IPs). On a local cluster it serves until SIGINT /
+SIGTERM; on a joined one the application stays deployed and the command returns.
 
 Exit status as `serve`'s: 0 after serving (or deploying), 1 when the fleet does not start or its
 status cannot be read, 2 for a usage error. This module imports Ray only when a command runs.
@@ -125,8 +127,9 @@ def fleet_args(args: argparse.Namespace) -> FleetArgs | str:
     if lo > hi:
         return f"--min-replicas {lo} > --max-replicas {hi}"
     values = config_values(ServerConfig, args)
-    if values.get("ssl_certfile") or values.get("ssl_keyfile"):
-        return "the fleet serves ws:// and http:// on Serve's proxy: terminate TLS in front of it"
+    cert, key = values.get("ssl_certfile") or None, values.get("ssl_keyfile") or None
+    if (cert is None) != (key is None):
+        return "--ssl-certfile and --ssl-keyfile go together"
     gpus = args.gpus_per_replica
     if gpus:
         tp = values.get("tensor_parallel", 1)
@@ -153,6 +156,8 @@ def fleet_args(args: argparse.Namespace) -> FleetArgs | str:
             direct=args.direct,
             direct_port=args.direct_port,
             direct_host=args.direct_host,
+            direct_ssl_certfile=cert,
+            direct_ssl_keyfile=key,
             overrides=overrides,
             **named,
         )
@@ -171,15 +176,17 @@ def run(args: argparse.Namespace, file_error: Callable[[ServerConfig], str | Non
     if isinstance(fleet, str):
         print(f"cloud-verifier fleet: {fleet}", file=sys.stderr)
         return 2
+    tls: dict[str, Any] = {"ssl_certfile": fleet.direct_ssl_certfile, "ssl_keyfile": fleet.direct_ssl_keyfile}
     if args.address is None:  # local replicas read the files here
-        why = file_error(replace(ServerConfig.from_env(), **fleet.replica_overrides()))
+        why = file_error(replace(ServerConfig.from_env(), **fleet.replica_overrides(), **tls))
         if why:
             print(f"cloud-verifier fleet: {why}", file=sys.stderr)
             return 2
-    return _serve(fleet, args.address, args.host, args.port)
+    return _serve(fleet, args.address, {"host": args.host, "port": args.port, **tls})
 
 
-def _serve(fleet: FleetArgs, address: str | None, host: str, port: int) -> int:
+def _serve(fleet: FleetArgs, address: str | None, http: dict[str, Any]) -> int:
+    """Serve the fleet: Serve's proxy on `http` (host, port and TLS files, Serve's HTTPOptions)."""
     import ray
     from ray import serve
 
@@ -195,7 +202,7 @@ def _serve(fleet: FleetArgs, address: str | None, host: str, port: int) -> int:
         os.environ.update(openmp_waiting(threads or os.cpu_count() or 1, os.environ))
     ray.init(address=address)
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={k: v for k, v in http.items() if v is not None})
         try:
             serve.run(build(fleet), name=APP_NAME, route_prefix="/")
         except RuntimeError as exc:  # a replica failed to start (its log says why)
@@ -203,8 +210,10 @@ def _serve(fleet: FleetArgs, address: str | None, host: str, port: int) -> int:
             return 1
         n = fleet.replicas_min if fleet.replicas_min == fleet.replicas_max else "autoscaled"
         own = ", each replica offering its own address" if fleet.direct else ""
+        scheme = "wss" if http.get("ssl_certfile") else "ws"
+        where = f"{scheme}://{http['host']}:{http['port']}/v1/session"
         print(
-            f"cloud-verifier fleet: {n} replicas of {fleet.model} at ws://{host}:{port}/v1/session{own}",
+            f"cloud-verifier fleet: {n} replicas of {fleet.model} at {where}{own}",
             file=sys.stderr,
         )
         if address is not None:  # a joined cluster keeps the application

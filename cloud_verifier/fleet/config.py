@@ -42,11 +42,14 @@ NOT_PER_REPLICA = frozenset({"host", "port", "ssl_certfile", "ssl_keyfile", "res
 class DirectOptions:
     """Where a replica listens on its own: `port` (0: any free port, else the first of PORT_TRIES
     tried), `bind_host` the interface, `host` the name or IP clients reach it by ("" : its Ray
-    node's IP)."""
+    node's IP); `ssl_certfile` and `ssl_keyfile` (PEM paths on the replica's node, both or
+    neither): it serves wss:// with them, and the certificate must name `host` (or the node IPs)."""
 
     port: int = 0
     bind_host: str = "0.0.0.0"
     host: str = ""
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -55,6 +58,17 @@ class DirectOptions:
             value = getattr(self, name)
             if not isinstance(value, str) or len(value) > 253 or any(c in value for c in "/:@ "):
                 raise ValueError(f"direct {name}: expected a host name or IPv4 address, got {value!r}")
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 4096):
+                raise ValueError(f"direct_{name}: expected the path of a PEM file, got {value!r}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("direct_ssl_certfile and direct_ssl_keyfile go together")
+
+    @property
+    def tls(self) -> bool:
+        """Whether the replica's own address is wss://."""
+        return self.ssl_certfile is not None
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,9 @@ class FleetArgs:
     direct: bool = True
     direct_port: int = 0
     direct_host: str = ""
+    # its own address serves wss:// with this certificate and key (PEM paths on each replica's node)
+    direct_ssl_certfile: str | None = None
+    direct_ssl_keyfile: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -93,7 +110,7 @@ class FleetArgs:
                 raise ValueError(f"{name}: expected seconds in [0, 86400], got {value!r}")
         if not isinstance(self.direct, bool):
             raise ValueError(f"direct: expected true or false, got {self.direct!r}")
-        DirectOptions(port=self.direct_port, host=self.direct_host)  # (its errors name the field)
+        self._direct()  # (its errors name the field)
         if self.replicas_min > self.replicas_max:
             raise ValueError(f"replicas_min {self.replicas_min} > replicas_max {self.replicas_max}")
         known = {f.name for f in fields(ServerConfig)}
@@ -123,7 +140,15 @@ class FleetArgs:
 
     def direct_options(self) -> DirectOptions | None:
         """Where each replica listens on its own (None: `direct` is off)."""
-        return DirectOptions(port=self.direct_port, host=self.direct_host) if self.direct else None
+        return self._direct() if self.direct else None
+
+    def _direct(self) -> DirectOptions:
+        return DirectOptions(
+            port=self.direct_port,
+            host=self.direct_host,
+            ssl_certfile=self.direct_ssl_certfile,
+            ssl_keyfile=self.direct_ssl_keyfile,
+        )
 
     def serve_cap(self) -> int:
         """Serve's `max_ongoing_requests` of a replica (one WebSocket is one request for as long as

@@ -11,7 +11,10 @@ replica's drain), while the rounds go straight to the replica. A client that can
 address (another network) stays on the proxy.
 
 The listener binds `bind_host` on `port` or, taken, the next free one of PORT_TRIES (0: a port the
-system picks), and advertises `host` (default: the IP of the replica's Ray node).
+system picks), and advertises `host` (default: the IP of the replica's Ray node). With a certificate
+(`DirectOptions.ssl_certfile`) it serves wss://; a fleet whose proxy serves TLS gives its replicas
+one, because a client on wss:// never moves its session to a ws:// address (the API key would cross
+the network in the clear).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import Iterator
+from dataclasses import replace
 
 import uvicorn
 from fastapi import FastAPI
@@ -70,14 +74,16 @@ class DirectListener:
         self.options = options
         self._sock = bind(options)
         port = self._sock.getsockname()[1]
-        uv = uvicorn_config(app, config, options.bind_host, port, "warning", lifespan="off")
+        tls = replace(config, ssl_certfile=options.ssl_certfile, ssl_keyfile=options.ssl_keyfile)
+        uv = uvicorn_config(app, tls, options.bind_host, port, "warning", lifespan="off")
         self._server = _Server(uv)
         self._task: asyncio.Task[None] | None = None
         self.port: int = port
 
     def url(self, node_ip: str) -> str:
         """The address a client reaches this listener by."""
-        return f"ws://{self.options.host or node_ip}:{self.port}{SESSION_PATH}"
+        scheme = "wss" if self.options.tls else "ws"
+        return f"{scheme}://{self.options.host or node_ip}:{self.port}{SESSION_PATH}"
 
     async def start(self) -> None:
         """Serve on the socket (returns once it accepts connections)."""

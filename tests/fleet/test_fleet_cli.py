@@ -93,7 +93,7 @@ def test_tensor_parallel_inside_each_replica() -> None:
     [
         (["--replicas", "2", "--max-replicas", "3"], "not both"),
         (["--min-replicas", "3", "--max-replicas", "2"], "--min-replicas 3 > --max-replicas 2"),
-        (["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"], "terminate TLS"),
+        (["--ssl-certfile", "c.pem"], "--ssl-certfile and --ssl-keyfile go together"),
         (["--gpus-per-replica", "2", "--tensor-parallel", "4"], "drop --tensor-parallel 4"),
         (["--gpus-per-replica", "1", "--device", "cpu"], "--device cpu"),
     ],
@@ -109,6 +109,18 @@ def test_usage_errors(argv: list[str], message: str, capsys: pytest.CaptureFixtu
 def test_a_missing_key_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fleet", "--api-key-file", "/nonexistent/keys"]) == 2
     assert "--api-key-file /nonexistent/keys" in capsys.readouterr().err
+
+
+def test_tls_serves_the_proxy_and_each_replicas_own_address(capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = fleet_args(_parse(["--ssl-certfile", "c.pem", "--ssl-keyfile", "k.pem"]))
+    assert isinstance(fleet, FleetArgs) and "ssl_certfile" not in fleet.overrides
+    options = fleet.direct_options()
+    assert options is not None and options.tls
+    assert (options.ssl_certfile, options.ssl_keyfile) == ("c.pem", "k.pem")
+    assert not fleet_args(_parse([])).direct_options().tls  # type: ignore[union-attr]
+    # a local fleet checks the files before it starts Ray, as serve does
+    assert main(["fleet", "--ssl-certfile", "/nonexistent/c.pem", "--ssl-keyfile", "/nonexistent/k.pem"]) == 2
+    assert "--ssl-certfile /nonexistent/c.pem" in capsys.readouterr().err
 
 
 def test_status_flags() -> None:
@@ -156,7 +168,7 @@ def test_a_local_clusters_replicas_wait_as_serve_does(
     fleet = fleet_args(build_parser().parse_args(["fleet", "--model", "tiny", "--threads", threads]))
     assert isinstance(fleet, FleetArgs)
     with pytest.raises(Started) as seen:
-        cli._serve(fleet, None, "127.0.0.1", 0)
+        cli._serve(fleet, None, {"host": "127.0.0.1", "port": 0})
     env = seen.value.args[0]
     assert {k: env[k] for k in want} == want and not (set(env) & {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"}) - set(
         want
@@ -164,5 +176,5 @@ def test_a_local_clusters_replicas_wait_as_serve_does(
     chosen = {k: v for k, v in clean.items() if k not in want} | {"OMP_WAIT_POLICY": "ACTIVE"}
     monkeypatch.setattr(os, "environ", chosen)  # the user's choice stays
     with pytest.raises(Started) as seen:
-        cli._serve(fleet, None, "127.0.0.1", 0)
+        cli._serve(fleet, None, {"host": "127.0.0.1", "port": 0})
     assert seen.value.args[0]["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in seen.value.args[0]

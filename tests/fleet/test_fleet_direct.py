@@ -4,14 +4,18 @@ the listener serves the replica's app beside Serve's proxy (here, a bare app) un
 from __future__ import annotations
 
 import asyncio
+import ssl
 import urllib.request
+from pathlib import Path
 
+import pytest
 from fastapi import FastAPI
 
 from bench.lib.procs import free_port
 from cloud_verifier.fleet.config import DirectOptions
 from cloud_verifier.fleet.direct import DirectListener, bind
 from cloud_verifier.server_config import ServerConfig
+from tests.cloud_verifier.test_tls import _self_signed
 
 
 def test_replicas_of_one_node_take_the_next_free_ports() -> None:
@@ -58,3 +62,32 @@ def test_the_listener_serves_the_app_at_the_address_it_advertises() -> None:
         assert named.url("10.0.0.1") == f"ws://edge.example:{named.port}/v1/session"
     finally:
         asyncio.run(named.stop())
+
+
+def test_with_a_certificate_the_listener_serves_wss(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    app = FastAPI()
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    options = DirectOptions(bind_host="127.0.0.1", host="localhost", ssl_certfile=cert, ssl_keyfile=key)
+
+    async def main() -> tuple[str, bytes]:
+        listener = DirectListener(app, ServerConfig(), options)
+        await listener.start()
+        url = listener.url("10.0.0.1")
+        https = url.replace("wss://", "https://").replace("/v1/session", "/healthz")
+        trust = ssl.create_default_context(cafile=cert)
+        try:
+            get = urllib.request.urlopen
+            body = await asyncio.to_thread(lambda: get(https, timeout=10, context=trust).read())
+        finally:
+            await listener.stop()
+        return url, body
+
+    url, body = asyncio.run(main())
+    assert url.startswith("wss://localhost:") and body == b'{"status":"ok"}'
+    with pytest.raises(ValueError, match="go together"):
+        DirectOptions(ssl_certfile=cert)

@@ -65,6 +65,14 @@ export interface Conditional {
   tree: Tree;
 }
 
+/**
+ * Whether a session at `from` may move to the verifier's own address `to` (welcome.direct): another
+ * address, and never from wss:// to ws:// (the hello there would carry the API key in the clear).
+ */
+export function mayMove(from: string, to: string): boolean {
+  return to !== from && !(from.startsWith("wss://") && !to.startsWith("wss://"));
+}
+
 /** What a verdict committed: `tokens`, the first `accepted` of them drafted tokens the target accepted. */
 export interface VerdictInfo {
   round: number;
@@ -207,7 +215,7 @@ export class TreespecClient {
     }
     this.welcome = w;
     this.round = 0;
-    if (!moving && w.direct && w.resume && w.direct !== url) await this.move(w);
+    if (!moving && w.direct && w.resume && mayMove(url, w.direct)) await this.move(w);
   }
 
   /**

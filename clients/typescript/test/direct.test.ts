@@ -4,7 +4,7 @@
 import assert from "node:assert/strict";
 import { test } from "node:test";
 import { WebSocketServer, type WebSocket } from "ws";
-import { TreespecClient } from "../src/client.js";
+import { mayMove, TreespecClient } from "../src/client.js";
 import { decodeMessage, encodeMessage, type Message, PROTOCOL_VERSION } from "../src/protocol.js";
 
 const FP = "ab".repeat(32);
@@ -74,4 +74,11 @@ test("a session of its own at the address, or an address that refuses, keeps the
     other.close();
     refused.close();
   }
+});
+
+test("a session over wss:// never moves to a ws:// address", () => {
+  assert.equal(mayMove("wss://fleet/v1/session", "ws://10.0.0.2:9000/v1/session"), false);
+  assert.equal(mayMove("wss://fleet/v1/session", "wss://10.0.0.2:9000/v1/session"), true);
+  assert.equal(mayMove("ws://fleet/v1/session", "ws://10.0.0.2:9000/v1/session"), true);
+  assert.equal(mayMove("ws://fleet/v1/session", "ws://fleet/v1/session"), false);
 });
