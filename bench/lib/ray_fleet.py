@@ -6,6 +6,7 @@ every replica's samples labelled `replica`, summed by a label (`labelled_totals`
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -101,13 +102,21 @@ class LocalFleet:
         import ray
         from ray import serve
 
-        ray.init(
-            address="local",  # a cluster of its own, never one another program started here
-            num_cpus=self.num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": WORKER_ENV},
-        )
+        from cloud_verifier.fleet.config import local_cluster_env
+
+        extra = local_cluster_env(os.environ)  # the control plane `cloud-verifier fleet` starts
+        os.environ.update(extra)  # (its processes inherit the environment of ray.init)
+        try:
+            ray.init(
+                address="local",  # a cluster of its own, never one another program started here
+                num_cpus=self.num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+                runtime_env={"env_vars": WORKER_ENV},
+            )
+        finally:
+            for k in extra:
+                del os.environ[k]
         try:
             tls = {"ssl_certfile": self.tls[0], "ssl_keyfile": self.tls[1]} if self.tls else {}
             serve.start(http_options={"host": "127.0.0.1", "port": self.port, **tls})

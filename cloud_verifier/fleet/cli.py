@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from cloud_verifier.fleet.config import MAX_QUEUED, NOT_PER_REPLICA, FleetArgs
+from cloud_verifier.fleet.config import MAX_QUEUED, NOT_PER_REPLICA, FleetArgs, local_cluster_env
 from cloud_verifier.server_config import ServerConfig, field_type, openmp_waiting
 from shared.cli_args import integer, seconds
 from shared.config_cli import add_config_flags, config_values
@@ -200,6 +200,7 @@ def _serve(fleet: FleetArgs, address: str | None, http: dict[str, Any]) -> int:
         # of the replica runs)
         threads = int(fleet.replica_overrides().get("threads") or ServerConfig.from_env().threads)
         os.environ.update(openmp_waiting(threads or os.cpu_count() or 1, os.environ))
+        os.environ.update(local_cluster_env(os.environ))  # a lighter control plane
     ray.init(address=address)
     try:
         serve.start(http_options={k: v for k, v in http.items() if v is not None})

@@ -178,3 +178,39 @@ def test_a_local_clusters_replicas_wait_as_serve_does(
     with pytest.raises(Started) as seen:
         cli._serve(fleet, None, {"host": "127.0.0.1", "port": 0})
     assert seen.value.args[0]["OMP_WAIT_POLICY"] == "ACTIVE" and "GOMP_SPINCOUNT" not in seen.value.args[0]
+
+
+def test_a_local_cluster_starts_with_a_lighter_control_plane(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve's controller loop and Ray's metrics collection as LOCAL_CLUSTER_ENV sets them, for
+    the cluster `fleet` starts (its processes inherit the environment); a user's setting stays, and
+    a joined cluster keeps its own."""
+    import os
+
+    import ray
+
+    from cloud_verifier.fleet import cli
+    from cloud_verifier.fleet.config import LOCAL_CLUSTER_ENV
+
+    class Started(Exception):
+        pass
+
+    def init(**kwargs: object) -> None:
+        raise Started(dict(os.environ))
+
+    monkeypatch.setattr(ray, "init", init)
+    fleet = fleet_args(_parse(["--model", "tiny"]))
+    assert isinstance(fleet, FleetArgs)
+    bare = {k: v for k, v in os.environ.items() if k not in LOCAL_CLUSTER_ENV}
+    for environ, address, want in (
+        (bare, None, LOCAL_CLUSTER_ENV),
+        (
+            bare | {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"},
+            None,
+            {**LOCAL_CLUSTER_ENV, "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.2"},
+        ),
+        (bare, "10.0.0.1:6379", {}),
+    ):
+        monkeypatch.setattr(os, "environ", dict(environ))
+        with pytest.raises(Started) as seen:
+            cli._serve(fleet, address, {"host": "127.0.0.1", "port": 0})
+        assert {k: v for k, v in seen.value.args[0].items() if k in LOCAL_CLUSTER_ENV} == want

@@ -54,6 +54,19 @@ def _wait(until: Callable[[list[dict[str, Any]]], bool], timeout_s: float = 180.
         time.sleep(0.3)
 
 
+def _held_sessions(sessions: int, timeout_s: float = 20.0) -> dict[str, int]:
+    """Sessions by Ray node id, once the replicas' reports add up to `sessions` (or after
+    `timeout_s`)."""
+    from cloud_verifier.fleet.status import fleet_status
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {str(r["node_id"]): int(r["sessions"] or 0) for r in fleet_status()}
+        if sum(held.values()) >= sessions or time.monotonic() > deadline:
+            return held
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 def test_replicas_spread_over_nodes_and_a_dead_node_loses_no_session() -> None:
     with socket.socket() as s:
@@ -71,7 +84,6 @@ def test_replicas_spread_over_nodes_and_a_dead_node_loses_no_session() -> None:
         rows = _wait(lambda rows: len(rows) == 2)
         by_node = {r["node_id"]: r for r in rows}
         assert len(by_node) == 2  # one replica on each worker node (each has one CPU)
-        victim = next(w for w in workers if w.node_id in by_node)
         prompts = [prompt_tokens(400 + i, 8) for i in range(4)]
 
         async def generate(i: int, started: asyncio.Event | None) -> tuple[list[int], int]:
@@ -94,11 +106,16 @@ def test_replicas_spread_over_nodes_and_a_dead_node_loses_no_session() -> None:
             started = [asyncio.Event() for _ in prompts]
             tasks = [asyncio.create_task(generate(i, started[i])) for i in range(len(prompts))]
             await asyncio.gather(*(e.wait() for e in started))
-            # the node dies: its raylet and every process on it (a replica among them)
-            await asyncio.to_thread(cluster.remove_node, victim, False)
+            # the node dies: its raylet and every process on it (a replica among them); the victim
+            # is a node whose replica holds sessions (the replicas report them every second)
+            held = await asyncio.to_thread(_held_sessions, len(prompts))
+            victims.append(next(w for w in workers if held.get(w.node_id, 0) > 0))
+            await asyncio.to_thread(cluster.remove_node, victims[0], False)
             return await asyncio.gather(*tasks)
 
+        victims: list[Any] = []
         runs = asyncio.run(main())
+        victim = victims[0]
         assert [out for out, _ in runs] == [reference(tuple(p), 240) for p in prompts]
         assert sum(n for _, n in runs) >= 1  # the dead node's sessions resumed on the other
         # a node joins: Serve places the missing replica there
