@@ -5,6 +5,7 @@ the tokens/s of one replica against two.
     python -m bench fleet --parts overhead --verify-sessions 20 --frames 300
     python -m bench fleet --parts resume --sessions 40
     python -m bench fleet --parts throughput --clients 8 --seconds 60
+    python -m bench fleet --parts control_plane --seconds 30
     python -m bench fleet --no-direct       # every frame through Serve's proxy
 
 A local Ray cluster runs here: Serve's proxy on a free loopback port and the fleet of `cloud-verifier
@@ -37,6 +38,9 @@ proxy. The parts (`--parts`, all by default):
   their own (the first replica to the first), so that a lone replica does not spread its event loop
   and engine over the idle cores. On a machine with few cores the client, Serve's proxy and Ray's
   own processes share them with the replicas (the CPU count is reported).
+- control_plane: two replicas, no load. The CPU each kind of the cluster's own processes takes over
+  `--seconds` (the Serve controller and proxy, GCS, the raylet, the fleet's board, Ray's agents), in %
+  of one core, from /proc (Linux): what the replicas lose where they share the cores. No goal.
 
 Exit status 1 when an output differs (a resumed generation from its uninterrupted run, or the
 fleet's greedy tokens from the direct verifier's); goals missed are reported, not failed.
@@ -56,6 +60,7 @@ from tqdm import tqdm
 
 from bench.harness import Verifier, add_common_args, add_model_args, table
 from bench.lib import runner
+from bench.lib.fleet_cpu import control_plane
 from bench.lib.fleet_throughput import cpu_count, plain_throughput, throughput
 from bench.lib.runner import Result, UsageError
 from bench.lib.stats import median, percentile
@@ -63,7 +68,7 @@ from bench.lib.stats import median, percentile
 if TYPE_CHECKING:
     from bench.lib.ray_fleet import LocalFleet
 
-PARTS = ("overhead", "resume", "throughput")
+PARTS = ("overhead", "resume", "throughput", "control_plane")
 # the goals the parts check
 MAX_ADDED_MS = 2.0  # overhead: what the fleet may add to a verify round ...
 MAX_ADDED_PCT = 5.0  # ... or, as a share of ms per token
@@ -153,7 +158,12 @@ def add_args(ap: argparse.ArgumentParser) -> None:
         help="throughput: also the same loads on 1 and 2 `cloud-verifier serve` processes with no Ray "
         "(one core each, clients spread over them): the machine's own scaling, the fleet's ceiling",
     )
-    ap.add_argument("--seconds", type=float, default=30.0, help="throughput: measured seconds per fleet")
+    ap.add_argument(
+        "--seconds",
+        type=float,
+        default=30.0,
+        help="throughput: measured seconds per fleet; control_plane: seconds sampled",
+    )
     ap.add_argument("--warmup", type=float, default=3.0, help="throughput: seconds of load before them")
     add_common_args(
         ap,
@@ -424,6 +434,11 @@ def _signed(x: float | None) -> str:
 def goal_line(part: str, goal: Mapping[str, Any], cpus: int) -> str:
     """The line under a part's table: its goal, met or not (throughput: and the machine's cores)."""
     verdict = "met" if goal["met"] else "NOT met"
+    if part == "control_plane":
+        return (
+            f"the cluster's own processes: {goal['cluster_pct']} % of a core beside 2 idle replicas "
+            f"(no goal; {cpus} CPUs here)"
+        )
     if part == "overhead":
         return (
             f"goal: the fleet {goal['goal']}: {verdict} ({_signed(goal['added_ms'])} ms a round, "
@@ -492,6 +507,10 @@ def run(a: argparse.Namespace) -> Result:
             part_rows = throughput(a, fleet, fp, vocab, fleet_flags(a))
             rows += part_rows
             goals["throughput"] = scaling(part_rows)
+        if "control_plane" in a.parts:
+            part_rows = control_plane(a, fleet, fleet_flags(a))
+            rows += part_rows
+            goals["control_plane"] = {"cluster_pct": part_rows[-1]["cpu_pct"], "met": True}
     if "throughput" in a.parts and a.plain:
         plain = plain_throughput(a, fp, vocab, serve_flags(a))
         rows += plain

@@ -158,3 +158,41 @@ def test_raw_sessions_move_to_the_verifiers_own_address_where_offered() -> None:
         moves_under_load = server.state.metrics.direct_moves._value.get() - moves
     assert stayed == moved == ref and moves == 1 and opened > 0 and len(rounds) >= 1
     assert tally.errors == [] and tally.tokens > 0 and moves_under_load >= 2
+
+
+def test_the_control_planes_processes_by_kind_from_proc() -> None:
+    """A child's CPU time is read from /proc and it counts under the bench's process; rows give
+    each kind's % of a core and the cluster's total without the replicas."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.lib import fleet_cpu
+
+    assert fleet_cpu.kind("ray::ServeReplica:verifier:Verifier") == "replica"
+    assert fleet_cpu.kind("/x/ray/core/src/ray/gcs/gcs_server --log_dir=/t") == "GCS"
+    assert fleet_cpu.kind("ray::ServeController.listen_for_change") == "Serve controller"
+    assert fleet_cpu.kind("python other.py") == "other"
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        assert child.pid in fleet_cpu.descendants(os.getpid())
+        deadline = 50
+        while (fleet_cpu.cpu_seconds(child.pid) or 0.0) < 0.25 and deadline:
+            subprocess.run(["sleep", "0.1"])
+            deadline -= 1
+        used = fleet_cpu.cpu_seconds(child.pid)
+        assert used is not None and 0.25 <= used < 5
+    finally:
+        child.kill()
+        child.wait()
+    assert fleet_cpu.cpu_seconds(child.pid) is None  # reaped: gone
+    before = {1: ("replica", 1.0), 2: ("GCS", 2.0), 3: ("raylet", 0.0)}
+    after = {1: ("replica", 1.5), 2: ("GCS", 2.2), 3: ("raylet", 0.1), 4: ("other", 9.0)}
+    rows = fleet_cpu.shares(before, after, 10.0)
+    assert [(r["process"], r["cpu_pct"]) for r in rows] == [
+        ("replica", 5.0),
+        ("GCS", 2.0),
+        ("raylet", 1.0),
+        ("all but the replicas", 3.0),
+    ]
