@@ -37,9 +37,9 @@ ROUTER = "cloud_verifier.fleet.router.SessionRouter"
 ROUTING_STATS_S = 1.0
 # a local cluster's control plane, unless the environment sets them: Serve's controller loop every
 # 0.5 s (Ray's default: 0.1 s; health checks, autoscaling and restarts act on seconds), and no Ray
-# metrics collection (the fleet's /metrics is its own, `metrics.py`). Idle, with two replicas on
-# this project's 2-core machine, Ray's processes then take 11% of a core instead of 14%: CPU the
-# replicas get back where they share the cores
+# metrics collection (the fleet's /metrics is its own, `metrics.py`). Beside two idle replicas on
+# a 2-core machine the cluster's own processes then took 5.0% of a core instead of 7.6%
+# (`bench.fleet --parts control_plane`): CPU the replicas get back where they share the cores
 LOCAL_CLUSTER_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_enable_metrics_collection": "0"}
 # settings a replica never takes from the fleet: Serve's proxy listens, TLS and the port are its
 NOT_PER_REPLICA = frozenset({"host", "port", "ssl_certfile", "ssl_keyfile", "resume_tag"})
