@@ -1,6 +1,7 @@
 """CPU kernels of the float32 target (csrc/cpu_attention.cpp), built on first use: the
-batch-invariant tree attention, a one-pass RMSNorm and the pool's tiled-key writer, with the
-plain-torch reference of the attention (`reference_tree_attention`) that the tests compare it to.
+batch-invariant tree attention, a one-pass RMSNorm, the pool's tiled-key writer and the rotary
+embedding fused with the K/V store, with the plain-torch reference of the attention
+(`reference_tree_attention`) that the tests compare it to.
 
 Why it exists: with a GEMM-based attention (SDPA) a tree node's logits differ from decoding its
 path token by token by up to a few 1e-4 on SmolLM2 (the sums over keys are blocked by the shapes
@@ -79,6 +80,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [rows, hidden] float32 -> RMSNorm(x) * weight in one pass per row (row-invariant).
     Raises RuntimeError when the kernel is not available."""
     out: torch.Tensor = _require().rms_norm(x.contiguous(), weight, eps)
+    return out
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    slots: torch.Tensor,
+    pool: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    heads: int,
+) -> torch.Tensor:
+    """One layer's rotary embedding and K/V store in one pass. qkv: [T, (heads + 2 kv_heads) hd]
+    float32 (queries, keys, values); cos, sin_signed: [T, hd] (the first half of sin negated);
+    slots: [T] int64; pool: the layer's (k, v, kt), [kv_heads, slots, hd] twice and the tiled keys
+    [kv_heads, slots / 16, hd, 16]. Returns the rotated queries [T, heads, hd]; the keys (rotated)
+    and values are stored at `slots`. Bit-identical to Rotary.apply followed by PagedKVCache.write.
+    Raises RuntimeError when the kernel is not available or a shape is wrong."""
+    k, v, kt = pool
+    out: torch.Tensor = _require().rope_store(qkv, cos, sin_signed, slots, k, v, kt, heads)
     return out
 
 

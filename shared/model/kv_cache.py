@@ -332,6 +332,13 @@ class PagedKVCache:
         if self.kt is not None:
             self._write_tiled(self.kt[layer], slots, k.to(self.dtype))
 
+    def layer_pool(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k, v, kt) of one layer's whole pool, for a kernel that stores rows itself:
+        [kv_heads, slots, head_dim] twice and the tiled keys [kv_heads, slots // 16, head_dim, 16]."""
+        if self.kt is None:
+            raise ValueError("this pool was made without tiled_keys")
+        return self.k[layer], self.v[layer], self.kt[layer]
+
     def layer_tiled(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kt, v) of one layer's whole pool for the tiled-key kernel: [kv_heads, slots // 16,
         head_dim, 16] and [kv_heads, slots, head_dim]."""

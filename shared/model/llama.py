@@ -32,6 +32,7 @@ checkpoints keep using), so memory for the projections doubles on CPU.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -202,6 +203,19 @@ class LlamaModel(nn.Module):
         if self.device.type == "cpu" and self.dtype == torch.float32 and cpu_attention.load() is not None:
             return lambda h, w: cpu_attention.rms_norm(h, w, eps)
         return lambda h, w: rms_norm(h, shape, w, eps)
+
+    def _fused_rope(self, kv: PagedKVCache) -> bool:
+        """Whether a forward's rotary embedding and K/V store run as the CPU kernel's one pass a
+        layer (float32 on a CPU, a pool with tiled keys, the kernel built, not turned off by
+        TREESPEC_FUSED_ROPE=0): the same bits as Rotary.apply then PagedKVCache.write."""
+        return (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and kv.dtype == torch.float32
+            and kv.kt is not None
+            and os.environ.get("TREESPEC_FUSED_ROPE", "1") != "0"
+            and cpu_attention.load() is not None
+        )
 
     def set_gemm(self, kind: str) -> None:
         """Choose the projection kernels ("auto", "onednn", "torch"); re-prepares lazily."""
@@ -384,14 +398,21 @@ class LlamaModel(nn.Module):
         t, hd, inter = h.shape[0], c.head_dim, c.intermediate_size
         qk_heads = c.num_heads + c.num_kv_heads
         norm = self._norm()
+        fused = self._fused_rope(kv)
         for li, (layer, (w_qkv, w_o, w_gu, w_down)) in enumerate(zip(self.layers, prep.layers, strict=True)):
             assert isinstance(layer, DecoderLayer)
             qkv = lin(norm(h, layer.attn_norm), w_qkv, layer.qkv_bias)  # [T, q + 2 kv]
-            qk = self.rotary.apply(qkv[:, : qk_heads * hd].view(t, qk_heads, hd), cos, sin)
-            kv.write(
-                li, write_slots, qk[:, c.num_heads :], qkv[:, qk_heads * hd :].view(t, c.num_kv_heads, hd)
-            )
-            o = attend(qk[:, : c.num_heads], li)  # [T, heads * head_dim]
+            if fused:
+                q = cpu_attention.rope_store(
+                    qkv, cos.view(t, hd), sin.view(t, hd), write_slots, kv.layer_pool(li), c.num_heads
+                )
+            else:
+                qk = self.rotary.apply(qkv[:, : qk_heads * hd].view(t, qk_heads, hd), cos, sin)
+                kv.write(
+                    li, write_slots, qk[:, c.num_heads :], qkv[:, qk_heads * hd :].view(t, c.num_kv_heads, hd)
+                )
+                q = qk[:, : c.num_heads]
+            o = attend(q, li)  # [T, heads * head_dim]
             out = lin(o, w_o)  # [T, hidden]
             if self.all_reduce is not None:
                 self.all_reduce(out)

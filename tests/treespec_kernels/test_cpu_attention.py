@@ -9,6 +9,7 @@ built on first use; on a machine with a C++ compiler it must build, so a failed 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 
@@ -155,3 +156,51 @@ def test_rms_norm_matches_torch_and_is_row_invariant(hidden: int) -> None:
         assert torch.equal(ck.rms_norm(x[rows], w, 1e-5), y[rows])
     with pytest.raises(RuntimeError, match="weight must be"):
         ck.rms_norm(x, w[:-1], 1e-5)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "hd"), [(3, 1, 64), (12, 2, 128), (4, 2, 16)])
+def test_rope_store_equals_rotary_then_write_bit_for_bit(heads: int, kv_heads: int, hd: int) -> None:
+    from shared.model.llama import Rotary
+
+    cfg = dataclasses.replace(make_tiny_config(), head_dim=hd, num_heads=heads, num_kv_heads=kv_heads)
+    rotary = Rotary(cfg, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(hd)
+    rows, qk = 7, heads + kv_heads
+    wide = torch.randn(rows, (qk + kv_heads) * hd + 5, generator=gen) * 30
+    qkv = wide[:, 5:]  # a view with a row stride of its own, as a sliced projection output is
+    cos, sin = rotary.tables(torch.tensor([0, 1, 2, 40, 41, 900, 4095]), torch.float32)
+    slots = torch.tensor([16, 17, 31, 2, 40, 63, 0])
+    pools = [PagedKVCache(1, kv_heads, hd, num_blocks=4, block_size=16, tiled_keys=True) for _ in range(2)]
+
+    ref = rotary.apply(qkv[:, : qk * hd].reshape(rows, qk, hd), cos, sin)
+    pools[0].write(0, slots, ref[:, heads:], qkv[:, qk * hd :].reshape(rows, kv_heads, hd))
+    q = ck.rope_store(qkv, cos.view(rows, hd), sin.view(rows, hd), slots, pools[1].layer_pool(0), heads)
+    assert q.shape == (rows, heads, hd) and q.is_contiguous()
+    assert torch.equal(q, ref[:, :heads])
+    for a, b in zip(pools[0].layer_pool(0), pools[1].layer_pool(0), strict=True):
+        assert torch.equal(a, b)
+
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        ck.rope_store(qkv, cos.view(rows, hd), sin.view(rows, hd), slots + 64, pools[1].layer_pool(0), heads)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        ck.rope_store(qkv, cos.view(rows, hd), sin.view(rows, hd), slots, pools[1].layer_pool(0), heads + 1)
+    with pytest.raises(RuntimeError, match="float32"):
+        ck.rope_store(
+            qkv.double(), cos.view(rows, hd), sin.view(rows, hd), slots, pools[1].layer_pool(0), heads
+        )
+
+
+def test_the_model_fuses_rope_and_store_with_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_model(make_tiny_config(), seed=0, dtype="float32", device="cpu")
+    prompt, out = list(range(5, 45)), {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TREESPEC_FUSED_ROPE", flag)
+        kv = model.new_kv_cache(16)
+        assert model._fused_rope(kv) == (flag == "1")
+        kv.add(0)
+        prefill(model, kv, 0, prompt)
+        (logits,) = model.forward_packed([decode_step(0, 7, len(prompt))], kv)
+        assert kv.kt is not None
+        out[flag] = (logits, kv.k.clone(), kv.v.clone(), kv.kt)
+    for a, b in zip(out["0"], out["1"], strict=True):
+        assert torch.equal(a, b)

@@ -319,6 +319,63 @@ void write_tiled(torch::Tensor kt, torch::Tensor slots, torch::Tensor k) {
   }
 }
 
+// The rotary embedding of one layer's new queries and keys, and the pool's store of the keys and
+// values, in one pass: what Rotary.apply and PagedKVCache.write do as about a dozen ops a layer.
+// qkv: [T, (heads + 2 kv_heads) hd] float32, the projection's output (queries, keys, values);
+// cos, sin: [T, hd] (sin with its first half negated); slots: [T] int64, the pool slot of each
+// row; k, v: [kv_heads, pool slots, hd] and kt: [kv_heads, pool slots / 16, hd, 16], one layer of
+// the pool. Returns the rotated queries [T, heads, hd]. Each value is rounded as torch rounds
+// addcmul(x * cos, swap(x), sin): the product x cos, then one fused multiply-add, so the bits are
+// the unfused path's.
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+                         torch::Tensor k, torch::Tensor v, torch::Tensor kt, int64_t heads) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32 &&
+                  k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 && kt.dtype() == torch::kFloat32,
+              "rope_store: float32 only");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.is_contiguous() && v.is_contiguous(),
+              "rope_store: k and v must be contiguous [kv_heads, slots, hd]");
+  const int64_t kvh = k.size(0), nslots = k.size(1), hd = k.size(2), rows = qkv.size(0);
+  TORCH_CHECK(kt.dim() == 4 && kt.is_contiguous() && kt.size(0) == kvh && kt.size(1) * W == nslots &&
+                  kt.size(2) == hd && kt.size(3) == W,
+              "rope_store: kt must be [kv_heads, slots / 16, hd, 16]");
+  TORCH_CHECK(hd % 2 == 0 && heads > 0, "rope_store: head_dim must be even, heads positive");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == (heads + 2 * kvh) * hd && qkv.stride(1) == 1,
+              "rope_store: qkv must be [rows, (heads + 2 kv_heads) head_dim] with unit column stride");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && cos.size(1) == hd && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous(),
+              "rope_store: cos and sin must be contiguous [rows, head_dim]");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.dim() == 1 && slots.size(0) == rows && slots.is_contiguous(),
+              "rope_store: slots must be contiguous [rows] int64");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < nslots, "rope_store: slot out of range");
+  auto q = torch::empty({rows, heads, hd}, qkv.options());
+  const int64_t half = hd / 2, ld = qkv.stride(0);
+  const float* src = qkv.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *ktp = kt.data_ptr<float>();
+  std::vector<float> rk(hd);
+  for (int64_t t = 0; t < rows; ++t) {
+    const float* x = src + t * ld;
+    const float *c = cp + t * hd, *s = sp + t * hd;
+    auto rotate = [&](const float* in, float* out) {
+      for (int64_t d = 0; d < hd; ++d) {
+        const float xc = in[d] * c[d];
+        out[d] = std::fma(in[d < half ? d + half : d - half], s[d], xc);
+      }
+    };
+    for (int64_t h = 0; h < heads; ++h) rotate(x + h * hd, qp + (t * heads + h) * hd);
+    const int64_t slot = sl[t], blk = slot / W, lane = slot % W;
+    for (int64_t h = 0; h < kvh; ++h) {
+      rotate(x + (heads + h) * hd, rk.data());
+      std::memcpy(kp + (h * nslots + slot) * hd, rk.data(), hd * sizeof(float));
+      float* tile = ktp + ((h * (nslots / W) + blk) * hd) * W + lane;
+      for (int64_t d = 0; d < hd; ++d) tile[d * W] = rk[d];
+      std::memcpy(vp + (h * nslots + slot) * hd, x + (heads + kvh + h) * hd, hd * sizeof(float));
+    }
+  }
+  return q;
+}
+
 // RMSNorm of each row of x [T, H] (float32, contiguous): y = (x * r) * w with r = 1 / sqrt(mean(x^2)
 // + eps). The squares are summed in double (exactly, lane by lane in a fixed order) and r is
 // rounded once to float32, so a row's result depends on that row alone. One call does what
@@ -355,4 +412,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "Row-invariant float32 RMSNorm (CPU)");
   m.def("tree_attention", &tree_attention, "Batch-invariant float32 tree attention (CPU)");
   m.def("write_tiled", &write_tiled, "Store rows of keys into a layer's tiled-key pool (CPU)");
+  m.def("rope_store", &rope_store, "Rotary embedding of new queries and keys, and their keys and values stored (CPU)");
 }
