@@ -127,10 +127,20 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
 #ifndef TREESPEC_PACKED_AHEAD
 #define TREESPEC_PACKED_AHEAD 4
 #endif
+// One activation row of at most TREESPEC_PACKED_L1_BYTES int8 values: the weights are fetched
+// TREESPEC_PACKED_AHEAD_L1 super-blocks ahead into L1 itself, which streams them faster. With more
+// rows the values, which every group reads again, would be evicted by the weights: those go to L2
+// only, further ahead.
+#ifndef TREESPEC_PACKED_AHEAD_L1
+#define TREESPEC_PACKED_AHEAD_L1 2
+#endif
+#ifndef TREESPEC_PACKED_L1_BYTES
+#define TREESPEC_PACKED_L1_BYTES 16384
+#endif
 
 template <int64_t T, int R>
 void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r0, float* y, int64_t ld, int64_t j0,
-                  const uint8_t* end) {
+                  const uint8_t* end, bool l1) {
   constexpr int64_t PB = packed_block_bytes(T);
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   const int64_t in = x.in;
@@ -138,10 +148,11 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* b = pg + sb * PB;
-    // the super-block AHEAD ahead (in the next group past this one's last: a thread's groups are
-    // one stream) into L2, a few lines at each unit
-    const char* ahead = reinterpret_cast<const char*>(b + TREESPEC_PACKED_AHEAD * PB);
-    const bool fetch = b + (TREESPEC_PACKED_AHEAD + 1) * PB <= end;
+    // the super-block `dist` ahead (in the next group past this one's last: a thread's groups are
+    // one stream) into L1 or L2, a few lines at each unit
+    const int64_t dist = l1 ? TREESPEC_PACKED_AHEAD_L1 : TREESPEC_PACKED_AHEAD;
+    const char* ahead = reinterpret_cast<const char*>(b + dist * PB);
+    const bool fetch = b + (dist + 1) * PB <= end;
     __m512i A[R];
     for (int r = 0; r < R; ++r) A[r] = _mm512_setzero_si512();
     // each row's values of this super-block: the unrolled loops below address them at constant
@@ -151,7 +162,12 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
       if (fetch)
-        for (int64_t l = u * (PB / 64) / 8; l < (u + 1) * (PB / 64) / 8; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+        for (int64_t l = u * (PB / 64) / 8; l < (u + 1) * (PB / 64) / 8; ++l) {
+          if (l1)
+            _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+          else
+            _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+        }
       if constexpr (T == Q4_K) {
         __m512i cs[R];
         for (int r = 0; r < R; ++r) cs[r] = _mm512_setzero_si512();
@@ -220,16 +236,16 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
 
 template <int64_t T>
 void packed_group_rows(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r0, int64_t n, float* y,
-                       int64_t ld, int64_t j0, const uint8_t* end) {
+                       int64_t ld, int64_t j0, const uint8_t* end, bool l1) {
   switch (n) {
-    case 1: packed_group<T, 1>(pg, nsb, x, r0, y, ld, j0, end); break;
-    case 2: packed_group<T, 2>(pg, nsb, x, r0, y, ld, j0, end); break;
-    case 3: packed_group<T, 3>(pg, nsb, x, r0, y, ld, j0, end); break;
-    case 4: packed_group<T, 4>(pg, nsb, x, r0, y, ld, j0, end); break;
-    case 5: packed_group<T, 5>(pg, nsb, x, r0, y, ld, j0, end); break;
-    case 6: packed_group<T, 6>(pg, nsb, x, r0, y, ld, j0, end); break;
-    case 7: packed_group<T, 7>(pg, nsb, x, r0, y, ld, j0, end); break;
-    default: packed_group<T, 8>(pg, nsb, x, r0, y, ld, j0, end); break;
+    case 1: packed_group<T, 1>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
+    case 2: packed_group<T, 2>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
+    case 3: packed_group<T, 3>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
+    case 4: packed_group<T, 4>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
+    case 5: packed_group<T, 5>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
+    case 6: packed_group<T, 6>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
+    case 7: packed_group<T, 7>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
+    default: packed_group<T, 8>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
   }
 }
 
@@ -246,9 +262,10 @@ void packed_run(int64_t t, const uint8_t* packed, const KActs& a, int64_t rows, 
       // the last chunk of rows prefetches on into the thread's next groups; the others stop at
       // this group's end (the chunks after them find it in L2)
       for (int64_t r = 0; r < rows; r += 8) {
+        const int64_t n = std::min<int64_t>(8, rows - r);
         const uint8_t* end = packed + (r + 8 >= rows ? hi : g + 1) * stride;
-        count_work(nsb * PK_OUT, nsb * PK_OUT * std::min<int64_t>(8, rows - r), 0);
-        run(packed + g * stride, nsb, x, r, std::min<int64_t>(8, rows - r), yp, ld, g * PK_OUT, end);
+        count_work(nsb * PK_OUT, nsb * PK_OUT * n, 0);
+        run(packed + g * stride, nsb, x, r, n, yp, ld, g * PK_OUT, end, n == 1 && a.in <= TREESPEC_PACKED_L1_BYTES);
       }
     }
   });
