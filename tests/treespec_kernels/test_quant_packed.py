@@ -132,3 +132,42 @@ def test_the_packed_rows_come_from_the_environment() -> None:
     assert _with_packed_rows("2-8").stdout.strip() == "True (2, 8)"
     bad = _with_packed_rows("some")
     assert bad.returncode != 0 and "TREESPEC_PACKED_ROWS='some': give LO-HI" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_fetching_one_row_s_weights_into_l1_keeps_the_bits(name: str) -> None:
+    """The one-row prefetch into L1 (on up to `packed_l1_bytes` values, off at 0, and with a row
+    just past the bound): a distance, not arithmetic, so every output is the same bits."""
+    _needs_packing()
+    q = qm.qtype(name)
+    w, x = _hostile(q, 48, 4, seed=7)  # 768 values a row
+    p = qm.pack(w, q, x.shape[1])
+    before = qm.packed_l1_bytes()
+    assert before > 0
+    try:
+        got = {}
+        for bound in (before, 0, 767):
+            qm.set_packed_l1_bytes(bound)
+            assert qm.packed_l1_bytes() == bound
+            got[bound] = qm.quant_matmul(x[1:2], w, q, p)
+        assert torch.equal(got[before], qm.reference_quant_matmul(x[1:2], w, q))
+        assert torch.equal(got[before], got[0]) and torch.equal(got[0], got[767])
+        with pytest.raises(ValueError, match="packed L1 bytes -1"):
+            qm.set_packed_l1_bytes(-1)
+    finally:
+        qm.set_packed_l1_bytes(before)
+
+
+def test_the_l1_bound_comes_from_the_environment() -> None:
+    code = "from treespec_kernels import quant_matmul as qm; qm.packing(); print(qm.packed_l1_bytes())"
+
+    def run(text: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, qm.PACKED_L1_ENV: text}
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
+
+    assert run("0").stdout.strip() == "0"
+    assert run("4096").stdout.strip() == "4096"
+    bad = run("lots")
+    assert bad.returncode != 0 and "TREESPEC_PACKED_L1_BYTES='lots': give a count" in bad.stderr
