@@ -138,10 +138,21 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
 #define TREESPEC_PACKED_AHEAD_L1 2
 #endif
 
+// A sub-block's integer sum kept in NA partial sums a row, so that with few rows the dpbusd are
+// several independent chains instead of one waiting on each dpbusd's latency. Integer sums, so any
+// split gives the same bits.
+template <int NA>
+inline __m512i sum_parts(const __m512i (&p)[NA]) {
+  __m512i s = p[0];
+  for (int a = 1; a < NA; ++a) s = _mm512_add_epi32(s, p[a]);
+  return s;
+}
+
 template <int64_t T, int R>
 void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r0, float* y, int64_t ld, int64_t j0,
                   const uint8_t* end, bool l1) {
   constexpr int64_t PB = packed_block_bytes(T);
+  constexpr int NA = R == 1 ? 4 : R <= 3 ? 2 : 1;  // partial sums a row (`sum_parts`)
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   const int64_t in = x.in;
   __m512 acc[R];
@@ -169,27 +180,31 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
             _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
         }
       if constexpr (T == Q4_K) {
-        __m512i cs[R];
-        for (int r = 0; r < R; ++r) cs[r] = _mm512_setzero_si512();
+        __m512i cs[R][NA];
+        for (int r = 0; r < R; ++r)
+          for (int a = 0; a < NA; ++a) cs[r][a] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           const __m512i n = _mm512_load_si512(b + (4 * u + j) * 64);
           const __m512i lo = _mm512_and_si512(n, m4), hi = _mm512_and_si512(_mm512_srli_epi16(n, 4), m4);
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
-            cs[r] = dpbusd_bcast(cs[r], lo, xs[r] + 32 * u + 4 * j);
-            cs[r] = dpbusd_bcast(cs[r], hi, xs[r] + 32 * u + 16 + 4 * j);
+            cs[r][2 * j % NA] = dpbusd_bcast(cs[r][2 * j % NA], lo, xs[r] + 32 * u + 4 * j);
+            cs[r][(2 * j + 1) % NA] = dpbusd_bcast(cs[r][(2 * j + 1) % NA], hi, xs[r] + 32 * u + 16 + 4 * j);
           }
         }
         const __m512i sc = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(b + 2048 + 16 * u)));
-        for (int r = 0; r < R; ++r) A[r] = _mm512_add_epi32(A[r], _mm512_mullo_epi32(cs[r], sc));
+        for (int r = 0; r < R; ++r) A[r] = _mm512_add_epi32(A[r], _mm512_mullo_epi32(sum_parts<NA>(cs[r]), sc));
       } else {
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {  // sub-block 2 u + h: the low nibbles (h = 0) or the high
           const int s = 2 * u + h;
           const __m512i hb = _mm512_load_si512(b + 2048 + (2 * u + h) * 64);
-          __m512i cs[R];
-          for (int r = 0; r < R; ++r) cs[r] = _mm512_set1_epi32(x.xs[(r0 + r) * x.per_row + sb * 16 + s]);
+          __m512i cs[R][NA];
+          for (int r = 0; r < R; ++r) {
+            cs[r][0] = _mm512_set1_epi32(x.xs[(r0 + r) * x.per_row + sb * 16 + s]);
+            for (int a = 1; a < NA; ++a) cs[r][a] = _mm512_setzero_si512();
+          }
 #pragma GCC unroll 4
           for (int j = 0; j < 4; ++j) {
             const __m512i n = _mm512_load_si512(b + (4 * u + j) * 64);
@@ -201,10 +216,10 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
                                         : _mm512_srli_epi16(hb, 2);
             const __m512i wv = _mm512_ternarylogic_epi32(lo, up, m30, 0xF8);  // lo | (up & 0x30)
 #pragma GCC unroll 8
-            for (int r = 0; r < R; ++r) cs[r] = dpbusd_bcast(cs[r], wv, xs[r] + 32 * u + 16 * h + 4 * j);
+            for (int r = 0; r < R; ++r) cs[r][j % NA] = dpbusd_bcast(cs[r][j % NA], wv, xs[r] + 32 * u + 16 * h + 4 * j);
           }
           const __m512i sc = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(b + 3072 + 16 * s)));
-          for (int r = 0; r < R; ++r) A[r] = _mm512_add_epi32(A[r], _mm512_mullo_epi32(cs[r], sc));
+          for (int r = 0; r < R; ++r) A[r] = _mm512_add_epi32(A[r], _mm512_mullo_epi32(sum_parts<NA>(cs[r]), sc));
         }
       }
     }
