@@ -191,31 +191,9 @@ def set_packed_rows(lo: int, hi: int) -> None:
     _require().set_packed_rows(lo, hi)
 
 
-PACKED_L1_ENV = "TREESPEC_PACKED_L1_BYTES"  # one row of at most N values fetches weights into L1; "0" never
-
-
-def set_packed_l1_bytes(n: int) -> None:
-    """One activation row of at most n values fetches the packed weights into L1 (0: never; more
-    rows always fetch into L2). A prefetch distance only: the bits are the same either way."""
-    if n < 0:
-        raise ValueError(f"packed L1 bytes {n}: give 0 (never) or a positive count of values")
-    _require().set_packed_l1_bytes(n)
-
-
-def packed_l1_bytes() -> int:
-    return int(_require().packed_l1_bytes())
-
-
 def packing() -> bool:
     """Whether models repack their K-type matrices at load (`QuantMatrix.packed`): unless
-    TREESPEC_PACKED_ROWS is "0"; where set as "LO-HI" it also sets `set_packed_rows`, and
-    TREESPEC_PACKED_L1_BYTES=N sets `set_packed_l1_bytes`."""
-    l1 = os.environ.get(PACKED_L1_ENV, "").strip()
-    if l1:
-        try:
-            set_packed_l1_bytes(int(l1))
-        except ValueError:
-            raise ValueError(f"{PACKED_L1_ENV}={l1!r}: give a count of values (0: never)") from None
+    TREESPEC_PACKED_ROWS is "0"; where set as "LO-HI" it also sets `set_packed_rows`."""
     text = os.environ.get(PACKED_ENV, "").strip()
     if text in ("", "default"):
         return True

@@ -544,9 +544,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "the row counts (lo..hi) the K types run on packed weights where given (lo 0: never)");
   m.def("packed_rows", []() { return std::vector<int64_t>{g_packed_min_rows, g_packed_max_rows}; },
         "the row counts (lo, hi) of the packed path (lo 0: never)");
-  m.def("set_packed_l1_bytes", [](int64_t n) { g_packed_l1_bytes = n; },
-        "one activation row of at most n values fetches the packed weights into L1 (0: never)");
-  m.def("packed_l1_bytes", []() { return g_packed_l1_bytes; }, "see set_packed_l1_bytes");
   m.def("dequantize_rows", &dequantize_rows, "rows of a GGUF-block matrix as float32");
   m.def("set_counting", [](bool on) {
     g_counting = on;

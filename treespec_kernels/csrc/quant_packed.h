@@ -10,9 +10,6 @@ namespace {
 // lo 0: never).
 int64_t g_packed_min_rows = 1;
 int64_t g_packed_max_rows = int64_t(1) << 40;
-// One activation row of at most this many int8 values fetches the packed weights into L1
-// (`set_packed_l1_bytes`; 0: never, every row count fetching into L2).
-int64_t g_packed_l1_bytes = 16384;
 
 #if defined(TREESPEC_AVX512)
 // ---------------------------------------------------------------------------------------------------
@@ -130,13 +127,6 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int8_t* p) {
 #ifndef TREESPEC_PACKED_AHEAD
 #define TREESPEC_PACKED_AHEAD 4
 #endif
-// One activation row of at most g_packed_l1_bytes int8 values: the weights are fetched
-// TREESPEC_PACKED_AHEAD_L1 super-blocks ahead into L1 itself, which streams them faster (the
-// one-row forward of the 1.5B took 5-6% less time on a Zen 4 core). With more rows the values, which
-// every group reads again, would be evicted by the weights: those go to L2 only, further ahead.
-#ifndef TREESPEC_PACKED_AHEAD_L1
-#define TREESPEC_PACKED_AHEAD_L1 2
-#endif
 
 // A sub-block's integer sum kept in NA partial sums a row, so that with few rows the dpbusd are
 // several independent chains instead of one waiting on each dpbusd's latency. Integer sums, so any
@@ -148,37 +138,35 @@ inline __m512i sum_parts(const __m512i (&p)[NA]) {
   return s;
 }
 
+// `real` <= R: the rows r0 .. r0 + real - 1 are computed, the kernel's other R - real rows repeat the
+// last of them and are not stored (`packed_group_rows` runs one and two rows so).
 template <int64_t T, int R>
 void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r0, float* y, int64_t ld, int64_t j0,
-                  const uint8_t* end, bool l1) {
+                  const uint8_t* end, int real = R) {
   constexpr int64_t PB = packed_block_bytes(T);
   constexpr int NA = R == 1 ? 4 : R <= 3 ? 2 : 1;  // partial sums a row (`sum_parts`)
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   const int64_t in = x.in;
+  int64_t row[R];
+  for (int r = 0; r < R; ++r) row[r] = r0 + std::min(r, real - 1);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* b = pg + sb * PB;
-    // the super-block `dist` ahead (in the next group past this one's last: a thread's groups are
-    // one stream) into L1 or L2, a few lines at each unit
-    const int64_t dist = l1 ? TREESPEC_PACKED_AHEAD_L1 : TREESPEC_PACKED_AHEAD;
-    const char* ahead = reinterpret_cast<const char*>(b + dist * PB);
-    const bool fetch = b + (dist + 1) * PB <= end;
+    // the super-block AHEAD ahead (in the next group past this one's last: a thread's groups are
+    // one stream) into L2, a few lines at each unit
+    const char* ahead = reinterpret_cast<const char*>(b + TREESPEC_PACKED_AHEAD * PB);
+    const bool fetch = b + (TREESPEC_PACKED_AHEAD + 1) * PB <= end;
     __m512i A[R];
     for (int r = 0; r < R; ++r) A[r] = _mm512_setzero_si512();
     // each row's values of this super-block: the unrolled loops below address them at constant
     // offsets from one pointer a row
     const int8_t* xs[R];
-    for (int r = 0; r < R; ++r) xs[r] = x.xq + (r0 + r) * in + sb * 256;
+    for (int r = 0; r < R; ++r) xs[r] = x.xq + row[r] * in + sb * 256;
 #pragma GCC unroll 8
     for (int u = 0; u < 8; ++u) {
       if (fetch)
-        for (int64_t l = u * (PB / 64) / 8; l < (u + 1) * (PB / 64) / 8; ++l) {
-          if (l1)
-            _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
-          else
-            _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
-        }
+        for (int64_t l = u * (PB / 64) / 8; l < (u + 1) * (PB / 64) / 8; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
       if constexpr (T == Q4_K) {
         __m512i cs[R][NA];
         for (int r = 0; r < R; ++r)
@@ -202,7 +190,7 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
           const __m512i hb = _mm512_load_si512(b + 2048 + (2 * u + h) * 64);
           __m512i cs[R][NA];
           for (int r = 0; r < R; ++r) {
-            cs[r][0] = _mm512_set1_epi32(x.xs[(r0 + r) * x.per_row + sb * 16 + s]);
+            cs[r][0] = _mm512_set1_epi32(x.xs[row[r] * x.per_row + sb * 16 + s]);
             for (int a = 1; a < NA; ++a) cs[r][a] = _mm512_setzero_si512();
           }
 #pragma GCC unroll 4
@@ -230,10 +218,10 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
       for (int q = 0; q < 4; ++q)
         mn[q] = _mm512_cvtepu8_epi16(_mm256_load_si256(reinterpret_cast<const __m256i*>(b + 2176 + 32 * q)));
       for (int r = 0; r < R; ++r) {
-        const int32_t* xs = x.xs.data() + (r0 + r) * x.per_row + sb * 4;
+        const int32_t* xs = x.xs.data() + row[r] * x.per_row + sb * 4;
         __m512i X = _mm512_setzero_si512();
         for (int q = 0; q < 4; ++q) X = _mm512_dpwssd_epi32(X, mn[q], _mm512_set1_epi32(xs[q]));
-        const __m512 dx = _mm512_set1_ps(x.dx[(r0 + r) * (in / 256) + sb]);
+        const __m512 dx = _mm512_set1_ps(x.dx[row[r] * (in / 256) + sb]);
         const __m512 da = _mm512_mul_ps(d, _mm512_cvtepi32_ps(A[r]));
         const __m512 mc = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(X));
         acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(dx, _mm512_sub_ps(da, mc)));
@@ -241,26 +229,34 @@ void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r
     } else {
       const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(b + 3328)));
       for (int r = 0; r < R; ++r) {
-        const __m512 dx = _mm512_set1_ps(x.dx[(r0 + r) * (in / 256) + sb]);
+        const __m512 dx = _mm512_set1_ps(x.dx[row[r] * (in / 256) + sb]);
         acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(A[r])));
       }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * ld + j0, acc[r]);
+  for (int r = 0; r < real; ++r) _mm512_storeu_ps(y + (r0 + r) * ld + j0, acc[r]);
 }
+
+#ifndef TREESPEC_PACKED_MIN_R
+#define TREESPEC_PACKED_MIN_R 3
+#endif
+constexpr int PACKED_MIN_R = TREESPEC_PACKED_MIN_R;
+static_assert(PACKED_MIN_R >= 2 && PACKED_MIN_R <= 8, "one and two rows run as 2..8");
 
 template <int64_t T>
 void packed_group_rows(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r0, int64_t n, float* y,
-                       int64_t ld, int64_t j0, const uint8_t* end, bool l1) {
+                       int64_t ld, int64_t j0, const uint8_t* end) {
   switch (n) {
-    case 1: packed_group<T, 1>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
-    case 2: packed_group<T, 2>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
-    case 3: packed_group<T, 3>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
-    case 4: packed_group<T, 4>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
-    case 5: packed_group<T, 5>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
-    case 6: packed_group<T, 6>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
-    case 7: packed_group<T, 7>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
-    default: packed_group<T, 8>(pg, nsb, x, r0, y, ld, j0, end, l1); break;
+    // one and two rows run as three (the repeated rows' products are not stored): a Zen 4 core
+    // streamed the 1.5B's head 25% faster so, the extra work hiding under the memory reads
+    case 1: packed_group<T, PACKED_MIN_R>(pg, nsb, x, r0, y, ld, j0, end, 1); break;
+    case 2: packed_group<T, PACKED_MIN_R>(pg, nsb, x, r0, y, ld, j0, end, 2); break;
+    case 3: packed_group<T, 3>(pg, nsb, x, r0, y, ld, j0, end); break;
+    case 4: packed_group<T, 4>(pg, nsb, x, r0, y, ld, j0, end); break;
+    case 5: packed_group<T, 5>(pg, nsb, x, r0, y, ld, j0, end); break;
+    case 6: packed_group<T, 6>(pg, nsb, x, r0, y, ld, j0, end); break;
+    case 7: packed_group<T, 7>(pg, nsb, x, r0, y, ld, j0, end); break;
+    default: packed_group<T, 8>(pg, nsb, x, r0, y, ld, j0, end); break;
   }
 }
 
@@ -280,7 +276,7 @@ void packed_run(int64_t t, const uint8_t* packed, const KActs& a, int64_t rows, 
         const int64_t n = std::min<int64_t>(8, rows - r);
         const uint8_t* end = packed + (r + 8 >= rows ? hi : g + 1) * stride;
         count_work(nsb * PK_OUT, nsb * PK_OUT * n, 0);
-        run(packed + g * stride, nsb, x, r, n, yp, ld, g * PK_OUT, end, n == 1 && a.in <= g_packed_l1_bytes);
+        run(packed + g * stride, nsb, x, r, n, yp, ld, g * PK_OUT, end);
       }
     }
   });
