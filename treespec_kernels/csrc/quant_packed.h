@@ -144,7 +144,7 @@ template <int64_t T, int R>
 void packed_group(const uint8_t* pg, int64_t nsb, const PackedActs& x, int64_t r0, float* y, int64_t ld, int64_t j0,
                   const uint8_t* end, int real = R) {
   constexpr int64_t PB = packed_block_bytes(T);
-  constexpr int NA = R == 1 ? 4 : R <= 3 ? 2 : 1;  // partial sums a row (`sum_parts`)
+  constexpr int NA = R <= 3 ? 2 : 1;  // partial sums a row (`sum_parts`); one row runs as two or more
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
   const int64_t in = x.in;
   int64_t row[R];
